@@ -1,0 +1,1 @@
+"""Model code: WAN DiT, VAEs, umT5, CLIP, the DreamZero WAM, its objective and inference."""

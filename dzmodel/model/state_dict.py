@@ -1,0 +1,226 @@
+"""Loading and saving weights: WAN component files, DreamZero HF-style directories, strict key checks.
+
+- WAN component files: `.safetensors`, a sharded `*.safetensors.index.json`, or `.pth`/`.pt`
+  read with `torch.load(weights_only=True)` (never a pickle that can run code).
+- DreamZero HF-style directory: `config.json` + `model.safetensors` or
+  `model.safetensors.index.json` with shards. Keys may carry upstream's `action_head.model.` prefix.
+- Every load is strict: missing, unexpected and mis-shaped keys are reported together in one
+  error. Loading a WAN DiT into a DreamZero model expects exactly the DreamZero-only keys to be missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .args import DreamZeroArgs, WanDiTArgs
+
+DREAMZERO_PREFIX = "action_head.model."
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+# Keys a DreamZero model has that a WAN DiT checkpoint lacks (randomly initialised at cold start).
+DREAMZERO_ONLY = re.compile(r"^(action_encoder|action_decoder|state_encoder)\.")
+IMAGE_BRANCH = re.compile(r"^(img_emb\.|blocks\.\d+\.cross_attn\.(k_img|v_img|norm_k_img)\.)")
+
+
+class StateDictError(ValueError):
+    """Weights that do not fit the module: the message lists every problem."""
+
+
+@dataclass
+class LoadReport:
+    source: str
+    loaded: int = 0
+    missing: list[str] = field(default_factory=list)       # expected-missing keys left at init
+    unexpected: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        s = f"loaded {self.loaded} tensors from {self.source}"
+        if self.missing:
+            groups = sorted({k.split(".")[0] if not k.startswith("blocks.") else "blocks.*.cross_attn.{k_img,v_img,norm_k_img}"
+                             for k in self.missing})
+            s += f"; {len(self.missing)} expected-missing keys left at init ({', '.join(groups)})"
+        return s
+
+
+def _fmt(keys: list[str], limit: int = 8) -> str:
+    return ", ".join(keys[:limit]) + (f", ... (+{len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def load_strict(module: nn.Module, state: dict[str, torch.Tensor], source: str = "weights",
+                allowed_missing: re.Pattern | None = None, assign: bool = False) -> LoadReport:
+    """Load `state` into `module`, refusing any missing (unless `allowed_missing` matches),
+    unexpected or mis-shaped key, all listed in one StateDictError."""
+    own = module.state_dict()
+    missing = sorted(k for k in own if k not in state)
+    unexpected_missing = [k for k in missing if not (allowed_missing and allowed_missing.search(k))]
+    unexpected = sorted(k for k in state if k not in own)
+    mismatched = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+                  for k in sorted(own) if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    problems = []
+    if unexpected_missing:
+        problems.append(f"{len(unexpected_missing)} missing keys: {_fmt(unexpected_missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected keys: {_fmt(unexpected)}")
+    if mismatched:
+        problems.append(f"{len(mismatched)} shape mismatches: {_fmt(mismatched, 5)}")
+    if problems:
+        raise StateDictError(f"cannot load {source} into {type(module).__name__}:\n  " + "\n  ".join(problems))
+    module.load_state_dict(state, strict=False, assign=assign)
+    return LoadReport(source=source, loaded=len(state), missing=missing, unexpected=unexpected)
+
+
+# --- reading files ------------------------------------------------------------------
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a state dict from .safetensors, a safetensors index .json, or .pth/.pt (weights_only)."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / INDEX_NAME).is_file():
+            return read_weights(path / INDEX_NAME)
+        if (path / WEIGHTS_NAME).is_file():
+            return read_weights(path / WEIGHTS_NAME)
+        raise FileNotFoundError(f"{path}: no {WEIGHTS_NAME} or {INDEX_NAME} in this directory")
+    if not path.is_file():
+        raise FileNotFoundError(f"weight file not found: {path}")
+    name = path.name
+    try:
+        if name.endswith(".safetensors"):
+            return load_file(str(path))
+        if name.endswith(".json"):
+            index = json.loads(path.read_text())
+            if "weight_map" not in index:
+                raise StateDictError(f"{path}: not a safetensors index (no 'weight_map')")
+            state: dict[str, torch.Tensor] = {}
+            for shard in sorted(set(index["weight_map"].values())):
+                shard_path = path.parent / shard
+                if not shard_path.is_file():
+                    raise FileNotFoundError(f"{path}: shard {shard} listed in the index is missing")
+                state.update(load_file(str(shard_path)))
+            return state
+        if name.endswith((".pth", ".pt", ".bin")):
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
+            if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
+                obj = obj["state_dict"]
+            if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+                raise StateDictError(f"{path}: does not hold a flat tensor state dict")
+            return obj
+    except SafetensorError as exc:
+        raise StateDictError(f"{path}: not a valid safetensors file: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise StateDictError(f"{path}: not valid JSON: {exc}") from exc
+    except RuntimeError as exc:  # torch.load's errors (bad zip, pickle refused by weights_only)
+        raise StateDictError(f"{path}: cannot read with torch.load(weights_only=True): {exc}") from exc
+    raise StateDictError(f"{path}: unsupported weight file type (want .safetensors, .safetensors.index.json, .pth)")
+
+
+def strip_prefix(state: dict[str, torch.Tensor], prefix: str = DREAMZERO_PREFIX) -> dict[str, torch.Tensor]:
+    """Keep only `prefix` keys (stripped) when any key has it; else return state unchanged."""
+    if not any(k.startswith(prefix) for k in state):
+        return state
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def load_wan_dit(model: nn.Module, path: str | Path) -> LoadReport:
+    """Load a public WAN DiT checkpoint into a WanModel or a DreamZeroWAM (cold start).
+
+    For a DreamZero model the action/state modules are expected to be missing, and, when the WAN
+    checkpoint is text-only (Wan2.2-TI2V-5B), so is the image cross-attention branch."""
+    state = read_weights(path)
+    allowed = None
+    if hasattr(model, "action_encoder"):
+        has_image = any(IMAGE_BRANCH.search(k) for k in state)
+        allowed = DREAMZERO_ONLY if has_image else re.compile(f"{DREAMZERO_ONLY.pattern}|{IMAGE_BRANCH.pattern}")
+    return load_strict(model, state, source=str(path), allowed_missing=allowed)
+
+
+# --- DreamZero HF-style directories ------------------------------------------------------
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_dreamzero_dir(model: nn.Module, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30,
+                       dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors (sharded with an index above max_shard_bytes). Pickle-free."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    args: WanDiTArgs = model.args  # type: ignore[assignment]
+    state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in state.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        _atomic_save_safetensors(shards[0], out / WEIGHTS_NAME, meta)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _atomic_save_safetensors(shard, out / name, meta)
+            weight_map.update({k: name for k in shard})
+        total = sum(v.numel() * v.element_size() for v in state.values())
+        _atomic_write_text(out / INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    config = {"model_class": type(model).__name__, "args": args.to_dict()}
+    _atomic_write_text(out / CONFIG_NAME, json.dumps(config, indent=2))
+    return out
+
+
+def read_config(model_dir: str | Path) -> WanDiTArgs:
+    path = Path(model_dir) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir}: no {CONFIG_NAME} (not a DreamZero model directory)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise StateDictError(f"{path}: not valid JSON: {exc}") from exc
+    args = config.get("args", config)
+    cls = WanDiTArgs if config.get("model_class") == "WanModel" else DreamZeroArgs
+    try:
+        return cls.from_dict(args)
+    except (TypeError, ValueError) as exc:
+        raise StateDictError(f"{path}: bad model config: {exc}") from exc
+
+
+def load_dreamzero_dir(model_dir: str | Path, device: torch.device | str = "cpu") -> nn.Module:
+    """Build the model from config.json and load its weights strictly."""
+    from .wam import DreamZeroWAM
+    from .wan_dit import WanModel
+
+    args = read_config(model_dir)
+    with torch.device("meta"):
+        model = DreamZeroWAM(args) if isinstance(args, DreamZeroArgs) else WanModel(args)
+    state = strip_prefix(read_weights(model_dir))
+    load_strict(model, state, source=str(model_dir), assign=True)
+    return model.to(device)

@@ -1,0 +1,209 @@
+"""DreamZero's world action model: a WAN DiT over [clean video | noisy video | actions | states].
+
+Reference §1.1-1.6. The trainable part of DreamZero (upstream `CausalWanModel`).
+State-dict keys equal upstream's (a full DreamZero checkpoint prefixes them with
+`action_head.model.`), so WAN checkpoints load into the backbone and DreamZero
+checkpoints load whole.
+
+Differences from upstream, all deliberate:
+- one attention call per layer with the §1.6 mask (FlexAttention or SDPA), not ~18 dense calls;
+- time embeddings are computed once per frame / action / state and broadcast to tokens,
+  which is the same arithmetic as upstream's per-token MLP without its L-fold repeat;
+- `embodiment_id` is accepted and ignored, as upstream forces it to 0 (one projector table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .args import DreamZeroArgs
+from .attention import (AttnMask, TeacherForcingLayout, attention, teacher_forcing_block_mask,
+                        teacher_forcing_mask)
+from .wan_dit import Rope, WanModel, modulate, rope_angles
+
+
+class CategorySpecificLinear(nn.Module):
+    """Upstream's per-embodiment linear, kept with one category: W [1, in, out], b [1, out]."""
+
+    def __init__(self, in_dim: int, out_dim: int, num_categories: int = 1):
+        super().__init__()
+        self.W = nn.Parameter(0.02 * torch.randn(num_categories, in_dim, out_dim))
+        self.b = nn.Parameter(torch.zeros(num_categories, out_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.W[0] + self.b[0]
+
+
+class CategorySpecificMLP(nn.Module):
+    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int):
+        super().__init__()
+        self.layer1 = CategorySpecificLinear(in_dim, hidden_dim)
+        self.layer2 = CategorySpecificLinear(hidden_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer2(F.relu(self.layer1(x)))
+
+
+def action_time_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The action encoder's time encoding: float32, [sin | cos], base 10000 (differs from WAN's)."""
+    half = dim // 2
+    exponent = -torch.arange(half, dtype=torch.float32, device=t.device) * (torch.log(torch.tensor(10000.0)) / half)
+    angles = t.float().unsqueeze(-1) * exponent.exp()
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
+
+
+class ActionEncoder(nn.Module):
+    """a = W1(action); h = swish(W2([a; sinusoid(t)])); out = W3(h). Width = model dim."""
+
+    def __init__(self, action_dim: int, dim: int):
+        super().__init__()
+        self.dim = dim
+        self.W1 = CategorySpecificLinear(action_dim, dim)
+        self.W2 = CategorySpecificLinear(2 * dim, dim)
+        self.W3 = CategorySpecificLinear(dim, dim)
+
+    def forward(self, actions: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        a = self.W1(actions)
+        tau = action_time_sinusoid(t, self.dim).to(a.dtype)
+        return self.W3(F.silu(self.W2(torch.cat([a, tau], dim=-1))))
+
+
+@dataclass
+class WAMOutput:
+    video_pred: torch.Tensor   # [B, out_dim, F, H, W] velocity for the noisy copy
+    action_pred: torch.Tensor  # [B, K·A, action_dim] velocity for the actions
+
+
+class DreamZeroWAM(WanModel):
+    """The DreamZero CausalWanModel: training forward (teacher forcing) and cached block inference."""
+
+    args: DreamZeroArgs
+
+    def __init__(self, args: DreamZeroArgs):
+        super().__init__(args)
+        self.state_encoder = CategorySpecificMLP(args.max_state_dim, args.hidden_size, args.dim)
+        self.action_encoder = ActionEncoder(args.action_dim, args.dim)
+        self.action_decoder = CategorySpecificMLP(args.dim, args.hidden_size, args.action_dim)
+
+    # -- pieces --------------------------------------------------------------
+
+    def layout(self, num_frames: int, frame_seqlen: int) -> TeacherForcingLayout:
+        a = self.args
+        if (num_frames - 1) % a.num_frame_per_block or num_frames < 1 + a.num_frame_per_block:
+            raise ValueError(f"latent frames must be 1 + k·{a.num_frame_per_block} (k >= 1), got {num_frames}")
+        return TeacherForcingLayout(
+            num_blocks=(num_frames - 1) // a.num_frame_per_block, frame_seqlen=frame_seqlen,
+            num_frame_per_block=a.num_frame_per_block, num_action_per_block=a.num_action_per_block,
+            num_state_per_block=a.num_state_per_block)
+
+    def register_rope(self, first_block: int, num_blocks: int) -> Rope:
+        """1D RoPE for the action tokens then the state tokens of blocks [first, first+num)."""
+        a, dev = self.args, self.patch_embedding.weight.device
+        A, S = a.num_action_per_block, a.num_state_per_block
+        act_pos = torch.arange(first_block * A, (first_block + num_blocks) * A, device=dev)
+        st_pos = torch.arange(first_block * S, (first_block + num_blocks) * S, device=dev)
+        return Rope.cat([Rope(rope_angles(act_pos, a.head_dim, a.rope_theta)),
+                         Rope(rope_angles(st_pos, a.head_dim, a.rope_theta))])
+
+    def state_timesteps(self, timestep_action: torch.Tensor) -> torch.Tensor:
+        """State token k of a block takes the block's action timestep (upstream: t_action[:, ::A/S])."""
+        stride = self.args.num_action_per_block // self.args.num_state_per_block
+        return timestep_action[:, ::stride]
+
+    def embed_register(self, actions: torch.Tensor, timestep_action: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        if actions.dim() != 3 or actions.shape[-1] != a.action_dim:
+            raise ValueError(f"expected actions [B, K·A, {a.action_dim}], got {tuple(actions.shape)}")
+        if state.dim() != 3 or state.shape[-1] != a.max_state_dim:
+            raise ValueError(f"expected state [B, K·S, {a.max_state_dim}], got {tuple(state.shape)}")
+        dtype = self.action_encoder.W1.W.dtype
+        return torch.cat([self.action_encoder(actions.to(dtype), timestep_action),
+                          self.state_encoder(state.to(dtype))], dim=1)
+
+    def _with_first_frame(self, latents: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        if not self.args.concat_first_frame_latent:
+            return latents
+        if y is None:
+            raise ValueError("this model concatenates the first-frame latent: y [B, 4+z, F, H, W] is required")
+        return torch.cat([latents, y.to(latents.dtype)], dim=1)
+
+    def make_mask(self, layout: TeacherForcingLayout, backend: str, device: torch.device) -> AttnMask:
+        if backend == "auto":
+            backend = "flex" if device.type == "cuda" else "sdpa"
+        if backend == "flex":
+            return teacher_forcing_block_mask(layout, device=device)
+        if backend == "sdpa":
+            return teacher_forcing_mask(layout, device=device)
+        raise ValueError(f"attention backend must be 'auto', 'flex' or 'sdpa', got {backend!r}")
+
+    # -- training forward ------------------------------------------------------
+
+    def forward(self, noisy_latents: torch.Tensor, clean_latents: torch.Tensor, timestep: torch.Tensor,
+                noisy_actions: torch.Tensor, timestep_action: torch.Tensor, state: torch.Tensor,
+                context: torch.Tensor, clip_feature: torch.Tensor, y: torch.Tensor | None = None,
+                embodiment_id: torch.Tensor | None = None, attn_backend: str = "auto",
+                mask: AttnMask = None) -> WAMOutput:
+        """Teacher-forcing forward.
+
+        noisy_latents, clean_latents: [B, C, F, H, W]; timestep: [B, F] (per frame, the clean copy uses 0);
+        noisy_actions: [B, K·A, action_dim]; timestep_action: [B, K·A]; state: [B, K·S, max_state_dim];
+        context: [B, L_txt, text_dim] (zero beyond each sample's length); clip_feature: [B, 257, clip_dim].
+        """
+        a = self.args
+        noisy, grid = self.embed_video(self._with_first_frame(noisy_latents, y))
+        clean, clean_grid = self.embed_video(self._with_first_frame(clean_latents, y))
+        if clean_grid != grid:
+            raise ValueError(f"clean and noisy latents differ in shape: {clean_grid} vs {grid}")
+        B = noisy.shape[0]
+        F_, fs = grid[0], grid[1] * grid[2]
+        layout = self.layout(F_, fs)
+        if timestep.shape != (B, F_):
+            raise ValueError(f"timestep must be [B, F] = [{B}, {F_}], got {tuple(timestep.shape)}")
+        if noisy_actions.shape[1] != layout.action_len or timestep_action.shape != (B, layout.action_len):
+            raise ValueError(f"{layout.num_blocks} blocks need {layout.action_len} actions and action timesteps, "
+                             f"got {tuple(noisy_actions.shape)} and {tuple(timestep_action.shape)}")
+        if state.shape[1] != layout.state_len:
+            raise ValueError(f"{layout.num_blocks} blocks need {layout.state_len} state rows, got {state.shape[1]}")
+
+        register = self.embed_register(noisy_actions, timestep_action, state)
+        x = torch.cat([clean, noisy, register], dim=1)
+
+        # Time embedding per frame / action / state, broadcast to tokens.
+        e_clean, e0_clean = self.embed_time(torch.zeros_like(timestep[:, :1]))
+        e_noisy, e0_noisy = self.embed_time(timestep)
+        t_register = torch.cat([timestep_action, self.state_timesteps(timestep_action)], dim=1)
+        _, e0_register = self.embed_time(t_register)
+        e0 = torch.cat([e0_clean.expand(B, layout.video_len, 6, a.dim),
+                        e0_noisy.repeat_interleave(fs, dim=1),
+                        e0_register], dim=1)
+
+        text, image = self.embed_context(context, clip_feature)
+        video_rope = self.video_rope(grid)
+        rope = Rope.cat([video_rope, video_rope, self.register_rope(0, layout.num_blocks)])
+        if mask is None:
+            mask = self.make_mask(layout, attn_backend, x.device)
+
+        for block in self.blocks:
+            x = block(x, e0, rope, text, image, mask)
+
+        n = layout.video_len
+        video = self.head(x[:, n:2 * n], e_noisy.repeat_interleave(fs, dim=1))
+        action_pred = self.action_decoder(x[:, 2 * n:2 * n + layout.action_len])
+        return WAMOutput(video_pred=self.unpatchify(video, grid), action_pred=action_pred)
+
+    # -- cached inference --------------------------------------------------------
+
+    def run_blocks(self, x: torch.Tensor, e0: torch.Tensor, rope: Rope, text: torch.Tensor,
+                   image: torch.Tensor | None, mask: AttnMask,
+                   cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Every layer over new tokens `x`, attending [cache | own]. Returns x and each layer's own K/V."""
+        own = []
+        for i, block in enumerate(self.blocks):
+            x, kv = block.forward_with_kv(x, e0, rope, text, image, mask, None if cache is None else cache[i])
+            own.append(kv)
+        return x, own

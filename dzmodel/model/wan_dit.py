@@ -1,0 +1,356 @@
+"""The WAN video DiT (Wan2.1 / Wan2.2), as small modules whose names are the checkpoint keys.
+
+Reference §1.3-1.5. Module attribute names equal the public checkpoint keys
+(`blocks.N.self_attn.q.weight`, `head.modulation`, ...), so a WAN checkpoint
+loads with a plain strict `load_state_dict`.
+
+Numerics follow WAN: norms compute in fp32, modulation runs in fp32, the time
+sinusoid is float64. RoPE angles are built in float64 and applied in fp32
+(upstream applies them in float64 complex; the difference is ~1e-7 relative and
+fp32 keeps the GPU path fast).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .args import WanDiTArgs
+from .attention import AttnMask, attention
+
+# --- small pieces --------------------------------------------------------------
+
+
+class WanRMSNorm(nn.Module):
+    """RMSNorm over the full model dim (not per head), computed in fp32, with a learned weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class WanLayerNorm(nn.LayerNorm):
+    """LayerNorm computed in fp32 (affine only where WAN has weights: norm3)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = False):
+        super().__init__(dim, eps=eps, elementwise_affine=elementwise_affine)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.float() if self.weight is not None else None
+        b = self.bias.float() if self.bias is not None else None
+        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).type_as(x)
+
+
+def sinusoidal_embedding_1d(dim: int, position: torch.Tensor) -> torch.Tensor:
+    """WAN's time sinusoid: float64, [cos | sin], base 10000. position: any shape -> [..., dim]."""
+    if dim % 2:
+        raise ValueError(f"sinusoid dim must be even, got {dim}")
+    half = dim // 2
+    pos = position.to(torch.float64)
+    freqs = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64, device=pos.device).div(half))
+    angles = pos.unsqueeze(-1) * freqs
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+def rope_angles(positions: torch.Tensor, dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """Rotation angles [..., dim/2] in float64 for integer positions (WAN's rope_params)."""
+    inv_freq = 1.0 / torch.pow(theta, torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device).div(dim))
+    return positions.to(torch.float64).unsqueeze(-1) * inv_freq
+
+
+def rope_split(head_dim: int) -> tuple[int, int, int]:
+    """Rotary dims for (t, h, w): hd - 4(hd//6), 2(hd//6), 2(hd//6). 128 -> 44/42/42."""
+    third = head_dim // 6
+    return head_dim - 4 * third, 2 * third, 2 * third
+
+
+def video_rope_angles(grid: tuple[int, int, int], head_dim: int, start_frame: int = 0,
+                      theta: float = 10000.0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """3D RoPE angles for tokens in (f, h, w) order: [f*h*w, head_dim/2] float64."""
+    f, h, w = grid
+    dt, dh, dw = rope_split(head_dim)
+    at = rope_angles(torch.arange(start_frame, start_frame + f, device=device), dt, theta)
+    ah = rope_angles(torch.arange(h, device=device), dh, theta)
+    aw = rope_angles(torch.arange(w, device=device), dw, theta)
+    return torch.cat([
+        at[:, None, None, :].expand(f, h, w, -1),
+        ah[None, :, None, :].expand(f, h, w, -1),
+        aw[None, None, :, :].expand(f, h, w, -1),
+    ], dim=-1).reshape(f * h * w, -1)
+
+
+class Rope:
+    """cos/sin tables for a token sequence, [L, head_dim/2] fp32. Applied to adjacent pairs."""
+
+    def __init__(self, angles: torch.Tensor):
+        self.cos = torch.cos(angles).float()
+        self.sin = torch.sin(angles).float()
+
+    @staticmethod
+    def cat(ropes: list["Rope"]) -> "Rope":
+        r = Rope.__new__(Rope)
+        r.cos = torch.cat([x.cos for x in ropes])
+        r.sin = torch.cat([x.sin for x in ropes])
+        return r
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, L, H, D] -> rotated, same dtype."""
+        B, L, H, D = x.shape
+        xf = x.float().reshape(B, L, H, D // 2, 2)
+        x0, x1 = xf[..., 0], xf[..., 1]
+        cos = self.cos[None, :, None, :]
+        sin = self.sin[None, :, None, :]
+        out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+        return out.flatten(3).type_as(x)
+
+
+# --- attention -----------------------------------------------------------------
+
+
+class WanSelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+        self.norm_q = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+        self.norm_k = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+
+    def qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Roped q, k and v as [B, L, H, D]."""
+        b, s = x.shape[:2]
+        n, d = self.num_heads, self.head_dim
+        q = rope.apply(self.norm_q(self.q(x)).view(b, s, n, d))
+        k = rope.apply(self.norm_k(self.k(x)).view(b, s, n, d))
+        v = self.v(x).view(b, s, n, d)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope: Rope, mask: AttnMask = None,
+                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Attend over [past K/V | own K/V]. Returns the output and this call's own roped (k, v)."""
+        q, k, v = self.qkv(x, rope)
+        own = (k, v)
+        if past_kv is not None and past_kv[0].shape[1]:
+            k = torch.cat([past_kv[0], k], dim=1)
+            v = torch.cat([past_kv[1], v], dim=1)
+        return self.o(attention(q, k, v, mask).flatten(2)), own
+
+
+class WanT2VCrossAttention(nn.Module):
+    """Text cross-attention. No RoPE and no key mask: T5 padding rows are zeros and are attended (WAN)."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+        self.norm_q = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+        self.norm_k = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.shape[0], -1, self.num_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        q = self._heads(self.norm_q(self.q(x)))
+        k = self._heads(self.norm_k(self.k(text)))
+        v = self._heads(self.v(text))
+        return self.o(attention(q, k, v).flatten(2))
+
+
+class WanI2VCrossAttention(WanT2VCrossAttention):
+    """Text + CLIP-image cross-attention: out = o(Attn(q, text) + Attn(q, image))."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6):
+        super().__init__(dim, num_heads, qk_norm, eps)
+        self.k_img = nn.Linear(dim, dim)
+        self.v_img = nn.Linear(dim, dim)
+        self.norm_k_img = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        if image is None:
+            raise ValueError("i2v cross-attention needs CLIP image tokens")
+        q = self._heads(self.norm_q(self.q(x)))
+        k = self._heads(self.norm_k(self.k(text)))
+        v = self._heads(self.v(text))
+        k_img = self._heads(self.norm_k_img(self.k_img(image)))
+        v_img = self._heads(self.v_img(image))
+        out = attention(q, k, v).flatten(2) + attention(q, k_img, v_img).flatten(2)
+        return self.o(out)
+
+
+CROSS_ATTENTION = {"t2v": WanT2VCrossAttention, "i2v": WanI2VCrossAttention}
+
+
+# --- block and head ------------------------------------------------------------
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.float() * (1 + scale) + shift
+
+
+class WanAttentionBlock(nn.Module):
+    """x += SelfAttn(LN1(x)(1+m1)+m0)·m2 ; x += CrossAttn(LN3(x)) ; x += FFN(LN2(x)(1+m4)+m3)·m5."""
+
+    def __init__(self, args: WanDiTArgs):
+        super().__init__()
+        dim, eps = args.dim, args.eps
+        self.norm1 = WanLayerNorm(dim, eps)
+        self.self_attn = WanSelfAttention(dim, args.num_heads, args.qk_norm, eps)
+        self.norm3 = WanLayerNorm(dim, eps, elementwise_affine=True) if args.cross_attn_norm else nn.Identity()
+        self.cross_attn = CROSS_ATTENTION[args.cross_attn_type](dim, args.num_heads, args.qk_norm, eps)
+        self.norm2 = WanLayerNorm(dim, eps)
+        self.ffn = nn.Sequential(nn.Linear(dim, args.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(args.ffn_dim, dim))
+        self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+
+    def modulation_terms(self, e0: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """e0 [B, L, 6, dim] (fp32) -> six [B, L, dim] terms: shift/scale/gate for attn and FFN."""
+        return (self.modulation.float().unsqueeze(0) + e0.float()).unbind(dim=2)
+
+    def forward(self, x: torch.Tensor, e0: torch.Tensor, rope: Rope, text: torch.Tensor,
+                image: torch.Tensor | None = None, mask: AttnMask = None) -> torch.Tensor:
+        return self.forward_with_kv(x, e0, rope, text, image, mask)[0]
+
+    def forward_with_kv(self, x: torch.Tensor, e0: torch.Tensor, rope: Rope, text: torch.Tensor,
+                        image: torch.Tensor | None = None, mask: AttnMask = None,
+                        past_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The block, attending [past_kv | own]; also returns own roped (k, v) for a KV cache."""
+        m = self.modulation_terms(e0)
+        y, own_kv = self.self_attn(modulate(self.norm1(x), m[0], m[1]).type_as(x), rope, mask, past_kv)
+        x = (x.float() + y.float() * m[2]).type_as(x)
+        x = x + self.cross_attn(self.norm3(x), text, image)
+        y = self.ffn(modulate(self.norm2(x), m[3], m[4]).type_as(x))
+        return (x.float() + y.float() * m[5]).type_as(x), own_kv
+
+
+class Head(nn.Module):
+    """Output head: LN (no affine) -> modulate with (learned [1,2,d] + e) -> Linear(d -> prod(patch)·out)."""
+
+    def __init__(self, dim: int, out_dim: int, patch_size: tuple[int, int, int], eps: float = 1e-6):
+        super().__init__()
+        self.norm = WanLayerNorm(dim, eps)
+        self.head = nn.Linear(dim, math.prod(patch_size) * out_dim)
+        self.modulation = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """x [B, L, d], e [B, L, d] (the time embedding before the projection)."""
+        shift, scale = (self.modulation.float().unsqueeze(0) + e.float().unsqueeze(2)).unbind(dim=2)
+        return self.head(modulate(self.norm(x), shift, scale).type_as(x))
+
+
+class MLPProj(nn.Module):
+    """CLIP token projector: LN -> Linear -> GELU (exact) -> Linear -> LN (both LNs affine, eps 1e-5)."""
+
+    def __init__(self, in_dim: int, out_dim: int):
+        super().__init__()
+        self.proj = nn.Sequential(nn.LayerNorm(in_dim), nn.Linear(in_dim, in_dim), nn.GELU(),
+                                  nn.Linear(in_dim, out_dim), nn.LayerNorm(out_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+# --- the model -----------------------------------------------------------------
+
+
+class WanModel(nn.Module):
+    """The WAN video DiT in plain video mode: full attention, per-token timesteps.
+
+    forward(x [B, C_in, F, H, W], t [B] or [B, L], context [B, L_txt<=text_len, text_dim],
+            clip_feature [B, clip_tokens, clip_dim] for i2v) -> [B, C_out, F, H', W']
+    """
+
+    def __init__(self, args: WanDiTArgs):
+        super().__init__()
+        self.args = args
+        dim = args.dim
+        self.patch_embedding = nn.Conv3d(args.in_dim, dim, kernel_size=args.patch_size, stride=args.patch_size)
+        self.text_embedding = nn.Sequential(nn.Linear(args.text_dim, dim), nn.GELU(approximate="tanh"), nn.Linear(dim, dim))
+        self.time_embedding = nn.Sequential(nn.Linear(args.freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(dim, dim * 6))
+        self.blocks = nn.ModuleList([WanAttentionBlock(args) for _ in range(args.num_layers)])
+        self.head = Head(dim, args.out_dim, args.patch_size, args.eps)
+        if args.cross_attn_type == "i2v":
+            self.img_emb = MLPProj(args.clip_dim, dim)
+
+    # -- shared pieces, also used by the DreamZero model --
+
+    def embed_video(self, latents: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """[B, C, F, H, W] -> tokens [B, F·h·w, dim] (f, h, w order) and the grid (f, h, w)."""
+        if latents.dim() != 5 or latents.shape[1] != self.args.in_dim:
+            raise ValueError(f"expected latents [B, {self.args.in_dim}, F, H, W], got {tuple(latents.shape)}")
+        x = self.patch_embedding(latents.to(self.patch_embedding.weight.dtype))
+        grid = tuple(x.shape[2:])
+        return x.flatten(2).transpose(1, 2), grid  # type: ignore[return-value]
+
+    def embed_time(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token timesteps [B, L] -> e [B, L, dim] and e0 [B, L, 6, dim], both fp32."""
+        sin = sinusoidal_embedding_1d(self.args.freq_dim, t).float()
+        w = self.time_embedding[0].weight
+        e = self.time_embedding(sin.to(w.dtype)).float()
+        e0 = self.time_projection(e.to(w.dtype)).float().unflatten(-1, (6, self.args.dim))
+        return e, e0
+
+    def embed_context(self, context: torch.Tensor, clip_feature: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Text [B, L_txt, text_dim] zero-padded to text_len -> [B, text_len, dim]; CLIP -> [B, 257, dim]."""
+        a = self.args
+        if context.dim() != 3 or context.shape[-1] != a.text_dim:
+            raise ValueError(f"expected text context [B, L, {a.text_dim}], got {tuple(context.shape)}")
+        if context.shape[1] > a.text_len:
+            raise ValueError(f"text context has {context.shape[1]} tokens, more than text_len {a.text_len}")
+        if context.shape[1] < a.text_len:
+            context = F.pad(context, (0, 0, 0, a.text_len - context.shape[1]))
+        w = self.text_embedding[0].weight
+        text = self.text_embedding(context.to(w.dtype))
+        image = None
+        if a.cross_attn_type == "i2v":
+            if clip_feature is None:
+                raise ValueError("this model has i2v cross-attention: clip_feature [B, clip_tokens, clip_dim] is required")
+            if clip_feature.dim() != 3 or clip_feature.shape[-1] != a.clip_dim:
+                raise ValueError(f"expected clip_feature [B, {a.clip_tokens}, {a.clip_dim}], got {tuple(clip_feature.shape)}")
+            image = self.img_emb(clip_feature.to(self.img_emb.proj[1].weight.dtype))
+        return text, image
+
+    def unpatchify(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """[B, f·h·w, p·q·r·C] -> [B, C, f·p, h·q, w·r]."""
+        B = x.shape[0]
+        f, h, w = grid
+        p, q, r = self.args.patch_size
+        c = self.args.out_dim
+        x = x.reshape(B, f, h, w, p, q, r, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.reshape(B, c, f * p, h * q, w * r)
+
+    def video_rope(self, grid: tuple[int, int, int], start_frame: int = 0) -> Rope:
+        return Rope(video_rope_angles(grid, self.args.head_dim, start_frame, self.args.rope_theta,
+                                      device=self.patch_embedding.weight.device))
+
+    # -- plain video forward --
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+                clip_feature: torch.Tensor | None = None) -> torch.Tensor:
+        tokens, grid = self.embed_video(x)
+        B, L = tokens.shape[:2]
+        if t.dim() == 1:
+            t = t[:, None].expand(B, L)
+        if t.shape != (B, L):
+            raise ValueError(f"timesteps must be [B] or [B, {L}] (one per token), got {tuple(t.shape)}")
+        e, e0 = self.embed_time(t)
+        text, image = self.embed_context(context, clip_feature)
+        rope = self.video_rope(grid)
+        for block in self.blocks:
+            tokens = block(tokens, e0, rope, text, image)
+        return self.unpatchify(self.head(tokens, e), grid)

@@ -1,0 +1,1 @@
+"""Filled by the pipeline issue: Prefect tasks that call dzmodel."""

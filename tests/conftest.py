@@ -1,0 +1,20 @@
+"""Shared test fixtures: where the reference fixtures live."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def shared_dir() -> Path:
+    return Path(os.environ.get("DZ_SHARED_DIR", REPO_ROOT.parent / "shared"))
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    path = shared_dir() / "fixtures"
+    if not path.is_dir():
+        pytest.fail(f"reference fixtures not found at {path}; set DZ_SHARED_DIR to the shared/ folder")
+    return path
