@@ -1,0 +1,1 @@
+"""Benchmarks run by `dz bench ...`; their results go to docs/performance.md."""

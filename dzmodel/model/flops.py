@@ -1,0 +1,74 @@
+"""Model FLOPs per training sample (reference §3.3), for throughput and MFU reporting.
+
+Forward FLOPs, counting a multiply-add as 2:
+  per layer: linear  = 2·L·(4d² + 2d² + 2d·ffn) + 2·C·2d²   (self qkvo, cross q/o, FFN; cross K/V on C context tokens)
+             self    = 4·d·P                                   (P = allowed (query, key) pairs of the mask)
+             cross   = 4·d·L·C
+  outside:   time MLP on every token 2·L·(f·d + 7d²), text/CLIP embedders, patch conv, head, action/state MLPs.
+Training model FLOPs = 3 × forward (backward = 2 × forward). Activation recompute is NOT counted
+(that would be hardware FLOPs); `recompute=True` adds one more forward for reporting HFU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .args import DreamZeroArgs
+from .attention import TeacherForcingLayout
+
+
+@dataclass
+class FlopsBreakdown:
+    linear: float
+    self_attn: float
+    cross_attn: float
+    outside: float
+
+    @property
+    def forward(self) -> float:
+        return self.linear + self.self_attn + self.cross_attn + self.outside
+
+    def train(self, recompute: bool = False) -> float:
+        return self.forward * (4 if recompute else 3)
+
+
+def allowed_pairs(layout: TeacherForcingLayout) -> int:
+    """Closed form of the §1.6 mask's allowed pairs (checked against the dense mask in tests)."""
+    fs, nfpb, K = layout.frame_seqlen, layout.num_frame_per_block, layout.num_blocks
+    A, S = layout.num_action_per_block, layout.num_state_per_block
+    bs = nfpb * fs  # tokens per block
+    clean = fs * fs + sum(bs * (fs + (i + 1) * bs) for i in range(K))
+    noisy0 = fs * fs
+    cur = bs + A + S
+    noisy_action = sum((bs + A) * (fs + i * bs + cur) for i in range(K))
+    state = K * S * S
+    return clean + noisy0 + noisy_action + state
+
+
+def wam_forward_flops(args: DreamZeroArgs, layout: TeacherForcingLayout) -> FlopsBreakdown:
+    d, ffn, n = args.dim, args.ffn_dim, args.num_layers
+    L = layout.seq_len
+    C = args.text_len + args.clip_tokens
+    P = allowed_pairs(layout)
+    linear = n * (2 * L * (4 * d * d + 2 * d * d + 2 * d * ffn) + 2 * C * 2 * d * d)
+    self_attn = n * 4 * d * P
+    cross_attn = n * 4 * d * L * C
+    patch = 2 * 2 * layout.video_len * args.in_dim * 4 * d * 1  # both copies; kernel (1,2,2) = 4 taps per channel
+    head = 2 * layout.video_len * d * 4 * args.out_dim
+    time_mlp = 2 * L * (args.freq_dim * d + 7 * d * d)
+    text = 2 * args.text_len * (args.text_dim * d + d * d)
+    image = 2 * args.clip_tokens * (args.clip_dim * args.clip_dim + args.clip_dim * d)
+    action = 2 * layout.action_len * (args.action_dim * d + 2 * d * d + d * d + d * args.hidden_size + args.hidden_size * args.action_dim)
+    state = 2 * layout.state_len * (args.max_state_dim * args.hidden_size + args.hidden_size * d)
+    outside = patch + head + time_mlp + text + image + action + state
+    return FlopsBreakdown(linear=linear, self_attn=self_attn, cross_attn=cross_attn, outside=outside)
+
+
+def droid_layout(args: DreamZeroArgs, latent_hw: tuple[int, int]) -> TeacherForcingLayout:
+    """The DROID training sample: max_chunk_size blocks over a latent grid of latent_hw (before patching)."""
+    p = args.patch_size
+    fs = (latent_hw[0] // p[1]) * (latent_hw[1] // p[2])
+    return TeacherForcingLayout(num_blocks=args.max_chunk_size, frame_seqlen=fs,
+                                num_frame_per_block=args.num_frame_per_block,
+                                num_action_per_block=args.num_action_per_block,
+                                num_state_per_block=args.num_state_per_block)
