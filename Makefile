@@ -1,0 +1,46 @@
+# The README's commands. Each target installs what it needs, idempotently.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+# Offline and quiet: no telemetry, no hub access, one compute thread per loader.
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export DO_NOT_TRACK := true
+export MLFLOW_DISABLE_TELEMETRY := true
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DVC_NO_ANALYTICS := 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup test test-slow test-all demo clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 comes FIRST: on CPU machines it is the local CPU wheel; any later unpinned
+# torch requirement is then already satisfied and pulls no CUDA wheels.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# End-to-end tests marked `slow`; CI runs them after `make test`. Exit 5 = none collected.
+test-slow: setup
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+test-all: test test-slow
+
+demo:
+	@echo "make demo is not available yet: it arrives with the pipeline issue (Prefect + DVC + MLflow)."
+	@echo "Today the project ships the model library: try '$(VENV)/bin/dz model parity ../shared/fixtures/*.safetensors'."
+	@exit 2
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

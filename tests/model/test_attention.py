@@ -1,0 +1,87 @@
+"""The block-causal teacher-forcing mask: the §1.6 table, the fixture, FlexAttention vs SDPA."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dzmodel.model.attention import (TeacherForcingLayout, attention, count_allowed_pairs, teacher_forcing_block_mask,
+                                     teacher_forcing_mask)
+from dzmodel.model.flops import allowed_pairs
+
+FIXTURE_LAYOUT = TeacherForcingLayout(num_blocks=2, frame_seqlen=6, num_frame_per_block=2,
+                                      num_action_per_block=4, num_state_per_block=1)
+
+
+def test_mask_equals_the_fixture_mask(fixtures_dir):
+    ref = load_file(str(fixtures_dir / "dreamzero_wam_tiny_reference.safetensors"))["output.attention_mask"]
+    mask = teacher_forcing_mask(FIXTURE_LAYOUT)
+    assert mask.shape == ref.shape == (70, 70)
+    assert torch.equal(mask, ref.bool())
+
+
+def test_mask_rows_follow_the_table():
+    m = teacher_forcing_mask(FIXTURE_LAYOUT)
+    fs = 6
+    clean0, clean_b0, clean_b1 = slice(0, 6), slice(6, 18), slice(18, 30)
+    noisy0, noisy_b0, noisy_b1 = slice(30, 36), slice(36, 48), slice(48, 60)
+    act_b0, act_b1, st_b0, st_b1 = slice(60, 64), slice(64, 68), 68, 69
+
+    def keys(row):
+        return set(torch.nonzero(m[row]).flatten().tolist())
+
+    rng = lambda s: set(range(s.start, s.stop))  # noqa: E731
+    assert keys(0) == rng(clean0)
+    assert keys(clean_b1.start) == rng(clean0) | rng(clean_b0) | rng(clean_b1)
+    assert keys(noisy0.start) == rng(noisy0)
+    assert keys(noisy_b1.start) == rng(clean0) | rng(clean_b0) | rng(noisy_b1) | rng(act_b1) | {st_b1}
+    assert keys(act_b0.start) == rng(clean0) | rng(noisy_b0) | rng(act_b0) | {st_b0}
+    assert keys(st_b1) == {st_b1}
+    # only clean queries see the last clean block
+    assert not m[36:, clean_b1].any()
+
+
+@pytest.mark.parametrize("layout", [
+    FIXTURE_LAYOUT,
+    TeacherForcingLayout(4, 50, 2, 24, 1),
+    TeacherForcingLayout(3, 7, 2, 5, 2),
+    TeacherForcingLayout(2, 4, 1, 3, 1),
+])
+def test_closed_form_pair_count_matches_the_dense_mask(layout):
+    assert allowed_pairs(layout) == count_allowed_pairs(layout)
+
+
+def test_pair_counts_match_the_reference():
+    assert allowed_pairs(TeacherForcingLayout(4, 50, 2, 24, 1)) == 286_204      # 5B DROID
+    assert allowed_pairs(TeacherForcingLayout(4, 880, 2, 24, 1)) == 76_576_484  # 14B DROID
+    assert count_allowed_pairs(FIXTURE_LAYOUT) == 1578
+
+
+def test_every_query_attends_something():
+    for layout in (FIXTURE_LAYOUT, TeacherForcingLayout(3, 5, 2, 4, 1)):
+        assert teacher_forcing_mask(layout).any(dim=1).all()
+
+
+def test_flex_attention_and_sdpa_agree_with_each_other_and_the_mask():
+    torch.manual_seed(0)
+    layout = TeacherForcingLayout(2, 6, 2, 4, 1)
+    L = layout.seq_len
+    q, k, v = (torch.randn(2, L, 3, 16) for _ in range(3))
+    dense = teacher_forcing_mask(layout)
+    block = teacher_forcing_block_mask(layout, device="cpu", block_size=16)
+    out_sdpa = attention(q, k, v, dense)
+    with torch.no_grad():
+        out_flex = attention(q, k, v, block)
+    torch.testing.assert_close(out_flex, out_sdpa, atol=1e-5, rtol=1e-5)
+    # the reference: explicit softmax over allowed keys only
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
+    scores = scores.masked_fill(~dense, float("-inf"))
+    ref = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+    torch.testing.assert_close(out_sdpa, ref, atol=1e-5, rtol=1e-5)
+    # the BlockMask, expanded element-wise, is the dense mask
+    from torch.nn.attention.flex_attention import create_mask
+
+    kinds, blocks = layout.groups()
+    from dzmodel.model.attention import allowed
+
+    elem = create_mask(lambda b, h, qi, ki: allowed(kinds[qi], blocks[qi], kinds[ki], blocks[ki]), None, None, L, L, device="cpu")
+    assert torch.equal(elem[0, 0], dense)

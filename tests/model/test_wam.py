@@ -1,0 +1,168 @@
+"""The DreamZero WAM: fixture parity, presets, training step, mask and causality properties."""
+
+import time
+
+import pytest
+import torch
+
+from dzmodel.model.args import preset
+from dzmodel.model.objective import FlowMatchSchedule, flow_matching_losses, sample_timestep_ids
+from dzmodel.model.parity import run_parity
+from dzmodel.model.wam import DreamZeroWAM
+
+from .helpers import tiny_batch, tiny_model
+
+
+def test_wam_fixture_parity(fixtures_dir):
+    result = run_parity(fixtures_dir / "dreamzero_wam_tiny_reference.safetensors")
+    assert result.kind == "wam"
+    for key in ("output.video_pred", "output.action_pred", "output.dynamics_loss", "output.action_loss",
+                "output.loss", "output.attention_mask"):
+        assert key in result.errors
+    assert result.ok, result.report()
+
+
+@pytest.mark.parametrize("name,expected", [("dreamzero_5b", 5.607e9), ("dreamzero_14b", 16.484e9)])
+def test_big_presets_param_counts_and_instant_meta_init(name, expected):
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = DreamZeroWAM(preset(name))
+    elapsed = time.perf_counter() - t0
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - expected) / expected < 0.005, n
+    assert elapsed < 5.0
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_preset_overrides_and_unknown_names():
+    assert preset("dreamzero_5b", num_layers=3).num_layers == 3
+    with pytest.raises(KeyError, match="unknown model preset"):
+        preset("nope")
+    with pytest.raises(ValueError, match="unknown override"):
+        preset("tiny", widht=3)
+
+
+def test_tiny_training_step_is_well_under_a_second():
+    torch.set_num_threads(2)
+    model = tiny_model().train()
+    args = model.args
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.95, 0.999), weight_decay=1e-5)
+    sched = FlowMatchSchedule()
+    g = torch.Generator().manual_seed(0)
+    b = tiny_batch(args, batch=2)
+    actions = torch.rand(2, args.max_chunk_size * args.num_action_per_block, args.action_dim, generator=g) * 2 - 1
+    mask = torch.ones_like(actions, dtype=torch.bool)
+
+    def step():
+        _, ids, aids = sample_timestep_ids(2, args.num_frames, args.num_frame_per_block, args.num_action_per_block, generator=g)
+        noise, noise_a = torch.randn_like(b["clean_latents"]), torch.randn_like(actions)
+        out = model(sched.add_noise(b["clean_latents"], noise, ids, 2), b["clean_latents"], sched.timestep(ids),
+                    sched.add_noise(actions, noise_a, aids, 1), sched.timestep(aids), b["state"], b["context"],
+                    b["clip_feature"], attn_backend="sdpa")
+        losses = flow_matching_losses(sched, out.video_pred, out.action_pred, b["clean_latents"], noise, actions, noise_a,
+                                      ids, aids, mask, torch.ones(2, dtype=torch.bool))
+        opt.zero_grad()
+        losses.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return losses
+
+    first = step()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        last = step()
+        times.append(time.perf_counter() - t0)
+    assert sorted(times)[2] < 0.5, times
+    assert torch.isfinite(first.loss) and torch.isfinite(last.loss)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_last_clean_block_cannot_change_outputs():
+    model = tiny_model()
+    b = tiny_batch(model.args)
+    out = model(**b, attn_backend="sdpa")
+    b2 = dict(b)
+    b2["clean_latents"] = b["clean_latents"].clone()
+    b2["clean_latents"][:, :, -2:] = torch.randn_like(b2["clean_latents"][:, :, -2:])
+    out2 = model(**b2, attn_backend="sdpa")
+    torch.testing.assert_close(out.video_pred, out2.video_pred)
+    torch.testing.assert_close(out.action_pred, out2.action_pred)
+
+
+def test_block_causality_future_blocks_do_not_leak_backwards():
+    """Noisy block 0 and its actions must not see block 1 (neither clean nor noisy nor its actions)."""
+    model = tiny_model()
+    A = model.args.num_action_per_block
+    b = tiny_batch(model.args)
+    out = model(**b, attn_backend="sdpa")
+    b2 = {k: v.clone() for k, v in b.items()}
+    b2["clean_latents"][:, :, 3:] += 1.0
+    b2["noisy_latents"][:, :, 3:] += 1.0
+    b2["noisy_actions"][:, A:] += 1.0
+    b2["state"][:, 1:] += 1.0
+    out2 = model(**b2, attn_backend="sdpa")
+    torch.testing.assert_close(out.video_pred[:, :, :3], out2.video_pred[:, :, :3])
+    torch.testing.assert_close(out.action_pred[:, :A], out2.action_pred[:, :A])
+    assert not torch.allclose(out.action_pred[:, A:], out2.action_pred[:, A:])
+    # ...while block 1 does see clean block 0
+    b3 = {k: v.clone() for k, v in b.items()}
+    b3["clean_latents"][:, :, 1:3] += 1.0
+    out3 = model(**b3, attn_backend="sdpa")
+    assert not torch.allclose(out.action_pred[:, A:], out3.action_pred[:, A:])
+
+
+def test_state_tokens_condition_actions_of_their_block():
+    model = tiny_model()
+    A = model.args.num_action_per_block
+    b = tiny_batch(model.args)
+    out = model(**b, attn_backend="sdpa")
+    b2 = {k: v.clone() for k, v in b.items()}
+    b2["state"][:, 0] += 1.0
+    out2 = model(**b2, attn_backend="sdpa")
+    assert not torch.allclose(out.action_pred[:, :A], out2.action_pred[:, :A])
+    torch.testing.assert_close(out.action_pred[:, A:], out2.action_pred[:, A:])
+
+
+def test_flex_and_sdpa_give_the_same_wam_forward():
+    model = tiny_model()
+    b = tiny_batch(model.args)
+    with torch.no_grad():
+        a = model(**b, attn_backend="sdpa")
+        f = model(**b, attn_backend="flex")
+    torch.testing.assert_close(a.video_pred, f.video_pred, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.action_pred, f.action_pred, atol=1e-5, rtol=1e-5)
+
+
+def test_embodiment_id_is_ignored_like_upstream():
+    model = tiny_model()
+    b = tiny_batch(model.args)
+    a = model(**b, embodiment_id=torch.tensor([0, 0]), attn_backend="sdpa")
+    c = model(**b, embodiment_id=torch.tensor([17, 21]), attn_backend="sdpa")
+    torch.testing.assert_close(a.action_pred, c.action_pred)
+
+
+def test_first_frame_concat_model_requires_y():
+    torch.manual_seed(0)
+    args = preset("tiny", in_dim=8 + 20, concat_first_frame_latent=True)
+    model = DreamZeroWAM(args).eval()
+    b = tiny_batch(preset("tiny"))
+    with pytest.raises(ValueError, match="first-frame latent"):
+        model(**b, attn_backend="sdpa")
+    y = torch.randn(2, 20, *b["clean_latents"].shape[2:])
+    out = model(**b, y=y, attn_backend="sdpa")
+    assert out.video_pred.shape == b["clean_latents"].shape
+
+
+def test_bad_shapes_get_clear_errors():
+    model = tiny_model()
+    b = tiny_batch(model.args)
+    bad = dict(b, noisy_actions=b["noisy_actions"][:, :3])
+    with pytest.raises(ValueError, match="actions"):
+        model(**bad, attn_backend="sdpa")
+    bad = dict(b, timestep=b["timestep"][:, :2])
+    with pytest.raises(ValueError, match="timestep"):
+        model(**bad, attn_backend="sdpa")
+    bad = dict(b, noisy_latents=b["noisy_latents"][:, :, :4], clean_latents=b["clean_latents"][:, :, :4])
+    with pytest.raises(ValueError, match="latent frames"):
+        model(**bad, attn_backend="sdpa")

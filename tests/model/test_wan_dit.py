@@ -1,0 +1,156 @@
+"""WAN DiT: manifest exactness, fixture parity, and the behaviour of each piece."""
+
+import math
+
+import pytest
+import torch
+
+from dzmodel.model.args import WanDiTArgs, preset
+from dzmodel.model.manifest import compare_shapes, compare_to_manifest, manifest_entry
+from dzmodel.model.parity import run_parity
+from dzmodel.model.state_dict import DREAMZERO_ONLY, IMAGE_BRANCH
+from dzmodel.model.wam import DreamZeroWAM
+from dzmodel.model.wan_dit import (Rope, WanLayerNorm, WanModel, WanRMSNorm, rope_angles, rope_split,
+                                   sinusoidal_embedding_1d, video_rope_angles)
+
+
+@pytest.mark.parametrize("name,entry", [("wan2.2_ti2v_5b", "wan2.2_ti2v_5b_dit"), ("wan2.1_i2v_14b", "wan2.1_i2v_14b_dit")])
+def test_wan_dit_matches_manifest_exactly(name, entry):
+    with torch.device("meta"):
+        model = WanModel(preset(name))
+    diff = compare_to_manifest(model, entry)
+    assert diff.ok, diff.summary()
+
+
+@pytest.mark.parametrize("name,entry,extra", [
+    ("dreamzero_5b", "wan2.2_ti2v_5b_dit", f"{DREAMZERO_ONLY.pattern}|{IMAGE_BRANCH.pattern}"),
+    ("dreamzero_14b", "wan2.1_i2v_14b_dit", DREAMZERO_ONLY.pattern),
+])
+def test_dreamzero_backbone_is_the_wan_checkpoint(name, entry, extra):
+    """Removing the DreamZero-only keys (and for 5B the image branch) leaves exactly the WAN checkpoint."""
+    import re
+
+    with torch.device("meta"):
+        model = DreamZeroWAM(preset(name))
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    extra_keys = [k for k in shapes if re.search(extra, k)]
+    assert extra_keys, "expected DreamZero-only keys"
+    diff = compare_shapes({k: v for k, v in shapes.items() if k not in extra_keys}, manifest_entry(entry))
+    assert diff.ok, diff.summary()
+
+
+def test_dit_fixture_parity(fixtures_dir):
+    result = run_parity(fixtures_dir / "wan22_dit_tiny_reference.safetensors")
+    assert result.kind == "dit"
+    assert result.ok, result.report()
+    assert result.errors["output.x"] < 1e-5
+
+
+def test_rmsnorm_normalises_over_the_full_dim_not_per_head():
+    norm = WanRMSNorm(8, eps=0.0)
+    x = torch.cat([torch.ones(1, 4), 3 * torch.ones(1, 4)], dim=1)  # two "heads" with different scales
+    out = norm(x)
+    rms = math.sqrt((4 * 1 + 4 * 9) / 8)
+    torch.testing.assert_close(out, x / rms)
+    assert norm.weight.shape == (8,)
+
+
+def test_rmsnorm_computes_in_fp32():
+    norm = WanRMSNorm(4).to(torch.bfloat16)
+    x = torch.tensor([[1e3, 2e3, 3e3, 4e3]], dtype=torch.bfloat16)
+    assert norm(x).dtype == torch.bfloat16
+    # the squares (up to 1.6e7) overflow nothing and lose nothing because the mean runs in fp32
+    ref = x.float() / x.float().pow(2).mean().sqrt()
+    torch.testing.assert_close(norm(x).float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_layernorm_affine_only_when_asked():
+    assert WanLayerNorm(6).weight is None
+    ln = WanLayerNorm(6, elementwise_affine=True)
+    assert ln.weight.shape == (6,) and ln.bias.shape == (6,)
+
+
+def test_time_sinusoid_is_cos_then_sin_float64():
+    emb = sinusoidal_embedding_1d(8, torch.tensor([0.0, 10.0]))
+    assert emb.dtype == torch.float64
+    torch.testing.assert_close(emb[0], torch.tensor([1.0] * 4 + [0.0] * 4, dtype=torch.float64))
+    assert emb[1, 0] == math.cos(10.0) and emb[1, 4] == math.sin(10.0)
+
+
+def test_rope_split_matches_wan():
+    assert rope_split(128) == (44, 42, 42)
+    assert rope_split(24) == (8, 8, 8)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+
+    def score(pq, pk):
+        rq = Rope(rope_angles(torch.tensor([pq]), 16)).apply(q)
+        rk = Rope(rope_angles(torch.tensor([pk]), 16)).apply(k)
+        return (rq * rk).sum()
+
+    torch.testing.assert_close(score(3, 1), score(12, 10))
+    assert not torch.allclose(score(3, 1), score(3, 2))
+    rotated = Rope(rope_angles(torch.tensor([5]), 16)).apply(q)
+    torch.testing.assert_close(rotated.norm(), q.norm())  # a rotation keeps the norm
+
+
+def test_video_rope_uses_frame_row_column_tables():
+    ang = video_rope_angles((2, 3, 4), head_dim=24)
+    assert ang.shape == (24, 12)
+    # token (f=1, h=2, w=3) = index 1*12 + 2*4 + 3
+    tok = ang[1 * 12 + 2 * 4 + 3]
+    torch.testing.assert_close(tok[:4], rope_angles(torch.tensor(1), 8))
+    torch.testing.assert_close(tok[4:8], rope_angles(torch.tensor(2), 8))
+    torch.testing.assert_close(tok[8:], rope_angles(torch.tensor(3), 8))
+    # start_frame shifts only the temporal part
+    shifted = video_rope_angles((2, 3, 4), 24, start_frame=5)
+    torch.testing.assert_close(shifted[:, 4:], ang[:, 4:])
+    torch.testing.assert_close(shifted[0, :4], rope_angles(torch.tensor(5), 8))
+
+
+def _tiny_dit(cross="t2v"):
+    torch.manual_seed(0)
+    return WanModel(WanDiTArgs(dim=32, ffn_dim=64, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8,
+                               text_len=6, freq_dim=16, cross_attn_type=cross, clip_dim=12, clip_tokens=5)).eval()
+
+
+def test_per_token_timesteps_change_only_the_time_path():
+    model = _tiny_dit()
+    x = torch.randn(1, 4, 2, 4, 4)
+    ctx = torch.randn(1, 3, 8)
+    L = 2 * 2 * 2
+    t_scalar = model(x, torch.tensor([500.0]), ctx)
+    t_tokens = model(x, torch.full((1, L), 500.0), ctx)
+    torch.testing.assert_close(t_scalar, t_tokens)
+    t_mixed = torch.full((1, L), 500.0)
+    t_mixed[0, :4] = 0.0  # frame 0 clean, frame 1 noisy: per-token t must change the output
+    assert not torch.allclose(model(x, t_mixed, ctx), t_scalar)
+
+
+def test_i2v_cross_attention_needs_clip_and_uses_it():
+    model = _tiny_dit("i2v")
+    x, t, ctx = torch.randn(1, 4, 1, 4, 4), torch.tensor([100.0]), torch.randn(1, 6, 8)
+    with pytest.raises(ValueError, match="clip_feature"):
+        model(x, t, ctx)
+    a = model(x, t, ctx, torch.randn(1, 5, 12))
+    b = model(x, t, ctx, torch.randn(1, 5, 12))
+    assert not torch.allclose(a, b)
+
+
+def test_head_and_unpatchify_shapes_and_odd_height():
+    model = _tiny_dit()
+    out = model(torch.randn(2, 4, 3, 5, 6), torch.tensor([1.0, 2.0]), torch.randn(2, 6, 8))
+    assert out.shape == (2, 4, 3, 4, 6)  # odd latent height 5 loses its last row in the patch conv
+
+
+def test_text_context_is_zero_padded_and_too_long_is_refused():
+    model = _tiny_dit()
+    x, t = torch.randn(1, 4, 1, 4, 4), torch.tensor([10.0])
+    short = torch.randn(1, 3, 8)
+    padded = torch.cat([short, torch.zeros(1, 3, 8)], dim=1)
+    torch.testing.assert_close(model(x, t, short), model(x, t, padded))
+    with pytest.raises(ValueError, match="text_len"):
+        model(x, t, torch.randn(1, 7, 8))
