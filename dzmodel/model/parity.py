@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from .args import DreamZeroArgs, WanDiTArgs
 from .attention import teacher_forcing_mask
 from .objective import FlowMatchSchedule, action_timestep_ids, flow_matching_losses, tie_timestep_ids
-from .state_dict import load_strict
+from .state_dict import StateDictError, load_strict
 from .wam import DreamZeroWAM
 from .wan_dit import WanModel
 
@@ -83,20 +83,22 @@ def _get(meta: dict[str, str], key: str, path: str) -> str:
     return meta[key]
 
 
+def _convert(meta: dict[str, str], key: str, path: str, kind: str, fn):
+    value = _get(meta, key, path)
+    try:
+        return fn(value)
+    except ValueError:
+        raise FixtureError(f"{path}: metadata field {key!r} = {value!r} is not {kind}") from None
+
+
 def _int(meta, key, path, default=None) -> int:
     if default is not None and key not in meta:
         return default
-    try:
-        return int(_get(meta, key, path))
-    except ValueError:
-        raise FixtureError(f"{path}: metadata field {key!r} = {meta[key]!r} is not an integer") from None
+    return _convert(meta, key, path, "an integer", int)
 
 
 def _float(meta, key, path) -> float:
-    try:
-        return float(_get(meta, key, path))
-    except ValueError:
-        raise FixtureError(f"{path}: metadata field {key!r} = {meta[key]!r} is not a number") from None
+    return _convert(meta, key, path, "a number", float)
 
 
 def _bool(meta, key, path, default: bool) -> bool:
@@ -109,10 +111,7 @@ def _bool(meta, key, path, default: bool) -> bool:
 
 
 def _ints(meta, key, path) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in _get(meta, key, path).split(","))
-    except ValueError:
-        raise FixtureError(f"{path}: metadata field {key!r} = {meta[key]!r} is not a comma-separated int list") from None
+    return _convert(meta, key, path, "a comma-separated int list", lambda v: tuple(int(x) for x in v.split(",")))
 
 
 def _dit_fields(meta: dict[str, str], path: str) -> dict:
@@ -267,6 +266,9 @@ def run_parity(path: str | Path, tolerance: float = TOLERANCE) -> ParityResult:
     tensors, meta = read_fixture(path)
     kind = detect_kind(tensors)
     torch.manual_seed(0)
-    with torch.autocast("cpu", enabled=False):
-        errors = RUNNERS[kind](tensors, meta, str(path))
+    try:
+        with torch.autocast("cpu", enabled=False):
+            errors = RUNNERS[kind](tensors, meta, str(path))
+    except StateDictError as exc:
+        raise FixtureError(str(exc)) from exc
     return ParityResult(path=str(path), kind=kind, errors=errors, tolerance=tolerance)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -120,7 +121,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         raise StateDictError(f"{path}: not a valid safetensors file: {exc}") from exc
     except json.JSONDecodeError as exc:
         raise StateDictError(f"{path}: not valid JSON: {exc}") from exc
-    except RuntimeError as exc:  # torch.load's errors (bad zip, pickle refused by weights_only)
+    except (RuntimeError, pickle.UnpicklingError) as exc:  # torch.load: bad zip, or a pickle weights_only refused
         raise StateDictError(f"{path}: cannot read with torch.load(weights_only=True): {exc}") from exc
     raise StateDictError(f"{path}: unsupported weight file type (want .safetensors, .safetensors.index.json, .pth)")
 

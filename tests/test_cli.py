@@ -1,0 +1,118 @@
+"""The `dz` command line: model parity, info, manifest; clear errors for bad input."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dzmodel.cli import main
+
+FIXTURES = ["wan22_dit_tiny_reference", "wan22_vae_tiny_reference", "dreamzero_wam_tiny_reference"]
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_parity_passes_on_each_shared_fixture(fixtures_dir, name, capsys):
+    rc = main(["model", "parity", str(fixtures_dir / f"{name}.safetensors")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "PASS" in out and "max abs err" in out
+
+
+def test_parity_entry_point_runs_all_fixtures_in_one_call(fixtures_dir):
+    dz = Path(sys.executable).with_name("dz")
+    proc = subprocess.run([str(dz), "model", "parity", *[str(fixtures_dir / f"{n}.safetensors") for n in FIXTURES]],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("PASS") == 3
+    for kind in ("kind: dit", "kind: vae", "kind: wam"):
+        assert kind in proc.stdout
+
+
+def _copy_with(fixture: Path, out: Path, change) -> Path:
+    tensors = load_file(str(fixture))
+    with safe_open(str(fixture), "pt") as f:
+        meta = f.metadata()
+    change(tensors, meta)
+    save_file(tensors, str(out), metadata=meta)
+    return out
+
+
+def test_parity_fails_with_exit_1_on_a_tampered_output(fixtures_dir, tmp_path, capsys):
+    def bump(t, meta):
+        t["output.x"] = t["output.x"] + 1e-3
+
+    path = _copy_with(fixtures_dir / "wan22_dit_tiny_reference.safetensors", tmp_path / "tampered.safetensors", bump)
+    assert main(["model", "parity", str(path)]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_parity_wrong_fixture_missing_file_and_bad_metadata(fixtures_dir, tmp_path, capsys):
+    not_fixture = tmp_path / "weights.safetensors"
+    save_file({"a": torch.zeros(2)}, str(not_fixture))
+    assert main(["model", "parity", str(not_fixture)]) == 2
+    assert "not a recognised parity fixture" in capsys.readouterr().err
+
+    assert main(["model", "parity", str(tmp_path / "missing.safetensors")]) == 2
+    assert "fixture not found" in capsys.readouterr().err
+
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x00" * 64)
+    assert main(["model", "parity", str(garbage)]) == 2
+    assert "not a readable safetensors file" in capsys.readouterr().err
+
+    def drop_dim(t, meta):
+        del meta["dim"]
+
+    path = _copy_with(fixtures_dir / "wan22_dit_tiny_reference.safetensors", tmp_path / "nodim.safetensors", drop_dim)
+    assert main(["model", "parity", str(path)]) == 2
+    assert "'dim' is missing" in capsys.readouterr().err
+
+    def wrong_shape(t, meta):
+        t["weights.blocks.0.self_attn.q.weight"] = torch.zeros(3, 3)
+
+    path = _copy_with(fixtures_dir / "wan22_dit_tiny_reference.safetensors", tmp_path / "shape.safetensors", wrong_shape)
+    assert main(["model", "parity", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "shape mismatch" in err and "blocks.0.self_attn.q.weight" in err
+
+
+def test_parity_reads_dims_from_metadata_not_constants(fixtures_dir, tmp_path, capsys):
+    """A fixture of other dims: regenerate the DiT fixture's outputs with a different depth."""
+    from dzmodel.model.parity import dit_args_from_metadata
+    from dzmodel.model.wan_dit import WanModel
+
+    src = fixtures_dir / "wan22_dit_tiny_reference.safetensors"
+    tensors = load_file(str(src))
+    with safe_open(str(src), "pt") as f:
+        meta = dict(f.metadata())
+    meta["num_layers"] = "1"
+    model = WanModel(dit_args_from_metadata(meta))
+    weights = {k: v for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        out = model(tensors["input.x"][None], tensors["input.t"], tensors["input.context"][None])[0]
+    new = {f"weights.{k}": v for k, v in weights.items()}
+    new.update({k: v for k, v in tensors.items() if k.startswith("input.")})
+    new["output.x"] = out
+    path = tmp_path / "one_layer.safetensors"
+    save_file(new, str(path), metadata=meta)
+    assert main(["model", "parity", str(path)]) == 0
+
+
+def test_model_info_lists_presets(capsys):
+    assert main(["model", "info"]) == 0
+    out = capsys.readouterr().out
+    assert "dreamzero_5b" in out and "5,606,692,832" in out and "16,484,292,448" in out
+    assert main(["model", "info", "--preset", "bogus"]) == 2
+
+
+def test_model_manifest_checks_all_six_entries(capsys):
+    assert main(["model", "manifest"]) == 0
+    out = capsys.readouterr().out
+    for entry in ("wan2.2_ti2v_5b_dit", "wan2.1_i2v_14b_dit", "wan2.2_vae", "wan2.1_vae", "umt5_xxl_encoder",
+                  "wan2.1_clip_xlm_roberta_vit_h_14_visual"):
+        assert f"{entry}: identical" in out
