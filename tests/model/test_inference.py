@@ -78,3 +78,65 @@ def test_q99_normalisation_round_trips_and_clips():
     np.testing.assert_allclose(n, [0.0, 0.5, 5.0])  # identity where q01 == q99
     np.testing.assert_allclose(st.unnormalize(n), x)
     assert st.normalize(np.array([20.0, -9.0, 5.0]))[:2].tolist() == [1.0, -1.0]
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory):
+    from dzmodel.model.components import build_tiny_policy
+
+    return build_tiny_policy(tmp_path_factory.mktemp("tok"))
+
+
+def _obs(rng, frames=1, prompt="pick up the red block", session="s"):
+    shape = (64, 64, 3) if frames == 1 else (frames, 64, 64, 3)
+    return {"images": rng.integers(0, 255, shape, dtype=np.uint8), "state": rng.uniform(-1, 1, 8),
+            "prompt": prompt, "session_id": session}
+
+
+def test_predict_actions_returns_an_unnormalised_chunk(tiny_policy):
+    rng = np.random.default_rng(0)
+    from dzmodel.model.inference import NormStats
+
+    tiny_policy.action_stats = NormStats(q01=np.full(7, 10.0), q99=np.full(7, 20.0))
+    try:
+        actions = tiny_policy.predict_actions(_obs(rng))
+    finally:
+        tiny_policy.action_stats = NormStats(q01=-np.ones(7), q99=np.ones(7))
+    assert actions.shape == (tiny_policy.model.args.num_action_per_block, 7)
+    assert (actions >= 10.0).all() and (actions <= 20.0).all()  # mapped back from [-1, 1] to [q01, q99]
+
+
+def test_kv_cache_grows_within_a_session_and_resets(tiny_policy):
+    rng = np.random.default_rng(1)
+    nfpb = tiny_policy.model.args.num_frame_per_block
+    tiny_policy.predict_actions(_obs(rng, session="a"))
+    assert tiny_policy.sessions["a"].caches[0].num_frames == 1
+    tiny_policy.predict_actions(_obs(rng, frames=4 * nfpb, session="a"))  # one more latent block
+    assert tiny_policy.sessions["a"].caches[0].num_frames == 1 + nfpb
+    tokens_before = tiny_policy.sessions["a"].caches[0].num_tokens
+    assert tokens_before == (1 + nfpb) * 4  # 4 tokens per latent frame at 64x64
+    tiny_policy.predict_actions(_obs(rng, session="b"))  # another session keeps its own cache
+    assert tiny_policy.sessions["a"].caches[0].num_tokens == tokens_before
+    tiny_policy.predict_actions(_obs(rng, frames=4 * nfpb, prompt="open the drawer", session="a"))  # new prompt
+    assert tiny_policy.sessions["a"].caches[0].num_frames == 1
+    tiny_policy.predict_actions(_obs(rng, frames=4 * nfpb, session="a"))
+    tiny_policy.predict_actions(_obs(rng, frames=4 * nfpb, session="a"))  # window full -> restart from the last frame
+    assert tiny_policy.sessions["a"].caches[0].num_frames <= tiny_policy.model.args.local_attn_size - nfpb
+
+
+def test_predict_actions_is_deterministic_per_seed(tiny_policy):
+    rng = np.random.default_rng(2)
+    obs = _obs(rng, session="d1")
+    a = tiny_policy.predict_actions(obs)
+    b = tiny_policy.predict_actions(dict(obs, session_id="d2"))
+    np.testing.assert_array_equal(a, b)
+
+
+def test_bad_observations_are_refused(tiny_policy):
+    rng = np.random.default_rng(3)
+    with pytest.raises(ValueError, match="missing 'prompt'"):
+        tiny_policy.predict_actions({"images": np.zeros((64, 64, 3), np.uint8), "state": np.zeros(8)})
+    with pytest.raises(ValueError, match="uint8"):
+        tiny_policy.predict_actions(dict(_obs(rng), images=np.zeros((64, 64, 3), np.float32)))
+    with pytest.raises(ValueError, match="state has 3 dims"):
+        tiny_policy.predict_actions(dict(_obs(rng), state=np.zeros(3)))
