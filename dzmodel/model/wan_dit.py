@@ -116,7 +116,9 @@ class Rope:
 # --- attention -----------------------------------------------------------------
 
 
-class WanSelfAttention(nn.Module):
+class AttentionProjections(nn.Module):
+    """q, k, v, o Linears (with bias) and RMSNorms on q and k over the full dim: WAN's attention weights."""
+
     def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6):
         super().__init__()
         self.num_heads = num_heads
@@ -127,6 +129,9 @@ class WanSelfAttention(nn.Module):
         self.o = nn.Linear(dim, dim)
         self.norm_q = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
         self.norm_k = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+
+
+class WanSelfAttention(AttentionProjections):
 
     def qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Roped q, k and v as [B, L, H, D]."""
@@ -148,19 +153,8 @@ class WanSelfAttention(nn.Module):
         return self.o(attention(q, k, v, mask).flatten(2)), own
 
 
-class WanT2VCrossAttention(nn.Module):
+class WanT2VCrossAttention(AttentionProjections):
     """Text cross-attention. No RoPE and no key mask: T5 padding rows are zeros and are attended (WAN)."""
-
-    def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6):
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
-        self.v = nn.Linear(dim, dim)
-        self.o = nn.Linear(dim, dim)
-        self.norm_q = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
-        self.norm_k = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], -1, self.num_heads, self.head_dim)
