@@ -3,6 +3,7 @@
     dz model parity FIXTURE [FIXTURE ...]   reproduce reference fixtures (exit 1 above tolerance)
     dz model info [--preset NAME]           parameter counts of the presets
     dz model manifest                       check our modules against the WAN checkpoint manifest
+    dz model tokenizer OUT                  build the small offline tokenizer of the embedded default
     dz bench model ...                      bf16 forward+backward timing on a GPU
 """
 
@@ -63,6 +64,17 @@ def cmd_model_manifest(ns: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_FAIL
 
 
+def cmd_model_tokenizer(ns: argparse.Namespace) -> int:
+    from .model.tokenizer import build_tiny_tokenizer, load_tokenizer
+
+    out = build_tiny_tokenizer(ns.out, vocab_size=ns.vocab_size)
+    tok = load_tokenizer(out)
+    ids, mask = tok(["pick up the red block and place it in the basket"], max_length=16)
+    print(f"wrote a {tok.vocab_size}-token tokenizer to {out}")
+    print(f"example ids: {ids[0, : int(mask.sum())].tolist()}")
+    return EXIT_OK
+
+
 # --- dz bench ----------------------------------------------------------------------
 
 def cmd_bench_model(ns: argparse.Namespace) -> int:
@@ -99,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = model.add_parser("info", help="parameter counts of the presets")
     p.add_argument("--preset")
     p.set_defaults(func=cmd_model_info)
+    p = model.add_parser("tokenizer", help="build the small offline tokenizer of the embedded default")
+    p.add_argument("out", help="directory to write (tokenizer.json, tokenizer_config.json, special_tokens_map.json)")
+    p.add_argument("--vocab-size", type=int, default=640)
+    p.set_defaults(func=cmd_model_tokenizer)
     p = model.add_parser("manifest", help="check module keys/shapes against the WAN checkpoint manifest")
     p.set_defaults(func=cmd_model_manifest)
 

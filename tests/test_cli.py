@@ -116,3 +116,12 @@ def test_model_manifest_checks_all_six_entries(capsys):
     for entry in ("wan2.2_ti2v_5b_dit", "wan2.1_i2v_14b_dit", "wan2.2_vae", "wan2.1_vae", "umt5_xxl_encoder",
                   "wan2.1_clip_xlm_roberta_vit_h_14_visual"):
         assert f"{entry}: identical" in out
+
+
+def test_model_tokenizer_builds_a_loadable_directory(tmp_path, capsys):
+    from dzmodel.model.tokenizer import load_tokenizer
+
+    assert main(["model", "tokenizer", str(tmp_path / "tok")]) == 0
+    assert "640-token tokenizer" in capsys.readouterr().out
+    ids, mask = load_tokenizer(tmp_path / "tok")(["open the drawer"], max_length=8)
+    assert ids.shape == (1, 8) and int(mask.sum()) >= 2
