@@ -256,7 +256,11 @@ class DreamZeroPolicy:
         return session
 
     def _extend(self, session: _Session, frames: torch.Tensor) -> bool:
-        """Add new frames; prefill every newly complete block. False when the window is full."""
+        """Add new frames; prefill every newly complete block. False when the window is full.
+
+        The session's raw frames (at most one training window, 4·(local_attn_size−1)+1) are re-encoded
+        each call: the VAE is causal, so earlier latents do not change. A streaming VAE cache would
+        avoid the re-encode; it is not needed at these window sizes."""
         a = self.model.args
         session.frames = torch.cat([session.frames, frames], dim=2)
         usable = 1 + 4 * ((session.frames.shape[2] - 1) // 4)
