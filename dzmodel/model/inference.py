@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..data.transforms import NormStats  # noqa: F401  (re-exported: the policy's q99 stats)
 from .objective import FlowMatchSchedule
 from .wam import DreamZeroWAM
 from .wan_dit import Rope
@@ -147,25 +148,6 @@ def sample_block(model: DreamZeroWAM, caches: tuple[KVCache, KVCache | None], co
 
 class VideoEncoder(Protocol):
     def encode(self, video: torch.Tensor) -> torch.Tensor: ...  # [B,3,T,H,W] in [-1,1] -> normalised latents
-
-
-@dataclass
-class NormStats:
-    """q99 normalisation: x̂ = clip(2(x − q01)/(q99 − q01) − 1, −1, 1); identity where q01 == q99."""
-
-    q01: np.ndarray
-    q99: np.ndarray
-
-    def normalize(self, x: np.ndarray) -> np.ndarray:
-        span = self.q99 - self.q01
-        safe = np.where(span == 0, 1.0, span)
-        out = np.clip(2 * (x - self.q01) / safe - 1, -1, 1)
-        return np.where(span == 0, x, out)
-
-    def unnormalize(self, x: np.ndarray) -> np.ndarray:
-        span = self.q99 - self.q01
-        out = (np.clip(x, -1, 1) + 1) / 2 * span + self.q01
-        return np.where(span == 0, x, out)
 
 
 @dataclass

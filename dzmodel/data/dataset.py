@@ -1,0 +1,179 @@
+"""From a LeRobot dataset and an embodiment to training samples, and a loader over several datasets.
+
+`WindowDataset.sample(anchor, position)` returns one sample:
+    images  uint8 [1 + f·K, H, W, 3]   the views, transformed and laid out
+    state   float32 [K, S]             q99-normalised, one row per chunk anchor
+    action  float32 [K·H, A]           q99-normalised (relative keys made relative first)
+    prompt  str                        the embodiment's template around the frame's task
+Sample randomness (crop, jitter) is seeded by (seed, global position): see transforms.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .embodiments import Embodiment
+from .errors import DataError
+from .sampling import AnchorIndex, SampleStream, WindowSpec, task_segments
+from .transforms import NormStats, compose_layout, relative_action_dims, to_relative, transform_view
+
+
+def load_statistics(metadata_path: str | Path, tag: str) -> dict:
+    """The `statistics` block of one embodiment tag in a metadata.json (reference §4.2)."""
+    path = Path(metadata_path)
+    if not path.is_file():
+        raise DataError(f"metadata file not found: {path} (run `dz data metadata` first)")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: not valid JSON: {exc}") from exc
+    if tag not in meta:
+        raise DataError(f"{path}: no entry for embodiment {tag!r} (has: {', '.join(meta) or 'none'})")
+    if "statistics" not in meta[tag]:
+        raise DataError(f"{path}: entry {tag!r} has no 'statistics'")
+    return meta[tag]["statistics"]
+
+
+@dataclass
+class KeyLayout:
+    widths: dict[str, int]
+    state_dim: int
+    action_dim: int
+
+
+class WindowDataset:
+    """One LeRobot dataset seen through one embodiment."""
+
+    def __init__(self, reader: Any, embodiment: Embodiment, spec: WindowSpec, statistics: dict | None,
+                 train: bool = True, seed: int = 0, video_backend: str = "auto"):
+        self.reader, self.emb, self.spec = reader, embodiment, spec
+        self.train, self.seed, self.video_backend = train, seed, video_backend
+        self.keys = self._check_keys()
+        self.pairs = relative_action_dims(embodiment, self.keys.widths)
+        segments = []
+        for ep in reader.episodes:
+            per_frame = reader.task_per_frame(ep.index) if len(set(ep.tasks)) > 1 else None
+            segments += task_segments(ep.index, per_frame, ep.length)
+        self.index = AnchorIndex(segments, spec)
+        self.state_stats = self.action_stats = None
+        if statistics is not None:
+            self.state_stats = NormStats.from_metadata(statistics, [k.name for k in embodiment.state], "state")
+            rel = set(embodiment.relative_action_keys)
+            parts = [NormStats.from_metadata(statistics, [k.name], "relative_action" if k.name in rel else "action")
+                     for k in embodiment.action]
+            self.action_stats = NormStats(q01=np.concatenate([p.q01 for p in parts]),
+                                          q99=np.concatenate([p.q99 for p in parts]))
+
+    def _check_keys(self) -> KeyLayout:
+        feats = self.reader.features
+        where = f"{self.reader.root} with embodiment {self.emb.tag!r} ({self.emb.source})"
+        for short, key in self.emb.views.items():
+            if key not in feats:
+                raise DataError(f"{where}: view {short!r} -> {key!r} is not a video/image feature of the dataset "
+                                f"(has: {', '.join(sorted(self.reader.video_keys))})")
+        widths = {}
+        for group in (self.emb.state, self.emb.action):
+            for k in group:
+                if k.column not in feats:
+                    raise DataError(f"{where}: column {k.column!r} (key {k.name!r}) is not in the dataset")
+                shape = tuple(feats[k.column].shape) or (1,)
+                col_w = int(np.prod(shape))
+                if k.end is not None and k.end > col_w:
+                    raise DataError(f"{where}: key {k.name!r} slices [{k.start}:{k.end}] of {k.column!r}, "
+                                    f"which has only {col_w} dims")
+                w = k.width(col_w)
+                if k.dim is not None and w != k.dim:
+                    raise DataError(f"{where}: key {k.name!r} expects {k.dim} dims, column {k.column!r} gives {w}")
+                prev = widths.get(k.name)
+                if prev is not None and prev != w:
+                    raise DataError(f"{where}: key {k.name!r} has {prev} state dims but {w} action dims")
+                widths[k.name] = w
+        return KeyLayout(widths=widths, state_dim=sum(widths[k.name] for k in self.emb.state),
+                         action_dim=sum(widths[k.name] for k in self.emb.action))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _vectors(self, cols: dict[str, np.ndarray], keys, rows: np.ndarray, episode: int) -> np.ndarray:
+        parts = []
+        for k in keys:
+            col = np.asarray(cols[k.column], dtype=np.float64)
+            col = col.reshape(col.shape[0], -1)
+            part = k.take(col[rows], col.shape[1])
+            if not np.isfinite(part).all():
+                raise DataError(f"{self.reader.root}: non-finite values in {k.column!r} (key {k.name!r}) "
+                                f"of episode {episode}")
+            parts.append(part)
+        return np.concatenate(parts, axis=1)
+
+    def sample(self, anchor: int, position: int = 0) -> dict:
+        w = self.index.window(anchor)
+        columns = sorted({k.column for k in self.emb.state + self.emb.action})
+        cols = self.reader.read_columns(w.episode, columns)
+        state = self._vectors(cols, self.emb.state, w.state_rows, w.episode)
+        action = self._vectors(cols, self.emb.action, w.action_rows, w.episode)
+        if self.pairs:
+            action = to_relative(action, state, self.spec.action_horizon, self.pairs)
+        if self.state_stats is not None:
+            state = self.state_stats.normalize(state)
+            action = self.action_stats.normalize(action)
+        rng = np.random.default_rng([self.seed, position])
+        views = {}
+        for short, key in self.emb.views.items():
+            frames = self.reader.read_frames(w.episode, key, w.frames.tolist(), backend=self.video_backend)
+            views[short] = transform_view(frames, self.emb.view_size, self.train, rng, self.emb.crop_scale,
+                                          self.emb.color_jitter)
+        task = self.reader.task_per_frame(w.episode)[int(w.start)]
+        return {
+            "images": compose_layout(self.emb, views),
+            "state": torch.from_numpy(state.astype(np.float32)),
+            "action": torch.from_numpy(action.astype(np.float32)),
+            "prompt": self.emb.prompt(task),
+            "embodiment_id": self.emb.tag_id,
+            "has_real_action": True,
+        }
+
+
+class MixtureDataset(torch.utils.data.Dataset):
+    """Index with (dataset id, anchor, global position) tuples from a `StreamSampler`."""
+
+    def __init__(self, datasets: Sequence[WindowDataset]):
+        if not datasets:
+            raise DataError("a mixture needs at least one dataset")
+        sizes = {tuple(d.emb.image_size) for d in datasets}
+        if len(sizes) > 1:
+            raise DataError(f"datasets in one mixture must lay out to the same frame size, got {sorted(sizes)}")
+        self.datasets = list(datasets)
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self.datasets)
+
+    def __getitem__(self, item: tuple[int, int, int]) -> dict:
+        ds, anchor, position = item
+        return self.datasets[ds].sample(anchor, position)
+
+
+class StreamSampler(torch.utils.data.Sampler):
+    """Feeds a DataLoader from a SampleStream, starting at the stream's saved position."""
+
+    def __init__(self, stream: SampleStream, num_samples: int | None = None):
+        self.stream = stream
+        self.num_samples = num_samples
+
+    def __iter__(self):
+        start = self.stream.position
+        n = 0
+        while self.num_samples is None or n < self.num_samples:
+            yield self.stream.peek(start + n)
+            n += 1
+
+    def __len__(self) -> int:
+        if self.num_samples is None:
+            raise TypeError("an endless StreamSampler has no length")
+        return self.num_samples

@@ -1,0 +1,222 @@
+"""Embodiments: how a robot's dataset maps onto the model's inputs, defined in YAML alone.
+
+`embodiments.yaml` beside this file holds the built-in `libero_sim`, `oxe_droid` and `franka_pnp`
+(reference §4.5). Users add robots with their own YAML (same schema); no code changes. Every field is
+validated here, and a bad entry gets one error naming the file, the embodiment and the field.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from .errors import DataError
+
+BUILTIN_YAML = Path(__file__).with_name("embodiments.yaml")
+SAMPLING_MODES = ("multi_anchor", "fixed_window")
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """A state/action key: a dataset column, optionally a [start, end) slice of it, optionally a checked dim."""
+
+    name: str
+    column: str
+    start: int | None = None
+    end: int | None = None
+    dim: int | None = None
+
+    def width(self, column_width: int) -> int:
+        start = self.start or 0
+        end = column_width if self.end is None else self.end
+        return end - start
+
+    def take(self, values, column_width: int):
+        """values [..., column_width] -> [..., width]."""
+        start = self.start or 0
+        end = column_width if self.end is None else self.end
+        return values[..., start:end]
+
+
+@dataclass(frozen=True)
+class LayoutCell:
+    view: str
+    width: int = 1   # in view widths
+
+
+@dataclass(frozen=True)
+class Embodiment:
+    tag: str
+    tag_id: int
+    views: dict[str, str]
+    view_size: tuple[int, int]
+    layout: tuple[tuple[LayoutCell, ...], ...]
+    state: tuple[KeySpec, ...]
+    action: tuple[KeySpec, ...]
+    action_horizon: int
+    relative_action_keys: tuple[str, ...] = ()
+    layout_sentence: str = ""
+    prompt_template: str = "{instruction}"
+    crop_scale: float = 0.95
+    color_jitter: dict[str, float] = field(default_factory=dict)
+    sampling: str = "multi_anchor"
+    source: str = "<dict>"
+
+    @property
+    def image_size(self) -> tuple[int, int]:
+        """(H, W) of the multi-view frame after the layout."""
+        h, w = self.view_size
+        widths = {sum(c.width for c in row) for row in self.layout}
+        return (h * len(self.layout), w * max(widths))
+
+    def prompt(self, instruction: str) -> str:
+        instr = instruction.strip().rstrip(".").lower()
+        return self.prompt_template.format(instruction=instr, layout_sentence=self.layout_sentence.strip())
+
+    def columns(self) -> list[str]:
+        return sorted({k.column for k in self.state + self.action})
+
+
+# --- parsing ---------------------------------------------------------------------------
+
+def _fail(source: str, tag: str, field_name: str, why: str) -> DataError:
+    return DataError(f"{source}: embodiment {tag!r}, field {field_name!r}: {why}")
+
+
+_ALLOWED = {"tag_id", "views", "view_size", "layout", "state", "action", "action_horizon", "relative_action_keys",
+            "layout_sentence", "prompt_template", "crop_scale", "color_jitter", "sampling"}
+_REQUIRED = {"views", "view_size", "layout", "state", "action", "action_horizon"}
+
+
+def _keyspecs(raw: Any, source: str, tag: str, field_name: str) -> tuple[KeySpec, ...]:
+    if not isinstance(raw, Mapping) or not raw:
+        raise _fail(source, tag, field_name, "must be a non-empty mapping key -> {column, slice?, dim?}")
+    out = []
+    for name, spec in raw.items():
+        if isinstance(spec, str):
+            spec = {"column": spec}
+        if not isinstance(spec, Mapping) or "column" not in spec:
+            raise _fail(source, tag, f"{field_name}.{name}", "needs a 'column'")
+        unknown = set(spec) - {"column", "slice", "dim"}
+        if unknown:
+            raise _fail(source, tag, f"{field_name}.{name}", f"unknown keys {sorted(unknown)}")
+        start = end = None
+        if "slice" in spec:
+            sl = spec["slice"]
+            if not (isinstance(sl, (list, tuple)) and len(sl) == 2 and all(isinstance(v, int) for v in sl) and 0 <= sl[0] < sl[1]):
+                raise _fail(source, tag, f"{field_name}.{name}.slice", f"must be [start, end) with 0 <= start < end, got {sl!r}")
+            start, end = sl
+        dim = spec.get("dim")
+        if dim is not None and (not isinstance(dim, int) or dim < 1):
+            raise _fail(source, tag, f"{field_name}.{name}.dim", f"must be a positive int, got {dim!r}")
+        if dim is not None and start is not None and end - start != dim:
+            raise _fail(source, tag, f"{field_name}.{name}", f"slice {[start, end]} has {end - start} dims, dim says {dim}")
+        out.append(KeySpec(name=str(name), column=str(spec["column"]), start=start, end=end, dim=dim))
+    return tuple(out)
+
+
+def parse_embodiment(tag: str, raw: Mapping[str, Any], source: str = "<dict>") -> Embodiment:
+    if not isinstance(raw, Mapping):
+        raise DataError(f"{source}: embodiment {tag!r} must be a mapping, got {type(raw).__name__}")
+    unknown = set(raw) - _ALLOWED
+    if unknown:
+        raise _fail(source, tag, sorted(unknown)[0], f"unknown field; allowed: {sorted(_ALLOWED)}")
+    missing = _REQUIRED - set(raw)
+    if missing:
+        raise _fail(source, tag, sorted(missing)[0], "is required")
+    views = raw["views"]
+    if not isinstance(views, Mapping) or not views or not all(isinstance(v, str) for v in views.values()):
+        raise _fail(source, tag, "views", "must map short names to dataset video keys")
+    size = raw["view_size"]
+    if not (isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(v, int) and v > 0 for v in size)):
+        raise _fail(source, tag, "view_size", f"must be [H, W] positive ints, got {size!r}")
+    rows = raw["layout"]
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, list) and r for r in rows):
+        raise _fail(source, tag, "layout", "must be a non-empty list of non-empty rows of view names")
+    layout = []
+    for row in rows:
+        cells = []
+        for cell in row:
+            m = re.fullmatch(r"([^*\s]+)(?:\*(\d+))?", str(cell))
+            if not m or m.group(1) not in views:
+                raise _fail(source, tag, "layout", f"{cell!r} is not a view name (views: {sorted(views)})")
+            cells.append(LayoutCell(view=m.group(1), width=int(m.group(2) or 1)))
+        layout.append(tuple(cells))
+    widths = {sum(c.width for c in row) for row in layout}
+    if len(widths) != 1:
+        raise _fail(source, tag, "layout", f"rows must have equal total width, got {sorted(widths)}")
+    horizon = raw["action_horizon"]
+    if not isinstance(horizon, int) or horizon < 1:
+        raise _fail(source, tag, "action_horizon", f"must be a positive int, got {horizon!r}")
+    state = _keyspecs(raw["state"], source, tag, "state")
+    action = _keyspecs(raw["action"], source, tag, "action")
+    rel = tuple(raw.get("relative_action_keys") or ())
+    state_names = {k.name for k in state}
+    action_names = {k.name for k in action}
+    for key in rel:
+        if key not in action_names or key not in state_names:
+            raise _fail(source, tag, "relative_action_keys", f"{key!r} must name both an action key and a state key")
+    template = raw.get("prompt_template", "{instruction}")
+    if "{instruction}" not in str(template):
+        raise _fail(source, tag, "prompt_template", "must contain {instruction}")
+    scale = float(raw.get("crop_scale", 0.95))
+    if not 0 < scale <= 1:
+        raise _fail(source, tag, "crop_scale", f"must be in (0, 1], got {scale}")
+    jitter = dict(raw.get("color_jitter") or {})
+    bad = set(jitter) - {"brightness", "contrast", "saturation", "hue"}
+    if bad:
+        raise _fail(source, tag, "color_jitter", f"unknown keys {sorted(bad)}")
+    if not 0 <= float(jitter.get("hue", 0)) <= 0.5:
+        raise _fail(source, tag, "color_jitter.hue", "must be in [0, 0.5]")
+    sampling = raw.get("sampling", "multi_anchor")
+    if sampling not in SAMPLING_MODES:
+        raise _fail(source, tag, "sampling", f"must be one of {SAMPLING_MODES}, got {sampling!r}")
+    tag_id = raw.get("tag_id", 0)
+    if not isinstance(tag_id, int):
+        raise _fail(source, tag, "tag_id", f"must be an int, got {tag_id!r}")
+    return Embodiment(tag=tag, tag_id=tag_id, views=dict(views), view_size=(size[0], size[1]), layout=tuple(layout),
+                      state=state, action=action, action_horizon=horizon, relative_action_keys=rel,
+                      layout_sentence=str(raw.get("layout_sentence", "")), prompt_template=str(template),
+                      crop_scale=scale, color_jitter={k: float(v) for k, v in jitter.items()}, sampling=sampling,
+                      source=source)
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    if not path.is_file():
+        raise DataError(f"embodiment file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise DataError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: must map embodiment tags to their configs")
+    return data
+
+
+def load_embodiments(paths: Iterable[str | Path] = (), extra: Mapping[str, Mapping] | None = None,
+                     include_builtin: bool = True) -> dict[str, Embodiment]:
+    """The registry: built-ins, then each YAML file, then `extra` (later entries replace earlier ones)."""
+    registry: dict[str, Embodiment] = {}
+    sources: list[tuple[str, dict]] = []
+    if include_builtin:
+        sources.append((str(BUILTIN_YAML), _read_yaml(BUILTIN_YAML)))
+    for p in paths:
+        sources.append((str(p), _read_yaml(Path(p))))
+    if extra:
+        sources.append(("<params>", dict(extra)))
+    for source, entries in sources:
+        for tag, raw in entries.items():
+            registry[str(tag)] = parse_embodiment(str(tag), raw, source)
+    return registry
+
+
+def get_embodiment(tag: str, registry: Mapping[str, Embodiment] | None = None) -> Embodiment:
+    registry = load_embodiments() if registry is None else registry
+    if tag not in registry:
+        raise DataError(f"unknown embodiment tag {tag!r}; known: {', '.join(sorted(registry))} "
+                        f"(add one with a YAML entry, see {BUILTIN_YAML.name})")
+    return registry[tag]

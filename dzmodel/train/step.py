@@ -1,0 +1,36 @@
+"""One supervised fine-tuning step's loss: collated batch -> frozen encoders -> noised inputs -> WAM -> losses."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.conditioning import encode_batch
+from ..model.objective import FlowMatchSchedule, Losses, flow_matching_losses, sample_timestep_ids
+from ..model.wam import DreamZeroWAM
+
+
+def sft_losses(model: DreamZeroWAM, encoders, batch: dict[str, torch.Tensor], schedule: FlowMatchSchedule,
+               generator: torch.Generator | None = None, attn_backend: str = "auto") -> Losses:
+    """`batch` follows dzmodel.data.collate; `encoders` has .vae, .text_encoder, .image_encoder."""
+    a = model.args
+    dev = model.patch_embedding.weight.device
+    batch = {k: v.to(dev) for k, v in batch.items()}
+    enc = encode_batch(a, encoders.vae, encoders.text_encoder, encoders.image_encoder, batch["images"],
+                       batch["text"], batch["text_attention_mask"])
+    latents = enc.clean_latents.float()
+    B, F = latents.shape[0], latents.shape[2]
+    actions, state = batch["action"], batch["state"]
+    blocks = (F - 1) // a.num_frame_per_block
+    if actions.shape[1] != blocks * a.num_action_per_block:
+        raise ValueError(f"the batch has {actions.shape[1]} action rows, the model wants {blocks} chunks x "
+                         f"{a.num_action_per_block} (embodiment action_horizon must equal num_action_per_block)")
+    _, ids, aids = sample_timestep_ids(B, F, a.num_frame_per_block, a.num_action_per_block, generator=generator,
+                                       device="cpu")
+    ids, aids = ids.to(dev), aids.to(dev)
+    noise = torch.randn(latents.shape, generator=generator).to(dev)
+    noise_a = torch.randn(actions.shape, generator=generator).to(dev)
+    out = model(schedule.add_noise(latents, noise, ids, 2), latents, schedule.timestep(ids),
+                schedule.add_noise(actions, noise_a, aids, 1), schedule.timestep(aids), state,
+                enc.context, enc.clip_feature, y=enc.y, attn_backend=attn_backend)
+    return flow_matching_losses(schedule, out.video_pred, out.action_pred, latents, noise, actions, noise_a,
+                                ids, aids, batch["action_mask"], batch["has_real_action"])

@@ -1,0 +1,75 @@
+"""Embodiments from YAML: the built-ins, a new robot from YAML alone, and clear errors."""
+
+import pytest
+
+from dzmodel.data.embodiments import get_embodiment, load_embodiments, parse_embodiment
+from dzmodel.data.errors import DataError
+
+
+def test_builtins_match_the_reference():
+    reg = load_embodiments()
+    assert {"libero_sim", "oxe_droid", "franka_pnp"} <= set(reg)
+    lib, droid, franka = reg["libero_sim"], reg["oxe_droid"], reg["franka_pnp"]
+    assert lib.action_horizon == 16 and droid.action_horizon == 24 and franka.action_horizon == 12
+    assert lib.image_size == (256, 512) and droid.image_size == (352, 640) and franka.image_size == (256, 512)
+    assert droid.relative_action_keys == ("joint_position",)
+    assert [c.width for c in droid.layout[0]] == [2]
+    assert lib.tag_id == 21 and droid.tag_id == 17
+    p = lib.prompt("Put the Bowl on the plate.")
+    assert p.startswith("A multi-view video shows that a robot put the bowl on the plate The video is split")
+    assert p.endswith("The robot put the bowl on the plate")
+
+
+def test_a_new_embodiment_from_yaml_alone(tmp_path):
+    path = tmp_path / "my_robots.yaml"
+    path.write_text("""
+ur5_kitchen:
+  tag_id: 40
+  views: {front: observation.images.front, side: observation.images.side, hand: observation.images.hand}
+  view_size: [64, 96]
+  layout: [[front, side], ["hand*2"]]
+  state: {joints: {column: observation.state, slice: [0, 6]}, gripper: {column: observation.state, slice: [6, 7]}}
+  action: {joints: {column: action, slice: [0, 6]}, gripper: {column: action, slice: [6, 7]}}
+  action_horizon: 10
+  relative_action_keys: [joints]
+  prompt_template: "The arm will {instruction}."
+  sampling: fixed_window
+""")
+    reg = load_embodiments([path])
+    emb = get_embodiment("ur5_kitchen", reg)
+    assert emb.image_size == (128, 192)
+    assert emb.prompt("Open The Fridge") == "The arm will open the fridge."
+    assert emb.relative_action_keys == ("joints",) and emb.sampling == "fixed_window"
+    assert "libero_sim" in reg  # built-ins stay
+
+
+@pytest.mark.parametrize("patch,field", [
+    ({"sampling": "random"}, "sampling"),
+    ({"view_size": [0, 10]}, "view_size"),
+    ({"layout": [["nope"]]}, "layout"),
+    ({"layout": [["a", "b"], ["a"]]}, "layout"),
+    ({"action_horizon": 0}, "action_horizon"),
+    ({"relative_action_keys": ["x"]}, "relative_action_keys"),
+    ({"state": {"s": {"column": "c", "slice": [3, 1]}}}, "state.s.slice"),
+    ({"state": {"s": {"column": "c", "slice": [0, 3], "dim": 4}}}, "state.s"),
+    ({"prompt_template": "no placeholder"}, "prompt_template"),
+    ({"colour": 1}, "colour"),
+])
+def test_bad_fields_name_the_field(patch, field):
+    raw = {"views": {"a": "k1", "b": "k2"}, "view_size": [8, 8], "layout": [["a", "b"]],
+           "state": {"s": {"column": "c"}}, "action": {"a": {"column": "d"}}, "action_horizon": 4}
+    raw.update(patch)
+    with pytest.raises(DataError) as exc:
+        parse_embodiment("bot", raw, source="robots.yaml")
+    assert "robots.yaml" in str(exc.value) and "'bot'" in str(exc.value) and f"'{field}'" in str(exc.value)
+
+
+def test_unknown_tag_and_bad_files(tmp_path):
+    with pytest.raises(DataError, match="unknown embodiment tag 'nao'.*libero_sim"):
+        get_embodiment("nao")
+    with pytest.raises(DataError, match="not found"):
+        load_embodiments([tmp_path / "missing.yaml"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [unclosed")
+    with pytest.raises(DataError, match="bad.yaml: not valid YAML"):
+        load_embodiments([bad])
