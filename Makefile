@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # Offline and quiet: no telemetry, no hub access, one compute thread per loader.
 export HF_HUB_OFFLINE := 1
@@ -21,10 +22,14 @@ setup: $(STAMP)
 # torch==2.13.0 comes FIRST: on CPU machines it is the local CPU wheel; any later unpinned
 # torch requirement is then already satisfied and pulls no CUDA wheels.
 $(STAMP): pyproject.toml Makefile
+	@dpkg -s ffmpeg >/dev/null 2>&1 || { echo "installing Debian's ffmpeg (shared libraries for torchcodec)"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends ffmpeg; }
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,data]'
+	@# lerobot 0.4.4 without its pins (they would pull CUDA torch 2.10): only its dataset metadata code is used
+	$(PY) -m pip install --quiet --no-deps lerobot==0.4.4
 	rm -f $(VENV)/.installed-*
 	touch $@
 

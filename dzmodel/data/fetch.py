@@ -1,0 +1,262 @@
+"""Fetch a LeRobot dataset into ``dest_root/<name>``: from the Hugging Face hub (pinned revision),
+a local directory, or the synthetic generator.
+
+The dataset is built in a temporary sibling directory, verified (``open_dataset(tmp).check()``:
+info.json valid, every promised data/video file present) and renamed into place, so
+``dest_root/<name>`` is either absent or complete. A marker ``dest_root/<name>.dz_fetch.json``
+(next to the dataset, not inside it) records the source; a second call with the same source,
+revision, allow_patterns and synth_kwargs returns the existing copy without fetching again.
+huggingface_hub is imported lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from dzmodel.data.errors import DataError
+
+MARKER_SUFFIX = ".dz_fetch.json"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
+
+
+def marker_path(dest: Path) -> Path:
+    """The marker of dataset directory ``dest``: ``<dest>.dz_fetch.json`` beside it."""
+    return dest.with_name(dest.name + MARKER_SUFFIX)
+
+
+def _source_kind(source: str) -> str:
+    if source == "synthetic":
+        return "synthetic"
+    if Path(source).expanduser().exists():
+        return "local"
+    if _REPO_ID.match(source) and not source.startswith((".", "/", "~")):
+        return "hub"
+    raise DataError(
+        f"source: {source!r} is neither an existing local directory, a Hugging Face dataset repo id "
+        "('owner/name'), nor 'synthetic'"
+    )
+
+
+def _verify(path: Path, full: bool) -> None:
+    from dzmodel.data.lerobot_format import open_dataset
+
+    reader = open_dataset(path)
+    if full:
+        reader.check()
+
+
+@contextlib.contextmanager
+def _lock(directory: Path):
+    """Exclusive flock on ``directory`` itself (no lock file left behind) so two processes don't
+    fetch into the same dest_root at once. No-op where flock is unavailable."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _matches(rel: str, patterns: list[str] | None) -> bool:
+    """huggingface_hub's allow_patterns semantics: fnmatch on the relative path; 'dir/' means 'dir/*'."""
+    if patterns is None:
+        return True
+    pats = [p + "*" if p.endswith("/") else p for p in patterns]
+    return any(fnmatch.fnmatch(rel, p) for p in pats)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _copy_local(src: Path, tmp: Path, allow_patterns: list[str] | None) -> None:
+    if not src.is_dir():
+        raise DataError(f"source: {src} is not a directory")
+    tmp.mkdir(parents=True)
+    n = 0
+    for dirpath, dirnames, filenames in os.walk(src):
+        dirnames[:] = sorted(d for d in dirnames if d != ".cache")
+        for fn in sorted(filenames):
+            p = Path(dirpath) / fn
+            rel = p.relative_to(src).as_posix()
+            if _matches(rel, allow_patterns):
+                _link_or_copy(p, tmp / rel)
+                n += 1
+    if n == 0:
+        raise DataError(f"source: {src}: no files match allow_patterns={allow_patterns}")
+
+
+def _download_hub(repo_id: str, revision: str, tmp: Path, allow_patterns: list[str] | None) -> None:
+    try:
+        import huggingface_hub
+    except ImportError as e:
+        raise DataError(f"source: {repo_id!r} is a hub id but huggingface_hub is not installed ({e})") from e
+    try:
+        huggingface_hub.snapshot_download(
+            repo_id,
+            repo_type="dataset",
+            revision=revision,
+            allow_patterns=allow_patterns,
+            local_dir=str(tmp),
+        )
+    except DataError:
+        raise
+    except Exception as e:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        hint = ""
+        if offline or type(e).__name__ in ("OfflineModeIsEnabled", "LocalEntryNotFoundError"):
+            hint = (
+                " (offline: HF_HUB_OFFLINE is set or the hub is unreachable; unset HF_HUB_OFFLINE / "
+                "check the network, or fetch from a local copy)"
+            )
+        elif type(e).__name__ in ("RepositoryNotFoundError", "GatedRepoError"):
+            hint = " (check the repo id and that your token can read it)"
+        elif type(e).__name__ == "RevisionNotFoundError":
+            hint = " (check the revision: a commit sha, tag or branch of the dataset repo)"
+        raise DataError(
+            f"source: cannot download dataset {repo_id!r} at revision {revision!r}: {type(e).__name__}: {e}{hint}"
+        ) from e
+    cache = tmp / ".cache"  # huggingface_hub's download bookkeeping inside local_dir
+    if cache.is_dir():
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _read_marker(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, path)
+
+
+def fetch_dataset(
+    source: str,
+    dest_root: str | Path,
+    revision: str | None = None,
+    allow_patterns: list[str] | None = None,
+    synth_kwargs: dict | None = None,
+    name: str | None = None,
+    verify_files: bool = True,
+) -> Path:
+    """Fetch ``source`` into ``dest_root/<name>`` and return that path.
+
+    ``source``: a hub dataset repo id (``revision`` required: a commit sha, tag or branch), a
+    local dataset directory (hardlinked where possible, else copied), or ``"synthetic"``
+    (``dzmodel.data.synth.make_synthetic_dataset(out_dir, **synth_kwargs)``). ``name`` defaults
+    to the repo/directory basename, or "synthetic". ``allow_patterns`` filters files (hub
+    semantics) for hub and local sources. ``verify_files=False`` only checks that info.json and
+    the episode table open (for deliberately partial downloads, e.g. meta/ only).
+    """
+    dest_root = Path(dest_root).expanduser()
+    kind = _source_kind(source)
+    if kind == "hub" and not revision:
+        raise DataError(
+            f"revision: fetching hub dataset {source!r} needs a pinned revision (commit sha or tag), got none"
+        )
+    if kind != "synthetic" and synth_kwargs:
+        raise DataError(f"synth_kwargs: only used with source 'synthetic', not {source!r}")
+    if allow_patterns is not None:
+        if isinstance(allow_patterns, str):
+            allow_patterns = [allow_patterns]
+        allow_patterns = [str(p) for p in allow_patterns]
+    if kind == "local":
+        src = Path(source).expanduser().resolve()
+        resolved = str(src)
+        default_name = src.name
+    elif kind == "hub":
+        resolved = source
+        default_name = source.split("/")[-1]
+    else:
+        resolved = "synthetic"
+        default_name = "synthetic"
+    name = name or default_name
+    if not _NAME.match(name):
+        raise DataError(f"name: {name!r} is not a usable directory name")
+    dest = dest_root / name
+    marker = marker_path(dest)
+    record = {
+        "kind": kind,
+        "source": resolved,
+        "revision": revision if kind == "hub" else None,
+        "allow_patterns": allow_patterns,
+        "synth_kwargs": json.loads(json.dumps(synth_kwargs or {}, sort_keys=True, default=str)) if kind == "synthetic" else None,
+    }
+    if kind == "local" and dest.resolve() == Path(resolved):
+        raise DataError(f"dest_root: {dest} is the source directory itself")
+
+    dest_root.mkdir(parents=True, exist_ok=True)
+    with _lock(dest_root):
+        if dest.exists():
+            old = _read_marker(marker)
+            if old is None:
+                raise DataError(
+                    f"{dest}: exists but has no fetch marker {marker.name} (not written by fetch_dataset); "
+                    "remove it or choose another name/dest_root"
+                )
+            if old.get("source") != resolved or old.get("kind") != kind:
+                raise DataError(
+                    f"{dest}: holds {old.get('kind')} source {old.get('source')!r}, not {resolved!r}; "
+                    "pass another name= or dest_root, or remove it"
+                )
+            if {k: old.get(k) for k in record} == record:
+                try:
+                    _verify(dest, verify_files)
+                    return dest
+                except DataError:
+                    pass  # damaged copy: fetch again below
+
+        tmp = dest_root / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            if kind == "hub":
+                _download_hub(source, revision, tmp, allow_patterns)
+            elif kind == "local":
+                _copy_local(Path(resolved), tmp, allow_patterns)
+            else:
+                from dzmodel.data.synth import make_synthetic_dataset  # lazy: another module's job
+
+                out = make_synthetic_dataset(tmp, **(synth_kwargs or {}))
+                if out is not None and Path(out).resolve() != tmp.resolve():
+                    raise DataError(f"synthetic: make_synthetic_dataset wrote to {out}, not {tmp}")
+            try:
+                _verify(tmp, verify_files)
+            except DataError as e:
+                raise DataError(f"fetched dataset from {source!r} failed verification: {e}".replace(str(tmp), str(dest))) from e
+            # swap into place: drop the old marker first (a dest without marker is never trusted as complete)
+            marker.unlink(missing_ok=True)
+            trash = None
+            if dest.exists():
+                trash = dest_root / f".{name}.old-{uuid.uuid4().hex[:8]}"
+                os.replace(dest, trash)
+            os.replace(tmp, dest)
+            if trash is not None:
+                shutil.rmtree(trash, ignore_errors=True)
+            _write_json_atomic(marker, {**record, "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            return dest
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)

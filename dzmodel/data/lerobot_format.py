@@ -1,0 +1,561 @@
+"""One reader over LeRobot dataset layouts: v3.0, v2.1/v2.0 (mp4 videos) and image-in-parquet.
+
+Layouts (``meta/info.json`` ``codebase_version``):
+  v3.0  many episodes per data parquet and per mp4 (episodes concatenated; frame i of an episode
+        is at ``videos/<key>/from_timestamp + i / fps``); episode table in
+        ``meta/episodes/chunk-*/file-*.parquet``; tasks in ``meta/tasks.parquet``.
+  v2.x  one parquet and one mp4 per episode (``episode_chunk = episode_index // chunks_size``);
+        ``meta/episodes.jsonl`` and ``meta/tasks.jsonl``.
+  image features (dtype "image", either version): the data parquet column is a struct
+        {bytes, path} holding PNG/JPEG bytes; no mp4.
+
+pyarrow is imported lazily (the GPU image's model code must import without it).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dzmodel.data.errors import DataError
+
+SUPPORTED_VERSIONS = ("v2.0", "v2.1", "v3.0")
+INFO_PATH = "meta/info.json"
+V3_TASKS_PATH = "meta/tasks.parquet"
+V3_EPISODES_DIR = "meta/episodes"
+V2_EPISODES_PATH = "meta/episodes.jsonl"
+V2_TASKS_PATH = "meta/tasks.jsonl"
+FRAME_KEYS = ("timestamp", "frame_index", "episode_index", "index", "task_index")
+_TABLE_CACHE_FILES = 4
+_IMAGE_ROW_GROUPS_CACHED = 8
+
+
+@dataclass(frozen=True)
+class Feature:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    names: Any = None
+
+
+@dataclass(frozen=True)
+class Episode:
+    index: int
+    length: int
+    tasks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _EpisodeLoc:
+    """Where an episode's rows and frames live."""
+
+    data_file: str  # relative to root
+    video_files: dict[str, str]  # video key -> relative path
+    from_timestamps: dict[str, float]  # video key -> start of the episode in that mp4
+
+
+def _pa():
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise DataError(f"pyarrow is required to read LeRobot datasets ({e}); `pip install pyarrow`") from e
+    return pa, pq
+
+
+class _ColumnCache:
+    """Small LRU of parquet files -> {column: pyarrow ChunkedArray}; columns load on demand."""
+
+    def __init__(self, max_files: int = _TABLE_CACHE_FILES):
+        self.max_files = max_files
+        self._files: OrderedDict[Path, dict[str, Any]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def columns(self, path: Path, names: Sequence[str]) -> dict[str, Any]:
+        with self._lock:
+            cols = self._files.get(path)
+            if cols is None:
+                cols = self._files[path] = {}
+            self._files.move_to_end(path)
+            while len(self._files) > self.max_files:
+                self._files.popitem(last=False)
+            missing = [n for n in dict.fromkeys(names) if n not in cols]
+        if missing:
+            have = set(read_parquet_schema(path).names)
+            absent = [n for n in missing if n not in have]
+            if absent:
+                raise DataError(f"{path}: no column(s) {absent}; it has {sorted(have)}")
+            table = read_parquet(path, columns=missing)
+            with self._lock:
+                for n in missing:
+                    cols[n] = table.column(n)
+        return {n: cols[n] for n in names}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._files.clear()
+
+
+def read_parquet(path: Path, columns: Sequence[str] | None = None):
+    """pyarrow Table of ``path``; a missing, truncated or corrupt file is a DataError naming it."""
+    _, pq = _pa()
+    if not path.is_file():
+        raise DataError(f"{path}: parquet file is missing")
+    try:
+        return pq.read_table(path, columns=list(columns) if columns is not None else None)
+    except Exception as e:  # ArrowInvalid, OSError on truncation, ...
+        raise DataError(f"{path}: cannot read parquet (truncated or corrupt?): {type(e).__name__}: {e}") from e
+
+
+def read_parquet_schema(path: Path):
+    """pyarrow Schema of ``path`` (reads only the footer); DataError naming the file if unreadable."""
+    _, pq = _pa()
+    if not path.is_file():
+        raise DataError(f"{path}: parquet file is missing")
+    try:
+        return pq.read_schema(path)
+    except Exception as e:
+        raise DataError(f"{path}: cannot read parquet (truncated or corrupt?): {type(e).__name__}: {e}") from e
+
+
+def _num_rows(path: Path) -> int:
+    _, pq = _pa()
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception as e:
+        raise DataError(f"{path}: cannot read parquet (truncated or corrupt?): {type(e).__name__}: {e}") from e
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise DataError(f"{path}: missing") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: invalid JSON: {e}") from e
+
+
+def _load_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise DataError(f"{path}: missing")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: invalid JSON line: {e}") from e
+    return out
+
+
+def _column_to_numpy(col, where: str) -> np.ndarray:
+    """A pyarrow (Chunked)Array of scalars, lists or fixed-size lists -> numpy [T] or [T, ...]."""
+    pa, _ = _pa()
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    n = len(col)
+    t = col.type
+    if pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+        if col.null_count:
+            raise DataError(f"{where}: has null rows")
+        if pa.types.is_fixed_size_list(t):
+            width = t.list_size
+        else:
+            offsets = np.asarray(col.offsets)
+            lengths = np.diff(offsets)
+            if n and not np.all(lengths == lengths[0]):
+                raise DataError(f"{where}: rows have different lengths {sorted(set(lengths.tolist()))[:5]}")
+            width = int(lengths[0]) if n else 0
+        inner = _column_to_numpy(col.flatten(), where)
+        return inner.reshape((n, width) + inner.shape[1:])
+    if pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_boolean(t):
+        if col.null_count:
+            raise DataError(f"{where}: has null values")
+        return col.to_numpy(zero_copy_only=False)
+    raise DataError(f"{where}: unsupported column type {t} for a numeric read")
+
+
+class LeRobotReader:
+    """Reads one LeRobot dataset directory. Open with ``open_dataset(root)``.
+
+    Attributes: ``root``, ``version``, ``fps``, ``features`` (key -> Feature), ``episodes``
+    (sorted by index), ``tasks`` (task_index -> text), ``video_keys`` (dtype video or image),
+    ``info`` (the raw info.json).
+    """
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        info_path = self.root / INFO_PATH
+        if not info_path.is_file():
+            raise DataError(f"{info_path}: missing; {self.root} is not a LeRobot dataset")
+        info = _load_json(info_path)
+        if not isinstance(info, dict):
+            raise DataError(f"{info_path}: must hold a JSON object")
+        self.info: dict = info
+        self.version = str(info.get("codebase_version", ""))
+        if self.version not in SUPPORTED_VERSIONS:
+            raise DataError(
+                f"{info_path}: codebase_version {self.version or None!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_VERSIONS)})"
+            )
+        for field in ("fps", "features", "data_path"):
+            if field not in info:
+                raise DataError(f"{info_path}: field {field!r} is missing")
+        try:
+            self.fps = float(info["fps"])
+        except (TypeError, ValueError) as e:
+            raise DataError(f"{info_path}: field 'fps' must be a number, got {info['fps']!r}") from e
+        if not self.fps > 0:
+            raise DataError(f"{info_path}: field 'fps' must be > 0, got {info['fps']!r}")
+        if not isinstance(info["features"], dict):
+            raise DataError(f"{info_path}: field 'features' must be an object")
+        self.features: dict[str, Feature] = {}
+        for key, ft in info["features"].items():
+            if not isinstance(ft, dict) or "dtype" not in ft:
+                raise DataError(f"{info_path}: features.{key} must have a 'dtype'")
+            shape = tuple(int(s) for s in (ft.get("shape") or ()))
+            self.features[key] = Feature(key, str(ft["dtype"]), shape, ft.get("names"))
+        self.video_keys: list[str] = [k for k, f in self.features.items() if f.dtype in ("video", "image")]
+        self._mp4_keys = [k for k, f in self.features.items() if f.dtype == "video"]
+        self.data_path: str = info["data_path"]
+        self.video_path: str | None = info.get("video_path")
+        if self._mp4_keys and not self.video_path:
+            raise DataError(f"{info_path}: features {self._mp4_keys} are videos but 'video_path' is missing")
+        self.chunks_size = int(info.get("chunks_size") or 1000)
+        self._cache = _ColumnCache()
+        self._rows: dict[tuple[str, int], np.ndarray] = {}
+        self._rg_starts: dict[Path, np.ndarray] = {}
+        self._rg_cache: OrderedDict[tuple[str, str, int], Any] = OrderedDict()
+        if self.version == "v3.0":
+            self._load_v3()
+        else:
+            self._load_v2()
+        self.episodes: list[Episode] = sorted(self._episodes.values(), key=lambda e: e.index)
+
+    # ---------------------------------------------------------------- metadata loading
+
+    def _load_v2(self) -> None:
+        tasks_path = self.root / V2_TASKS_PATH
+        self.tasks = {}
+        for row in _load_jsonl(tasks_path):
+            if "task_index" not in row or "task" not in row:
+                raise DataError(f"{tasks_path}: each line needs 'task_index' and 'task', got {row}")
+            self.tasks[int(row["task_index"])] = str(row["task"])
+        ep_path = self.root / V2_EPISODES_PATH
+        self._episodes: dict[int, Episode] = {}
+        self._locs: dict[int, _EpisodeLoc] = {}
+        for row in _load_jsonl(ep_path):
+            if "episode_index" not in row or "length" not in row:
+                raise DataError(f"{ep_path}: each line needs 'episode_index' and 'length', got {row}")
+            ep = int(row["episode_index"])
+            tasks = row.get("tasks") or []
+            if isinstance(tasks, str):
+                tasks = [tasks]
+            self._episodes[ep] = Episode(ep, int(row["length"]), tuple(str(t) for t in tasks))
+            chunk = ep // self.chunks_size
+            fmt = dict(episode_chunk=chunk, episode_index=ep, chunk_index=chunk)
+            try:
+                data_file = self.data_path.format(**fmt)
+                videos = {k: self.video_path.format(video_key=k, **fmt) for k in self._mp4_keys}
+            except (KeyError, IndexError, ValueError) as e:
+                raise DataError(f"{self.root / INFO_PATH}: cannot format data_path/video_path: {e}") from e
+            self._locs[ep] = _EpisodeLoc(data_file, videos, {k: 0.0 for k in self._mp4_keys})
+
+    def _load_v3(self) -> None:
+        pa, _ = _pa()
+        tasks_path = self.root / V3_TASKS_PATH
+        table = read_parquet(tasks_path)
+        names = table.column_names
+        if "task_index" not in names:
+            raise DataError(f"{tasks_path}: no 'task_index' column; it has {names}")
+        text_col = next(
+            (c for c in ("task", "__index_level_0__") if c in names),
+            next((c for c in names if c != "task_index" and pa.types.is_string(table.schema.field(c).type)), None),
+        )
+        if text_col is None:
+            raise DataError(f"{tasks_path}: no task text column (want 'task' or the pandas index); has {names}")
+        self.tasks = {
+            int(i): str(t)
+            for i, t in zip(table.column("task_index").to_pylist(), table.column(text_col).to_pylist(), strict=True)
+        }
+
+        ep_dir = self.root / V3_EPISODES_DIR
+        files = sorted(ep_dir.glob("chunk-*/*.parquet")) if ep_dir.is_dir() else []
+        if not files:
+            raise DataError(f"{ep_dir}: no episode parquet files (meta/episodes/chunk-*/file-*.parquet)")
+        need = ["episode_index", "length", "data/chunk_index", "data/file_index"]
+        for k in self._mp4_keys:
+            need += [f"videos/{k}/chunk_index", f"videos/{k}/file_index", f"videos/{k}/from_timestamp"]
+        self._episodes = {}
+        self._locs = {}
+        for f in files:
+            t = read_parquet(f, columns=None)
+            missing = [c for c in need if c not in t.column_names]
+            if missing:
+                raise DataError(f"{f}: episode table lacks column(s) {missing}")
+            cols = {c: t.column(c).to_pylist() for c in need}
+            tasks_col = t.column("tasks").to_pylist() if "tasks" in t.column_names else [None] * t.num_rows
+            for r in range(t.num_rows):
+                ep = int(cols["episode_index"][r])
+                tasks = tasks_col[r] or []
+                if isinstance(tasks, str):
+                    tasks = [tasks]
+                self._episodes[ep] = Episode(ep, int(cols["length"][r]), tuple(str(x) for x in tasks))
+                try:
+                    data_file = self.data_path.format(
+                        chunk_index=int(cols["data/chunk_index"][r]), file_index=int(cols["data/file_index"][r])
+                    )
+                    videos = {
+                        k: self.video_path.format(
+                            video_key=k,
+                            chunk_index=int(cols[f"videos/{k}/chunk_index"][r]),
+                            file_index=int(cols[f"videos/{k}/file_index"][r]),
+                        )
+                        for k in self._mp4_keys
+                    }
+                except (KeyError, IndexError, ValueError) as e:
+                    raise DataError(f"{self.root / INFO_PATH}: cannot format data_path/video_path: {e}") from e
+                from_ts = {k: float(cols[f"videos/{k}/from_timestamp"][r]) for k in self._mp4_keys}
+                self._locs[ep] = _EpisodeLoc(data_file, videos, from_ts)
+
+    # ---------------------------------------------------------------- pickling (DataLoader workers)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_cache"] = None
+        state["_rows"] = {}
+        state["_rg_starts"] = {}
+        state["_rg_cache"] = OrderedDict()
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._cache = _ColumnCache()
+
+    # ---------------------------------------------------------------- paths
+
+    def episode(self, episode: int) -> Episode:
+        try:
+            return self._episodes[int(episode)]
+        except KeyError:
+            raise DataError(f"{self.root}: no episode {episode} (have {len(self._episodes)} episodes)") from None
+
+    def data_file(self, episode: int) -> Path:
+        self.episode(episode)
+        return self.root / self._locs[int(episode)].data_file
+
+    def video_file(self, episode: int, key: str) -> Path:
+        self.episode(episode)
+        if key not in self._mp4_keys:
+            raise DataError(f"{self.root}: {key!r} is not a video feature (videos: {self._mp4_keys})")
+        return self.root / self._locs[int(episode)].video_files[key]
+
+    def from_timestamp(self, episode: int, key: str) -> float:
+        self.video_file(episode, key)
+        return self._locs[int(episode)].from_timestamps[key]
+
+    def iter_data_files(self) -> Iterator[Path]:
+        """Every data parquet of the dataset (each once, sorted)."""
+        for rel in sorted({loc.data_file for loc in self._locs.values()}):
+            yield self.root / rel
+
+    def check(self) -> None:
+        """Raise DataError if a file that info.json / the episode table promises is missing."""
+        problems: list[str] = []
+        missing: list[str] = []
+        seen: set[str] = set()
+        for ep in sorted(self._locs):
+            loc = self._locs[ep]
+            for rel in (loc.data_file, *loc.video_files.values()):
+                if rel not in seen:
+                    seen.add(rel)
+                    if not (self.root / rel).is_file():
+                        missing.append(rel)
+        total_eps = self.info.get("total_episodes")
+        if total_eps is not None and int(total_eps) != len(self._episodes):
+            problems.append(f"info.json total_episodes={total_eps} but the episode table has {len(self._episodes)}")
+        total_frames = self.info.get("total_frames")
+        n_frames = sum(e.length for e in self.episodes)
+        if total_frames is not None and int(total_frames) != n_frames:
+            problems.append(f"info.json total_frames={total_frames} but episode lengths sum to {n_frames}")
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            problems.insert(0, f"{len(missing)} missing file(s): {shown}")
+        if problems:
+            raise DataError(f"{self.root}: " + "; ".join(problems))
+
+    # ---------------------------------------------------------------- rows
+
+    def _episode_rows(self, episode: int) -> tuple[Path, np.ndarray]:
+        """(data file, row indices of ``episode`` in it, ordered by frame_index)."""
+        ep = self.episode(episode)
+        path = self.data_file(episode)
+        key = (str(path), ep.index)
+        rows = self._rows.get(key)
+        if rows is None:
+            schema = read_parquet_schema(path)
+            need = (["episode_index"] if self.version == "v3.0" else []) + (
+                ["frame_index"] if "frame_index" in schema.names else []
+            )
+            if self.version == "v3.0" and "episode_index" not in schema.names:
+                raise DataError(f"{path}: no 'episode_index' column (needed to find episode {ep.index})")
+            cols = self._cache.columns(path, need) if need else {}
+            if self.version == "v3.0":
+                rows = np.flatnonzero(_column_to_numpy(cols["episode_index"], f"{path}: episode_index") == ep.index)
+            else:
+                rows = np.arange(_num_rows(path))
+            if "frame_index" in cols:
+                fi = _column_to_numpy(cols["frame_index"], f"{path}: frame_index")[rows]
+                if fi.size and np.any(np.diff(fi) < 0):
+                    rows = rows[np.argsort(fi, kind="stable")]
+            if len(rows) != ep.length:
+                raise DataError(
+                    f"{path}: episode {ep.index} has {len(rows)} rows but the episode table says length {ep.length}"
+                )
+            if len(self._rows) > 4096:
+                self._rows.clear()
+            self._rows[key] = rows
+        return path, rows
+
+    def read_columns(self, episode: int, keys: Sequence[str]) -> dict[str, np.ndarray]:
+        """Whole-episode columns: float features as float32 [T, D] (vectors) or [T] (scalars);
+        integer columns (frame_index, task_index, ...) as int64. NaN is a DataError."""
+        path, rows = self._episode_rows(episode)
+        keys = list(keys)
+        for k in keys:
+            f = self.features.get(k)
+            if f is not None and f.dtype in ("video", "image"):
+                raise DataError(f"{path}: {k!r} is a {f.dtype} feature; use read_frames")
+        cols = self._cache.columns(path, keys)
+        out = {}
+        for k in keys:
+            where = f"{path}: column {k!r} (episode {episode})"
+            arr = _column_to_numpy(cols[k], where)
+            arr = arr[rows]
+            if np.issubdtype(arr.dtype, np.floating):
+                arr = arr.astype(np.float32, copy=False)
+                if np.isnan(arr).any():
+                    raise DataError(f"{where}: contains NaN")
+            elif np.issubdtype(arr.dtype, np.integer):
+                arr = arr.astype(np.int64, copy=False)
+            out[k] = arr
+        return out
+
+    def task_per_frame(self, episode: int) -> list[str]:
+        """The task text of each frame of ``episode`` (from its task_index column)."""
+        path = self.data_file(episode)
+        try:
+            ti = self.read_columns(episode, ["task_index"])["task_index"]
+        except DataError as e:
+            ep = self.episode(episode)
+            if "no column" in str(e) and len(ep.tasks) == 1:
+                return [ep.tasks[0]] * ep.length
+            raise
+        out = []
+        for i in ti.tolist():
+            if i not in self.tasks:
+                raise DataError(f"{path}: episode {episode} has task_index {i}, not in the tasks table")
+            out.append(self.tasks[i])
+        return out
+
+    # ---------------------------------------------------------------- frames
+
+    def read_frames(
+        self, episode: int, key: str, frame_indices: Sequence[int], backend: str = "auto", tolerance_s: float | None = None
+    ) -> np.ndarray:
+        """Frames ``frame_indices`` (episode-relative, any order, duplicates allowed) of camera
+        ``key``: uint8 [N, H, W, 3]."""
+        ep = self.episode(episode)
+        f = self.features.get(key)
+        if f is None or f.dtype not in ("video", "image"):
+            raise DataError(f"{self.root}: {key!r} is not a video/image feature (have {self.video_keys})")
+        idx = np.asarray(list(frame_indices), dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= ep.length):
+            raise DataError(
+                f"{self.root}: episode {ep.index} camera {key!r}: frame index out of range [0, {ep.length}): "
+                f"{idx[(idx < 0) | (idx >= ep.length)][:5].tolist()}"
+            )
+        if f.dtype == "video":
+            from dzmodel.data.video import DEFAULT_TOLERANCE_S, decode_frames
+
+            path = self.video_file(episode, key)
+            ts = self._locs[ep.index].from_timestamps[key] + idx / self.fps
+            tol = DEFAULT_TOLERANCE_S if tolerance_s is None else tolerance_s
+            return decode_frames(path, ts.tolist(), backend=backend, tolerance_s=tol)
+        return self._read_images(ep.index, key, idx)
+
+    def _image_cells(self, path: Path, key: str, rows: np.ndarray) -> list:
+        """Cells ``rows`` of image column ``key``, reading only the row groups that hold them (image
+        columns are large: a whole v3.0 file's column is not cached, a few row groups are)."""
+        _, pq = _pa()
+        starts = self._rg_starts.get(path)
+        if starts is None:
+            schema = read_parquet_schema(path)
+            if key not in schema.names:
+                raise DataError(f"{path}: no column {key!r}; it has {sorted(schema.names)}")
+            try:
+                md = pq.ParquetFile(path).metadata
+            except Exception as e:
+                raise DataError(f"{path}: cannot read parquet (truncated or corrupt?): {type(e).__name__}: {e}") from e
+            starts = np.concatenate([[0], np.cumsum([md.row_group(i).num_rows for i in range(md.num_row_groups)])])
+            self._rg_starts[path] = starts
+        rgs = np.searchsorted(starts, rows, side="right") - 1
+        out = []
+        for rg, row in zip(rgs.tolist(), rows.tolist(), strict=True):
+            ck = (str(path), key, rg)
+            arr = self._rg_cache.get(ck)
+            if arr is None:
+                try:
+                    arr = pq.ParquetFile(path).read_row_group(rg, columns=[key]).column(key)
+                except Exception as e:
+                    raise DataError(f"{path}: cannot read row group {rg} of column {key!r}: {type(e).__name__}: {e}") from e
+                self._rg_cache[ck] = arr
+                while len(self._rg_cache) > _IMAGE_ROW_GROUPS_CACHED:
+                    self._rg_cache.popitem(last=False)
+            else:
+                self._rg_cache.move_to_end(ck)
+            out.append(arr[row - int(starts[rg])].as_py())
+        return out
+
+    def _read_images(self, episode: int, key: str, idx: np.ndarray) -> np.ndarray:
+        from dzmodel.data.video import decode_image_bytes
+
+        path, rows = self._episode_rows(episode)
+        uniq, inv = np.unique(idx, return_inverse=True)
+        cells = self._image_cells(path, key, rows[uniq])
+        images = []
+        for i, cell in zip(uniq.tolist(), cells, strict=True):
+            where = f"{path}: column {key!r} episode {episode} frame {i}"
+            if isinstance(cell, dict):
+                data = cell.get("bytes")
+                if data is None and cell.get("path"):
+                    p = Path(cell["path"])
+                    p = p if p.is_absolute() else self.root / p
+                    if not p.is_file():
+                        raise DataError(f"{where}: image has no bytes and its path {p} is missing")
+                    data = p.read_bytes()
+            elif isinstance(cell, bytes | bytearray):
+                data = bytes(cell)
+            else:
+                data = None
+            if not data:
+                raise DataError(f"{where}: no image bytes")
+            images.append(decode_image_bytes(data, where))
+        shapes = {im.shape for im in images}
+        if len(shapes) > 1:
+            raise DataError(f"{path}: column {key!r} episode {episode}: images of different shapes {sorted(shapes)}")
+        if not images:
+            return np.zeros((0, 0, 0, 3), dtype=np.uint8)
+        return np.stack(images)[inv]
+
+
+def open_dataset(root: str | Path) -> LeRobotReader:
+    """Open the LeRobot dataset at ``root`` (v2.0, v2.1 or v3.0); DataError naming the path if not."""
+    return LeRobotReader(root)
