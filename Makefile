@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
+LEROBOT_NEEDS := datasets==4.1.1 "pandas<3" fsspec==2025.9.0 jsonlines==4.0.0 deepdiff==8.6.2 \
+	termcolor==3.3.0 accelerate==1.15.0 draccus==0.10.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # Offline and quiet: no telemetry, no hub access, one compute thread per loader.
@@ -28,8 +30,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev,data]'
-	@# lerobot 0.4.4 without its pins (they would pull CUDA torch 2.10): only its dataset metadata code is used
-	$(PY) -m pip install --quiet --no-deps lerobot==0.4.4
+	@# lerobot 0.4.4 without its pins (they would pull CUDA torch 2.10), with the runtime needs of its
+	@# dataset code; torchvision 0.28 is CUDA-built, dzmodel.data.lerobot_compat makes it import on CPU torch.
+	$(PY) -m pip install --quiet $(LEROBOT_NEEDS)
+	$(PY) -m pip install --quiet --no-deps lerobot==0.4.4 torchvision==0.28.0
 	rm -f $(VENV)/.installed-*
 	touch $@
 

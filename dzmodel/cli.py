@@ -4,7 +4,9 @@
     dz model info [--preset NAME]           parameter counts of the presets
     dz model manifest                       check our modules against the WAN checkpoint manifest
     dz model tokenizer OUT                  build the small offline tokenizer of the embedded default
+    dz data fetch|synth|metadata|check ...  datasets (see `dz data -h`)
     dz bench model ...                      bf16 forward+backward timing on a GPU
+    dz bench data ...                       video decode and loader throughput
 """
 
 from __future__ import annotations
@@ -75,6 +77,74 @@ def cmd_model_tokenizer(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- dz data ----------------------------------------------------------------------
+
+def _registry(ns: argparse.Namespace):
+    from .data.embodiments import load_embodiments
+
+    return load_embodiments(ns.embodiments or ())
+
+
+def cmd_data_fetch(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .data.fetch import fetch_dataset
+
+    synth = {"num_episodes": ns.synth_episodes, "seed": ns.seed} if ns.source == "synthetic" else None
+    path = fetch_dataset(ns.source, Path(ns.dest), revision=ns.revision, allow_patterns=ns.allow or None,
+                         synth_kwargs=synth, name=ns.name)
+    print(f"dataset ready: {path}")
+    return EXIT_OK
+
+
+def cmd_data_synth(ns: argparse.Namespace) -> int:
+    from .data.synth import make_synthetic_dataset, summarize
+
+    codec = {"av1": "libsvtav1", "h264": "libx264"}[ns.codec]
+    path = make_synthetic_dataset(ns.out, num_episodes=ns.episodes, episode_length=ns.length,
+                                  image_size=ns.image_size, codec=codec, seed=ns.seed, overwrite=ns.overwrite)
+    print(summarize(path))
+    return EXIT_OK
+
+
+def cmd_data_metadata(ns: argparse.Namespace) -> int:
+    from .data.dataset import embodiment_metadata
+    from .data.embodiments import get_embodiment
+
+    emb = get_embodiment(ns.embodiment, _registry(ns))
+    doc = embodiment_metadata(ns.dataset, emb, ns.out, merge=ns.merge, max_episodes=ns.max_episodes)
+    stats = doc[emb.tag]["statistics"]
+    print(f"wrote {ns.out} [{emb.tag}]")
+    for group, entries in stats.items():
+        for key, st in entries.items():
+            print(f"  {group}.{key}: {len(st['mean'])} dims, q01 {[round(v, 3) for v in st['q01'][:4]]}..., "
+                  f"q99 {[round(v, 3) for v in st['q99'][:4]]}...")
+    return EXIT_OK
+
+
+def cmd_data_check(ns: argparse.Namespace) -> int:
+    from .data.dataset import WindowDataset
+    from .data.embodiments import get_embodiment
+    from .data.lerobot_format import open_dataset
+    from .data.sampling import WindowSpec
+
+    reader = open_dataset(ns.dataset)
+    print(f"{reader.root}: LeRobot {reader.version}, {len(reader.episodes)} episodes, "
+          f"{sum(e.length for e in reader.episodes)} frames at {reader.fps:g} fps, views {reader.video_keys}")
+    reader.check()
+    print("all promised data and video files are present")
+    if ns.embodiment:
+        emb = get_embodiment(ns.embodiment, _registry(ns))
+        spec = WindowSpec(ns.chunks, emb.action_horizon, 4 * ns.frames_per_block, emb.sampling)
+        ds = WindowDataset(reader, emb, spec, statistics=None, train=False)
+        sample = ds.sample(0)
+        print(f"embodiment {emb.tag}: {len(ds)} anchors ({len(ds.index.skipped)} segments too short), "
+              f"state {ds.keys.state_dim} dims, action {ds.keys.action_dim} dims, "
+              f"frames {tuple(sample['images'].shape)}")
+        print(f"prompt: {sample['prompt']}")
+    return EXIT_OK
+
+
 # --- dz bench ----------------------------------------------------------------------
 
 def cmd_bench_model(ns: argparse.Namespace) -> int:
@@ -118,6 +188,41 @@ def build_parser() -> argparse.ArgumentParser:
     p = model.add_parser("manifest", help="check module keys/shapes against the WAN checkpoint manifest")
     p.set_defaults(func=cmd_model_manifest)
 
+    data = sub.add_parser("data", help="datasets: fetch, synth, metadata, check").add_subparsers(dest="cmd", required=True)
+    p = data.add_parser("fetch", help="fetch a dataset (hub id at a revision, a local path, or 'synthetic')")
+    p.add_argument("source")
+    p.add_argument("--dest", default="data/datasets", help="the project's data directory (DVC-tracked)")
+    p.add_argument("--revision", help="required for hub ids: a commit sha or tag")
+    p.add_argument("--allow", action="append", help="allow-pattern (repeatable), e.g. 'meta/*' 'data/*'")
+    p.add_argument("--name", help="directory name under --dest")
+    p.add_argument("--synth-episodes", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_data_fetch)
+    p = data.add_parser("synth", help="generate the embedded LIBERO-like LeRobot v3.0 dataset")
+    p.add_argument("out")
+    p.add_argument("--episodes", type=int, default=8)
+    p.add_argument("--length", type=int, default=96)
+    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--codec", choices=["av1", "h264"], default="av1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_data_synth)
+    p = data.add_parser("metadata", help="normalisation stats (metadata.json) for a dataset + embodiment")
+    p.add_argument("dataset")
+    p.add_argument("--embodiment", required=True)
+    p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
+    p.add_argument("--out", required=True, help="metadata.json to write (never inside the dataset)")
+    p.add_argument("--merge", action="store_true", help="merge into an existing metadata.json")
+    p.add_argument("--max-episodes", type=int)
+    p.set_defaults(func=cmd_data_metadata)
+    p = data.add_parser("check", help="verify a dataset's files and, with --embodiment, its keys and one sample")
+    p.add_argument("dataset")
+    p.add_argument("--embodiment")
+    p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
+    p.add_argument("--chunks", type=int, default=4, help="action chunks per window (the model's max_chunk_size)")
+    p.add_argument("--frames-per-block", type=int, default=2)
+    p.set_defaults(func=cmd_data_check)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="cmd", required=True)
     p = bench.add_parser("model", help="bf16 forward+backward of the WAM on the DROID token layout")
     p.add_argument("--preset", default="dreamzero_5b")
@@ -139,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except CLIError as exc:
+        print(f"dz: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, FileNotFoundError) as exc:  # DataError, StateDictError, ...: one clear line
         print(f"dz: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 

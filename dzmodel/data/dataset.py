@@ -40,11 +40,31 @@ def load_statistics(metadata_path: str | Path, tag: str) -> dict:
     return meta[tag]["statistics"]
 
 
+def embodiment_metadata(dataset: str | Path, emb: Embodiment, out: str | Path | None, merge: bool = False,
+                        max_episodes: int | None = None) -> dict:
+    """metadata.json for one dataset seen through one embodiment (its keys, slices and relative keys)."""
+    from .metadata import compute_metadata
+
+    def keys(group):
+        return {k.name: (k.column, None if k.start is None else slice(k.start, k.end)) for k in group}
+
+    return compute_metadata(dataset, emb.tag, keys(emb.state), keys(emb.action), out,
+                            relative_action_keys=emb.relative_action_keys, action_horizon=emb.action_horizon,
+                            video_keys=emb.views, merge=merge, max_episodes=max_episodes)
+
+
 @dataclass
 class KeyLayout:
-    widths: dict[str, int]
-    state_dim: int
-    action_dim: int
+    state_widths: dict[str, int]
+    action_widths: dict[str, int]
+
+    @property
+    def state_dim(self) -> int:
+        return sum(self.state_widths.values())
+
+    @property
+    def action_dim(self) -> int:
+        return sum(self.action_widths.values())
 
 
 class WindowDataset:
@@ -55,7 +75,7 @@ class WindowDataset:
         self.reader, self.emb, self.spec = reader, embodiment, spec
         self.train, self.seed, self.video_backend = train, seed, video_backend
         self.keys = self._check_keys()
-        self.pairs = relative_action_dims(embodiment, self.keys.widths)
+        self.pairs = relative_action_dims(embodiment, self.keys.state_widths, self.keys.action_widths)
         segments = []
         for ep in reader.episodes:
             per_frame = reader.task_per_frame(ep.index) if len(set(ep.tasks)) > 1 else None
@@ -77,8 +97,8 @@ class WindowDataset:
             if key not in feats:
                 raise DataError(f"{where}: view {short!r} -> {key!r} is not a video/image feature of the dataset "
                                 f"(has: {', '.join(sorted(self.reader.video_keys))})")
-        widths = {}
-        for group in (self.emb.state, self.emb.action):
+        layout = KeyLayout({}, {})
+        for group, widths in ((self.emb.state, layout.state_widths), (self.emb.action, layout.action_widths)):
             for k in group:
                 if k.column not in feats:
                     raise DataError(f"{where}: column {k.column!r} (key {k.name!r}) is not in the dataset")
@@ -90,12 +110,8 @@ class WindowDataset:
                 w = k.width(col_w)
                 if k.dim is not None and w != k.dim:
                     raise DataError(f"{where}: key {k.name!r} expects {k.dim} dims, column {k.column!r} gives {w}")
-                prev = widths.get(k.name)
-                if prev is not None and prev != w:
-                    raise DataError(f"{where}: key {k.name!r} has {prev} state dims but {w} action dims")
                 widths[k.name] = w
-        return KeyLayout(widths=widths, state_dim=sum(widths[k.name] for k in self.emb.state),
-                         action_dim=sum(widths[k.name] for k in self.emb.action))
+        return layout
 
     def __len__(self) -> int:
         return len(self.index)

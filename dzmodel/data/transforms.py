@@ -55,17 +55,18 @@ class NormStats:
 # --- relative actions ------------------------------------------------------------------------
 
 
-def relative_action_dims(emb: Embodiment, widths: dict[str, int]) -> list[tuple[slice, slice]]:
+def relative_action_dims(emb: Embodiment, state_widths: dict[str, int],
+                         action_widths: dict[str, int]) -> list[tuple[slice, slice]]:
     """(action slice, state slice) pairs, in the concatenated action/state vectors, of the relative keys."""
-    def offsets(keys):
+    def offsets(keys, widths):
         out, pos = {}, 0
         for k in keys:
             out[k.name] = slice(pos, pos + widths[k.name])
             pos += widths[k.name]
         return out
 
-    a_off = offsets(emb.action)
-    s_off = offsets(emb.state)
+    a_off = offsets(emb.action, action_widths)
+    s_off = offsets(emb.state, state_widths)
     pairs = []
     for key in emb.relative_action_keys:
         a, s = a_off[key], s_off[key]

@@ -66,7 +66,8 @@ def test_q99_normalisation_and_inverse():
 
 def test_relative_actions_and_inverse():
     emb = load_embodiments()["oxe_droid"]
-    pairs = relative_action_dims(emb, {"joint_position": 7, "gripper_position": 1})
+    widths = {"joint_position": 7, "gripper_position": 1}
+    pairs = relative_action_dims(emb, widths, widths)
     H = 3
     rng = np.random.default_rng(0)
     states = rng.normal(size=(2, 8))
