@@ -177,7 +177,9 @@ def write_v30(
     p.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(ep_rows), p)
     # as pandas writes lerobot's tasks DataFrame (index = task text, unnamed)
-    pq.write_table(pa.table({"task_index": pa.array(range(len(TASKS)), type=pa.int64()), "__index_level_0__": list(TASKS)}), root / "meta/tasks.parquet")
+    import pandas as pd
+
+    pd.DataFrame({"task_index": list(range(len(TASKS)))}, index=list(TASKS)).to_parquet(root / "meta/tasks.parquet")
     _write_json(
         root / "meta/info.json",
         {

@@ -304,10 +304,9 @@ def test_length_mismatch(datasets, tmp_path):
 
 def test_lerobot_metadata_agrees(datasets):
     """lerobot 0.4.4's own LeRobotDatasetMetadata reads our v3.0 fixture the same way."""
-    try:
-        from lerobot.datasets.lerobot_dataset import LeRobotDatasetMetadata
-    except Exception as e:  # lerobot is installed --no-deps: pandas/datasets/... may be missing
-        pytest.skip(f"lerobot's LeRobotDatasetMetadata cannot be imported here: {type(e).__name__}: {e}")
+    from dzmodel.data.lerobot_compat import import_lerobot_dataset
+
+    LeRobotDatasetMetadata, _ = import_lerobot_dataset()
     root = datasets["v30"]
     meta = LeRobotDatasetMetadata("local/test", root=root)
     r = open_dataset(root)
