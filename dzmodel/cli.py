@@ -128,15 +128,24 @@ def cmd_data_check(ns: argparse.Namespace) -> int:
     from .data.lerobot_format import open_dataset
     from .data.sampling import WindowSpec
 
+    from .data.errors import DataError
+
     reader = open_dataset(ns.dataset)
     print(f"{reader.root}: LeRobot {reader.version}, {len(reader.episodes)} episodes, "
           f"{sum(e.length for e in reader.episodes)} frames at {reader.fps:g} fps, views {reader.video_keys}")
-    reader.check()
-    print("all promised data and video files are present")
+    try:
+        reader.check()
+        print("all promised data and video files are present")
+    except DataError as exc:
+        if not ns.skip_missing:
+            raise
+        print(f"warning: {exc}")
     if ns.embodiment:
         emb = get_embodiment(ns.embodiment, _registry(ns))
         spec = WindowSpec(ns.chunks, emb.action_horizon, 4 * ns.frames_per_block, emb.sampling)
-        ds = WindowDataset(reader, emb, spec, statistics=None, train=False)
+        ds = WindowDataset(reader, emb, spec, statistics=None, train=False, skip_missing=ns.skip_missing)
+        if ds.missing:
+            print(f"skipping {len({ep for ep, _ in ds.missing})} episodes with missing video files")
         sample = ds.sample(0)
         print(f"embodiment {emb.tag}: {len(ds)} anchors ({len(ds.index.skipped)} segments too short), "
               f"state {ds.keys.state_dim} dims, action {ds.keys.action_dim} dims, "
@@ -164,6 +173,19 @@ def cmd_bench_model(ns: argparse.Namespace) -> int:
             print(f"flex vs sdpa, {name} ({dt}): " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
     run(ns.preset, ns.layers, [int(b) for b in ns.batch.split(",")], ns.backend.split(","), hw,
         ns.steps, ns.warmup, device, ns.out)
+    return EXIT_OK
+
+
+def cmd_bench_data(ns: argparse.Namespace) -> int:
+    import json
+
+    from .bench.data_bench import run_data_bench
+
+    result = run_data_bench(ns.workdir, workers=tuple(int(w) for w in ns.workers.split(",")),
+                            decode_samples=ns.samples, loader_samples=ns.loader_samples)
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
     return EXIT_OK
 
 
@@ -221,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
     p.add_argument("--chunks", type=int, default=4, help="action chunks per window (the model's max_chunk_size)")
     p.add_argument("--frames-per-block", type=int, default=2)
+    p.add_argument("--skip-missing", action="store_true", help="report missing video files, use the other episodes")
     p.set_defaults(func=cmd_data_check)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="cmd", required=True)
@@ -236,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="append JSON lines here")
     p.add_argument("--check", action="store_true", help="first compare FlexAttention with SDPA (outputs, grads)")
     p.set_defaults(func=cmd_bench_model)
+    p = bench.add_parser("data", help="video decode (torchcodec batched vs PyAV) and loader samples/s, DROID-like")
+    p.add_argument("--workdir", default="build/bench_data", help="where the generated source videos are cached")
+    p.add_argument("--workers", default="1,2,4")
+    p.add_argument("--samples", type=int, default=5, help="decode samples to time (median)")
+    p.add_argument("--loader-samples", type=int, default=16)
+    p.add_argument("--out", help="write the numbers as JSON")
+    p.set_defaults(func=cmd_bench_data)
     return parser
 
 

@@ -71,13 +71,22 @@ class WindowDataset:
     """One LeRobot dataset seen through one embodiment."""
 
     def __init__(self, reader: Any, embodiment: Embodiment, spec: WindowSpec, statistics: dict | None,
-                 train: bool = True, seed: int = 0, video_backend: str = "auto"):
+                 train: bool = True, seed: int = 0, video_backend: str = "auto", skip_missing: bool = False):
         self.reader, self.emb, self.spec = reader, embodiment, spec
         self.train, self.seed, self.video_backend = train, seed, video_backend
         self.keys = self._check_keys()
         self.pairs = relative_action_dims(embodiment, self.keys.state_widths, self.keys.action_widths)
+        self.missing = self._missing_files()
+        if self.missing and not skip_missing:
+            shown = "\n  ".join(f"episode {ep}: {path}" for ep, path in self.missing[:10])
+            more = f"\n  ... and {len(self.missing) - 10} more" if len(self.missing) > 10 else ""
+            raise DataError(f"{reader.root}: {len(self.missing)} video files of the views in use are missing:\n  "
+                            f"{shown}{more}\n(skip those episodes with skip_missing=True / --skip-missing)")
+        skipped_eps = {ep for ep, _ in self.missing}
         segments = []
         for ep in reader.episodes:
+            if ep.index in skipped_eps:
+                continue
             per_frame = reader.task_per_frame(ep.index) if len(set(ep.tasks)) > 1 else None
             segments += task_segments(ep.index, per_frame, ep.length)
         self.index = AnchorIndex(segments, spec)
@@ -89,6 +98,17 @@ class WindowDataset:
                      for k in embodiment.action]
             self.action_stats = NormStats(q01=np.concatenate([p.q01 for p in parts]),
                                           q99=np.concatenate([p.q99 for p in parts]))
+
+    def _missing_files(self) -> list[tuple[int, Path]]:
+        """(episode, path) of every mp4 of the views in use that is not on disk (image views have none)."""
+        mp4_keys = [k for k in self.emb.views.values() if self.reader.features[k].dtype == "video"]
+        out = []
+        for ep in self.reader.episodes:
+            for key in mp4_keys:
+                path = self.reader.video_file(ep.index, key)
+                if not path.is_file():
+                    out.append((ep.index, path))
+        return out
 
     def _check_keys(self) -> KeyLayout:
         feats = self.reader.features
