@@ -140,6 +140,10 @@ def cmd_data_check(ns: argparse.Namespace) -> int:
         if not ns.skip_missing:
             raise
         print(f"warning: {exc}")
+    if reader.version == "v3.0":
+        from .data.lerobot_format import crosscheck_with_lerobot
+
+        print(crosscheck_with_lerobot(reader))
     if ns.embodiment:
         emb = get_embodiment(ns.embodiment, _registry(ns))
         spec = WindowSpec(ns.chunks, emb.action_horizon, 4 * ns.frames_per_block, emb.sampling)

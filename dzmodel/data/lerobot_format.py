@@ -559,3 +559,32 @@ class LeRobotReader:
 def open_dataset(root: str | Path) -> LeRobotReader:
     """Open the LeRobot dataset at ``root`` (v2.0, v2.1 or v3.0); DataError naming the path if not."""
     return LeRobotReader(root)
+
+
+def crosscheck_with_lerobot(reader: "LeRobotReader") -> str:
+    """Read a v3.0 dataset's metadata with lerobot 0.4.4's own code and compare it with ours.
+
+    Returns a one-line verdict; raises DataError where the two disagree. When lerobot cannot be
+    imported (e.g. on the GPU image), says so and checks nothing."""
+    from .lerobot_compat import import_lerobot_dataset
+
+    try:
+        LeRobotDatasetMetadata, _ = import_lerobot_dataset()
+    except ImportError as exc:
+        return f"lerobot cross-check skipped: {exc}"
+    meta = LeRobotDatasetMetadata("local/dataset", root=reader.root)
+    problems = []
+    if meta.total_episodes != len(reader.episodes):
+        problems.append(f"episodes: lerobot {meta.total_episodes}, ours {len(reader.episodes)}")
+    if float(meta.fps) != float(reader.fps):
+        problems.append(f"fps: lerobot {meta.fps}, ours {reader.fps}")
+    for ep in reader.episodes:
+        row = meta.episodes[ep.index]
+        if int(row["length"]) != ep.length:
+            problems.append(f"episode {ep.index} length: lerobot {row['length']}, ours {ep.length}")
+    if set(meta.video_keys) - set(reader.video_keys):
+        problems.append(f"video keys: lerobot {sorted(meta.video_keys)}, ours {sorted(reader.video_keys)}")
+    if problems:
+        raise DataError(f"{reader.root}: lerobot 0.4.4 reads this dataset differently: " + "; ".join(problems[:5]))
+    return (f"lerobot 0.4.4 agrees: {meta.total_episodes} episodes, {meta.total_frames} frames, "
+            f"fps {meta.fps}, videos {sorted(meta.video_keys)}")
