@@ -185,6 +185,7 @@ def test_fetch_hub_error_mid_download_fails_clean(src, tmp_path, monkeypatch):
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", FakeHub({"lerobot/tiny": src}, fail_after=2))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the online hint; `make test` exports HF_HUB_OFFLINE=1
     dest_root = tmp_path / "d"
     with pytest.raises(DataError, match="cannot download dataset 'lerobot/tiny' at revision 'r1'.*connection reset"):
         fetch_dataset("lerobot/tiny", dest_root, revision="r1")
