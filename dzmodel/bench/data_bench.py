@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 OFFSETS = tuple(range(0, 97, 3))  # DROID multi_anchor: 33 frames, 0..96 step 3
-TILE_HW = (176, 320)
 OUT_HW = (352, 640)
 GOAL_DECODE_RATIO = 3.0
 GOAL_SAMPLES_PER_S = 1.5 * 15
@@ -150,46 +149,36 @@ def _time_ms(fn) -> float:
 # loader
 
 
-def tile_views(frames: list[torch.Tensor], tile_hw=TILE_HW, out_hw=OUT_HW) -> torch.Tensor:
-    """views x [N, 3, H, W] uint8 -> [N, 3, 352, 640]: resize each to 176x320, 2x2 grid (row-major)."""
-    import torch.nn.functional as F
-
-    n = frames[0].shape[0]
-    th, tw = tile_hw
-    out = torch.zeros(n, 3, *out_hw, dtype=torch.uint8)
-    cols = out_hw[1] // tw
-    for i, f in enumerate(frames):
-        r = F.interpolate(f, size=tile_hw, mode="bilinear", antialias=True, align_corners=False)
-        y, x = divmod(i, cols)
-        out[:, :, y * th : (y + 1) * th, x * tw : (x + 1) * tw] = r
-    return out
-
-
 class DroidLikeSamples(torch.utils.data.Dataset):
-    """Item i: a random anchor (seeded by i), 33 frames x every view, decoded, resized and tiled."""
+    """Item i: a random anchor (seeded by i), 33 frames of every view through the real loader path:
+    batched torchcodec decode (dzmodel.data.video), then the oxe_droid embodiment's train transforms
+    (random crop 0.95, uint8 antialiased resize to 176x320, colour jitter) and its layout
+    (wrist stretched over the top row, the two exteriors below) -> [33, 352, 640, 3]."""
 
     def __init__(self, paths: list[Path], num_frames: int, fps: int, length: int, seed: int = 0):
+        from ..data.embodiments import load_embodiments
+
         self.paths = [str(p) for p in paths]
         self.num_frames, self.fps, self.length, self.seed = num_frames, fps, length, seed
-        self._decoders: dict[str, object] | None = None
+        self.emb = load_embodiments()["oxe_droid"]
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        from torchcodec.decoders import VideoDecoder
+        from ..data.transforms import compose_layout, transform_view
+        from ..data.video import decode_frames
 
-        if self._decoders is None:
-            self._decoders = {}
-        anchor = int(np.random.default_rng((self.seed, i)).integers(0, self.num_frames - OFFSETS[-1]))
+        emb = self.emb
+        rng = np.random.default_rng((self.seed, i))
+        anchor = int(rng.integers(0, self.num_frames - OFFSETS[-1]))
         ts = sample_timestamps(anchor, self.fps)
-        frames = []
-        for p in self.paths:
-            dec = self._decoders.get(p)
-            if dec is None:
-                dec = self._decoders[p] = VideoDecoder(p, seek_mode="exact")
-            frames.append(decode_torchcodec(Path(p), ts, dec))
-        return tile_views(frames)
+        views = {}
+        for k, name in enumerate(emb.views):  # fewer source files than views: reuse them in turn
+            p = self.paths[k % len(self.paths)]
+            frames = decode_frames(p, ts, backend="torchcodec")
+            views[name] = transform_view(frames, emb.view_size, True, rng, emb.crop_scale, emb.color_jitter)
+        return compose_layout(emb, views)
 
 
 def _worker_init(_):
@@ -210,7 +199,7 @@ def loader_throughput(paths, num_frames, fps, workers: int, samples: int, seed: 
     t0 = time.perf_counter()
     n = 0
     for x in it:
-        assert x.shape[-2:] == OUT_HW
+        assert tuple(x.shape[-3:-1]) == OUT_HW
         n += 1
     return n / (time.perf_counter() - t0)
 
@@ -345,7 +334,7 @@ def format_table(r: dict) -> str:
         )
     rows.append(f"  goal: torchcodec >= {r['goal_decode_speedup']:.0f}x PyAV")
     workers = sorted({w for v in lo["samples_per_s"].values() for w in v}, key=int)
-    rows += ["", f"loader, GOP {lo['gop']}, samples/s (decode + resize 176x320 + tile 352x640)",
+    rows += ["", f"loader, GOP {lo['gop']}, samples/s (torchcodec decode + oxe_droid train transforms + layout to 352x640)",
              f"{'  workers':12s}" + "".join(f"{w:>8s}" for w in workers)]
     for c, v in lo["samples_per_s"].items():
         rows.append(f"{'  ' + c:12s}" + "".join(f"{v.get(w, float('nan')):8.2f}" for w in workers))

@@ -171,8 +171,10 @@ def _decode_torchcodec(path: Path, ts: np.ndarray, seek_mode: str) -> tuple[np.n
     idx = np.clip(np.rint((ts - begin) * fps).astype(np.int64), 0, n - 1)
     uidx, inv = np.unique(idx, return_inverse=True)
     batch = dec.get_frames_at(indices=uidx.tolist())  # one batched call
-    frames = batch.data.numpy()[inv]
-    pts = batch.pts_seconds.numpy().astype(np.float64)[inv]
+    frames = batch.data.numpy()
+    pts = batch.pts_seconds.numpy().astype(np.float64)
+    if len(uidx) != len(idx) or not np.array_equal(uidx, idx):  # re-expand duplicates / original order
+        frames, pts = frames[inv], pts[inv]
     return _rgb_check(path, frames), pts
 
 

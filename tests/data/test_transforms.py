@@ -34,6 +34,27 @@ def test_train_transform_is_random_per_sample_but_shared_by_frames():
     assert torch.equal(a, again)
 
 
+def test_colour_jitter_components():
+    x = torch.rand(2, 3, 5, 5) * 0.5 + 0.25
+
+    class Fixed:
+        def __init__(self, v):
+            self.v = v
+
+        def uniform(self, lo, hi):
+            return self.v
+
+    torch.testing.assert_close(color_jitter(x, Fixed(1.2), brightness=0.3), (x * 1.2).clamp(0, 1))
+    gray = (x * torch.tensor([0.299, 0.587, 0.114]).view(1, 3, 1, 1)).sum(1, keepdim=True)
+    torch.testing.assert_close(color_jitter(x, Fixed(0.0), saturation=1.0), gray.expand_as(x), atol=1e-6, rtol=0)
+    mean = gray.mean(dim=(-2, -1), keepdim=True)
+    torch.testing.assert_close(color_jitter(x, Fixed(0.5), contrast=0.5), 0.5 * x + 0.5 * mean, atol=1e-6, rtol=0)
+    shifted = color_jitter(x, Fixed(0.25), hue=0.5)  # a quarter turn of the chroma plane keeps luma
+    torch.testing.assert_close((shifted * torch.tensor([0.299, 0.587, 0.114]).view(1, 3, 1, 1)).sum(1, keepdim=True),
+                               gray, atol=1e-4, rtol=0)
+    assert not torch.allclose(shifted, x, atol=1e-2)
+
+
 def test_hue_jitter_round_trips_at_zero_shift():
     x = torch.rand(2, 3, 5, 5)
 
