@@ -5,6 +5,7 @@
     dz model manifest                       check our modules against the WAN checkpoint manifest
     dz model tokenizer OUT                  build the small offline tokenizer of the embedded default
     dz data fetch|synth|metadata|check ...  datasets (see `dz data -h`)
+    dz train [--config FILE] [--set k=v]    SFT; under torchrun: FSDP2 over all ranks; resumes from out_dir
     dz bench model ...                      bf16 forward+backward timing on a GPU
     dz bench data ...                       video decode and loader throughput
 """
@@ -158,6 +159,57 @@ def cmd_data_check(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- dz train --------------------------------------------------------------------
+
+def load_train_config(ns: argparse.Namespace):
+    import json
+    from pathlib import Path
+
+    from .train.config import TrainConfig
+
+    raw: dict = {}
+    if ns.config:
+        path = Path(ns.config)
+        if not path.is_file():
+            raise CLIError(f"config file not found: {path}")
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            raw = yaml.safe_load(text) or {}
+        else:
+            raw = json.loads(text)
+    for item in ns.set or []:
+        if "=" not in item:
+            raise CLIError(f"--set wants key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        try:
+            raw[key] = json.loads(value)
+        except json.JSONDecodeError:
+            raw[key] = value
+    for key in ("preset", "embodiment", "metadata", "steps", "out_dir"):
+        value = getattr(ns, key)
+        if value is not None:
+            raw[key] = value
+    if ns.dataset:
+        raw["datasets"] = ns.dataset
+    try:
+        return TrainConfig.from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        raise CLIError(str(exc)) from exc
+
+
+def cmd_train(ns: argparse.Namespace) -> int:
+    from .train.trainer import train
+
+    history = train(load_train_config(ns))
+    if history:
+        last = history[-1]
+        print(f"step {last['step']}: loss {last['loss']:.4f} (dynamics {last['dynamics_loss']:.4f}, "
+              f"action {last['action_loss']:.4f}), {last['samples_per_s_per_gpu']:.2f} samples/s/GPU")
+    return EXIT_OK
+
+
 # --- dz bench ----------------------------------------------------------------------
 
 def cmd_bench_model(ns: argparse.Namespace) -> int:
@@ -249,6 +301,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames-per-block", type=int, default=2)
     p.add_argument("--skip-missing", action="store_true", help="report missing video files, use the other episodes")
     p.set_defaults(func=cmd_data_check)
+
+    p = sub.add_parser("train", help="SFT training (one process, or under torchrun with FSDP2)")
+    p.add_argument("--config", help="YAML/JSON file of train settings (dzmodel.train.config.TrainConfig fields)")
+    p.add_argument("--set", action="append", help="override one field: key=value (value parsed as JSON when it can be)")
+    p.add_argument("--preset")
+    p.add_argument("--dataset", action="append", help="LeRobot dataset directory (repeatable: a mixture)")
+    p.add_argument("--embodiment")
+    p.add_argument("--metadata")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--out", dest="out_dir")
+    p.set_defaults(func=cmd_train)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="cmd", required=True)
     p = bench.add_parser("model", help="bf16 forward+backward of the WAM on the DROID token layout")

@@ -7,6 +7,7 @@
     text_attention_mask  int64 [B, text_len]  -- per sample: the text encoder zeroes each prompt past its own length
     embodiment_id        int64 [B]
     has_real_action      bool [B]
+    position             int64 [B]  the sample's global stream position (when the sampler provides it)
 Dropped: lapa_action(_mask), has_lapa_action, is_cotrain_instance, segmentation_target(_mask) (never read),
 text_negative (only inference's CFG uses a negative prompt).
 """
@@ -59,4 +60,6 @@ class Collator:
             "text": text.long(), "text_attention_mask": text_mask.long(),
             "embodiment_id": torch.tensor([int(s["embodiment_id"]) for s in samples], dtype=torch.long),
             "has_real_action": torch.tensor([bool(s["has_real_action"]) for s in samples], dtype=torch.bool),
+            **({"position": torch.tensor([int(s["position"]) for s in samples], dtype=torch.long)}
+               if all("position" in s for s in samples) else {}),
         }

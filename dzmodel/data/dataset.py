@@ -192,7 +192,9 @@ class MixtureDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, item: tuple[int, int, int]) -> dict:
         ds, anchor, position = item
-        return self.datasets[ds].sample(anchor, position)
+        sample = self.datasets[ds].sample(anchor, position)
+        sample["position"] = position  # seeds this sample's diffusion noise (batch-size independent)
+        return sample
 
 
 class StreamSampler(torch.utils.data.Sampler):

@@ -1,0 +1,84 @@
+"""Training configuration: one typed dataclass, checked before anything runs."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class TrainConfig:
+    # model
+    preset: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    init_dit: str | None = None            # WAN DiT file for a cold start (action/state modules stay at init)
+    # data
+    datasets: list[str] = field(default_factory=list)
+    dataset_weights: list[float] | None = None
+    embodiment: str = "libero_sim"
+    embodiment_files: list[str] = field(default_factory=list)
+    metadata: str | None = None             # metadata.json with the embodiment's statistics
+    tokenizer: str | None = None            # local HF tokenizer dir (built offline for the tiny preset if missing)
+    num_workers: int = 0
+    # optimisation (reference §5.1)
+    steps: int = 100
+    stop_at: int | None = None              # end this invocation after this step (schedule still spans `steps`)
+    micro_batch: int = 2
+    global_batch: int = 2                   # = micro_batch x world_size x accumulation
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.95, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-5
+    warmup_ratio: float = 0.05
+    min_lr: float = 0.0
+    schedule: str = "cosine"                # cosine | constant
+    grad_clip: float = 1.0
+    # systems
+    precision: str = "fp32"                 # compute dtype: fp32 | bf16 (master weights and Adam state stay fp32)
+    reduce_dtype: str = "fp32"              # gradient reduce-scatter dtype: fp32 | bf16
+    sharding: str = "full"                  # full | hybrid | none (FSDP2 when world_size > 1)
+    activation_checkpointing: str = "none"  # none | selective | full
+    compile: bool = False
+    attn_backend: str = "auto"
+    # bookkeeping
+    out_dir: str = "runs/train"
+    save_every: int = 50
+    log_every: int = 1
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+        choices = {"precision": ("fp32", "bf16"), "reduce_dtype": ("fp32", "bf16"), "sharding": ("full", "hybrid", "none"),
+                   "activation_checkpointing": ("none", "selective", "full"), "schedule": ("cosine", "constant"),
+                   "attn_backend": ("auto", "flex", "sdpa")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"train.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("steps", "micro_batch", "global_batch", "save_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.lr <= 0 or self.grad_clip <= 0:
+            raise ValueError("train.lr and train.grad_clip must be > 0")
+
+    def accumulation(self, world_size: int) -> int:
+        per_step = self.micro_batch * world_size
+        if self.global_batch % per_step:
+            raise ValueError(f"train.global_batch {self.global_batch} is not a multiple of micro_batch x world_size "
+                             f"= {self.micro_batch} x {world_size}")
+        return self.global_batch // per_step
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown train config keys: {unknown}")
+        return cls(**d)

@@ -1,0 +1,246 @@
+"""The SFT trainer: one process, or many under torchrun (gloo on CPU, NCCL on GPU), FSDP2 when sharded.
+
+    dz train --preset tiny --dataset DIR --embodiment libero_sim --metadata meta.json --steps 100 --out runs/x
+    torchrun --nproc_per_node 8 -m dzmodel.cli train ...
+
+A run resumes from its newest complete checkpoint in `out_dir`: model, optimizer, step, the data stream's
+position and the noise generator all come back, so the losses continue bit-exactly. The LR schedule is a
+pure function of the step (linear warmup then cosine to `min_lr`, like HF's cosine-with-min-lr).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..data.collate import Collator
+from ..data.dataset import MixtureDataset, StreamSampler, WindowDataset, load_statistics
+from ..data.embodiments import get_embodiment, load_embodiments
+from ..data.errors import DataError
+from ..data.lerobot_format import open_dataset
+from ..data.sampling import SampleStream, WindowSpec
+from ..data.video import worker_init_fn
+from ..model.args import preset
+from ..model.attention import TeacherForcingLayout
+from ..model.components import build_encoders
+from ..model.flops import wam_forward_flops
+from ..model.objective import FlowMatchSchedule
+from ..model.state_dict import load_wan_dit
+from ..model.vae import WanVideoVAE38
+from ..model.wam import DreamZeroWAM
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .metrics import PEAK_FLOPS, JsonlSink, MetricsSink, Progress, peak_memory_gib
+from .parallelize import DTYPES, apply_activation_checkpointing, apply_compile, apply_fsdp
+from .step import sft_losses
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def init_distributed() -> DistInfo:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return DistInfo(rank, world, local, device)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    warmup = int(cfg.warmup_ratio * cfg.steps)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, sink: MetricsSink | None = None):
+        self.cfg = cfg
+        self.info = init_distributed()
+        self.out = Path(cfg.out_dir)
+        self.sink = sink
+        self.args = preset(cfg.preset, **cfg.model_overrides)
+        self.accum = cfg.accumulation(self.info.world_size)
+
+    # -- building --------------------------------------------------------------------------
+
+    def build_model(self) -> None:
+        cfg, dev = self.cfg, self.info.device
+        torch.manual_seed(cfg.seed)
+        model = DreamZeroWAM(self.args)
+        if cfg.init_dit:
+            load_wan_dit(model, cfg.init_dit)
+        model.to(dev).train()
+        apply_activation_checkpointing(model, cfg.activation_checkpointing)
+        if cfg.compile:
+            apply_compile(model)
+        self.sharded = self.info.world_size > 1 and cfg.sharding != "none"
+        if self.sharded:
+            apply_fsdp(model, cfg.sharding, cfg.precision, cfg.reduce_dtype, dev.type)
+        elif self.info.world_size > 1:
+            raise ValueError("sharding 'none' with several processes is not supported: use full or hybrid")
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                           weight_decay=cfg.weight_decay)
+        torch.manual_seed(cfg.seed + 1)
+        self.encoders = build_encoders(cfg.preset, device=dev)  # frozen, replicated, batched per micro-batch
+
+    def build_data(self) -> None:
+        cfg, a = self.cfg, self.args
+        if not cfg.datasets:
+            raise DataError("train.datasets is empty: give at least one LeRobot dataset directory")
+        if not cfg.metadata:
+            raise DataError("train.metadata is required (run `dz data metadata`): actions are q99-normalised")
+        emb = get_embodiment(cfg.embodiment, load_embodiments(cfg.embodiment_files))
+        if emb.action_horizon != a.num_action_per_block:
+            raise DataError(f"embodiment {emb.tag!r} has action_horizon {emb.action_horizon}, the model preset "
+                            f"{cfg.preset!r} has num_action_per_block {a.num_action_per_block}")
+        stats = load_statistics(cfg.metadata, emb.tag)
+        spec = WindowSpec(a.max_chunk_size, emb.action_horizon, 4 * a.num_frame_per_block, emb.sampling)
+        self.datasets = [WindowDataset(open_dataset(p), emb, spec, stats, train=True, seed=cfg.seed) for p in cfg.datasets]
+        self.stream = SampleStream([len(d) for d in self.datasets], cfg.dataset_weights, seed=cfg.seed,
+                                   rank=self.info.rank, world_size=self.info.world_size)
+        tokenizer = self._tokenizer()
+        self.collate = Collator(tokenizer, a.text_len, a.max_state_dim, a.action_dim)
+        self.embodiment = emb
+        vae_factor = 16 if isinstance(self.encoders.vae, WanVideoVAE38) else 8
+        h, w = emb.image_size
+        p = a.patch_size
+        fs = (h // vae_factor // p[1]) * (w // vae_factor // p[2])
+        layout = TeacherForcingLayout(a.max_chunk_size, fs, a.num_frame_per_block, a.num_action_per_block,
+                                      a.num_state_per_block)
+        self.flops_per_sample = wam_forward_flops(a, layout).train()
+
+    def _tokenizer(self):
+        from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer
+
+        path = Path(self.cfg.tokenizer) if self.cfg.tokenizer else self.out / "tokenizer"
+        if not (path / "tokenizer.json").is_file():
+            if self.cfg.preset != "tiny":
+                raise DataError(f"tokenizer directory {path} has no tokenizer.json (give train.tokenizer: a local "
+                                "copy of google/umt5-xxl)")
+            if self.info.rank == 0:
+                build_tiny_tokenizer(path)
+            if dist.is_initialized():
+                dist.barrier()
+        return load_tokenizer(path)
+
+    def loader(self, position: int):
+        self.stream.position = position
+        return torch.utils.data.DataLoader(
+            MixtureDataset(self.datasets), batch_size=self.cfg.micro_batch, sampler=StreamSampler(self.stream),
+            collate_fn=self.collate, num_workers=self.cfg.num_workers,
+            worker_init_fn=worker_init_fn if self.cfg.num_workers else None,
+            persistent_workers=bool(self.cfg.num_workers))
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _rng_states(self) -> dict[str, torch.Tensor]:
+        return {"torch": torch.get_rng_state()}  # diffusion noise is seeded per sample position; this is for the rest
+
+    def run(self) -> list[dict]:
+        cfg, info = self.cfg, self.info
+        self.build_model()
+        self.build_data()
+        start, consumed = 0, 0
+        ckpt = latest_checkpoint(self.out)
+        if ckpt is not None:
+            state, rng = load_checkpoint(ckpt, self.model, self.optimizer)
+            start, consumed = int(state["step"]), int(state["consumed"][str(info.rank)])
+            if "torch" in rng:
+                torch.set_rng_state(rng["torch"])
+        if start >= cfg.steps:
+            return []
+        schedule = FlowMatchSchedule()
+        sink = self.sink if self.sink is not None else (JsonlSink(self.out / "metrics.jsonl") if info.rank == 0 else None)
+        progress = Progress(cfg.steps, start, enabled=cfg.progress and info.rank == 0)
+        autocast = (torch.autocast(info.device.type, dtype=DTYPES[cfg.precision])
+                    if cfg.precision != "fp32" and not self.sharded else None)
+        it = iter(self.loader(consumed))
+        history = []
+        dev = info.device
+        end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
+        for step in range(start, end):
+            lr = lr_at(step, cfg)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            sums = torch.zeros(3, dtype=torch.float64)
+            for _ in range(self.accum):
+                batch = next(it)
+                if autocast is not None:
+                    with autocast:
+                        losses = sft_losses(self.model, self.encoders, batch, schedule, None, cfg.attn_backend,
+                                            noise_seed=cfg.seed)
+                else:
+                    losses = sft_losses(self.model, self.encoders, batch, schedule, None, cfg.attn_backend,
+                                            noise_seed=cfg.seed)
+                (losses.loss / self.accum).backward()
+                sums += torch.tensor([losses.loss.item(), losses.dynamics_loss.item(), losses.action_loss.item()],
+                                     dtype=torch.float64)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            consumed += self.accum * cfg.micro_batch
+            sums /= self.accum
+            if dist.is_initialized():
+                dist.all_reduce(sums)
+                sums /= info.world_size
+            samples = self.accum * cfg.micro_batch
+            metrics = {
+                "loss": float(sums[0]), "dynamics_loss": float(sums[1]), "action_loss": float(sums[2]),
+                "lr": lr, "grad_norm": float(grad_norm), "step_time_s": dt,
+                "samples_per_s_per_gpu": samples / dt,
+                "mfu": self.flops_per_sample * samples / dt / PEAK_FLOPS[dev.type],
+                "peak_mem_gib": peak_memory_gib(dev),
+            }
+            history.append({"step": step + 1, **metrics})
+            if sink is not None and (step + 1) % cfg.log_every == 0:
+                sink.log(step + 1, metrics)
+            progress.update(metrics)
+            if (step + 1) % cfg.save_every == 0 or step + 1 == end:
+                all_consumed = self._gather_consumed(consumed)
+                save_checkpoint(self.out, step + 1, self.model, self.optimizer,
+                                {"step": step + 1, "consumed": all_consumed, "config": cfg.to_dict()},
+                                self._rng_states())
+        progress.close()
+        if sink is not None and self.sink is None:
+            sink.close()
+        return history
+
+    def _gather_consumed(self, consumed: int) -> dict[str, int]:
+        if not dist.is_initialized():
+            return {"0": consumed}
+        out: list = [None] * self.info.world_size
+        dist.all_gather_object(out, consumed)
+        return {str(r): int(c) for r, c in enumerate(out)}
+
+
+def train(cfg: TrainConfig, sink: MetricsSink | None = None) -> list[dict]:
+    return Trainer(cfg, sink).run()
