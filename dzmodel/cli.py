@@ -6,6 +6,7 @@
     dz model tokenizer OUT                  build the small offline tokenizer of the embedded default
     dz data fetch|synth|metadata|check ...  datasets (see `dz data -h`)
     dz train [--config FILE] [--set k=v]    SFT; under torchrun: FSDP2 over all ranks; resumes from out_dir
+    dz convert RUN|CKPT --out DIR           DCP -> config.json + model.safetensors (+ experiment_cfg/)
     dz bench model ...                      bf16 forward+backward timing on a GPU
     dz bench data ...                       video decode and loader throughput
 """
@@ -210,6 +211,15 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_convert(ns: argparse.Namespace) -> int:
+    from .train.convert import convert_checkpoint, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(ns.checkpoint, ns.step)
+    out = convert_checkpoint(ckpt, ns.out, max_shard_bytes=int(ns.max_shard_gib * 2**30))
+    print(f"converted {ckpt} -> {out}")
+    return EXIT_OK
+
+
 # --- dz bench ----------------------------------------------------------------------
 
 def cmd_bench_model(ns: argparse.Namespace) -> int:
@@ -312,6 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int)
     p.add_argument("--out", dest="out_dir")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("convert", help="DCP checkpoint -> HF-style directory (config.json + safetensors)")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--step", type=int, help="with a run directory: that step's checkpoint")
+    p.add_argument("--max-shard-gib", type=float, default=5.0)
+    p.set_defaults(func=cmd_convert)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="cmd", required=True)
     p = bench.add_parser("model", help="bf16 forward+backward of the WAM on the DROID token layout")

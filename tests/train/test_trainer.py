@@ -139,3 +139,34 @@ def test_two_process_fsdp2_kill9_and_resume_bit_exact(data, tmp_path):
     assert [r["step"] for r in resumed] == list(range(int(resume_from.name.split("_")[1]) + 1, steps + 1))
     assert all(r["loss"] == ref[r["step"]] for r in resumed), (resumed, ref)
     assert not list((run_out / "checkpoints").glob("*.tmp"))
+
+
+def test_convert_round_trips_exactly(data, tmp_path):
+    import torch
+
+    from dzmodel.cli import main
+    from dzmodel.model.args import preset
+    from dzmodel.model.state_dict import load_dreamzero_dir
+    from dzmodel.model.wam import DreamZeroWAM
+    from dzmodel.train.checkpoint import load_checkpoint
+
+    run = tmp_path / "run"
+    train(_cfg(data, run, steps=2, save_every=1))
+    assert main(["convert", str(run), "--out", str(tmp_path / "hf"), "--max-shard-gib", "0.0001"]) == 0
+    hf = tmp_path / "hf"
+    assert (hf / "config.json").is_file() and (hf / "model.safetensors.index.json").is_file()
+    assert (hf / "experiment_cfg" / "metadata.json").is_file()
+    assert not any(p.suffix in (".pt", ".pth", ".bin", ".pkl") for p in hf.rglob("*"))
+    converted = load_dreamzero_dir(hf).eval()
+    reference = DreamZeroWAM(preset("tiny"))
+    load_checkpoint(latest_checkpoint(run), reference, None)
+    for k, v in reference.state_dict().items():
+        assert torch.equal(v, converted.state_dict()[k]), k
+    from tests.model.helpers import tiny_batch
+
+    b = tiny_batch(reference.args)
+    with torch.no_grad():
+        a, c = reference.eval()(**b, attn_backend="sdpa"), converted(**b, attn_backend="sdpa")
+    assert torch.equal(a.video_pred, c.video_pred) and torch.equal(a.action_pred, c.action_pred)
+    assert main(["convert", str(run), "--step", "1", "--out", str(tmp_path / "hf1")]) == 0
+    assert main(["convert", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
