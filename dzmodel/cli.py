@@ -242,6 +242,35 @@ def cmd_bench_model(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def parse_variant(text: str) -> dict:
+    """'name=opt,mbs=32,compile=1,ac=full,attn=flex,encoders=cache' -> run_config kwargs."""
+    keys = {"name": "name", "mbs": "micro_batch", "compile": "compile", "ac": "ac", "attn": "attention",
+            "encoders": "encoders"}
+    out = {"name": "optimised", "micro_batch": 32, "compile": True, "ac": "full", "attention": "flex",
+           "encoders": "cache"}
+    for part in text.split(","):
+        if "=" not in part:
+            raise CLIError(f"variant field {part!r} is not key=value")
+        k, v = part.split("=", 1)
+        if k not in keys:
+            raise CLIError(f"variant key {k!r} is not one of {sorted(keys)}")
+        out[keys[k]] = int(v) if k == "mbs" else (v in ("1", "true", "yes")) if k == "compile" else v
+    return out
+
+
+def cmd_bench_train(ns: argparse.Namespace) -> int:
+    from .bench.train_bench import run
+
+    configs = []
+    if not ns.no_baseline:
+        configs.append({"name": "baseline", "micro_batch": 1, "compile": False, "ac": "none", "attention": "sdpa",
+                        "encoders": "online_per_sample"})
+    configs += [parse_variant(v) for v in (ns.variant or ["name=optimised"])]
+    hw = tuple(int(x) for x in ns.latent_hw.split(","))
+    run(ns.preset, ns.layers or None, configs, hw, ns.steps, ns.warmup, ns.out)
+    return EXIT_OK
+
+
 def cmd_bench_data(ns: argparse.Namespace) -> int:
     import json
 
@@ -343,6 +372,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="append JSON lines here")
     p.add_argument("--check", action="store_true", help="first compare FlexAttention with SDPA (outputs, grads)")
     p.set_defaults(func=cmd_bench_model)
+    p = bench.add_parser("train", help="baseline vs optimised training steps, side by side (GPU)")
+    p.add_argument("--preset", default="dreamzero_5b")
+    p.add_argument("--layers", type=int, default=0, help="cut the preset to this many layers (0 = all)")
+    p.add_argument("--latent-hw", default="11,20", help="latent H,W (5B DROID 11,20; 14B DROID 44,80)")
+    p.add_argument("--variant", action="append",
+                   help="an optimised config: name=..,mbs=..,compile=0/1,ac=none|selective|full,attn=flex|sdpa,"
+                        "encoders=cache|online_per_sample (repeatable)")
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", help="append JSON lines here")
+    p.set_defaults(func=cmd_bench_train)
     p = bench.add_parser("data", help="video decode (torchcodec batched vs PyAV) and loader samples/s, DROID-like")
     p.add_argument("--workdir", default="build/bench_data", help="where the generated source videos are cached")
     p.add_argument("--workers", default="1,2,4")

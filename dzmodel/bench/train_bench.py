@@ -1,0 +1,170 @@
+"""`dz bench train`: a plain baseline and the optimised configuration, side by side, on one device.
+
+Both run full training steps (forward, backward, grad clip, AdamW with fp32 master weights and state) of
+the same preset on the DROID sample shape, with random inputs:
+  baseline   upstream-like: eager, micro-batch 1, dense-mask SDPA, and the frozen encoders (VAE, umT5,
+             CLIP; random weights, real sizes) run per sample every step
+  optimised  compiled blocks, one FlexAttention call per layer, activation checkpointing as configured,
+             a large micro-batch, bf16 autocast, and encoder outputs read from the cache (no encoder work)
+samples/s/GPU, MFU (model FLOPs of reference §3.3 / 989 TFLOP/s; recompute not counted), peak memory,
+and the ratio are printed. Medians over timed steps after warm-up, CUDA events.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..model.args import preset
+from ..model.flops import droid_layout, wam_forward_flops
+from ..model.objective import FlowMatchSchedule, flow_matching_losses, sample_timestep_ids
+from ..model.wam import DreamZeroWAM
+from ..train.parallelize import apply_activation_checkpointing, apply_compile
+from .model_step import H100_BF16_PEAK, random_inputs
+
+
+@dataclass
+class TrainBenchResult:
+    name: str
+    preset: str
+    num_layers: int
+    micro_batch: int
+    compile: bool
+    activation_checkpointing: str
+    attention: str
+    encoders: str
+    step_ms: float
+    samples_per_s_per_gpu: float
+    model_tflops_per_s: float
+    mfu: float
+    peak_mem_gib: float
+    device: str
+
+
+def _encoder_inputs(preset_name: str, batch: int, device, image_size, frames: int):
+    from ..model.components import build_encoders
+
+    enc = build_encoders(preset_name, device=device)
+    for m in enc.modules():
+        m.to(torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(0)
+    images = torch.randint(0, 255, (batch, frames, *image_size, 3), generator=g, device=device, dtype=torch.uint8)
+    ids = torch.randint(3, 1000, (batch, 512), generator=g, device=device)
+    mask = torch.ones(batch, 512, dtype=torch.long, device=device)
+    return enc, images, ids, mask
+
+
+def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
+               attention: str, encoders: str, latent_hw=(11, 20), steps: int = 8, warmup: int = 3,
+               device: str = "cuda") -> TrainBenchResult:
+    from ..model.conditioning import encode_batch
+
+    args = preset(preset_name, **({"num_layers": num_layers} if num_layers else {}))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DreamZeroWAM(args)
+    model.train()
+    apply_activation_checkpointing(model, ac)
+    if compile:
+        apply_compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.95, 0.999), weight_decay=1e-5,
+                            fused=device.startswith("cuda"))
+    gen = torch.Generator(device=device).manual_seed(0)
+    inputs = random_inputs(model, micro_batch, latent_hw, device, torch.float32, gen)
+    layout = droid_layout(args, latent_hw)
+    mask = model.make_mask(layout, attention, torch.device(device))
+    sched = FlowMatchSchedule()
+    A, K = args.num_action_per_block, args.max_chunk_size
+    actions = torch.rand(micro_batch, K * A, args.action_dim, device=device) * 2 - 1
+    action_mask = torch.ones_like(actions, dtype=torch.bool)
+    real = torch.ones(micro_batch, dtype=torch.bool, device=device)
+    enc = None
+    if encoders == "online_per_sample":
+        vae_factor = 16 if args.in_dim == 48 else 8
+        image_size = (latent_hw[0] * vae_factor, latent_hw[1] * vae_factor)
+        enc, images, ids, tmask = _encoder_inputs(preset_name, micro_batch, device, image_size, 4 * (args.num_frames - 1) + 1)
+
+    def step():
+        clean = inputs["clean_latents"]
+        if enc is not None:  # upstream: every sample's frozen encoders, one at a time, every step
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                for i in range(micro_batch):
+                    encode_batch(args, enc.vae, enc.text_encoder, enc.image_encoder, images[i:i + 1], ids[i:i + 1],
+                                 tmask[i:i + 1])
+        _, tid, aid = sample_timestep_ids(micro_batch, args.num_frames, args.num_frame_per_block, A)
+        tid, aid = tid.to(device), aid.to(device)
+        noise, noise_a = torch.randn_like(clean), torch.randn_like(actions)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+            out = model(sched.add_noise(clean, noise, tid, 2), clean, sched.timestep(tid),
+                        sched.add_noise(actions, noise_a, aid, 1), sched.timestep(aid), inputs["state"],
+                        inputs["context"], inputs["clip_feature"], y=inputs["y"], mask=mask)
+        losses = flow_matching_losses(sched, out.video_pred, out.action_pred, clean, noise, actions, noise_a, tid, aid,
+                                      action_mask, real)
+        losses.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        step()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    ms = statistics.median(times)
+    flops = wam_forward_flops(args, layout).train() * micro_batch
+    achieved = flops / (ms / 1e3)
+    res = TrainBenchResult(
+        name=name, preset=preset_name, num_layers=args.num_layers, micro_batch=micro_batch, compile=compile,
+        activation_checkpointing=ac, attention=attention, encoders=encoders, step_ms=round(ms, 2),
+        samples_per_s_per_gpu=round(micro_batch / (ms / 1e3), 3), model_tflops_per_s=round(achieved / 1e12, 1),
+        mfu=round(achieved / H100_BF16_PEAK, 4), peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        device=torch.cuda.get_device_name())
+    del model, opt, inputs, enc
+    torch.cuda.empty_cache()
+    return res
+
+
+def print_side_by_side(results: list[TrainBenchResult]) -> None:
+    print(f"{'config':<12} {'layers':>6} {'mbs':>4} {'compile':>7} {'AC':>9} {'attn':>5} {'encoders':>17} "
+          f"{'step ms':>9} {'samples/s/GPU':>13} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
+    for r in results:
+        print(f"{r.name:<12} {r.num_layers:>6} {r.micro_batch:>4} {str(r.compile):>7} {r.activation_checkpointing:>9} "
+              f"{r.attention:>5} {r.encoders:>17} {r.step_ms:>9.1f} {r.samples_per_s_per_gpu:>13.3f} "
+              f"{r.model_tflops_per_s:>8.1f} {r.mfu:>6.1%} {r.peak_mem_gib:>8.1f}")
+    base = next((r for r in results if r.name == "baseline"), None)
+    if base:
+        for r in results:
+            if r is not base:
+                print(f"{r.name} / baseline: {r.samples_per_s_per_gpu / base.samples_per_s_per_gpu:.2f}x samples/s/GPU")
+
+
+def run(preset_name: str, num_layers: int | None, configs: list[dict], latent_hw, steps: int, warmup: int,
+        out_path: str | None) -> list[TrainBenchResult]:
+    results = []
+    for c in configs:
+        t0 = time.time()
+        try:
+            r = run_config(preset_name=preset_name, num_layers=num_layers, latent_hw=latent_hw, steps=steps,
+                           warmup=warmup, **c)
+        except torch.OutOfMemoryError:
+            print(f"{c['name']}: out of memory", flush=True)
+            torch.cuda.empty_cache()
+            continue
+        results.append(r)
+        print(json.dumps(asdict(r)), f"({time.time() - t0:.0f} s)", flush=True)
+        if out_path:
+            with open(out_path, "a") as f:
+                f.write(json.dumps(asdict(r)) + "\n")
+    print_side_by_side(results)
+    return results
