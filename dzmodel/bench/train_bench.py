@@ -68,9 +68,9 @@ def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch:
     with torch.device(device):
         model = DreamZeroWAM(args)
     model.train()
-    apply_activation_checkpointing(model, ac)
-    if compile:
+    if compile:  # compile first: the checkpoint wraps the compiled forward
         apply_compile(model)
+    apply_activation_checkpointing(model, ac)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.95, 0.999), weight_decay=1e-5,
                             fused=device.startswith("cuda"))
     gen = torch.Generator(device=device).manual_seed(0)

@@ -32,9 +32,12 @@ def _checkpointed_forward(forward, *args, **kwargs):
 
 
 def apply_compile(model: nn.Module) -> None:
-    """Compile each block (fuses the fp32 norm / modulate / gate-residual elementwise chains)."""
+    """Compile each block's forward (fuses the fp32 norm / modulate / gate-residual elementwise chains).
+
+    Call BEFORE apply_activation_checkpointing: the checkpoint then wraps (and recomputes) the compiled
+    forward. Compiling a checkpoint-wrapped forward instead graph-breaks and silently runs eager."""
     for block in model.blocks:
-        block.compile()
+        block.forward = torch.compile(block.forward)
 
 
 def apply_fsdp(model: nn.Module, sharding: str = "full", param_dtype: str = "fp32", reduce_dtype: str = "fp32",

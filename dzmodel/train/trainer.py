@@ -90,9 +90,9 @@ class Trainer:
         if cfg.init_dit:
             load_wan_dit(model, cfg.init_dit)
         model.to(dev).train()
-        apply_activation_checkpointing(model, cfg.activation_checkpointing)
-        if cfg.compile:
+        if cfg.compile:  # compile first: the checkpoint wraps the compiled forward
             apply_compile(model)
+        apply_activation_checkpointing(model, cfg.activation_checkpointing)
         self.sharded = self.info.world_size > 1 and cfg.sharding != "none"
         if self.sharded:
             apply_fsdp(model, cfg.sharding, cfg.precision, cfg.reduce_dtype, dev.type)
