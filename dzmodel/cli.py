@@ -7,6 +7,7 @@
     dz data fetch|synth|metadata|check ...  datasets (see `dz data -h`)
     dz train [--config FILE] [--set k=v]    SFT; under torchrun: FSDP2 over all ranks; resumes from out_dir
     dz convert RUN|CKPT --out DIR           DCP -> config.json + model.safetensors (+ experiment_cfg/)
+    dz cache --config FILE --out DIR        precomputed encoder outputs; train with train.cache=DIR
     dz bench model ...                      bf16 forward+backward timing on a GPU
     dz bench data ...                       video decode and loader throughput
 """
@@ -211,6 +212,17 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_cache(ns: argparse.Namespace) -> int:
+    from .train.cache import build_cache
+
+    cfg = load_train_config(ns)
+    if not cfg.tokenizer:
+        raise CLIError("dz cache needs the tokenizer directory (train.tokenizer / --set tokenizer=DIR)")
+    out = build_cache(cfg, ns.cache_out, stride=ns.stride, batch_size=ns.batch_size)
+    print(f"wrote the encoder cache {out}")
+    return EXIT_OK
+
+
 def cmd_convert(ns: argparse.Namespace) -> int:
     from .train.convert import convert_checkpoint, resolve_checkpoint
 
@@ -351,6 +363,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int)
     p.add_argument("--out", dest="out_dir")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("cache", help="precompute frozen-encoder outputs (VAE, umT5, CLIP) per sample window")
+    p.add_argument("--config", help="the train config (datasets, embodiment, metadata, tokenizer, preset)")
+    p.add_argument("--set", action="append")
+    p.add_argument("--preset")
+    p.add_argument("--dataset", action="append")
+    p.add_argument("--embodiment")
+    p.add_argument("--metadata")
+    p.add_argument("--out", dest="cache_out", required=True, help="cache directory to write")
+    p.add_argument("--stride", type=int, default=1, help="cache every stride-th anchor")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.set_defaults(func=cmd_cache, steps=None, out_dir=None)
 
     p = sub.add_parser("convert", help="DCP checkpoint -> HF-style directory (config.json + safetensors)")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")

@@ -20,6 +20,7 @@ class TrainConfig:
     metadata: str | None = None             # metadata.json with the embodiment's statistics
     tokenizer: str | None = None            # local HF tokenizer dir (built offline for the tiny preset if missing)
     num_workers: int = 0
+    cache: str | None = None                # a `dz cache` directory: train from precomputed encoder outputs
     # optimisation (reference §5.1)
     steps: int = 100
     stop_at: int | None = None              # end this invocation after this step (schedule still spans `steps`)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.conditioning import encode_batch
+from ..model.conditioning import EncodedBatch, encode_batch
 from ..model.objective import FlowMatchSchedule, Losses, flow_matching_losses, sample_timestep_ids
 from ..model.wam import DreamZeroWAM
 
@@ -28,14 +28,22 @@ def sft_losses(model: DreamZeroWAM, encoders, batch: dict[str, torch.Tensor], sc
                noise_seed: int | None = None) -> Losses:
     """`batch` follows dzmodel.data.collate; `encoders` has .vae, .text_encoder, .image_encoder.
     With `noise_seed` and batch["position"], draws are per sample; else from `generator`."""
-    a = model.args
     dev = model.patch_embedding.weight.device
     batch = {k: v.to(dev) for k, v in batch.items()}
-    enc = encode_batch(a, encoders.vae, encoders.text_encoder, encoders.image_encoder, batch["images"],
+    enc = encode_batch(model.args, encoders.vae, encoders.text_encoder, encoders.image_encoder, batch["images"],
                        batch["text"], batch["text_attention_mask"])
+    return losses_from_encoded(model, enc, batch, schedule, generator, attn_backend, noise_seed)
+
+
+def losses_from_encoded(model: DreamZeroWAM, enc: EncodedBatch, batch: dict[str, torch.Tensor],
+                        schedule: FlowMatchSchedule, generator: torch.Generator | None = None,
+                        attn_backend: str = "auto", noise_seed: int | None = None) -> Losses:
+    """The loss from frozen-encoder outputs (computed online, or read from `dz cache`)."""
+    a = model.args
+    dev = model.patch_embedding.weight.device
     latents = enc.clean_latents.float()
     B, F = latents.shape[0], latents.shape[2]
-    actions, state = batch["action"], batch["state"]
+    actions, state = batch["action"].to(dev), batch["state"].to(dev)
     blocks = (F - 1) // a.num_frame_per_block
     if actions.shape[1] != blocks * a.num_action_per_block:
         raise ValueError(f"the batch has {actions.shape[1]} action rows, the model wants {blocks} chunks x "
@@ -52,4 +60,4 @@ def sft_losses(model: DreamZeroWAM, encoders, batch: dict[str, torch.Tensor], sc
                 schedule.add_noise(actions, noise_a, aids, 1), schedule.timestep(aids), state,
                 enc.context, enc.clip_feature, y=enc.y, attn_backend=attn_backend)
     return flow_matching_losses(schedule, out.video_pred, out.action_pred, latents, noise, actions, noise_a,
-                                ids, aids, batch["action_mask"], batch["has_real_action"])
+                                ids, aids, batch["action_mask"].to(dev), batch["has_real_action"].to(dev))

@@ -10,6 +10,7 @@ pure function of the step (linear warmup then cosine to `min_lr`, like HF's cosi
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -38,7 +39,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .metrics import PEAK_FLOPS, JsonlSink, MetricsSink, Progress, peak_memory_gib
 from .parallelize import DTYPES, apply_activation_checkpointing, apply_compile, apply_fsdp
-from .step import sft_losses
+from .step import losses_from_encoded, sft_losses
 
 
 @dataclass
@@ -102,10 +103,27 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                            weight_decay=cfg.weight_decay)
         torch.manual_seed(cfg.seed + 1)
-        self.encoders = build_encoders(cfg.preset, device=dev)  # frozen, replicated, batched per micro-batch
+        # frozen, replicated, batched per micro-batch; not needed when training from the cache
+        self.encoders = None if cfg.cache else build_encoders(cfg.preset, device=dev)
 
     def build_data(self) -> None:
         cfg, a = self.cfg, self.args
+        if cfg.cache:
+            from .cache import CachedWindows, collate_cached
+
+            self.cached = CachedWindows(cfg.cache, expect_preset=cfg.preset)
+            self.datasets = None
+            self.stream = SampleStream([len(self.cached)], seed=cfg.seed, rank=self.info.rank,
+                                       world_size=self.info.world_size)
+            self.collate = collate_cached
+            lat = self.cached[0]["clean_latents"]
+            p = a.patch_size
+            fs = (lat.shape[-2] // p[1]) * (lat.shape[-1] // p[2])
+            layout = TeacherForcingLayout(a.max_chunk_size, fs, a.num_frame_per_block, a.num_action_per_block,
+                                          a.num_state_per_block)
+            self.flops_per_sample = wam_forward_flops(a, layout).train()
+            return
+        self.cached = None
         if not cfg.datasets:
             raise DataError("train.datasets is empty: give at least one LeRobot dataset directory")
         if not cfg.metadata:
@@ -146,13 +164,23 @@ class Trainer:
 
     def loader(self, position: int):
         self.stream.position = position
+        dataset = self.cached if self.cached is not None else MixtureDataset(self.datasets)
         return torch.utils.data.DataLoader(
-            MixtureDataset(self.datasets), batch_size=self.cfg.micro_batch, sampler=StreamSampler(self.stream),
+            dataset, batch_size=self.cfg.micro_batch, sampler=StreamSampler(self.stream),
             collate_fn=self.collate, num_workers=self.cfg.num_workers,
             worker_init_fn=worker_init_fn if self.cfg.num_workers else None,
             persistent_workers=bool(self.cfg.num_workers))
 
     # -- the loop ----------------------------------------------------------------------------
+
+    def _losses(self, batch: dict, schedule: FlowMatchSchedule):
+        cfg = self.cfg
+        if self.cached is not None:
+            from .cache import encoded_from_cached
+
+            enc = encoded_from_cached(batch, self.info.device)
+            return losses_from_encoded(self.model, enc, batch, schedule, None, cfg.attn_backend, noise_seed=cfg.seed)
+        return sft_losses(self.model, self.encoders, batch, schedule, None, cfg.attn_backend, noise_seed=cfg.seed)
 
     def _rng_states(self) -> dict[str, torch.Tensor]:
         return {"torch": torch.get_rng_state()}  # diffusion noise is seeded per sample position; this is for the rest
@@ -189,13 +217,8 @@ class Trainer:
             sums = torch.zeros(3, dtype=torch.float64)
             for _ in range(self.accum):
                 batch = next(it)
-                if autocast is not None:
-                    with autocast:
-                        losses = sft_losses(self.model, self.encoders, batch, schedule, None, cfg.attn_backend,
-                                            noise_seed=cfg.seed)
-                else:
-                    losses = sft_losses(self.model, self.encoders, batch, schedule, None, cfg.attn_backend,
-                                            noise_seed=cfg.seed)
+                with autocast if autocast is not None else contextlib.nullcontext():
+                    losses = self._losses(batch, schedule)
                 (losses.loss / self.accum).backward()
                 sums += torch.tensor([losses.loss.item(), losses.dynamics_loss.item(), losses.action_loss.item()],
                                      dtype=torch.float64)

@@ -185,3 +185,47 @@ def test_optimised_and_plain_paths_give_the_same_losses_over_50_steps(data, tmp_
     worst = max(abs(x - y) / max(abs(x), 1e-6) for x, y in zip(a, b))
     assert worst < 1e-3, worst
     assert sum(a[-10:]) < sum(a[:10])  # and it learns
+
+
+def test_encoder_cache_holds_the_online_encoder_outputs_and_trains(data, tmp_path):
+    """`dz cache` stores exactly what the frozen encoders give on the (eval-transformed) windows; training reads it."""
+    from dzmodel.cli import main
+    from dzmodel.model.tokenizer import build_tiny_tokenizer
+    from dzmodel.train.cache import CachedWindows
+
+    build_tiny_tokenizer(data / "tok")
+    cfg = _cfg(data, tmp_path / "x")
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(json.dumps(cfg.to_dict()))
+    assert main(["cache", "--config", str(cfg_path), "--out", str(tmp_path / "cache"), "--stride", "4"]) == 0
+    cache = CachedWindows(tmp_path / "cache")
+    idx = json.loads((tmp_path / "cache" / "index.json").read_text())
+    assert len(cache) == idx["samples"] > 0 and len(idx["prompts"]) <= 4  # text stored once per unique prompt
+    s = cache[0]
+    assert s["clean_latents"].shape == (8, 5, 2, 4) and s["context"].shape == (16, 32)
+    import torch
+
+    from dzmodel.data.collate import Collator
+    from dzmodel.data.dataset import WindowDataset, load_statistics
+    from dzmodel.data.lerobot_format import open_dataset
+    from dzmodel.data.sampling import WindowSpec
+    from dzmodel.model.components import build_encoders
+    from dzmodel.model.conditioning import encode_batch
+    from dzmodel.model.tokenizer import load_tokenizer
+
+    emb = get_embodiment("tabletop_pusher", load_embodiments([data / "emb.yaml"]))
+    ds = WindowDataset(open_dataset(data / "ds"), emb, WindowSpec(2, 4, 8, emb.sampling),
+                       load_statistics(data / "meta.json", emb.tag), train=False)
+    torch.manual_seed(cfg.seed + 1)
+    enc = build_encoders("tiny")
+    batch = Collator(load_tokenizer(data / "tok"), 16, 8, 8)([ds.sample(4, 4)])  # stride 4: cache row 1
+    from dzmodel.model.args import preset
+
+    online = encode_batch(preset("tiny"), enc.vae, enc.text_encoder, enc.image_encoder, batch["images"], batch["text"], batch["text_attention_mask"])
+    torch.testing.assert_close(cache[1]["clean_latents"], online.clean_latents[0])
+    torch.testing.assert_close(cache[1]["context"], online.context[0])
+    torch.testing.assert_close(cache[1]["action"], batch["action"][0])
+    hist = train(_cfg(data, tmp_path / "cached_run", steps=4, save_every=4, cache=str(tmp_path / "cache")))
+    assert len(hist) == 4 and all(h["loss"] == h["loss"] for h in hist)  # finite
+    resumed = train(_cfg(data, tmp_path / "cached_run", steps=4, save_every=4, cache=str(tmp_path / "cache")))
+    assert resumed == []
