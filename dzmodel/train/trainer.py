@@ -56,7 +56,8 @@ def init_distributed() -> DistInfo:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        # NCCL for the GPU collectives, gloo for the few CPU ones (metrics, checkpoint bookkeeping)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
