@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Run from the repo root on a GPU machine, after building a tiny-preset encoder cache into gpucheck/cache
+# (dz data synth + dz data metadata + dz cache with the tabletop_pusher embodiment of tests/train/test_trainer.py).
 # FSDP2 over 2 GPUs (NCCL) on the tiny preset from the encoder cache, compared with the 1-GPU plain run.
 set -e; set -o pipefail || true
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Run from the repo root on a GPU machine, after building a tiny-preset encoder cache into gpucheck/cache
+# (dz data synth + dz data metadata + dz cache with the tabletop_pusher embodiment of tests/train/test_trainer.py).
 # GPU loss parity on the tiny preset from the encoder cache: plain vs optimised path, bf16, 50 steps.
 set -e
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
