@@ -39,6 +39,31 @@ class StepResult:
     device: str
 
 
+def time_steps(step, steps: int, warmup: int, device: str) -> list[float]:
+    """Milliseconds per call of `step` after `warmup` calls: CUDA events on a GPU (peak memory reset after
+    warm-up), the host clock on a CPU."""
+    for _ in range(warmup):
+        step()
+    times = []
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def random_inputs(model: DreamZeroWAM, batch: int, latent_hw: tuple[int, int], device, dtype, generator):
     a = model.args
     F_ = a.num_frames
@@ -81,25 +106,8 @@ def bench_step(preset_name: str = "dreamzero_5b", num_layers: int | None = 4, ba
         for p in model.parameters():
             p.grad = None
 
-    for _ in range(warmup):
-        step()
-    times = []
+    times = time_steps(step, steps, warmup, device)
     cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    for _ in range(steps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
     med = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     achieved = flops / (med / 1e3)

@@ -24,7 +24,7 @@ from ..model.flops import droid_layout, wam_forward_flops
 from ..model.objective import FlowMatchSchedule, flow_matching_losses, sample_timestep_ids
 from ..model.wam import DreamZeroWAM
 from ..train.parallelize import apply_activation_checkpointing, apply_compile
-from .model_step import H100_BF16_PEAK, random_inputs
+from .model_step import H100_BF16_PEAK, random_inputs, time_steps
 
 
 @dataclass
@@ -109,19 +109,7 @@ def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        step()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    ms = statistics.median(times)
+    ms = statistics.median(time_steps(step, steps, warmup, device))
     flops = wam_forward_flops(args, layout).train() * micro_batch
     achieved = flops / (ms / 1e3)
     res = TrainBenchResult(
