@@ -13,17 +13,19 @@ and the ratio are printed. Medians over timed steps after warm-up, CUDA events.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..model.args import preset
 from ..model.flops import droid_layout, wam_forward_flops
 from ..model.objective import FlowMatchSchedule, flow_matching_losses, sample_timestep_ids
 from ..model.wam import DreamZeroWAM
-from ..train.parallelize import apply_activation_checkpointing, apply_compile
+from ..train.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp
 from .model_step import H100_BF16_PEAK, random_inputs, time_steps
 
 
@@ -64,6 +66,7 @@ def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch:
     from ..model.conditioning import encode_batch
 
     args = preset(preset_name, **({"num_layers": num_layers} if num_layers else {}))
+    sharded = dist.is_initialized() and dist.get_world_size() > 1
     torch.manual_seed(0)
     with torch.device(device):
         model = DreamZeroWAM(args)
@@ -71,8 +74,10 @@ def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch:
     if compile:  # compile first: the checkpoint wraps the compiled forward
         apply_compile(model)
     apply_activation_checkpointing(model, ac)
+    if sharded:  # FSDP2 full_shard: fp32 master weights sharded, bf16 compute, fp32 gradient reduction
+        apply_fsdp(model, "full", "bf16", "fp32", "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.95, 0.999), weight_decay=1e-5,
-                            fused=device.startswith("cuda"))
+                            fused=device.startswith("cuda") and not sharded)
     gen = torch.Generator(device=device).manual_seed(0)
     inputs = random_inputs(model, micro_batch, latent_hw, device, torch.float32, gen)
     layout = droid_layout(args, latent_hw)
@@ -130,7 +135,7 @@ def print_side_by_side(results: list[TrainBenchResult]) -> None:
         print(f"{r.name:<12} {r.num_layers:>6} {r.micro_batch:>4} {str(r.compile):>7} {r.activation_checkpointing:>9} "
               f"{r.attention:>5} {r.encoders:>17} {r.step_ms:>9.1f} {r.samples_per_s_per_gpu:>13.3f} "
               f"{r.model_tflops_per_s:>8.1f} {r.mfu:>6.1%} {r.peak_mem_gib:>8.1f}")
-    base = next((r for r in results if r.name == "baseline"), None)
+    base = next((r for r in results if r.name.startswith("baseline")), None)
     if base:
         for r in results:
             if r is not base:
@@ -139,20 +144,33 @@ def print_side_by_side(results: list[TrainBenchResult]) -> None:
 
 def run(preset_name: str, num_layers: int | None, configs: list[dict], latent_hw, steps: int, warmup: int,
         out_path: str | None) -> list[TrainBenchResult]:
+    """Under torchrun (WORLD_SIZE > 1) every config runs with FSDP2 over all GPUs; rank 0 reports."""
+    device = "cuda"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1:
+        device = f"cuda:{torch.cuda.current_device()}"
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
     results = []
     for c in configs:
         t0 = time.time()
         try:
             r = run_config(preset_name=preset_name, num_layers=num_layers, latent_hw=latent_hw, steps=steps,
-                           warmup=warmup, **c)
+                           warmup=warmup, device=device, **c)
         except torch.OutOfMemoryError:
             print(f"{c['name']}: out of memory", flush=True)
             torch.cuda.empty_cache()
             continue
+        if dist.is_initialized():
+            r.name = f"{r.name}@fsdp{dist.get_world_size()}"
         results.append(r)
-        print(json.dumps(asdict(r)), f"({time.time() - t0:.0f} s)", flush=True)
-        if out_path:
-            with open(out_path, "a") as f:
-                f.write(json.dumps(asdict(r)) + "\n")
-    print_side_by_side(results)
+        if rank0:
+            print(json.dumps(asdict(r)), f"({time.time() - t0:.0f} s)", flush=True)
+            if out_path:
+                with open(out_path, "a") as f:
+                    f.write(json.dumps(asdict(r)) + "\n")
+    if rank0:
+        print_side_by_side(results)
     return results
