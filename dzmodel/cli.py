@@ -402,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latent-hw", default="11,20", help="latent H,W (5B DROID 11,20; 14B DROID 44,80)")
     p.add_argument("--variant", action="append",
                    help="an optimised config: name=..,mbs=..,compile=0/1,ac=none|selective|full,attn=flex|sdpa,"
-                        "encoders=cache|online_per_sample (repeatable)")
+                        "encoders=cache|online_batched|online_per_sample (repeatable)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
