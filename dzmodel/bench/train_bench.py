@@ -61,9 +61,10 @@ def _encoder_inputs(preset_name: str, batch: int, device, image_size, frames: in
     return enc, images, ids, mask
 
 
-def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
-               attention: str, encoders: str, latent_hw=(11, 20), steps: int = 8, warmup: int = 3,
-               device: str = "cuda") -> TrainBenchResult:
+def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
+                     attention: str, encoders: str, latent_hw=(11, 20), device: str = "cuda"):
+    """One full training step of a configuration as a closure: (step, args, layout). Used by the bench
+    and by `train_profile`."""
     from ..model.conditioning import encode_batch
 
     args = preset(preset_name, **({"num_layers": num_layers} if num_layers else {}))
@@ -120,6 +121,14 @@ def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step, args, layout
+
+
+def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
+               attention: str, encoders: str, latent_hw=(11, 20), steps: int = 8, warmup: int = 3,
+               device: str = "cuda") -> TrainBenchResult:
+    step, args, layout = build_train_step(preset_name, num_layers, micro_batch, compile, ac, attention, encoders,
+                                          latent_hw, device)
     ms = statistics.median(time_steps(step, steps, warmup, device))
     flops = wam_forward_flops(args, layout).train() * micro_batch
     achieved = flops / (ms / 1e3)
@@ -129,7 +138,7 @@ def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch:
         samples_per_s_per_gpu=round(micro_batch / (ms / 1e3), 3), model_tflops_per_s=round(achieved / 1e12, 1),
         mfu=round(achieved / H100_BF16_PEAK, 4), peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
         device=torch.cuda.get_device_name())
-    del model, opt, inputs, enc
+    del step  # frees the model, optimizer and inputs it holds
     torch.cuda.empty_cache()
     return res
 

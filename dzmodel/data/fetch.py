@@ -20,8 +20,8 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
+from dzmodel.atomic import atomic_write_text
 from dzmodel.data.errors import DataError
 
 MARKER_SUFFIX = ".dz_fetch.json"
@@ -148,12 +148,6 @@ def _read_marker(path: Path) -> dict | None:
         return None
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, path)
-
-
 def fetch_dataset(
     source: str,
     dest_root: str | Path,
@@ -255,7 +249,8 @@ def fetch_dataset(
             os.replace(tmp, dest)
             if trash is not None:
                 shutil.rmtree(trash, ignore_errors=True)
-            _write_json_atomic(marker, {**record, "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            atomic_write_text(marker, json.dumps({**record, "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                                                 indent=2, sort_keys=True, default=str))
             return dest
         finally:
             if tmp.exists():

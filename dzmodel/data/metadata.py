@@ -55,13 +55,13 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from dzmodel.atomic import atomic_write_text
 from dzmodel.data.errors import DataError
 
 DEFAULT_QUANTILE_BINS = 10_000
@@ -420,21 +420,6 @@ def _check_declared_width(info: dict, spec: KeySpec, name: str, sl: slice) -> No
             )
 
 
-def _atomic_write_json(obj: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def compute_metadata(
     dataset_root: str | os.PathLike,
     embodiment_tag: str,
@@ -601,5 +586,5 @@ def compute_metadata(
                 raise DataError(f"{out}: existing metadata is not a JSON object; cannot merge")
             existing[embodiment_tag] = entry
             doc = existing
-        _atomic_write_json(doc, out)
+        atomic_write_text(out, json.dumps(doc, indent=2) + "\n")
     return doc

@@ -7,7 +7,7 @@ teacher-forcing layout (reference §1.2).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 CrossAttnType = Literal["t2v", "i2v"]

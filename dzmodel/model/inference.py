@@ -20,9 +20,9 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..data.transforms import NormStats  # noqa: F401  (re-exported: the policy's q99 stats)
+from .conditioning import video_to_unit_range
 from .objective import FlowMatchSchedule
 from .wam import DreamZeroWAM
 from .wan_dit import Rope
@@ -74,7 +74,7 @@ def prefill(model: DreamZeroWAM, cache: KVCache, latents: torch.Tensor, cond: Co
         raise ValueError(f"prefill takes {expected} latent frame(s) here (cache holds {cache.num_frames}), got {f}")
     x_in = model._with_first_frame(latents, _y_slice(model, cond, cache.num_frames, f))
     tokens, grid = model.embed_video(x_in)
-    B, fs = tokens.shape[0], grid[1] * grid[2]
+    B = tokens.shape[0]
     _, e0 = model.embed_time(torch.zeros(B, 1, device=tokens.device))
     e0 = e0.expand(B, tokens.shape[1], 6, a.dim)
     rope = model.video_rope(grid, start_frame=cache.num_frames)
@@ -94,7 +94,7 @@ def denoise_velocity(model: DreamZeroWAM, cache: KVCache, noisy_video: torch.Ten
     block = (cache.num_frames - 1) // a.num_frame_per_block
     x_in = model._with_first_frame(noisy_video, _y_slice(model, cond, cache.num_frames, a.num_frame_per_block))
     video, grid = model.embed_video(x_in)
-    B, nv, fs = video.shape[0], video.shape[1], grid[1] * grid[2]
+    B, nv = video.shape[0], video.shape[1]
     A, S = a.num_action_per_block, a.num_state_per_block
     t_actions = t[:, None].expand(B, A)
     register = model.embed_register(noisy_actions, t_actions, state)
@@ -216,10 +216,8 @@ class DreamZeroPolicy:
             arr = arr[None]
         if arr.ndim != 4 or arr.shape[-1] != 3 or arr.dtype != np.uint8:
             raise ValueError(f"images must be uint8 [T, H, W, 3] or [H, W, 3], got {arr.dtype} {arr.shape}")
-        x = torch.from_numpy(arr).to(self.device).permute(0, 3, 1, 2).float() / 127.5 - 1  # [T,3,H,W]
-        if tuple(x.shape[-2:]) != tuple(self.image_size):
-            x = F.interpolate(x, size=self.image_size, mode="bilinear", align_corners=False)
-        return x.permute(1, 0, 2, 3)[None]  # [1,3,T,H,W]
+        # the same uint8 -> [-1, 1] conversion and resize as training's conditioning
+        return video_to_unit_range(torch.from_numpy(arr).to(self.device)[None], self.image_size)  # [1,3,T,H,W]
 
     def _reset(self, session_id: str, prompt: str, frames: torch.Tensor) -> _Session:
         last = frames[:, :, -1:]

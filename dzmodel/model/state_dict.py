@@ -23,6 +23,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..atomic import atomic_write_text
 from .args import DreamZeroArgs, WanDiTArgs
 
 DREAMZERO_PREFIX = "action_head.model."
@@ -148,13 +149,6 @@ def load_wan_dit(model: nn.Module, path: str | Path) -> LoadReport:
 
 # --- DreamZero HF-style directories ------------------------------------------------------
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def _atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
@@ -192,9 +186,9 @@ def save_dreamzero_dir(model: nn.Module, out_dir: str | Path, max_shard_bytes: i
             _atomic_save_safetensors(shard, out / name, meta)
             weight_map.update({k: name for k in shard})
         total = sum(v.numel() * v.element_size() for v in state.values())
-        _atomic_write_text(out / INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        atomic_write_text(out / INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     config = {"model_class": type(model).__name__, "args": args.to_dict()}
-    _atomic_write_text(out / CONFIG_NAME, json.dumps(config, indent=2))
+    atomic_write_text(out / CONFIG_NAME, json.dumps(config, indent=2))
     return out
 
 

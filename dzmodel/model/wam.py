@@ -21,9 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .args import DreamZeroArgs
-from .attention import (AttnMask, TeacherForcingLayout, attention, teacher_forcing_block_mask,
-                        teacher_forcing_mask)
-from .wan_dit import Rope, WanModel, modulate, rope_angles
+from .attention import AttnMask, TeacherForcingLayout, teacher_forcing_block_mask, teacher_forcing_mask
+from .wan_dit import Rope, WanModel, rope_angles
 
 
 class CategorySpecificLinear(nn.Module):

@@ -77,15 +77,12 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opti
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     """The newest complete checkpoint; `.tmp` (torn) directories and ones without the marker are ignored."""
-    root = checkpoint_dir(out_dir)
-    if not root.is_dir():
-        return None
-    steps = sorted((int(m.group(1)), p) for p in root.iterdir()
-                   if (m := STEP_DIR.match(p.name)) and (p / MARKER).is_file())
+    steps = list_checkpoints(out_dir)
     return steps[-1][1] if steps else None
 
 
 def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first."""
     root = checkpoint_dir(out_dir)
     if not root.is_dir():
         return []
