@@ -9,14 +9,15 @@ codec has realistic work to do.
 One *sample* is DROID's ``multi_anchor`` read: 33 frames per view at offsets 0, 3, ..., 96 from a
 random anchor, for every view.
 
-(a) decode: ms per sample, median over ``decode_samples`` samples, for
-    * torchcodec, batched: one ``VideoDecoder.get_frames_played_at`` call per view;
-    * PyAV, seek-per-frame: ``container.seek`` to each timestamp, decode forward to it.
-    Both return RGB uint8 frames. Goal: torchcodec >= 3x faster.
-(b) loader: samples/s of a ``torch.utils.data.DataLoader`` over a Dataset whose item is one sample
-    decoded with torchcodec (decoders cached per worker), resized to 176x320 (bilinear, antialiased,
-    on uint8) and tiled into one 352x640 frame per time step (2x2 grid: 3 views + a black slot),
-    for 1, 2, 4 workers (each worker ``torch.set_num_threads(1)``). Goal: >= 1.5 x 15 = 22.5
+(a) decode: ms per sample, median over ``decode_samples`` samples, through the library's own backends
+    (``dzmodel.data.video.decode_frames``), all returning RGB uint8 frames:
+    * torchcodec, batched: one ``get_frames_at`` call per view, with a fresh decoder, and with the
+      per-thread cached decoder the readers use ("tc cached");
+    * PyAV, seek-per-frame: seek to the keyframe before each timestamp, decode forward to it.
+    Goal: torchcodec >= 3x faster.
+(b) loader: samples/s of a ``torch.utils.data.DataLoader`` whose item is one sample through the real
+    loader path (batched torchcodec decode, the ``oxe_droid`` train transforms and layout to 352x640),
+    for 1, 2, 4 workers (``worker_init_fn``: one compute thread each). Goal: >= 1.5 x 15 = 22.5
     samples/s per GPU. Throughput scales with CPU cores per GPU; ``cpu_count`` is in the result.
 """
 
@@ -30,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..data.video import worker_init_fn
 
 OFFSETS = tuple(range(0, 97, 3))  # DROID multi_anchor: 33 frames, 0..96 step 3
 OUT_HW = (352, 640)
@@ -75,30 +78,21 @@ def make_source_videos(
     seed: int = 0,
 ) -> list[Path]:
     """Encode ``views`` mp4 files under ``workdir`` (reused if already there with the same settings)."""
-    import av  # lazy
+    from ..data.video import encode_video
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    if codec == "libsvtav1":
-        os.environ.setdefault("SVT_LOG", "1")  # errors only (SVT-AV1 prints a banner at info level)
     paths = []
     for v in range(views):
         path = workdir / f"view{v}_{width}x{height}_{fps}fps_{num_frames}f_{codec}_g{gop}_s{seed}.mp4"
         paths.append(path)
         if path.exists():
             continue
-        tmp = path.with_suffix(".tmp.mp4")
-        opts = {"g": str(gop), "crf": "23" if codec == "libx264" else "30"}
-        opts["preset"] = "veryfast" if codec == "libx264" else "12"
-        with av.open(str(tmp), "w") as c:
-            st = c.add_stream(codec, rate=fps, options=opts)
-            st.pix_fmt, st.width, st.height = "yuv420p", width, height
-            for frame in _source_frames(v, num_frames, height, width, seed):
-                for p in st.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                    c.mux(p)
-            for p in st.encode():
-                c.mux(p)
-        os.replace(tmp, path)
+        frames = np.stack(list(_source_frames(v, num_frames, height, width, seed)))
+        # x264 keeps its default B-frames here (encode_video turns them off): camera files have them
+        encode_video(path, frames, fps, codec, crf=23 if codec == "libx264" else 30, gop=gop,
+                     preset="veryfast" if codec == "libx264" else 12,
+                     options={"bf": "3"} if codec == "libx264" else None)
     return paths
 
 
@@ -108,35 +102,6 @@ def make_source_videos(
 
 def sample_timestamps(anchor: int, fps: int) -> list[float]:
     return [(anchor + o) / fps for o in OFFSETS]
-
-
-def decode_torchcodec(path: Path, timestamps: list[float], decoder=None) -> torch.Tensor:
-    """[N, 3, H, W] uint8 in one batched call."""
-    if decoder is None:
-        from torchcodec.decoders import VideoDecoder
-
-        decoder = VideoDecoder(str(path), seek_mode="exact")
-    return decoder.get_frames_played_at(timestamps).data
-
-
-def decode_pyav_seek(path: Path, timestamps: list[float]) -> torch.Tensor:
-    """[N, 3, H, W] uint8: for each timestamp, seek to the keyframe before it and decode forward."""
-    import av
-
-    out = []
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        tb = float(stream.time_base)
-        for ts in timestamps:
-            container.seek(int(ts / tb), stream=stream, backward=True, any_frame=False)
-            got = None
-            for frame in container.decode(stream):
-                ft = frame.pts * tb
-                got = frame
-                if ft >= ts - 1e-4:
-                    break
-            out.append(torch.from_numpy(got.to_ndarray(format="rgb24")).permute(2, 0, 1))
-    return torch.stack(out)
 
 
 def _time_ms(fn) -> float:
@@ -181,16 +146,12 @@ class DroidLikeSamples(torch.utils.data.Dataset):
         return compose_layout(emb, views)
 
 
-def _worker_init(_):
-    torch.set_num_threads(1)
-
-
 def loader_throughput(paths, num_frames, fps, workers: int, samples: int, seed: int = 0) -> float:
     """Samples/s over ``samples`` items after one warm-up batch per worker (batch_size=1)."""
     warm = workers if workers > 0 else 1
     ds = DroidLikeSamples(paths, num_frames, fps, length=samples + warm, seed=seed)
     dl = torch.utils.data.DataLoader(
-        ds, batch_size=1, num_workers=workers, worker_init_fn=_worker_init if workers else None,
+        ds, batch_size=1, num_workers=workers, worker_init_fn=worker_init_fn if workers else None,
         persistent_workers=False, prefetch_factor=2 if workers else None,
     )
     it = iter(dl)
@@ -209,8 +170,20 @@ def loader_throughput(paths, num_frames, fps, workers: int, samples: int, seed: 
 
 
 def bench_decode(paths: list[Path], num_frames: int, fps: int, samples: int, seed: int = 0) -> dict:
-    """(a): ms per sample (all views), median over ``samples`` random anchors, single-threaded."""
-    from torchcodec.decoders import VideoDecoder
+    """(a): ms per sample (all views), median over ``samples`` random anchors, single-threaded, through the
+    library's own backends (`dzmodel.data.video.decode_frames`): torchcodec batched, with a fresh decoder
+    ("torchcodec") or the reader's cached one ("tc cached"), against PyAV seek-per-frame."""
+    from ..data.video import clear_decoder_cache, decode_frames
+
+    def torchcodec(p, ts):
+        return decode_frames(p, ts, backend="torchcodec")
+
+    def pyav(p, ts):
+        return decode_frames(p, ts, backend="pyav")
+
+    def fresh(p, ts):
+        clear_decoder_cache()
+        return torchcodec(p, ts)
 
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -223,14 +196,12 @@ def bench_decode(paths: list[Path], num_frames: int, fps: int, samples: int, see
             ts = sample_timestamps(int(a), fps)
             if j == 0:  # warm-up (library load, caches) and a check that both return the same frames
                 for p in paths:
-                    a_tc = decode_torchcodec(p, ts)
-                    a_av = decode_pyav_seek(p, ts)
-                    max_diff = max(max_diff, int((a_tc.int() - a_av.int()).abs().max()))
+                    a_tc = torchcodec(p, ts).astype(np.int32)
+                    max_diff = max(max_diff, int(np.abs(a_tc - pyav(p, ts).astype(np.int32)).max()))
                 continue
-            tc_ms.append(_time_ms(lambda: [decode_torchcodec(p, ts, VideoDecoder(str(p), seek_mode="exact")) for p in paths]))
-            av_ms.append(_time_ms(lambda: [decode_pyav_seek(p, ts) for p in paths]))
-            decs = [VideoDecoder(str(p), seek_mode="exact") for p in paths]
-            tc_cached_ms.append(_time_ms(lambda: [decode_torchcodec(p, ts, d) for p, d in zip(paths, decs)]))
+            tc_ms.append(_time_ms(lambda: [fresh(p, ts) for p in paths]))
+            av_ms.append(_time_ms(lambda: [pyav(p, ts) for p in paths]))
+            tc_cached_ms.append(_time_ms(lambda: [torchcodec(p, ts) for p in paths]))
     finally:
         torch.set_num_threads(prev_threads)
     tc_med, av_med = statistics.median(tc_ms), statistics.median(av_ms)
