@@ -49,6 +49,7 @@ def time_steps(step, steps: int, warmup: int, device: str) -> list[float]:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_accumulated_memory_stats()  # alloc retries counted over the timed steps only
     for _ in range(steps):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -26,7 +26,7 @@ from ..model.args import preset
 from ..model.flops import droid_layout, wam_forward_flops
 from ..model.objective import FlowMatchSchedule, flow_matching_losses, sample_timestep_ids
 from ..model.wam import DreamZeroWAM
-from ..train.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp
+from ..train.parallelize import apply_fsdp, apply_recompute_and_compile
 from .model_step import H100_BF16_PEAK, random_inputs, time_steps
 
 
@@ -36,15 +36,18 @@ class TrainBenchResult:
     preset: str
     num_layers: int
     micro_batch: int
+    accumulation: int
     compile: bool
     activation_checkpointing: str
     attention: str
     encoders: str
     step_ms: float
+    step_ms_each: list  # every timed step, to show warm-up effects the median hides
     samples_per_s_per_gpu: float
     model_tflops_per_s: float
     mfu: float
     peak_mem_gib: float
+    alloc_retries: int  # allocator flush-and-retry events: > 0 means the step ran at the memory limit
     device: str
 
 
@@ -62,8 +65,9 @@ def _encoder_inputs(preset_name: str, batch: int, device, image_size, frames: in
 
 
 def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
-                     attention: str, encoders: str, latent_hw=(11, 20), device: str = "cuda"):
-    """One full training step of a configuration as a closure: (step, args, layout). Used by the bench
+                     attention: str, encoders: str, latent_hw=(11, 20), device: str = "cuda", accumulation: int = 1):
+    """One full training step of a configuration as a closure: (step, args, layout). A step is
+    `accumulation` forward/backward passes of `micro_batch` samples, then clip and AdamW. Used by the bench
     and by `train_profile`."""
     from ..model.conditioning import encode_batch
 
@@ -73,9 +77,7 @@ def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int,
     with torch.device(device):
         model = DreamZeroWAM(args)
     model.train()
-    if compile:  # compile first: the checkpoint wraps the compiled forward
-        apply_compile(model)
-    apply_activation_checkpointing(model, ac)
+    apply_recompute_and_compile(model, ac, compile)
     if sharded:  # FSDP2 full_shard: fp32 master weights sharded, bf16 compute, fp32 gradient reduction
         apply_fsdp(model, "full", "bf16", "fp32", "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.95, 0.999), weight_decay=1e-5,
@@ -97,7 +99,7 @@ def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int,
         image_size = (latent_hw[0] * vae_factor, latent_hw[1] * vae_factor)
         enc, images, ids, tmask = _encoder_inputs(preset_name, micro_batch, device, image_size, 4 * (args.num_frames - 1) + 1)
 
-    def step():
+    def micro_step():
         clean = inputs["clean_latents"]
         if enc is not None:
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -116,7 +118,11 @@ def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int,
                         inputs["context"], inputs["clip_feature"], y=inputs["y"], mask=mask)
         losses = flow_matching_losses(sched, out.video_pred, out.action_pred, clean, noise, actions, noise_a, tid, aid,
                                       action_mask, real)
-        losses.loss.backward()
+        (losses.loss / accumulation).backward()
+
+    def step():
+        for _ in range(accumulation):
+            micro_step()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -126,28 +132,42 @@ def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int,
 
 def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
                attention: str, encoders: str, latent_hw=(11, 20), steps: int = 8, warmup: int = 3,
-               device: str = "cuda") -> TrainBenchResult:
+               device: str = "cuda", accumulation: int = 1) -> TrainBenchResult:
     step, args, layout = build_train_step(preset_name, num_layers, micro_batch, compile, ac, attention, encoders,
-                                          latent_hw, device)
-    ms = statistics.median(time_steps(step, steps, warmup, device))
-    flops = wam_forward_flops(args, layout).train() * micro_batch
+                                          latent_hw, device, accumulation)
+    each = time_steps(step, steps, warmup, device)
+    ms = statistics.median(each)
+    samples = micro_batch * accumulation
+    flops = wam_forward_flops(args, layout).train() * samples
     achieved = flops / (ms / 1e3)
     res = TrainBenchResult(
-        name=name, preset=preset_name, num_layers=args.num_layers, micro_batch=micro_batch, compile=compile,
+        name=name, preset=preset_name, num_layers=args.num_layers, micro_batch=micro_batch,
+        accumulation=accumulation, compile=compile,
         activation_checkpointing=ac, attention=attention, encoders=encoders, step_ms=round(ms, 2),
-        samples_per_s_per_gpu=round(micro_batch / (ms / 1e3), 3), model_tflops_per_s=round(achieved / 1e12, 1),
+        step_ms_each=[round(t, 1) for t in each],
+        samples_per_s_per_gpu=round(samples / (ms / 1e3), 3), model_tflops_per_s=round(achieved / 1e12, 1),
         mfu=round(achieved / H100_BF16_PEAK, 4), peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        alloc_retries=int(torch.cuda.memory_stats().get("num_alloc_retries", 0)),
         device=torch.cuda.get_device_name())
     del step  # frees the model, optimizer and inputs it holds
-    torch.cuda.empty_cache()
+    _release_memory()
     return res
 
 
+def _release_memory() -> None:
+    """Between configurations: drop compiled graphs and collect cycles, so the next one starts empty."""
+    import gc
+
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def print_side_by_side(results: list[TrainBenchResult]) -> None:
-    print(f"{'config':<12} {'layers':>6} {'mbs':>4} {'compile':>7} {'AC':>9} {'attn':>5} {'encoders':>17} "
+    print(f"{'config':<12} {'layers':>6} {'mbs':>4} {'acc':>3} {'compile':>7} {'AC':>9} {'attn':>5} {'encoders':>17} "
           f"{'step ms':>9} {'samples/s/GPU':>13} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
     for r in results:
-        print(f"{r.name:<12} {r.num_layers:>6} {r.micro_batch:>4} {str(r.compile):>7} {r.activation_checkpointing:>9} "
+        print(f"{r.name:<12} {r.num_layers:>6} {r.micro_batch:>4} {r.accumulation:>3} {str(r.compile):>7} {r.activation_checkpointing:>9} "
               f"{r.attention:>5} {r.encoders:>17} {r.step_ms:>9.1f} {r.samples_per_s_per_gpu:>13.3f} "
               f"{r.model_tflops_per_s:>8.1f} {r.mfu:>6.1%} {r.peak_mem_gib:>8.1f}")
     base = next((r for r in results if r.name.startswith("baseline")), None)
@@ -176,7 +196,7 @@ def run(preset_name: str, num_layers: int | None, configs: list[dict], latent_hw
                            warmup=warmup, device=device, **c)
         except torch.OutOfMemoryError:
             print(f"{c['name']}: out of memory", flush=True)
-            torch.cuda.empty_cache()
+            _release_memory()
             continue
         if dist.is_initialized():
             r.name = f"{r.name}@fsdp{dist.get_world_size()}"

@@ -134,7 +134,9 @@ _compiled_flex = None
 
 def _flex(q, k, v, block_mask):
     global _compiled_flex
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" or torch.compiler.is_compiling():
+        # Inside a compiled block the call is traced into the block's graph. Creating the compiled wrapper
+        # there instead would split the block's graph on the first trace (slower, more memory).
         return flex_attention(q, k, v, block_mask=block_mask)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)

@@ -38,7 +38,7 @@ class TrainConfig:
     precision: str = "fp32"                 # compute dtype: fp32 | bf16 (master weights and Adam state stay fp32)
     reduce_dtype: str = "fp32"              # gradient reduce-scatter dtype: fp32 | bf16
     sharding: str = "full"                  # full | hybrid | none (FSDP2 when world_size > 1)
-    activation_checkpointing: str = "none"  # none | selective | full
+    activation_checkpointing: str = "none"  # none | elementwise | selective | full
     compile: bool = False
     attn_backend: str = "auto"
     # bookkeeping
@@ -51,7 +51,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # type: ignore[assignment]
         choices = {"precision": ("fp32", "bf16"), "reduce_dtype": ("fp32", "bf16"), "sharding": ("full", "hybrid", "none"),
-                   "activation_checkpointing": ("none", "selective", "full"), "schedule": ("cosine", "constant"),
+                   "activation_checkpointing": ("none", "elementwise", "selective", "full"), "schedule": ("cosine", "constant"),
                    "attn_backend": ("auto", "flex", "sdpa")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

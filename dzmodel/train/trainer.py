@@ -38,7 +38,7 @@ from ..model.wam import DreamZeroWAM
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .metrics import PEAK_FLOPS, JsonlSink, MetricsSink, Progress, peak_memory_gib
-from .parallelize import DTYPES, apply_activation_checkpointing, apply_compile, apply_fsdp
+from .parallelize import DTYPES, apply_fsdp, apply_recompute_and_compile
 from .step import losses_from_encoded, sft_losses
 
 
@@ -92,9 +92,7 @@ class Trainer:
         if cfg.init_dit:
             load_wan_dit(model, cfg.init_dit)
         model.to(dev).train()
-        if cfg.compile:  # compile first: the checkpoint wraps the compiled forward
-            apply_compile(model)
-        apply_activation_checkpointing(model, cfg.activation_checkpointing)
+        apply_recompute_and_compile(model, cfg.activation_checkpointing, cfg.compile)
         self.sharded = self.info.world_size > 1 and cfg.sharding != "none"
         if self.sharded:
             apply_fsdp(model, cfg.sharding, cfg.precision, cfg.reduce_dtype, dev.type)
