@@ -38,7 +38,7 @@ class TrainConfig:
     precision: str = "fp32"                 # compute dtype: fp32 | bf16 (master weights and Adam state stay fp32)
     reduce_dtype: str = "fp32"              # gradient reduce-scatter dtype: fp32 | bf16
     sharding: str = "full"                  # full | hybrid | none (FSDP2 when world_size > 1)
-    activation_checkpointing: str = "none"  # none | elementwise | selective | full
+    activation_checkpointing: str = "none"  # none | elementwise | selective | full | full:N
     compile: bool = False
     attn_backend: str = "auto"
     # bookkeeping
@@ -51,11 +51,16 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # type: ignore[assignment]
         choices = {"precision": ("fp32", "bf16"), "reduce_dtype": ("fp32", "bf16"), "sharding": ("full", "hybrid", "none"),
-                   "activation_checkpointing": ("none", "elementwise", "selective", "full"), "schedule": ("cosine", "constant"),
+                   "schedule": ("cosine", "constant"),
                    "attn_backend": ("auto", "flex", "sdpa")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"train.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        from .parallelize import AC_MODES
+
+        ac = self.activation_checkpointing
+        if ac not in AC_MODES and not (ac.startswith("full:") and ac[5:].isdigit()):
+            raise ValueError(f"train.activation_checkpointing must be one of {AC_MODES} or full:N, got {ac!r}")
         for name in ("steps", "micro_batch", "global_batch", "save_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")

@@ -51,30 +51,45 @@ def _checkpointed_forward(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool) -> None:
-    """Activation recompute per block, then (optionally) `torch.compile` of each block's forward.
-
-    Modes:
+def block_recompute_plan(mode: str, num_blocks: int) -> list[str]:
+    """Per block: "none", "elementwise" or "full". Modes:
       none         keep every activation
       elementwise  keep matmul and attention outputs, recompute the elementwise work (per-op selective
                    checkpointing). No matmul is recomputed; a block's saved activations drop ~2.5x.
-      selective    recompute every other block in full
+      selective    recompute every other block in full, keep the rest
       full         recompute every block in full
-    The block's forward is replaced in place, so module names and state-dict keys do not change.
+      full:N       recompute N evenly spaced blocks in full and the others elementwise (for models whose
+                   elementwise activations do not fit, e.g. 14B at L = 15,940)
+    """
+    if mode.startswith("full:"):
+        count = mode.split(":", 1)[1]
+        if not count.isdigit() or int(count) > num_blocks:
+            raise ValueError(f"activation checkpointing {mode!r}: N in full:N must be an integer in [0, {num_blocks}]")
+        n = int(count)
+        full = {int(i * num_blocks / n) for i in range(n)} if n else set()
+        return ["full" if i in full else "elementwise" for i in range(num_blocks)]
+    if mode not in AC_MODES:
+        raise ValueError(f"activation checkpointing must be one of {', '.join(AC_MODES)} or full:N, got {mode!r}")
+    if mode == "selective":
+        return ["full" if i % 2 == 0 else "none" for i in range(num_blocks)]
+    return [mode] * num_blocks
+
+
+def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool) -> None:
+    """Activation recompute per block (see `block_recompute_plan`), and optionally `torch.compile` of each
+    block's forward. The forward is replaced in place, so module names and state-dict keys do not change.
 
     Order matters. The elementwise policy must sit inside the compiled region, so the compiler sees it.
     A whole-block checkpoint must wrap the compiled forward: compiling a checkpoint-wrapped forward
     graph-breaks and silently runs eager.
     """
-    if mode not in AC_MODES:
-        raise ValueError(f"activation checkpointing must be one of {', '.join(AC_MODES)}, got {mode!r}")
-    for i, block in enumerate(model.blocks):
+    for block, plan in zip(model.blocks, block_recompute_plan(mode, len(model.blocks))):
         forward = block.forward
-        if mode == "elementwise":
+        if plan == "elementwise":
             forward = functools.partial(_elementwise_checkpointed, forward)
         if compile:
             forward = torch.compile(forward)
-        if mode == "full" or (mode == "selective" and i % 2 == 0):
+        if plan == "full":
             forward = functools.partial(_checkpointed_forward, forward)
         block.forward = forward
 

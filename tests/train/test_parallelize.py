@@ -59,6 +59,9 @@ def test_recompute_modes_give_identical_gradients_and_recompute_what_they_claim(
 def test_unknown_recompute_mode_is_rejected():
     with pytest.raises(ValueError, match="activation checkpointing must be one of"):
         apply_recompute_and_compile(tiny_model(), "most", compile=False)
+    from dzmodel.train.config import TrainConfig
+    with pytest.raises(ValueError, match="train.activation_checkpointing"):
+        TrainConfig(activation_checkpointing="full:")
 
 
 def test_compiled_elementwise_recompute_matches_eager():
@@ -74,3 +77,17 @@ def test_compiled_elementwise_recompute_matches_eager():
         if p.grad is not None:
             torch.testing.assert_close(p.grad, grads0[name], rtol=1e-4, atol=1e-5, msg=name)
     assert not counters["graph_break"], dict(counters["graph_break"])  # a break would silently run eager
+
+
+def test_recompute_plans():
+    from dzmodel.train.parallelize import block_recompute_plan
+
+    assert block_recompute_plan("selective", 4) == ["full", "none", "full", "none"]
+    assert block_recompute_plan("full:2", 4) == ["full", "elementwise", "full", "elementwise"]
+    assert block_recompute_plan("full:0", 3) == ["elementwise"] * 3
+    assert block_recompute_plan("full:40", 40) == ["full"] * 40
+    assert block_recompute_plan("full:31", 40).count("full") == 31
+    with pytest.raises(ValueError, match=r"full:N"):
+        block_recompute_plan("full:41", 40)
+    with pytest.raises(ValueError, match=r"full:N"):
+        block_recompute_plan("full:x", 40)
