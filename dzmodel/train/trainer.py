@@ -104,6 +104,9 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1)
         # frozen, replicated, batched per micro-batch; not needed when training from the cache
         self.encoders = None if cfg.cache else build_encoders(cfg.preset, device=dev)
+        if self.encoders is not None and cfg.precision == "bf16":  # frozen: no master copy needed
+            for m in self.encoders.modules():
+                m.to(torch.bfloat16)
 
     def build_data(self) -> None:
         cfg, a = self.cfg, self.args

@@ -79,6 +79,22 @@ def test_gradient_accumulation_matches_a_bigger_micro_batch(data, tmp_path):
     assert len(acc) == 2
 
 
+def test_bf16_training_runs_the_frozen_encoders_in_bf16(data, tmp_path):
+    import math
+
+    import torch
+
+    from dzmodel.train.trainer import Trainer
+
+    cfg = _cfg(data, tmp_path / "bf16", steps=2, precision="bf16", save_every=10)
+    trainer = Trainer(cfg)
+    trainer.build_model()
+    assert all(p.dtype == torch.bfloat16 for m in trainer.encoders.modules() for p in m.parameters())
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # master weights stay fp32
+    history = train(cfg)
+    assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)
+
+
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="sharding"):
         TrainConfig(sharding="zero3")
