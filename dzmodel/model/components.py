@@ -90,10 +90,11 @@ def load_encoder_weights(encoders: FrozenEncoders, vae: str | Path | None = None
 
 def build_policy(model: DreamZeroWAM, encoders: FrozenEncoders, tokenizer, action_stats: NormStats,
                  state_stats: NormStats, solver: SolverConfig | None = None, negative_prompt: str = "",
-                 seed: int = 0) -> DreamZeroPolicy:
+                 seed: int = 0, image_size: tuple[int, int] | None = None) -> DreamZeroPolicy:
+    """image_size: the model's input frame (H, W); default the preset's, or pass the embodiment's layout size."""
     return DreamZeroPolicy(model=model.eval(), vae=encoders.vae, text_encoder=encoders.text_encoder, tokenizer=tokenizer,
                            image_encoder=encoders.image_encoder, action_stats=action_stats, state_stats=state_stats,
-                           image_size=encoders.spec.image_size, solver=solver or SolverConfig(),
+                           image_size=tuple(image_size or encoders.spec.image_size), solver=solver or SolverConfig(),
                            negative_prompt=negative_prompt, seed=seed)
 
 

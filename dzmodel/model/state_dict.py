@@ -149,7 +149,7 @@ def load_wan_dit(model: nn.Module, path: str | Path) -> LoadReport:
 
 # --- DreamZero HF-style directories ------------------------------------------------------
 
-def _atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
     try:
@@ -178,12 +178,12 @@ def save_dreamzero_dir(model: nn.Module, out_dir: str | Path, max_shard_bytes: i
         size += nbytes
     meta = {"format": "pt"}
     if len(shards) == 1:
-        _atomic_save_safetensors(shards[0], out / WEIGHTS_NAME, meta)
+        save_safetensors_atomic(shards[0], out / WEIGHTS_NAME, meta)
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _atomic_save_safetensors(shard, out / name, meta)
+            save_safetensors_atomic(shard, out / name, meta)
             weight_map.update({k: name for k in shard})
         total = sum(v.numel() * v.element_size() for v in state.values())
         atomic_write_text(out / INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))

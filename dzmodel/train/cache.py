@@ -32,9 +32,9 @@ from ..data.embodiments import get_embodiment, load_embodiments
 from ..data.lerobot_format import open_dataset
 from ..data.sampling import WindowSpec
 from ..model.args import preset
-from ..model.components import build_encoders
 from ..model.conditioning import EncodedBatch, encode_batch
 from .config import TrainConfig
+from .encoders import frozen_encoders
 
 CACHE_VERSION = 1
 
@@ -47,8 +47,7 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
     spec = WindowSpec(a.max_chunk_size, emb.action_horizon, 4 * a.num_frame_per_block, emb.sampling)
     datasets = [WindowDataset(open_dataset(p), emb, spec, stats, train=False, seed=cfg.seed) for p in cfg.datasets]
     if encoders is None:
-        torch.manual_seed(cfg.seed + 1)  # the same frozen weights the trainer builds
-        encoders = build_encoders(cfg.preset, device=device)
+        encoders = frozen_encoders(cfg, device)  # the same frozen weights the trainer builds
     if tokenizer is None:
         from ..model.tokenizer import load_tokenizer
 

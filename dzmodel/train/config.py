@@ -12,6 +12,7 @@ class TrainConfig:
     preset: str = "tiny"
     model_overrides: dict[str, Any] = field(default_factory=dict)
     init_dit: str | None = None            # WAN DiT file for a cold start (action/state modules stay at init)
+    encoder_weights: dict[str, str] = field(default_factory=dict)  # {vae, t5, clip}: WAN files; empty = seeded random
     # data
     datasets: list[str] = field(default_factory=list)
     dataset_weights: list[float] | None = None
@@ -57,6 +58,10 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"train.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         from .parallelize import AC_MODES
+
+        unknown = sorted(set(self.encoder_weights) - {"vae", "t5", "clip"})
+        if unknown:
+            raise ValueError(f"train.encoder_weights has unknown key(s) {unknown}; allowed: vae, t5, clip")
 
         ac = self.activation_checkpointing
         if ac not in AC_MODES and not (ac.startswith("full:") and ac[5:].isdigit()):

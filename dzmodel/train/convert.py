@@ -4,6 +4,10 @@
     <out>/model.safetensors                (or model-0000k-of-0000n.safetensors + model.safetensors.index.json)
     <out>/experiment_cfg/metadata.json     the normalisation statistics the run trained with
     <out>/experiment_cfg/train_config.json the run's TrainConfig
+    <out>/experiment_cfg/embodiments/      copies of the run's embodiment YAML files (if any)
+    <out>/tokenizer/                       the run's tokenizer directory
+The frozen encoders are not copied (they are the run's WAN files or seeded weights, rebuilt from the
+config; `dz package` writes them into the bundle).
 Built in `<out>.tmp` and renamed, so a half-written conversion is never picked up.
 """
 
@@ -52,6 +56,13 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes:
     if cfg.metadata and Path(cfg.metadata).is_file():
         shutil.copyfile(cfg.metadata, exp / "metadata.json")
     (exp / "train_config.json").write_text(json.dumps({"step": state["step"], **cfg.to_dict()}, indent=1))
+    for i, f in enumerate(cfg.embodiment_files):  # the embodiment definitions travel with the weights
+        if Path(f).is_file():
+            (exp / "embodiments").mkdir(exist_ok=True)
+            shutil.copyfile(f, exp / "embodiments" / f"{i:02d}_{Path(f).name}")
+    tokenizer = Path(cfg.tokenizer) if cfg.tokenizer else ckpt.parent.parent / "tokenizer"  # the trainer's default
+    if (tokenizer / "tokenizer.json").is_file():
+        shutil.copytree(tokenizer, tmp / "tokenizer")
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

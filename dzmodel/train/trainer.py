@@ -29,7 +29,6 @@ from ..data.sampling import SampleStream, WindowSpec
 from ..data.video import worker_init_fn
 from ..model.args import preset
 from ..model.attention import TeacherForcingLayout
-from ..model.components import build_encoders
 from ..model.flops import wam_forward_flops
 from ..model.objective import FlowMatchSchedule
 from ..model.state_dict import load_wan_dit
@@ -37,6 +36,7 @@ from ..model.vae import WanVideoVAE38
 from ..model.wam import DreamZeroWAM
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
+from .encoders import frozen_encoders
 from .metrics import PEAK_FLOPS, JsonlSink, MetricsSink, Progress, peak_memory_gib
 from .parallelize import DTYPES, apply_fsdp, apply_recompute_and_compile
 from .step import losses_from_encoded, sft_losses
@@ -101,9 +101,8 @@ class Trainer:
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                            weight_decay=cfg.weight_decay)
-        torch.manual_seed(cfg.seed + 1)
         # frozen, replicated, batched per micro-batch; not needed when training from the cache
-        self.encoders = None if cfg.cache else build_encoders(cfg.preset, device=dev)
+        self.encoders = None if cfg.cache else frozen_encoders(cfg, dev)
         if self.encoders is not None and cfg.precision == "bf16":  # frozen: no master copy needed
             for m in self.encoders.modules():
                 m.to(torch.bfloat16)

@@ -1,0 +1,318 @@
+"""`dz eval libero`: LIBERO success rate of a policy, and of a training run across its checkpoint steps.
+
+Episodes run in parallel env worker processes (vectorised stepping); the policy runs here, through the
+model's own inference API with one KV-cache session per episode. Per episode: the standard init state,
+10 settle steps, then action chunks (`actions_per_chunk` of each, then a new query) until success or
+`max_steps`. The metric is `success_once`: an episode counts if the task succeeded at any step.
+
+A crashed worker is restarted and its episode retried once; a second crash counts the episode as failed,
+with a note. Nothing waits forever: every worker reply has a timeout.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..atomic import atomic_write_text
+from .policy import EmbodiedPolicy
+
+
+@dataclass
+class EvalConfig:
+    suite: str = "spatial"
+    tasks: list[int] | None = None          # task indices; None = every task of the suite
+    episodes_per_task: int = 1              # init states 0..N-1 (the standard fixed ones)
+    max_steps: int | None = None            # policy steps per episode; None = the suite's standard limit
+    num_workers: int = 2
+    camera_size: int = 128
+    actions_per_chunk: int | None = None    # execute this many of each chunk, then query again; None = all
+    binarize_gripper: bool = True           # the last action dim becomes ±1 (reference §6.1)
+    videos: int = 2                         # record the agent-view video of this many episodes
+    worker_timeout_s: float = 300.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("episodes_per_task", "num_workers", "camera_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eval.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"eval.max_steps must be >= 1, got {self.max_steps}")
+        if self.actions_per_chunk is not None and self.actions_per_chunk < 1:
+            raise ValueError(f"eval.actions_per_chunk must be >= 1, got {self.actions_per_chunk}")
+
+
+@dataclass
+class EpisodeResult:
+    task: int
+    task_name: str
+    episode: int
+    success: bool
+    steps: int
+    seconds: float
+    attempts: int = 1
+    note: str = ""
+    video: str = ""
+
+
+@dataclass
+class _Running:
+    task: object
+    episode: int
+    attempt: int
+    obs: dict
+    started: float
+    steps: int = 0
+    success: bool = False
+    queue: list = field(default_factory=list)
+    frames: list | None = None
+
+
+def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path | None = None,
+                    progress: bool = True, tag: str = "") -> list[EpisodeResult]:
+    """Run the configured episodes; videos go to `out_dir/videos/` when out_dir is given."""
+    from .libero_env import SUITES, EnvWorkerPool, WorkerCrashed, list_tasks
+
+    tasks = list_tasks(cfg.suite)
+    if cfg.tasks is not None:
+        bad = [t for t in cfg.tasks if not 0 <= t < len(tasks)]
+        if bad:
+            raise ValueError(f"suite {cfg.suite!r} has tasks 0..{len(tasks) - 1}; got {bad}")
+        tasks = [tasks[t] for t in cfg.tasks]
+    max_steps = cfg.max_steps or SUITES[cfg.suite][1]
+    per_chunk = min(cfg.actions_per_chunk or policy.action_horizon, policy.action_horizon)
+    todo = [(t, e, 1) for t in tasks for e in range(cfg.episodes_per_task)]
+    for t, e, _ in todo:
+        if e >= t.num_init_states:
+            raise ValueError(f"task {t.index} of {cfg.suite!r} has {t.num_init_states} init states; asked for {e + 1}")
+    total = len(todo)
+    results: list[EpisodeResult] = []
+    videos_left = cfg.videos
+    bar = _bar(total, progress, tag)
+    with EnvWorkerPool(min(cfg.num_workers, total), camera_size=cfg.camera_size,
+                       timeout_s=cfg.worker_timeout_s) as pool:
+        running: dict[int, _Running] = {}
+        free = list(range(pool.num_workers))
+
+        def start(assign):
+            replies = pool.reset([(w, t, e) for w, (t, e, _) in assign.items()])
+            for w, (t, e, attempt) in assign.items():
+                r = replies.get(w)
+                if isinstance(r, WorkerCrashed) or r is None:
+                    finish_crash(w, t, e, attempt, f"reset: {getattr(r, 'reason', 'no reply')}")
+                    continue
+                nonlocal videos_left
+                record = videos_left > 0
+                videos_left -= int(record)
+                running[w] = _Running(t, e, attempt, r, time.perf_counter(), frames=[r["image"]] if record else None)
+
+        def finish(w, run: _Running, note=""):
+            video = ""
+            if run.frames is not None and out_dir is not None:
+                video = _write_video(Path(out_dir) / "videos" / f"{tag or 'eval'}_task{run.task.index:02d}_ep{run.episode:02d}.mp4",
+                                     run.frames)
+            results.append(EpisodeResult(run.task.index, run.task.name, run.episode, run.success, run.steps,
+                                         round(time.perf_counter() - run.started, 2), run.attempt, note, video))
+            policy.end_session(_session(run))
+            running.pop(w, None)
+            free.append(w)
+            bar.update(1)
+
+        def finish_crash(w, t, e, attempt, reason):
+            if w in running:
+                policy.end_session(_session(running.pop(w)))
+            if w not in free:
+                free.append(w)
+            if attempt == 1:
+                todo.append((t, e, 2))  # retried once on a fresh worker
+            else:
+                results.append(EpisodeResult(t.index, t.name, e, False, 0, 0.0, attempt,
+                                             f"failed: env worker crashed twice ({reason})"))
+                bar.update(1)
+
+        while todo or running:
+            if todo and free:
+                assign = {}
+                while todo and free:
+                    assign[free.pop(0)] = todo.pop(0)
+                start(assign)
+                continue
+            actions = {}
+            for w, run in running.items():
+                if not run.queue:
+                    chunk = policy.predict(_session(run), {"image": run.obs["image"], "wrist_image": run.obs["wrist_image"]},
+                                           run.obs["state"], run.task.language)
+                    run.queue = [a for a in chunk[:per_chunk]]
+                a = np.asarray(run.queue.pop(0), dtype=np.float64).copy()
+                if cfg.binarize_gripper:
+                    a[-1] = 1.0 if a[-1] > 0 else -1.0
+                actions[w] = a
+            if not actions:
+                continue
+            replies = pool.step(actions)
+            for w in list(actions):
+                run, r = running[w], replies.get(w)
+                if isinstance(r, WorkerCrashed) or r is None:
+                    finish_crash(w, run.task, run.episode, run.attempt, getattr(r, "reason", "no reply"))
+                    continue
+                obs, success = r
+                run.obs, run.steps = obs, run.steps + 1
+                run.success = run.success or bool(success)
+                if run.frames is not None:
+                    run.frames.append(obs["image"])
+                if run.success or run.steps >= max_steps:
+                    finish(w, run, "retried after a worker crash" if run.attempt > 1 else "")
+    bar.close()
+    return sorted(results, key=lambda r: (r.task, r.episode))
+
+
+def _session(run: _Running) -> str:
+    return f"task{run.task.index}-ep{run.episode}-try{run.attempt}"
+
+
+def _write_video(path: Path, frames: list) -> str:
+    from ..data.video import encode_video
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    encode_video(path, np.stack(frames), fps=20, codec="libx264", crf=23, gop=30)
+    return str(path)
+
+
+def _bar(total: int, enabled: bool, tag: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress is optional
+        enabled = False
+    if not enabled:
+        class _Null:
+            def update(self, n):
+                pass
+
+            def close(self):
+                pass
+        return _Null()
+    return tqdm(total=total, desc=f"LIBERO {tag}".strip(), unit="episode")
+
+
+# --- tables and across checkpoint steps ------------------------------------------------------------
+
+
+def summarize(results: list[EpisodeResult], step: int | None = None) -> list[dict]:
+    """Rows step, task, episodes, successes, rate: one per task, then `all`."""
+    rows = []
+    for task in sorted({r.task for r in results}):
+        rs = [r for r in results if r.task == task]
+        ok = sum(r.success for r in rs)
+        rows.append({"step": step, "task": task, "task_name": rs[0].task_name, "episodes": len(rs), "successes": ok,
+                     "rate": round(ok / len(rs), 4)})
+    ok = sum(r.success for r in results)
+    rows.append({"step": step, "task": "all", "task_name": "", "episodes": len(results), "successes": ok,
+                 "rate": round(ok / len(results), 4) if results else 0.0})
+    return rows
+
+
+def write_results(out_dir: str | Path, rows: list[dict], episodes: list[dict]) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in (("results.csv", rows), ("episodes.csv", episodes)):
+        if data:
+            buf = io.StringIO()
+            w = csv.DictWriter(buf, fieldnames=list(data[0]))
+            w.writeheader()
+            w.writerows(data)
+            atomic_write_text(out / name, buf.getvalue())
+    overall = [r for r in rows if r["task"] == "all"]
+    atomic_write_text(out / "summary.json", json.dumps({"per_step": overall, "best": max(overall, key=lambda r: r["rate"])
+                                                        if overall else None}, indent=1))
+
+
+def plot_success(rows: list[dict], path: str | Path, title: str) -> Path | None:
+    """Success rate vs checkpoint step (overall and per task), PNG. None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = sorted({r["step"] for r in rows})
+    for task in sorted({r["task"] for r in rows if r["task"] != "all"}):
+        pts = [(r["step"], r["rate"]) for r in rows if r["task"] == task]
+        ax.plot(*zip(*sorted(pts)), marker=".", alpha=0.4, linewidth=1, label=f"task {task}")
+    pts = [(r["step"], r["rate"]) for r in rows if r["task"] == "all"]
+    ax.plot(*zip(*sorted(pts)), marker="o", color="black", linewidth=2.5, label="all tasks")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("success rate (success_once)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xticks(steps)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path, steps: list[int] | None = None,
+                 device: str = "cpu", solver=None, progress: bool = True, embodiment: str | None = None) -> list[dict]:
+    """Evaluate every saved step of a training run (or `steps`), converting each checkpoint as needed,
+    or one converted model directory. `embodiment`, if given, must be the one the checkpoint trained on.
+    Writes results.csv, episodes.csv, summary.json, success_vs_step.png
+    and videos/ under out_dir."""
+    from .libero_env import check_libero, ensure_libero_config
+    from .policy import PolicyLoadError, load_policy
+
+    ensure_libero_config()
+    check_libero()
+    src, out = Path(run_or_model), Path(out_dir)
+    models = _models_to_evaluate(src, out, steps)
+    rows, episodes = [], []
+    for step, model_dir in models:
+        policy = load_policy(model_dir, device=device, embodiment=embodiment, solver=solver, seed=cfg.seed)
+        if "image" not in policy.embodiment.views or "wrist_image" not in policy.embodiment.views:
+            raise PolicyLoadError(f"{model_dir}: embodiment {policy.embodiment.tag!r} has views "
+                                  f"{sorted(policy.embodiment.views)}; LIBERO gives 'image' and 'wrist_image'")
+        results = evaluate_policy(policy, cfg, out, progress=progress, tag=f"step{step}")
+        rows += summarize(results, step)
+        episodes += [{"step": step, **asdict(r)} for r in results]
+        write_results(out, rows, episodes)  # after every step: a long evaluation keeps what it has
+    plot_success(rows, out / "success_vs_step.png", f"LIBERO-{cfg.suite}: success vs training step")
+    return rows
+
+
+def _models_to_evaluate(src: Path, out: Path, steps: list[int] | None) -> list[tuple[int | None, Path]]:
+    from ..train.checkpoint import list_checkpoints
+    from ..train.convert import convert_checkpoint
+    from .policy import PolicyLoadError, read_train_config
+
+    if (src / "config.json").is_file():  # already converted
+        return [(read_train_config(src)[1], src)]
+    saved = list_checkpoints(src)
+    if not saved:
+        raise PolicyLoadError(f"{src}: neither a converted model (config.json) nor a run with complete checkpoints")
+    if steps:
+        have = {s for s, _ in saved}
+        missing = [s for s in steps if s not in have]
+        if missing:
+            raise PolicyLoadError(f"{src}: no complete checkpoint for step(s) {missing} (saved: {sorted(have)})")
+        saved = [(s, p) for s, p in saved if s in steps]
+    models = []
+    for step, ckpt in saved:
+        dest = out / "converted" / f"step_{step:07d}"
+        if not (dest / "config.json").is_file():
+            try:
+                convert_checkpoint(ckpt, dest)
+            except Exception as exc:  # one clear message naming the checkpoint
+                raise PolicyLoadError(f"{ckpt}: cannot convert this checkpoint: {exc}") from exc
+        models.append((step, dest))
+    return models

@@ -1,0 +1,121 @@
+"""A converted DreamZero checkpoint as a robot policy: per-view camera frames + state -> an action chunk.
+
+The embodiment transforms are the training ones in eval mode: each view centre-cropped and resized to the
+embodiment's view size, the views laid out as in training, the prompt built from the same template, the
+state q99-normalised and the actions un-normalised (and made absolute again for relative action keys).
+Inference goes through the model's own API (`DreamZeroPolicy.predict_actions`, a KV cache per session).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data.dataset import load_statistics
+from ..data.embodiments import Embodiment, get_embodiment, load_embodiments
+from ..data.transforms import NormStats, compose_layout, from_relative, relative_action_dims, transform_view
+from ..model.components import build_policy
+from ..model.inference import DreamZeroPolicy, SolverConfig
+from ..model.state_dict import load_dreamzero_dir
+from ..model.tokenizer import load_tokenizer
+from ..train.config import TrainConfig
+
+
+class PolicyLoadError(RuntimeError):
+    """A model directory that cannot serve as a policy for the requested embodiment."""
+
+
+@dataclass
+class EmbodiedPolicy:
+    policy: DreamZeroPolicy
+    embodiment: Embodiment
+    relative_pairs: list
+    step: int | None
+    model_dir: Path
+
+    @property
+    def action_horizon(self) -> int:
+        return self.embodiment.action_horizon
+
+    @property
+    def action_dim(self) -> int:
+        return int(self.policy.action_stats.q01.shape[0])
+
+    def frame(self, views: dict[str, np.ndarray]) -> np.ndarray:
+        """Camera frames (uint8 [H, W, 3] or [T, H, W, 3] per view name) -> the model's laid-out frames."""
+        missing = [v for v in self.embodiment.views if v not in views]
+        if missing:
+            raise ValueError(f"embodiment {self.embodiment.tag!r} needs views {missing} (got {sorted(views)})")
+        out = {}
+        for name in self.embodiment.views:
+            x = np.asarray(views[name])
+            x = x[None] if x.ndim == 3 else x
+            out[name] = transform_view(np.ascontiguousarray(x), tuple(self.embodiment.view_size), train=False,
+                                       rng=np.random.default_rng(0), crop_scale=self.embodiment.crop_scale)
+        return compose_layout(self.embodiment, out).numpy()
+
+    def predict(self, session_id: str, views: dict[str, np.ndarray], state: np.ndarray, instruction: str) -> np.ndarray:
+        """One action chunk [action_horizon, action_dim] in the robot's units."""
+        state = np.asarray(state, dtype=np.float64).reshape(-1)
+        obs = {"images": self.frame(views), "state": state, "prompt": self.embodiment.prompt(instruction),
+               "session_id": session_id}
+        actions = self.policy.predict_actions(obs)[: self.action_horizon]
+        return from_relative(actions, state, self.relative_pairs) if self.relative_pairs else actions
+
+    def end_session(self, session_id: str) -> None:
+        self.policy.sessions.pop(session_id, None)
+
+
+def read_train_config(model_dir: Path) -> tuple[TrainConfig, int | None]:
+    path = model_dir / "experiment_cfg" / "train_config.json"
+    if not path.is_file():
+        raise PolicyLoadError(f"{model_dir}: no experiment_cfg/train_config.json (convert it with `dz convert`)")
+    raw = json.loads(path.read_text())
+    step = raw.pop("step", None)
+    return TrainConfig.from_dict(raw), step
+
+
+def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embodiment: str | None = None,
+                embodiment_files: list[str] | None = None, solver: SolverConfig | None = None,
+                seed: int = 0) -> EmbodiedPolicy:
+    """A converted model directory (`dz convert`, or a bundle's model/) -> an EmbodiedPolicy.
+
+    embodiment: the embodiment the caller evaluates or deploys; it must be the one the run trained on."""
+    from ..train.encoders import frozen_encoders, load_saved_encoders
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise PolicyLoadError(f"{model_dir}: not a converted model directory (no config.json); "
+                              "run `dz convert RUN --out DIR` first")
+    cfg, step = read_train_config(model_dir)
+    if embodiment is not None and embodiment != cfg.embodiment:
+        raise PolicyLoadError(f"{model_dir}: trained for embodiment {cfg.embodiment!r}, not {embodiment!r}")
+    if embodiment_files is None:  # the copies `dz convert` stored beside the weights
+        embodiment_files = sorted(str(p) for p in (model_dir / "experiment_cfg" / "embodiments").glob("*.yaml"))
+    emb = get_embodiment(cfg.embodiment, load_embodiments(embodiment_files))
+    metadata = model_dir / "experiment_cfg" / "metadata.json"
+    stats = load_statistics(metadata, emb.tag)
+    state_stats = NormStats.from_metadata(stats, [k.name for k in emb.state], "state", str(metadata))
+    rel = set(emb.relative_action_keys)
+    parts = [NormStats.from_metadata(stats, [k.name], "relative_action" if k.name in rel else "action", str(metadata))
+             for k in emb.action]
+    action_stats = NormStats(q01=np.concatenate([p.q01 for p in parts]), q99=np.concatenate([p.q99 for p in parts]))
+    pairs = relative_action_dims(emb, {k.name: len(stats["state"][k.name]["q01"]) for k in emb.state},
+                                 {k.name: len(p.q01) for k, p in zip(emb.action, parts)}) if rel else []
+
+    model = load_dreamzero_dir(model_dir, device)
+    if model.args.num_action_per_block != emb.action_horizon:
+        raise PolicyLoadError(f"{model_dir}: the model predicts {model.args.num_action_per_block} actions per chunk, "
+                              f"embodiment {emb.tag!r} executes {emb.action_horizon}")
+    saved = model_dir / "encoders"
+    encoders = load_saved_encoders(cfg.preset, saved, device) if saved.is_dir() else frozen_encoders(cfg, device)
+    tok_dir = model_dir / "tokenizer"
+    if not (tok_dir / "tokenizer.json").is_file():
+        raise PolicyLoadError(f"{model_dir}: no tokenizer/ (re-run `dz convert`, which copies the run's tokenizer)")
+    policy = build_policy(model, encoders, load_tokenizer(tok_dir), action_stats, state_stats,
+                          solver=solver, seed=seed, image_size=emb.image_size)
+    return EmbodiedPolicy(policy=policy, embodiment=emb, relative_pairs=pairs, step=step, model_dir=model_dir)
