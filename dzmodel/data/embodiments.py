@@ -1,6 +1,6 @@
 """Embodiments: how a robot's dataset maps onto the model's inputs, defined in YAML alone.
 
-`embodiments.yaml` beside this file holds the built-in `libero_sim`, `oxe_droid` and `franka_pnp`
+`embodiments.yaml` beside this file holds the built-in `libero_sim`, `libero_sim_tiny`, `oxe_droid` and `franka_pnp`
 (reference §4.5). Users add robots with their own YAML (same schema); no code changes. Every field is
 validated here, and a bad entry gets one error naming the file, the embodiment and the field.
 """

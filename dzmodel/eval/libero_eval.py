@@ -75,17 +75,19 @@ class _Running:
 
 
 def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path | None = None,
-                    progress: bool = True, tag: str = "") -> list[EpisodeResult]:
-    """Run the configured episodes; videos go to `out_dir/videos/` when out_dir is given."""
-    from .libero_env import SUITES, EnvWorkerPool, WorkerCrashed, list_tasks
+                    progress: bool = True, tag: str = "", tasks: list | None = None,
+                    pool_factory=None) -> list[EpisodeResult]:
+    """Run the configured episodes; videos go to `out_dir/videos/` when out_dir is given.
+    `tasks` and `pool_factory(num_workers)` default to the suite's LIBERO tasks and env worker processes."""
+    from .libero_env import EnvWorkerPool, WorkerCrashed, get_suite, list_tasks
 
-    tasks = list_tasks(cfg.suite)
+    tasks = list_tasks(cfg.suite) if tasks is None else tasks
     if cfg.tasks is not None:
         bad = [t for t in cfg.tasks if not 0 <= t < len(tasks)]
         if bad:
             raise ValueError(f"suite {cfg.suite!r} has tasks 0..{len(tasks) - 1}; got {bad}")
         tasks = [tasks[t] for t in cfg.tasks]
-    max_steps = cfg.max_steps or SUITES[cfg.suite][1]
+    max_steps = cfg.max_steps or get_suite(cfg.suite).max_steps
     per_chunk = min(cfg.actions_per_chunk or policy.action_horizon, policy.action_horizon)
     todo = [(t, e, 1) for t in tasks for e in range(cfg.episodes_per_task)]
     for t, e, _ in todo:
@@ -95,8 +97,10 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
     results: list[EpisodeResult] = []
     videos_left = cfg.videos
     bar = _bar(total, progress, tag)
-    with EnvWorkerPool(min(cfg.num_workers, total), camera_size=cfg.camera_size,
-                       timeout_s=cfg.worker_timeout_s) as pool:
+    if pool_factory is None:
+        def pool_factory(n):
+            return EnvWorkerPool(n, camera_size=cfg.camera_size, timeout_s=cfg.worker_timeout_s, seed=cfg.seed)
+    with pool_factory(min(cfg.num_workers, total)) as pool:
         running: dict[int, _Running] = {}
         free = list(range(pool.num_workers))
 

@@ -1,0 +1,1 @@
+"""Evaluation: LIBERO success rate across checkpoints, and the policy adapter."""

