@@ -322,6 +322,22 @@ def cmd_bench_train(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bench_policy(ns: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .bench.policy_bench import run_policy_bench
+
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    r = run_policy_bench(ns.preset, device, ns.solver_steps, ns.cfg_scale, ns.calls, ns.warmup)
+    print(json.dumps(r))
+    if ns.out:
+        with open(ns.out, "a") as f:
+            f.write(json.dumps(r) + "\n")
+    return EXIT_OK
+
+
 def cmd_bench_data(ns: argparse.Namespace) -> int:
     import json
 
@@ -468,6 +484,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", help="append JSON lines here")
     p.set_defaults(func=cmd_bench_train)
+    p = bench.add_parser("policy", help="inference latency of one action chunk (predict_actions)")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--device", default=None)
+    p.add_argument("--solver-steps", type=int, default=16)
+    p.add_argument("--cfg-scale", type=float, default=5.0)
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", help="append a JSON line here")
+    p.set_defaults(func=cmd_bench_policy)
     p = bench.add_parser("data", help="video decode (torchcodec batched vs PyAV) and loader samples/s, DROID-like")
     p.add_argument("--workdir", default="build/bench_data", help="where the generated source videos are cached")
     p.add_argument("--workers", default="1,2,4")
