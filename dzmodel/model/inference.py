@@ -204,11 +204,19 @@ class DreamZeroPolicy:
         if self.model.args.concat_first_frame_latent:
             window = (self.model.args.local_attn_size - 1) * 4 + 1
             video = torch.cat([frame0[:, :, None], frame0.new_zeros(1, 3, window - 1, *frame0.shape[-2:])], dim=2)
-            lat = self.vae.encode(video)
+            lat = self._encode(video)
             msk = torch.zeros(1, 4, *lat.shape[2:], device=lat.device, dtype=lat.dtype)
             msk[:, :, 0] = 1
             y = torch.cat([msk, lat], dim=1)
         return Conditioning(text=text, image=image, y=y)
+
+    def _encode(self, video: torch.Tensor) -> torch.Tensor:
+        """VAE latents cropped to whole patches: the patch conv drops an odd last row or column anyway
+        (e.g. 176 px -> 11 latent rows with 2x2 patches), and the solver's latents must match its output."""
+        lat = self.vae.encode(video.to(next(self.vae.parameters()).dtype))
+        _, ph, pw = self.model.args.patch_size
+        h, w = lat.shape[-2:]
+        return lat[..., : h - h % ph, : w - w % pw]
 
     def _frames(self, images: np.ndarray) -> torch.Tensor:
         arr = np.asarray(images)
@@ -226,7 +234,7 @@ class DreamZeroPolicy:
         if self.solver.cfg_scale != 1.0:
             neg = self._conditioning(prompt, last[:, :, 0], self._text(self.negative_prompt))
         caches = (KVCache(), KVCache() if neg is not None else None)
-        latent0 = self.vae.encode(last)
+        latent0 = self._encode(last)
         for cache, c in zip(caches, (cond, neg)):
             if cache is not None:
                 prefill(self.model, cache, latent0, c)
@@ -244,7 +252,7 @@ class DreamZeroPolicy:
         a = self.model.args
         session.frames = torch.cat([session.frames, frames], dim=2)
         usable = 1 + 4 * ((session.frames.shape[2] - 1) // 4)
-        latents = self.vae.encode(session.frames[:, :, :usable])
+        latents = self._encode(session.frames[:, :, :usable])
         cache = session.caches[0]
         while latents.shape[2] - cache.num_frames >= a.num_frame_per_block:
             if cache.num_frames + 2 * a.num_frame_per_block > a.local_attn_size:

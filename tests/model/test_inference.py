@@ -140,3 +140,16 @@ def test_bad_observations_are_refused(tiny_policy):
         tiny_policy.predict_actions(dict(_obs(rng), images=np.zeros((64, 64, 3), np.float32)))
     with pytest.raises(ValueError, match="state has 3 dims"):
         tiny_policy.predict_actions(dict(_obs(rng), state=np.zeros(3)))
+
+
+def test_odd_latent_height_is_cropped_to_whole_patches(tmp_path):
+    """176x320 frames give 11 latent rows on 5B (reference §7.8); the patch conv drops the odd row, and the
+    solver's latents must match. Tiny: 80 px / 16 = 5 rows."""
+    import numpy as np
+
+    from dzmodel.model.components import build_tiny_policy
+
+    policy = build_tiny_policy(tmp_path / "tok")
+    policy.image_size = (80, 64)
+    actions = policy.predict_actions({"images": np.zeros((80, 64, 3), np.uint8), "state": np.zeros(8), "prompt": "x"})
+    assert actions.shape == (policy.model.args.num_action_per_block, 7)
