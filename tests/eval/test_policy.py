@@ -4,36 +4,18 @@ import numpy as np
 import pytest
 import torch
 
-from dzmodel.data.dataset import embodiment_metadata
-from dzmodel.data.embodiments import get_embodiment, load_embodiments
-from dzmodel.data.synth import make_synthetic_dataset
 from dzmodel.eval.policy import PolicyLoadError, load_policy
 from dzmodel.model.inference import SolverConfig
 from dzmodel.train.config import TrainConfig
 from dzmodel.train.convert import convert_checkpoint, resolve_checkpoint
 from dzmodel.train.encoders import frozen_encoders
 from dzmodel.train.trainer import train
-
-EMBODIMENT = """
-tabletop_pusher:
-  views: {front: observation.images.image, hand: observation.images.wrist_image}
-  view_size: [32, 32]
-  layout: [[front, hand]]
-  state: {state: {column: observation.state}}
-  action: {actions: {column: action}}
-  action_horizon: 4
-  sampling: multi_anchor
-"""
-
+from tests.tiny_data import make_tabletop_data
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("policy")
-    ds = make_synthetic_dataset(root / "ds", num_episodes=2, episode_length=30, image_size=32, codec="libx264")
-    (root / "emb.yaml").write_text(EMBODIMENT)
-    emb = get_embodiment("tabletop_pusher", load_embodiments([root / "emb.yaml"]))
-    embodiment_metadata(ds, emb, root / "meta.json")
-    cfg = TrainConfig(preset="tiny", datasets=[str(ds)], embodiment="tabletop_pusher", seed=5,
+    root = make_tabletop_data(tmp_path_factory.mktemp("policy"), num_episodes=2, episode_length=30)
+    cfg = TrainConfig(preset="tiny", datasets=[str(root / "ds")], embodiment="tabletop_pusher", seed=5,
                       embodiment_files=[str(root / "emb.yaml")], metadata=str(root / "meta.json"),
                       steps=2, save_every=2, out_dir=str(root / "run"), lr=1e-3, progress=False)
     train(cfg)

@@ -11,34 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from dzmodel.data.dataset import embodiment_metadata
 from dzmodel.data.embodiments import get_embodiment, load_embodiments
-from dzmodel.data.synth import make_synthetic_dataset
 from dzmodel.train.checkpoint import latest_checkpoint
 from dzmodel.train.config import TrainConfig
 from dzmodel.train.trainer import lr_at, train
-
-EMBODIMENT = """
-tabletop_pusher:
-  views: {front: observation.images.image, hand: observation.images.wrist_image}
-  view_size: [32, 32]
-  layout: [[front, hand]]
-  state: {state: {column: observation.state}}
-  action: {actions: {column: action}}
-  action_horizon: 4
-  color_jitter: {brightness: 0.2, hue: 0.05}
-  sampling: multi_anchor
-"""
-
+from tests.tiny_data import make_tabletop_data
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    ds = make_synthetic_dataset(root / "ds", num_episodes=3, episode_length=40, image_size=32, codec="libx264")
-    (root / "emb.yaml").write_text(EMBODIMENT)
-    emb = get_embodiment("tabletop_pusher", load_embodiments([root / "emb.yaml"]))
-    embodiment_metadata(ds, emb, root / "meta.json")
-    return root
+    return make_tabletop_data(tmp_path_factory.mktemp("train"))
 
 
 def _cfg(data, out, **kw) -> TrainConfig:

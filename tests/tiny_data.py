@@ -1,0 +1,30 @@
+"""A small training set for the tiny preset: the embedded synthetic dataset seen through a YAML-only embodiment
+(`tabletop_pusher`, action horizon 4 = the tiny preset's chunk), with its metadata.json."""
+
+from pathlib import Path
+
+from dzmodel.data.dataset import embodiment_metadata
+from dzmodel.data.embodiments import get_embodiment, load_embodiments
+from dzmodel.data.synth import make_synthetic_dataset
+
+TABLETOP_EMBODIMENT = """
+tabletop_pusher:
+  views: {front: observation.images.image, hand: observation.images.wrist_image}
+  view_size: [32, 32]
+  layout: [[front, hand]]
+  state: {state: {column: observation.state}}
+  action: {actions: {column: action}}
+  action_horizon: 4
+  color_jitter: {brightness: 0.2, hue: 0.05}
+  sampling: multi_anchor
+"""
+
+
+def make_tabletop_data(root: Path, num_episodes: int = 3, episode_length: int = 40) -> Path:
+    """root/ds (dataset), root/emb.yaml, root/meta.json; returns root."""
+    ds = make_synthetic_dataset(root / "ds", num_episodes=num_episodes, episode_length=episode_length,
+                                image_size=32, codec="libx264")
+    (root / "emb.yaml").write_text(TABLETOP_EMBODIMENT)
+    emb = get_embodiment("tabletop_pusher", load_embodiments([root / "emb.yaml"]))
+    embodiment_metadata(ds, emb, root / "meta.json")
+    return root
