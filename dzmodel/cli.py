@@ -8,6 +8,7 @@
     dz train [--config FILE] [--set k=v]    SFT; under torchrun: FSDP2 over all ranks; resumes from out_dir
     dz convert RUN|CKPT --out DIR           DCP -> config.json + model.safetensors (+ experiment_cfg/)
     dz eval libero RUN|MODEL --out DIR      LIBERO success rate across checkpoint steps
+    dz package MODEL --robot R --version V --out DIR   versioned Franka bundle + tarball
     dz cache --config FILE --out DIR        precomputed encoder outputs; train with train.cache=DIR
     dz bench model ...                      bf16 forward+backward timing on a GPU
     dz bench data ...                       video decode and loader throughput
@@ -224,6 +225,14 @@ def _int_list(text: str | None, flag: str) -> list[int] | None:
         raise CLIError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
+def cmd_package(ns: argparse.Namespace) -> int:
+    from .serve.package import RobotConfig, build_package
+
+    bundle, tarball = build_package(ns.model, ns.out, RobotConfig.load(ns.robot), ns.version, ns.eval_dir, ns.name)
+    print(f"bundle {bundle}\ntarball {tarball}")
+    return EXIT_OK
+
+
 def cmd_eval_libero(ns: argparse.Namespace) -> int:
     from .eval.libero_env import LiberoNotInstalled
     from .eval.libero_eval import EvalConfig, evaluate_run
@@ -430,6 +439,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, default=1, help="cache every stride-th anchor")
     p.add_argument("--batch-size", type=int, default=8)
     p.set_defaults(func=cmd_cache, steps=None, out_dir=None)
+
+    p = sub.add_parser("package", help="a versioned, checksummed Franka deployment bundle (+ .tar.gz)")
+    p.add_argument("model", help="a converted model directory (dz convert)")
+    p.add_argument("--robot", required=True, help="robot config (YAML or JSON): robot_ip, camera_serials, "
+                   "target_ee_pose, workspace_min, workspace_max, control_rate_hz, gripper_threshold")
+    p.add_argument("--version", required=True)
+    p.add_argument("--eval", dest="eval_dir", help="a dz eval libero output directory to ship as evidence")
+    p.add_argument("--name", help="bundle name (default dreamzero-<embodiment>)")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_package)
 
     ev = sub.add_parser("eval", help="evaluation").add_subparsers(dest="cmd", required=True)
     p = ev.add_parser("libero", help="LIBERO success rate of a converted model, or of a run across its checkpoint steps")

@@ -1,0 +1,288 @@
+"""`dz package`: a versioned, checksummed deployment bundle for a Franka arm.
+
+    <out>/<name>-<version>/
+        model/            the converted model (config.json, safetensors, experiment_cfg/, tokenizer/) and
+                          model/encoders/ (the run's frozen encoders, so the bundle needs nothing else)
+        config.json       the model config (a copy of model/config.json)
+        metadata.json     the normalisation statistics
+        embodiment.json   the embodiment: views, layout, action horizon, gripper threshold
+        robot.json        the robot config (validated by RobotConfig)
+        eval/             the evaluation results that justified the release
+        MODEL_CARD.md
+        MANIFEST          "sha256  size  path" of every other file
+    <out>/<name>-<version>.tar.gz
+
+Both are built in a temporary place and renamed. Loading verifies every file against MANIFEST and refuses a
+missing, extra or modified file; tarballs are extracted only if no member escapes the target directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import math
+import os
+import shutil
+import tarfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ..atomic import atomic_write_text
+
+MANIFEST = "MANIFEST"
+EVAL_FILES = ("results.csv", "episodes.csv", "summary.json", "success_vs_step.png")
+
+
+class PackageError(ValueError):
+    """A bundle or robot config that must not be used; the message names the file or field."""
+
+
+@dataclass(frozen=True)
+class RobotConfig:
+    robot_ip: str
+    camera_serials: tuple[str, ...]
+    target_ee_pose: tuple[float, ...]        # x y z (m) rx ry rz (rad), base frame
+    workspace_min: tuple[float, float, float]
+    workspace_max: tuple[float, float, float]
+    control_rate_hz: float = 15.0
+    gripper_threshold: float = 0.5           # gripper command above it closes (reference §6.2)
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str = "robot config") -> "RobotConfig":
+        if not isinstance(raw, dict):
+            raise PackageError(f"{source}: expected a mapping of robot fields, got {type(raw).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise PackageError(f"{source}: unknown field(s) {unknown}; known: {sorted(known)}")
+        required = ("robot_ip", "camera_serials", "target_ee_pose", "workspace_min", "workspace_max")
+        missing = [name for name in required if name not in raw]
+        if missing:
+            raise PackageError(f"{source}: missing field(s) {missing}")
+
+        def numbers(name, n):
+            v = raw[name]
+            if not isinstance(v, (list, tuple)) or len(v) != n or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
+                raise PackageError(f"{source}: {name} must be {n} finite numbers, got {v!r}")
+            return tuple(float(x) for x in v)
+
+        try:
+            ip = str(ipaddress.ip_address(str(raw["robot_ip"])))
+        except ValueError:
+            raise PackageError(f"{source}: robot_ip must be an IPv4 or IPv6 address, got {raw['robot_ip']!r}") from None
+        serials = raw["camera_serials"]
+        if not isinstance(serials, (list, tuple)) or not serials or not all(isinstance(s, str) and s.strip() for s in serials):
+            raise PackageError(f"{source}: camera_serials must be a non-empty list of non-empty strings, got {serials!r}")
+        pose, lo, hi = numbers("target_ee_pose", 6), numbers("workspace_min", 3), numbers("workspace_max", 3)
+        if not all(a < b for a, b in zip(lo, hi)):
+            raise PackageError(f"{source}: workspace_min {lo} must be below workspace_max {hi} on every axis")
+        if not all(a <= p <= b for a, p, b in zip(lo, pose[:3], hi)):
+            raise PackageError(f"{source}: target_ee_pose position {pose[:3]} is outside the workspace {lo}..{hi}")
+        rate = raw.get("control_rate_hz", cls.control_rate_hz)
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1000:
+            raise PackageError(f"{source}: control_rate_hz must be in (0, 1000], got {rate!r}")
+        thr = raw.get("gripper_threshold", cls.gripper_threshold)
+        if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0 <= thr <= 1:
+            raise PackageError(f"{source}: gripper_threshold must be in [0, 1], got {thr!r}")
+        return cls(ip, tuple(s.strip() for s in serials), pose, lo, hi, float(rate), float(thr))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RobotConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise PackageError(f"{path}: robot config not found")
+        text = path.read_text()
+        try:
+            if path.suffix in (".yaml", ".yml"):
+                import yaml
+
+                raw = yaml.safe_load(text)
+            else:
+                raw = json.loads(text)
+        except Exception as exc:
+            raise PackageError(f"{path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {exc}") from None
+        return cls.from_dict(raw, str(path))
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+# --- building -----------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest_lines(root: Path) -> list[str]:
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return [f"{_sha256(p)}  {p.stat().st_size}  {p.relative_to(root).as_posix()}" for p in files]
+
+
+def _model_card(name: str, version: str, train: dict, emb: dict, robot: RobotConfig, eval_rows: list[dict]) -> str:
+    lines = [f"# {name} {version}", "",
+             "A DreamZero world action model fine-tuned with dzmodel, packaged for a Franka arm.", "",
+             "## Model", f"- preset: `{train.get('preset')}`, trained {train.get('step')} steps "
+             f"(lr {train.get('lr')}, global batch {train.get('global_batch')})",
+             f"- data: {', '.join(train.get('datasets', [])) or 'n/a'}",
+             f"- embodiment: `{emb['name']}`, action horizon {emb['action_horizon']}, views {', '.join(emb['views'])}", "",
+             "## Evaluation"]
+    if eval_rows:
+        lines += ["| step | task | episodes | successes | rate |", "|---|---|---|---|---|"]
+        lines += [f"| {r.get('step')} | {r.get('task')} | {r.get('episodes')} | {r.get('successes')} | {r.get('rate')} |"
+                  for r in eval_rows]
+    else:
+        lines.append("No evaluation results were packaged.")
+    lines += ["", "## Robot", f"- robot {robot.robot_ip}, cameras {', '.join(robot.camera_serials)}, "
+              f"{robot.control_rate_hz:g} Hz, gripper threshold {robot.gripper_threshold:g}",
+              f"- workspace {list(robot.workspace_min)} .. {list(robot.workspace_max)} m", "",
+              "## Intended use and limits",
+              "- Research use on the robot and scene family it was trained on; supervise every run and keep the "
+              "workspace limits and an emergency stop active.",
+              "- Success rates above come from simulation or the listed evaluation and do not transfer as-is.", "",
+              "## Serving", "```", f"dz serve {name}-{version}.tar.gz --token $TOKEN",
+              "dz client ws://HOST:8000 --token $TOKEN --dry-run", "```", ""]
+    return "\n".join(lines)
+
+
+def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig, version: str,
+                  eval_dir: str | Path | None = None, name: str | None = None) -> tuple[Path, Path]:
+    """Bundle directory and tarball from a converted model directory (`dz convert`)."""
+    import csv
+
+    from ..eval.policy import read_train_config
+    from ..train.encoders import frozen_encoders, save_encoders
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise PackageError(f"{model_dir}: not a converted model directory (no config.json); run `dz convert` first")
+    if not version or any(c in version for c in "/\\ ") or version.startswith("."):
+        raise PackageError(f"version must be a plain string like 1.0.0, got {version!r}")
+    cfg, step = read_train_config(model_dir)
+    from ..data.embodiments import get_embodiment, load_embodiments
+
+    emb_files = sorted(str(p) for p in (model_dir / "experiment_cfg" / "embodiments").glob("*.yaml"))
+    emb = get_embodiment(cfg.embodiment, load_embodiments(emb_files))
+    name = name or f"dreamzero-{emb.tag}"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    final, tarball = out / f"{name}-{version}", out / f"{name}-{version}.tar.gz"
+    if final.exists() or tarball.exists():
+        raise PackageError(f"{final} already exists: versions are immutable, pick a new --version")
+    tmp = out / f".{name}-{version}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(model_dir, tmp / "model")
+        if not (tmp / "model" / "encoders").is_dir():
+            save_encoders(frozen_encoders(cfg), tmp / "model" / "encoders")
+        shutil.copyfile(model_dir / "config.json", tmp / "config.json")
+        meta = model_dir / "experiment_cfg" / "metadata.json"
+        if not meta.is_file():
+            raise PackageError(f"{model_dir}: no experiment_cfg/metadata.json (normalisation statistics)")
+        shutil.copyfile(meta, tmp / "metadata.json")
+        emb_json = {"name": emb.tag, "action_horizon": emb.action_horizon, "gripper_threshold": robot.gripper_threshold,
+                    "views": dict(emb.views), "view_size": list(emb.view_size),
+                    "layout": [[c.view for c in row] for row in emb.layout],
+                    "state": [k.name for k in emb.state], "action": [k.name for k in emb.action]}
+        atomic_write_text(tmp / "embodiment.json", json.dumps(emb_json, indent=1))
+        atomic_write_text(tmp / "robot.json", json.dumps(robot.to_dict(), indent=1))
+        rows = []
+        if eval_dir is not None:
+            eval_dir = Path(eval_dir)
+            found = [f for f in EVAL_FILES if (eval_dir / f).is_file()]
+            if not found:
+                raise PackageError(f"{eval_dir}: no evaluation results ({', '.join(EVAL_FILES)})")
+            (tmp / "eval").mkdir()
+            for f in found:
+                shutil.copyfile(eval_dir / f, tmp / "eval" / f)
+            if (eval_dir / "results.csv").is_file():
+                rows = [r for r in csv.DictReader((eval_dir / "results.csv").open()) if r.get("task") == "all"]
+        atomic_write_text(tmp / "MODEL_CARD.md", _model_card(name, version, {**cfg.to_dict(), "step": step},
+                                                             emb_json, robot, rows))
+        atomic_write_text(tmp / MANIFEST, "\n".join(_manifest_lines(tmp)) + "\n")
+        tar_tmp = out / f".{name}-{version}.tar.gz.tmp"
+        with tarfile.open(tar_tmp, "w:gz") as tar:
+            tar.add(tmp, arcname=f"{name}-{version}")
+        os.replace(tmp, final)
+        os.replace(tar_tmp, tarball)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (out / f".{name}-{version}.tar.gz.tmp").unlink(missing_ok=True)
+        raise
+    return final, tarball
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Package:
+    root: Path
+    robot: RobotConfig
+    embodiment: dict
+    files: int
+
+    @property
+    def model_dir(self) -> Path:
+        return self.root / "model"
+
+
+def verify_package(root: str | Path) -> int:
+    """Check every file against MANIFEST; returns the number of files. Raises PackageError naming the file."""
+    root = Path(root)
+    manifest = root / MANIFEST
+    if not manifest.is_file():
+        raise PackageError(f"{root}: no {MANIFEST} (not a dz package)")
+    expected = {}
+    for i, line in enumerate(manifest.read_text().splitlines(), 1):
+        parts = line.split("  ", 2)
+        if len(parts) != 3:
+            raise PackageError(f"{manifest}:{i}: malformed line {line!r}")
+        expected[parts[2]] = (parts[0], int(parts[1]))
+    present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != MANIFEST}
+    for rel in sorted(set(expected) - present):
+        raise PackageError(f"{root / rel}: listed in {MANIFEST} but missing")
+    for rel in sorted(present - set(expected)):
+        raise PackageError(f"{root / rel}: not listed in {MANIFEST} (an added file)")
+    for rel, (digest, size) in sorted(expected.items()):
+        path = root / rel
+        if path.stat().st_size != size or _sha256(path) != digest:
+            raise PackageError(f"{path}: checksum mismatch against {MANIFEST} (the file was modified)")
+    return len(expected)
+
+
+def _safe_extract(tarball: Path, dest: Path) -> Path:
+    with tarfile.open(tarball, "r:gz") as tar:
+        members = tar.getmembers()
+        for m in members:
+            target = (dest / m.name).resolve()
+            if m.name.startswith("/") or ".." in Path(m.name).parts or not str(target).startswith(str(dest.resolve())):
+                raise PackageError(f"{tarball}: member {m.name!r} escapes the extraction directory")
+            if not (m.isfile() or m.isdir()):
+                raise PackageError(f"{tarball}: member {m.name!r} is a link or device; refused")
+        tar.extractall(dest, members=members)
+    tops = {Path(m.name).parts[0] for m in members}
+    if len(tops) != 1:
+        raise PackageError(f"{tarball}: expected one top-level bundle directory, found {sorted(tops)}")
+    return dest / tops.pop()
+
+
+def load_package(path: str | Path, extract_to: str | Path | None = None) -> Package:
+    """A bundle directory or its .tar.gz (extracted into `extract_to`, default beside it), verified."""
+    path = Path(path)
+    if path.is_file() and path.name.endswith(".tar.gz"):
+        dest = Path(extract_to) if extract_to else path.with_name(path.name[: -len(".tar.gz")] + ".extracted")
+        dest.mkdir(parents=True, exist_ok=True)
+        path = _safe_extract(path, dest)
+    if not path.is_dir():
+        raise PackageError(f"{path}: no such bundle directory or .tar.gz")
+    files = verify_package(path)
+    robot = RobotConfig.from_dict(json.loads((path / "robot.json").read_text()), str(path / "robot.json"))
+    return Package(path, robot, json.loads((path / "embodiment.json").read_text()), files)
