@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,data]'
+	$(PY) -m pip install --quiet -e '.[dev,data,serve]'
 	@# lerobot 0.4.4 without its pins (they would pull CUDA torch 2.10), with the runtime needs of its
 	@# dataset code; torchvision 0.28 is CUDA-built, dzmodel.data.lerobot_compat makes it import on CPU torch.
 	$(PY) -m pip install --quiet $(LEROBOT_NEEDS)

@@ -9,6 +9,8 @@
     dz convert RUN|CKPT --out DIR           DCP -> config.json + model.safetensors (+ experiment_cfg/)
     dz eval libero RUN|MODEL --out DIR      LIBERO success rate across checkpoint steps
     dz package MODEL --robot R --version V --out DIR   versioned Franka bundle + tarball
+    dz serve BUNDLE --token T               the policy server (WebSocket + msgpack-numpy)
+    dz client URL --token T --dry-run       query it without a robot
     dz cache --config FILE --out DIR        precomputed encoder outputs; train with train.cache=DIR
     dz bench model ...                      bf16 forward+backward timing on a GPU
     dz bench data ...                       video decode and loader throughput
@@ -233,6 +235,37 @@ def cmd_package(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from .model.inference import SolverConfig
+    from .serve.server import serve_bundle
+
+    if not ns.token:
+        raise CLIError("dz serve needs a bearer token: --token or DZ_SERVE_TOKEN")
+    serve_bundle(ns.bundle, ns.token, ns.host, ns.port, ns.device, ns.max_sessions,
+                 SolverConfig(num_steps=ns.solver_steps, cfg_scale=ns.cfg_scale))
+    return EXIT_OK
+
+
+def cmd_client(ns: argparse.Namespace) -> int:
+    import json
+
+    from .serve.client import DryRunRobot, ServerError, load_test, run_client
+
+    if not ns.token:
+        raise CLIError("dz client needs the server's bearer token: --token or DZ_SERVE_TOKEN")
+    try:
+        if ns.load_test:
+            print(json.dumps(load_test(ns.url, ns.token, ns.load_test, ns.requests)))
+            return EXIT_OK
+        if not ns.dry_run:
+            raise CLIError("only --dry-run is built in; a control node plugs its robot into "
+                           "dzmodel.serve.client.run_client (the Robot protocol)")
+        run_client(ns.url, ns.token, DryRunRobot(ns.prompt), ns.chunks)
+    except (ServerError, OSError) as exc:
+        raise CLIError(str(exc)) from None
+    return EXIT_OK
+
+
 def cmd_eval_libero(ns: argparse.Namespace) -> int:
     from .eval.libero_env import LiberoNotInstalled
     from .eval.libero_eval import EvalConfig, evaluate_run
@@ -449,6 +482,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="bundle name (default dreamzero-<embodiment>)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_package)
+
+    p = sub.add_parser("serve", help="serve a bundle's policy over WebSocket + msgpack-numpy (openpi/RoboArena keys)")
+    p.add_argument("bundle", help="a dz package directory or .tar.gz (verified against its MANIFEST)")
+    p.add_argument("--token", default=os.environ.get("DZ_SERVE_TOKEN"), help="bearer token (or DZ_SERVE_TOKEN)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--solver-steps", type=int, default=16)
+    p.add_argument("--cfg-scale", type=float, default=5.0)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("client", help="query a policy server; --dry-run prints actions without a robot")
+    p.add_argument("url", help="e.g. ws://gpu-node:8000")
+    p.add_argument("--token", default=os.environ.get("DZ_SERVE_TOKEN"))
+    p.add_argument("--dry-run", action="store_true", help="synthetic observations; print the chunks, move nothing")
+    p.add_argument("--chunks", type=int, default=3)
+    p.add_argument("--prompt", default="pick up the cube and place it in the bowl")
+    p.add_argument("--load-test", type=int, metavar="SESSIONS", help="instead: this many concurrent sessions")
+    p.add_argument("--requests", type=int, default=4, help="requests per session in the load test")
+    p.set_defaults(func=cmd_client)
 
     ev = sub.add_parser("eval", help="evaluation").add_subparsers(dest="cmd", required=True)
     p = ev.add_parser("libero", help="LIBERO success rate of a converted model, or of a run across its checkpoint steps")
