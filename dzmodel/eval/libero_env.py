@@ -284,7 +284,7 @@ def to_policy_obs(raw_obs: dict) -> dict[str, np.ndarray]:
 # --- env worker processes ----------------------------------------------------------------------------------------
 
 _RAW_KEYS = ("agentview_image", "robot0_eye_in_hand_image", "robot0_eef_pos", "robot0_eef_quat",
-             "robot0_gripper_qpos")
+             "robot0_gripper_qpos", "robot0_joint_pos")
 
 
 def _worker_main(conn, camera_size: int, keep_raw: bool) -> None:
