@@ -54,9 +54,7 @@ class TrainBenchResult:
 def _encoder_inputs(preset_name: str, batch: int, device, image_size, frames: int):
     from ..model.components import build_encoders
 
-    enc = build_encoders(preset_name, device=device)
-    for m in enc.modules():
-        m.to(torch.bfloat16)
+    enc = build_encoders(preset_name, device=device).to(torch.bfloat16)
     g = torch.Generator(device=device).manual_seed(0)
     images = torch.randint(0, 255, (batch, frames, *image_size, 3), generator=g, device=device, dtype=torch.uint8)
     ids = torch.randint(3, 1000, (batch, 512), generator=g, device=device)

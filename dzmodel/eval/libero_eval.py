@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import atomic_write_text
+from ..train.metrics import Progress
 from .policy import EmbodiedPolicy
 
 
@@ -96,7 +97,7 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
     total = len(todo)
     results: list[EpisodeResult] = []
     videos_left = cfg.videos
-    bar = _bar(total, progress, tag)
+    bar = Progress(total, enabled=progress, desc=f"LIBERO {tag}".strip(), unit="episode")
     if pool_factory is None:
         def pool_factory(n):
             return EnvWorkerPool(n, camera_size=cfg.camera_size, timeout_s=cfg.worker_timeout_s, seed=cfg.seed)
@@ -105,13 +106,13 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
         free = list(range(pool.num_workers))
 
         def start(assign):
+            nonlocal videos_left
             replies = pool.reset([(w, t, e) for w, (t, e, _) in assign.items()])
             for w, (t, e, attempt) in assign.items():
                 r = replies.get(w)
                 if isinstance(r, WorkerCrashed) or r is None:
                     finish_crash(w, t, e, attempt, f"reset: {getattr(r, 'reason', 'no reply')}")
                     continue
-                nonlocal videos_left
                 record = videos_left > 0
                 videos_left -= int(record)
                 running[w] = _Running(t, e, attempt, r, time.perf_counter(), frames=[r["image"]] if record else None)
@@ -126,7 +127,7 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
             policy.end_session(_session(run))
             running.pop(w, None)
             free.append(w)
-            bar.update(1)
+            bar.update()
 
         def finish_crash(w, t, e, attempt, reason):
             if w in running:
@@ -138,7 +139,7 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
             else:
                 results.append(EpisodeResult(t.index, t.name, e, False, 0, 0.0, attempt,
                                              f"failed: env worker crashed twice ({reason})"))
-                bar.update(1)
+                bar.update()
 
         while todo or running:
             if todo and free:
@@ -186,22 +187,6 @@ def _write_video(path: Path, frames: list) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     encode_video(path, np.stack(frames), fps=20, codec="libx264", crf=23, gop=30)
     return str(path)
-
-
-def _bar(total: int, enabled: bool, tag: str):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # progress is optional
-        enabled = False
-    if not enabled:
-        class _Null:
-            def update(self, n):
-                pass
-
-            def close(self):
-                pass
-        return _Null()
-    return tqdm(total=total, desc=f"LIBERO {tag}".strip(), unit="episode")
 
 
 # --- tables and across checkpoint steps ------------------------------------------------------------

@@ -79,6 +79,14 @@ def read_train_config(model_dir: Path) -> tuple[TrainConfig, int | None]:
     return TrainConfig.from_dict(raw), step
 
 
+def model_embodiment(model_dir: Path, cfg: TrainConfig, embodiment_files: list[str] | None = None) -> Embodiment:
+    """The embodiment a converted model trained on: built in, or from the YAML copies `dz convert` stored
+    in experiment_cfg/embodiments/ (or `embodiment_files`)."""
+    if embodiment_files is None:
+        embodiment_files = sorted(str(p) for p in (model_dir / "experiment_cfg" / "embodiments").glob("*.yaml"))
+    return get_embodiment(cfg.embodiment, load_embodiments(embodiment_files))
+
+
 def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embodiment: str | None = None,
                 embodiment_files: list[str] | None = None, solver: SolverConfig | None = None,
                 seed: int = 0) -> EmbodiedPolicy:
@@ -94,9 +102,7 @@ def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embod
     cfg, step = read_train_config(model_dir)
     if embodiment is not None and embodiment != cfg.embodiment:
         raise PolicyLoadError(f"{model_dir}: trained for embodiment {cfg.embodiment!r}, not {embodiment!r}")
-    if embodiment_files is None:  # the copies `dz convert` stored beside the weights
-        embodiment_files = sorted(str(p) for p in (model_dir / "experiment_cfg" / "embodiments").glob("*.yaml"))
-    emb = get_embodiment(cfg.embodiment, load_embodiments(embodiment_files))
+    emb = model_embodiment(model_dir, cfg, embodiment_files)
     metadata = model_dir / "experiment_cfg" / "metadata.json"
     stats = load_statistics(metadata, emb.tag)
     state_stats = NormStats.from_metadata(stats, [k.name for k in emb.state], "state", str(metadata))

@@ -54,6 +54,12 @@ class FrozenEncoders:
     def modules(self) -> list[nn.Module]:
         return [self.vae, self.text_encoder, self.image_encoder]
 
+    def to(self, *args, **kwargs) -> "FrozenEncoders":
+        """Move or cast all three encoders (nn.Module.to arguments)."""
+        for m in self.modules():
+            m.to(*args, **kwargs)
+        return self
+
     def eval_(self) -> "FrozenEncoders":
         for m in self.modules():
             m.eval().requires_grad_(False)

@@ -157,7 +157,7 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
     """Bundle directory and tarball from a converted model directory (`dz convert`)."""
     import csv
 
-    from ..eval.policy import read_train_config
+    from ..eval.policy import model_embodiment, read_train_config
     from ..train.encoders import frozen_encoders, save_encoders
 
     model_dir = Path(model_dir)
@@ -166,10 +166,7 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
     if not version or any(c in version for c in "/\\ ") or version.startswith("."):
         raise PackageError(f"version must be a plain string like 1.0.0, got {version!r}")
     cfg, step = read_train_config(model_dir)
-    from ..data.embodiments import get_embodiment, load_embodiments
-
-    emb_files = sorted(str(p) for p in (model_dir / "experiment_cfg" / "embodiments").glob("*.yaml"))
-    emb = get_embodiment(cfg.embodiment, load_embodiments(emb_files))
+    emb = model_embodiment(model_dir, cfg)
     name = name or f"dreamzero-{emb.tag}"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

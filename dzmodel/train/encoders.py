@@ -25,8 +25,7 @@ def frozen_encoders(cfg: TrainConfig, device: torch.device | str = "cpu") -> Fro
         enc = build_encoders(cfg.preset, device="meta" if files else device)
     if files:
         load_encoder_weights(enc, vae=files.get("vae"), t5=files.get("t5"), clip=files.get("clip"))
-        for m in enc.modules():
-            m.to(device)
+        enc.to(device)
     return enc.eval_()
 
 
@@ -48,6 +47,4 @@ def load_saved_encoders(preset_name: str, encoder_dir: str | Path, device: torch
         if not path.is_file():
             raise FileNotFoundError(f"{path}: missing encoder weights")
         load_strict(getattr(enc, attr), load_file(str(path)), source=str(path), assign=True)
-    for m in enc.modules():
-        m.to(device)
-    return enc.eval_()
+    return enc.to(device).eval_()

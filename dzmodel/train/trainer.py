@@ -104,8 +104,7 @@ class Trainer:
         # frozen, replicated, batched per micro-batch; not needed when training from the cache
         self.encoders = None if cfg.cache else frozen_encoders(cfg, dev)
         if self.encoders is not None and cfg.precision == "bf16":  # frozen: no master copy needed
-            for m in self.encoders.modules():
-                m.to(torch.bfloat16)
+            self.encoders.to(torch.bfloat16)
 
     def build_data(self) -> None:
         cfg, a = self.cfg, self.args
