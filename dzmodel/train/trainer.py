@@ -152,14 +152,15 @@ class Trainer:
         from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer
 
         path = Path(self.cfg.tokenizer) if self.cfg.tokenizer else self.out / "tokenizer"
-        if not (path / "tokenizer.json").is_file():
-            if self.cfg.preset != "tiny":
-                raise DataError(f"tokenizer directory {path} has no tokenizer.json (give train.tokenizer: a local "
-                                "copy of google/umt5-xxl)")
-            if self.info.rank == 0:
-                build_tiny_tokenizer(path)
-            if dist.is_initialized():
-                dist.barrier()
+        if not (path / "tokenizer.json").is_file() and self.cfg.preset != "tiny":
+            raise DataError(f"tokenizer directory {path} has no tokenizer.json (give train.tokenizer: a local "
+                            "copy of google/umt5-xxl)")
+        if self.info.rank == 0 and not (path / "tokenizer.json").is_file():
+            build_tiny_tokenizer(path)
+        # Every rank meets this barrier: a rank that checked for the file after rank 0 wrote it would skip a
+        # conditional one, and the ranks would then pair the barrier with an FSDP all-gather and hang.
+        if dist.is_initialized():
+            dist.barrier()
         return load_tokenizer(path)
 
     def loader(self, position: int):

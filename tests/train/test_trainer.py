@@ -83,6 +83,24 @@ def test_bad_config_is_refused():
         TrainConfig(micro_batch=3, global_batch=4).accumulation(1)
 
 
+def test_every_rank_meets_the_tokenizer_barrier_even_when_rank_0_already_wrote_it(data, tmp_path, monkeypatch):
+    # The race CI hit: rank 1 looked for tokenizer.json after rank 0 had built it, skipped the barrier, and the
+    # two ranks then paired rank 0's barrier with rank 1's first FSDP all-gather: a hang.
+    import torch.distributed as dist
+
+    from dzmodel.model.tokenizer import build_tiny_tokenizer
+    from dzmodel.train.trainer import DistInfo, Trainer
+
+    trainer = Trainer(_cfg(data, tmp_path / "run", tokenizer=None))
+    build_tiny_tokenizer(tmp_path / "run" / "tokenizer")  # what rank 0 did a moment earlier
+    trainer.info = DistInfo(rank=1, world_size=2, local_rank=1, device=trainer.info.device)
+    barriers = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: barriers.append(1))
+    trainer._tokenizer()
+    assert barriers == [1]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
