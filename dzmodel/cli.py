@@ -14,6 +14,9 @@
     dz cache --config FILE --out DIR        precomputed encoder outputs; train with train.cache=DIR
     dz bench model ...                      bf16 forward+backward timing on a GPU
     dz bench data ...                       video decode and loader throughput
+    dz params check|show|train-config       validate params.yaml; print a profile; write its TrainConfig
+    dz stage NAME [--profile P]             one pipeline stage from params.yaml (what dvc.yaml runs)
+    dz pipeline|deploy|promote ...          Prefect/MLflow commands, added by the flows package when installed
 """
 
 from __future__ import annotations
@@ -211,7 +214,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before any CUDA allocation
     history = train(load_train_config(ns))
-    if history:
+    if history and int(os.environ.get("RANK", "0")) == 0:
         last = history[-1]
         print(f"step {last['step']}: loss {last['loss']:.4f} (dynamics {last['dynamics_loss']:.4f}, "
               f"action {last['action_loss']:.4f}), {last['samples_per_s_per_gpu']:.2f} samples/s/GPU")
@@ -393,6 +396,81 @@ def cmd_bench_data(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+
+# --- dz params / dz stage (the pipeline's stages, as dvc.yaml and the Prefect tasks run them) ----------------
+
+def _load_params(ns: argparse.Namespace):
+    from .config import load_params
+
+    return load_params(ns.params, ns.set or [], ns.profile)
+
+
+def cmd_params_check(ns: argparse.Namespace) -> int:
+    params = _load_params(ns)
+    for name, prof in params.profiles.items():
+        launch = prof.launch
+        mark = "*" if name == (ns.profile or params.profile) else " "
+        print(f"{mark} {name:<12} {prof.train.get('preset', 'tiny'):<16} {launch['nnodes']} node(s) x "
+              f"{launch['nproc_per_node']} process(es)  {prof.description}")
+    print(f"{ns.params}: valid ({len(params.profiles)} profiles; * = selected)")
+    return EXIT_OK
+
+
+def cmd_params_show(ns: argparse.Namespace) -> int:
+    import json
+
+    from .config import profile_dict
+
+    params = _load_params(ns)
+    print(json.dumps(profile_dict(params.selected(ns.profile)), indent=1))
+    return EXIT_OK
+
+
+def cmd_params_train_config(ns: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from .atomic import atomic_write_text
+    from .config import StagePaths, train_config
+
+    params = _load_params(ns)
+    name = ns.profile or params.profile
+    cfg = train_config(params.selected(name), StagePaths(Path(ns.root), name))
+    atomic_write_text(ns.out, json.dumps(cfg.to_dict(), indent=1))
+    print(f"wrote {ns.out} (profile {name}: {cfg.preset}, {cfg.steps} steps, out_dir {cfg.out_dir})")
+    return EXIT_OK
+
+
+def cmd_stage(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .config import StagePaths
+    from .pipeline import run_stage
+
+    params = _load_params(ns)
+    name = ns.profile or params.profile
+    result = run_stage(ns.stage, params.selected(name), StagePaths(Path(ns.root), name))
+    print(f"stage {ns.stage} [{name}] done in {result['seconds']:.1f} s")
+    return EXIT_OK
+
+
+def _add_params_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", default="params.yaml", help="the parameters file (default params.yaml)")
+    p.add_argument("--profile", help="the profile to use (default: params.yaml's `profile`)")
+    p.add_argument("--set", action="append", metavar="STAGE.KEY=VALUE",
+                   help="override one parameter of the profile, e.g. train.steps=20 (value parsed as YAML)")
+
+
+def _add_plugin_commands(sub) -> None:
+    """Commands that need Prefect/MLflow live outside the library (`dz.commands` entry points)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="dz.commands"):
+        try:
+            ep.load()(sub)
+        except ImportError:  # e.g. the GPU image: no Prefect/MLflow, no pipeline commands
+            continue
+
 # --- parser ----------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -573,6 +651,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loader-samples", type=int, default=16)
     p.add_argument("--out", help="write the numbers as JSON")
     p.set_defaults(func=cmd_bench_data)
+
+    params = sub.add_parser("params", help="params.yaml: check, show a profile, write its train config")
+    params = params.add_subparsers(dest="cmd", required=True)
+    p = params.add_parser("check", help="validate the whole file; list the profiles")
+    _add_params_args(p)
+    p.set_defaults(func=cmd_params_check)
+    p = params.add_parser("show", help="print one profile with every default filled in (JSON)")
+    _add_params_args(p)
+    p.set_defaults(func=cmd_params_show)
+    p = params.add_parser("train-config", help="write the TrainConfig JSON the train stage runs (for torchrun)")
+    _add_params_args(p)
+    p.add_argument("--out", required=True)
+    p.add_argument("--root", default=".", help="the project root the stage paths are under")
+    p.set_defaults(func=cmd_params_train_config)
+
+    from .pipeline import STAGES
+
+    p = sub.add_parser("stage", help="run one pipeline stage from params.yaml (what dvc.yaml calls)")
+    p.add_argument("stage", choices=STAGES)
+    _add_params_args(p)
+    p.add_argument("--root", default=".", help="the project root: data/<profile>/ and runs/<profile>/ go under it")
+    p.set_defaults(func=cmd_stage)
+
+    _add_plugin_commands(sub)
     return parser
 
 
@@ -583,9 +685,16 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as exc:
         print(f"dz: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (ValueError, FileNotFoundError) as exc:  # DataError, StateDictError, ...: one clear line
+    except (ValueError, FileNotFoundError) as exc:  # DataError, ParamsError, ...: one clear message
         print(f"dz: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except RuntimeError as exc:
+        from .pipeline import StageError
+
+        if not isinstance(exc, StageError):
+            raise
+        print(f"dz: error: {exc}", file=sys.stderr)
+        return EXIT_FAIL
 
 
 if __name__ == "__main__":

@@ -286,6 +286,15 @@ def _models_to_evaluate(src: Path, out: Path, steps: list[int] | None) -> list[t
 
     if (src / "config.json").is_file():  # already converted
         return [(read_train_config(src)[1], src)]
+    converted = sorted(p for p in src.glob("step_*") if (p / "config.json").is_file())
+    if converted and not list_checkpoints(src):  # a `dz stage convert` directory: one converted model per step
+        models = [(read_train_config(p)[1], p) for p in converted]
+        if steps:
+            missing = [s for s in steps if s not in {m for m, _ in models}]
+            if missing:
+                raise PolicyLoadError(f"{src}: no converted model for step(s) {missing}")
+            models = [(s, p) for s, p in models if s in steps]
+        return models
     saved = list_checkpoints(src)
     if not saved:
         raise PolicyLoadError(f"{src}: neither a converted model (config.json) nor a run with complete checkpoints")

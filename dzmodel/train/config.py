@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -87,9 +87,8 @@ class TrainConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown train config keys: {unknown}")
-        return cls(**d)
+    def from_dict(cls, d: dict[str, Any], where: str = "train") -> "TrainConfig":
+        """Unknown keys, wrong types and bad values: one ValueError naming every field (`where`.key)."""
+        from ..schema import build
+
+        return build(cls, d, path=where)

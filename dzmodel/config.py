@@ -1,0 +1,319 @@
+"""The typed schema of params.yaml: the single source of every pipeline stage's parameters, in profiles.
+
+    profile: demo                 # the profile `dvc repro` and `dz stage` use unless told otherwise
+    profiles:
+      demo:      {fetch: ..., metadata: ..., cache: ..., train: ..., convert: ..., eval: ..., package: ..., promote: ...}
+      libero_5b: {...}
+      droid_14b: {...}
+
+`load_params` validates the whole file before anything runs: an unknown key, a wrong type or an out-of-range
+value anywhere is one `ParamsError` naming the file and each bad field. Stage outputs live at fixed places
+under the project root (`StagePaths`), so dvc.yaml can name them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .schema import SchemaError, build
+
+PROFILE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+# Train fields the pipeline fills from the upstream stages' outputs; params.yaml must not set them.
+PIPELINE_TRAIN_FIELDS = ("datasets", "metadata", "embodiment", "embodiment_files", "out_dir", "cache", "progress",
+                         "stop_at")
+LAUNCH_FIELDS = ("nproc_per_node", "nnodes")
+
+
+class ParamsError(ValueError):
+    """params.yaml (or an override) is invalid; the message names the file and every bad field."""
+
+
+@dataclass
+class FetchParams:
+    source: str = "synthetic"  # a hub dataset repo id, a local LeRobot directory, or "synthetic" (generated)
+    revision: str | None = None  # required for hub ids: a commit sha or tag
+    allow: list[str] = field(default_factory=list)  # hub allow-patterns, e.g. ['meta/*', 'data/*', 'videos/*']
+    synth_episodes: int = field(default=8, metadata={"min": 1})
+    synth_length: int = field(default=96, metadata={"min": 16})
+    seed: int = 0
+    retries: int = field(default=3, metadata={"min": 0, "max": 10})  # network fetches are retried with backoff
+    retry_delay_s: float = field(default=10.0, metadata={"min": 0})
+
+    def __post_init__(self) -> None:
+        if self.source != "synthetic" and "/" in self.source and not Path(self.source).exists() and not self.revision:
+            raise ValueError(f"fetch.revision: hub dataset {self.source!r} needs a pinned revision (sha or tag)")
+
+
+@dataclass
+class MetadataParams:
+    embodiment: str = "libero_sim"
+    embodiment_files: list[str] = field(default_factory=list)  # extra embodiment YAMLs (project-relative)
+    max_episodes: int | None = field(default=None, metadata={"min": 1})
+
+
+@dataclass
+class CacheParams:
+    enabled: bool = False  # precompute the frozen encoders' outputs once; train reads them
+    stride: int = field(default=1, metadata={"min": 1})
+    batch_size: int = field(default=8, metadata={"min": 1})
+
+
+@dataclass
+class ConvertParams:
+    max_shard_gib: float = field(default=5.0, metadata={"gt": 0})
+
+
+@dataclass
+class EvalParams:
+    enabled: bool = True
+    suite: Literal["spatial", "object", "goal", "10"] = "spatial"
+    tasks: list[int] | None = None  # task indices; null = every task of the suite
+    episodes: int = field(default=1, metadata={"min": 1})  # per task
+    max_steps: int | None = field(default=None, metadata={"min": 1})  # null = the suite's standard limit
+    workers: int = field(default=2, metadata={"min": 1})
+    camera_size: int = field(default=128, metadata={"min": 16})
+    actions_per_chunk: int | None = field(default=None, metadata={"min": 1})
+    videos: int = field(default=2, metadata={"min": 0})
+    steps: list[int] | None = None  # checkpoint steps to evaluate; null = every saved one
+    solver_steps: int = field(default=16, metadata={"min": 1})
+    cfg_scale: float = field(default=5.0, metadata={"min": 0})
+    device: str = "cpu"
+    seed: int = 0
+
+
+@dataclass
+class PackageParams:
+    version: str = "0.1.0"
+    name: str | None = None  # default dreamzero-<embodiment>
+    checkpoint: str = field(default="best", metadata={"choices": ("best", "last")})  # best = highest eval success
+    robot: dict[str, Any] = field(default_factory=dict)  # dzmodel.serve.package.RobotConfig fields
+
+    def __post_init__(self) -> None:
+        from .serve.package import PackageError, RobotConfig
+
+        try:
+            RobotConfig.from_dict(self.robot, "package.robot")
+        except PackageError as exc:
+            raise ValueError(str(exc)) from None
+
+
+@dataclass
+class PromoteParams:
+    registered_model: str = "dreamzero"
+    alias: str = "production"
+    min_success: float = field(default=0.5, metadata={"min": 0, "max": 1})  # the gate on the packaged step's rate
+
+
+@dataclass
+class TrackingParams:
+    # MLFLOW_TRACKING_URI in the environment wins (a team server); paths are relative to the project root.
+    mlflow_uri: str = "sqlite:///mlruns/mlflow.db"
+    artifact_root: str = "mlruns/artifacts"
+    experiment: str | None = None  # default dreamzero-<profile>
+
+
+@dataclass
+class Profile:
+    description: str = ""
+    fetch: FetchParams = field(default_factory=FetchParams)
+    metadata: MetadataParams = field(default_factory=MetadataParams)
+    cache: CacheParams = field(default_factory=CacheParams)
+    train: dict[str, Any] = field(default_factory=dict)  # launch (nproc_per_node, nnodes) + TrainConfig fields
+    convert: ConvertParams = field(default_factory=ConvertParams)
+    eval: EvalParams = field(default_factory=EvalParams)
+    package: PackageParams = field(default_factory=PackageParams)
+    promote: PromoteParams = field(default_factory=PromoteParams)
+    tracking: TrackingParams = field(default_factory=TrackingParams)
+
+    @property
+    def launch(self) -> dict[str, int]:
+        return {"nproc_per_node": int(self.train.get("nproc_per_node", 1)), "nnodes": int(self.train.get("nnodes", 1))}
+
+
+@dataclass
+class Params:
+    profile: str
+    profiles: dict[str, Profile]
+
+    def __post_init__(self) -> None:
+        bad = [n for n in self.profiles if not PROFILE_NAME.match(n)]
+        if bad:
+            raise ValueError(f"profiles: names must be lower_snake_case, got {bad}")
+        if self.profile not in self.profiles:
+            raise ValueError(f"profile: {self.profile!r} is not one of the profiles {sorted(self.profiles)}")
+
+    def selected(self, name: str | None = None) -> Profile:
+        name = name or self.profile
+        if name not in self.profiles:
+            raise ParamsError(f"profile {name!r} is not in params.yaml (profiles: {', '.join(sorted(self.profiles))})")
+        return self.profiles[name]
+
+
+@dataclass(frozen=True)
+class StagePaths:
+    """Where each stage writes, for one profile, relative to the project root (dvc.yaml names the same paths)."""
+    root: Path
+    profile: str
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data" / self.profile
+
+    @property
+    def dataset(self) -> Path:
+        return self.data / "dataset"
+
+    @property
+    def run(self) -> Path:
+        return self.root / "runs" / self.profile
+
+    def stage(self, name: str) -> Path:
+        return self.run / name
+
+    @property
+    def metadata(self) -> Path:
+        return self.run / "metadata" / "metadata.json"
+
+    @property
+    def train_config(self) -> Path:
+        return self.run / "train_config.json"
+
+
+# --- loading ------------------------------------------------------------------------------------------
+
+def _yaml_loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """YAML 1.2 numbers: PyYAML (YAML 1.1) reads 1e-5 as a string; DVC's ruamel reads it as a float."""
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)\.?[0-9_]*(?:[eE][-+]?[0-9]+)$|^[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$"),
+        list("-+0123456789."))
+    return Loader
+
+
+def read_yaml(path: str | Path) -> Any:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"{path}: no such parameters file")
+    try:
+        return yaml.load(path.read_text(), Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ParamsError(f"{path}: not valid YAML: {exc}") from None
+
+
+def apply_overrides(raw: dict, overrides: list[str], profile: str) -> dict:
+    """`stage.key=value` (or `stage.key.sub=value`) overrides on one profile; values parse as YAML."""
+    import yaml
+
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ParamsError(f"override {item!r}: expected stage.key=value, e.g. train.steps=20")
+        node = raw.setdefault("profiles", {}).setdefault(profile, {})
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ParamsError(f"override {item!r}: {part} is not a mapping")
+        node[parts[-1]] = yaml.load(value, Loader=_yaml_loader())  # noqa: S506
+    return raw
+
+
+def parse_params(raw: Any, source: str = "params.yaml") -> Params:
+    """Every problem in the file at once: the schema's, then each profile's train section (a TrainConfig)."""
+    problems: list[str] = []
+    params = None
+    try:
+        params = build(Params, raw, source="")
+    except SchemaError as exc:
+        problems.extend(exc.problems)
+    profiles = raw.get("profiles") if isinstance(raw, dict) else None
+    for name, prof in (profiles.items() if isinstance(profiles, dict) else ()):
+        train = prof.get("train", {}) if isinstance(prof, dict) else None
+        if isinstance(train, dict):
+            try:
+                _train_config(train, MetadataParams(), False, StagePaths(Path("."), str(name)))
+            except ParamsError as exc:
+                problems.extend(str(exc).splitlines())
+    if problems:
+        problems = list(dict.fromkeys(p.strip() for p in problems))
+        raise ParamsError(f"{source}: {problems[0]}" if len(problems) == 1 else
+                          f"{source}: {len(problems)} problems:\n  " + "\n  ".join(problems))
+    assert params is not None
+    return params
+
+
+def load_params(path: str | Path = "params.yaml", overrides: list[str] | None = None,
+                profile: str | None = None) -> Params:
+    raw = read_yaml(path)
+    if overrides:
+        if not isinstance(raw, dict):
+            raise ParamsError(f"{path}: expected a mapping at the top level")
+        raw = apply_overrides(raw, overrides, profile or raw.get("profile", ""))
+    params = parse_params(raw, str(path))
+    params.selected(profile)
+    return params
+
+
+def train_config(prof: Profile, paths: StagePaths):
+    """The TrainConfig the train stage runs, from the profile's train section and the upstream outputs."""
+    return _train_config(prof.train, prof.metadata, prof.cache.enabled, paths)
+
+
+def _train_config(train: dict, metadata: MetadataParams, cache_enabled: bool, paths: StagePaths):
+    from .train.config import TrainConfig
+
+    where = f"profiles.{paths.profile}.train"
+    owned = sorted(set(train) & set(PIPELINE_TRAIN_FIELDS))
+    problems = [f"{where}.{k}: set by the pipeline from the upstream stages; remove it" for k in owned]
+    for key in LAUNCH_FIELDS:
+        value = train.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{where}.{key}: must be an integer >= 1, got {value!r}")
+    fields = {k: v for k, v in train.items() if k not in LAUNCH_FIELDS and k not in PIPELINE_TRAIN_FIELDS}
+    fields.update(datasets=[str(paths.dataset)], metadata=str(paths.metadata), embodiment=metadata.embodiment,
+                  embodiment_files=[str(paths.root / f) for f in metadata.embodiment_files],
+                  out_dir=str(paths.stage("train")), progress=True)
+    if cache_enabled:
+        fields["cache"] = str(paths.stage("cache"))
+    try:
+        cfg = build(TrainConfig, fields, path=where)
+    except SchemaError as exc:
+        problems.extend(exc.problems)
+    if problems:
+        raise ParamsError("\n".join(problems))
+    world = int(train.get("nproc_per_node", 1)) * int(train.get("nnodes", 1))
+    try:
+        cfg.accumulation(world)
+    except ValueError as exc:
+        raise ParamsError(f"{where}: {exc} (world size = nproc_per_node x nnodes)") from None
+    return cfg
+
+
+def profile_dict(prof: Profile) -> dict[str, Any]:
+    """The profile as plain data (for MLflow params and artifacts)."""
+    from dataclasses import asdict
+
+    return json.loads(json.dumps(asdict(prof), default=list))
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

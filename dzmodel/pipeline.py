@@ -1,0 +1,450 @@
+"""The pipeline's stages as library functions: fetch → metadata → cache → train → convert → eval → package.
+
+`dz stage NAME` (what dvc.yaml runs) and the Prefect tasks call the same `run_stage`, so there is one code
+path. Every stage reads its section of one params.yaml profile, writes at fixed places (`StagePaths`, the
+paths dvc.yaml names), and returns a JSON-able result: its outputs, a few headline numbers and the files
+that hold its metrics and plots. Promotion is not a stage here: it acts on the MLflow registry
+(`tasks/registry.py`); `promotion_decision` is its pure gate.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .atomic import atomic_write_text
+from .config import Profile, StagePaths, profile_dict, train_config
+
+class StageError(RuntimeError):
+    """A stage failed for a reason already reported (e.g. torchrun's exit code after its log)."""
+
+
+STAGES = ("fetch", "metadata", "cache", "train", "convert", "eval", "package")
+Log = Callable[[str], None]
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def _write_json(path: Path, data: Any) -> Path:
+    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True, default=str) + "\n")
+    return path
+
+
+def _write_csv(path: Path, rows: list[dict]) -> Path:
+    buf = io.StringIO()
+    if rows:
+        w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    atomic_write_text(path, buf.getvalue())
+    return path
+
+
+def _fresh_dir(path: Path) -> Path:
+    """An empty directory at `path` (a stage's output is rebuilt whole, as DVC does)."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def fingerprint(*paths: Path) -> str:
+    """A cheap content fingerprint of files/directories: relative path, size and mtime of every file."""
+    h = hashlib.sha256()
+    for root in paths:
+        root = Path(root)
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+        h.update(str(root.name).encode())
+        for f in files:
+            st = f.stat()
+            h.update(f"{f.relative_to(root) if f != root else f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+# --- stages -----------------------------------------------------------------------------------------------
+
+def stage_fetch(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
+    from .data.fetch import fetch_dataset
+    from .data.lerobot_format import open_dataset
+
+    f = prof.fetch
+    synth = ({"num_episodes": f.synth_episodes, "episode_length": f.synth_length, "seed": f.seed}
+             if f.source == "synthetic" else None)
+    source = str(paths.root / f.source) if f.source != "synthetic" and (paths.root / f.source).exists() else f.source
+    log(f"fetch: {source} -> {paths.dataset}")
+    dest = fetch_dataset(source, paths.data, revision=f.revision, allow_patterns=f.allow or None,
+                         synth_kwargs=synth, name="dataset")
+    reader = open_dataset(dest)
+    frames = sum(e.length for e in reader.episodes)
+    log(f"fetch: {len(reader.episodes)} episodes, {frames} frames at {reader.fps:g} fps, views {reader.video_keys}")
+    return {"dataset": str(dest), "episodes": len(reader.episodes), "frames": frames, "fps": reader.fps,
+            "views": list(reader.video_keys)}
+
+
+def stage_metadata(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
+    from .data.dataset import embodiment_metadata
+    from .data.embodiments import get_embodiment, load_embodiments
+
+    m = prof.metadata
+    emb = get_embodiment(m.embodiment, load_embodiments([str(paths.root / f) for f in m.embodiment_files]))
+    out = _fresh_dir(paths.metadata.parent)
+    doc = embodiment_metadata(paths.dataset, emb, paths.metadata, max_episodes=m.max_episodes)
+    rows = []
+    for group, entries in doc[emb.tag]["statistics"].items():
+        for key, st in entries.items():
+            for i in range(len(st["mean"])):
+                rows.append({"group": group, "key": key, "dim": i, "mean": round(st["mean"][i], 5),
+                             "std": round(st["std"][i], 5), "q01": round(st["q01"][i], 5), "q99": round(st["q99"][i], 5)})
+    _write_csv(out / "statistics.csv", rows)
+    log(f"metadata: {paths.metadata} [{emb.tag}], {len(rows)} normalised dims")
+    return {"metadata": str(paths.metadata), "embodiment": emb.tag, "statistics": rows}
+
+
+def stage_cache(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
+    out = paths.stage("cache")
+    if not prof.cache.enabled:
+        _fresh_dir(out)
+        atomic_write_text(out / "DISABLED", "cache.enabled is false: train encodes each batch online\n")
+        log("cache: disabled (cache.enabled: false)")
+        return {"cache": None}
+    from .train.cache import build_cache
+
+    cfg = train_config(prof, paths)
+    cfg.cache = None
+    if not cfg.tokenizer:
+        from .model.tokenizer import build_tiny_tokenizer
+
+        if cfg.preset != "tiny":
+            raise ValueError(f"profiles.{paths.profile}.train.tokenizer: the cache needs the tokenizer directory")
+        cfg.tokenizer = str(build_tiny_tokenizer(paths.run / "tokenizer"))
+    if out.exists():
+        shutil.rmtree(out)
+    build_cache(cfg, out, stride=prof.cache.stride, batch_size=prof.cache.batch_size,
+                device="cuda" if _cuda() else "cpu")
+    log(f"cache: wrote {out}")
+    return {"cache": str(out)}
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def torchrun_command(config: Path, nproc_per_node: int, nnodes: int = 1) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc_per_node}"]
+    if nnodes > 1:  # several nodes: the rendezvous comes from the environment (Slurm/PyTorchJob set it)
+        cmd += [f"--nnodes={nnodes}", "--rdzv_backend=c10d",
+                f"--rdzv_endpoint={os.environ.get('DZ_RDZV_ENDPOINT', 'localhost:29400')}",
+                f"--rdzv_id={os.environ.get('DZ_RDZV_ID', 'dz-train')}"]
+    else:
+        cmd += ["--standalone"]
+    return cmd + ["-m", "dzmodel.cli", "train", "--config", str(config)]
+
+
+def run_streaming(cmd: list[str], log: Log, env: dict | None = None, cwd: Path | None = None,
+                  on_poll: Callable[[], None] | None = None) -> int:
+    """Run `cmd`, passing each output line (tqdm's carriage-return updates included) to `log`."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    done = threading.Event()
+
+    def poll():
+        while not done.wait(2.0):
+            on_poll()
+
+    poller = threading.Thread(target=poll, daemon=True) if on_poll else None
+    if poller:
+        poller.start()
+    buf = b""
+    try:
+        while chunk := proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096):
+            buf += chunk
+            *lines, buf = re.split(rb"[\r\n]", buf)
+            for line in lines:
+                if line.strip():
+                    log(line.decode(errors="replace"))
+        if buf.strip():
+            log(buf.decode(errors="replace"))
+        return proc.wait()
+    except BaseException:  # interrupted: take the whole process group down with us
+        import signal
+
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    finally:
+        done.set()
+        if poller:
+            poller.join()
+        if on_poll:
+            on_poll()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl rows, the last one per step (a resumed run re-logs the steps after its checkpoint)."""
+    if not path.is_file():
+        return []
+    by_step: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_step[int(row["step"])] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+class MetricsFollower:
+    """Calls `on_rows(new_rows)` with metrics.jsonl rows not seen before (for live MLflow logging)."""
+
+    def __init__(self, path: Path, on_rows: Callable[[list[dict]], None]):
+        self.path, self.on_rows, self.offset = path, on_rows, 0
+
+    def __call__(self) -> None:
+        if not self.path.is_file():
+            return
+        with self.path.open() as f:
+            f.seek(self.offset)
+            text = f.read()
+        complete = text[: text.rfind("\n") + 1]
+        self.offset += len(complete.encode())
+        rows = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        if rows:
+            self.on_rows(rows)
+
+
+def stage_train(prof: Profile, paths: StagePaths, log: Log = _print,
+                on_metrics: Callable[[list[dict]], None] | None = None) -> dict:
+    cfg = train_config(prof, paths)
+    if not prof.cache.enabled:
+        cfg.cache = None
+    _write_json(paths.train_config, cfg.to_dict())
+    launch = prof.launch
+    cmd = torchrun_command(paths.train_config, launch["nproc_per_node"], launch["nnodes"])
+    log("train: " + " ".join(cmd))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1",
+               TQDM_MININTERVAL=os.environ.get("TQDM_MININTERVAL", "5"))
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    follower = MetricsFollower(Path(cfg.out_dir) / "metrics.jsonl", on_metrics) if on_metrics else None
+    started = time.time()
+    rc = run_streaming(cmd, log, env=env, on_poll=follower)
+    if rc != 0:
+        raise StageError(f"train: torchrun exited with code {rc} (its log is above; the run resumes from "
+                           f"{cfg.out_dir} when restarted)")
+    return summarize_training(paths, cfg.out_dir, time.time() - started, prof)
+
+
+def summarize_training(paths: StagePaths, out_dir: str | Path, wall_s: float | None = None,
+                       prof: Profile | None = None) -> dict:
+    from .train.checkpoint import list_checkpoints
+
+    rows = read_metrics(Path(out_dir) / "metrics.jsonl")
+    if not rows:
+        raise StageError(f"{out_dir}/metrics.jsonl: training logged no steps")
+    steady = rows[1:] or rows  # the first step includes compilation and warm-up
+    mean = lambda key: sum(r[key] for r in steady) / len(steady)  # noqa: E731
+    summary = {
+        "steps": rows[-1]["step"], "loss": rows[-1]["loss"], "action_loss": rows[-1]["action_loss"],
+        "dynamics_loss": rows[-1]["dynamics_loss"], "samples_per_s_per_gpu": round(mean("samples_per_s_per_gpu"), 4),
+        "mfu": round(mean("mfu"), 5), "peak_mem_gib": round(max(r["peak_mem_gib"] for r in rows), 3),
+        "checkpoints": [s for s, _ in list_checkpoints(out_dir)],
+    }
+    if wall_s is not None:
+        summary["wall_s"] = round(wall_s, 1)
+    if prof is not None:
+        summary["world_size"] = prof.launch["nproc_per_node"] * prof.launch["nnodes"]
+    _write_json(paths.run / "metrics" / "train.json", summary)
+    plots = paths.run / "plots"
+    _write_csv(plots / "train_losses.csv", [{"step": r["step"], "loss": r["loss"], "action_loss": r["action_loss"],
+                                              "dynamics_loss": r["dynamics_loss"]} for r in rows])
+    _write_csv(plots / "train_throughput.csv", [{"step": r["step"], "samples_per_s_per_gpu": r["samples_per_s_per_gpu"],
+                                                  "mfu": r["mfu"], "peak_mem_gib": r["peak_mem_gib"]} for r in rows])
+    images = plot_training(rows, plots)
+    return {"train_dir": str(out_dir), "summary": summary, "metrics_file": str(paths.run / "metrics" / "train.json"),
+            "plots": [str(p) for p in images]}
+
+
+def plot_training(rows: list[dict], out: Path) -> list[Path]:
+    """losses.png (loss, action, dynamics vs step) and throughput.png (samples/s/GPU and MFU vs step)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    steps = [r["step"] for r in rows]
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, style in (("loss", "-"), ("action_loss", "--"), ("dynamics_loss", ":")):
+        ax.plot(steps, [r[key] for r in rows], style, marker=".", label=key)
+    ax.set_xlabel("step"), ax.set_ylabel("flow-matching loss"), ax.set_title("training losses")
+    ax.grid(alpha=0.3), ax.legend()
+    written.append(_save(fig, out / "losses.png"))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["samples_per_s_per_gpu"] for r in rows], marker=".", color="tab:blue")
+    ax.set_xlabel("step"), ax.set_ylabel("samples/s/GPU", color="tab:blue"), ax.set_title("throughput")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [100 * r["mfu"] for r in rows], marker=".", color="tab:orange")
+    ax2.set_ylabel("MFU (%)", color="tab:orange")
+    ax.grid(alpha=0.3)
+    written.append(_save(fig, out / "throughput.png"))
+    plt.close("all")
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
+    return path
+
+
+def stage_convert(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
+    from .train.checkpoint import list_checkpoints
+    from .train.convert import convert_checkpoint
+    from .train.metrics import Progress
+
+    saved = list_checkpoints(paths.stage("train"))
+    if not saved:
+        raise FileNotFoundError(f"{paths.stage('train')}: no complete checkpoint to convert (run the train stage)")
+    out = paths.stage("converted")
+    tmp = _fresh_dir(out.with_name(out.name + ".tmp"))
+    progress = Progress(len(saved), desc="convert", unit="ckpt")
+    for step, ckpt in saved:
+        convert_checkpoint(ckpt, tmp / f"step_{step:07d}", max_shard_bytes=int(prof.convert.max_shard_gib * 2**30))
+        progress.update()
+    progress.close()
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.replace(out)
+    log(f"convert: {len(saved)} checkpoints -> {out}")
+    return {"converted": str(out), "steps": [s for s, _ in saved]}
+
+
+def stage_eval(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
+    e = prof.eval
+    out = _fresh_dir(paths.stage("eval"))
+    metrics_file = paths.run / "metrics" / "eval.json"
+    plots = paths.run / "plots"
+    if not e.enabled:
+        atomic_write_text(out / "DISABLED", "eval.enabled is false\n")
+        _write_json(metrics_file, {"evaluated": False})
+        _write_csv(plots / "success_vs_step.csv", [])
+        log("eval: disabled (eval.enabled: false)")
+        return {"eval_dir": str(out), "evaluated": False, "rows": [], "best": None}
+    from .eval.libero_eval import EvalConfig, evaluate_run
+    from .model.inference import SolverConfig
+
+    cfg = EvalConfig(suite=e.suite, tasks=e.tasks, episodes_per_task=e.episodes, max_steps=e.max_steps,
+                     num_workers=e.workers, camera_size=e.camera_size, actions_per_chunk=e.actions_per_chunk,
+                     videos=e.videos, seed=e.seed)
+    rows = evaluate_run(paths.stage("converted"), cfg, out, steps=e.steps, device=e.device,
+                        solver=SolverConfig(num_steps=e.solver_steps, cfg_scale=e.cfg_scale),
+                        embodiment=prof.metadata.embodiment)
+    overall = [r for r in rows if r["task"] == "all"]
+    best = max(overall, key=lambda r: (r["rate"], r["step"] or 0)) if overall else None
+    _write_json(metrics_file, {"evaluated": True, "suite": e.suite, "best_step": best["step"] if best else None,
+                               "best_success_rate": best["rate"] if best else None,
+                               "last_success_rate": overall[-1]["rate"] if overall else None,
+                               "episodes_per_step": overall[-1]["episodes"] if overall else 0})
+    _write_csv(plots / "success_vs_step.csv", [{"step": r["step"], "success_rate": r["rate"]} for r in overall])
+    if (out / "success_vs_step.png").is_file():
+        shutil.copyfile(out / "success_vs_step.png", plots / "success_vs_step.png")
+    log("eval: " + ", ".join(f"step {r['step']}: {r['rate']:.0%}" for r in overall))
+    return {"eval_dir": str(out), "evaluated": True, "rows": rows, "best": best,
+            "plot": str(plots / "success_vs_step.png") if (plots / "success_vs_step.png").is_file() else None}
+
+
+def chosen_step(prof: Profile, paths: StagePaths) -> tuple[int, float | None]:
+    """The converted step to package: the best by eval success (ties: the later step), or the last one."""
+    converted = sorted(int(p.name.split("_")[1]) for p in paths.stage("converted").glob("step_*")
+                       if (p / "config.json").is_file())
+    if not converted:
+        raise FileNotFoundError(f"{paths.stage('converted')}: no converted model (run the convert stage)")
+    metrics = paths.run / "metrics" / "eval.json"
+    summary = json.loads(metrics.read_text()) if metrics.is_file() else {}
+    results = paths.stage("eval") / "results.csv"
+    rates = {}
+    if results.is_file():
+        rates = {int(r["step"]): float(r["rate"]) for r in csv.DictReader(results.open()) if r["task"] == "all"}
+    if prof.package.checkpoint == "best" and summary.get("evaluated") and summary.get("best_step") in converted:
+        step = int(summary["best_step"])
+        return step, rates.get(step)
+    return converted[-1], rates.get(converted[-1])
+
+
+def stage_package(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
+    from .serve.package import RobotConfig, build_package
+
+    step, rate = chosen_step(prof, paths)
+    model = paths.stage("converted") / f"step_{step:07d}"
+    out = paths.stage("package")
+    tmp = _fresh_dir(out.with_name(out.name + ".tmp"))
+    eval_dir = paths.stage("eval")
+    has_eval = (eval_dir / "results.csv").is_file()
+    bundle, tarball = build_package(model, tmp, RobotConfig.from_dict(prof.package.robot, "package.robot"),
+                                    prof.package.version, eval_dir if has_eval else None, prof.package.name)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.replace(out)
+    bundle, tarball = out / bundle.relative_to(tmp), out / tarball.relative_to(tmp)
+    _write_json(out / "PACKAGE.json", {"step": step, "success_rate": rate, "bundle": bundle.name,
+                                       "tarball": tarball.name, "version": prof.package.version})
+    log(f"package: step {step} -> {tarball}")
+    return {"bundle": str(bundle), "tarball": str(tarball), "step": step, "success_rate": rate,
+            "model": str(model), "version": prof.package.version}
+
+
+STAGE_FUNCTIONS: dict[str, Callable[..., dict]] = {
+    "fetch": stage_fetch, "metadata": stage_metadata, "cache": stage_cache, "train": stage_train,
+    "convert": stage_convert, "eval": stage_eval, "package": stage_package,
+}
+
+
+def run_stage(name: str, prof: Profile, paths: StagePaths, log: Log = _print, **kwargs) -> dict:
+    """Run one stage and record its result in runs/<profile>/stages/<name>.json."""
+    if name not in STAGE_FUNCTIONS:
+        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    started = time.time()
+    result = STAGE_FUNCTIONS[name](prof, paths, log=log, **kwargs)
+    result["stage"] = name
+    result["seconds"] = round(time.time() - started, 2)
+    _write_json(paths.run / "stages" / f"{name}.json", result)
+    return result
+
+
+def stage_params(prof: Profile, name: str) -> dict:
+    """The params a stage depends on (its section, plus what it reads from others), for cache keys."""
+    d = profile_dict(prof)
+    needs = {"fetch": ["fetch"], "metadata": ["metadata"], "cache": ["cache", "train", "metadata"],
+             "train": ["train", "cache", "metadata"], "convert": ["convert"], "eval": ["eval", "metadata"],
+             "package": ["package"]}[name]
+    return {k: d[k] for k in needs}
+
+
+def promotion_decision(success_rate: float | None, min_success: float) -> tuple[bool, str]:
+    """Whether a packaged step may take the deployment alias, and why (recorded with the decision)."""
+    if success_rate is None:
+        return False, "refused: the packaged step has no LIBERO evaluation (eval disabled or not run)"
+    if success_rate >= min_success:
+        return True, f"passed: LIBERO success {success_rate:.1%} >= gate {min_success:.1%}"
+    return False, f"refused: LIBERO success {success_rate:.1%} < gate {min_success:.1%}"
