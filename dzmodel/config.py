@@ -27,6 +27,7 @@ PROFILE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 PIPELINE_TRAIN_FIELDS = ("datasets", "metadata", "embodiment", "embodiment_files", "out_dir", "cache", "progress",
                          "stop_at")
 LAUNCH_FIELDS = ("nproc_per_node", "nnodes")
+DVC_SECTIONS = ("fetch", "metadata", "cache", "train", "convert", "eval", "package")
 
 
 class ParamsError(ValueError):
@@ -240,6 +241,9 @@ def parse_params(raw: Any, source: str = "params.yaml") -> Params:
         problems.extend(exc.problems)
     profiles = raw.get("profiles") if isinstance(raw, dict) else None
     for name, prof in (profiles.items() if isinstance(profiles, dict) else ()):
+        if isinstance(prof, dict):  # dvc.yaml depends on each stage's section by name: it must be written out
+            problems.extend(f"profiles.{name}.{section}: missing (dvc.yaml depends on it; write it out, even as "
+                            "the defaults)" for section in DVC_SECTIONS if not prof.get(section))
         train = prof.get("train", {}) if isinstance(prof, dict) else None
         if isinstance(train, dict):
             try:

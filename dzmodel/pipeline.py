@@ -233,8 +233,7 @@ class MetricsFollower:
 def stage_train(prof: Profile, paths: StagePaths, log: Log = _print,
                 on_metrics: Callable[[list[dict]], None] | None = None) -> dict:
     cfg = train_config(prof, paths)
-    if not prof.cache.enabled:
-        cfg.cache = None
+    _start_fresh_if_changed(cfg, paths, log)
     _write_json(paths.train_config, cfg.to_dict())
     launch = prof.launch
     cmd = torchrun_command(paths.train_config, launch["nproc_per_node"], launch["nnodes"])
@@ -249,6 +248,20 @@ def stage_train(prof: Profile, paths: StagePaths, log: Log = _print,
         raise StageError(f"train: torchrun exited with code {rc} (its log is above; the run resumes from "
                            f"{cfg.out_dir} when restarted)")
     return summarize_training(paths, cfg.out_dir, time.time() - started, prof)
+
+
+def _start_fresh_if_changed(cfg, paths: StagePaths, log: Log) -> None:
+    """Resume a run only under the config it started with: its checkpoints belong to that trajectory.
+    A changed config (any field, `steps` too: it shapes the schedule) starts over in a clean directory."""
+    out = Path(cfg.out_dir)
+    if not out.exists():
+        return
+    old = json.loads(paths.train_config.read_text()) if paths.train_config.is_file() else None
+    if old == json.loads(json.dumps(cfg.to_dict())):
+        log(f"train: resuming {out} (same config) from its newest checkpoint, if any")
+        return
+    log(f"train: the train config changed since {out} was written; starting a fresh run")
+    shutil.rmtree(out)
 
 
 def summarize_training(paths: StagePaths, out_dir: str | Path, wall_s: float | None = None,
