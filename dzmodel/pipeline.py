@@ -433,16 +433,40 @@ STAGE_FUNCTIONS: dict[str, Callable[..., dict]] = {
 }
 
 
+def stage_outputs(name: str, paths: StagePaths) -> list[Path]:
+    """What a stage writes (the outs dvc.yaml declares for it)."""
+    return {"fetch": [paths.dataset], "metadata": [paths.metadata.parent]}.get(name, [paths.stage(
+        {"convert": "converted"}.get(name, name))])
+
+
+def _record(name: str, paths: StagePaths) -> Path:
+    return paths.run / "stages" / f"{name}.json"
+
+
 def run_stage(name: str, prof: Profile, paths: StagePaths, log: Log = _print, **kwargs) -> dict:
-    """Run one stage and record its result in runs/<profile>/stages/<name>.json."""
+    """Run one stage; record its result, with its outputs' fingerprint, in runs/<profile>/stages/<name>.json."""
     if name not in STAGE_FUNCTIONS:
         raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     started = time.time()
+    _record(name, paths).unlink(missing_ok=True)  # no record while its outputs are being rewritten
     result = STAGE_FUNCTIONS[name](prof, paths, log=log, **kwargs)
     result["stage"] = name
     result["seconds"] = round(time.time() - started, 2)
-    _write_json(paths.run / "stages" / f"{name}.json", result)
+    result["outputs_fingerprint"] = fingerprint(*stage_outputs(name, paths))
+    _write_json(_record(name, paths), result)
     return result
+
+
+def outputs_intact(name: str, paths: StagePaths) -> bool:
+    """The stage's outputs are there and unchanged since its last recorded run (else a cached result lies)."""
+    record = _record(name, paths)
+    if not record.is_file() or not all(p.exists() for p in stage_outputs(name, paths)):
+        return False
+    try:
+        recorded = json.loads(record.read_text()).get("outputs_fingerprint")
+    except json.JSONDecodeError:
+        return False
+    return recorded == fingerprint(*stage_outputs(name, paths))
 
 
 def stage_params(prof: Profile, name: str) -> dict:

@@ -1,0 +1,93 @@
+"""The SFT pipeline as a Prefect flow: fetch → metadata → cache → train → convert → eval → package → promote.
+
+It composes the tasks in `tasks/` and holds no stage logic of its own. One MLflow parent run per flow run
+(experiment dreamzero-<profile>), a nested run per stage; Prefect artifacts show the tables and plots.
+
+    dz pipeline run --profile demo                  # or: python -m flows.sft_pipeline --profile demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.context import get_run_context
+
+from dzmodel.config import StagePaths, load_params
+from dzmodel.pipeline import STAGES, outputs_intact
+from tasks import artifacts
+from tasks.stages import STAGE_TASKS, UPSTREAM, cache_key, register_and_promote
+from tasks.tracking import Tracker, experiment_name
+
+
+def _mlflow_link(tracker: Tracker) -> str:
+    base = tracker.uri if tracker.uri.startswith("http") else "http://127.0.0.1:5000"
+    return f"{base.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
+
+
+@flow(name="sft-pipeline", log_prints=True)
+def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", overrides: list[str] | None = None,
+                 root: str = ".", promote: bool = True) -> dict:
+    """Run every stage of one params.yaml profile; unchanged stages come from the task cache."""
+    logger = get_run_logger()
+    root_dir = Path(root).resolve()
+    params = load_params(root_dir / params_path, overrides or [], profile)  # refuses bad params before any work
+    name = profile or params.profile
+    prof = params.selected(name)
+    paths = StagePaths(root_dir, name)
+    ctx = get_run_context()
+    tracker = Tracker.start(prof, name, paths, tags={"prefect.flow_run_id": str(ctx.flow_run.id),
+                                                     "prefect.flow_run_name": ctx.flow_run.name})
+    link = _mlflow_link(tracker)
+    artifacts.mlflow_link_artifact(name, link)
+    logger.info(f"profile {name}: MLflow run {tracker.run_id} in experiment {experiment_name(prof, name)} "
+                f"({tracker.uri})")
+    results: dict[str, dict] = {}
+    try:
+        for stage in STAGES:
+            key = cache_key(stage, prof, [results[u]["outputs_fingerprint"] for u in UPSTREAM[stage]])
+            task = STAGE_TASKS[stage].with_options(refresh_cache=not outputs_intact(stage, paths))
+            kwargs = {}
+            if stage == "train":  # per-step metrics reach MLflow while training runs
+                kwargs["on_metrics"] = lambda rows: tracker.train_rows(rows, [tracker.run_id])
+            state = task(prof, paths, cache_key=key, return_state=True, **kwargs)
+            result = state.result()
+            cached = state.name == "Cached"
+            result["_cached"] = cached
+            if cached:
+                result["_live_logged"] = False
+                logger.info(f"{stage}: unchanged inputs and params, skipped (cached result)")
+            tracker.log_stage(stage, result, cached, paths)
+            results[stage] = result
+            if stage == "metadata":
+                artifacts.metadata_artifact(name, result)
+            elif stage == "train":
+                artifacts.train_artifact(name, result, link)
+            elif stage == "eval":
+                artifacts.eval_artifact(name, result)
+        decision = register_and_promote(tracker, prof, results["package"]) if promote else None
+        artifacts.package_artifact(name, results["package"], decision)
+        tracker.end()
+    except BaseException:
+        tracker.end(status="FAILED")
+        raise
+    summary = {"profile": name, "mlflow_run_id": tracker.run_id, "mlflow_uri": tracker.uri,
+               "experiment": experiment_name(prof, name), "package": results["package"]["tarball"],
+               "promotion": decision, "cached_stages": [s for s in STAGES if results[s].get("_cached")]}
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile")
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--set", action="append", default=[])
+    ns = ap.parse_args(argv)
+    print(sft_pipeline(ns.profile, ns.params, ns.set))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Prefect tasks: one per pipeline stage, each a thin call of `dzmodel.pipeline.run_stage` (what `dz stage`
+and dvc.yaml run too).
+
+Caching: the flow computes each stage's key from the stage's params and its upstream stages' output
+fingerprints (`cache_key`), so an unchanged stage is skipped and returns its stored result; the flow forces
+a rerun (refresh_cache) when a stage's outputs are missing or were changed since it recorded them.
+Stages that use the GPU pool carry the `gpu-pool` tag, which a Prefect tag concurrency limit bounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from datetime import timedelta
+
+from prefect import get_run_logger, task
+from prefect.tasks import exponential_backoff
+
+from dzmodel.config import Profile, StagePaths
+from dzmodel.pipeline import run_stage, stage_params
+
+GPU_POOL_TAG = "gpu-pool"
+UPSTREAM = {"fetch": [], "metadata": ["fetch"], "cache": ["fetch", "metadata"], "train": ["fetch", "metadata", "cache"],
+            "convert": ["train"], "eval": ["convert"], "package": ["convert", "eval"]}
+
+
+def cache_key(stage: str, prof: Profile, upstream_fingerprints: list[str], code_version: str = "") -> str:
+    payload = json.dumps({"stage": stage, "params": stage_params(prof, stage), "upstream": upstream_fingerprints,
+                          "code": code_version}, sort_keys=True, default=str)
+    return f"dz-{stage}-" + hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def _key_from_parameters(context, parameters: dict) -> str:
+    return parameters["cache_key"]
+
+
+def _retry_transient(task, task_run, state) -> bool:
+    """Retry network and I/O hiccups; a ValueError (bad data, bad params) fails the same way every time."""
+    exc = state.result(raise_on_failure=False)
+    return isinstance(exc, Exception) and not isinstance(exc, (ValueError, FileNotFoundError, KeyError))
+
+
+def _run(stage: str, prof: Profile, paths: StagePaths, **kwargs) -> dict:
+    logger = get_run_logger()
+    return run_stage(stage, prof, paths, log=logger.info, **kwargs)
+
+
+_CACHED = dict(cache_key_fn=_key_from_parameters, persist_result=True, cache_expiration=timedelta(days=90))
+
+
+@task(name="fetch", retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=10), retry_jitter_factor=0.5,
+      retry_condition_fn=_retry_transient, **_CACHED)
+def fetch(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
+    return _run("fetch", prof, paths)
+
+
+@task(name="metadata", **_CACHED)
+def metadata(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
+    return _run("metadata", prof, paths)
+
+
+@task(name="cache", tags=[GPU_POOL_TAG], **_CACHED)
+def cache(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
+    return _run("cache", prof, paths)
+
+
+@task(name="train", tags=[GPU_POOL_TAG], **_CACHED)
+def train(prof: Profile, paths: StagePaths, cache_key: str,
+          on_metrics: Callable[[list[dict]], None] | None = None) -> dict:
+    """torchrun in a subprocess; its log lines stream into this task's log, its metrics to `on_metrics`."""
+    result = _run("train", prof, paths, on_metrics=on_metrics)
+    result["_live_logged"] = on_metrics is not None
+    return result
+
+
+@task(name="convert", **_CACHED)
+def convert(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
+    return _run("convert", prof, paths)
+
+
+@task(name="eval", tags=[GPU_POOL_TAG], **_CACHED)
+def evaluate(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
+    return _run("eval", prof, paths)
+
+
+@task(name="package", **_CACHED)
+def package(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
+    return _run("package", prof, paths)
+
+
+STAGE_TASKS = {"fetch": fetch, "metadata": metadata, "cache": cache, "train": train, "convert": convert,
+               "eval": evaluate, "package": package}
+
+
+@task(name="register-and-promote", retries=2, retry_delay_seconds=5)
+def register_and_promote(tracker, prof: Profile, package_result: dict) -> dict:
+    """Register the packaged model in MLflow; give it the deployment alias only if it passes the gate."""
+    from .tracking import promote
+
+    version = tracker.register(prof, package_result)
+    p = prof.promote
+    decision = promote(tracker.uri, p.registered_model, version, p.alias, p.min_success, run_id=tracker.run_id)
+    get_run_logger().info(f"registry: {p.registered_model} v{version}: {decision['reason']}")
+    return decision

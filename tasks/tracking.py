@@ -1,0 +1,276 @@
+"""MLflow for the pipeline: one experiment per profile, a parent run per pipeline run, a nested run per stage,
+and the model registry (registration and the gated deployment alias).
+
+Everything goes through an explicit `MlflowClient` and run ids (no global active run), so logging from a
+Prefect task's thread, or live from the train stage's log follower, is safe. The tracking URI is
+MLFLOW_TRACKING_URI when set (a team server), else the profile's `tracking.mlflow_uri` (local sqlite).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dzmodel.config import Profile, StagePaths, flatten, profile_dict
+
+TRAIN_SERIES = ("loss", "action_loss", "dynamics_loss", "lr", "grad_norm", "samples_per_s_per_gpu", "mfu",
+                "peak_mem_gib")
+MAX_ARTIFACT_MB = float(os.environ.get("DZ_MLFLOW_MAX_ARTIFACT_MB", "2048"))  # bigger files are logged by reference
+
+
+def tracking_uri(prof: Profile, root: Path) -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or prof.tracking.mlflow_uri
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        db = root / uri[len("sqlite:///"):]
+        db.parent.mkdir(parents=True, exist_ok=True)
+        uri = f"sqlite:///{db.resolve()}"
+    return uri
+
+
+def experiment_name(prof: Profile, profile: str) -> str:
+    return prof.tracking.experiment or f"dreamzero-{profile}"
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _git_commit(root: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+@dataclass
+class Tracker:
+    """The parent run of one pipeline run, and helpers to log each stage into a nested run under it."""
+    uri: str
+    experiment_id: str
+    run_id: str
+    profile: str
+
+    @classmethod
+    def start(cls, prof: Profile, profile: str, paths: StagePaths, run_name: str | None = None,
+              tags: dict[str, str] | None = None) -> "Tracker":
+        from mlflow.entities import Param
+
+        uri = tracking_uri(prof, paths.root)
+        client = _client(uri)
+        name = experiment_name(prof, profile)
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            artifacts = None
+            if uri.startswith("sqlite:"):  # local default: a file artifact store beside the database
+                artifacts = (paths.root / prof.tracking.artifact_root).resolve().as_uri()
+            exp_id = client.create_experiment(name, artifact_location=artifacts, tags={"profile": profile})
+        else:
+            exp_id = exp.experiment_id
+        all_tags = {"profile": profile, "pipeline": "sft_pipeline", **(tags or {})}
+        commit = _git_commit(paths.root)
+        if commit:
+            all_tags["mlflow.source.git.commit"] = commit
+        run = client.create_run(exp_id, run_name=run_name or f"sft-{profile}-{time.strftime('%Y%m%d-%H%M%S')}",
+                                tags=all_tags)
+        params = [Param(k, json.dumps(v) if not isinstance(v, str) else v)
+                  for k, v in flatten(profile_dict(prof)).items()]
+        params = [Param(p.key[:250], p.value[:6000]) for p in params]
+        for i in range(0, len(params), 100):
+            client.log_batch(run.info.run_id, params=params[i:i + 100])
+        return cls(uri, exp_id, run.info.run_id, profile)
+
+    @property
+    def client(self):
+        return _client(self.uri)
+
+    def stage_run(self, stage: str, cached: bool) -> str:
+        run = self.client.create_run(self.experiment_id, run_name=stage, tags={
+            "mlflow.parentRunId": self.run_id, "stage": stage, "cached": str(cached).lower(), "profile": self.profile})
+        return run.info.run_id
+
+    def end(self, run_id: str | None = None, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id or self.run_id, status=status)
+
+    # -- logging helpers --------------------------------------------------------------------------------
+
+    def metrics(self, run_id: str, values: dict[str, float], step: int = 0, also_parent: bool = True) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in values.items() if isinstance(v, (int, float))]
+        for rid in {run_id, self.run_id} if also_parent else {run_id}:
+            for i in range(0, len(batch), 500):
+                self.client.log_batch(rid, metrics=batch[i:i + 500])
+
+    def train_rows(self, rows: list[dict], run_ids: list[str]) -> None:
+        """Per-step training series (live from the metrics.jsonl follower, or all at once afterwards)."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(r[k]), now, int(r["step"])) for r in rows for k in TRAIN_SERIES if k in r]
+        for rid in run_ids:
+            for i in range(0, len(batch), 500):
+                self.client.log_batch(rid, metrics=batch[i:i + 500])
+
+    def artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+        """A file or directory as an artifact; past MAX_ARTIFACT_MB, a reference (path, size) instead."""
+        path = Path(path)
+        if not path.exists():
+            return
+        size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        if size > MAX_ARTIFACT_MB * 2**20:
+            self.reference(run_id, path, artifact_path)
+        elif path.is_dir():
+            self.client.log_artifacts(run_id, str(path), artifact_path or path.name)
+        else:
+            self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def reference(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+        ref = {"path": str(path.resolve()), "files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+        name = f"{artifact_path or ''}/{path.name}.ref.json".lstrip("/")
+        self.client.log_dict(run_id, ref, name)
+
+    def log_stage(self, stage: str, result: dict, cached: bool, paths: StagePaths) -> str:
+        """A nested run with what the stage measured and wrote."""
+        rid = self.stage_run(stage, cached)
+        self.metrics(rid, {f"{stage}.seconds": result.get("seconds", 0.0)}, also_parent=False)
+        log = getattr(self, f"_log_{stage}", None)
+        if log is not None:
+            log(rid, result, paths)
+        self.client.log_dict(rid, result, f"{stage}_result.json")
+        self.end(rid)
+        return rid
+
+    def _log_fetch(self, rid, result, paths):
+        self.metrics(rid, {"dataset.episodes": result["episodes"], "dataset.frames": result["frames"]})
+        marker = paths.data / "dataset.dz_fetch.json"
+        if marker.is_file():
+            self.artifact(rid, marker, "dataset")
+
+    def _log_metadata(self, rid, result, paths):
+        self.artifact(rid, paths.metadata, "metadata")
+        self.artifact(rid, paths.metadata.parent / "statistics.csv", "metadata")
+
+    def _log_train(self, rid, result, paths):
+        s = result["summary"]
+        self.metrics(rid, {"train.final_loss": s["loss"], "train.final_action_loss": s["action_loss"],
+                           "train.final_dynamics_loss": s["dynamics_loss"],
+                           "train.samples_per_s_per_gpu": s["samples_per_s_per_gpu"], "train.mfu": s["mfu"],
+                           "train.peak_mem_gib": s["peak_mem_gib"], "train.steps": s["steps"]})
+        from dzmodel.pipeline import read_metrics
+
+        rows = read_metrics(Path(result["train_dir"]) / "metrics.jsonl")
+        self.train_rows(rows, [rid] if result.get("_live_logged") else [rid, self.run_id])
+        for plot in result.get("plots", []):
+            self.artifact(rid, plot, "plots")
+            self.artifact(self.run_id, plot, "plots")
+        self.artifact(rid, paths.train_config, "config")
+        from dzmodel.train.checkpoint import list_checkpoints
+
+        ckpts = [{"step": s, "path": str(p.resolve()),
+                  "bytes": sum(f.stat().st_size for f in p.rglob("*") if f.is_file())}
+                 for s, p in list_checkpoints(result["train_dir"])]
+        self.client.log_dict(rid, {"checkpoints": ckpts}, "checkpoints.json")  # references: DCP shards stay put
+
+    def _log_convert(self, rid, result, paths):
+        self.client.log_dict(rid, {"converted": result["converted"], "steps": result["steps"]}, "converted.json")
+
+    def _log_eval(self, rid, result, paths):
+        if not result.get("evaluated"):
+            return
+        for row in result["rows"]:
+            if row["step"] is None:
+                continue
+            key = "eval.success_rate" if row["task"] == "all" else f"eval.success_rate.task_{row['task']}"
+            self.metrics(rid, {key: row["rate"]}, step=int(row["step"]))
+        best = result.get("best") or {}
+        if best:
+            self.metrics(rid, {"eval.best_success_rate": best["rate"], "eval.best_step": best["step"] or 0})
+        out = Path(result["eval_dir"])
+        for name in ("results.csv", "episodes.csv", "summary.json", "success_vs_step.png"):
+            self.artifact(rid, out / name, "eval")
+        if (out / "success_vs_step.png").is_file():
+            self.artifact(self.run_id, out / "success_vs_step.png", "plots")
+        if (out / "videos").is_dir():
+            self.artifact(rid, out / "videos", "eval/videos")
+
+    def _log_package(self, rid, result, paths):
+        self.metrics(rid, {"package.step": result["step"]})
+        self.artifact(rid, result["tarball"], "package")
+        self.client.set_tag(self.run_id, "package.tarball", result["tarball"])
+
+    # -- registry -------------------------------------------------------------------------------------
+
+    def register(self, prof: Profile, package: dict) -> str:
+        """A new version of the profile's registered model: the packaged step's converted model (logged as an
+        artifact of the parent run, or referenced when large), tagged with its step and eval success."""
+        from mlflow.exceptions import MlflowException
+
+        client = self.client
+        name = prof.promote.registered_model
+        try:
+            client.create_registered_model(name, description=f"DreamZero policies from the {self.profile} profile")
+        except MlflowException as exc:
+            if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
+                raise
+        self.artifact(self.run_id, package["model"], "model")
+        model_path = Path(package["model"])
+        source = f"runs:/{self.run_id}/model/{model_path.name}"
+        tags = {"step": str(package["step"]), "package.version": package["version"],
+                "package.tarball": package["tarball"], "profile": self.profile,
+                "success_rate": "" if package["success_rate"] is None else str(package["success_rate"])}
+        mv = client.create_model_version(name, source, run_id=self.run_id, tags=tags,
+                                         description=f"step {package['step']}, package {package['version']}")
+        client.set_tag(self.run_id, "registered_model_version", f"{name}/{mv.version}")
+        return str(mv.version)
+
+
+def promote(uri: str, registered_model: str, version: str | None, alias: str, min_success: float,
+            run_id: str | None = None) -> dict:
+    """Set `alias` on a model version only if its LIBERO success passes the gate; record the decision and why
+    on the version (tags) and, when given, on the pipeline run."""
+    from dzmodel.pipeline import promotion_decision
+
+    client = _client(uri)
+    if version is None:
+        versions = client.search_model_versions(f"name='{registered_model}'")
+        if not versions:
+            raise ValueError(f"registered model {registered_model!r} has no versions at {uri}")
+        version = str(max(int(v.version) for v in versions))
+    mv = client.get_model_version(registered_model, version)
+    rate_text = mv.tags.get("success_rate", "")
+    rate = float(rate_text) if rate_text not in ("", None) else None
+    ok, reason = promotion_decision(rate, min_success)
+    decision = {"registered_model": registered_model, "version": version, "alias": alias, "promoted": ok,
+                "reason": reason, "success_rate": rate, "min_success": min_success,
+                "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if ok:
+        client.set_registered_model_alias(registered_model, alias, version)
+    client.set_model_version_tag(registered_model, version, "promotion", "passed" if ok else "refused")
+    client.set_model_version_tag(registered_model, version, "promotion_reason", reason)
+    if run_id:
+        client.log_dict(run_id, decision, "promotion.json")
+        client.set_tag(run_id, "promotion", reason)
+    return decision
+
+
+def compare_runs(uri: str, experiment: str, metric_keys: list[str]) -> list[dict[str, Any]]:
+    """The latest value of each metric for every parent run of an experiment (what `mlflow ui` compares)."""
+    client = _client(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.pipeline = 'sft_pipeline'",
+                              order_by=["attributes.start_time ASC"])
+    return [{"run_id": r.info.run_id, "run_name": r.info.run_name,
+             **{k: r.data.metrics.get(k) for k in metric_keys}} for r in runs]
