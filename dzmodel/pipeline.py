@@ -250,18 +250,35 @@ def stage_train(prof: Profile, paths: StagePaths, log: Log = _print,
     return summarize_training(paths, cfg.out_dir, time.time() - started, prof)
 
 
+def content_fingerprint(*paths: Path, small: int = 1 << 20) -> str:
+    """Like `fingerprint` but blind to mtimes: small files by content, large ones by size."""
+    h = hashlib.sha256()
+    for root in paths:
+        root = Path(root)
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+        for f in files:
+            size = f.stat().st_size
+            h.update(f"{f.relative_to(root) if f != root else f.name}:{size}:".encode())
+            if size <= small:
+                h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _start_fresh_if_changed(cfg, paths: StagePaths, log: Log) -> None:
-    """Resume a run only under the config it started with: its checkpoints belong to that trajectory.
-    A changed config (any field, `steps` too: it shapes the schedule) starts over in a clean directory."""
+    """Resume a run only under the config and the data it started with: its checkpoints belong to that
+    trajectory. A change in either (any field, `steps` too: it shapes the schedule) starts a clean run."""
     out = Path(cfg.out_dir)
-    if not out.exists():
-        return
-    old = json.loads(paths.train_config.read_text()) if paths.train_config.is_file() else None
-    if old == json.loads(json.dumps(cfg.to_dict())):
-        log(f"train: resuming {out} (same config) from its newest checkpoint, if any")
-        return
-    log(f"train: the train config changed since {out} was written; starting a fresh run")
-    shutil.rmtree(out)
+    inputs = {"config": json.loads(json.dumps(cfg.to_dict())),
+              "data": content_fingerprint(paths.dataset, paths.metadata, *([Path(cfg.cache)] if cfg.cache else []))}
+    record = paths.run / "train_inputs.json"
+    if out.exists():
+        old = json.loads(record.read_text()) if record.is_file() else None
+        if old == inputs:
+            log(f"train: resuming {out} (same config and data) from its newest checkpoint, if any")
+            return
+        log(f"train: the train config or its data changed since {out} was written; starting a fresh run")
+        shutil.rmtree(out)
+    _write_json(record, inputs)
 
 
 def summarize_training(paths: StagePaths, out_dir: str | Path, wall_s: float | None = None,

@@ -1,0 +1,140 @@
+"""`dz pipeline run`, `dz deploy` and `dz promote`: the commands that need Prefect or MLflow. They join the `dz`
+CLI through the `dz.commands` entry point (pyproject.toml), so the library itself never imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parents[1]
+
+
+def _params_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--profile", help="default: params.yaml's `profile`")
+    p.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE")
+    p.add_argument("--root", default=".", help="the project root (data/, runs/, mlruns/ go under it)")
+
+
+def where_to_look(summary: dict, root: Path) -> str:
+    venv = os.path.relpath(Path(sys.executable).parent, Path.cwd())
+    uri = summary["mlflow_uri"]
+    lines = [
+        "",
+        f"Pipeline finished: profile {summary['profile']}, cached stages: {', '.join(summary['cached_stages']) or 'none'}",
+        f"  package     {summary['package']}",
+    ]
+    if summary.get("promotion"):
+        p = summary["promotion"]
+        lines.append(f"  registry    {p['registered_model']} v{p['version']}: {p['reason']}")
+    if uri.startswith("sqlite:"):
+        lines.append(f"  MLflow UI   {venv}/mlflow ui --backend-store-uri {uri} --port 5000   "
+                     f"(then http://127.0.0.1:5000, experiment {summary['experiment']})")
+    else:
+        lines.append(f"  MLflow      {uri} (experiment {summary['experiment']}, run {summary['mlflow_run_id']})")
+    home = os.environ.get("PREFECT_HOME", "~/.prefect")
+    if os.environ.get("PREFECT_API_URL"):
+        lines.append(f"  Prefect UI  {os.environ['PREFECT_API_URL'].removesuffix('/api')}")
+    else:
+        lines.append(f"  Prefect UI  PREFECT_HOME={home} {venv}/prefect server start   (then http://127.0.0.1:4200)")
+    lines.append(f"  DVC         {venv}/dvc dag;  {venv}/dvc metrics show;  {venv}/dvc plots show  (in {root})")
+    lines.append(f"  plots       {root}/runs/{summary['profile']}/plots/")
+    return "\n".join(lines)
+
+
+def cmd_pipeline_run(ns: argparse.Namespace) -> int:
+    from flows.sft_pipeline import sft_pipeline
+
+    root = Path(ns.root).resolve()
+    summary = sft_pipeline(ns.profile, ns.params, ns.set, str(root), promote=not ns.no_promote)
+    if ns.summary_json:
+        Path(ns.summary_json).write_text(json.dumps(summary, indent=1, default=str))
+    print(where_to_look(summary, root))
+    return 0
+
+
+def cmd_promote(ns: argparse.Namespace) -> int:
+    from dzmodel.config import StagePaths, load_params
+    from tasks.tracking import promote, tracking_uri
+
+    params = load_params(Path(ns.root) / ns.params, ns.set, ns.profile)
+    name = ns.profile or params.profile
+    prof = params.selected(name)
+    p = prof.promote
+    gate = p.min_success if ns.min_success is None else ns.min_success
+    decision = promote(tracking_uri(prof, StagePaths(Path(ns.root).resolve(), name).root), p.registered_model,
+                       ns.version, ns.alias or p.alias, gate)
+    print(f"{decision['registered_model']} v{decision['version']} -> alias {decision['alias']}: {decision['reason']}")
+    return 0 if decision["promoted"] else 1
+
+
+def _prefect(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    exe = shutil.which("prefect", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    if exe is None:
+        raise SystemExit("dz deploy: the prefect CLI is not installed (make setup)")
+    out = subprocess.run([exe, *args], capture_output=True, text=True)
+    if check and out.returncode != 0:
+        raise SystemExit(f"dz deploy: prefect {' '.join(args)} failed:\n{out.stdout}{out.stderr}")
+    return out
+
+
+def cmd_deploy(ns: argparse.Namespace) -> int:
+    """Create the work pool and the gpu-pool concurrency limit if missing, then `prefect deploy` prefect.yaml."""
+    if not os.environ.get("PREFECT_API_URL"):
+        print("dz deploy: set PREFECT_API_URL to your Prefect server (e.g. http://127.0.0.1:4200/api); "
+              "a deployment needs a server that outlives this command", file=sys.stderr)
+        return 2
+    if _prefect("work-pool", "inspect", ns.pool, check=False).returncode != 0:
+        _prefect("work-pool", "create", ns.pool, "--type", "process")
+        print(f"created work pool {ns.pool} (process)")
+    if _prefect("concurrency-limit", "inspect", "gpu-pool", check=False).returncode != 0:
+        _prefect("concurrency-limit", "create", "gpu-pool", str(ns.gpu_slots))
+        print(f"created tag concurrency limit gpu-pool = {ns.gpu_slots}")
+    args = ["deploy", "--prefect-file", str(Path(ns.prefect_file).resolve()), "--name", ns.name, "--pool", ns.pool]
+    if ns.cron:
+        args += ["--cron", ns.cron]
+    for item in ns.param or []:
+        args += ["--param", item]
+    out = _prefect(*args)
+    print(out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "deployed")
+    print(f"deployment sft-pipeline/{ns.name} on work pool {ns.pool}; start a worker: "
+          f"prefect worker start --pool {ns.pool}")
+    return 0
+
+
+def register(sub) -> None:
+    """Add the pipeline commands to `dz` (called by dzmodel.cli through the dz.commands entry point)."""
+    from importlib.util import find_spec
+
+    if find_spec("prefect") is None or find_spec("mlflow") is None:  # not importing them: `dz` starts fast
+        raise ImportError("the pipeline commands need prefect and mlflow (make setup)")
+
+    pipe = sub.add_parser("pipeline", help="the Prefect flow: every stage, MLflow tracking, registry")
+    pipe = pipe.add_subparsers(dest="cmd", required=True)
+    p = pipe.add_parser("run", help="run sft_pipeline on one profile (unchanged stages come from the cache)")
+    _params_args(p)
+    p.add_argument("--no-promote", action="store_true", help="register nothing, set no alias")
+    p.add_argument("--summary-json", help="also write the run's summary here")
+    p.set_defaults(func=cmd_pipeline_run)
+
+    p = sub.add_parser("promote", help="set the deployment alias on a registered version if it passes the gate")
+    _params_args(p)
+    p.add_argument("--version", help="model version (default: the newest)")
+    p.add_argument("--alias", help="default: the profile's promote.alias")
+    p.add_argument("--min-success", type=float, help="default: the profile's promote.min_success")
+    p.set_defaults(func=cmd_promote)
+
+    p = sub.add_parser("deploy", help="register the scheduled deployment of prefect.yaml on a Prefect server")
+    p.add_argument("--prefect-file", default=str(PROJECT / "prefect.yaml"))
+    p.add_argument("--name", default="nightly", help="the deployment in prefect.yaml")
+    p.add_argument("--pool", default="gpu-pool", help="work pool (created as type process if missing)")
+    p.add_argument("--gpu-slots", type=int, default=1, help="concurrency of tasks tagged gpu-pool")
+    p.add_argument("--cron", help="override the schedule, e.g. '0 2 * * *'")
+    p.add_argument("--param", action="append", help="override a flow parameter: key=value")
+    p.set_defaults(func=cmd_deploy)

@@ -1,0 +1,130 @@
+"""params.yaml's typed schema: the shipped file is valid; bad keys, types and values are refused by name."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dzmodel.cli import main
+from dzmodel.config import ParamsError, StagePaths, load_params, parse_params, train_config
+from dzmodel.schema import SchemaError, build
+from dzmodel.train.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _raw() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def test_shipped_params_are_valid_with_three_profiles():
+    params = load_params(ROOT / "params.yaml")
+    assert params.profile == "demo"
+    assert set(params.profiles) == {"demo", "libero_5b", "droid_14b"}
+    demo = params.selected()
+    assert demo.train["preset"] == "tiny" and demo.launch == {"nproc_per_node": 2, "nnodes": 1}
+    assert demo.fetch.source == "synthetic" and demo.eval.device == "cpu"
+    assert params.selected("libero_5b").train["preset"] == "dreamzero_5b"
+    assert params.selected("droid_14b").train["preset"] == "dreamzero_14b"
+    assert params.selected("libero_5b").train["lr"] == 1e-5  # YAML 1.2 float, not the string '1.0e-5'
+
+
+def test_train_config_is_filled_from_the_stage_paths(tmp_path):
+    params = load_params(ROOT / "params.yaml")
+    cfg = train_config(params.selected("demo"), StagePaths(tmp_path, "demo"))
+    assert cfg.datasets == [str(tmp_path / "data" / "demo" / "dataset")]
+    assert cfg.metadata == str(tmp_path / "runs" / "demo" / "metadata" / "metadata.json")
+    assert cfg.out_dir == str(tmp_path / "runs" / "demo" / "train")
+    assert cfg.embodiment == "libero_sim_tiny" and cfg.model_overrides == {"num_action_per_block": 16}
+    assert cfg.accumulation(2) == 1
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r["profiles"]["demo"]["train"].update(lrr=1), "profiles.demo.train.lrr: unknown key (did you mean 'lr'?)"),
+    (lambda r: r["profiles"]["demo"]["eval"].update(episodes=0), "profiles.demo.eval.episodes: must be >= 1, got 0"),
+    (lambda r: r["profiles"]["demo"]["fetch"].update(synth_episodes="two"),
+     "profiles.demo.fetch.synth_episodes: expected an integer, got str 'two'"),
+    (lambda r: r["profiles"]["demo"]["eval"].update(suite="kitchen"), "profiles.demo.eval.suite: must be one of"),
+    (lambda r: r["profiles"]["demo"]["train"].update(steps=1.5), "profiles.demo.train.steps: expected an integer"),
+    (lambda r: r["profiles"]["demo"]["train"].update(lr=-1.0), "profiles.demo.train.lr and train.grad_clip must be > 0"),
+    (lambda r: r["profiles"]["demo"]["train"].update(datasets=["x"]), "profiles.demo.train.datasets: set by the pipeline"),
+    (lambda r: r["profiles"]["demo"]["train"].update(nproc_per_node=0), "profiles.demo.train.nproc_per_node: must be"),
+    (lambda r: r["profiles"]["demo"]["train"].update(global_batch=3), "is not a multiple of micro_batch x world_size"),
+    (lambda r: r["profiles"]["demo"]["package"]["robot"].pop("robot_ip"), "package.robot: missing field(s) ['robot_ip']"),
+    (lambda r: r["profiles"]["demo"]["promote"].update(min_success=1.5), "profiles.demo.promote.min_success: must be <= 1"),
+    (lambda r: r["profiles"]["demo"].pop("convert"), "profiles.demo.convert: missing (dvc.yaml depends on it"),
+    (lambda r: r.update(profile="nope"), "profile: 'nope' is not one of the profiles"),
+    (lambda r: r["profiles"]["libero_5b"]["fetch"].pop("revision"), "fetch.revision: hub dataset"),
+    (lambda r: r.update(extra=1), "extra: unknown key"),
+])
+def test_bad_params_are_refused_naming_the_field(edit, message):
+    raw = _raw()
+    edit(raw)
+    with pytest.raises(ParamsError) as exc:
+        parse_params(raw, "params.yaml")
+    assert message in str(exc.value) and str(exc.value).startswith("params.yaml:")
+
+
+def test_every_problem_is_reported_at_once():
+    raw = _raw()
+    raw["profiles"]["demo"]["train"]["lrr"] = 1
+    raw["profiles"]["demo"]["eval"]["episodes"] = 0
+    raw["profiles"]["droid_14b"]["fetch"]["retries"] = -1
+    with pytest.raises(ParamsError) as exc:
+        parse_params(raw)
+    text = str(exc.value)
+    assert "3 problems" in text and "lrr" in text and "eval.episodes" in text and "droid_14b.fetch.retries" in text
+
+
+def test_overrides_and_cli(tmp_path, capsys):
+    params = load_params(ROOT / "params.yaml", ["train.steps=7", "eval.tasks=[0, 2]"], "demo")
+    assert params.selected().train["steps"] == 7 and params.selected().eval.tasks == [0, 2]
+    assert main(["params", "check", "--params", str(ROOT / "params.yaml")]) == 0
+    assert "valid (3 profiles" in capsys.readouterr().out
+    assert main(["params", "check", "--params", str(ROOT / "params.yaml"), "--set", "train.micro_batch=zero"]) == 2
+    assert "profiles.demo.train.micro_batch: expected an integer" in capsys.readouterr().err
+    out = tmp_path / "train.json"
+    assert main(["params", "train-config", "--params", str(ROOT / "params.yaml"), "--profile", "libero_5b",
+                 "--out", str(out), "--root", "/pool"]) == 0
+    cfg = TrainConfig.from_dict(json.loads(out.read_text()))
+    assert cfg.preset == "dreamzero_5b" and cfg.datasets == ["/pool/data/libero_5b/dataset"] and cfg.compile
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("profile: demo\nprofiles: [\n")
+    assert main(["params", "check", "--params", str(bad)]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+def test_schema_checks_nested_types():
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Inner:
+        ratio: float = field(default=0.5, metadata={"min": 0, "lt": 1})
+        names: list[str] = field(default_factory=list)
+
+    @dataclass
+    class Outer:
+        inner: Inner
+        pair: tuple[int, int] = (1, 2)
+        maybe: int | None = None
+
+    got = build(Outer, {"inner": {"ratio": 0, "names": ["a"]}, "pair": [3, 4]})
+    assert got.inner.ratio == 0.0 and isinstance(got.inner.ratio, float) and got.pair == (3, 4)
+    with pytest.raises(SchemaError) as exc:
+        build(Outer, {"inner": {"ratio": 1, "names": ["a", 2]}, "pair": [1], "maybe": True}, source="f.yaml")
+    problems = exc.value.problems
+    assert "inner.ratio: must be < 1, got 1.0" in problems
+    assert "inner.names[1]: expected a string, got int 2" in problems
+    assert "pair: expected a list of 2 values, got 1" in problems
+    assert "maybe: expected an integer, got bool True" in problems
+    with pytest.raises(SchemaError, match="inner: required"):
+        build(Outer, {})
+
+
+def test_train_config_from_dict_checks_types():
+    with pytest.raises(ValueError, match="train.steps: expected an integer, got str"):
+        TrainConfig.from_dict({"steps": "ten"})
+    with pytest.raises(ValueError, match="train.sharding"):
+        TrainConfig.from_dict({"sharding": "zero3"})
+    assert TrainConfig.from_dict({"betas": [0.9, 0.99]}).betas == (0.9, 0.99)
