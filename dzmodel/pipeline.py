@@ -31,6 +31,7 @@ class StageError(RuntimeError):
     """A stage failed for a reason already reported (e.g. torchrun's exit code after its log)."""
 
 
+ENCODER_TRAIN_FIELDS = ("preset", "model_overrides", "encoder_weights", "tokenizer", "precision")
 STAGES = ("fetch", "metadata", "cache", "train", "convert", "eval", "package")
 Log = Callable[[str], None]
 
@@ -489,10 +490,13 @@ def outputs_intact(name: str, paths: StagePaths) -> bool:
 def stage_params(prof: Profile, name: str) -> dict:
     """The params a stage depends on (its section, plus what it reads from others), for cache keys."""
     d = profile_dict(prof)
-    needs = {"fetch": ["fetch"], "metadata": ["metadata"], "cache": ["cache", "train", "metadata"],
+    needs = {"fetch": ["fetch"], "metadata": ["metadata"], "cache": ["cache", "metadata"],
              "train": ["train", "cache", "metadata"], "convert": ["convert"], "eval": ["eval", "metadata"],
              "package": ["package"]}[name]
-    return {k: d[k] for k in needs}
+    out = {k: d[k] for k in needs}
+    if name == "cache":  # what the frozen encoders depend on, not the optimiser settings
+        out["train"] = {k: d["train"].get(k) for k in ENCODER_TRAIN_FIELDS}
+    return out
 
 
 def promotion_decision(success_rate: float | None, min_success: float) -> tuple[bool, str]:

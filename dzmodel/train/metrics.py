@@ -1,4 +1,4 @@
-"""Per-step metrics and the sinks they go to (JSONL now; MLflow plugs in with the pipeline issue).
+"""Per-step metrics and the sinks they go to (JSONL; the pipeline streams the file to MLflow).
 
 MFU = achieved model FLOPs / peak. Model FLOPs follow reference §3.3 (`dzmodel.model.flops`): 3 x forward
 per sample. Activation recompute is NOT counted (it is hardware work, not model work), so enabling

@@ -1,0 +1,116 @@
+"""End to end against real local servers: a Prefect server + work pool + worker runs the scheduled deployment
+of the demo pipeline, and an MLflow server's REST API compares two demo pipeline runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.flows.servers import BIN, QUIET, background, free_port, mlflow_server, prefect_server
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def _json(url: str, body: dict | None = None) -> dict | list:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"},
+                                 method="GET" if body is None else "POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    base = tmp_path_factory.mktemp("servers")
+    pport, mport = free_port(), free_port()
+    with prefect_server(base / "prefect_home", pport, base / "prefect.log"), \
+            mlflow_server(base / "mlflow", mport, base / "mlflow.log"):
+        project = base / "project"
+        project.mkdir()
+        shutil.copy(ROOT / "params.yaml", project / "params.yaml")
+        env = dict(os.environ, **QUIET, PREFECT_HOME=str(base / "prefect_home"),
+                   PREFECT_API_URL=f"http://127.0.0.1:{pport}/api", MLFLOW_TRACKING_URI=f"http://127.0.0.1:{mport}",
+                   DZ_PROJECT_DIR=str(ROOT), PREFECT_CLI_PROMPT="false")
+        yield {"env": env, "project": project, "prefect": f"http://127.0.0.1:{pport}/api",
+               "mlflow": f"http://127.0.0.1:{mport}", "base": base}
+
+
+def test_scheduled_deployment_run_is_created_and_completes(servers):
+    env, api, project = servers["env"], servers["prefect"], servers["project"]
+    out = subprocess.run([str(BIN / "dz"), "deploy", "--cron", "* * * * *", "--param", "profile=demo",
+                          "--param", f"root={project}"], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "created work pool gpu-pool" in out.stdout and "gpu-pool = 1" in out.stdout
+    deployment = _json(f"{api}/deployments/name/sft-pipeline/nightly")
+    crons = {s["schedule"].get("cron") for s in deployment["schedules"]}
+    assert {"0 2 * * *", "* * * * *"} <= crons  # prefect.yaml's nightly schedule, plus the test's every-minute one
+    assert deployment["parameters"] == {"profile": "demo", "root": str(project)}
+    limits = _json(f"{api}/concurrency_limits/filter", {})
+    assert any(c["tag"] == "gpu-pool" and c["concurrency_limit"] == 1 for c in limits)
+
+    worker_log = servers["base"] / "worker.log"
+    with background([str(BIN / "prefect"), "worker", "start", "--pool", "gpu-pool"], env, worker_log):
+        deadline, done = time.time() + 540, None
+        while time.time() < deadline and done is None:
+            runs = _json(f"{api}/flow_runs/filter", {"deployments": {"id": {"any_": [deployment["id"]]}},
+                                                    "sort": "EXPECTED_START_TIME_ASC"})
+            bad = [r for r in runs if r["state_type"] in ("FAILED", "CRASHED")]
+            assert not bad, (bad[0]["state"], worker_log.read_text()[-4000:])
+            done = next((r for r in runs if r["state_type"] == "COMPLETED"), None)
+            time.sleep(3)
+        _json(f"{api}/deployments/{deployment['id']}/pause_deployment", {})  # no more runs while tearing down
+    assert done is not None, worker_log.read_text()[-4000:]
+    assert done["auto_scheduled"] is True  # created by the server's scheduler from the cron schedule
+    assert done["parameters"]["profile"] == "demo"
+    tasks = _json(f"{api}/task_runs/filter", {"flow_runs": {"id": {"any_": [done["id"]]}}})
+    names = {t["name"].rsplit("-", 1)[0] for t in tasks if t["state_type"] == "COMPLETED"}
+    assert {"fetch", "metadata", "cache", "train", "convert", "eval", "package", "register-and-promote"} <= names
+    assert list((project / "runs" / "demo" / "package").glob("*.tar.gz"))
+
+
+def test_mlflow_server_compares_two_demo_runs(servers):
+    env, project, mlf = servers["env"], servers["project"], servers["mlflow"]
+    for extra in ([], ["--set", "train.lr=3.0e-3"]):
+        out = subprocess.run([str(BIN / "dz"), "pipeline", "run", "--profile", "demo", "--root", str(project), *extra],
+                             env=env, capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+        assert "package" in out.stdout and "MLflow" in out.stdout
+    exp = _json(f"{mlf}/api/2.0/mlflow/experiments/get-by-name?experiment_name=dreamzero-demo")["experiment"]
+    runs = _json(f"{mlf}/api/2.0/mlflow/runs/search", {"experiment_ids": [exp["experiment_id"]],
+                                                       "filter": "tags.pipeline = 'sft_pipeline'",
+                                                       "order_by": ["attributes.start_time DESC"]})["runs"]
+    assert len(runs) >= 2
+    latest = []
+    for run in runs[:2]:
+        metrics = {m["key"]: m["value"] for m in run["data"].get("metrics", [])}
+        for key in ("loss", "action_loss", "dynamics_loss", "samples_per_s_per_gpu", "mfu", "peak_mem_gib",
+                    "train.final_loss", "eval.success_rate", "eval.best_success_rate"):
+            assert key in metrics, (key, sorted(metrics))
+        params = {p["key"]: p["value"] for p in run["data"]["params"]}
+        q = urllib.parse.urlencode({"run_id": run["info"]["run_id"], "metric_key": "loss"})
+        history = _json(f"{mlf}/api/2.0/mlflow/metrics/get-history?{q}")["metrics"]
+        assert sorted({h["step"] for h in history}) == list(range(1, 31))  # every training step
+        q = urllib.parse.urlencode({"run_id": run["info"]["run_id"], "metric_key": "eval.success_rate"})
+        assert sorted(h["step"] for h in _json(f"{mlf}/api/2.0/mlflow/metrics/get-history?{q}")["metrics"]) == [10, 20, 30]
+        latest.append((params["train.lr"], metrics["train.final_loss"]))
+    assert latest[0][0] == "0.003" and latest[1][0] == "0.001"
+    assert latest[0][1] != latest[1][1]  # the changed learning rate shows in the comparison
+    children = _json(f"{mlf}/api/2.0/mlflow/runs/search", {
+        "experiment_ids": [exp["experiment_id"]], "filter": f"tags.mlflow.parentRunId = '{runs[0]['info']['run_id']}'"})
+    stages = {r["info"]["run_name"] for r in children["runs"]}
+    assert stages == {"fetch", "metadata", "cache", "train", "convert", "eval", "package"}
+    cached = {r["info"]["run_name"] for r in children["runs"]
+              if {t["key"]: t["value"] for t in r["data"]["tags"]}.get("cached") == "true"}
+    assert {"fetch", "metadata", "cache"} <= cached and "train" not in cached  # only what lr affects reran
+    alias = _json(f"{mlf}/api/2.0/mlflow/registered-models/alias?name=dreamzero-demo&alias=production")
+    assert alias["model_version"]["tags"] and alias["model_version"]["name"] == "dreamzero-demo"

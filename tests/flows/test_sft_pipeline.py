@@ -1,0 +1,154 @@
+"""The Prefect flow's orchestration on fast stand-in stages (the real stages run in the slow server tests):
+task caching skips unchanged stages, a changed parameter reruns only what it affects, changed outputs force a
+rerun; MLflow gets a parent run with nested stage runs, and the registry gate decides the alias."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dzmodel import pipeline
+from dzmodel.config import StagePaths
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fake_stages(calls: list[str]):
+    def write(path: Path, text: str = "x") -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    def fetch(prof, paths: StagePaths, log):
+        calls.append("fetch")
+        write(paths.dataset / "meta" / "info.json", json.dumps({"episodes": prof.fetch.synth_episodes}))
+        return {"dataset": str(paths.dataset), "episodes": prof.fetch.synth_episodes, "frames": 10, "fps": 10.0,
+                "views": []}
+
+    def metadata(prof, paths, log):
+        calls.append("metadata")
+        write(paths.metadata, "{}")
+        return {"metadata": str(paths.metadata), "embodiment": prof.metadata.embodiment,
+                "statistics": [{"group": "state", "key": "s", "dim": 0, "mean": 0.0, "std": 1.0, "q01": -1.0, "q99": 1.0}]}
+
+    def cache(prof, paths, log):
+        calls.append("cache")
+        write(paths.stage("cache") / "DISABLED")
+        return {"cache": None}
+
+    def train(prof, paths, log, on_metrics=None):
+        calls.append("train")
+        lr = prof.train["lr"]
+        rows = [{"step": s, "loss": lr * 100 / s, "action_loss": 0.1, "dynamics_loss": 0.2, "lr": lr, "grad_norm": 1.0,
+                 "samples_per_s_per_gpu": 3.0, "mfu": 0.01, "peak_mem_gib": 0.5} for s in (1, 2, 3)]
+        write(paths.stage("train") / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        if on_metrics:
+            on_metrics(rows)
+        return pipeline.summarize_training(paths, paths.stage("train"), 1.0, prof)
+
+    def convert(prof, paths, log):
+        calls.append("convert")
+        for s in (2, 3):
+            write(paths.stage("converted") / f"step_{s:07d}" / "config.json", "{}")
+        return {"converted": str(paths.stage("converted")), "steps": [2, 3]}
+
+    def evaluate(prof, paths, log):
+        calls.append("eval")
+        rows = [{"step": s, "task": "all", "task_name": "", "episodes": prof.eval.episodes, "successes": 1,
+                 "rate": 0.5 if s == 3 else 0.0} for s in (2, 3)]
+        write(paths.stage("eval") / "results.csv", "step,task,task_name,episodes,successes,rate\n" +
+              "".join(f"{r['step']},all,,{r['episodes']},1,{r['rate']}\n" for r in rows))
+        write(paths.run / "metrics" / "eval.json", json.dumps({"evaluated": True, "best_step": 3}))
+        return {"eval_dir": str(paths.stage("eval")), "evaluated": True, "rows": rows, "best": rows[1], "plot": None}
+
+    def package(prof, paths, log):
+        calls.append("package")
+        step, rate = pipeline.chosen_step(prof, paths)
+        write(paths.stage("package") / "bundle.tar.gz")
+        return {"bundle": str(paths.stage("package")), "tarball": str(paths.stage("package") / "bundle.tar.gz"),
+                "step": step, "success_rate": rate, "model": str(paths.stage("converted") / f"step_{step:07d}"),
+                "version": prof.package.version}
+
+    return {"fetch": fetch, "metadata": metadata, "cache": cache, "train": train, "convert": convert,
+            "eval": evaluate, "package": package}
+
+
+@pytest.fixture(scope="module")
+def prefect_env(tmp_path_factory):
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    storage = tmp_path_factory.mktemp("prefect_results")
+    with prefect_test_harness(), temporary_settings({PREFECT_LOCAL_STORAGE_PATH: storage}):
+        yield
+
+
+def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from flows.sft_pipeline import sft_pipeline
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    calls: list[str] = []
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", _fake_stages(calls))
+
+    first = sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.4"])
+    assert calls == list(pipeline.STAGES) and first["cached_stages"] == []
+    assert first["promotion"]["promoted"] and first["promotion"]["version"] == "1"
+
+    calls.clear()
+    second = sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.4"])
+    assert calls == [] and second["cached_stages"] == list(pipeline.STAGES)  # nothing changed: all skipped
+
+    calls.clear()
+    sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.4", "eval.episodes=3"])
+    assert calls == ["eval", "package"]  # only the eval section changed
+
+    calls.clear()
+    (tmp_path / "runs" / "demo" / "package" / "bundle.tar.gz").unlink()  # an output went missing
+    sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.4", "eval.episodes=3"])
+    assert calls == ["package"]
+
+    calls.clear()
+    refused = sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.9", "train.lr=2.0e-3"])
+    assert calls == ["train", "convert", "eval", "package"]
+    assert not refused["promotion"]["promoted"] and "50.0% < gate 90.0%" in refused["promotion"]["reason"]
+
+    client = MlflowClient(tracking_uri=first["mlflow_uri"], registry_uri=first["mlflow_uri"])
+    exp = client.get_experiment_by_name("dreamzero-demo")
+    parents = client.search_runs([exp.experiment_id], "tags.pipeline = 'sft_pipeline'", order_by=["start_time ASC"])
+    assert len(parents) == 5 and all(r.info.status == "FINISHED" for r in parents)
+    last = parents[-1]
+    assert last.data.params["train.lr"] == "0.002" and last.data.metrics["train.final_loss"] == pytest.approx(0.2 / 3)
+    assert [m.step for m in client.get_metric_history(last.info.run_id, "loss")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(last.info.run_id, "eval.success_rate")] == [2, 3]
+    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{last.info.run_id}'")
+    assert {r.info.run_name: r.data.tags["cached"] for r in children} == {
+        "fetch": "true", "metadata": "true", "cache": "true", "train": "false", "convert": "false", "eval": "false",
+        "package": "false"}
+    # the registry: every run registered a version; the alias stayed on the last one that passed the gate
+    assert str(client.get_model_version_by_alias("dreamzero-demo", "production").version) == "4"
+    v5 = client.get_model_version("dreamzero-demo", "5")
+    assert v5.tags["promotion"] == "refused" and v5.tags["success_rate"] == "0.5"
+    artifacts = {a.path for a in client.list_artifacts(last.info.run_id)}
+    assert {"model", "plots", "promotion.json"} <= artifacts
+
+
+def test_dz_promote_applies_the_gate_to_a_registered_version(prefect_env, tmp_path, monkeypatch, capsys):
+    from dzmodel.cli import main
+    from flows.sft_pipeline import sft_pipeline
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", _fake_stages([]))
+    sft_pipeline("demo", root=str(tmp_path), promote=False)
+    summary = sft_pipeline("demo", root=str(tmp_path))  # cached stages; registers version 1 (success 0.5)
+    assert summary["promotion"]["version"] == "1"
+    args = ["promote", "--root", str(tmp_path), "--params", "params.yaml", "--profile", "demo", "--alias", "canary"]
+    assert main(args + ["--min-success", "0.75"]) == 1
+    assert "refused: LIBERO success 50.0% < gate 75.0%" in capsys.readouterr().out
+    assert main(args + ["--min-success", "0.5", "--version", "1"]) == 0
+    assert "dreamzero-demo v1 -> alias canary: passed" in capsys.readouterr().out

@@ -1,0 +1,141 @@
+"""The pipeline's stage library: dvc.yaml agrees with it; records, fingerprints, summaries, plots, choices."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dzmodel.config import StagePaths, load_params
+from dzmodel.pipeline import (STAGES, MetricsFollower, chosen_step, outputs_intact, promotion_decision, read_metrics,
+                              run_stage, run_streaming, stage_outputs, summarize_training, torchrun_command)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _demo(tmp_path, *overrides):
+    params = load_params(ROOT / "params.yaml", ["fetch.synth_episodes=2", "fetch.synth_length=24", *overrides], "demo")
+    return params.selected(), StagePaths(tmp_path, "demo")
+
+
+def test_dvc_yaml_runs_each_stage_through_dz_and_names_its_outputs():
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    assert list(dvc["stages"]) == list(STAGES)
+    paths = StagePaths(Path("."), "demo")
+    for name, stage in dvc["stages"].items():
+        assert stage["cmd"] == f"dz stage {name}"
+        outs = [next(iter(o)) if isinstance(o, dict) else o for o in stage["outs"]]
+        outs = {o.replace("${profile}", "demo") for o in outs}
+        assert {str(p) for p in stage_outputs(name, paths)} <= outs, name
+        assert any(p.startswith("profiles.${profile}.") for p in stage["params"])
+    assert "profiles.${profile}.train" in dvc["stages"]["train"]["params"]
+    # the cache depends on the preset, not on the learning rate
+    assert "profiles.${profile}.train" not in dvc["stages"]["cache"]["params"]
+
+
+def test_fetch_and_metadata_record_results_and_detect_changed_outputs(tmp_path):
+    prof, paths = _demo(tmp_path)
+    fetched = run_stage("fetch", prof, paths, log=lambda s: None)
+    assert fetched["episodes"] == 2 and Path(fetched["dataset"]) == paths.dataset
+    meta = run_stage("metadata", prof, paths, log=lambda s: None)
+    assert meta["embodiment"] == "libero_sim_tiny" and json.loads(paths.metadata.read_text())["libero_sim_tiny"]
+    assert (paths.metadata.parent / "statistics.csv").read_text().startswith("group,key,dim,mean,std,q01,q99")
+    assert outputs_intact("fetch", paths) and outputs_intact("metadata", paths)
+    record = json.loads((paths.run / "stages" / "metadata.json").read_text())
+    assert record["stage"] == "metadata" and record["outputs_fingerprint"]
+    paths.metadata.write_text(paths.metadata.read_text() + " ")  # edited behind the pipeline's back
+    assert not outputs_intact("metadata", paths)
+    assert not outputs_intact("train", paths)  # never ran
+
+
+def test_training_summary_keeps_the_last_row_per_step_and_plots(tmp_path):
+    _, paths = _demo(tmp_path)
+    out = tmp_path / "train"
+    out.mkdir()
+    rows = [{"step": s, "loss": 1.0 / s, "action_loss": 0.5 / s, "dynamics_loss": 0.5 / s, "lr": 1e-3,
+             "grad_norm": 1.0, "samples_per_s_per_gpu": 2.0 + s, "mfu": 0.1, "peak_mem_gib": 1.5} for s in (1, 2, 3)]
+    resumed = dict(rows[2], loss=9.0)  # a resumed run logs step 3 again
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + [resumed]))
+    assert [r["loss"] for r in read_metrics(out / "metrics.jsonl")] == [1.0, 0.5, 9.0]
+    result = summarize_training(paths, out, wall_s=3.0)
+    s = result["summary"]
+    assert s["steps"] == 3 and s["loss"] == 9.0 and s["samples_per_s_per_gpu"] == pytest.approx(4.5)
+    assert json.loads((paths.run / "metrics" / "train.json").read_text())["loss"] == 9.0
+    assert (paths.run / "plots" / "train_losses.csv").read_text().splitlines()[0] == "step,loss,action_loss,dynamics_loss"
+    assert all(Path(p).read_bytes()[:4] == b"\x89PNG" for p in result["plots"]) and len(result["plots"]) == 2
+
+
+def test_metrics_follower_delivers_complete_lines_once(tmp_path):
+    path, got = tmp_path / "metrics.jsonl", []
+    follow = MetricsFollower(path, got.extend)
+    follow()
+    path.write_text('{"step": 1}\n{"step": 2')
+    follow()
+    assert got == [{"step": 1}]
+    with path.open("a") as f:
+        f.write('}\n{"step": 3}\n')
+    follow()
+    follow()
+    assert [r["step"] for r in got] == [1, 2, 3]
+
+
+def test_streaming_splits_progress_updates_into_lines():
+    lines = []
+    code = "import sys; print('start'); sys.stdout.write('10%\\r50%\\r100%\\n'); sys.exit(3)"
+    assert run_streaming([sys.executable, "-c", code], lines.append) == 3
+    assert lines == ["start", "10%", "50%", "100%"]
+
+
+def test_torchrun_command():
+    one = torchrun_command(Path("cfg.json"), 2)
+    assert one[1:] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "dzmodel.cli",
+                       "train", "--config", "cfg.json"]
+    many = torchrun_command(Path("cfg.json"), 8, nnodes=4)
+    assert "--nnodes=4" in many and "--rdzv_backend=c10d" in many and "--standalone" not in many
+
+
+def test_package_takes_the_best_evaluated_step_else_the_last(tmp_path):
+    prof, paths = _demo(tmp_path)
+    for step in (10, 20, 30):
+        (paths.stage("converted") / f"step_{step:07d}").mkdir(parents=True)
+        (paths.stage("converted") / f"step_{step:07d}" / "config.json").write_text("{}")
+    assert chosen_step(prof, paths) == (30, None)  # no evaluation
+    (paths.run / "metrics").mkdir(parents=True)
+    (paths.run / "metrics" / "eval.json").write_text(json.dumps({"evaluated": True, "best_step": 20}))
+    paths.stage("eval").mkdir(parents=True)
+    (paths.stage("eval") / "results.csv").write_text("step,task,task_name,episodes,successes,rate\n"
+                                                     "10,all,,2,0,0.0\n20,all,,2,2,1.0\n30,all,,2,1,0.5\n")
+    assert chosen_step(prof, paths) == (20, 1.0)
+    prof.package.checkpoint = "last"
+    assert chosen_step(prof, paths) == (30, 0.5)
+
+
+def test_promotion_gate():
+    assert promotion_decision(0.8, 0.8) == (True, "passed: LIBERO success 80.0% >= gate 80.0%")
+    ok, why = promotion_decision(0.5, 0.8)
+    assert not ok and why == "refused: LIBERO success 50.0% < gate 80.0%"
+    ok, why = promotion_decision(None, 0.0)
+    assert not ok and "no LIBERO evaluation" in why
+
+
+def test_train_restarts_when_its_config_or_data_change(tmp_path):
+    from dzmodel.config import train_config
+    from dzmodel.pipeline import _start_fresh_if_changed
+
+    prof, paths = _demo(tmp_path)
+    run_stage("fetch", prof, paths, log=lambda s: None)
+    run_stage("metadata", prof, paths, log=lambda s: None)
+    cfg = train_config(prof, paths)
+    logs = []
+    _start_fresh_if_changed(cfg, paths, logs.append)
+    (Path(cfg.out_dir) / "checkpoints").mkdir(parents=True)
+    _start_fresh_if_changed(cfg, paths, logs.append)
+    assert Path(cfg.out_dir).exists() and "resuming" in logs[-1]  # same config and data: resume (after a crash)
+    cfg.lr = 5e-4
+    _start_fresh_if_changed(cfg, paths, logs.append)
+    assert not Path(cfg.out_dir).exists() and "starting a fresh run" in logs[-1]
+    Path(cfg.out_dir).mkdir()
+    paths.metadata.write_text(paths.metadata.read_text().replace("libero_sim_tiny", "libero_sim_tiny "))
+    _start_fresh_if_changed(cfg, paths, logs.append)
+    assert not Path(cfg.out_dir).exists()  # new statistics: the old checkpoints no longer apply
