@@ -432,6 +432,7 @@ def compute_metadata(
     video_keys: Mapping[str, str] | None = None,
     merge: bool = False,
     max_episodes: int | None = None,
+    progress: bool = True,
     quantile_bins: int = DEFAULT_QUANTILE_BINS,
     exact_threshold: int = DEFAULT_EXACT_THRESHOLD,
     batch_rows: int = DEFAULT_BATCH_ROWS,
@@ -528,11 +529,17 @@ def compute_metadata(
                 rel[k].update_hist(r)
 
     def run_pass(hist: bool) -> int:
+        from ..progress import Progress
+
         want_rel = bool(rel) and (not hist or any(s.needs_pass2 for s in rel.values()))
         grouper = _EpisodeGrouper() if want_rel else None
         rows = 0
+        total = None if max_episodes else info.get("total_frames")
+        bar = Progress(total, desc="statistics" + (" (quantiles)" if hist else ""), unit="row",
+                       enabled=progress)
         for path, ep, fi, cols in _iter_batches(files, columns, batch_rows, max_episodes):
             rows += len(ep)
+            bar.update(n=len(ep))
             for g in specs:
                 for k in specs[g]:
                     st = stats[g][k]
@@ -546,6 +553,7 @@ def compute_metadata(
         if grouper is not None:
             for ep_cols in grouper.close():
                 feed_rel(ep_cols, hist)
+        bar.close()
         return rows
 
     if run_pass(hist=False) == 0:

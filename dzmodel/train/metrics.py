@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import resource
-import sys
 from pathlib import Path
 from typing import Protocol
+
+from ..progress import Progress  # noqa: F401 - the trainer's bar; re-exported for its users
 
 import torch
 
@@ -38,34 +39,6 @@ class JsonlSink:
 
     def close(self) -> None:
         self._f.close()
-
-
-class Progress:
-    """A progress bar on stderr (tqdm when available), showing the latest loss and throughput."""
-
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True, desc: str = "train", unit: str = "step"):
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr,
-                                dynamic_ncols=True)
-            except ImportError:
-                self.bar = None
-        self.enabled = enabled
-
-    def update(self, metrics: dict[str, float] | None = None) -> None:
-        """One step done; `metrics` (a training step's) adds the loss and throughput to the bar."""
-        if self.bar is not None:
-            if metrics is not None:
-                self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", sps=f"{metrics['samples_per_s_per_gpu']:.2f}",
-                                     refresh=False)
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def peak_memory_gib(device: torch.device) -> float:
