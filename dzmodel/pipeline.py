@@ -267,19 +267,44 @@ def content_fingerprint(*paths: Path, small: int = 1 << 20) -> str:
 
 def _start_fresh_if_changed(cfg, paths: StagePaths, log: Log) -> None:
     """Resume a run only under the config and the data it started with: its checkpoints belong to that
-    trajectory. A change in either (any field, `steps` too: it shapes the schedule) starts a clean run."""
+    trajectory. After a change in either (any field, `steps` too: it shapes the schedule) the old run is moved
+    aside to runs/<profile>/superseded/ (never deleted) and a clean one starts. A run the pipeline did not start
+    (Slurm, a PyTorchJob) is adopted when its newest checkpoint was saved under the same config."""
     out = Path(cfg.out_dir)
-    inputs = {"config": json.loads(json.dumps(cfg.to_dict())),
+    inputs = {"config": _trajectory(cfg.to_dict()),
               "data": content_fingerprint(paths.dataset, paths.metadata, *([Path(cfg.cache)] if cfg.cache else []))}
     record = paths.run / "train_inputs.json"
-    if out.exists():
+    if out.exists() and any(out.iterdir()):
         old = json.loads(record.read_text()) if record.is_file() else None
+        if old is None:
+            from .train.checkpoint import latest_checkpoint
+
+            ckpt = latest_checkpoint(out)
+            state = ckpt / "trainer_state.json" if ckpt is not None else None
+            saved = json.loads(state.read_text()).get("config") if state is not None and state.is_file() else None
+            if saved is not None and _trajectory(saved) == inputs["config"]:
+                old = inputs  # started outside the pipeline with this very config: continue it
         if old == inputs:
             log(f"train: resuming {out} (same config and data) from its newest checkpoint, if any")
+            _write_json(record, inputs)
             return
-        log(f"train: the train config or its data changed since {out} was written; starting a fresh run")
-        shutil.rmtree(out)
+        stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
+        aside, n = paths.run / "superseded" / f"train-{stamp}", 1
+        while aside.exists():
+            aside, n = paths.run / "superseded" / f"train-{stamp}-{n}", n + 1
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        out.replace(aside)
+        log(f"train: the train config or its data changed since {out} was written; it moved to {aside}, "
+            "and a fresh run starts")
     _write_json(record, inputs)
+
+
+def _trajectory(config: dict) -> dict:
+    """The config fields that shape the training trajectory (not the progress bar or a stop-early point)."""
+    d = json.loads(json.dumps(config))
+    for key in ("progress", "stop_at"):
+        d.pop(key, None)
+    return d
 
 
 def summarize_training(paths: StagePaths, out_dir: str | Path, wall_s: float | None = None,

@@ -119,7 +119,7 @@ def test_promotion_gate():
     assert not ok and "no LIBERO evaluation" in why
 
 
-def test_train_restarts_when_its_config_or_data_change(tmp_path):
+def test_train_restarts_when_its_config_or_data_change_and_keeps_the_old_run(tmp_path):
     from dzmodel.config import train_config
     from dzmodel.pipeline import _start_fresh_if_changed
 
@@ -127,15 +127,41 @@ def test_train_restarts_when_its_config_or_data_change(tmp_path):
     run_stage("fetch", prof, paths, log=lambda s: None)
     run_stage("metadata", prof, paths, log=lambda s: None)
     cfg = train_config(prof, paths)
-    logs = []
+    out, logs = Path(cfg.out_dir), []
     _start_fresh_if_changed(cfg, paths, logs.append)
-    (Path(cfg.out_dir) / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("{}\n")
     _start_fresh_if_changed(cfg, paths, logs.append)
-    assert Path(cfg.out_dir).exists() and "resuming" in logs[-1]  # same config and data: resume (after a crash)
+    assert out.exists() and "resuming" in logs[-1]  # same config and data: resume (after a crash)
     cfg.lr = 5e-4
     _start_fresh_if_changed(cfg, paths, logs.append)
-    assert not Path(cfg.out_dir).exists() and "starting a fresh run" in logs[-1]
-    Path(cfg.out_dir).mkdir()
+    assert not out.exists() and "a fresh run starts" in logs[-1]
+    moved = list((paths.run / "superseded").glob("train-*"))
+    assert len(moved) == 1 and (moved[0] / "metrics.jsonl").is_file()  # never deleted
+    out.mkdir()
+    (out / "x").write_text("x")
     paths.metadata.write_text(paths.metadata.read_text().replace("libero_sim_tiny", "libero_sim_tiny "))
     _start_fresh_if_changed(cfg, paths, logs.append)
-    assert not Path(cfg.out_dir).exists()  # new statistics: the old checkpoints no longer apply
+    assert not out.exists()  # new statistics: the old checkpoints no longer apply
+
+
+def test_a_run_started_outside_the_pipeline_is_adopted_only_under_the_same_config(tmp_path):
+    from dzmodel.config import train_config
+    from dzmodel.pipeline import _start_fresh_if_changed
+    from dzmodel.train.checkpoint import MARKER
+
+    prof, paths = _demo(tmp_path)
+    run_stage("fetch", prof, paths, log=lambda s: None)
+    run_stage("metadata", prof, paths, log=lambda s: None)
+    cfg = train_config(prof, paths)
+    ckpt = Path(cfg.out_dir) / "checkpoints" / "step_0000010"
+    ckpt.mkdir(parents=True)
+    (ckpt / MARKER).write_text("")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 10, "config": dict(cfg.to_dict(), progress=False)}))
+    logs = []
+    _start_fresh_if_changed(cfg, paths, logs.append)  # e.g. trained by infra/slurm/train.sbatch
+    assert ckpt.exists() and "resuming" in logs[-1]
+    (paths.run / "train_inputs.json").unlink()
+    cfg.lr = 1e-2
+    _start_fresh_if_changed(cfg, paths, logs.append)
+    assert not ckpt.exists() and list((paths.run / "superseded").glob("train-*/checkpoints/step_0000010"))
