@@ -136,6 +136,16 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     artifacts = {a.path for a in client.list_artifacts(last.info.run_id)}
     assert {"model", "plots", "promotion.json"} <= artifacts
 
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect_client:
+        latest = {a.key: a for a in prefect_client.read_latest_artifacts()}
+    assert {"demo-metadata-stats", "demo-train", "demo-eval", "demo-package", "demo-mlflow-run"} <= set(latest)
+    assert "samples_per_s_per_gpu" in latest["demo-train"].data and "data:image/png;base64," in latest["demo-train"].data
+    assert "| 3 | all |" in latest["demo-eval"].data  # the success table, one row per step
+    assert "refused: LIBERO success 50.0% < gate 90.0%" in latest["demo-package"].data
+    assert f"/runs/{last.info.run_id})" in latest["demo-mlflow-run"].data
+
 
 def test_dz_promote_applies_the_gate_to_a_registered_version(prefect_env, tmp_path, monkeypatch, capsys):
     from dzmodel.cli import main
