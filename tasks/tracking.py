@@ -120,18 +120,21 @@ class Tracker:
             for i in range(0, len(batch), 500):
                 self.client.log_batch(rid, metrics=batch[i:i + 500])
 
-    def artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
-        """A file or directory as an artifact; past MAX_ARTIFACT_MB, a reference (path, size) instead."""
+    def artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> bool:
+        """A file or directory as an artifact; past MAX_ARTIFACT_MB, a reference (path, size) instead.
+        True when the content itself was logged."""
         path = Path(path)
         if not path.exists():
-            return
+            return False
         size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         if size > MAX_ARTIFACT_MB * 2**20:
             self.reference(run_id, path, artifact_path)
-        elif path.is_dir():
+            return False
+        if path.is_dir():
             self.client.log_artifacts(run_id, str(path), artifact_path or path.name)
         else:
             self.client.log_artifact(run_id, str(path), artifact_path)
+        return True
 
     def reference(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
         path = Path(path)
@@ -223,9 +226,10 @@ class Tracker:
         except MlflowException as exc:
             if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
                 raise
-        self.artifact(self.run_id, package["model"], "model")
         model_path = Path(package["model"])
-        source = f"runs:/{self.run_id}/model/{model_path.name}"
+        copied = self.artifact(self.run_id, model_path, f"model/{model_path.name}")
+        # a model past the artifact size limit is registered by its reference (model/<step>.ref.json)
+        source = f"runs:/{self.run_id}/model/{model_path.name}" if copied else f"runs:/{self.run_id}/model"
         tags = {"step": str(package["step"]), "package.version": package["version"],
                 "package.tarball": package["tarball"], "profile": self.profile,
                 "success_rate": "" if package["success_rate"] is None else str(package["success_rate"])}

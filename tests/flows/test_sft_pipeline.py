@@ -133,6 +133,9 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     assert str(client.get_model_version_by_alias("dreamzero-demo", "production").version) == "4"
     v5 = client.get_model_version("dreamzero-demo", "5")
     assert v5.tags["promotion"] == "refused" and v5.tags["success_rate"] == "0.5"
+    assert v5.source == f"runs:/{last.info.run_id}/model/step_0000003"  # the packaged step's converted model
+    assert [a.path for a in client.list_artifacts(last.info.run_id, "model/step_0000003")] == [
+        "model/step_0000003/config.json"]
     artifacts = {a.path for a in client.list_artifacts(last.info.run_id)}
     assert {"model", "plots", "promotion.json"} <= artifacts
 
