@@ -1,6 +1,5 @@
 """The `dz` command line: model parity, info, manifest; clear errors for bad input."""
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path

@@ -1,7 +1,6 @@
 """View transforms, layout, q99 normalisation and relative actions."""
 
 import numpy as np
-import pytest
 import torch
 
 from dzmodel.data.embodiments import load_embodiments

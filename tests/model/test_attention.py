@@ -21,7 +21,6 @@ def test_mask_equals_the_fixture_mask(fixtures_dir):
 
 def test_mask_rows_follow_the_table():
     m = teacher_forcing_mask(FIXTURE_LAYOUT)
-    fs = 6
     clean0, clean_b0, clean_b1 = slice(0, 6), slice(6, 18), slice(18, 30)
     noisy0, noisy_b0, noisy_b1 = slice(30, 36), slice(36, 48), slice(48, 60)
     act_b0, act_b1, st_b0, st_b1 = slice(60, 64), slice(64, 68), 68, 69
