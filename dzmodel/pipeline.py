@@ -63,16 +63,22 @@ def _fresh_dir(path: Path) -> Path:
     return path
 
 
+def files_under(root: Path) -> list[tuple[str, Path]]:
+    """(name relative to `root`, path) of every file under a directory, or the file itself; [] if absent."""
+    root = Path(root)
+    if root.is_file():
+        return [(root.name, root)]
+    return [(str(p.relative_to(root)), p) for p in sorted(root.rglob("*")) if p.is_file()] if root.exists() else []
+
+
 def fingerprint(*paths: Path) -> str:
     """A cheap content fingerprint of files/directories: relative path, size and mtime of every file."""
     h = hashlib.sha256()
     for root in paths:
-        root = Path(root)
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
-        h.update(str(root.name).encode())
-        for f in files:
+        h.update(str(Path(root).name).encode())
+        for name, f in files_under(root):
             st = f.stat()
-            h.update(f"{f.relative_to(root) if f != root else f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -255,11 +261,9 @@ def content_fingerprint(*paths: Path, small: int = 1 << 20) -> str:
     """Like `fingerprint` but blind to mtimes: small files by content, large ones by size."""
     h = hashlib.sha256()
     for root in paths:
-        root = Path(root)
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
-        for f in files:
+        for name, f in files_under(root):
             size = f.stat().st_size
-            h.update(f"{f.relative_to(root) if f != root else f.name}:{size}:".encode())
+            h.update(f"{name}:{size}:".encode())
             if size <= small:
                 h.update(f.read_bytes())
     return h.hexdigest()[:16]

@@ -17,10 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from dzmodel.config import Profile, StagePaths, flatten, profile_dict
+from dzmodel.pipeline import files_under
 
 TRAIN_SERIES = ("loss", "action_loss", "dynamics_loss", "lr", "grad_norm", "samples_per_s_per_gpu", "mfu",
                 "peak_mem_gib")
 MAX_ARTIFACT_MB = float(os.environ.get("DZ_MLFLOW_MAX_ARTIFACT_MB", "2048"))  # bigger files are logged by reference
+
+
+def _files(path: Path) -> list[Path]:
+    return [f for _, f in files_under(path)]
+
+
+def _bytes(files: list[Path]) -> int:
+    return sum(f.stat().st_size for f in files)
 
 
 def tracking_uri(prof: Profile, root: Path) -> str:
@@ -101,14 +110,17 @@ class Tracker:
 
     # -- logging helpers --------------------------------------------------------------------------------
 
+    def _log_metrics(self, batch: list, run_ids) -> None:
+        for rid in run_ids:
+            for i in range(0, len(batch), 500):  # MLflow's log_batch takes at most 1000 metrics
+                self.client.log_batch(rid, metrics=batch[i:i + 500])
+
     def metrics(self, run_id: str, values: dict[str, float], step: int = 0, also_parent: bool = True) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in values.items() if isinstance(v, (int, float))]
-        for rid in {run_id, self.run_id} if also_parent else {run_id}:
-            for i in range(0, len(batch), 500):
-                self.client.log_batch(rid, metrics=batch[i:i + 500])
+        self._log_metrics(batch, {run_id, self.run_id} if also_parent else {run_id})
 
     def train_rows(self, rows: list[dict], run_ids: list[str]) -> None:
         """Per-step training series (live from the metrics.jsonl follower, or all at once afterwards)."""
@@ -116,9 +128,7 @@ class Tracker:
 
         now = int(time.time() * 1000)
         batch = [Metric(k, float(r[k]), now, int(r["step"])) for r in rows for k in TRAIN_SERIES if k in r]
-        for rid in run_ids:
-            for i in range(0, len(batch), 500):
-                self.client.log_batch(rid, metrics=batch[i:i + 500])
+        self._log_metrics(batch, run_ids)
 
     def artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> bool:
         """A file or directory as an artifact; past MAX_ARTIFACT_MB, a reference (path, size) instead.
@@ -126,8 +136,7 @@ class Tracker:
         path = Path(path)
         if not path.exists():
             return False
-        size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        if size > MAX_ARTIFACT_MB * 2**20:
+        if _bytes(_files(path)) > MAX_ARTIFACT_MB * 2**20:
             self.reference(run_id, path, artifact_path)
             return False
         if path.is_dir():
@@ -138,8 +147,8 @@ class Tracker:
 
     def reference(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
         path = Path(path)
-        files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
-        ref = {"path": str(path.resolve()), "files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+        files = _files(path)
+        ref = {"path": str(path.resolve()), "files": len(files), "bytes": _bytes(files)}
         name = f"{artifact_path or ''}/{path.name}.ref.json".lstrip("/")
         self.client.log_dict(run_id, ref, name)
 
@@ -180,8 +189,7 @@ class Tracker:
         self.artifact(rid, paths.train_config, "config")
         from dzmodel.train.checkpoint import list_checkpoints
 
-        ckpts = [{"step": s, "path": str(p.resolve()),
-                  "bytes": sum(f.stat().st_size for f in p.rglob("*") if f.is_file())}
+        ckpts = [{"step": s, "path": str(p.resolve()), "bytes": _bytes(_files(p))}
                  for s, p in list_checkpoints(result["train_dir"])]
         self.client.log_dict(rid, {"checkpoints": ckpts}, "checkpoints.json")  # references: DCP shards stay put
 

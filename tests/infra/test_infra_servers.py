@@ -4,12 +4,9 @@ for Postgres, which this machine does not run)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.flows.servers import background, free_port
+
 REPO = Path(__file__).resolve().parents[2]
 INFRA = REPO / "infra"
 BIN = Path(sys.executable).parent
@@ -28,49 +27,12 @@ QUIET = {"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SE
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http(url: str, body: dict | None = None, headers: dict | None = None):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
                                  headers={"content-type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read() or b"null")
-
-
-@contextlib.contextmanager
-def background(cmd: list[str], env: dict, log: Path, health: str | None = None, timeout: float = 120):
-    """Run `cmd` in its own process group, wait for `health` to answer 200; SIGTERM (then SIGKILL) the group."""
-    f = log.open("w")
-    proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + timeout
-        while health:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(health, timeout=2) as r:
-                    if r.status == 200:
-                        break
-            if time.time() > deadline:
-                raise TimeoutError(f"{health} not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        f.close()
 
 
 def test_prefect_scripts_against_a_server(tmp_path):
@@ -87,7 +49,7 @@ def test_prefect_scripts_against_a_server(tmp_path):
     env.update(QUIET, DZ_ENV_FILE=str(env_file))
 
     with background(["bash", str(INFRA / "prefect" / "server.sh")], env, tmp_path / "server.log",
-                    health=f"{api}/health"):
+                    health=f"{api}/health", timeout=120):
         for attempt in (1, 2):    # the second run finds everything in place and only updates the deployment
             out = subprocess.run(["bash", str(INFRA / "prefect" / "setup.sh"), "demo"], env=env, capture_output=True,
                                  text=True, timeout=300)
@@ -131,13 +93,13 @@ def test_compose_mlflow_command_serves_artifacts_from_s3(tmp_path):
     env = {**os.environ, **QUIET, **{k: str(v) for k, v in service["environment"].items()}, **creds,
            "MLFLOW_S3_ENDPOINT_URL": s3_url}
     with background([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)], env, tmp_path / "s3.log",
-                    health=f"{s3_url}/moto-api/"):
+                    health=f"{s3_url}/moto-api/", timeout=120):
         s3 = boto3.client("s3", endpoint_url=s3_url, region_name="us-east-1",
                           aws_access_key_id=creds["AWS_ACCESS_KEY_ID"],
                           aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"])
         s3.create_bucket(Bucket=bucket)
         with background([str(BIN / cmd[0]), *cmd[1:]], env, tmp_path / "mlflow.log",
-                        health=f"http://127.0.0.1:{port}/health"):
+                        health=f"http://127.0.0.1:{port}/health", timeout=120):
             # A client with no S3 credentials: artifacts go through the server.
             client_env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MLFLOW_"))}
             client_env.update(QUIET, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{port}")
