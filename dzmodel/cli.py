@@ -367,6 +367,34 @@ def cmd_bench_train(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bench_profile(ns: argparse.Namespace) -> int:
+    import json
+
+    from .bench.train_profile import block_parts, print_parts, print_summary, profile_step
+
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    hw = tuple(int(x) for x in ns.latent_hw.split(","))
+    v = parse_variant(ns.variant)
+    result = {}
+    if ns.parts or ns.parts_only:
+        rows = block_parts(ns.preset, hw, v["micro_batch"])
+        print(f"one block's pieces alone ({ns.preset}, latent {hw}, micro-batch {v['micro_batch']}):")
+        print_parts(rows)
+        result["parts"] = rows
+    if not ns.parts_only:
+        s = profile_step(ns.preset, ns.layers or None, v["micro_batch"], v["compile"], v["ac"], v["attention"], hw,
+                         ns.trace)
+        if s is None:  # not rank 0
+            return EXIT_OK
+        print(f"one training step, {ns.preset} {ns.layers or 'all'} layers, {ns.variant}:")
+        print_summary(s)
+        result["step"] = {"step_ms": s.step_ms, "compute_busy_ms": s.compute_busy_ms, "exposed_comm_ms": s.exposed_comm_ms, "by_category": s.by_category, "top": s.top}
+    if ns.out:
+        with open(ns.out, "a") as f:
+            f.write(json.dumps({"preset": ns.preset, "layers": ns.layers, "variant": ns.variant, **result}) + "\n")
+    return EXIT_OK
+
+
 def cmd_bench_policy(ns: argparse.Namespace) -> int:
     import json
 
@@ -635,6 +663,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", help="append JSON lines here")
     p.set_defaults(func=cmd_bench_train)
+    p = bench.add_parser("profile", help="where one training step's GPU time goes; --parts: each block piece alone")
+    p.add_argument("--preset", default="dreamzero_5b")
+    p.add_argument("--layers", type=int, default=2, help="cut the preset to this many layers (0 = all)")
+    p.add_argument("--latent-hw", default="11,20", help="latent H,W (5B DROID 11,20; 14B DROID 44,80)")
+    p.add_argument("--variant", default="name=optimised", help="one configuration, as in `dz bench train --variant`")
+    p.add_argument("--parts", action="store_true", help="also time one block's GEMMs and attention kernels alone")
+    p.add_argument("--parts-only", action="store_true", help="only the pieces, no profiled step")
+    p.add_argument("--trace", help="keep the Chrome trace here")
+    p.add_argument("--out", help="append a JSON line here")
+    p.set_defaults(func=cmd_bench_profile)
     p = bench.add_parser("policy", help="inference latency of one action chunk (predict_actions)")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--device", default=None)

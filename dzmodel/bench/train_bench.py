@@ -26,7 +26,7 @@ from ..model.args import preset
 from ..model.flops import droid_layout, wam_forward_flops
 from ..model.objective import FlowMatchSchedule, flow_matching_losses, sample_timestep_ids
 from ..model.wam import DreamZeroWAM
-from ..train.parallelize import apply_fsdp, apply_recompute_and_compile
+from ..train.parallelize import apply_fsdp, apply_recompute_and_compile, build_adamw
 from .model_step import H100_BF16_PEAK, random_inputs, time_steps
 
 
@@ -78,8 +78,8 @@ def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int,
     apply_recompute_and_compile(model, ac, compile)
     if sharded:  # FSDP2 full_shard: fp32 master weights sharded, bf16 compute, fp32 gradient reduction
         apply_fsdp(model, "full", "bf16", "fp32", "cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.95, 0.999), weight_decay=1e-5,
-                            fused=device.startswith("cuda") and not sharded)
+    opt = build_adamw(model.parameters(), lr=1e-5, betas=(0.95, 0.999), weight_decay=1e-5,
+                      device_type=torch.device(device).type)
     gen = torch.Generator(device=device).manual_seed(0)
     inputs = random_inputs(model, micro_batch, latent_hw, device, torch.float32, gen)
     layout = droid_layout(args, latent_hw)
@@ -175,16 +175,20 @@ def print_side_by_side(results: list[TrainBenchResult]) -> None:
                 print(f"{r.name} / baseline: {r.samples_per_s_per_gpu / base.samples_per_s_per_gpu:.2f}x samples/s/GPU")
 
 
+def init_distributed() -> str:
+    """Under torchrun (WORLD_SIZE > 1): join the process group and pick this rank's GPU. Returns the device."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return "cuda"
+    if not dist.is_initialized():
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return f"cuda:{torch.cuda.current_device()}"
+
+
 def run(preset_name: str, num_layers: int | None, configs: list[dict], latent_hw, steps: int, warmup: int,
         out_path: str | None) -> list[TrainBenchResult]:
     """Under torchrun (WORLD_SIZE > 1) every config runs with FSDP2 over all GPUs; rank 0 reports."""
-    device = "cuda"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("cpu:gloo,cuda:nccl")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if world > 1:
-        device = f"cuda:{torch.cuda.current_device()}"
+    device = init_distributed()
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     results = []
     for c in configs:

@@ -1,29 +1,260 @@
-"""Where a training step's GPU time goes: `python -m dzmodel.bench.train_profile [layers] [mbs] [compile] [ac]`.
+"""`dz bench profile`: where a training step's GPU time goes, and what each piece could reach alone.
 
-Profiles one step of the same configuration `dz bench train` times (dreamzero_5b, DROID shape, cached encoders)."""
+1. One step of a `dz bench train` configuration is profiled (torch.profiler, a Chrome trace). Its GPU
+   kernels are grouped into matmul, attention, fused elementwise (compiled), eager elementwise,
+   communication and other, with the time the GPU sat idle inside the step.
+2. `--parts` times the pieces of one transformer block alone at the same shapes: each GEMM of the
+   forward and backward (cuBLAS via torch.mm), the self-attention kernel with the real mask, and the
+   cross-attention. Their TFLOP/s bound what the block can reach, and say which piece is behind.
+"""
 
 from __future__ import annotations
 
-import sys
+import functools
+import json
+import os
+import re
+import statistics
+import tempfile
+from dataclasses import dataclass
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from .train_bench import build_train_step
+from .model_step import H100_BF16_PEAK
+
+CATEGORIES = (
+    ("communication", re.compile(r"nccl", re.I)),
+    ("attention", re.compile(r"flex|attention|fmha|flash|attn", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|sm90|sm100|s16816|wgmma|_mm_|splitk", re.I)),
+    ("fused elementwise (compiled)", re.compile(r"^triton_", re.I)),
+    ("eager elementwise", re.compile(r"elementwise|vectorized|reduce|copy|memcpy|memset|cat|index|fill", re.I)),
+)
 
 
-def main(layers: int = 4, mbs: int = 32, compile: bool = True, ac: str = "full") -> None:
-    step, _, _ = build_train_step("dreamzero_5b", layers, mbs, compile, ac, "flex", "cache")
-    for _ in range(3):
+def categorize(kernel_name: str) -> str:
+    for name, pattern in CATEGORIES:
+        if pattern.search(kernel_name):
+            return name
+    return "other"
+
+
+@dataclass
+class KernelSummary:
+    step_ms: float         # first kernel start to last kernel end
+    compute_busy_ms: float  # union of the non-communication kernel intervals
+    exposed_comm_ms: float  # communication kernels running while no compute kernel does
+    by_category: dict      # category -> summed kernel ms (streams overlap, so the sum can exceed the span)
+    top: list              # (name, calls, ms) by summed time
+
+    @property
+    def idle_ms(self) -> float:
+        return self.step_ms - self.compute_busy_ms - self.exposed_comm_ms
+
+
+def _union_ms(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e3
+
+
+def summarize_trace(trace: dict, top: int = 20) -> KernelSummary:
+    """Group the GPU kernels of a Chrome trace (torch.profiler's export) by category."""
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        raise ValueError("the trace has no GPU kernel events (was the step run on a GPU?)")
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels]
+    compute = [sp for sp, e in zip(spans, kernels) if categorize(e["name"]) != "communication"]
+    by_cat: dict[str, float] = {}
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        ms = float(e["dur"]) / 1e3
+        cat = categorize(e["name"])
+        by_cat[cat] = by_cat.get(cat, 0.0) + ms
+        entry = by_name.setdefault(e["name"], [0, 0.0])
+        entry[0] += 1
+        entry[1] += ms
+    ranked = sorted(((n, c, ms) for n, (c, ms) in by_name.items()), key=lambda x: -x[2])[:top]
+    compute_ms = _union_ms(compute)
+    return KernelSummary(step_ms=(max(e for _, e in spans) - min(s for s, _ in spans)) / 1e3,
+                         compute_busy_ms=compute_ms, exposed_comm_ms=_union_ms(spans) - compute_ms,
+                         by_category=dict(sorted(by_cat.items(), key=lambda kv: -kv[1])), top=ranked)
+
+
+def print_summary(s: KernelSummary) -> None:
+    print(f"GPU span of the step {s.step_ms:.1f} ms: compute kernels busy {s.compute_busy_ms:.1f} ms "
+          f"({s.compute_busy_ms / s.step_ms:.1%}), communication alone {s.exposed_comm_ms:.1f} ms, "
+          f"idle {s.idle_ms:.1f} ms")
+    for cat, ms in s.by_category.items():
+        print(f"  {cat:<30} {ms:>9.1f} ms  {ms / s.step_ms:>6.1%}")
+    print("top kernels (calls, ms):")
+    for name, calls, ms in s.top:
+        print(f"  {ms:>8.1f} ms {calls:>5}x  {name[:110]}")
+
+
+def profile_step(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str, attention: str,
+                 latent_hw, trace_out: str | None = None, warmup: int = 3) -> KernelSummary | None:
+    """Profiles one step after `warmup` steps. Under torchrun every rank steps; rank 0 returns the summary."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import torch.distributed as dist
+
+    from .train_bench import build_train_step, init_distributed
+
+    device = init_distributed()  # under torchrun: FSDP2 over all GPUs, as `dz bench train` runs it
+    step, _, _ = build_train_step(preset_name, num_layers, micro_batch, compile, ac, attention, "cache", latent_hw,
+                                  device=device)
+    for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    path = trace_out or tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        trace = json.load(f)
+    if not trace_out:
+        os.unlink(path)
+    return summarize_trace(trace)
 
 
-if __name__ == "__main__":
-    a = sys.argv[1:]
-    main(int(a[0]) if a else 4, int(a[1]) if len(a) > 1 else 32, (a[2] != "0") if len(a) > 2 else True,
-         a[3] if len(a) > 3 else "full")
+# --- the block's pieces alone ----------------------------------------------------------------------------
+
+def _median_ms(fn, iters: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():  # CPU: only for smoke tests of this module
+        import time
+
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+# FlexAttention tile configurations to try against the default (forward BLOCK_M/N; backward *1/*2).
+ATTENTION_KERNEL_OPTIONS = (
+    (("BLOCK_M", 128), ("BLOCK_N", 128), ("num_warps", 8), ("num_stages", 2)),
+    (("BLOCK_M", 128), ("BLOCK_N", 64), ("num_warps", 8), ("num_stages", 3)),
+    (("BLOCK_M1", 64), ("BLOCK_N1", 128), ("BLOCK_M2", 128), ("BLOCK_N2", 64), ("num_warps", 8), ("num_stages", 3)),
+    (("USE_TMA", True),),
+)
+
+
+def _flex_with_options(q, k, v, block_mask, options):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=block_mask, kernel_options=dict(options))
+
+
+def _segments_on(q, k, v, plan, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ..model.attention import segmented_attention
+
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        return segmented_attention(q, k, v, plan)
+
+
+def block_parts(preset_name: str, latent_hw, micro_batch: int = 1, device: str = "cuda") -> list[dict]:
+    """TFLOP/s of each piece of one block's forward and backward at the training shapes, on its own."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from ..model.args import preset
+    from ..model.attention import SegmentedMask, segmented_attention, teacher_forcing_block_mask
+    from ..model.flops import allowed_pairs, droid_layout
+
+    args = preset(preset_name)
+    layout = droid_layout(args, latent_hw)
+    L, d, ffn, C = layout.seq_len * micro_batch, args.dim, args.ffn_dim, args.text_len + args.clip_tokens
+    H, D = args.num_heads, args.head_dim
+    dev, bf = device, torch.bfloat16
+    rows = []
+
+    def add(name: str, flops: float, ms: float, count: int = 1):
+        rows.append({"piece": name, "count_per_block": count, "ms": round(ms, 3), "ms_per_block": round(ms * count, 3),
+                     "tflops": round(flops / ms / 1e9, 1), "of_peak": round(flops / ms / 1e9 / (H100_BF16_PEAK / 1e12), 3)})
+
+    # Linear layers: forward X·W, backward dX = dY·Wᵀ and dW = Xᵀ·dY (each 2·M·N·K).
+    for name, k, n, count in (("qkvo + cross q/o", d, d, 6), ("ffn up", d, ffn, 1), ("ffn down", ffn, d, 1)):
+        x, w, dy = (torch.randn(L, k, device=dev, dtype=bf), torch.randn(k, n, device=dev, dtype=bf),
+                    torch.randn(L, n, device=dev, dtype=bf))
+        f = 2 * L * k * n
+        add(f"{name}: forward [{L}x{k}]·[{k}x{n}]", f, _median_ms(lambda: x @ w), count)
+        add(f"{name}: grad input", f, _median_ms(lambda: dy @ w.t()), count)
+        add(f"{name}: grad weight", f, _median_ms(lambda: x.t() @ dy), count)
+        del x, w, dy
+
+    # Self-attention under the teacher-forcing mask, each implementation compiled as in training.
+    block_mask = teacher_forcing_block_mask(layout, device=dev)
+    plan = SegmentedMask.from_layout(layout)
+    model_flops = 4 * D * H * allowed_pairs(layout)
+    tiles = block_mask.kv_num_blocks.sum().item() + block_mask.full_kv_num_blocks.sum().item()
+    rows.append({"piece": "flex tiles computed / allowed pairs",
+                 "ratio": round(tiles * block_mask.BLOCK_SIZE[0] * block_mask.BLOCK_SIZE[1] / allowed_pairs(layout), 3)})
+    q, k, v = (torch.randn(1, H, layout.seq_len, D, device=dev, dtype=bf, requires_grad=True) for _ in range(3))
+    g = torch.randn_like(q)
+    variants = {"flex": lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask)}
+    for opts in ATTENTION_KERNEL_OPTIONS:
+        variants[f"flex {opts}"] = functools.partial(_flex_with_options, block_mask=block_mask, options=opts)
+    variants["segments (SDPA's choice)"] = lambda q, k, v: segmented_attention(q, k, v, plan)
+    for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+        variants[f"segments ({backend})"] = functools.partial(_segments_on, plan=plan, backend=backend)
+    reference = None
+    for name, fn in variants.items():
+        compiled = torch.compile(fn, dynamic=False)
+        try:
+            out = compiled(q, k, v)
+            fwd_ms = _median_ms(lambda: compiled(q, k, v))
+            fb_ms = _median_ms(lambda: torch.autograd.grad(compiled(q, k, v), (q, k, v), g))
+        except Exception as e:  # a kernel option the GPU cannot run: report it, keep going
+            rows.append({"piece": f"self-attention, {name}", "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            torch._dynamo.reset()
+            continue
+        if reference is None:
+            reference = out.detach().float()
+        err = ((out.float() - reference).norm() / reference.norm()).item()
+        add(f"self-attention forward, {name}", model_flops, fwd_ms)
+        add(f"self-attention backward, {name}", 2 * model_flops, fb_ms - fwd_ms)
+        rows[-1]["rel_err_vs_flex"] = round(err, 5)
+        del out
+    del q, k, v, g
+
+    # Cross-attention: L queries over C context tokens (SDPA, no mask).
+    q = torch.randn(1, H, L, D, device=dev, dtype=bf, requires_grad=True)
+    kc, vc = (torch.randn(1, H, C, D, device=dev, dtype=bf, requires_grad=True) for _ in range(2))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    cf = 4 * D * H * L * C
+    c_fwd = _median_ms(lambda: sdpa(q, kc, vc))
+    add(f"cross-attention forward ({C} keys)", cf, c_fwd)
+    go = torch.randn(1, H, L, D, device=dev, dtype=bf)
+    c_fb = _median_ms(lambda: torch.autograd.grad(sdpa(q, kc, vc), (q, kc, vc), go))
+    add("cross-attention backward", 2 * cf, c_fb - c_fwd)
+    return rows
+
+
+def print_parts(rows: list[dict]) -> None:
+    for r in rows:
+        if "ratio" in r or "error" in r:
+            print(f"  {r['piece']}: {r.get('ratio', r.get('error'))}")
+            continue
+        err = f"  rel. err {r['rel_err_vs_flex']:.1e}" if "rel_err_vs_flex" in r else ""
+        print(f"  {r['piece'][:70]:<70} {r['ms']:>8.2f} ms x{r['count_per_block']}  {r['tflops']:>6.1f} TFLOP/s "
+              f"({r['of_peak']:.0%}){err}")

@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover
     BlockMask = None  # type: ignore[assignment,misc]
     create_block_mask = flex_attention = None  # type: ignore[assignment]
 
-AttnMask = Union[None, torch.Tensor, "BlockMask"]
+AttnMask = Union[None, torch.Tensor, "BlockMask", "SegmentedMask"]
 
 # Group kinds in the per-token table.
 CLEAN0, CLEAN, NOISY0, NOISY, ACTION, STATE = range(6)
@@ -124,6 +124,79 @@ def teacher_forcing_block_mask(layout: TeacherForcingLayout, device: torch.devic
     return create_block_mask(mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=L, device=device, BLOCK_SIZE=block_size)
 
 
+@dataclass(frozen=True)
+class SegmentedMask:
+    """The §1.6 mask as dense rectangles: every query group attends one set of key ranges with no mask inside,
+    so each group is one plain SDPA call (cuDNN / FlashAttention kernels, nothing computed and then masked).
+
+    groups: ((query ranges), (key ranges)) per call, ranges as (start, end) token positions; a group's queries
+    are concatenated in the order given, and so are its keys. `state_ranges`: the state blocks, which attend
+    only themselves and are done in one batched call.
+    """
+
+    seq_len: int
+    groups: tuple
+    state_ranges: tuple
+
+    @staticmethod
+    def from_layout(layout: TeacherForcingLayout) -> "SegmentedMask":
+        fs, bs, K = layout.frame_seqlen, layout.num_frame_per_block * layout.frame_seqlen, layout.num_blocks
+        A, S, V = layout.num_action_per_block, layout.num_state_per_block, layout.video_len
+        groups = [(((0, fs),), ((0, fs),))]                                   # clean frame 0
+        groups += [(((fs + i * bs, fs + (i + 1) * bs),), ((0, fs + (i + 1) * bs),)) for i in range(K)]  # clean block i
+        groups.append((((V, V + fs),), ((V, V + fs),)))                       # noisy frame 0
+        for i in range(K):                                                    # noisy + action block i
+            noisy = (V + fs + i * bs, V + fs + (i + 1) * bs)
+            action = (2 * V + i * A, 2 * V + (i + 1) * A)
+            state = (2 * V + K * A + i * S, 2 * V + K * A + (i + 1) * S)
+            groups.append(((noisy, action), ((0, fs + i * bs), noisy, action, state)))
+        states = tuple((2 * V + K * A + i * S, 2 * V + K * A + (i + 1) * S) for i in range(K))
+        return SegmentedMask(layout.seq_len, tuple(groups), states)
+
+    def dense(self) -> torch.Tensor:
+        """The same mask as a dense [L, L] bool tensor (tests compare it with `teacher_forcing_mask`)."""
+        m = torch.zeros(self.seq_len, self.seq_len, dtype=torch.bool)
+        for q_ranges, k_ranges in self.groups:
+            for qs, qe in q_ranges:
+                for ks, ke in k_ranges:
+                    m[qs:qe, ks:ke] = True
+        for s, e in self.state_ranges:
+            m[s:e, s:e] = True
+        return m
+
+
+def _take(x: torch.Tensor, ranges) -> torch.Tensor:
+    """x [B, H, L, D]: the rows of `ranges` along L, concatenated (a view when there is one range)."""
+    parts = [x[:, :, s:e] for s, e in ranges if e > s]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def segmented_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentedMask) -> torch.Tensor:
+    """Attention under the teacher-forcing mask as one unmasked SDPA call per query group. [B, H, L, D]."""
+    L = q.shape[2]
+    if L != plan.seq_len:
+        raise ValueError(f"segmented mask is for {plan.seq_len} tokens, got {L}")
+    pieces: list[tuple[int, torch.Tensor]] = []  # (start position, output rows)
+    for q_ranges, k_ranges in plan.groups:
+        out = F.scaled_dot_product_attention(_take(q, q_ranges), _take(k, k_ranges), _take(v, k_ranges))
+        offset = 0
+        for s, e in q_ranges:
+            pieces.append((s, out[:, :, offset:offset + e - s]))
+            offset += e - s
+    if plan.state_ranges:
+        B, H, _, D = q.shape
+        K, S = len(plan.state_ranges), plan.state_ranges[0][1] - plan.state_ranges[0][0]
+        first = plan.state_ranges[0][0]
+
+        def blocks(x):  # the state rows [B, H, K·S, D] -> [B·K, H, S, D]: each block attends itself
+            return x[:, :, first:first + K * S].reshape(B, H, K, S, D).transpose(1, 2).reshape(B * K, H, S, D)
+
+        out = F.scaled_dot_product_attention(blocks(q), blocks(k), blocks(v))
+        pieces.append((first, out.reshape(B, K, H, S, D).transpose(1, 2).reshape(B, H, K * S, D)))
+    pieces.sort(key=lambda p: p[0])
+    return torch.cat([p[1] for p in pieces], dim=2)
+
+
 def count_allowed_pairs(layout: TeacherForcingLayout) -> int:
     """P in the reference's FLOPs formula (attention work = 4·d·P per layer)."""
     return int(teacher_forcing_mask(layout).sum())
@@ -147,10 +220,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask 
     """Scaled dot-product attention on [B, L, H, D] tensors, returning [B, Lq, H, D].
 
     mask: None (full attention), a bool tensor broadcastable to [B, H, Lq, Lk]
-    (True = attend), or a FlexAttention BlockMask.
+    (True = attend), a FlexAttention BlockMask, or a SegmentedMask.
     """
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if BlockMask is not None and isinstance(mask, BlockMask):
+    if isinstance(mask, SegmentedMask):
+        out = segmented_attention(q, k, v, mask)
+    elif BlockMask is not None and isinstance(mask, BlockMask):
         out = _flex(q, k, v, mask)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -21,7 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .args import DreamZeroArgs
-from .attention import AttnMask, TeacherForcingLayout, teacher_forcing_block_mask, teacher_forcing_mask
+from .attention import (AttnMask, SegmentedMask, TeacherForcingLayout, teacher_forcing_block_mask,
+                        teacher_forcing_mask)
 from .wan_dit import Rope, WanModel, rope_angles
 
 
@@ -137,7 +138,9 @@ class DreamZeroWAM(WanModel):
             return teacher_forcing_block_mask(layout, device=device)
         if backend == "sdpa":
             return teacher_forcing_mask(layout, device=device)
-        raise ValueError(f"attention backend must be 'auto', 'flex' or 'sdpa', got {backend!r}")
+        if backend == "segments":
+            return SegmentedMask.from_layout(layout)
+        raise ValueError(f"attention backend must be 'auto', 'flex', 'segments' or 'sdpa', got {backend!r}")
 
     # -- training forward ------------------------------------------------------
 

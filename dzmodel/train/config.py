@@ -53,7 +53,7 @@ class TrainConfig:
         self.betas = tuple(self.betas)  # type: ignore[assignment]
         choices = {"precision": ("fp32", "bf16"), "reduce_dtype": ("fp32", "bf16"), "sharding": ("full", "hybrid", "none"),
                    "schedule": ("cosine", "constant"),
-                   "attn_backend": ("auto", "flex", "sdpa")}
+                   "attn_backend": ("auto", "flex", "segments", "sdpa")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"train.{name} must be one of {allowed}, got {getattr(self, name)!r}")

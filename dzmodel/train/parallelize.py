@@ -98,7 +98,12 @@ def apply_fsdp(model: nn.Module, sharding: str = "full", param_dtype: str = "fp3
                device_type: str = "cpu") -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    # cast_forward_inputs=False: FSDP's default would round every floating input to param_dtype. That turns the
+    # fp32 timesteps (spacing 4 near t = 1000 in bf16) and the fp32 per-token modulation e0 into bf16, and adds
+    # a cast per block in forward and a cast back in backward. The model casts its inputs to its weights' dtype
+    # itself where a matmul needs it.
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype],
+                              cast_forward_inputs=False)
     mesh = None
     if sharding == "hybrid":
         from torch.distributed.device_mesh import init_device_mesh
@@ -112,3 +117,11 @@ def apply_fsdp(model: nn.Module, sharding: str = "full", param_dtype: str = "fp3
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def build_adamw(params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                device_type: str = "cpu") -> torch.optim.AdamW:
+    """AdamW with fp32 state. On CUDA the fused kernel, also for FSDP2's DTensor parameters: the default there
+    is a per-parameter loop (8 kernels and a DTensor dispatch per parameter per step)."""
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                             fused=device_type == "cuda" or None)

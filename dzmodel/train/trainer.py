@@ -38,7 +38,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .encoders import frozen_encoders
 from .metrics import PEAK_FLOPS, JsonlSink, MetricsSink, Progress, peak_memory_gib
-from .parallelize import DTYPES, apply_fsdp, apply_recompute_and_compile
+from .parallelize import DTYPES, apply_fsdp, apply_recompute_and_compile, build_adamw
 from .step import losses_from_encoded, sft_losses
 
 
@@ -99,8 +99,7 @@ class Trainer:
         elif self.info.world_size > 1:
             raise ValueError("sharding 'none' with several processes is not supported: use full or hybrid")
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = build_adamw(model.parameters(), cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay, dev.type)
         # frozen, replicated, batched per micro-batch; not needed when training from the cache
         self.encoders = None if cfg.cache else frozen_encoders(cfg, dev)
         if self.encoders is not None and cfg.precision == "bf16":  # frozen: no master copy needed

@@ -4,8 +4,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dzmodel.model.attention import (TeacherForcingLayout, attention, count_allowed_pairs, teacher_forcing_block_mask,
-                                     teacher_forcing_mask)
+from dzmodel.model.attention import (SegmentedMask, TeacherForcingLayout, attention, count_allowed_pairs,
+                                     teacher_forcing_block_mask, teacher_forcing_mask)
 from dzmodel.model.flops import allowed_pairs
 
 FIXTURE_LAYOUT = TeacherForcingLayout(num_blocks=2, frame_seqlen=6, num_frame_per_block=2,
@@ -84,3 +84,43 @@ def test_flex_attention_and_sdpa_agree_with_each_other_and_the_mask():
 
     elem = create_mask(lambda b, h, qi, ki: allowed(kinds[qi], blocks[qi], kinds[ki], blocks[ki]), None, None, L, L, device="cpu")
     assert torch.equal(elem[0, 0], dense)
+
+
+SEGMENT_LAYOUTS = [FIXTURE_LAYOUT, TeacherForcingLayout(4, 5, 2, 3, 1), TeacherForcingLayout(3, 7, 1, 4, 2),
+                   TeacherForcingLayout(1, 3, 2, 2, 1), TeacherForcingLayout(2, 4, 2, 6, 3)]
+
+
+@pytest.mark.parametrize("layout", SEGMENT_LAYOUTS)
+def test_segmented_mask_covers_exactly_the_allowed_pairs(layout):
+    plan = SegmentedMask.from_layout(layout)
+    assert torch.equal(plan.dense(), teacher_forcing_mask(layout))
+    # every query belongs to exactly one call: no row computed twice, none left out
+    rows = torch.zeros(layout.seq_len, dtype=torch.long)
+    for q_ranges, _ in plan.groups:
+        for s, e in q_ranges:
+            rows[s:e] += 1
+    for s, e in plan.state_ranges:
+        rows[s:e] += 1
+    assert torch.equal(rows, torch.ones_like(rows))
+
+
+@pytest.mark.parametrize("layout", SEGMENT_LAYOUTS)
+def test_segmented_attention_equals_the_masked_reference_with_gradients(layout):
+    torch.manual_seed(0)
+    L = layout.seq_len
+    q, k, v = (torch.randn(2, L, 3, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    seg = attention(q, k, v, SegmentedMask.from_layout(layout))
+    ref = attention(q, k, v, teacher_forcing_mask(layout))
+    torch.testing.assert_close(seg, ref, atol=1e-12, rtol=1e-12)
+    w = torch.randn_like(seg)
+    g_seg = torch.autograd.grad((seg * w).sum(), (q, k, v))
+    g_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(g_seg, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_segmented_attention_refuses_another_length():
+    plan = SegmentedMask.from_layout(FIXTURE_LAYOUT)
+    q = torch.randn(1, FIXTURE_LAYOUT.seq_len + 1, 2, 4)
+    with pytest.raises(ValueError, match="segmented mask is for 70 tokens, got 71"):
+        attention(q, q, q, plan)

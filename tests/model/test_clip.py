@@ -137,6 +137,9 @@ def test_wrong_image_size_is_an_error():
 
 
 def test_matches_transformers_clip_vision():
+    from dzmodel.data.lerobot_compat import install_torchvision_shim
+
+    install_torchvision_shim()  # transformers imports torchvision: the CPU-torch shim, whatever ran before
     transformers = pytest.importorskip("transformers", reason="transformers not installed (dev extra); "
                                        "cross-check against CLIPVisionModel skipped")
     cfg = clip_preset("tiny")

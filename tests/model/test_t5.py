@@ -167,6 +167,9 @@ def test_bf16_runs_and_tracks_fp32():
 
 
 def test_matches_transformers_umt5():
+    from dzmodel.data.lerobot_compat import install_torchvision_shim
+
+    install_torchvision_shim()  # transformers imports torchvision: the CPU-torch shim, whatever ran before
     transformers = pytest.importorskip("transformers", reason="transformers not installed (dev extra); "
                                        "cross-check against UMT5EncoderModel skipped")
     cfg = t5_preset("tiny", num_layers=3, max_distance=20)  # small max distance: exercise the log/capped buckets

@@ -134,6 +134,23 @@ def test_flex_and_sdpa_give_the_same_wam_forward():
     torch.testing.assert_close(a.action_pred, f.action_pred, atol=1e-5, rtol=1e-5)
 
 
+def test_segmented_attention_gives_the_same_wam_forward_and_gradients():
+    model = tiny_model().double()
+    b = {k: v.double() if v.is_floating_point() else v for k, v in tiny_batch(model.args).items()}
+    results = {}
+    for backend in ("sdpa", "segments"):
+        model.zero_grad()
+        out = model(**b, attn_backend=backend)
+        (out.video_pred.square().mean() + out.action_pred.square().mean()).backward()
+        results[backend] = (out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    (a, ga), (s, gs) = results["sdpa"], results["segments"]
+    torch.testing.assert_close(s.video_pred, a.video_pred, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(s.action_pred, a.action_pred, atol=1e-12, rtol=1e-10)
+    assert ga.keys() == gs.keys() and len(ga) > 10
+    for n in ga:
+        torch.testing.assert_close(gs[n], ga[n], atol=1e-12, rtol=1e-9, msg=n)
+
+
 def test_embodiment_id_is_ignored_like_upstream():
     model = tiny_model()
     b = tiny_batch(model.args)

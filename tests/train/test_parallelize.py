@@ -91,3 +91,27 @@ def test_recompute_plans():
         block_recompute_plan("full:41", 40)
     with pytest.raises(ValueError, match=r"full:N"):
         block_recompute_plan("full:x", 40)
+
+
+def test_fsdp_keeps_fp32_timesteps_and_modulation_under_bf16_params(tmp_path):
+    """FSDP2's default input cast would round the timesteps and the per-token modulation e0 to bf16."""
+    import torch.distributed as dist
+
+    from dzmodel.train.parallelize import apply_fsdp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = tiny_model(seed=1).train()
+        apply_fsdp(model, "full", param_dtype="bf16", reduce_dtype="fp32", device_type="cpu")
+        seen = {}
+        model.register_forward_pre_hook(lambda m, args, kwargs: seen.update(timestep=kwargs["timestep"].dtype),
+                                        with_kwargs=True)
+        model.blocks[0].register_forward_pre_hook(lambda m, args: seen.update(e0=args[1].dtype, x=args[0].dtype))
+        batch = tiny_batch(model.args, batch=2)
+        out = model(**batch, attn_backend="sdpa")  # no autocast, as the sharded trainer runs it
+        (out.video_pred.float().square().mean() + out.action_pred.float().square().mean()).backward()
+        assert seen == {"timestep": torch.float32, "e0": torch.float32, "x": torch.bfloat16}
+        assert all(p.grad is not None and torch.isfinite(p.grad.full_tensor()).all()
+                   for p in model.parameters() if p.requires_grad)
+    finally:
+        dist.destroy_process_group()
