@@ -335,7 +335,7 @@ def cmd_bench_model(ns: argparse.Namespace) -> int:
 
 # The best measured 5B configuration on one H200 (docs/performance.md).
 OPTIMISED_VARIANT = {"name": "optimised", "micro_batch": 21, "accumulation": 1, "compile": True, "ac": "elementwise",
-                     "attention": "flex", "encoders": "cache"}
+                     "attention": "segments", "encoders": "cache"}
 
 
 def parse_variant(text: str) -> dict:
@@ -363,7 +363,7 @@ def cmd_bench_train(ns: argparse.Namespace) -> int:
     # Before the first CUDA allocation: large, varying activation sets fragment the default allocator.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     hw = tuple(int(x) for x in ns.latent_hw.split(","))
-    run(ns.preset, ns.layers or None, configs, hw, ns.steps, ns.warmup, ns.out)
+    run(ns.preset, ns.layers or None, configs, hw, ns.steps, ns.warmup, ns.out, fsdp=ns.fsdp)
     return EXIT_OK
 
 
@@ -383,7 +383,7 @@ def cmd_bench_profile(ns: argparse.Namespace) -> int:
         result["parts"] = rows
     if not ns.parts_only:
         s = profile_step(ns.preset, ns.layers or None, v["micro_batch"], v["compile"], v["ac"], v["attention"], hw,
-                         ns.trace)
+                         ns.trace, fsdp=ns.fsdp)
         if s is None:  # not rank 0
             return EXIT_OK
         print(f"one training step, {ns.preset} {ns.layers or 'all'} layers, {ns.variant}:")
@@ -643,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="dreamzero_5b")
     p.add_argument("--layers", type=int, default=4, help="cut the preset to this many layers (0 = all)")
     p.add_argument("--batch", default="1", help="comma-separated micro-batch sizes")
-    p.add_argument("--backend", default="flex", help="comma-separated: flex, sdpa")
+    p.add_argument("--backend", default="flex", help="comma-separated: flex, segments, sdpa")
     p.add_argument("--latent-hw", default="11,20", help="latent H,W before patching (5B DROID: 11,20)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -656,9 +656,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=0, help="cut the preset to this many layers (0 = all)")
     p.add_argument("--latent-hw", default="11,20", help="latent H,W (5B DROID 11,20; 14B DROID 44,80)")
     p.add_argument("--variant", action="append",
-                   help="an optimised config: name=..,mbs=..,accum=..,compile=0/1,ac=none|elementwise|selective|full,attn=flex|sdpa,"
+                   help="an optimised config: name=..,mbs=..,accum=..,compile=0/1,ac=none|elementwise|selective|full|full:N,attn=segments|flex|sdpa,"
                         "encoders=cache|online_batched|online_per_sample (repeatable)")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 even with one process (its overhead without communication)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", help="append JSON lines here")
@@ -671,6 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parts", action="store_true", help="also time one block's GEMMs and attention kernels alone")
     p.add_argument("--parts-only", action="store_true", help="only the pieces, no profiled step")
     p.add_argument("--trace", help="keep the Chrome trace here")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 even with one process")
     p.add_argument("--out", help="append a JSON line here")
     p.set_defaults(func=cmd_bench_profile)
     p = bench.add_parser("policy", help="inference latency of one action chunk (predict_actions)")

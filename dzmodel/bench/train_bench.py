@@ -47,6 +47,7 @@ class TrainBenchResult:
     model_tflops_per_s: float
     mfu: float
     peak_mem_gib: float
+    activation_gib: float  # memory held from the start of a micro-batch's forward until its backward
     alloc_retries: int  # allocator flush-and-retry events: > 0 means the step ran at the memory limit
     device: str
 
@@ -63,14 +64,16 @@ def _encoder_inputs(preset_name: str, batch: int, device, image_size, frames: in
 
 
 def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
-                     attention: str, encoders: str, latent_hw=(11, 20), device: str = "cuda", accumulation: int = 1):
+                     attention: str, encoders: str, latent_hw=(11, 20), device: str = "cuda", accumulation: int = 1,
+                     fsdp: bool = False, memory: dict | None = None):
     """One full training step of a configuration as a closure: (step, args, layout). A step is
     `accumulation` forward/backward passes of `micro_batch` samples, then clip and AdamW. Used by the bench
-    and by `train_profile`."""
+    and by `train_profile`. fsdp: wrap in FSDP2 even in a one-process group (its own overhead, without
+    communication). memory: if given, gets "activation_bytes" of the last micro-batch."""
     from ..model.conditioning import encode_batch
 
     args = preset(preset_name, **({"num_layers": num_layers} if num_layers else {}))
-    sharded = dist.is_initialized() and dist.get_world_size() > 1
+    sharded = dist.is_initialized() and (dist.get_world_size() > 1 or fsdp)
     torch.manual_seed(0)
     with torch.device(device):
         model = DreamZeroWAM(args)
@@ -98,6 +101,7 @@ def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int,
         enc, images, ids, tmask = _encoder_inputs(preset_name, micro_batch, device, image_size, 4 * (args.num_frames - 1) + 1)
 
     def micro_step():
+        before = torch.cuda.memory_allocated() if memory is not None and device.startswith("cuda") else None
         clean = inputs["clean_latents"]
         if enc is not None:
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -116,6 +120,8 @@ def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int,
                         inputs["context"], inputs["clip_feature"], y=inputs["y"], mask=mask)
         losses = flow_matching_losses(sched, out.video_pred, out.action_pred, clean, noise, actions, noise_a, tid, aid,
                                       action_mask, real)
+        if before is not None:
+            memory["activation_bytes"] = torch.cuda.memory_allocated() - before
         (losses.loss / accumulation).backward()
 
     def step():
@@ -130,9 +136,10 @@ def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int,
 
 def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
                attention: str, encoders: str, latent_hw=(11, 20), steps: int = 8, warmup: int = 3,
-               device: str = "cuda", accumulation: int = 1) -> TrainBenchResult:
+               device: str = "cuda", accumulation: int = 1, fsdp: bool = False) -> TrainBenchResult:
+    memory: dict = {}
     step, args, layout = build_train_step(preset_name, num_layers, micro_batch, compile, ac, attention, encoders,
-                                          latent_hw, device, accumulation)
+                                          latent_hw, device, accumulation, fsdp, memory)
     each = time_steps(step, steps, warmup, device)
     ms = statistics.median(each)
     samples = micro_batch * accumulation
@@ -145,6 +152,7 @@ def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch:
         step_ms_each=[round(t, 1) for t in each],
         samples_per_s_per_gpu=round(samples / (ms / 1e3), 3), model_tflops_per_s=round(achieved / 1e12, 1),
         mfu=round(achieved / H100_BF16_PEAK, 4), peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        activation_gib=round(memory.get("activation_bytes", 0) / 2**30, 2),
         alloc_retries=int(torch.cuda.memory_stats().get("num_alloc_retries", 0)),
         device=torch.cuda.get_device_name())
     del step  # frees the model, optimizer and inputs it holds
@@ -163,11 +171,11 @@ def _release_memory() -> None:
 
 def print_side_by_side(results: list[TrainBenchResult]) -> None:
     print(f"{'config':<12} {'layers':>6} {'mbs':>4} {'acc':>3} {'compile':>7} {'AC':>9} {'attn':>5} {'encoders':>17} "
-          f"{'step ms':>9} {'samples/s/GPU':>13} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
+          f"{'step ms':>9} {'samples/s/GPU':>13} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8} {'act GiB':>7}")
     for r in results:
         print(f"{r.name:<12} {r.num_layers:>6} {r.micro_batch:>4} {r.accumulation:>3} {str(r.compile):>7} {r.activation_checkpointing:>9} "
               f"{r.attention:>5} {r.encoders:>17} {r.step_ms:>9.1f} {r.samples_per_s_per_gpu:>13.3f} "
-              f"{r.model_tflops_per_s:>8.1f} {r.mfu:>6.1%} {r.peak_mem_gib:>8.1f}")
+              f"{r.model_tflops_per_s:>8.1f} {r.mfu:>6.1%} {r.peak_mem_gib:>8.1f} {r.activation_gib:>7.1f}")
     base = next((r for r in results if r.name.startswith("baseline")), None)
     if base:
         for r in results:
@@ -175,9 +183,17 @@ def print_side_by_side(results: list[TrainBenchResult]) -> None:
                 print(f"{r.name} / baseline: {r.samples_per_s_per_gpu / base.samples_per_s_per_gpu:.2f}x samples/s/GPU")
 
 
-def init_distributed() -> str:
-    """Under torchrun (WORLD_SIZE > 1): join the process group and pick this rank's GPU. Returns the device."""
+def init_distributed(fsdp: bool = False) -> str:
+    """Under torchrun (WORLD_SIZE > 1): join the process group and pick this rank's GPU. Returns the device.
+    With one process and fsdp=True: a one-process NCCL group, so FSDP2 can wrap the model."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        if fsdp and not dist.is_initialized():
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         return "cuda"
     if not dist.is_initialized():
         dist.init_process_group("cpu:gloo,cuda:nccl")
@@ -186,16 +202,17 @@ def init_distributed() -> str:
 
 
 def run(preset_name: str, num_layers: int | None, configs: list[dict], latent_hw, steps: int, warmup: int,
-        out_path: str | None) -> list[TrainBenchResult]:
-    """Under torchrun (WORLD_SIZE > 1) every config runs with FSDP2 over all GPUs; rank 0 reports."""
-    device = init_distributed()
+        out_path: str | None, fsdp: bool = False) -> list[TrainBenchResult]:
+    """Under torchrun (WORLD_SIZE > 1) every config runs with FSDP2 over all GPUs; rank 0 reports.
+    fsdp=True wraps in FSDP2 on one GPU too."""
+    device = init_distributed(fsdp)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     results = []
     for c in configs:
         t0 = time.time()
         try:
             r = run_config(preset_name=preset_name, num_layers=num_layers, latent_hw=latent_hw, steps=steps,
-                           warmup=warmup, device=device, **c)
+                           warmup=warmup, device=device, fsdp=fsdp, **c)
         except torch.OutOfMemoryError:
             print(f"{c['name']}: out of memory", flush=True)
             _release_memory()

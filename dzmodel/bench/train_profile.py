@@ -98,7 +98,7 @@ def print_summary(s: KernelSummary) -> None:
 
 
 def profile_step(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str, attention: str,
-                 latent_hw, trace_out: str | None = None, warmup: int = 3) -> KernelSummary | None:
+                 latent_hw, trace_out: str | None = None, warmup: int = 3, fsdp: bool = False) -> KernelSummary | None:
     """Profiles one step after `warmup` steps. Under torchrun every rank steps; rank 0 returns the summary."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -106,9 +106,9 @@ def profile_step(preset_name: str, num_layers: int | None, micro_batch: int, com
 
     from .train_bench import build_train_step, init_distributed
 
-    device = init_distributed()  # under torchrun: FSDP2 over all GPUs, as `dz bench train` runs it
+    device = init_distributed(fsdp)  # under torchrun: FSDP2 over all GPUs, as `dz bench train` runs it
     step, _, _ = build_train_step(preset_name, num_layers, micro_batch, compile, ac, attention, "cache", latent_hw,
-                                  device=device)
+                                  device=device, fsdp=fsdp)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()

@@ -25,7 +25,7 @@ from ..data.transforms import NormStats  # noqa: F401  (re-exported: the policy'
 from .conditioning import video_to_unit_range
 from .objective import FlowMatchSchedule
 from .wam import DreamZeroWAM
-from .wan_dit import Rope
+from .wan_dit import GroupedModulation, Rope
 
 # --- model-level cached inference -------------------------------------------------------
 
@@ -76,7 +76,7 @@ def prefill(model: DreamZeroWAM, cache: KVCache, latents: torch.Tensor, cond: Co
     tokens, grid = model.embed_video(x_in)
     B = tokens.shape[0]
     _, e0 = model.embed_time(torch.zeros(B, 1, device=tokens.device))
-    e0 = e0.expand(B, tokens.shape[1], 6, a.dim)
+    e0 = GroupedModulation(e0, ((1, tokens.shape[1]),))  # one timestep for every token
     rope = model.video_rope(grid, start_frame=cache.num_frames)
     _, own = model.run_blocks(tokens, e0, rope, cond.text, cond.image, mask=None, cache=cache.layers)
     cache.append(own, f)
@@ -100,7 +100,7 @@ def denoise_velocity(model: DreamZeroWAM, cache: KVCache, noisy_video: torch.Ten
     register = model.embed_register(noisy_actions, t_actions, state)
     x = torch.cat([video, register], dim=1)
     e, e0 = model.embed_time(t[:, None])
-    e0 = e0.expand(B, x.shape[1], 6, a.dim)
+    e0 = GroupedModulation(e0, ((1, x.shape[1]),))
     rope = Rope.cat([model.video_rope(grid, start_frame=cache.num_frames), model.register_rope(block, 1)])
     n_new, n_cache = x.shape[1], cache.num_tokens
     mask = torch.ones(n_new, n_cache + n_new, dtype=torch.bool, device=x.device)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .args import DreamZeroArgs
 from .attention import (AttnMask, SegmentedMask, TeacherForcingLayout, teacher_forcing_block_mask,
                         teacher_forcing_mask)
-from .wan_dit import Rope, WanModel, rope_angles
+from .wan_dit import GroupedModulation, Modulation, Rope, WanModel, rope_angles
 
 
 class CategorySpecificLinear(nn.Module):
@@ -133,7 +133,7 @@ class DreamZeroWAM(WanModel):
 
     def make_mask(self, layout: TeacherForcingLayout, backend: str, device: torch.device) -> AttnMask:
         if backend == "auto":
-            backend = "flex" if device.type == "cuda" else "sdpa"
+            backend = "segments" if device.type == "cuda" else "sdpa"
         if backend == "flex":
             return teacher_forcing_block_mask(layout, device=device)
         if backend == "sdpa":
@@ -174,14 +174,14 @@ class DreamZeroWAM(WanModel):
         register = self.embed_register(noisy_actions, timestep_action, state)
         x = torch.cat([clean, noisy, register], dim=1)
 
-        # Time embedding per frame / action / state, broadcast to tokens.
-        e_clean, e0_clean = self.embed_time(torch.zeros_like(timestep[:, :1]))
+        # Time embedding per group of tokens sharing a timestep (the clean video, each noisy frame, each
+        # action and state), broadcast to the tokens inside the blocks.
+        _, e0_clean = self.embed_time(torch.zeros_like(timestep[:, :1]))
         e_noisy, e0_noisy = self.embed_time(timestep)
         t_register = torch.cat([timestep_action, self.state_timesteps(timestep_action)], dim=1)
         _, e0_register = self.embed_time(t_register)
-        e0 = torch.cat([e0_clean.expand(B, layout.video_len, 6, a.dim),
-                        e0_noisy.repeat_interleave(fs, dim=1),
-                        e0_register], dim=1)
+        e0 = GroupedModulation(torch.cat([e0_clean, e0_noisy, e0_register], dim=1),
+                               runs=((1, layout.video_len), (F_, fs), (t_register.shape[1], 1)))
 
         text, image = self.embed_context(context, clip_feature)
         video_rope = self.video_rope(grid)
@@ -199,7 +199,7 @@ class DreamZeroWAM(WanModel):
 
     # -- cached inference --------------------------------------------------------
 
-    def run_blocks(self, x: torch.Tensor, e0: torch.Tensor, rope: Rope, text: torch.Tensor,
+    def run_blocks(self, x: torch.Tensor, e0: Modulation, rope: Rope, text: torch.Tensor,
                    image: torch.Tensor | None, mask: AttnMask,
                    cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:

@@ -13,6 +13,8 @@ fp32 keeps the GPU path fast).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Union
 
 import torch
 import torch.nn as nn
@@ -197,6 +199,56 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return x.float() * (1 + scale) + shift
 
 
+def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return x.float() + y.float() * gate
+
+
+@dataclass(frozen=True)
+class GroupedModulation:
+    """Time modulation per group of tokens that share a timestep: e0 [B, G, 6, dim] (fp32) and the runs it
+    covers, ((groups, tokens per group), ...) in token order. The blocks broadcast each run over its tokens,
+    so the per-token [B, L, 6, dim] tensor (2 GB at 14B, L = 15,940), its reads in every block and its
+    gradient accumulation are never materialised."""
+
+    e0: torch.Tensor
+    runs: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        groups = sum(n for n, _ in self.runs)
+        if self.e0.dim() != 4 or self.e0.shape[1] != groups or self.e0.shape[2] != 6:
+            raise ValueError(f"grouped modulation: e0 must be [B, {groups}, 6, dim] for runs {self.runs}, "
+                             f"got {tuple(self.e0.shape)}")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n * size for n, size in self.runs)
+
+    def per_token(self) -> torch.Tensor:
+        """The equivalent per-token e0 [B, L, 6, dim] (for checks)."""
+        sizes = torch.tensor([size for n, size in self.runs for _ in range(n)], device=self.e0.device)
+        return self.e0.repeat_interleave(sizes, dim=1)
+
+
+Modulation = Union[torch.Tensor, GroupedModulation]
+
+
+def per_run(fn, runs: tuple[tuple[int, int], ...] | None, tokens: tuple[torch.Tensor, ...],
+            terms: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """fn(*tokens, *terms) with per-group `terms` [B, G, d] broadcast over the token runs of `tokens` [B, L, d].
+    runs None: the terms are per token already."""
+    if runs is None:
+        return fn(*tokens, *terms)
+    out, t0, g0 = [], 0, 0
+    for groups, size in runs:
+        tk = [x[:, t0:t0 + groups * size].unflatten(1, (groups, size)) for x in tokens]
+        tm = [m[:, g0:g0 + groups].unsqueeze(2) for m in terms]
+        out.append(fn(*tk, *tm).flatten(1, 2))
+        t0, g0 = t0 + groups * size, g0 + groups
+    if t0 != tokens[0].shape[1]:
+        raise ValueError(f"grouped modulation covers {t0} tokens, the sequence has {tokens[0].shape[1]}")
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
 class WanAttentionBlock(nn.Module):
     """x += SelfAttn(LN1(x)(1+m1)+m0)·m2 ; x += CrossAttn(LN3(x)) ; x += FFN(LN2(x)(1+m4)+m3)·m5."""
 
@@ -211,24 +263,27 @@ class WanAttentionBlock(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(dim, args.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(args.ffn_dim, dim))
         self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
 
-    def modulation_terms(self, e0: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """e0 [B, L, 6, dim] (fp32) -> six [B, L, dim] terms: shift/scale/gate for attn and FFN."""
-        return (self.modulation.float().unsqueeze(0) + e0.float()).unbind(dim=2)
+    def modulation_terms(self, e0: Modulation) -> tuple[tuple[torch.Tensor, ...], tuple | None]:
+        """e0 [B, L, 6, dim] per token, or grouped ([B, G, 6, dim] + runs), fp32 -> six [B, L or G, dim] terms
+        (shift/scale/gate for attn and FFN) and the runs (None when per token)."""
+        if isinstance(e0, GroupedModulation):
+            return (self.modulation.float().unsqueeze(0) + e0.e0.float()).unbind(dim=2), e0.runs
+        return (self.modulation.float().unsqueeze(0) + e0.float()).unbind(dim=2), None
 
-    def forward(self, x: torch.Tensor, e0: torch.Tensor, rope: Rope, text: torch.Tensor,
+    def forward(self, x: torch.Tensor, e0: Modulation, rope: Rope, text: torch.Tensor,
                 image: torch.Tensor | None = None, mask: AttnMask = None) -> torch.Tensor:
         return self.forward_with_kv(x, e0, rope, text, image, mask)[0]
 
-    def forward_with_kv(self, x: torch.Tensor, e0: torch.Tensor, rope: Rope, text: torch.Tensor,
+    def forward_with_kv(self, x: torch.Tensor, e0: Modulation, rope: Rope, text: torch.Tensor,
                         image: torch.Tensor | None = None, mask: AttnMask = None,
                         past_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The block, attending [past_kv | own]; also returns own roped (k, v) for a KV cache."""
-        m = self.modulation_terms(e0)
-        y, own_kv = self.self_attn(modulate(self.norm1(x), m[0], m[1]).type_as(x), rope, mask, past_kv)
-        x = (x.float() + y.float() * m[2]).type_as(x)
+        m, runs = self.modulation_terms(e0)
+        y, own_kv = self.self_attn(per_run(modulate, runs, (self.norm1(x),), m[0:2]).type_as(x), rope, mask, past_kv)
+        x = per_run(gated_residual, runs, (x, y), m[2:3]).type_as(x)
         x = x + self.cross_attn(self.norm3(x), text, image)
-        y = self.ffn(modulate(self.norm2(x), m[3], m[4]).type_as(x))
-        return (x.float() + y.float() * m[5]).type_as(x), own_kv
+        y = self.ffn(per_run(modulate, runs, (self.norm2(x),), m[3:5]).type_as(x))
+        return per_run(gated_residual, runs, (x, y), m[5:6]).type_as(x), own_kv
 
 
 class Head(nn.Module):

@@ -10,7 +10,7 @@ from dzmodel.cli import CLIError, parse_variant
 def test_variant_parsing_defaults_and_errors():
     v = parse_variant("name=ew,mbs=16,accum=2,ac=elementwise,compile=0")
     assert v == {"name": "ew", "micro_batch": 16, "accumulation": 2, "compile": False, "ac": "elementwise",
-                 "attention": "flex", "encoders": "cache"}
+                 "attention": "segments", "encoders": "cache"}
     with pytest.raises(CLIError, match="not one of"):
         parse_variant("mbs=2,gpus=8")
     with pytest.raises(CLIError, match="key=value"):

@@ -154,3 +154,45 @@ def test_text_context_is_zero_padded_and_too_long_is_refused():
     torch.testing.assert_close(model(x, t, short), model(x, t, padded))
     with pytest.raises(ValueError, match="text_len"):
         model(x, t, torch.randn(1, 7, 8))
+
+
+def test_grouped_modulation_gives_the_per_token_block_exactly():
+    """The block with e0 per group (broadcast over token runs) equals the block with e0 repeated per token,
+    outputs and every gradient (e0's included)."""
+    from dzmodel.model.wan_dit import GroupedModulation, Rope, WanAttentionBlock
+
+    torch.manual_seed(0)
+    args = preset("tiny")
+    block = WanAttentionBlock(args).double()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    runs = ((1, 7), (3, 4), (5, 1))  # a clean run, three frames of 4 tokens, five register tokens
+    L, B, d = 24, 2, args.dim
+    x = torch.randn(B, L, d, dtype=torch.float64)
+    text = torch.randn(B, 5, d, dtype=torch.float64)
+    rope = Rope(torch.randn(L, args.head_dim // 2, dtype=torch.float64))
+    image = torch.randn(B, 3, d, dtype=torch.float64) if args.cross_attn_type == "i2v" else None
+    results = []
+    for grouped in (True, False):
+        e0 = torch.randn(B, 9, 6, d, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        mod = GroupedModulation(e0, runs)
+        out = block(x, mod if grouped else mod.per_token(), rope, text, image)
+        block.zero_grad()
+        (out * torch.linspace(-1, 1, d, dtype=torch.float64)).sum().backward()
+        results.append((out, e0.grad, [p.grad.clone() for p in block.parameters()]))
+    (a, ea, ga), (b, eb, gb) = results
+    torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    # modulation runs in fp32 (WAN), so gradients summed over a group's tokens differ by fp32 summation order
+    torch.testing.assert_close(ea, eb, atol=1e-5, rtol=1e-5)
+    for u, v in zip(ga, gb):
+        torch.testing.assert_close(u, v, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_modulation_rejects_runs_that_do_not_fit():
+    from dzmodel.model.wan_dit import GroupedModulation, per_run
+
+    with pytest.raises(ValueError, match=r"must be \[B, 4, 6, dim\]"):
+        GroupedModulation(torch.zeros(1, 3, 6, 8), ((1, 5), (3, 2)))
+    with pytest.raises(ValueError, match="covers 11 tokens, the sequence has 12"):
+        per_run(lambda x, m: x * m, ((1, 5), (3, 2)), (torch.zeros(1, 12, 8),), (torch.zeros(1, 4, 8),))

@@ -106,7 +106,7 @@ def test_fsdp_keeps_fp32_timesteps_and_modulation_under_bf16_params(tmp_path):
         seen = {}
         model.register_forward_pre_hook(lambda m, args, kwargs: seen.update(timestep=kwargs["timestep"].dtype),
                                         with_kwargs=True)
-        model.blocks[0].register_forward_pre_hook(lambda m, args: seen.update(e0=args[1].dtype, x=args[0].dtype))
+        model.blocks[0].register_forward_pre_hook(lambda m, args: seen.update(e0=args[1].e0.dtype, x=args[0].dtype))
         batch = tiny_batch(model.args, batch=2)
         out = model(**batch, attn_backend="sdpa")  # no autocast, as the sharded trainer runs it
         (out.video_pred.float().square().mean() + out.action_pred.float().square().mean()).backward()
