@@ -117,12 +117,11 @@ def profile_step(preset_name: str, num_layers: int | None, micro_batch: int, com
         torch.cuda.synchronize()
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    path = trace_out or tempfile.mktemp(suffix=".json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        trace = json.load(f)
-    if not trace_out:
-        os.unlink(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = trace_out or os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
     return summarize_trace(trace)
 
 
@@ -193,14 +192,16 @@ def block_parts(preset_name: str, latent_hw, micro_batch: int = 1, device: str =
                      "tflops": round(flops / ms / 1e9, 1), "of_peak": round(flops / ms / 1e9 / (H100_BF16_PEAK / 1e12), 3)})
 
     # Linear layers: forward X·W, backward dX = dY·Wᵀ and dW = Xᵀ·dY (each 2·M·N·K).
-    for name, k, n, count in (("qkvo + cross q/o", d, d, 6), ("ffn up", d, ffn, 1), ("ffn down", ffn, d, 1)):
+    def linear(name: str, k: int, n: int, count: int) -> None:
         x, w, dy = (torch.randn(L, k, device=dev, dtype=bf), torch.randn(k, n, device=dev, dtype=bf),
                     torch.randn(L, n, device=dev, dtype=bf))
         f = 2 * L * k * n
         add(f"{name}: forward [{L}x{k}]·[{k}x{n}]", f, _median_ms(lambda: x @ w), count)
         add(f"{name}: grad input", f, _median_ms(lambda: dy @ w.t()), count)
         add(f"{name}: grad weight", f, _median_ms(lambda: x.t() @ dy), count)
-        del x, w, dy
+
+    for name, k, n, count in (("qkvo + cross q/o", d, d, 6), ("ffn up", d, ffn, 1), ("ffn down", ffn, d, 1)):
+        linear(name, k, n, count)
 
     # Self-attention under the teacher-forcing mask, each implementation compiled as in training.
     block_mask = teacher_forcing_block_mask(layout, device=dev)
@@ -235,7 +236,6 @@ def block_parts(preset_name: str, latent_hw, micro_batch: int = 1, device: str =
         add(f"self-attention backward, {name}", 2 * model_flops, fb_ms - fwd_ms)
         rows[-1]["rel_err_vs_flex"] = round(err, 5)
         del out
-    del q, k, v, g
 
     # Cross-attention: L queries over C context tokens (SDPA, no mask).
     q = torch.randn(1, H, L, D, device=dev, dtype=bf, requires_grad=True)

@@ -155,7 +155,6 @@ class DreamZeroWAM(WanModel):
         noisy_actions: [B, K·A, action_dim]; timestep_action: [B, K·A]; state: [B, K·S, max_state_dim];
         context: [B, L_txt, text_dim] (zero beyond each sample's length); clip_feature: [B, 257, clip_dim].
         """
-        a = self.args
         noisy, grid = self.embed_video(self._with_first_frame(noisy_latents, y))
         clean, clean_grid = self.embed_video(self._with_first_frame(clean_latents, y))
         if clean_grid != grid:
