@@ -21,8 +21,9 @@ Actions are smooth random walks in [-1, 1] with a pull towards the table centre;
 would leave the table the position is clamped and the stored action is the displacement actually
 made, so ``p[t + 1] = p[t] + scale * action[t]`` holds exactly for every step.
 
-Everything is deterministic by ``seed``: parquet and json bytes are identical across runs; mp4 files
-come from deterministic encoders (identical decoded content; in practice identical bytes too).
+Everything is deterministic by ``seed``: parquet and json bytes and the rendered frames are identical
+across runs; mp4 files come from single-threaded encoders (in practice identical bytes too, though one
+loaded CI run decoded values a few levels apart; the test bounds that).
 """
 
 from __future__ import annotations
@@ -178,7 +179,10 @@ def _render_view(traj: dict, colour: np.ndarray, image_size: int, wrist: bool, b
     table = bg[None, None, None, :] * (1.0 - amp / 2 + amp * tex[..., None])  # [T, H, W, 3]
     # the tint changes the hue only: its luma component is removed, so the block stays dark
     delta = TINT_SCALE * traj["tint"]
-    delta = delta - (delta @ LUMA)[:, None]
+    # written out, not `delta @ LUMA`: BLAS kernels may sum in an order that depends on memory alignment, and
+    # a 1-ulp change at a .5 boundary flips a pixel and then the encoded bitstream
+    luma = delta[:, 0] * LUMA[0] + delta[:, 1] * LUMA[1] + delta[:, 2] * LUMA[2]
+    delta = delta - luma[:, None]
     block_rgb = np.clip(colour[None, :] + delta, 0, 255)  # [T, 3]
     img = table * (1 - cov[..., None]) + block_rgb[:, None, None, :] * cov[..., None]
     # gripper bar on the top edge: white when closed, dark when open
