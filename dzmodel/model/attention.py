@@ -150,7 +150,7 @@ class SegmentedMask:
             action = (2 * V + i * A, 2 * V + (i + 1) * A)
             state = (2 * V + K * A + i * S, 2 * V + K * A + (i + 1) * S)
             groups.append(((noisy, action), ((0, fs + i * bs), noisy, action, state)))
-        states = tuple((2 * V + K * A + i * S, 2 * V + K * A + (i + 1) * S) for i in range(K))
+        states = tuple((2 * V + K * A + i * S, 2 * V + K * A + (i + 1) * S) for i in range(K)) if S else ()
         return SegmentedMask(layout.seq_len, tuple(groups), states)
 
     def dense(self) -> torch.Tensor:

@@ -87,7 +87,8 @@ def test_flex_attention_and_sdpa_agree_with_each_other_and_the_mask():
 
 
 SEGMENT_LAYOUTS = [FIXTURE_LAYOUT, TeacherForcingLayout(4, 5, 2, 3, 1), TeacherForcingLayout(3, 7, 1, 4, 2),
-                   TeacherForcingLayout(1, 3, 2, 2, 1), TeacherForcingLayout(2, 4, 2, 6, 3)]
+                   TeacherForcingLayout(1, 3, 2, 2, 1), TeacherForcingLayout(2, 4, 2, 6, 3),
+                   TeacherForcingLayout(2, 4, 1, 3, 0)]  # no state tokens
 
 
 @pytest.mark.parametrize("layout", SEGMENT_LAYOUTS)
