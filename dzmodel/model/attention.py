@@ -1,10 +1,12 @@
 """Attention kernels and DreamZero's block-causal teacher-forcing mask (reference §1.6).
 
 Upstream realises the mask as ~18 dense FlashAttention calls per layer on
-concatenated K/V slices. Here it is one mask, so each layer makes ONE attention
-call: a FlexAttention `BlockMask` on GPU (sparse blocks are skipped), or a dense
-boolean mask for SDPA on CPU. Both come from the same per-token group table, so
-they cannot disagree.
+concatenated K/V slices. Here the mask is defined once, by a per-token group
+table, and run three ways that tests hold equal:
+  segments  (GPU default) the mask's dense rectangles, one unmasked SDPA call per
+            query group (cuDNN / flash kernels; nothing computed then masked);
+  flex      one FlexAttention call per layer with a `BlockMask` (empty tiles skipped);
+  sdpa      one SDPA call with a dense boolean mask (the CPU default).
 
 Token layout of one training sample ([clean video | noisy video | actions | states]):
     clean frame 0, clean blocks 0..K-1, noisy frame 0, noisy blocks 0..K-1,
