@@ -5,9 +5,11 @@
     dz model manifest                       check our modules against the WAN checkpoint manifest
     dz model tokenizer OUT                  build the small offline tokenizer of the embedded default
     dz data fetch|synth|metadata|check ...  datasets (see `dz data -h`)
+    dz data record libero --suite S --out D LIBERO demonstrations from the scripted expert
     dz train [--config FILE] [--set k=v]    SFT; under torchrun: FSDP2 over all ranks; resumes from out_dir
     dz convert RUN|CKPT --out DIR           DCP -> config.json + model.safetensors (+ experiment_cfg/)
     dz eval libero RUN|MODEL --out DIR      LIBERO success rate across checkpoint steps
+    dz eval oracle DATASET --out DIR        replay recorded episodes through the eval path (exit 1 below 95 %)
     dz package MODEL --robot R --version V --out DIR   versioned Franka bundle + tarball
     dz serve BUNDLE --token T               the policy server (WebSocket + msgpack-numpy)
     dz client URL --token T --dry-run       query it without a robot
@@ -113,8 +115,23 @@ def cmd_data_synth(ns: argparse.Namespace) -> int:
 
     codec = {"av1": "libsvtav1", "h264": "libx264"}[ns.codec]
     path = make_synthetic_dataset(ns.out, num_episodes=ns.episodes, episode_length=ns.length,
-                                  image_size=ns.image_size, codec=codec, seed=ns.seed, overwrite=ns.overwrite)
+                                  image_size=ns.image_size, codec=codec, seed=ns.seed, overwrite=ns.overwrite,
+                                  motion=ns.motion)
     print(summarize(path))
+    return EXIT_OK
+
+
+def cmd_data_record_libero(ns: argparse.Namespace) -> int:
+    from .eval.libero_env import LiberoNotInstalled
+    from .eval.libero_record import RecordConfig, record_libero
+
+    cfg = RecordConfig(suite=ns.suite, tasks=_int_list(ns.tasks, "--tasks"), episodes=ns.episodes, init=ns.init,
+                       max_shift_m=ns.max_shift, image_size=ns.image_size, seed=ns.seed, workers=ns.workers,
+                       codec={"av1": "libsvtav1", "h264": "libx264"}[ns.codec])
+    try:
+        record_libero(cfg, ns.out, overwrite=ns.overwrite, progress=not ns.no_progress)
+    except LiberoNotInstalled as exc:
+        raise CLIError(str(exc)) from None
     return EXIT_OK
 
 
@@ -289,6 +306,19 @@ def cmd_eval_libero(ns: argparse.Namespace) -> int:
         print(f"{str(r['step']):>8} {str(r['task']):>5} {r['episodes']:>8} {r['successes']:>9} {r['rate']:>6.1%}")
     print(f"results in {ns.out}: results.csv, episodes.csv, summary.json, success_vs_step.png, videos/")
     return EXIT_OK
+
+
+def cmd_eval_oracle(ns: argparse.Namespace) -> int:
+    from .eval.libero_env import LiberoNotInstalled
+    from .eval.oracle import run_oracle
+
+    try:
+        summary = run_oracle(ns.dataset, ns.out, metadata=ns.metadata, embodiment=ns.embodiment,
+                             max_episodes=ns.max_episodes, workers=ns.workers, camera_size=ns.camera_size,
+                             videos=ns.videos, progress=not ns.no_progress)
+    except LiberoNotInstalled as exc:
+        raise CLIError(str(exc)) from None
+    return EXIT_OK if summary["passed"] else EXIT_FAIL
 
 
 def cmd_cache(ns: argparse.Namespace) -> int:
@@ -537,8 +567,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--codec", choices=["av1", "h264"], default="av1")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--motion", choices=["walk", "orbit"], default="walk",
+                   help="orbit: actions predictable from one frame (the demo's); walk: random walks")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_data_synth)
+    rec = data.add_parser("record", help="record demonstrations in simulation").add_subparsers(dest="sim", required=True)
+    p = rec.add_parser("libero", help="LIBERO demonstrations from the scripted expert -> a LeRobot v3.0 dataset")
+    p.add_argument("--suite", default="object", help="object | spatial (pick-and-place; goal/10 tasks that are "
+                   "single pick-and-place goals too)")
+    p.add_argument("--tasks", help="task indices, e.g. 0,1,2 (default: every task of the suite)")
+    p.add_argument("--episodes", type=int, default=10, help="expert attempts per task; only successes are kept")
+    p.add_argument("--init", choices=["standard", "perturbed"], default="standard",
+                   help="the standard init states 0..N-1, or seeded perturbations of them")
+    p.add_argument("--max-shift", type=float, default=0.02, help="perturbed: object x/y shift bound in metres")
+    p.add_argument("--image-size", type=int, default=256, help="camera size (the public datasets use 256)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=2, help="parallel env processes")
+    p.add_argument("--codec", choices=["av1", "h264"], default="av1")
+    p.add_argument("--out", required=True, help="the dataset directory (written atomically)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_data_record_libero)
     p = data.add_parser("metadata", help="normalisation stats (metadata.json) for a dataset + embodiment")
     p.add_argument("dataset")
     p.add_argument("--embodiment", required=True)
@@ -630,6 +679,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_eval_libero)
+
+    p = ev.add_parser("oracle", help="replay recorded demonstrations through the evaluation path (exit 1 below 95%%)")
+    p.add_argument("dataset", help="a dataset recorded by `dz data record libero`")
+    p.add_argument("--out", required=True, help="summary.json (oracle_success_rate), results.csv, episodes.csv")
+    p.add_argument("--metadata", help="the run's metadata.json (q99 statistics); default: computed from the dataset")
+    p.add_argument("--embodiment", default="libero_sim", help="libero_sim | libero_sim_tiny")
+    p.add_argument("--max-episodes", type=int, help="replay only the first N recorded episodes")
+    p.add_argument("--workers", type=int, default=2, help="env worker processes")
+    p.add_argument("--camera-size", type=int, help="default: the recorded image size")
+    p.add_argument("--videos", type=int, default=0, help="write this many replays as mp4")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_eval_oracle)
 
     p = sub.add_parser("convert", help="DCP checkpoint -> HF-style directory (config.json + safetensors)")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")

@@ -292,6 +292,7 @@ def _worker_main(conn, camera_size: int, keep_raw: bool) -> None:
     os.environ.setdefault("MUJOCO_GL", "egl")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes us
     env, env_bddl = None, None
+    last_raw, expert = None, None  # the latest raw observation; the scripted expert of the running episode
 
     def convert(raw):
         obs = to_policy_obs(raw)
@@ -309,7 +310,7 @@ def _worker_main(conn, camera_size: int, keep_raw: bool) -> None:
                 break
             try:
                 if msg[0] == "reset":
-                    _, bddl_file, state, seed = msg
+                    _, bddl_file, state, seed, perturb = msg
                     if env is None or env_bddl != bddl_file:
                         if env is not None:
                             env.close()
@@ -322,15 +323,35 @@ def _worker_main(conn, camera_size: int, keep_raw: bool) -> None:
                         env_bddl = bddl_file
                     env.seed(seed)
                     env.reset()
+                    expert = None
+                    if perturb is not None:
+                        from .libero_expert import perturb_init_state
+
+                        state = perturb_init_state(env, np.asarray(state), np.random.default_rng(perturb[0]), perturb[1])
                     raw = env.set_init_state(state)
                     for _ in range(SETTLE_STEPS):
                         raw, _, _, _ = env.step(list(SETTLE_ACTION))
+                    last_raw = raw
                     reply = convert(raw)
+                    reply["init_state"] = np.array(state, dtype=np.float64)
                 elif msg[0] == "step":
                     if env is None:
                         raise RuntimeError("step before reset")
                     raw, _, done, _ = env.step(msg[1])
+                    last_raw = raw
                     reply = (convert(raw), bool(done))  # LIBERO's done is its success check
+                elif msg[0] == "expert_step":
+                    # the scripted expert acts from privileged simulator state, so it runs here beside the env
+                    if env is None:
+                        raise RuntimeError("expert_step before reset")
+                    if expert is None:
+                        from .libero_expert import ScriptedExpert
+
+                        expert = ScriptedExpert(env, seed=msg[1])
+                    action = np.asarray(expert.act(last_raw), dtype=np.float64)
+                    raw, _, done, _ = env.step(action)
+                    last_raw = raw
+                    reply = (convert(raw), bool(done), action)
                 else:
                     raise ValueError(f"unknown command {msg[0]!r}")
                 out = ("ok", reply)
@@ -345,6 +366,17 @@ def _worker_main(conn, camera_size: int, keep_raw: bool) -> None:
             with contextlib.suppress(Exception):
                 env.close()  # releases the EGL context (else noise at exit)
         conn.close()
+
+
+@dataclass(frozen=True)
+class EpisodeInit:
+    """How an episode starts, beyond its task's standard init state: an explicit MuJoCo state (a recorded
+    episode's), a seeded perturbation of the standard one (`libero_expert.perturb_init_state`), the env seed."""
+
+    state: np.ndarray | None = None
+    perturb_seed: int | None = None
+    max_shift_m: float = 0.0
+    env_seed: int | None = None
 
 
 class _Worker:
@@ -388,16 +420,23 @@ class EnvWorkerPool:
     def pids(self) -> dict[int, int]:
         return {w: wk.process.pid for w, wk in enumerate(self._workers) if wk is not None}
 
-    def reset(self, assignments) -> dict[int, dict | WorkerCrashed]:
+    def reset(self, assignments, inits: dict | None = None) -> dict[int, dict | WorkerCrashed]:
         """assignments: [(worker_id, TaskSpec, episode_index)]. Each addressed worker (re)builds its env if the task
         changed, seeds it (pool seed + episode index), resets, sets the episode's fixed init state, runs the
-        SETTLE_STEPS no-op steps, and returns its observation (`to_policy_obs`)."""
+        SETTLE_STEPS no-op steps, and returns its observation (`to_policy_obs`, plus `init_state`: the MuJoCo
+        state the episode started from). `inits` {worker_id: EpisodeInit} replaces a worker's standard init state
+        (a recorded one) or perturbs it (seeded), and may set the env seed."""
         cmds = {}
+        inits = inits or {}
         for w, task, episode in assignments:
             self._check_worker(w)
             if w in cmds:
                 raise ValueError(f"worker {w} assigned twice in one reset")
-            cmds[w] = ("reset", task.bddl_file, init_state(task, episode), self.seed + episode)
+            spec = inits.get(w) or EpisodeInit()
+            state = init_state(task, episode) if spec.state is None else np.asarray(spec.state, dtype=np.float64)
+            seed = self.seed + episode if spec.env_seed is None else spec.env_seed
+            perturb = None if spec.perturb_seed is None else (spec.perturb_seed, spec.max_shift_m)
+            cmds[w] = ("reset", task.bddl_file, state, seed, perturb)
         for w in cmds:
             self._workers[w].active = False
         out = self._request(cmds)
@@ -406,6 +445,18 @@ class EnvWorkerPool:
                 self._workers[w].active = True
                 self._workers[w].bddl_file = cmds[w][1]
         return out
+
+    def expert_step(self, seeds: dict[int, int]) -> dict[int, tuple[dict, bool, np.ndarray] | WorkerCrashed]:
+        """Let each addressed worker's scripted expert (`libero_expert.ScriptedExpert`, built on the first call
+        after a reset with the given seed) choose an action from the simulator state and step the env with it.
+        Returns {worker_id: (obs, success, action)} (or WorkerCrashed)."""
+        cmds = {}
+        for w, seed in seeds.items():
+            self._check_worker(w)
+            if not self._workers[w].active:
+                raise ValueError(f"env worker {w} has no running episode: reset it first")
+            cmds[w] = ("expert_step", int(seed))
+        return self._request(cmds)
 
     def step(self, actions: dict) -> dict[int, tuple[dict, bool] | WorkerCrashed]:
         """actions: {worker_id: (7,) action}. Returns {worker_id: (obs, success)} (or WorkerCrashed)."""

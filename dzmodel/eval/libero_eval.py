@@ -73,13 +73,16 @@ class _Running:
     success: bool = False
     queue: list = field(default_factory=list)
     frames: list | None = None
+    init: object = None  # the EpisodeInit it started from (None: the standard init state)
 
 
 def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path | None = None,
                     progress: bool = True, tag: str = "", tasks: list | None = None,
-                    pool_factory=None) -> list[EpisodeResult]:
+                    pool_factory=None, episodes: list | None = None) -> list[EpisodeResult]:
     """Run the configured episodes; videos go to `out_dir/videos/` when out_dir is given.
-    `tasks` and `pool_factory(num_workers)` default to the suite's LIBERO tasks and env worker processes."""
+    `tasks` and `pool_factory(num_workers)` default to the suite's LIBERO tasks and env worker processes.
+    `episodes` [(TaskSpec, episode id, EpisodeInit)] replaces the grid of tasks x standard init states
+    (the oracle replays recorded episodes from their recorded init states this way)."""
     from .libero_env import EnvWorkerPool, WorkerCrashed, get_suite, list_tasks
 
     tasks = list_tasks(cfg.suite) if tasks is None else tasks
@@ -90,10 +93,14 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
         tasks = [tasks[t] for t in cfg.tasks]
     max_steps = cfg.max_steps or get_suite(cfg.suite).max_steps
     per_chunk = min(cfg.actions_per_chunk or policy.action_horizon, policy.action_horizon)
-    todo = [(t, e, 1) for t in tasks for e in range(cfg.episodes_per_task)]
-    for t, e, _ in todo:
-        if e >= t.num_init_states:
-            raise ValueError(f"task {t.index} of {cfg.suite!r} has {t.num_init_states} init states; asked for {e + 1}")
+    if episodes is None:
+        todo = [(t, e, 1, None) for t in tasks for e in range(cfg.episodes_per_task)]
+        for t, e, _, _ in todo:
+            if e >= t.num_init_states:
+                raise ValueError(f"task {t.index} of {cfg.suite!r} has {t.num_init_states} init states; "
+                                 f"asked for {e + 1}")
+    else:
+        todo = [(t, e, 1, init) for t, e, init in episodes]
     total = len(todo)
     results: list[EpisodeResult] = []
     videos_left = cfg.videos
@@ -107,15 +114,18 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
 
         def start(assign):
             nonlocal videos_left
-            replies = pool.reset([(w, t, e) for w, (t, e, _) in assign.items()])
-            for w, (t, e, attempt) in assign.items():
+            inits = {w: init for w, (_, _, _, init) in assign.items() if init is not None}
+            resets = [(w, t, e) for w, (t, e, _, _) in assign.items()]
+            replies = pool.reset(resets, inits) if inits else pool.reset(resets)
+            for w, (t, e, attempt, init) in assign.items():
                 r = replies.get(w)
                 if isinstance(r, WorkerCrashed) or r is None:
-                    finish_crash(w, t, e, attempt, f"reset: {getattr(r, 'reason', 'no reply')}")
+                    finish_crash(w, t, e, attempt, f"reset: {getattr(r, 'reason', 'no reply')}", init)
                     continue
                 record = videos_left > 0
                 videos_left -= int(record)
-                running[w] = _Running(t, e, attempt, r, time.perf_counter(), frames=[r["image"]] if record else None)
+                running[w] = _Running(t, e, attempt, r, time.perf_counter(), frames=[r["image"]] if record else None,
+                                      init=init)
 
         def finish(w, run: _Running, note=""):
             video = ""
@@ -129,13 +139,13 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
             free.append(w)
             bar.update()
 
-        def finish_crash(w, t, e, attempt, reason):
+        def finish_crash(w, t, e, attempt, reason, init=None):
             if w in running:
                 policy.end_session(_session(running.pop(w)))
             if w not in free:
                 free.append(w)
             if attempt == 1:
-                todo.append((t, e, 2))  # retried once on a fresh worker
+                todo.append((t, e, 2, init))  # retried once on a fresh worker
             else:
                 results.append(EpisodeResult(t.index, t.name, e, False, 0, 0.0, attempt,
                                              f"failed: env worker crashed twice ({reason})"))
@@ -164,7 +174,7 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
             for w in list(actions):
                 run, r = running[w], replies.get(w)
                 if isinstance(r, WorkerCrashed) or r is None:
-                    finish_crash(w, run.task, run.episode, run.attempt, getattr(r, "reason", "no reply"))
+                    finish_crash(w, run.task, run.episode, run.attempt, getattr(r, "reason", "no reply"), run.init)
                     continue
                 obs, success = r
                 run.obs, run.steps = obs, run.steps + 1
@@ -177,8 +187,11 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
     return sorted(results, key=lambda r: (r.task, r.episode))
 
 
+SESSION_FORMAT = "task{task}-ep{episode}-try{attempt}"  # one KV-cache session per episode attempt
+
+
 def _session(run: _Running) -> str:
-    return f"task{run.task.index}-ep{run.episode}-try{run.attempt}"
+    return SESSION_FORMAT.format(task=run.task.index, episode=run.episode, attempt=run.attempt)
 
 
 def _write_video(path: Path, frames: list) -> str:

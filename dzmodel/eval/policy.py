@@ -87,6 +87,20 @@ def model_embodiment(model_dir: Path, cfg: TrainConfig, embodiment_files: list[s
     return get_embodiment(cfg.embodiment, load_embodiments(embodiment_files))
 
 
+def policy_statistics(emb: Embodiment, metadata: Path) -> tuple[NormStats, NormStats, list]:
+    """The state and action q99 statistics a policy normalises with, and its relative-action dims, from a
+    run's metadata.json (the eval oracle uses the same ones)."""
+    stats = load_statistics(metadata, emb.tag)
+    state_stats = NormStats.from_metadata(stats, [k.name for k in emb.state], "state", str(metadata))
+    rel = set(emb.relative_action_keys)
+    parts = [NormStats.from_metadata(stats, [k.name], "relative_action" if k.name in rel else "action", str(metadata))
+             for k in emb.action]
+    action_stats = NormStats(q01=np.concatenate([p.q01 for p in parts]), q99=np.concatenate([p.q99 for p in parts]))
+    pairs = relative_action_dims(emb, {k.name: len(stats["state"][k.name]["q01"]) for k in emb.state},
+                                 {k.name: len(p.q01) for k, p in zip(emb.action, parts)}) if rel else []
+    return state_stats, action_stats, pairs
+
+
 def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embodiment: str | None = None,
                 embodiment_files: list[str] | None = None, solver: SolverConfig | None = None,
                 seed: int = 0) -> EmbodiedPolicy:
@@ -103,15 +117,7 @@ def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embod
     if embodiment is not None and embodiment != cfg.embodiment:
         raise PolicyLoadError(f"{model_dir}: trained for embodiment {cfg.embodiment!r}, not {embodiment!r}")
     emb = model_embodiment(model_dir, cfg, embodiment_files)
-    metadata = model_dir / "experiment_cfg" / "metadata.json"
-    stats = load_statistics(metadata, emb.tag)
-    state_stats = NormStats.from_metadata(stats, [k.name for k in emb.state], "state", str(metadata))
-    rel = set(emb.relative_action_keys)
-    parts = [NormStats.from_metadata(stats, [k.name], "relative_action" if k.name in rel else "action", str(metadata))
-             for k in emb.action]
-    action_stats = NormStats(q01=np.concatenate([p.q01 for p in parts]), q99=np.concatenate([p.q99 for p in parts]))
-    pairs = relative_action_dims(emb, {k.name: len(stats["state"][k.name]["q01"]) for k in emb.state},
-                                 {k.name: len(p.q01) for k, p in zip(emb.action, parts)}) if rel else []
+    state_stats, action_stats, pairs = policy_statistics(emb, model_dir / "experiment_cfg" / "metadata.json")
 
     model = load_dreamzero_dir(model_dir, device)
     if model.args.num_action_per_block != emb.action_horizon:
