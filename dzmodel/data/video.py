@@ -9,10 +9,13 @@ Backends:
   torchcodec  one batched ``VideoDecoder.get_frames_at(indices=...)`` call for the sorted unique
               frames, re-expanded to the requested order; decoders are cached per thread.
   pyav        seek + decode per requested frame (the baseline the benchmark compares against).
-  auto        torchcodec when it imports (it needs FFmpeg shared libraries), else PyAV.
+  opencv      OpenCV's own FFmpeg (opencv-python wheels): H.264 only (its wheels cannot decode AV1),
+              sequential reads from the nearest requested frame. For machines with neither of the
+              above, such as the GPU image, which has opencv-python-headless.
+  auto        torchcodec when it imports (it needs FFmpeg shared libraries), else PyAV, else OpenCV.
 
-torchcodec, av and PIL are imported lazily: the GPU image lacks them, and the model code must
-import without them.
+torchcodec, av, cv2 and PIL are imported lazily: the GPU image lacks most of them, and the model code
+must import without them.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 
 from dzmodel.data.errors import DataError
 
-BACKENDS = ("auto", "torchcodec", "pyav")
+BACKENDS = ("auto", "torchcodec", "pyav", "opencv")
 DEFAULT_TOLERANCE_S = 1e-3
 CODEC_ALIASES = {"av1": "libsvtav1", "libsvtav1": "libsvtav1", "h264": "libx264", "libx264": "libx264"}
 
@@ -61,13 +64,21 @@ def resolve_backend(backend: str = "auto") -> str:
     if backend not in BACKENDS:
         raise DataError(f"video backend: {backend!r} is not one of {BACKENDS}")
     if backend == "auto":
-        return "torchcodec" if torchcodec_available() else "pyav"
+        if torchcodec_available():
+            return "torchcodec"
+        return "pyav" if _module_available("av") or not _module_available("cv2") else "opencv"
     if backend == "torchcodec" and not torchcodec_available():
         raise DataError(
             f"video backend: torchcodec cannot be loaded ({_torchcodec_error}); "
             "install torchcodec with a matching FFmpeg, or use backend='pyav'"
         )
     return backend
+
+
+def _module_available(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 def _import_av():
@@ -116,6 +127,8 @@ def decode_frames(
     try:
         if used == "torchcodec":
             frames, pts = _decode_torchcodec(path, uniq, seek_mode)
+        elif used == "opencv":
+            frames, pts = _decode_opencv(path, uniq)
         else:
             frames, pts = _decode_pyav(path, uniq)
     except DataError:
@@ -208,6 +221,37 @@ def _decode_pyav(path: Path, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             frames.append(best.to_ndarray(format="rgb24"))
             pts.append(best_t)
     return _rgb_check(path, np.stack(frames)), np.asarray(pts, dtype=np.float64)
+
+
+def _decode_opencv(path: Path, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Frame index = round(t * fps) from the container's constant frame rate (LeRobot mp4s are CFR);
+    sequential reads, with a seek only where the next requested frame is not just ahead."""
+    try:
+        import cv2
+    except ImportError as e:
+        raise DataError(f"video: OpenCV is not installed ({e}); `pip install opencv-python-headless`") from e
+    cap = cv2.VideoCapture(str(path))
+    try:
+        fps, n = cap.get(cv2.CAP_PROP_FPS), int(cap.get(cv2.CAP_PROP_FRAME_COUNT))
+        if not cap.isOpened() or not fps or n <= 0:
+            raise DataError(f"{path}: OpenCV cannot open this video (its wheels decode H.264, not AV1; "
+                            "re-encode with --codec h264, or install PyAV / torchcodec)")
+        idx = np.clip(np.rint(ts * fps).astype(np.int64), 0, n - 1)
+        frames, pos = [], -1
+        for i in idx:  # ts is sorted and unique
+            if i <= pos or i > pos + 8:
+                cap.set(cv2.CAP_PROP_POS_FRAMES, int(i))
+                pos = int(i) - 1
+            while pos < i:
+                ok, bgr = cap.read()
+                if not ok:
+                    raise DataError(f"{path}: OpenCV could not decode frame {pos + 1} of {n} (its wheels decode "
+                                    "H.264, not AV1; re-encode with --codec h264, or install PyAV / torchcodec)")
+                pos += 1
+            frames.append(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
+    finally:
+        cap.release()
+    return _rgb_check(path, np.stack(frames)), idx / fps
 
 
 def _rgb_check(path: Path, frames: np.ndarray) -> np.ndarray:

@@ -114,7 +114,32 @@ def test_backend_selection():
     assert V.resolve_backend("auto") == ("torchcodec" if HAS_TC else "pyav")
     assert V.resolve_backend("pyav") == "pyav"
     with pytest.raises(DataError, match="not one of"):
-        V.resolve_backend("opencv")
+        V.resolve_backend("ffmpeg")
+
+
+HAS_CV2 = V._module_available("cv2")
+
+
+@pytest.mark.skipif(not HAS_CV2, reason="OpenCV is not installed")
+def test_opencv_matches_pyav_on_h264(videos):
+    want = [5, 0, 19, 5, 7, 1, 19, 12, 13]  # unsorted, duplicates, a seek back and a short skip ahead
+    a = V.decode_frames(videos["libx264"], [i / FPS for i in want], backend="opencv")
+    b = V.decode_frames(videos["libx264"], [i / FPS for i in want], backend="pyav")
+    assert [frame_id(f) for f in a] == [(1, i) for i in want]
+    assert np.abs(a.astype(int) - b).max() <= 2
+
+
+@pytest.mark.skipif(not HAS_CV2, reason="OpenCV is not installed")
+def test_opencv_names_the_codec_it_cannot_read(videos):
+    with pytest.raises(DataError, match="H.264, not AV1"):
+        V.decode_frames(videos["libsvtav1"], [0.0], backend="opencv")
+
+
+def test_auto_uses_opencv_without_torchcodec_and_pyav(monkeypatch):
+    monkeypatch.setattr(V, "_torchcodec_checked", True)
+    monkeypatch.setattr(V, "_torchcodec_error", "RuntimeError: no libavutil")
+    monkeypatch.setattr(V, "_module_available", lambda name: name == "cv2")
+    assert V.resolve_backend("auto") == "opencv"
 
 
 def test_auto_falls_back_to_pyav(videos, monkeypatch):
