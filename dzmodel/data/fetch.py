@@ -1,11 +1,11 @@
 """Fetch a LeRobot dataset into ``dest_root/<name>``: from the Hugging Face hub (pinned revision),
-a local directory, or the synthetic generator.
+a local directory, the synthetic generator, or LIBERO demonstrations recorded by the scripted expert.
 
 The dataset is built in a temporary sibling directory, verified (``open_dataset(tmp).check()``:
 info.json valid, every promised data/video file present) and renamed into place, so
 ``dest_root/<name>`` is either absent or complete. A marker ``dest_root/<name>.dz_fetch.json``
 (next to the dataset, not inside it) records the source; a second call with the same source,
-revision, allow_patterns and synth_kwargs returns the existing copy without fetching again.
+revision, allow_patterns, synth_kwargs and record_kwargs returns the existing copy without fetching again.
 huggingface_hub is imported lazily.
 """
 
@@ -35,15 +35,15 @@ def marker_path(dest: Path) -> Path:
 
 
 def _source_kind(source: str) -> str:
-    if source == "synthetic":
-        return "synthetic"
+    if source in ("synthetic", "libero"):
+        return source
     if Path(source).expanduser().exists():
         return "local"
     if _REPO_ID.match(source) and not source.startswith((".", "/", "~")):
         return "hub"
     raise DataError(
         f"source: {source!r} is neither an existing local directory, a Hugging Face dataset repo id "
-        "('owner/name'), nor 'synthetic'"
+        "('owner/name'), nor 'synthetic' or 'libero'"
     )
 
 
@@ -156,12 +156,14 @@ def fetch_dataset(
     synth_kwargs: dict | None = None,
     name: str | None = None,
     verify_files: bool = True,
+    record_kwargs: dict | None = None,
 ) -> Path:
     """Fetch ``source`` into ``dest_root/<name>`` and return that path.
 
     ``source``: a hub dataset repo id (``revision`` required: a commit sha, tag or branch), a
     local dataset directory (hardlinked where possible, else copied), or ``"synthetic"``
-    (``dzmodel.data.synth.make_synthetic_dataset(out_dir, **synth_kwargs)``). ``name`` defaults
+    (``dzmodel.data.synth.make_synthetic_dataset(out_dir, **synth_kwargs)``), or ``"libero"``
+    (``dzmodel.eval.libero_record.record_libero(RecordConfig(**record_kwargs), out_dir)``). ``name`` defaults
     to the repo/directory basename, or "synthetic". ``allow_patterns`` filters files (hub
     semantics) for hub and local sources. ``verify_files=False`` only checks that info.json and
     the episode table open (for deliberately partial downloads, e.g. meta/ only).
@@ -174,6 +176,8 @@ def fetch_dataset(
         )
     if kind != "synthetic" and synth_kwargs:
         raise DataError(f"synth_kwargs: only used with source 'synthetic', not {source!r}")
+    if kind != "libero" and record_kwargs:
+        raise DataError(f"record_kwargs: only used with source 'libero', not {source!r}")
     if allow_patterns is not None:
         if isinstance(allow_patterns, str):
             allow_patterns = [allow_patterns]
@@ -186,8 +190,7 @@ def fetch_dataset(
         resolved = source
         default_name = source.split("/")[-1]
     else:
-        resolved = "synthetic"
-        default_name = "synthetic"
+        resolved = default_name = kind
     name = name or default_name
     if not _NAME.match(name):
         raise DataError(f"name: {name!r} is not a usable directory name")
@@ -200,6 +203,8 @@ def fetch_dataset(
         "allow_patterns": allow_patterns,
         "synth_kwargs": json.loads(json.dumps(synth_kwargs or {}, sort_keys=True, default=str)) if kind == "synthetic" else None,
     }
+    if kind == "libero":  # only then: markers of the other kinds keep their exact old content
+        record["record_kwargs"] = json.loads(json.dumps(record_kwargs or {}, sort_keys=True, default=str))
     if kind == "local" and dest.resolve() == Path(resolved):
         raise DataError(f"dest_root: {dest} is the source directory itself")
 
@@ -230,6 +235,10 @@ def fetch_dataset(
                 _download_hub(source, revision, tmp, allow_patterns)
             elif kind == "local":
                 _copy_local(Path(resolved), tmp, allow_patterns)
+            elif kind == "libero":
+                from dzmodel.eval.libero_record import RecordConfig, record_libero  # lazy: needs LIBERO
+
+                record_libero(RecordConfig(**(record_kwargs or {})), tmp)
             else:
                 from dzmodel.data.synth import make_synthetic_dataset  # lazy: another module's job
 

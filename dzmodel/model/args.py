@@ -108,6 +108,17 @@ def _tiny() -> DreamZeroArgs:
     )
 
 
+def _small() -> DreamZeroArgs:
+    # The closed-loop profile's model (params.yaml libero_scripted): ~35 M DiT parameters, a few thousand steps
+    # in about 20 minutes on one H100; tiny-family frozen encoders (seeded random: no WAN weights offline).
+    return DreamZeroArgs(
+        dim=512, ffn_dim=2048, num_heads=8, num_layers=8, in_dim=16, out_dim=16,
+        text_dim=32, text_len=128, freq_dim=256, clip_dim=64, clip_tokens=17,
+        action_dim=8, max_state_dim=8, hidden_size=256,
+        num_frame_per_block=2, num_action_per_block=16, max_chunk_size=2,
+    )
+
+
 def _dreamzero_5b() -> DreamZeroArgs:
     # Wan2.2-TI2V-5B backbone + image cross-attention (randomly initialised at cold start).
     return DreamZeroArgs(
@@ -136,14 +147,18 @@ def _wan21_i2v_14b() -> WanDiTArgs:
 
 PRESETS = {
     "tiny": _tiny,
+    "small": _small,
     "dreamzero_5b": _dreamzero_5b,
     "dreamzero_14b": _dreamzero_14b,
     "wan2.2_ti2v_5b": _wan22_ti2v_5b,
     "wan2.1_i2v_14b": _wan21_i2v_14b,
 }
 
+# Presets whose frozen encoders and tokenizer are the project's small offline ones (no WAN files exist for them).
+OFFLINE_PRESETS = ("tiny", "small")
+
 # Which VAE / manifest entry each DreamZero preset pairs with.
-PRESET_VAE = {"tiny": "wan2.2", "dreamzero_5b": "wan2.2", "dreamzero_14b": "wan2.1"}
+PRESET_VAE = {"tiny": "wan2.2", "small": "wan2.2", "dreamzero_5b": "wan2.2", "dreamzero_14b": "wan2.1"}
 PRESET_WAN_MANIFEST = {"dreamzero_5b": "wan2.2_ti2v_5b_dit", "dreamzero_14b": "wan2.1_i2v_14b_dit",
                        "wan2.2_ti2v_5b": "wan2.2_ti2v_5b_dit", "wan2.1_i2v_14b": "wan2.1_i2v_14b_dit"}
 

@@ -2,6 +2,7 @@
 
 | preset        | VAE                      | text encoder     | image encoder      |
 | tiny          | Wan2.2-style, z 8, tiny  | umT5 tiny (32)   | CLIP tiny (17x64)  |
+| small         | Wan2.2-style, z 16, 16x  | umT5 tiny (32)   | CLIP tiny (17x64)  |
 | dreamzero_5b  | Wan2.2 (z 48, 16x)       | umT5-XXL         | CLIP ViT-H/14      |
 | dreamzero_14b | Wan2.1 (z 16, 8x)        | umT5-XXL         | CLIP ViT-H/14      |
 
@@ -27,6 +28,7 @@ from .vae import WanVAE38Config, WanVAEConfig, WanVideoVAE, WanVideoVAE38
 from .wam import DreamZeroWAM
 
 TINY_VAE = WanVAE38Config(dim=8, dec_dim=8, z_dim=8, latents_mean=(0.0,), latents_std=(1.0,))
+SMALL_VAE = WanVAE38Config(dim=16, dec_dim=16, z_dim=16, latents_mean=(0.0,), latents_std=(1.0,))
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class EncoderSpec:
 
 ENCODERS = {
     "tiny": EncoderSpec(vae=TINY_VAE, t5=UMT5_TINY, clip=CLIP_TINY, image_size=(64, 64)),
+    "small": EncoderSpec(vae=SMALL_VAE, t5=UMT5_TINY, clip=CLIP_TINY, image_size=(128, 256)),
     "dreamzero_5b": EncoderSpec(vae=WanVAE38Config(), t5=UMT5_XXL, clip=CLIP_VIT_H_14, image_size=(176, 320)),
     "dreamzero_14b": EncoderSpec(vae=WanVAEConfig(), t5=UMT5_XXL, clip=CLIP_VIT_H_14, image_size=(352, 640)),
 }
