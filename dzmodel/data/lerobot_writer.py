@@ -83,16 +83,17 @@ def _dump_json(obj, path: Path) -> None:
     path.write_text(json.dumps(obj, indent=4) + "\n")
 
 
-def encode_mp4(path: Path, frames: np.ndarray, fps: int, codec: str, crf: int) -> None:
-    """GOP 2 as lerobot's writer (cheap random access); the fastest presets; one encoder thread (deterministic)."""
+def encode_mp4(path: Path, frames: np.ndarray, fps: int, codec: str, crf: int, gop: int = 2) -> None:
+    """GOP 2 by default, as lerobot's writer (cheap random access; a longer GOP makes much smaller files);
+    the fastest presets; one encoder thread (deterministic)."""
     from .video import encode_video
 
     if codec not in CODECS:
         raise DataError(f"codec: {codec!r} is not supported; use one of {sorted(CODECS)}")
     if codec == "libsvtav1":
-        encode_video(path, frames, fps, codec, crf=crf, gop=2, preset=12, options={"svtav1-params": "lp=1"})
+        encode_video(path, frames, fps, codec, crf=crf, gop=gop, preset=12, options={"svtav1-params": "lp=1"})
     else:
-        encode_video(path, frames, fps, codec, crf=crf, gop=2, preset="veryfast", options={"threads": "1"})
+        encode_video(path, frames, fps, codec, crf=crf, gop=gop, preset="veryfast", options={"threads": "1"})
 
 
 def _video_info(path: Path, fps: int) -> dict:
@@ -115,7 +116,7 @@ class LeRobotV3Writer:
     def __init__(self, root: str | Path, fps: int, robot_type: str, video_keys: dict[str, tuple[int, int]],
                  vectors: dict[str, VectorFeature], codec: str = "libsvtav1", crf: int = 30,
                  chunks_size: int = 1000, episodes_per_video_file: int | None = None,
-                 image_names: tuple[str, ...] = ("height", "width", "channels")):
+                 image_names: tuple[str, ...] = ("height", "width", "channels"), gop: int = 2):
         if codec not in CODECS:
             raise DataError(f"codec: {codec!r} is not supported; use one of {sorted(CODECS)}")
         if fps < 1:
@@ -124,7 +125,9 @@ class LeRobotV3Writer:
             raise DataError("episodes_per_video_file: must be None (one file) or 1 (a file per episode)")
         self.root, self.fps, self.robot_type = Path(root), int(fps), robot_type
         self.video_keys, self.vectors = dict(video_keys), dict(vectors)
-        self.codec, self.crf, self.chunks_size = codec, crf, int(chunks_size)
+        if gop < 1:
+            raise DataError(f"gop: must be >= 1, got {gop}")
+        self.codec, self.crf, self.chunks_size, self.gop = codec, crf, int(chunks_size), int(gop)
         self.per_episode_files = episodes_per_video_file == 1
         self.features: dict = {}
         for key, (h, w) in self.video_keys.items():
@@ -175,7 +178,7 @@ class LeRobotV3Writer:
             if self.per_episode_files:
                 path = self.root / VIDEO_PATH.format(video_key=key, chunk_index=ep // self.chunks_size,
                                                      file_index=ep % self.chunks_size)
-                encode_mp4(path, x, self.fps, self.codec, self.crf)
+                encode_mp4(path, x, self.fps, self.codec, self.crf, self.gop)
                 if "info" not in self.features[key]:
                     self.features[key]["info"] = _video_info(path, self.fps)
             else:
@@ -217,7 +220,7 @@ class LeRobotV3Writer:
         if not self.per_episode_files:
             for key in self.video_keys:
                 path = root / VIDEO_PATH.format(video_key=key, chunk_index=0, file_index=0)
-                encode_mp4(path, np.concatenate(self._pending_frames[key]), fps, self.codec, self.crf)
+                encode_mp4(path, np.concatenate(self._pending_frames[key]), fps, self.codec, self.crf, self.gop)
                 self.features[key]["info"] = _video_info(path, fps)
                 self._pending_frames[key] = []
 

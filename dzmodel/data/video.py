@@ -239,7 +239,7 @@ def _decode_opencv(path: Path, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         idx = np.clip(np.rint(ts * fps).astype(np.int64), 0, n - 1)
         frames, pos = [], -1
         for i in idx:  # ts is sorted and unique
-            if i <= pos or i > pos + 8:
+            if i <= pos or i > pos + 32:  # reading on is cheaper than a seek (which decodes from a keyframe)
                 cap.set(cv2.CAP_PROP_POS_FRAMES, int(i))
                 pos = int(i) - 1
             while pos < i:

@@ -62,6 +62,7 @@ class RecordConfig:
     seed: int = 0
     workers: int = 2
     codec: str = "libsvtav1"
+    gop: int = 2                       # keyframe interval: 2 as lerobot's writer; longer = smaller files
     worker_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -78,6 +79,8 @@ class RecordConfig:
                 raise DataError(f"--{name}: must be >= 1, got {getattr(self, name)}")
         if self.image_size < 32 or self.image_size % 2:
             raise DataError(f"--image-size: must be an even number >= 32, got {self.image_size}")
+        if self.gop < 1:
+            raise DataError(f"--gop: must be >= 1, got {self.gop}")
         if not 0 <= self.max_shift_m <= 0.1:
             raise DataError(f"--max-shift: must be in [0, 0.1] m, got {self.max_shift_m}")
 
@@ -198,7 +201,8 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
     try:
         writer = LeRobotV3Writer(tmp, FPS, ROBOT_TYPE, {IMAGE_KEY: (cfg.image_size,) * 2, WRIST_KEY: (cfg.image_size,) * 2},
                                  {STATE_KEY: VectorFeature(8, STATE_NAMES), ACTION_KEY: VectorFeature(7, ACTION_NAMES)},
-                                 codec=cfg.codec, episodes_per_video_file=1, image_names=("height", "width", "rgb"))
+                                 codec=cfg.codec, episodes_per_video_file=1, image_names=("height", "width", "rgb"),
+                                 gop=cfg.gop)
         finished: dict[int, _Attempt] = {}
         kept: list[dict] = []
         next_to_write = 0

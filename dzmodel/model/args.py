@@ -109,10 +109,10 @@ def _tiny() -> DreamZeroArgs:
 
 
 def _small() -> DreamZeroArgs:
-    # The closed-loop profile's model (params.yaml libero_scripted): ~35 M DiT parameters, a few thousand steps
-    # in about 20 minutes on one H100; tiny-family frozen encoders (seeded random: no WAN weights offline).
+    # The closed-loop profile's model (params.yaml libero_scripted): 10.5 M parameters, a few thousand steps in
+    # about 20 minutes on one H100; tiny-family frozen encoders (seeded random: no WAN weights offline).
     return DreamZeroArgs(
-        dim=512, ffn_dim=2048, num_heads=8, num_layers=8, in_dim=16, out_dim=16,
+        dim=256, ffn_dim=1024, num_heads=4, num_layers=8, in_dim=16, out_dim=16,
         text_dim=32, text_len=128, freq_dim=256, clip_dim=64, clip_tokens=17,
         action_dim=8, max_state_dim=8, hidden_size=256,
         num_frame_per_block=2, num_action_per_block=16, max_chunk_size=2,

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ..model.args import OFFLINE_PRESETS
 from ..model.components import FrozenEncoders, build_encoders, load_encoder_weights
 from ..model.state_dict import save_safetensors_atomic, load_strict
 from .config import TrainConfig
@@ -17,15 +18,18 @@ ENCODER_FILES = {"vae": "vae.safetensors", "text_encoder": "text_encoder.safeten
 
 
 def frozen_encoders(cfg: TrainConfig, device: torch.device | str = "cpu") -> FrozenEncoders:
-    """Random weights are seeded with `seed + 1` on the build device, so a CPU run, its cache and its
-    evaluation see identical encoders. Real runs name the WAN files (reference §2) and load them strictly."""
+    """Random weights are seeded with `seed + 1`. The offline presets' small encoders are drawn on the CPU and
+    then moved, so a run trained on a GPU and evaluated on a CPU (or the reverse), its cache and its evaluation
+    all see identical encoders; CUDA's generator would draw other numbers. Random big encoders (benchmarks) are
+    drawn on the device. Real runs name the WAN files (reference §2) and load them strictly."""
     files = cfg.encoder_weights
+    build_on = "meta" if files else ("cpu" if cfg.preset in OFFLINE_PRESETS else device)
     with torch.random.fork_rng(devices=[]):  # leave the caller's CPU RNG stream where it was
         torch.manual_seed(cfg.seed + 1)
-        enc = build_encoders(cfg.preset, device="meta" if files else device)
+        enc = build_encoders(cfg.preset, device=build_on)
     if files:
         load_encoder_weights(enc, vae=files.get("vae"), t5=files.get("t5"), clip=files.get("clip"))
-        enc.to(device)
+    enc.to(device)
     return enc.eval_()
 
 

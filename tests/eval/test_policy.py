@@ -54,3 +54,18 @@ def test_policy_refuses_a_wrong_embodiment_or_a_raw_run_directory(converted, tmp
         load_policy(hf, embodiment="libero_sim")
     with pytest.raises(PolicyLoadError, match="dz convert"):
         load_policy(cfg.out_dir)
+
+
+def test_offline_encoders_are_drawn_on_the_cpu_whatever_the_device(monkeypatch):
+    """A small-preset run trained on a GPU and evaluated on a CPU must see the same random encoders: CUDA's
+    generator would draw other numbers, so the offline presets draw on the CPU and move."""
+    import dzmodel.train.encoders as E
+
+    built_on = []
+    real = E.build_encoders
+    monkeypatch.setattr(E, "build_encoders", lambda preset, device: built_on.append(str(device)) or real(preset, device))
+    cpu = frozen_encoders(TrainConfig(preset="small", seed=3))
+    moved = frozen_encoders(TrainConfig(preset="small", seed=3), device="meta")  # stands in for "cuda"
+    assert built_on == ["cpu", "cpu"]
+    assert all(p.is_meta for m in moved.modules() for p in m.parameters())
+    assert cpu.spec.image_size == (128, 256)
