@@ -10,6 +10,7 @@
     dz convert RUN|CKPT --out DIR           DCP -> config.json + model.safetensors (+ experiment_cfg/)
     dz eval libero RUN|MODEL --out DIR      LIBERO success rate across checkpoint steps
     dz eval oracle DATASET --out DIR        replay recorded episodes through the eval path (exit 1 below 95 %)
+    dz eval action-error RUN|MODEL --out DIR   held-out action error vs the mean predictor and the untrained model
     dz package MODEL --robot R --version V --out DIR   versioned Franka bundle + tarball
     dz serve BUNDLE --token T               the policy server (WebSocket + msgpack-numpy)
     dz client URL --token T --dry-run       query it without a robot
@@ -127,7 +128,7 @@ def cmd_data_record_libero(ns: argparse.Namespace) -> int:
 
     cfg = RecordConfig(suite=ns.suite, tasks=_int_list(ns.tasks, "--tasks"), episodes=ns.episodes, init=ns.init,
                        max_shift_m=ns.max_shift, image_size=ns.image_size, seed=ns.seed, workers=ns.workers,
-                       codec={"av1": "libsvtav1", "h264": "libx264"}[ns.codec])
+                       codec={"av1": "libsvtav1", "h264": "libx264"}[ns.codec], gop=ns.gop)
     try:
         record_libero(cfg, ns.out, overwrite=ns.overwrite, progress=not ns.no_progress)
     except LiberoNotInstalled as exc:
@@ -308,6 +309,28 @@ def cmd_eval_libero(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_eval_action_error(ns: argparse.Namespace) -> int:
+    from .eval.action_error import ActionErrorError, describe, evaluate_action_error
+    from .eval.policy import PolicyLoadError
+    from .model.inference import SolverConfig
+
+    try:
+        result = evaluate_action_error(ns.source, ns.out, steps=_int_list(ns.steps, "--steps"), stride=ns.stride,
+                                       max_windows=ns.max_windows, device=ns.device, seed=ns.seed,
+                                       solver=SolverConfig(num_steps=ns.solver_steps, cfg_scale=ns.cfg_scale),
+                                       untrained=not ns.no_untrained, progress=not ns.no_progress)
+    except (ActionErrorError, PolicyLoadError) as exc:
+        raise CLIError(str(exc)) from None
+    print(f"{'step':>8} {'trained':>9} {'ratio':>7}   ({result['windows']} held-out windows of episodes "
+          f"{result['episodes']}; mean predictor {result['mean_predictor']:.4g}, untrained "
+          f"{'-' if result['untrained'] is None else format(result['untrained'], '.4g')})")
+    for r in result["steps"]:
+        print(f"{str(r['step']):>8} {r['trained']:>9.4g} {r['ratio']:>7.3f}")
+    print(describe(result))
+    print(f"results in {ns.out}: action_error.json, action_error.csv")
+    return EXIT_OK
+
+
 def cmd_eval_oracle(ns: argparse.Namespace) -> int:
     from .eval.libero_env import LiberoNotInstalled
     from .eval.oracle import run_oracle
@@ -465,10 +488,11 @@ def _load_params(ns: argparse.Namespace):
 
 def cmd_params_check(ns: argparse.Namespace) -> int:
     params = _load_params(ns)
+    width = max(map(len, params.profiles))
     for name, prof in params.profiles.items():
         launch = prof.launch
         mark = "*" if name == (ns.profile or params.profile) else " "
-        print(f"{mark} {name:<12} {prof.train.get('preset', 'tiny'):<16} {launch['nnodes']} node(s) x "
+        print(f"{mark} {name:<{width}} {prof.train.get('preset', 'tiny'):<14} {launch['nnodes']} node(s) x "
               f"{launch['nproc_per_node']} process(es)  {prof.description}")
     print(f"{ns.params}: valid ({len(params.profiles)} profiles; * = selected)")
     return EXIT_OK
@@ -583,7 +607,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=256, help="camera size (the public datasets use 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2, help="parallel env processes")
-    p.add_argument("--codec", choices=["av1", "h264"], default="av1")
+    p.add_argument("--codec", choices=["av1", "h264"], default="av1", help="h264 also decodes with OpenCV")
+    p.add_argument("--gop", type=int, default=2, help="keyframe interval (lerobot writes 2; longer = smaller)")
     p.add_argument("--out", required=True, help="the dataset directory (written atomically)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--no-progress", action="store_true")
@@ -679,6 +704,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_eval_libero)
+
+    p = ev.add_parser("action-error", help="held-out action error of a converted model or of a run's steps, vs the "
+                      "mean predictor and the untrained model")
+    p.add_argument("source", help="a converted model, a `dz stage convert` directory, or a training run")
+    p.add_argument("--out", required=True, help="action_error.json, action_error.csv")
+    p.add_argument("--steps", help="with a run directory: checkpoint steps to evaluate, e.g. 1000,2000 (default: all)")
+    p.add_argument("--stride", type=int, default=4, help="frames between held-out window anchors")
+    p.add_argument("--max-windows", type=int, help="at most this many windows (evenly spaced)")
+    p.add_argument("--solver-steps", type=int, default=16)
+    p.add_argument("--cfg-scale", type=float, default=5.0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-untrained", action="store_true", help="skip the untrained reference")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_eval_action_error)
 
     p = ev.add_parser("oracle", help="replay recorded demonstrations through the evaluation path (exit 1 below 95%%)")
     p.add_argument("dataset", help="a dataset recorded by `dz data record libero`")

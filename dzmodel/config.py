@@ -35,18 +35,35 @@ class ParamsError(ValueError):
 
 
 @dataclass
+class RecordParams:
+    """fetch.source "libero": demonstrations recorded in simulation by the scripted expert (`dz data record libero`)."""
+    suite: Literal["object", "spatial", "goal", "10"] = "object"
+    tasks: list[int] | None = None  # task indices; null = every task of the suite
+    episodes: int = field(default=10, metadata={"min": 1})  # expert attempts per task; successes are kept
+    init: Literal["standard", "perturbed"] = "standard"
+    max_shift_m: float = field(default=0.02, metadata={"min": 0, "max": 0.1})
+    image_size: int = field(default=256, metadata={"min": 32})
+    workers: int = field(default=2, metadata={"min": 1})
+    codec: Literal["libsvtav1", "libx264"] = "libsvtav1"  # libx264 also decodes with OpenCV (the GPU image)
+    gop: int = field(default=2, metadata={"min": 1})  # keyframe interval; longer = smaller files, slower seeks
+
+
+@dataclass
 class FetchParams:
-    source: str = "synthetic"  # a hub dataset repo id, a local LeRobot directory, or "synthetic" (generated)
+    source: str = "synthetic"  # a hub dataset repo id, a local LeRobot directory, "synthetic" or "libero" (recorded)
     revision: str | None = None  # required for hub ids: a commit sha or tag
     allow: list[str] = field(default_factory=list)  # hub allow-patterns, e.g. ['meta/*', 'data/*', 'videos/*']
     synth_episodes: int = field(default=8, metadata={"min": 1})
     synth_length: int = field(default=96, metadata={"min": 16})
+    # walk: random walks (not predictable from a frame); orbit: actions a policy can learn (dzmodel/data/synth.py)
+    synth_motion: Literal["walk", "orbit"] = "walk"
     seed: int = 0
     retries: int = field(default=3, metadata={"min": 0, "max": 10})  # network fetches are retried with backoff
     retry_delay_s: float = field(default=10.0, metadata={"min": 0})
+    record: RecordParams = field(default_factory=RecordParams)  # source "libero" only
 
     def __post_init__(self) -> None:
-        if self.source != "synthetic" and "/" in self.source and not Path(self.source).exists() and not self.revision:
+        if self.source not in ("synthetic", "libero") and "/" in self.source and not Path(self.source).exists() and not self.revision:
             raise ValueError(f"fetch.revision: hub dataset {self.source!r} needs a pinned revision (sha or tag)")
 
 
@@ -85,6 +102,11 @@ class EvalParams:
     cfg_scale: float = field(default=5.0, metadata={"min": 0})
     device: str = "cpu"
     seed: int = 0
+    # the held-out action error (dzmodel/eval/action_error.py) of every converted step, LIBERO or not (`enabled`
+    # is the LIBERO rollouts); it needs train.heldout_episodes >= 1, else it is skipped and the stage says so
+    action_error: bool = True
+    action_error_stride: int = field(default=4, metadata={"min": 1})  # frames between the held-out windows' anchors
+    action_error_windows: int | None = field(default=None, metadata={"min": 1})  # at most this many windows
 
 
 @dataclass
@@ -107,7 +129,15 @@ class PackageParams:
 class PromoteParams:
     registered_model: str = "dreamzero"
     alias: str = "production"
-    min_success: float = field(default=0.5, metadata={"min": 0, "max": 1})  # the gate on the packaged step's rate
+    # the gate on the packaged step: its LIBERO success (null: no success gate, e.g. no simulator can be passed) and
+    # its held-out action error over the mean predictor's (null: not gated); each set check must pass
+    min_success: float | None = field(default=0.5, metadata={"min": 0, "max": 1})
+    max_action_error_ratio: float | None = field(default=None, metadata={"gt": 0})
+
+    def __post_init__(self) -> None:
+        if self.min_success is None and self.max_action_error_ratio is None:
+            raise ValueError("min_success and max_action_error_ratio are both null: a gate that checks nothing "
+                             "cannot refuse; set one")
 
 
 @dataclass
@@ -291,6 +321,12 @@ def _train_config(train: dict, metadata: MetadataParams, cache_enabled: bool, pa
                   out_dir=str(paths.stage("train")), progress=True)
     if cache_enabled:
         fields["cache"] = str(paths.stage("cache"))
+        from .model.args import OFFLINE_PRESETS
+
+        if not fields.get("tokenizer") and fields.get("preset", "tiny") in OFFLINE_PRESETS:
+            # the offline tokenizer the cache stage built: training from the cache never builds one, and
+            # `dz convert` must copy it beside the weights
+            fields["tokenizer"] = str(paths.run / "tokenizer")
     try:
         cfg = build(TrainConfig, fields, path=where)
     except SchemaError as exc:

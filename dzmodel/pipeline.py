@@ -31,7 +31,8 @@ class StageError(RuntimeError):
     """A stage failed for a reason already reported (e.g. torchrun's exit code after its log)."""
 
 
-ENCODER_TRAIN_FIELDS = ("preset", "model_overrides", "encoder_weights", "tokenizer", "precision")
+# the cache holds the training windows only, so the held-out split shapes it too
+ENCODER_TRAIN_FIELDS = ("preset", "model_overrides", "encoder_weights", "tokenizer", "precision", "heldout_episodes")
 STAGES = ("fetch", "metadata", "cache", "train", "convert", "eval", "package")
 Log = Callable[[str], None]
 
@@ -91,10 +92,14 @@ def stage_fetch(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     f = prof.fetch
     synth = ({"num_episodes": f.synth_episodes, "episode_length": f.synth_length, "seed": f.seed}
              if f.source == "synthetic" else None)
-    source = str(paths.root / f.source) if f.source != "synthetic" and (paths.root / f.source).exists() else f.source
+    if synth is not None and f.synth_motion != "walk":  # absent by default: existing fetch markers stay valid
+        synth["motion"] = f.synth_motion
+    source = (str(paths.root / f.source) if f.source not in ("synthetic", "libero") and (paths.root / f.source).exists()
+              else f.source)
     log(f"fetch: {source} -> {paths.dataset}")
+    record = dict(vars(f.record), seed=f.seed) if f.source == "libero" else None
     dest = fetch_dataset(source, paths.data, revision=f.revision, allow_patterns=f.allow or None,
-                         synth_kwargs=synth, name="dataset")
+                         synth_kwargs=synth, name="dataset", record_kwargs=record)
     reader = open_dataset(dest)
     frames = sum(e.length for e in reader.episodes)
     log(f"fetch: {len(reader.episodes)} episodes, {frames} frames at {reader.fps:g} fps, views {reader.video_keys}")
@@ -130,14 +135,15 @@ def stage_cache(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
         return {"cache": None}
     from .train.cache import build_cache
 
-    cfg = train_config(prof, paths)
+    from .model.args import OFFLINE_PRESETS
+    from .model.tokenizer import build_tiny_tokenizer
+
+    cfg = train_config(prof, paths)  # offline presets: tokenizer = runs/<profile>/tokenizer, built here
     cfg.cache = None
     if not cfg.tokenizer:
-        from .model.tokenizer import build_tiny_tokenizer
-
-        if cfg.preset != "tiny":
-            raise ValueError(f"profiles.{paths.profile}.train.tokenizer: the cache needs the tokenizer directory")
-        cfg.tokenizer = str(build_tiny_tokenizer(paths.run / "tokenizer"))
+        raise ValueError(f"profiles.{paths.profile}.train.tokenizer: the cache needs the tokenizer directory")
+    if cfg.preset in OFFLINE_PRESETS and Path(cfg.tokenizer) == paths.run / "tokenizer":
+        build_tiny_tokenizer(paths.run / "tokenizer")  # deterministic bytes: rebuilding changes nothing
     if out.exists():
         shutil.rmtree(out)
     build_cache(cfg, out, stride=prof.cache.stride, batch_size=prof.cache.batch_size,
@@ -400,17 +406,55 @@ def stage_convert(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     return {"converted": str(out), "steps": [s for s, _ in saved]}
 
 
+def action_error_metrics(action: dict | None) -> dict:
+    """The held-out action error's headline numbers (the last step) for metrics/eval.json."""
+    if not action or not action.get("measured"):
+        return {"action_error_measured": False}
+    last = action["last"]
+    return {"action_error_measured": True, "action_error": last["trained"], "action_error_ratio": last["ratio"],
+            "action_error_step": last["step"], "action_error_mean_predictor": action["mean_predictor"],
+            "action_error_untrained": action["untrained"], "action_error_windows": action["windows"]}
+
+
+def stage_action_error(prof: Profile, paths: StagePaths, out: Path, log: Log = _print) -> dict:
+    """The held-out action error of every converted step (part of the eval stage); skipped, saying why, when the
+    run held no episode out."""
+    from .eval.action_error import describe, evaluate_action_error
+    from .eval.policy import read_train_config
+    from .model.inference import SolverConfig
+
+    e = prof.eval
+    converted = sorted(p for p in paths.stage("converted").glob("step_*") if (p / "config.json").is_file())
+    if not converted:
+        raise FileNotFoundError(f"{paths.stage('converted')}: no converted model (run the convert stage)")
+    if not read_train_config(converted[-1])[0].heldout_episodes:
+        reason = "train.heldout_episodes is 0: no held-out episodes to measure the action error on"
+        log(f"eval: action error skipped ({reason})")
+        return {"measured": False, "reason": reason}
+    result = evaluate_action_error(paths.stage("converted"), out, steps=e.steps, stride=e.action_error_stride,
+                                   max_windows=e.action_error_windows, device=e.device, seed=e.seed,
+                                   solver=SolverConfig(num_steps=e.solver_steps, cfg_scale=e.cfg_scale))
+    _write_csv(paths.run / "plots" / "action_error_vs_step.csv",
+               [{"step": r["step"], "action_error": r["trained"], "mean_predictor": result["mean_predictor"],
+                 "untrained": result["untrained"]} for r in result["steps"]])
+    log("eval: " + describe(result))
+    return {"measured": True, **result}
+
+
 def stage_eval(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     e = prof.eval
     out = _fresh_dir(paths.stage("eval"))
     metrics_file = paths.run / "metrics" / "eval.json"
     plots = paths.run / "plots"
+    action = stage_action_error(prof, paths, out / "action_error", log) if e.action_error else None
+    if action is None or not action["measured"]:
+        _write_csv(plots / "action_error_vs_step.csv", [])
     if not e.enabled:
-        atomic_write_text(out / "DISABLED", "eval.enabled is false\n")
-        _write_json(metrics_file, {"evaluated": False})
+        atomic_write_text(out / "DISABLED", "eval.enabled is false (LIBERO rollouts)\n")
+        _write_json(metrics_file, {"evaluated": False, **action_error_metrics(action)})
         _write_csv(plots / "success_vs_step.csv", [])
-        log("eval: disabled (eval.enabled: false)")
-        return {"eval_dir": str(out), "evaluated": False, "rows": [], "best": None}
+        log("eval: LIBERO disabled (eval.enabled: false)")
+        return {"eval_dir": str(out), "evaluated": False, "rows": [], "best": None, "action_error": action}
     from .eval.libero_eval import EvalConfig, evaluate_run
     from .model.inference import SolverConfig
 
@@ -425,12 +469,13 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     _write_json(metrics_file, {"evaluated": True, "suite": e.suite, "best_step": best["step"] if best else None,
                                "best_success_rate": best["rate"] if best else None,
                                "last_success_rate": overall[-1]["rate"] if overall else None,
-                               "episodes_per_step": overall[-1]["episodes"] if overall else 0})
+                               "episodes_per_step": overall[-1]["episodes"] if overall else 0,
+                               **action_error_metrics(action)})
     _write_csv(plots / "success_vs_step.csv", [{"step": r["step"], "success_rate": r["rate"]} for r in overall])
     if (out / "success_vs_step.png").is_file():
         shutil.copyfile(out / "success_vs_step.png", plots / "success_vs_step.png")
     log("eval: " + ", ".join(f"step {r['step']}: {r['rate']:.0%}" for r in overall))
-    return {"eval_dir": str(out), "evaluated": True, "rows": rows, "best": best,
+    return {"eval_dir": str(out), "evaluated": True, "rows": rows, "best": best, "action_error": action,
             "plot": str(plots / "success_vs_step.png") if (plots / "success_vs_step.png").is_file() else None}
 
 
@@ -467,11 +512,26 @@ def stage_package(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
         shutil.rmtree(out)
     tmp.replace(out)
     bundle, tarball = out / bundle.relative_to(tmp), out / tarball.relative_to(tmp)
+    action = packaged_action_error(paths, step)
     _write_json(out / "PACKAGE.json", {"step": step, "success_rate": rate, "bundle": bundle.name,
-                                       "tarball": tarball.name, "version": prof.package.version})
+                                       "tarball": tarball.name, "version": prof.package.version,
+                                       "action_error": action})
     log(f"package: step {step} -> {tarball}")
     return {"bundle": str(bundle), "tarball": str(tarball), "step": step, "success_rate": rate,
-            "model": str(model), "version": prof.package.version}
+            "model": str(model), "version": prof.package.version, "action_error": action}
+
+
+def packaged_action_error(paths: StagePaths, step: int) -> dict | None:
+    """The held-out action error of one converted step (with the run's references), None if not measured."""
+    path = paths.stage("eval") / "action_error" / "action_error.json"
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    row = next((r for r in result["steps"] if r["step"] == step), None)
+    if row is None:
+        return None
+    return {"step": step, "trained": row["trained"], "ratio": row["ratio"],
+            "mean_predictor": result["mean_predictor"], "untrained": result["untrained"]}
 
 
 STAGE_FUNCTIONS: dict[str, Callable[..., dict]] = {
@@ -528,10 +588,33 @@ def stage_params(prof: Profile, name: str) -> dict:
     return out
 
 
-def promotion_decision(success_rate: float | None, min_success: float) -> tuple[bool, str]:
-    """Whether a packaged step may take the deployment alias, and why (recorded with the decision)."""
-    if success_rate is None:
-        return False, "refused: the packaged step has no LIBERO evaluation (eval disabled or not run)"
-    if success_rate >= min_success:
-        return True, f"passed: LIBERO success {success_rate:.1%} >= gate {min_success:.1%}"
-    return False, f"refused: LIBERO success {success_rate:.1%} < gate {min_success:.1%}"
+def promotion_decision(success_rate: float | None, min_success: float | None,
+                       action_error_ratio: float | None = None,
+                       max_action_error_ratio: float | None = None) -> tuple[bool, str]:
+    """Whether a packaged step may take the deployment alias, and why (recorded with the decision).
+
+    Each gate that is set must pass: LIBERO success >= min_success, and the held-out action error over the mean
+    predictor's <= max_action_error_ratio. A gate set on a measure the step lacks refuses; no gate set refuses."""
+    if min_success is None and max_action_error_ratio is None:
+        return False, "refused: no gate is set (min_success and max_action_error_ratio are both unset)"
+    passed, refused = [], []
+    if max_action_error_ratio is not None:
+        if action_error_ratio is None:
+            refused.append("the packaged step has no held-out action error (train.heldout_episodes 0, or eval "
+                           "not run)")
+        elif action_error_ratio <= max_action_error_ratio:
+            passed.append(f"held-out action error ratio {action_error_ratio:.2f} (vs the mean predictor) <= gate "
+                          f"{max_action_error_ratio:.2f}")
+        else:
+            refused.append(f"held-out action error ratio {action_error_ratio:.2f} (vs the mean predictor) > gate "
+                           f"{max_action_error_ratio:.2f}")
+    if min_success is not None:
+        if success_rate is None:
+            refused.append("the packaged step has no LIBERO evaluation (eval disabled or not run)")
+        elif success_rate >= min_success:
+            passed.append(f"LIBERO success {success_rate:.1%} >= gate {min_success:.1%}")
+        else:
+            refused.append(f"LIBERO success {success_rate:.1%} < gate {min_success:.1%}")
+    if refused:
+        return False, "refused: " + "; ".join(refused)
+    return True, "passed: " + "; ".join(passed)

@@ -30,6 +30,11 @@ def where_to_look(summary: dict, root: Path) -> str:
         f"Pipeline finished: profile {summary['profile']}, cached stages: {', '.join(summary['cached_stages']) or 'none'}",
         f"  package     {summary['package']}",
     ]
+    if summary.get("action_error"):
+        a = summary["action_error"]
+        untrained = "" if a.get("untrained") is None else f", untrained {a['untrained']:.2g}"
+        lines.append(f"  held-out    action error {a['trained']:.2g} (mean predictor {a['mean_predictor']:.2g}{untrained}), "
+                     f"ratio {a['ratio']:.2f} at step {a['step']}")
     if summary.get("promotion"):
         p = summary["promotion"]
         lines.append(f"  registry    {p['registered_model']} v{p['version']}: {p['reason']}")
@@ -68,8 +73,9 @@ def cmd_promote(ns: argparse.Namespace) -> int:
     prof = params.selected(name)
     p = prof.promote
     gate = p.min_success if ns.min_success is None else ns.min_success
+    ratio = p.max_action_error_ratio if ns.max_action_error_ratio is None else ns.max_action_error_ratio
     decision = promote(tracking_uri(prof, StagePaths(Path(ns.root).resolve(), name).root), p.registered_model,
-                       ns.version, ns.alias or p.alias, gate)
+                       ns.version, ns.alias or p.alias, gate, max_action_error_ratio=ratio)
     print(f"{decision['registered_model']} v{decision['version']} -> alias {decision['alias']}: {decision['reason']}")
     return 0 if decision["promoted"] else 1
 
@@ -128,6 +134,8 @@ def register(sub) -> None:
     p.add_argument("--version", help="model version (default: the newest)")
     p.add_argument("--alias", help="default: the profile's promote.alias")
     p.add_argument("--min-success", type=float, help="default: the profile's promote.min_success")
+    p.add_argument("--max-action-error-ratio", type=float,
+                   help="held-out action error / the mean predictor's; default: promote.max_action_error_ratio")
     p.set_defaults(func=cmd_promote)
 
     p = sub.add_parser("deploy", help="register the scheduled deployment of prefect.yaml on a Prefect server")

@@ -75,7 +75,8 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
         raise
     summary = {"profile": name, "mlflow_run_id": tracker.run_id, "mlflow_uri": tracker.uri,
                "experiment": experiment_name(prof, name), "package": results["package"]["tarball"],
-               "promotion": decision, "cached_stages": [s for s in STAGES if results[s].get("_cached")]}
+               "promotion": decision, "cached_stages": [s for s in STAGES if results[s].get("_cached")],
+               "action_error": results["package"].get("action_error")}
     return summary
 
 

@@ -100,6 +100,7 @@ def register_and_promote(tracker, prof: Profile, package_result: dict) -> dict:
 
     version = tracker.register(prof, package_result)
     p = prof.promote
-    decision = promote(tracker.uri, p.registered_model, version, p.alias, p.min_success, run_id=tracker.run_id)
+    decision = promote(tracker.uri, p.registered_model, version, p.alias, p.min_success, run_id=tracker.run_id,
+                       max_action_error_ratio=p.max_action_error_ratio)
     get_run_logger().info(f"registry: {p.registered_model} v{version}: {decision['reason']}")
     return decision

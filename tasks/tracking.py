@@ -197,6 +197,7 @@ class Tracker:
         self.client.log_dict(rid, {"converted": result["converted"], "steps": result["steps"]}, "converted.json")
 
     def _log_eval(self, rid, result, paths):
+        self._log_action_error(rid, result.get("action_error"), Path(result["eval_dir"]) / "action_error")
         if not result.get("evaluated"):
             return
         for row in result["rows"]:
@@ -214,6 +215,21 @@ class Tracker:
             self.artifact(self.run_id, out / "success_vs_step.png", "plots")
         if (out / "videos").is_dir():
             self.artifact(rid, out / "videos", "eval/videos")
+
+    def _log_action_error(self, rid, action: dict | None, out: Path) -> None:
+        """Held-out action error per step (action_error.trained, .ratio), and the run's two references."""
+        if not action or not action.get("measured"):
+            return
+        for row in action["steps"]:
+            if row["step"] is not None:
+                self.metrics(rid, {"action_error.trained": row["trained"], "action_error.ratio": row["ratio"]},
+                             step=int(row["step"]))
+        refs = {"action_error.mean_predictor": action["mean_predictor"], "action_error.windows": action["windows"]}
+        if action.get("untrained") is not None:
+            refs["action_error.untrained"] = action["untrained"]
+        self.metrics(rid, refs)
+        for name in ("action_error.json", "action_error.csv"):
+            self.artifact(rid, out / name, "eval/action_error")
 
     def _log_package(self, rid, result, paths):
         self.metrics(rid, {"package.step": result["step"]})
@@ -238,19 +254,23 @@ class Tracker:
         copied = self.artifact(self.run_id, model_path, f"model/{model_path.name}")
         # a model past the artifact size limit is registered by its reference (model/<step>.ref.json)
         source = f"runs:/{self.run_id}/model/{model_path.name}" if copied else f"runs:/{self.run_id}/model"
+        action = package.get("action_error") or {}
         tags = {"step": str(package["step"]), "package.version": package["version"],
                 "package.tarball": package["tarball"], "profile": self.profile,
-                "success_rate": "" if package["success_rate"] is None else str(package["success_rate"])}
+                "success_rate": "" if package["success_rate"] is None else str(package["success_rate"]),
+                "action_error": "" if action.get("trained") is None else str(action["trained"]),
+                "action_error_ratio": "" if action.get("ratio") is None else str(action["ratio"])}
         mv = client.create_model_version(name, source, run_id=self.run_id, tags=tags,
                                          description=f"step {package['step']}, package {package['version']}")
         client.set_tag(self.run_id, "registered_model_version", f"{name}/{mv.version}")
         return str(mv.version)
 
 
-def promote(uri: str, registered_model: str, version: str | None, alias: str, min_success: float,
-            run_id: str | None = None) -> dict:
-    """Set `alias` on a model version only if its LIBERO success passes the gate; record the decision and why
-    on the version (tags) and, when given, on the pipeline run."""
+def promote(uri: str, registered_model: str, version: str | None, alias: str, min_success: float | None,
+            run_id: str | None = None, max_action_error_ratio: float | None = None) -> dict:
+    """Set `alias` on a model version only if it passes the gate (its LIBERO success, its held-out action error
+    ratio: `promotion_decision`); record the decision and why on the version (tags) and, when given, on the
+    pipeline run."""
     from dzmodel.pipeline import promotion_decision
 
     client = _client(uri)
@@ -262,9 +282,12 @@ def promote(uri: str, registered_model: str, version: str | None, alias: str, mi
     mv = client.get_model_version(registered_model, version)
     rate_text = mv.tags.get("success_rate", "")
     rate = float(rate_text) if rate_text not in ("", None) else None
-    ok, reason = promotion_decision(rate, min_success)
+    ratio_text = mv.tags.get("action_error_ratio", "")
+    ratio = float(ratio_text) if ratio_text not in ("", None) else None
+    ok, reason = promotion_decision(rate, min_success, ratio, max_action_error_ratio)
     decision = {"registered_model": registered_model, "version": version, "alias": alias, "promoted": ok,
                 "reason": reason, "success_rate": rate, "min_success": min_success,
+                "action_error_ratio": ratio, "max_action_error_ratio": max_action_error_ratio,
                 "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if ok:
         client.set_registered_model_alias(registered_model, alias, version)

@@ -18,10 +18,15 @@ def _raw() -> dict:
     return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
-def test_shipped_params_are_valid_with_three_profiles():
+def test_shipped_params_are_valid_with_four_profiles():
     params = load_params(ROOT / "params.yaml")
     assert params.profile == "demo"
-    assert set(params.profiles) == {"demo", "libero_5b", "droid_14b"}
+    assert set(params.profiles) == {"demo", "libero_5b", "droid_14b", "libero_scripted"}
+    scripted = params.selected("libero_scripted")
+    assert scripted.fetch.source == "libero" and scripted.fetch.record.suite == "object"
+    assert scripted.train["preset"] == "small" and scripted.metadata.embodiment == "libero_sim_small"
+    assert scripted.eval.suite == "object" and scripted.eval.tasks == scripted.fetch.record.tasks
+    assert scripted.promote.min_success > 0  # a gate that can fail
     demo = params.selected()
     assert demo.train["preset"] == "tiny" and demo.launch == {"nproc_per_node": 2, "nnodes": 1}
     assert demo.fetch.source == "synthetic" and demo.eval.device == "cpu"
@@ -81,7 +86,7 @@ def test_overrides_and_cli(tmp_path, capsys):
     params = load_params(ROOT / "params.yaml", ["train.steps=7", "eval.tasks=[0, 2]"], "demo")
     assert params.selected().train["steps"] == 7 and params.selected().eval.tasks == [0, 2]
     assert main(["params", "check", "--params", str(ROOT / "params.yaml")]) == 0
-    assert "valid (3 profiles" in capsys.readouterr().out
+    assert "valid (4 profiles" in capsys.readouterr().out
     assert main(["params", "check", "--params", str(ROOT / "params.yaml"), "--set", "train.micro_batch=zero"]) == 2
     assert "profiles.demo.train.micro_batch: expected an integer" in capsys.readouterr().err
     out = tmp_path / "train.json"

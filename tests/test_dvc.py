@@ -63,7 +63,7 @@ def test_repro_on_a_fresh_clone_reproduces_the_demo(project):
     assert (dest / "runs" / "demo" / "eval" / "results.csv").is_file()
     assert "Data and pipelines are up to date" in _run(["dvc", "status"], dest)
     metrics = _run(["dvc", "metrics", "show"], dest)
-    assert "samples_per_s_per_gpu" in metrics and "best_success_rate" in metrics
+    assert "samples_per_s_per_gpu" in metrics and "best_success_rate" in metrics and "action_error_ratio" in metrics
     assert (dest / "dvc.lock").is_file()
 
 

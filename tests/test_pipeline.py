@@ -162,6 +162,6 @@ def test_a_run_started_outside_the_pipeline_is_adopted_only_under_the_same_confi
     _start_fresh_if_changed(cfg, paths, logs.append)  # e.g. trained by infra/slurm/train.sbatch
     assert ckpt.exists() and "resuming" in logs[-1]
     (paths.run / "train_inputs.json").unlink()
-    cfg.lr = 1e-2
+    cfg.lr = 3e-2  # not the demo's lr: a changed config
     _start_fresh_if_changed(cfg, paths, logs.append)
     assert not ckpt.exists() and list((paths.run / "superseded").glob("train-*/checkpoints/step_0000010"))

@@ -67,12 +67,25 @@ class KeyLayout:
         return sum(self.action_widths.values())
 
 
+def heldout_split(episodes: Sequence[int], heldout: int, where: str = "train.heldout_episodes") -> tuple[list[int], list[int]]:
+    """(training, held-out) episode indices: the last `heldout` episodes by index are held out. Deterministic,
+    so training and the held-out evaluation, given the same count, split the same way."""
+    order = sorted(int(e) for e in episodes)
+    if heldout < 0 or heldout >= len(order):
+        raise DataError(f"{where}: {heldout} held-out episodes must leave at least one of the dataset's "
+                        f"{len(order)} episodes to train on")
+    cut = len(order) - heldout
+    return order[:cut], order[cut:]
+
+
 class WindowDataset:
-    """One LeRobot dataset seen through one embodiment."""
+    """One LeRobot dataset seen through one embodiment (`episodes`: only those episode indices; None = all)."""
 
     def __init__(self, reader: Any, embodiment: Embodiment, spec: WindowSpec, statistics: dict | None,
-                 train: bool = True, seed: int = 0, video_backend: str = "auto", skip_missing: bool = False):
+                 train: bool = True, seed: int = 0, video_backend: str = "auto", skip_missing: bool = False,
+                 episodes: Sequence[int] | None = None):
         self.reader, self.emb, self.spec = reader, embodiment, spec
+        self.episodes = None if episodes is None else set(int(e) for e in episodes)
         self.train, self.seed, self.video_backend = train, seed, video_backend
         self.keys = self._check_keys()
         self.pairs = relative_action_dims(embodiment, self.keys.state_widths, self.keys.action_widths)
@@ -85,7 +98,7 @@ class WindowDataset:
         skipped_eps = {ep for ep, _ in self.missing}
         segments = []
         for ep in reader.episodes:
-            if ep.index in skipped_eps:
+            if ep.index in skipped_eps or (self.episodes is not None and ep.index not in self.episodes):
                 continue
             per_frame = reader.task_per_frame(ep.index) if len(set(ep.tasks)) > 1 else None
             segments += task_segments(ep.index, per_frame, ep.length)

@@ -27,9 +27,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..data.collate import Collator
-from ..data.dataset import WindowDataset, load_statistics
+from ..data.dataset import load_statistics
 from ..data.embodiments import get_embodiment, load_embodiments
-from ..data.lerobot_format import open_dataset
 from ..data.sampling import WindowSpec
 from ..model.args import preset
 from ..model.conditioning import EncodedBatch, encode_batch
@@ -45,7 +44,9 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
     emb = get_embodiment(cfg.embodiment, load_embodiments(cfg.embodiment_files))
     stats = load_statistics(cfg.metadata, emb.tag)
     spec = WindowSpec(a.max_chunk_size, emb.action_horizon, 4 * a.num_frame_per_block, emb.sampling)
-    datasets = [WindowDataset(open_dataset(p), emb, spec, stats, train=False, seed=cfg.seed) for p in cfg.datasets]
+    from .trainer import training_windows
+
+    datasets = [training_windows(p, emb, spec, stats, cfg, train=False) for p in cfg.datasets]  # no held-out
     if encoders is None:
         encoders = frozen_encoders(cfg, device)  # the same frozen weights the trainer builds
     if tokenizer is None:
@@ -109,6 +110,7 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
     save_file({"context": torch.cat(text_rows)}, str(tmp / "text.safetensors"))
     index = {"version": CACHE_VERSION, "preset": cfg.preset, "model_overrides": cfg.model_overrides,
              "embodiment": emb.tag, "datasets": [str(Path(p).resolve()) for p in cfg.datasets], "stride": stride,
+             "heldout_episodes": cfg.heldout_episodes,
              "metadata": str(cfg.metadata), "prompts": list(prompts), "shards": shards,
              "samples": sum(s["samples"] for s in shards)}
     (tmp / "index.json").write_text(json.dumps(index, indent=1))

@@ -22,6 +22,7 @@ class TrainConfig:
     tokenizer: str | None = None            # local HF tokenizer dir (built offline for the tiny preset if missing)
     num_workers: int = 0
     cache: str | None = None                # a `dz cache` directory: train from precomputed encoder outputs
+    heldout_episodes: int = 0               # the last N episodes of each dataset are never trained on (eval only)
     # optimisation (reference §5.1)
     steps: int = 100
     stop_at: int | None = None              # end this invocation after this step (schedule still spans `steps`)
@@ -69,6 +70,8 @@ class TrainConfig:
         for name in ("steps", "micro_batch", "global_batch", "save_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.heldout_episodes < 0:
+            raise ValueError(f"train.heldout_episodes must be >= 0, got {self.heldout_episodes}")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.lr <= 0 or self.grad_clip <= 0:

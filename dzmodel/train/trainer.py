@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 
 from ..data.collate import Collator
-from ..data.dataset import MixtureDataset, StreamSampler, WindowDataset, load_statistics
+from ..data.dataset import MixtureDataset, StreamSampler, WindowDataset, heldout_split, load_statistics
 from ..data.embodiments import get_embodiment, load_embodiments
 from ..data.errors import DataError
 from ..data.lerobot_format import open_dataset
 from ..data.sampling import SampleStream, WindowSpec
 from ..data.video import worker_init_fn
-from ..model.args import preset
+from ..model.args import OFFLINE_PRESETS, preset
 from ..model.attention import TeacherForcingLayout
 from ..model.flops import wam_forward_flops
 from ..model.objective import FlowMatchSchedule
@@ -62,6 +62,16 @@ def init_distributed() -> DistInfo:
     if cuda:
         torch.cuda.set_device(device)
     return DistInfo(rank, world, local, device)
+
+
+def training_windows(path, emb, spec: WindowSpec, stats: dict, cfg: TrainConfig, train: bool = True) -> WindowDataset:
+    """A dataset's windows without its held-out episodes (`heldout_episodes`): training never samples them."""
+    reader = open_dataset(path)
+    episodes = None
+    if cfg.heldout_episodes:
+        episodes, _ = heldout_split([e.index for e in reader.episodes], cfg.heldout_episodes,
+                                    f"train.heldout_episodes ({path})")
+    return WindowDataset(reader, emb, spec, stats, train=train, seed=cfg.seed, episodes=episodes)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -111,6 +121,9 @@ class Trainer:
             from .cache import CachedWindows, collate_cached
 
             self.cached = CachedWindows(cfg.cache, expect_preset=cfg.preset)
+            if self.cached.index.get("heldout_episodes", 0) != cfg.heldout_episodes:
+                raise DataError(f"{cfg.cache}: built with heldout_episodes {self.cached.index.get('heldout_episodes', 0)}"
+                                f", train.heldout_episodes is {cfg.heldout_episodes}; rebuild it with `dz cache`")
             self.datasets = None
             self.stream = SampleStream([len(self.cached)], seed=cfg.seed, rank=self.info.rank,
                                        world_size=self.info.world_size)
@@ -133,7 +146,7 @@ class Trainer:
                             f"{cfg.preset!r} has num_action_per_block {a.num_action_per_block}")
         stats = load_statistics(cfg.metadata, emb.tag)
         spec = WindowSpec(a.max_chunk_size, emb.action_horizon, 4 * a.num_frame_per_block, emb.sampling)
-        self.datasets = [WindowDataset(open_dataset(p), emb, spec, stats, train=True, seed=cfg.seed) for p in cfg.datasets]
+        self.datasets = [training_windows(p, emb, spec, stats, cfg) for p in cfg.datasets]
         self.stream = SampleStream([len(d) for d in self.datasets], cfg.dataset_weights, seed=cfg.seed,
                                    rank=self.info.rank, world_size=self.info.world_size)
         tokenizer = self._tokenizer()
@@ -151,7 +164,7 @@ class Trainer:
         from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer
 
         path = Path(self.cfg.tokenizer) if self.cfg.tokenizer else self.out / "tokenizer"
-        if not (path / "tokenizer.json").is_file() and self.cfg.preset != "tiny":
+        if not (path / "tokenizer.json").is_file() and self.cfg.preset not in OFFLINE_PRESETS:
             raise DataError(f"tokenizer directory {path} has no tokenizer.json (give train.tokenizer: a local "
                             "copy of google/umt5-xxl)")
         if self.info.rank == 0 and not (path / "tokenizer.json").is_file():

@@ -79,7 +79,8 @@ def test_scheduled_deployment_run_is_created_and_completes(servers):
 
 def test_mlflow_server_compares_two_demo_runs(servers):
     env, project, mlf = servers["env"], servers["project"], servers["mlflow"]
-    for extra in ([], ["--set", "train.lr=3.0e-3"]):
+    short = ["--set", "train.steps=30", "--set", "train.save_every=10"]  # the demo's 1000 steps take minutes
+    for extra in (short, [*short, "--set", "train.lr=1.0e-3"]):
         out = subprocess.run([str(BIN / "dz"), "pipeline", "run", "--profile", "demo", "--root", str(project), *extra],
                              env=env, capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
@@ -93,7 +94,8 @@ def test_mlflow_server_compares_two_demo_runs(servers):
     for run in runs[:2]:
         metrics = {m["key"]: m["value"] for m in run["data"].get("metrics", [])}
         for key in ("loss", "action_loss", "dynamics_loss", "samples_per_s_per_gpu", "mfu", "peak_mem_gib",
-                    "train.final_loss", "eval.success_rate", "eval.best_success_rate"):
+                    "train.final_loss", "eval.success_rate", "eval.best_success_rate", "action_error.trained",
+                    "action_error.ratio", "action_error.mean_predictor", "action_error.untrained"):
             assert key in metrics, (key, sorted(metrics))
         params = {p["key"]: p["value"] for p in run["data"]["params"]}
         q = urllib.parse.urlencode({"run_id": run["info"]["run_id"], "metric_key": "loss"})
@@ -102,7 +104,7 @@ def test_mlflow_server_compares_two_demo_runs(servers):
         q = urllib.parse.urlencode({"run_id": run["info"]["run_id"], "metric_key": "eval.success_rate"})
         assert sorted(h["step"] for h in _json(f"{mlf}/api/2.0/mlflow/metrics/get-history?{q}")["metrics"]) == [10, 20, 30]
         latest.append((params["train.lr"], metrics["train.final_loss"]))
-    assert latest[0][0] == "0.003" and latest[1][0] == "0.001"
+    assert latest[0][0] == "0.001" and latest[1][0] == "0.003"
     assert latest[0][1] != latest[1][1]  # the changed learning rate shows in the comparison
     children = _json(f"{mlf}/api/2.0/mlflow/runs/search", {
         "experiment_ids": [exp["experiment_id"]], "filter": f"tags.mlflow.parentRunId = '{runs[0]['info']['run_id']}'"})
@@ -111,5 +113,8 @@ def test_mlflow_server_compares_two_demo_runs(servers):
     cached = {r["info"]["run_name"] for r in children["runs"]
               if {t["key"]: t["value"] for t in r["data"]["tags"]}.get("cached") == "true"}
     assert {"fetch", "metadata", "cache"} <= cached and "train" not in cached  # only what lr affects reran
-    alias = _json(f"{mlf}/api/2.0/mlflow/registered-models/alias?name=dreamzero-demo&alias=production")
-    assert alias["model_version"]["tags"] and alias["model_version"]["name"] == "dreamzero-demo"
+    # a 30-step run does not pass the demo's gate (held-out action error ratio <= 0.5): refused, no alias
+    versions = _json(f"{mlf}/api/2.0/mlflow/model-versions/search?" + urllib.parse.urlencode(
+        {"filter": "name='dreamzero-demo'"}))["model_versions"]
+    tags = {t["key"]: t["value"] for t in max(versions, key=lambda v: int(v["version"]))["tags"]}
+    assert tags["promotion"] == "refused" and "held-out action error ratio" in tags["promotion_reason"]

@@ -67,9 +67,11 @@ def _fake_stages(calls: list[str]):
         calls.append("package")
         step, rate = pipeline.chosen_step(prof, paths)
         write(paths.stage("package") / "bundle.tar.gz")
+        # a stand-in held-out action error: the demo's gate reads its ratio
+        action = {"step": step, "trained": 0.1, "ratio": 0.25, "mean_predictor": 0.4, "untrained": 0.9}
         return {"bundle": str(paths.stage("package")), "tarball": str(paths.stage("package") / "bundle.tar.gz"),
                 "step": step, "success_rate": rate, "model": str(paths.stage("converted") / f"step_{step:07d}"),
-                "version": prof.package.version}
+                "version": prof.package.version, "action_error": action}
 
     return {"fetch": fetch, "metadata": metadata, "cache": cache, "train": train, "convert": convert,
             "eval": evaluate, "package": package}
@@ -165,3 +167,8 @@ def test_dz_promote_applies_the_gate_to_a_registered_version(prefect_env, tmp_pa
     assert "refused: LIBERO success 50.0% < gate 75.0%" in capsys.readouterr().out
     assert main(args + ["--min-success", "0.5", "--version", "1"]) == 0
     assert "dreamzero-demo v1 -> alias canary: passed" in capsys.readouterr().out
+    # the demo's own gate is the held-out action error ratio (0.25 here): a tighter bound refuses, exit 1
+    assert main(args + ["--max-action-error-ratio", "0.2"]) == 1
+    assert "refused: held-out action error ratio 0.25 (vs the mean predictor) > gate 0.20" in capsys.readouterr().out
+    assert main(args) == 0
+    assert "passed: held-out action error ratio 0.25 (vs the mean predictor) <= gate 0.50" in capsys.readouterr().out
