@@ -725,7 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="summary.json (oracle_success_rate), results.csv, episodes.csv")
     p.add_argument("--metadata", help="the run's metadata.json (q99 statistics); default: computed from the dataset")
     p.add_argument("--embodiment", default="libero_sim", help="libero_sim | libero_sim_tiny")
-    p.add_argument("--max-episodes", type=int, help="replay only the first N recorded episodes")
+    p.add_argument("--max-episodes", type=int, help="replay N recorded episodes, evenly spread over the recording")
     p.add_argument("--workers", type=int, default=2, help="env worker processes")
     p.add_argument("--camera-size", type=int, help="default: the recorded image size")
     p.add_argument("--videos", type=int, default=0, help="write this many replays as mp4")

@@ -99,7 +99,9 @@ def run_oracle(dataset: str | Path, out: str | Path, metadata: str | Path | None
     meta_path = _statistics(dataset, emb, Path(metadata) if metadata else None, out)
     _, action_stats, pairs = policy_statistics(emb, meta_path)
     tasks = {t.index: t for t in list_tasks(rec["suite"])}
-    recorded = rec["episodes"][:max_episodes] if max_episodes else rec["episodes"]
+    recorded = rec["episodes"]
+    if max_episodes and max_episodes < len(recorded):  # evenly spread, so that every task is replayed
+        recorded = [recorded[i] for i in np.linspace(0, len(recorded) - 1, max_episodes).round().astype(int)]
     if not recorded:
         raise DataError(f"{dataset}: the recording holds no episodes")
     H, pad = emb.action_horizon, zero_action()

@@ -1,0 +1,355 @@
+"""A scripted pick-and-place expert for LIBERO, driven by privileged simulator state.
+
+It reads object poses (raw observation `<object>_pos`) and target regions (MuJoCo sites, object bodies) from the
+simulator, but acts only through LIBERO's standard 7-dim OSC_POSE action: delta eef position (3), delta rotation
+(3), gripper (-1 open, +1 close). LIBERO's own `done` decides success.
+
+Design choices, each because of how the recordings are used (open-loop replay after float32 rounding and clipping
+every action dim to its 1st..99th percentile over the whole dataset):
+
+* Rotation is never commanded (always exactly 0): the gripper keeps its reset orientation (pointing down, fingers
+  closing along world y). Every object in LIBERO-Object and LIBERO-Spatial sits at a fixed yaw in which a
+  top-down grasp with that finger axis works, so no rotation is needed, and rare rotation commands would be
+  clipped to ~0 on replay anyway.
+* Position commands are a saturating proportional law, so most travel happens at exactly +-1: the 1 % tails of
+  each position dim sit at the saturation value and clipping changes nothing. The one direction that is rare
+  (-x, towards the robot) is capped at NEG_X_CAP, so that its tail is a point mass at the cap instead.
+* The gripper is exactly -1 or +1.
+
+Grasps come from the object's collision geometry (world AABB of its geoms): upright and flat objects are grasped
+from above at a height below their top; bowls (too wide for the gripper) by their rim, offset from the centre by
+about the radius along the finger axis. During transport the eef target is corrected by the object's measured
+offset from the eef, so the object (not the hand) is placed over the target. A grasp that did not lift the object
+is retried.
+
+Module-level imports are numpy and stdlib only: this module is imported where LIBERO may not be installed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+GAIN = 25.0               # action units per metre of error: saturates beyond 4 cm of error
+FINGER_OUTER = 0.078      # the open fingers' outer faces, from the grip site along world y (measured 0.074)
+FINGER_REACH_BELOW = 0.036  # the fingers reach this far below the grip site (measured)
+NEG_X_CAP = 0.4           # -x (towards the robot) is rare in these tasks: capping it makes -0.4 the dataset's 1 %
+                          # quantile of that dim (a point mass of 2-4 % of steps), so q01 clipping changes nothing
+MAX_GRIPPER_OPENING = 0.075  # widest object extent (along the finger axis) that a top-down grasp can take
+BOWL_GRASP_BELOW_TOP = 0.012  # eef height below a bowl's rim for a rim grasp
+BOWL_RIM_INSET = 0.008    # eef offset inward from the bowl's outer radius, so the fingers straddle the wall
+MIN_CLOSE_STEPS = 6       # +1 steps before the fingers can have reached a ~6 cm object
+MAX_CLOSE_STEPS = 16      # the fingers shut fully from open in about 12 steps
+RELEASE_STEPS = 6
+MAX_GRASP_TRIES = 3
+
+
+class ExpertUnsupported(ValueError):
+    """The env's task is not one the expert can solve (the message names the goal predicate)."""
+
+
+def _goal_of(env) -> tuple[str, str, str]:
+    """(predicate, object, target) of a single-predicate pick-and-place goal, or ExpertUnsupported."""
+    inner = env.env
+    goal = inner.parsed_problem["goal_state"]
+    if len(goal) != 1 or len(goal[0]) != 3:
+        raise ExpertUnsupported(f"goal {goal}: only a single binary predicate (in/on) is supported")
+    pred, obj, target = (str(x).lower() for x in goal[0])
+    if pred not in ("in", "on"):
+        raise ExpertUnsupported(f"goal {goal}: predicate {pred!r} is not a pick-and-place (in/on)")
+    if obj not in inner.objects_dict:
+        raise ExpertUnsupported(f"goal {goal}: {obj!r} is not a movable object")
+    if target not in inner.object_sites_dict and target not in inner.objects_dict \
+            and target not in inner.fixtures_dict:
+        raise ExpertUnsupported(f"goal {goal}: unknown target {target!r}")
+    if pred == "in" and target not in inner.object_sites_dict:
+        raise ExpertUnsupported(f"goal {goal}: 'in' is supported only for a region site")
+    return pred, obj, target
+
+
+def expert_supports(env) -> str | None:
+    """None if `ScriptedExpert` can attempt the env's task, else a one-line reason."""
+    try:
+        _goal_of(env)
+    except ExpertUnsupported as exc:
+        return str(exc)
+    return None
+
+
+# --- geometry ----------------------------------------------------------------------------------------------------
+
+
+def _bodies_under(model, root_id: int) -> set[int]:
+    """The body `root_id` and all its descendants."""
+    out = {root_id}
+    for b in range(model.nbody):
+        p = b
+        while p != 0:
+            p = model.body_parentid[p]
+            if p == root_id:
+                out.add(b)
+                break
+    return out
+
+
+def _geom_world_boxes(sim, body_ids: set[int] | None = None) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """(body id, lo, hi) world axis-aligned boxes of the colliding geoms (of the given bodies, else all)."""
+    m, d = sim.model._model, sim.data._data
+    signs = np.array([[sx, sy, sz] for sx in (-1, 1) for sy in (-1, 1) for sz in (-1, 1)], dtype=np.float64)
+    boxes = []
+    for g in range(m.ngeom):
+        body = int(m.geom_bodyid[g])
+        if body_ids is not None and body not in body_ids:
+            continue
+        if m.geom_contype[g] == 0 and m.geom_conaffinity[g] == 0:
+            continue  # visual only
+        centre, half = m.geom_aabb[g, :3], m.geom_aabb[g, 3:]
+        rot = d.geom_xmat[g].reshape(3, 3)
+        corners = d.geom_xpos[g] + (centre + signs * half) @ rot.T
+        boxes.append((body, corners.min(0), corners.max(0)))
+    return boxes
+
+
+def _body_box(sim, root_body: str) -> tuple[np.ndarray, np.ndarray]:
+    root = sim.model.body_name2id(root_body)
+    boxes = _geom_world_boxes(sim, _bodies_under(sim.model._model, root))
+    return np.min([b[1] for b in boxes], axis=0), np.max([b[2] for b in boxes], axis=0)
+
+
+# --- the expert --------------------------------------------------------------------------------------------------
+
+
+class ScriptedExpert:
+    """Closed-loop pick-and-place: approach above the grasp point, descend, close, lift, carry the object over the
+    target, lower it, open. Call `act(raw_obs)` once per env step; it returns the next (7,) action."""
+
+    def __init__(self, env, seed: int = 0):
+        self.env = env
+        self.pred, self.obj, self.target = _goal_of(env)
+        inner = env.env
+        self.sim = inner.sim
+        self.rng = np.random.default_rng(seed)
+        self.obj_body = inner.objects_dict[self.obj].root_body
+        self.obj_body_id = self.sim.model.body_name2id(self.obj_body)
+
+        lo, hi = _body_box(self.sim, self.obj_body)
+        origin = self.sim.data.body_xpos[self.obj_body_id].copy()
+        self.obj_bottom_below_origin = origin[2] - lo[2]
+        self.obj_height = hi[2] - lo[2]
+        size = hi - lo
+        self.is_bowl = "bowl" in self.obj or (size[1] > MAX_GRIPPER_OPENING and size[2] < 0.6 * size[1])
+        centre_xy = (lo[:2] + hi[:2]) / 2
+        if self.is_bowl:
+            # a rim grasp: the fingers straddle the wall where it crosses the finger axis (world y)
+            radius = size[1] / 2
+            grasp_z = hi[2] - BOWL_GRASP_BELOW_TOP
+            candidates = [centre_xy + [0.0, side * (radius - BOWL_RIM_INSET)] for side in (1.0, -1.0)]
+        else:
+            # from above, below the top; anywhere along the object's x extent (perpendicular to the fingers)
+            grasp_z = max(hi[2] - 0.035, lo[2] + 0.5 * min(self.obj_height, 0.03) + 0.006)
+            reach = max(0.0, size[0] / 2 - 0.02)
+            candidates = [centre_xy + [dx, 0.0] for dx in np.linspace(-reach, reach, 5 if reach > 0 else 1)]
+        grasp_xy = self._roomiest(candidates, centre_xy, grasp_z)
+        self.grasp_offset = np.array([*(grasp_xy - origin[:2]), grasp_z - origin[2]])
+        self.hover = 0.08 + 0.02 * self.rng.random()
+
+        # where the object's origin must end up, and how high above its support to let it go
+        if self.target in inner.object_sites_dict and self.pred == "in":
+            self.place_xy = self.sim.data.get_site_xpos(self.target)[:2].copy()
+            self.support_top = self._support_floor(self._region_owner_body())
+            self.drop_gap = 0.04
+        else:
+            tgt_body = self._target_body(self.target)
+            self.place_xy = self.sim.data.body_xpos[self.sim.model.body_name2id(tgt_body)][:2].copy()
+            self.support_top = _body_box(self.sim, tgt_body)[1][2]
+            self.drop_gap = 0.015
+        self.carry_clear_z = self._carry_clearance(origin[:2], self.place_xy, max(size[0], size[1]) / 2)
+
+        self.phase = "approach"
+        self.phase_steps = 0
+        self.tries = 0
+        self.grasp_eef_z = None
+        self.last_finger = 0.0
+        self.obj_z_at_grasp = None
+
+    # -- setup helpers --
+
+    def _target_body(self, name: str) -> str:
+        inner = self.env.env
+        if name in inner.objects_dict:
+            return inner.objects_dict[name].root_body
+        if name in inner.fixtures_dict:
+            return inner.fixtures_dict[name].root_body
+        raise ExpertUnsupported(f"target {name!r} has no body")
+
+    def _region_owner_body(self) -> str | None:
+        """The body that carries the target region site (e.g. the basket), or None."""
+        site_id = self.sim.model.site_name2id(self.target)
+        body_id = int(self.sim.model._model.site_bodyid[site_id])
+        return self.sim.model.body_id2name(body_id) if body_id != 0 else None
+
+    def _support_floor(self, owner_body: str | None) -> float:
+        """Height of the container's floor: the lowest top of the owner's geoms under the region's centre."""
+        if owner_body is None:
+            return float(self.sim.data.get_site_xpos(self.target)[2])
+        root = self.sim.model.body_name2id(owner_body)
+        xy = self.place_xy
+        tops = [hi[2] for _, lo, hi in _geom_world_boxes(self.sim, _bodies_under(self.sim.model._model, root))
+                if lo[0] <= xy[0] <= hi[0] and lo[1] <= xy[1] <= hi[1]]
+        return float(min(tops)) if tops else float(self.sim.data.get_site_xpos(self.target)[2])
+
+    def _foreign_boxes(self):
+        own = _bodies_under(self.sim.model._model, self.obj_body_id)
+        robot = {b for b in range(self.sim.model.nbody)
+                 if (self.sim.model.body_id2name(b) or "").startswith(("robot", "gripper", "mount"))}
+        return [(lo, hi) for body, lo, hi in _geom_world_boxes(self.sim)
+                if body not in own and body not in robot and body != 0 and np.all(hi - lo < 0.45)]
+
+    def _roomiest(self, candidates, centre_xy, grasp_z) -> np.ndarray:
+        """The grasp point whose open fingers have the most horizontal room from other objects (capped at 3 cm,
+        so that among roomy enough ones the one nearest the object's centre wins)."""
+        boxes = [(lo, hi) for lo, hi in self._foreign_boxes()
+                 if hi[2] > grasp_z - FINGER_REACH_BELOW and lo[2] < grasp_z + 0.1]
+        best, best_score = None, -np.inf
+        for gxy in candidates:
+            clearance = 0.03
+            for side in (1.0, -1.0):  # each finger's column, open: from the inner pad to its outer face
+                fx = (gxy[0] - 0.012, gxy[0] + 0.012)
+                fy = sorted((gxy[1] + side * 0.035, gxy[1] + side * FINGER_OUTER))
+                for lo, hi in boxes:
+                    dx = max(lo[0] - fx[1], fx[0] - hi[0], 0.0)
+                    dy = max(lo[1] - fy[1], fy[0] - hi[1], 0.0)
+                    clearance = min(clearance, float(np.hypot(dx, dy)))
+            score = clearance - 0.1 * float(np.linalg.norm(np.asarray(gxy) - centre_xy))
+            if score > best_score + 1e-9:
+                best, best_score = np.asarray(gxy, dtype=np.float64), score
+        return best
+
+    def _carry_clearance(self, start_xy, end_xy, obj_radius) -> float:
+        """Lowest height the carried object's bottom must keep: above everything in the corridor start -> target."""
+        seg = end_xy - start_xy
+        top = max(self.support_top, self.sim.data.body_xpos[self.obj_body_id][2] - self.obj_bottom_below_origin)
+        for lo, hi in self._foreign_boxes():
+            # distance from the box's xy rectangle to the segment, sampled along it
+            for t in np.linspace(0.0, 1.0, 21):
+                p = start_xy + t * seg
+                dx = max(lo[0] - p[0], p[0] - hi[0], 0.0)
+                dy = max(lo[1] - p[1], p[1] - hi[1], 0.0)
+                if np.hypot(dx, dy) < obj_radius + 0.03:
+                    top = max(top, hi[2])
+                    break
+        return float(top) + 0.03
+
+    # -- control --
+
+    def _move(self, eef, target, speed: float = 1.0) -> np.ndarray:
+        """Saturating P-control of the eef position; moves towards the robot (-x) are capped (see NEG_X_CAP)."""
+        low = np.array([-min(speed, NEG_X_CAP), -speed, -speed])
+        return np.clip(GAIN * (np.asarray(target) - eef), low, speed)
+
+    def _set(self, phase: str) -> None:
+        self.phase, self.phase_steps = phase, 0
+
+    def act(self, raw_obs: dict) -> np.ndarray:
+        eef = np.asarray(raw_obs["robot0_eef_pos"], dtype=np.float64)
+        obj = np.asarray(raw_obs[f"{self.obj}_pos"], dtype=np.float64)
+        grasp = obj + self.grasp_offset
+        hover_z = grasp[2] + self.hover
+        # the eef height that puts the held object's bottom at height h
+        held_bottom_to_eef = self.grasp_offset[2] + self.obj_bottom_below_origin
+        carry_z = self.carry_clear_z + held_bottom_to_eef
+        self.phase_steps += 1
+        gripper = -1.0
+        move = np.zeros(3)
+
+        if self.phase == "approach":
+            # go towards the hover point; drop height only once close in xy (keeps the fingers off other objects)
+            xy_err = np.linalg.norm(grasp[:2] - eef[:2])
+            z_goal = max(hover_z, eef[2]) if xy_err > 0.1 else hover_z
+            move = self._move(eef, [grasp[0], grasp[1], z_goal])
+            if xy_err < 0.012 and abs(eef[2] - hover_z) < 0.03:
+                self._set("descend")
+        if self.phase == "descend":
+            near = eef[2] - grasp[2] < 0.04
+            move = self._move(eef, grasp, 0.5 if near else 1.0)
+            if (abs(eef[2] - grasp[2]) < 0.008 and np.linalg.norm(grasp[:2] - eef[:2]) < 0.01) \
+                    or self.phase_steps > 40:
+                self._set("close")
+        if self.phase == "close":
+            # close until the fingers stop (on a thin bowl wall that is only when nearly shut)
+            gripper = 1.0
+            move = self._move(eef, grasp, 0.3)
+            finger = float(np.sum(np.abs(raw_obs["robot0_gripper_qpos"])))
+            settled = self.phase_steps > 1 and abs(finger - self.last_finger) < 0.0008
+            self.last_finger = finger
+            if (settled and self.phase_steps >= MIN_CLOSE_STEPS) or self.phase_steps >= MAX_CLOSE_STEPS:
+                self.grasp_eef_z, self.obj_z_at_grasp = eef[2], obj[2]
+                self._set("lift")
+        elif self.phase in ("lift", "carry", "lower", "release", "retreat"):
+            gripper = 1.0
+        if self.phase == "lift":
+            move = self._move(eef, [eef[0], eef[1], carry_z])
+            lifted = obj[2] - self.obj_z_at_grasp
+            risen = eef[2] - self.grasp_eef_z
+            if risen > 0.04 and lifted < 0.5 * risen:
+                self._regrasp()
+            elif carry_z - eef[2] < 0.03:
+                self._set("carry")
+        if self.phase == "carry":
+            goal_eef_xy = self.place_xy + (eef[:2] - obj[:2])
+            move = self._move(eef, [goal_eef_xy[0], goal_eef_xy[1], carry_z])
+            if self._dropped(eef, obj):
+                self._regrasp()
+            elif np.linalg.norm(self.place_xy - obj[:2]) < (0.01 if self.phase_steps < 40 else 0.02):
+                self._set("lower")  # lowering keeps correcting xy; a small steady offset must not stall us
+        if self.phase == "lower":
+            goal_eef_xy = self.place_xy + (eef[:2] - obj[:2])
+            release_z = self.support_top + self.drop_gap + held_bottom_to_eef
+            near = eef[2] - release_z < 0.04
+            move = self._move(eef, [goal_eef_xy[0], goal_eef_xy[1], release_z], 0.5 if near else 1.0)
+            if self._dropped(eef, obj):
+                self._regrasp()
+            elif abs(eef[2] - release_z) < 0.01 or self.phase_steps > 40:
+                self._set("release")
+        if self.phase == "release":
+            gripper = -1.0
+            move = self._move(eef, eef, 0.0)
+            if self.phase_steps >= RELEASE_STEPS:
+                self._set("retreat")
+        if self.phase == "retreat":
+            gripper = -1.0
+            move = self._move(eef, [eef[0], eef[1], grasp[2] + self.hover + 0.05])
+
+        action = np.zeros(7, dtype=np.float64)
+        action[:3] = move
+        action[6] = gripper
+        return action
+
+    def _dropped(self, eef, obj) -> bool:
+        expected = eef + (-self.grasp_offset)  # where the object origin should be while held
+        return bool(np.linalg.norm(expected - obj) > 0.06)
+
+    def _regrasp(self) -> None:
+        self.tries += 1
+        self._set("approach" if self.tries < MAX_GRASP_TRIES else "retreat")
+
+
+# --- init-state perturbation ---------------------------------------------------------------------------------------
+
+
+def perturb_init_state(env, state: np.ndarray, rng: np.random.Generator, max_shift_m: float = 0.02) -> np.ndarray:
+    """A seeded perturbation of a standard init state: the movable objects' free-joint x/y shifted by up to
+    max_shift_m (uniform), fixtures untouched; returns the new flat MuJoCo state (same layout as `state`, so
+    `env.set_init_state` accepts it). The flat layout is [time, qpos, qvel]."""
+    inner = env.env
+    model = inner.sim.model._model
+    movable_roots = {inner.objects_dict[name].root_body for name in sorted(inner.objects_dict)}
+    out = np.array(state, dtype=np.float64, copy=True)
+    for j in range(model.njnt):
+        if model.jnt_type[j] != 0:  # mjJNT_FREE
+            continue
+        body = inner.sim.model.body_id2name(int(model.jnt_bodyid[j]))
+        if body not in movable_roots:
+            continue
+        adr = 1 + int(model.jnt_qposadr[j])
+        out[adr:adr + 2] += rng.uniform(-max_shift_m, max_shift_m, size=2)
+    return out
