@@ -5,6 +5,7 @@ A crash leaves either the old file or the new one, never a torn one, and no temp
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -22,3 +23,16 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """Rename a finished directory `tmp` to `dest`. An existing `dest` is moved aside first and removed only
+    after the new one is in place, so `dest` is always absent, the old tree or the new one, never a mix."""
+    tmp, dest = Path(tmp), Path(dest)
+    if not dest.exists():
+        os.replace(tmp, dest)
+        return
+    trash = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+    os.replace(dest, trash / "old")
+    os.replace(tmp, dest)
+    shutil.rmtree(trash, ignore_errors=True)

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dzmodel.atomic import replace_dir
 from dzmodel.data.errors import DataError
 from dzmodel.data.lerobot_writer import CODECS, LeRobotV3Writer, VectorFeature
 
@@ -319,13 +320,7 @@ def make_synthetic_dataset(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         _write_dataset(tmp, num_episodes, episode_length, image_size, fps, codec, seed, chunks_size, crf, motion)
-        if out_dir.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, trash / "old")
-            os.replace(tmp, out_dir)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

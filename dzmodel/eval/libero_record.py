@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import replace_dir
 from ..data.errors import DataError
 from ..data.lerobot_writer import LeRobotV3Writer, VectorFeature
 from ..progress import Progress
@@ -328,13 +329,7 @@ def _publish(tmp: Path, out: Path) -> None:
         os.chmod(d, 0o755)
     for f in (p for p in tmp.rglob("*") if p.is_file()):
         os.chmod(f, 0o644)
-    if out.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, trash / "old")
-        os.replace(tmp, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
+    replace_dir(tmp, out)
 
 
 def summary_line(summary: dict, out: Path | str) -> str:
