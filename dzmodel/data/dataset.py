@@ -53,6 +53,16 @@ def embodiment_metadata(dataset: str | Path, emb: Embodiment, out: str | Path | 
                             video_keys=emb.views, merge=merge, max_episodes=max_episodes)
 
 
+def key_vectors(cols: dict, keys, rows) -> np.ndarray:
+    """The embodiment keys' values [len(rows), width] from a dataset's columns (`read_columns`), as float64."""
+    parts = []
+    for k in keys:
+        col = np.asarray(cols[k.column], dtype=np.float64)
+        col = col.reshape(col.shape[0], -1)
+        parts.append(k.take(col[rows], col.shape[1]))
+    return np.concatenate(parts, axis=1)
+
+
 @dataclass
 class KeyLayout:
     state_widths: dict[str, int]

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_write_text
-from ..data.dataset import heldout_split
+from ..data.dataset import heldout_split, key_vectors
 from ..data.lerobot_format import open_dataset
 from ..data.transforms import NormStats, to_relative
 
@@ -64,15 +64,6 @@ def normalise_chunk(actions: np.ndarray, state: np.ndarray, stats: NormStats, pa
     return stats.normalize(actions)
 
 
-def _vectors(cols: dict, keys, rows: np.ndarray) -> np.ndarray:
-    parts = []
-    for k in keys:
-        col = np.asarray(cols[k.column], dtype=np.float64)
-        col = col.reshape(col.shape[0], -1)
-        parts.append(k.take(col[rows], col.shape[1]))
-    return np.concatenate(parts, axis=1)
-
-
 def _anchors(length: int, horizon: int, stride: int) -> list[int]:
     return list(range(0, length - horizon + 1, stride))
 
@@ -104,7 +95,7 @@ def mean_action(cfg, emb, stats: NormStats, pairs: list, stride: int, where: str
             cols = reader.read_columns(ep, columns)
             for t in _anchors(lengths[ep], emb.action_horizon, stride):
                 rows = np.arange(t, t + emb.action_horizon)
-                chunk = normalise_chunk(_vectors(cols, emb.action, rows), _vectors(cols, emb.state, np.array([t]))[0],
+                chunk = normalise_chunk(key_vectors(cols, emb.action, rows), key_vectors(cols, emb.state, np.array([t]))[0],
                                         stats, pairs)
                 total = total + chunk.sum(axis=0)
                 count += chunk.shape[0]
@@ -135,8 +126,8 @@ def heldout_windows(cfg, emb, stats: NormStats, pairs: list, stride: int, max_wi
         tasks = reader.task_per_frame(ep)
         frames = {short: reader.read_frames(ep, key, anchors, backend=video_backend) for short, key in emb.views.items()}
         for i, t in enumerate(anchors):
-            state = _vectors(cols, emb.state, np.array([t]))[0]
-            target = normalise_chunk(_vectors(cols, emb.action, np.arange(t, t + emb.action_horizon)), state, stats,
+            state = key_vectors(cols, emb.state, np.array([t]))[0]
+            target = normalise_chunk(key_vectors(cols, emb.action, np.arange(t, t + emb.action_horizon)), state, stats,
                                      pairs)
             windows.append(Window(ep, t, {s: np.asarray(f[i]) for s, f in frames.items()}, state, tasks[t], target))
     return windows

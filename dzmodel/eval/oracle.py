@@ -56,13 +56,10 @@ class ReplayModel:
 
 def _episode_actions(reader, emb, episode: int) -> np.ndarray:
     """The embodiment's action vector of every row of an episode, as training reads it (float64)."""
+    from ..data.dataset import key_vectors
+
     cols = reader.read_columns(episode, sorted({k.column for k in emb.action}))
-    parts = []
-    for k in emb.action:
-        col = np.asarray(cols[k.column], dtype=np.float64)
-        col = col.reshape(col.shape[0], -1)
-        parts.append(k.take(col, col.shape[1]))
-    return np.concatenate(parts, axis=1)
+    return key_vectors(cols, emb.action, slice(None))
 
 
 def _statistics(dataset: Path, emb, metadata: Path | None, out: Path) -> Path:
