@@ -1,24 +1,57 @@
 #!/usr/bin/env bash
-# The libero_scripted profile's train stage on a GPU machine that has neither LIBERO nor the pipeline's services
-# (the device image: torch, safetensors, numpy, pyarrow, OpenCV). Run from the repo root with the recorded dataset
-# (data/libero_scripted/dataset, H.264) and its statistics (runs/libero_scripted/metadata) carried along, and the
-# train config written here beforehand by `dz params train-config --profile libero_scripted --out
-# runs/libero_scripted/train_config.json`.
+# The libero_scripted profile on a GPU machine that has neither LIBERO nor the pipeline's services (the device
+# image: Python 3.12, torch, safetensors, numpy, pyarrow, OpenCV; no package index). Run from the repo root.
 #
-#   train SECONDS   train (resuming from the newest checkpoint) for at most SECONDS of wall time; checkpoints are
-#                   atomic, so a cut-off run resumes where it saved last
-#   export STEPS    convert the checkpoints of STEPS (e.g. 1000,2000) with the model weights in bf16, as tar parts
-#                   of <= 15 MiB in $OUT (the device returns at most 16 MiB per file); `cat` them back together,
-#                   then upcast_model.py restores an fp32 converted model directory
+#   setup              install the LIBERO bundle carried in .libero_bundle/ (`infra/libero_bundle.py`: the object
+#                      suite's files, mujoco and cffi wheels) and any wheels in .libero_bundle_extra/ (PyAV for the
+#                      recorder's H.264), into /tmp/libero; then check that an env renders
+#   record WORKERS     the fetch stage (the scripted expert's recording, WORKERS env processes) and the metadata
+#                      stage of the profile, then its train config
+#   train-bg           start training (the train config above, resuming from the newest checkpoint) in the
+#                      background, detached, so that it outlives this command; its log is runs/<profile>/train.log
+#   wait SECONDS       follow the training log for at most SECONDS, or until training ends
+#   stop               stop the background training (checkpoints are atomic: the newest saved one stays usable)
+#   eval STEPS ARGS..  `dz eval libero` of the run's checkpoints STEPS (e.g. 1000,2000) on this GPU, with ARGS added
+#   export STEPS       the converted checkpoints STEPS with bf16 model weights, as tar parts of <= 15 MiB in $OUT
+#                      (the device returns at most 16 MiB per file); `cat` them back together, then
+#                      upcast_model.py restores an fp32 converted model directory
 set -euo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 TQDM_MININTERVAL=10
-run=${RUN:-runs/libero_scripted}
+export PYTHONPATH=/tmp/libero/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 TQDM_MININTERVAL=10
+export LIBERO_CONFIG_PATH=/tmp/libero/config MUJOCO_GL=egl
+profile=${PROFILE:-libero_scripted}
+run=runs/$profile
+dz() { python3 -m dzmodel.cli "$@"; }
 case "$1" in
-  train)
-    timeout --signal=TERM "$2" python3 -m dzmodel.cli train --config ${CONFIG:-$run/train_config.json} \
-      2>&1 | grep -v -i "warn" | tee -a $run/train.log | tail -40 || true
-    cp $run/train/metrics.jsonl "$OUT/metrics.jsonl" 2>/dev/null || true
-    ls $run/train/checkpoints ;;
+  setup)
+    bash .libero_bundle/install.sh /tmp/libero
+    if compgen -G ".libero_bundle_extra/*.whl" >/dev/null; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/libero/site \
+        .libero_bundle_extra/*.whl
+    fi
+    python3 -c 'from dzmodel.eval.libero_env import check_libero; print("LIBERO:", check_libero(deep=True))' ;;
+  record)
+    dz stage fetch --profile "$profile" --set "fetch.record.workers=$2"
+    dz stage metadata --profile "$profile"
+    dz params train-config --profile "$profile" --out "$run/train_config.json" ;;
+  train-bg)
+    mkdir -p "$run"
+    setsid nohup python3 -m dzmodel.cli train --config "$run/train_config.json" >>"$run/train.log" 2>&1 </dev/null &
+    echo "training in the background (pid $!); log: $run/train.log" ;;
+  wait)
+    end=$((SECONDS + $2))
+    while ((SECONDS < end)) && pgrep -f "dzmodel.cli train" >/dev/null; do sleep 20; done
+    grep -v -i warn "$run/train.log" | tail -5
+    tail -n 1 "$run/train/metrics.jsonl" 2>/dev/null || true
+    ls "$run/train/checkpoints" 2>/dev/null || true
+    cp "$run/train/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null || true ;;
+  stop)
+    pkill -TERM -f "dzmodel.cli train" || true
+    sleep 5
+    ls "$run/train/checkpoints" ;;
+  eval)
+    steps=$2; shift 2
+    dz eval libero "$run/train" --steps "$steps" --device cuda --no-progress --out "$run/eval" "$@"
+    cp "$run/eval/results.csv" "$run/eval/episodes.csv" "$run/eval/summary.json" "$OUT/" ;;
   export)
     for step in ${2//,/ }; do
       name=step_$(printf %07d "$step")
@@ -37,5 +70,6 @@ PY
       tar -C /tmp/export -cf - "$name" | split -b 15M - "$OUT/$name.tar.part-"
     done
     ls -la "$OUT" ;;
-  *) echo "usage: $0 train SECONDS | export STEPS" >&2; exit 2 ;;
+  *) echo "usage: $0 setup | record WORKERS | train-bg | wait SECONDS | stop | eval STEPS [ARGS] | export STEPS" >&2
+     exit 2 ;;
 esac
