@@ -10,12 +10,35 @@ import tempfile
 from pathlib import Path
 
 
+def _read_umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; done once, at import
+    os.umask(mask)
+    return mask
+
+
+# What open() would give a new file: mkstemp makes its files 0600, which would hide every output from the
+# user's group once renamed into place.
+NEW_FILE_MODE = 0o666 & ~_read_umask()
+
+
+def temp_sibling(path: str | os.PathLike) -> Path:
+    """A new empty temporary file beside `path` (same filesystem, so os.replace is atomic), with the mode a
+    plainly created file would have. The caller writes it, renames it over `path`, or unlinks it on failure."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, NEW_FILE_MODE)
+    finally:
+        os.close(fd)
+    return Path(tmp)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = temp_sibling(path)
     try:
-        with os.fdopen(fd, "w") as f:
+        with open(tmp, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

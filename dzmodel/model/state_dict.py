@@ -14,7 +14,6 @@ import json
 import os
 import pickle
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..atomic import atomic_write_text
+from ..atomic import NEW_FILE_MODE, atomic_write_text, temp_sibling
 from .args import DreamZeroArgs, WanDiTArgs
 
 DREAMZERO_PREFIX = "action_head.model."
@@ -150,10 +149,10 @@ def load_wan_dit(model: nn.Module, path: str | Path) -> LoadReport:
 # --- DreamZero HF-style directories ------------------------------------------------------
 
 def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
+    tmp = temp_sibling(path)
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.chmod(tmp, NEW_FILE_MODE)  # safetensors >= 0.8 replaces the file with its own 0600 temporary
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
