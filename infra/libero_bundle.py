@@ -25,13 +25,14 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 from pathlib import Path
+
+from dzmodel.atomic import temp_sibling
+from dzmodel.eval.libero_env import ASSET_PROBE
 
 # What `libero.libero.envs` imports that a plain PyTorch image may lack (found by importing it in a fresh venv).
 PURE_PACKAGES = ("libero", "robosuite", "bddl", "easydict", "gymnasium", "farama_notifications", "dill", "pydot",
@@ -83,20 +84,17 @@ def trace_task(suite: str, index: int) -> set[Path]:
 def member_name(path: Path, roots: dict[Path, str]) -> str | None:
     """The bundle path of a file, relative to the site folder, or None if it is outside every kept package."""
     for root, name in roots.items():
-        if path == root or root in path.parents:
-            return str(Path(name) / path.relative_to(root)) if path != root else name
+        if root in path.parents:
+            return str(Path(name) / path.relative_to(root))
     return None
 
 
 def build(suite: str, tasks: list[int], python: str, out: Path, extra_wheels: list[str]) -> None:
-    roots = {}
-    for name in PURE_PACKAGES:
-        d = package_dir(name)
-        roots[d] = d.name
+    packages = {package_dir(name): name for name in PURE_PACKAGES}
+    libero_root = next(d for d, name in packages.items() if name == "libero")
     # hf-libero finds its scenes at libero/libero/assets (a symlink into the asset wheel): keep that layout
-    libero_root = package_dir("libero")
     assets = (libero_root / "libero" / "assets").resolve()
-    roots = {assets: "libero/libero/assets", **roots}
+    roots = {assets: "libero/libero/assets", **{d: d.name for d in packages}}
 
     traced: set[Path] = set()
     for index in tasks:
@@ -105,9 +103,7 @@ def build(suite: str, tasks: list[int], python: str, out: Path, extra_wheels: li
 
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}
-    for root, name in roots.items():
-        if name == "libero/libero/assets":
-            continue
+    for root, name in ((d, d.name) for d in packages):
         if root.is_file():
             files[name] = root
             continue
@@ -118,11 +114,9 @@ def build(suite: str, tasks: list[int], python: str, out: Path, extra_wheels: li
             # the task files and init states of the whole suite are small; the meshes and textures are not
             rel = path.relative_to(root)
             if name == "libero" and rel.parts[:2] in (("libero", "bddl_files"), ("libero", "init_files")):
-                keep = keep or any(suite_dir in rel.parts for suite_dir in (f"libero_{suite}",))
+                keep = keep or f"libero_{suite}" in rel.parts
             if keep:
                 files[str(Path(name) / rel)] = path
-    from dzmodel.eval.libero_env import ASSET_PROBE
-
     traced.add((libero_root / "libero" / ASSET_PROBE).resolve())
     for path in traced:
         name = member_name(path, roots)
@@ -130,11 +124,15 @@ def build(suite: str, tasks: list[int], python: str, out: Path, extra_wheels: li
             files[name] = path
     raw = sum(p.stat().st_size for p in files.values())
     print(f"{len(files)} files, {raw / 2**20:.1f} MiB before compression; compressing ...", flush=True)
-    with tempfile.NamedTemporaryFile(dir=out, suffix=".tmp", delete=False) as tmp:
-        with tarfile.open(fileobj=tmp, mode="w:xz", preset=6) as tar:
+    tmp = temp_sibling(out / "site.tar.xz")
+    try:
+        with tarfile.open(tmp, mode="w:xz", preset=6) as tar:
             for name in sorted(files):
                 tar.add(files[name], arcname=f"site/{name}", recursive=False)
-    os.replace(tmp.name, out / "site.tar.xz")
+        os.replace(tmp, out / "site.tar.xz")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
     wheels = out / "wheels"
     shutil.rmtree(wheels, ignore_errors=True)
