@@ -8,6 +8,13 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config):
+    # bundle tarballs extract into a per-run cache, not the user's ~/.cache (subprocess servers inherit it)
+    import tempfile
+
+    os.environ.setdefault("DZ_BUNDLE_CACHE", tempfile.mkdtemp(prefix="dz-bundle-cache-"))
+
+
 def shared_dir() -> Path:
     return Path(os.environ.get("DZ_SHARED_DIR", REPO_ROOT.parent / "shared"))
 

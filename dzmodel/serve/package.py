@@ -13,12 +13,12 @@
     <out>/<name>-<version>.tar.gz
 
 Both are built in a temporary place and renamed. Loading verifies every file against MANIFEST and refuses a
-missing, extra or modified file; tarballs are extracted only if no member escapes the target directory.
+missing, extra or modified file; a tarball is verified while it is extracted into the bundle cache, never
+beside itself (`bundles.py`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import json
 import math
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_text
+from .bundles import MANIFEST, BundleError, cached_bundle, evict, file_sha256, parse_manifest
 
-MANIFEST = "MANIFEST"
 EVAL_FILES = ("results.csv", "episodes.csv", "summary.json", "success_vs_step.png")
 
 
@@ -113,17 +113,9 @@ class RobotConfig:
 # --- building -----------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _manifest_lines(root: Path) -> list[str]:
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
-    return [f"{_sha256(p)}  {p.stat().st_size}  {p.relative_to(root).as_posix()}" for p in files]
+    return [f"{file_sha256(p)}  {p.stat().st_size}  {p.relative_to(root).as_posix()}" for p in files]
 
 
 def _model_card(name: str, version: str, train: dict, emb: dict, robot: RobotConfig, eval_rows: list[dict]) -> str:
@@ -206,7 +198,12 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
         atomic_write_text(tmp / MANIFEST, "\n".join(_manifest_lines(tmp)) + "\n")
         tar_tmp = out / f".{name}-{version}.tar.gz.tmp"
         with tarfile.open(tar_tmp, "w:gz") as tar:
-            tar.add(tmp, arcname=f"{name}-{version}")
+            # MANIFEST first, so that loading checks every later member against it as it is extracted
+            tar.add(tmp, arcname=f"{name}-{version}", recursive=False)
+            tar.add(tmp / MANIFEST, arcname=f"{name}-{version}/{MANIFEST}")
+            for child in sorted(tmp.iterdir()):
+                if child.name != MANIFEST:
+                    tar.add(child, arcname=f"{name}-{version}/{child.name}")
         os.replace(tmp, final)
         os.replace(tar_tmp, tarball)
     except BaseException:
@@ -237,12 +234,10 @@ def verify_package(root: str | Path) -> int:
     manifest = root / MANIFEST
     if not manifest.is_file():
         raise PackageError(f"{root}: no {MANIFEST} (not a dz package)")
-    expected = {}
-    for i, line in enumerate(manifest.read_text().splitlines(), 1):
-        parts = line.split("  ", 2)
-        if len(parts) != 3:
-            raise PackageError(f"{manifest}:{i}: malformed line {line!r}")
-        expected[parts[2]] = (parts[0], int(parts[1]))
+    try:
+        expected = parse_manifest(manifest.read_text(), str(manifest))
+    except BundleError as exc:
+        raise PackageError(str(exc)) from None
     present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != MANIFEST}
     for rel in sorted(set(expected) - present):
         raise PackageError(f"{root / rel}: listed in {MANIFEST} but missing")
@@ -250,36 +245,39 @@ def verify_package(root: str | Path) -> int:
         raise PackageError(f"{root / rel}: not listed in {MANIFEST} (an added file)")
     for rel, (digest, size) in sorted(expected.items()):
         path = root / rel
-        if path.stat().st_size != size or _sha256(path) != digest:
+        if path.stat().st_size != size or file_sha256(path) != digest:
             raise PackageError(f"{path}: checksum mismatch against {MANIFEST} (the file was modified)")
     return len(expected)
 
 
-def _safe_extract(tarball: Path, dest: Path) -> Path:
-    with tarfile.open(tarball, "r:gz") as tar:
-        members = tar.getmembers()
-        for m in members:
-            target = (dest / m.name).resolve()
-            if m.name.startswith("/") or ".." in Path(m.name).parts or not str(target).startswith(str(dest.resolve())):
-                raise PackageError(f"{tarball}: member {m.name!r} escapes the extraction directory")
-            if not (m.isfile() or m.isdir()):
-                raise PackageError(f"{tarball}: member {m.name!r} is a link or device; refused")
-        tar.extractall(dest, members=members)
-    tops = {Path(m.name).parts[0] for m in members}
-    if len(tops) != 1:
-        raise PackageError(f"{tarball}: expected one top-level bundle directory, found {sorted(tops)}")
-    return dest / tops.pop()
-
-
-def load_package(path: str | Path, extract_to: str | Path | None = None) -> Package:
-    """A bundle directory or its .tar.gz (extracted into `extract_to`, default beside it), verified."""
+def load_package(path: str | Path, cache_dir: str | Path | None = None) -> Package:
+    """A bundle directory, or its .tar.gz extracted into the bundle cache (`bundles.cached_bundle`); verified
+    against MANIFEST either way. A cached copy that no longer verifies is extracted again."""
     path = Path(path)
-    if path.is_file() and path.name.endswith(".tar.gz"):
-        dest = Path(extract_to) if extract_to else path.with_name(path.name[: -len(".tar.gz")] + ".extracted")
-        dest.mkdir(parents=True, exist_ok=True)
-        path = _safe_extract(path, dest)
+    files = None
+    if path.name.endswith(".tar.gz"):
+        try:
+            root, fresh = cached_bundle(path, cache_dir)
+            if not fresh:
+                files = _verify_cached(root)
+                if files is None:
+                    evict(root.parent)
+                    root, fresh = cached_bundle(path, cache_dir)
+            if fresh:
+                files = len(parse_manifest((root / MANIFEST).read_text(), str(root / MANIFEST)))
+        except BundleError as exc:
+            raise PackageError(str(exc)) from None
+        path = root
     if not path.is_dir():
         raise PackageError(f"{path}: no such bundle directory or .tar.gz")
-    files = verify_package(path)
+    if files is None:
+        files = verify_package(path)
     robot = RobotConfig.from_dict(json.loads((path / "robot.json").read_text()), str(path / "robot.json"))
     return Package(path, robot, json.loads((path / "embodiment.json").read_text()), files)
+
+
+def _verify_cached(root: Path) -> int | None:
+    try:
+        return verify_package(root)
+    except PackageError:
+        return None

@@ -42,7 +42,10 @@ def test_package_builds_verifies_and_serves_a_policy(model, tmp_path):
               "embodiment.json", "robot.json", "eval/results.csv", "MODEL_CARD.md", "MANIFEST"):
         assert (bundle / f).is_file(), f
     assert "| 1 | all | 2 | 1 | 0.5 |" in (bundle / "MODEL_CARD.md").read_text()
-    pkg = load_package(tmp_path / "dreamzero-tabletop_pusher-1.0.0.tar.gz", extract_to=tmp_path / "x")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    pkg = load_package(tmp_path / "dreamzero-tabletop_pusher-1.0.0.tar.gz", cache_dir=tmp_path / "cache")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["cache"])  # nothing beside the tarball
+    assert pkg.root.parent.parent == tmp_path / "cache" and pkg.root.name == bundle.name
     assert pkg.robot.robot_ip == "172.16.0.2" and pkg.embodiment["action_horizon"] == 4
     assert pkg.files == len((bundle / "MANIFEST").read_text().splitlines())
     policy = load_policy(pkg.model_dir, solver=SolverConfig(num_steps=1, cfg_scale=1.0))  # self-contained
@@ -78,8 +81,8 @@ def test_tarball_members_escaping_the_target_are_refused(tmp_path):
         info.size = 2
         tar.addfile(info, io.BytesIO(b"hi"))
     with pytest.raises(PackageError, match="escapes"):
-        load_package(evil, extract_to=tmp_path / "x")
-    assert not (tmp_path / "escape.txt").exists()
+        load_package(evil, cache_dir=tmp_path / "x")
+    assert not (tmp_path / "escape.txt").exists() and list((tmp_path / "x").iterdir()) == []
 
 
 @pytest.mark.parametrize("change, field", [
