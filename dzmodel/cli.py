@@ -12,8 +12,8 @@
     dz eval oracle DATASET --out DIR        replay recorded episodes through the eval path (exit 1 below 95 %)
     dz eval action-error RUN|MODEL --out DIR   held-out action error vs the mean predictor and the untrained model
     dz package MODEL --robot R --version V --out DIR   versioned Franka bundle + tarball
-    dz serve BUNDLE --token T               the policy server (WebSocket + msgpack-numpy)
-    dz client URL --token T --dry-run       query it without a robot
+    dz serve BUNDLE|models:/NAME@ALIAS      the policy server (openpi/RoboArena protocol; token in DZ_SERVE_TOKEN)
+    dz client URL [--dry-run]               drive the LIBERO Panda through a server (or print its actions)
     dz cache --config FILE --out DIR        precomputed encoder outputs; train with train.cache=DIR
     dz bench model ...                      bf16 forward+backward timing on a GPU
     dz bench data ...                       video decode and loader throughput
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -100,7 +101,6 @@ def _registry(ns: argparse.Namespace):
 
 
 def cmd_data_fetch(ns: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from .data.fetch import fetch_dataset
 
@@ -191,7 +191,6 @@ def cmd_data_check(ns: argparse.Namespace) -> int:
 
 def load_train_config(ns: argparse.Namespace):
     import json
-    from pathlib import Path
 
     from .train.config import TrainConfig
 
@@ -256,14 +255,58 @@ def cmd_package(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def read_token(token_file: str | None, what: str) -> str | None:
+    """The shared secret from --token-file or DZ_SERVE_TOKEN (never the command line, which `ps` shows)."""
+    if token_file:
+        path = Path(token_file)
+        if not path.is_file():
+            raise CLIError(f"{path}: token file not found")
+        token = path.read_text().strip()
+        if not token:
+            raise CLIError(f"{path}: the token file is empty")
+        return token
+    return os.environ.get("DZ_SERVE_TOKEN") or None
+
+
+def resolve_bundle_source(source: str) -> str:
+    """A bundle path as given, or a URI (models:/<name>@<alias>) resolved by a `dz.bundle_resolvers` entry point
+    (the pipeline package resolves models:/ through MLflow; the library itself imports no MLflow)."""
+    from importlib.metadata import entry_points
+
+    scheme = source.split(":/", 1)[0] if ":/" in source else None
+    if scheme is None or (len(scheme) == 1 and sys.platform == "win32"):
+        return source
+    found = [ep for ep in entry_points(group="dz.bundle_resolvers") if ep.name == scheme]
+    if not found:
+        raise CLIError(f"{source}: nothing resolves {scheme}:/ URIs here (models:/ needs the pipeline extras, "
+                       "i.e. MLflow: `make setup`)")
+    try:
+        return str(found[0].load()(source))
+    except ImportError as exc:
+        raise CLIError(f"{source}: {scheme}:/ URIs need {exc.name} (the pipeline extras: `make setup`)") from None
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     from .model.inference import SolverConfig
-    from .serve.server import serve_bundle
+    from .serve.protocol import RequestLimits
+    from .serve.server import ServeError, ServerLimits, serve_bundle
 
-    if not ns.token:
-        raise CLIError("dz serve needs a bearer token: --token or DZ_SERVE_TOKEN")
-    serve_bundle(ns.bundle, ns.token, ns.host, ns.port, ns.device, ns.max_sessions,
-                 SolverConfig(num_steps=ns.solver_steps, cfg_scale=ns.cfg_scale))
+    token = read_token(ns.token_file, "dz serve")
+    if ns.no_auth:
+        if token:
+            raise CLIError("--no-auth and a token (DZ_SERVE_TOKEN or --token-file) contradict each other; pick one")
+        token = None
+    elif not token:
+        raise CLIError("dz serve needs a token: set DZ_SERVE_TOKEN or pass --token-file FILE "
+                       "(or --no-auth for clients that send none, such as RoboArena's evaluator)")
+    limits = ServerLimits(max_sessions=ns.max_sessions, sessions_per_connection=ns.sessions_per_connection,
+                          max_connections=ns.max_connections, max_frame_bytes=int(ns.max_frame_mib * 2**20),
+                          request=RequestLimits(max_frames=ns.max_frames))
+    try:
+        serve_bundle(resolve_bundle_source(ns.bundle), token, ns.host, ns.port, ns.device, limits,
+                     SolverConfig(num_steps=ns.solver_steps, cfg_scale=ns.cfg_scale), ns.certfile, ns.keyfile)
+    except ServeError as exc:
+        raise CLIError(str(exc)) from None
     return EXIT_OK
 
 
@@ -272,16 +315,20 @@ def cmd_client(ns: argparse.Namespace) -> int:
 
     from .serve.client import DryRunRobot, ServerError, load_test, run_client
 
-    if not ns.token:
-        raise CLIError("dz client needs the server's bearer token: --token or DZ_SERVE_TOKEN")
+    token = read_token(ns.token_file, "dz client")
     try:
         if ns.load_test:
-            print(json.dumps(load_test(ns.url, ns.token, ns.load_test, ns.requests)))
+            print(json.dumps(load_test(ns.url, token, ns.load_test, ns.requests)))
             return EXIT_OK
-        if not ns.dry_run:
-            raise CLIError("only --dry-run is built in; a control node plugs its robot into "
-                           "dzmodel.serve.client.run_client (the Robot protocol)")
-        run_client(ns.url, ns.token, DryRunRobot(ns.prompt), ns.chunks)
+        if ns.dry_run:
+            run_client(ns.url, token, DryRunRobot(ns.prompt), ns.chunks)
+            return EXIT_OK
+        from .serve.libero_client import run_libero_client
+
+        summary = run_libero_client(ns.url, token, suite=ns.suite, task=ns.task, episodes=ns.episodes,
+                                    control_hz=ns.control_hz, max_steps=ns.max_steps, seed=ns.seed,
+                                    camera_size=ns.camera_size, out=ns.out)
+        print(json.dumps(summary))
     except (ServerError, OSError) as exc:
         raise CLIError(str(exc)) from None
     return EXIT_OK
@@ -510,7 +557,6 @@ def cmd_params_show(ns: argparse.Namespace) -> int:
 
 def cmd_params_train_config(ns: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from .atomic import atomic_write_text
     from .config import StagePaths, train_config
@@ -524,7 +570,6 @@ def cmd_params_train_config(ns: argparse.Namespace) -> int:
 
 
 def cmd_stage(ns: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from .config import StagePaths
     from .pipeline import run_stage
@@ -663,23 +708,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_package)
 
-    p = sub.add_parser("serve", help="serve a bundle's policy over WebSocket + msgpack-numpy (openpi/RoboArena keys)")
-    p.add_argument("bundle", help="a dz package directory or .tar.gz (verified against its MANIFEST)")
-    p.add_argument("--token", default=os.environ.get("DZ_SERVE_TOKEN"), help="bearer token (or DZ_SERVE_TOKEN)")
-    p.add_argument("--host", default="0.0.0.0")
+    p = sub.add_parser("serve", help="serve a bundle's policy over WebSocket + msgpack-numpy (openpi and RoboArena "
+                                     "clients; docs/deploy.md)")
+    p.add_argument("bundle", help="a dz package directory or .tar.gz (verified against its MANIFEST), or "
+                                  "models:/<name>@<alias> (the MLflow registry)")
+    p.add_argument("--token-file", help="a file holding the shared token (default: the DZ_SERVE_TOKEN variable)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="accept clients without a token (RoboArena's evaluator sends none); prints a warning")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default localhost only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--certfile", help="TLS certificate (PEM): serve wss:// instead of ws://")
+    p.add_argument("--keyfile", help="TLS private key (PEM), if not inside --certfile")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--max-sessions", type=int, default=64, help="KV-cache sessions across all connections")
+    p.add_argument("--sessions-per-connection", type=int, default=4,
+                   help="beyond it, a connection's least recently used session ends")
+    p.add_argument("--max-connections", type=int, default=64)
+    p.add_argument("--max-frame-mib", type=float, default=32.0, help="largest request frame")
+    p.add_argument("--max-frames", type=int, default=33, help="most camera frames per view in one request")
     p.add_argument("--solver-steps", type=int, default=16)
     p.add_argument("--cfg-scale", type=float, default=5.0)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("client", help="query a policy server; --dry-run prints actions without a robot")
-    p.add_argument("url", help="e.g. ws://gpu-node:8000")
-    p.add_argument("--token", default=os.environ.get("DZ_SERVE_TOKEN"))
+    p = sub.add_parser("client", help="drive the LIBERO Panda (the sim Franka) through a policy server; "
+                                      "--dry-run prints the actions without a robot")
+    p.add_argument("url", help="e.g. ws://127.0.0.1:8000 (wss:// behind TLS)")
+    p.add_argument("--token-file", help="a file holding the server's token (default: DZ_SERVE_TOKEN; none sent if unset)")
     p.add_argument("--dry-run", action="store_true", help="synthetic observations; print the chunks, move nothing")
-    p.add_argument("--chunks", type=int, default=3)
-    p.add_argument("--prompt", default="pick up the cube and place it in the bowl")
+    p.add_argument("--chunks", type=int, default=3, help="--dry-run: chunks to request")
+    p.add_argument("--prompt", default="pick up the cube and place it in the bowl", help="--dry-run: the instruction")
+    p.add_argument("--suite", default="object", help="LIBERO suite (spatial, object, goal, 10, 90)")
+    p.add_argument("--task", type=int, default=0, help="task index within the suite")
+    p.add_argument("--episodes", type=int, default=1)
+    p.add_argument("--control-hz", type=float, default=20.0, help="the rate actions are executed at")
+    p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--camera-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write summary.json (and timings.csv) here")
     p.add_argument("--load-test", type=int, metavar="SESSIONS", help="instead: this many concurrent sessions")
     p.add_argument("--requests", type=int, default=4, help="requests per session in the load test")
     p.set_defaults(func=cmd_client)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -239,8 +240,8 @@ class Tracker:
     # -- registry -------------------------------------------------------------------------------------
 
     def register(self, prof: Profile, package: dict) -> str:
-        """A new version of the profile's registered model: the packaged step's converted model (logged as an
-        artifact of the parent run, or referenced when large), tagged with its step and eval success."""
+        """A new version of the profile's registered model: the packaged bundle (logged as an artifact of the
+        parent run, or referenced when large), tagged with its step, eval success and held-out action error."""
         from mlflow.exceptions import MlflowException
 
         client = self.client
@@ -250,10 +251,12 @@ class Tracker:
         except MlflowException as exc:
             if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
                 raise
-        model_path = Path(package["model"])
-        copied = self.artifact(self.run_id, model_path, f"model/{model_path.name}")
-        # a model past the artifact size limit is registered by its reference (model/<step>.ref.json)
-        source = f"runs:/{self.run_id}/model/{model_path.name}" if copied else f"runs:/{self.run_id}/model"
+        # the version's source is the servable bundle (model, encoders, robot config, MANIFEST), so that
+        # `dz serve models:/<name>@<alias>` deploys exactly what was promoted; past the artifact size limit, a
+        # reference to the bundle directory (bundle/<name>/<name>.ref.json) stands in for it
+        bundle = Path(package["bundle"])
+        self.artifact(self.run_id, bundle, f"bundle/{bundle.name}")
+        source = f"runs:/{self.run_id}/bundle/{bundle.name}"
         action = package.get("action_error") or {}
         tags = {"step": str(package["step"]), "package.version": package["version"],
                 "package.tarball": package["tarball"], "profile": self.profile,
@@ -309,3 +312,70 @@ def compare_runs(uri: str, experiment: str, metric_keys: list[str]) -> list[dict
                               order_by=["attributes.start_time ASC"])
     return [{"run_id": r.info.run_id, "run_name": r.info.run_name,
              **{k: r.data.metrics.get(k) for k in metric_keys}} for r in runs]
+
+
+# --- serving from the registry -------------------------------------------------------------------------
+
+MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))$")
+
+
+class RegistryError(ValueError):
+    """A models:/ URI that does not resolve to a servable bundle; the message says what to set."""
+
+
+def _registry_uri_for(name: str, params_file: Path) -> str:
+    """MLFLOW_TRACKING_URI, else the tracking URI of the params.yaml profile that registers `name`."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    from dzmodel.config import load_params
+
+    if not params_file.is_file():
+        raise RegistryError(f"models:/{name}: set MLFLOW_TRACKING_URI, or run from the project (no {params_file})")
+    params = load_params(params_file)
+    for profile, prof in params.profiles.items():
+        if prof.promote.registered_model == name:
+            return tracking_uri(prof, StagePaths(params_file.parent.resolve(), profile).root)
+    raise RegistryError(f"models:/{name}: no profile in {params_file} registers {name!r}; set MLFLOW_TRACKING_URI")
+
+
+def resolve_registered_bundle(uri: str, params_file: str | Path = "params.yaml", cache_dir: Path | None = None) -> Path:
+    """`models:/<name>@<alias>` or `models:/<name>/<version>` -> a local bundle directory (downloaded into the
+    bundle cache's registry/ folder, once per version), for `dz serve` to verify and serve."""
+    import shutil
+    import tempfile
+
+    from mlflow.exceptions import MlflowException
+
+    from dzmodel.serve.bundles import default_cache_dir
+
+    m = MODEL_URI.match(uri)
+    if m is None:
+        raise RegistryError(f"{uri}: expected models:/<name>@<alias> or models:/<name>/<version>")
+    name = m["name"]
+    registry = _registry_uri_for(name, Path(params_file))
+    client = _client(registry)
+    try:
+        mv = client.get_model_version_by_alias(name, m["alias"]) if m["alias"] else \
+            client.get_model_version(name, m["version"])
+    except MlflowException as exc:
+        raise RegistryError(f"{uri}: not found at {registry} ({exc.message.splitlines()[0]})") from None
+    dest = (cache_dir or default_cache_dir()) / "registry" / name / str(mv.version)
+    if not dest.is_dir():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{mv.version}.", suffix=".tmp", dir=dest.parent))
+        try:
+            import mlflow
+
+            mlflow.artifacts.download_artifacts(artifact_uri=mv.source, tracking_uri=registry, dst_path=str(tmp))
+            os.replace(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    found = [p for p in dest.rglob("MANIFEST")] or [Path(json.loads(r.read_text())["path"])
+                                                      for r in dest.rglob("*.ref.json")]
+    if not found:
+        raise RegistryError(f"{uri}: version {mv.version}'s source {mv.source} holds no bundle (no MANIFEST); "
+                            "it was registered before versions pointed at bundles: re-run the package stage")
+    bundle = found[0].parent if found[0].name == "MANIFEST" else found[0]
+    print(f"{uri} -> version {mv.version} ({mv.source})", flush=True)
+    return bundle

@@ -46,6 +46,25 @@ class LayoutCell:
     width: int = 1   # in view widths
 
 
+ROBOARENA_ACTION_SPACES = {"joint_position": 8, "joint_velocity": 8, "cartesian_position": 7, "cartesian_velocity": 7}
+ROBOARENA_FIELDS = ("image_resolution", "needs_wrist_camera", "n_external_cameras", "needs_stereo_camera",
+                    "needs_session_id", "action_space")
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """How a policy server's clients name this robot's inputs (`serve:` in the YAML).
+
+    images / state map protocol keys (openpi: observation/image, RoboArena: observation/exterior_image_0_left,
+    ...) onto the embodiment's views and state keys; `ignored` keys are accepted and unused; `roboarena`, when
+    set, is the handshake RoboArena's evaluator parses as its PolicyServerConfig (exactly those six fields)."""
+
+    images: dict[str, str]
+    state: dict[str, str]
+    ignored: tuple[str, ...] = ()
+    roboarena: dict[str, Any] | None = None
+
+
 @dataclass(frozen=True)
 class Embodiment:
     tag: str
@@ -62,6 +81,7 @@ class Embodiment:
     crop_scale: float = 0.95
     color_jitter: dict[str, float] = field(default_factory=dict)
     sampling: str = "multi_anchor"
+    serve: ServeSpec | None = None
     source: str = "<dict>"
 
     @property
@@ -78,6 +98,12 @@ class Embodiment:
     def columns(self) -> list[str]:
         return sorted({k.column for k in self.state + self.action})
 
+    @property
+    def wire(self) -> ServeSpec:
+        """The declared `serve:` keys, or observation/<view> and observation/<state key> when none are declared."""
+        return self.serve or ServeSpec(images={f"observation/{v}": v for v in self.views},
+                                       state={f"observation/{k.name}": k.name for k in self.state})
+
 
 # --- parsing ---------------------------------------------------------------------------
 
@@ -86,7 +112,7 @@ def _fail(source: str, tag: str, field_name: str, why: str) -> DataError:
 
 
 _ALLOWED = {"tag_id", "views", "view_size", "layout", "state", "action", "action_horizon", "relative_action_keys",
-            "layout_sentence", "prompt_template", "crop_scale", "color_jitter", "sampling"}
+            "layout_sentence", "prompt_template", "crop_scale", "color_jitter", "sampling", "serve"}
 _REQUIRED = {"views", "view_size", "layout", "state", "action", "action_horizon"}
 
 
@@ -115,6 +141,46 @@ def _keyspecs(raw: Any, source: str, tag: str, field_name: str) -> tuple[KeySpec
             raise _fail(source, tag, f"{field_name}.{name}", f"slice {[start, end]} has {end - start} dims, dim says {dim}")
         out.append(KeySpec(name=str(name), column=str(spec["column"]), start=start, end=end, dim=dim))
     return tuple(out)
+
+
+def _serve_spec(raw: Any, source: str, tag: str, views: Mapping, state: tuple[KeySpec, ...]) -> ServeSpec:
+    if not isinstance(raw, Mapping):
+        raise _fail(source, tag, "serve", "must be a mapping {images, state, ignored?, roboarena?}")
+    unknown = set(raw) - {"images", "state", "ignored", "roboarena"}
+    if unknown:
+        raise _fail(source, tag, f"serve.{sorted(unknown)[0]}", "unknown field; allowed: images, state, ignored, roboarena")
+    images, states = raw.get("images"), raw.get("state")
+    if not isinstance(images, Mapping) or set(images.values()) != set(views) or len(images) != len(views):
+        raise _fail(source, tag, "serve.images", f"must map one protocol key to each view {sorted(views)}, got {images!r}")
+    names = {k.name for k in state}
+    if not isinstance(states, Mapping) or set(states.values()) != names or len(states) != len(names):
+        raise _fail(source, tag, "serve.state", f"must map one protocol key to each state key {sorted(names)}, got {states!r}")
+    ignored = raw.get("ignored") or []
+    if not isinstance(ignored, list) or not all(isinstance(k, str) for k in ignored):
+        raise _fail(source, tag, "serve.ignored", "must be a list of protocol keys")
+    arena = raw.get("roboarena")
+    if arena is not None:
+        if not isinstance(arena, Mapping) or set(arena) != set(ROBOARENA_FIELDS):
+            raise _fail(source, tag, "serve.roboarena", f"must hold exactly {list(ROBOARENA_FIELDS)}")
+        if arena["action_space"] not in ROBOARENA_ACTION_SPACES:
+            raise _fail(source, tag, "serve.roboarena.action_space", f"must be one of {sorted(ROBOARENA_ACTION_SPACES)}")
+        res = arena["image_resolution"]
+        if res is not None and not (isinstance(res, list) and len(res) == 2 and all(isinstance(v, int) and v > 0 for v in res)):
+            raise _fail(source, tag, "serve.roboarena.image_resolution", f"must be [H, W] or null, got {res!r}")
+        n_ext = arena["n_external_cameras"]
+        if n_ext not in (0, 1, 2):
+            raise _fail(source, tag, "serve.roboarena.n_external_cameras", f"must be 0, 1 or 2, got {n_ext!r}")
+        needed = [f"observation/exterior_image_{i}_left" for i in range(n_ext)]
+        needed += ["observation/wrist_image_left"] if arena["needs_wrist_camera"] else []
+        if sorted(needed) != sorted(images):
+            raise _fail(source, tag, "serve.images", f"RoboArena sends {needed} for this config, not {sorted(images)}")
+        for flag in ("needs_wrist_camera", "needs_stereo_camera", "needs_session_id"):
+            if not isinstance(arena[flag], bool):
+                raise _fail(source, tag, f"serve.roboarena.{flag}", "must be true or false")
+        if arena["needs_stereo_camera"]:
+            raise _fail(source, tag, "serve.roboarena.needs_stereo_camera", "stereo views are not supported")
+        arena = dict(arena)
+    return ServeSpec(images=dict(images), state=dict(states), ignored=tuple(ignored), roboarena=arena)
 
 
 def parse_embodiment(tag: str, raw: Mapping[str, Any], source: str = "<dict>") -> Embodiment:
@@ -176,11 +242,12 @@ def parse_embodiment(tag: str, raw: Mapping[str, Any], source: str = "<dict>") -
     tag_id = raw.get("tag_id", 0)
     if not isinstance(tag_id, int):
         raise _fail(source, tag, "tag_id", f"must be an int, got {tag_id!r}")
+    serve = _serve_spec(raw["serve"], source, tag, views, state) if raw.get("serve") is not None else None
     return Embodiment(tag=tag, tag_id=tag_id, views=dict(views), view_size=(size[0], size[1]), layout=tuple(layout),
                       state=state, action=action, action_horizon=horizon, relative_action_keys=rel,
                       layout_sentence=str(raw.get("layout_sentence", "")), prompt_template=str(template),
                       crop_scale=scale, color_jitter={k: float(v) for k, v in jitter.items()}, sampling=sampling,
-                      source=source)
+                      serve=serve, source=source)
 
 
 def _read_yaml(path: Path) -> dict:

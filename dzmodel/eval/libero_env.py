@@ -97,6 +97,16 @@ def zero_action() -> np.ndarray:
     return np.array(SETTLE_ACTION, dtype=np.float64)
 
 
+def env_action(action, binarize_gripper: bool = True) -> np.ndarray:
+    """A policy's 7-dim action as the env takes it: float64, the gripper (last dim) made ±1 (reference §6.1)."""
+    a = np.asarray(action, dtype=np.float64).reshape(-1).copy()
+    if a.shape[0] != ACTION_DIM:
+        raise ValueError(f"LIBERO takes {ACTION_DIM}-dim actions (delta eef pose + gripper), got {a.shape[0]}")
+    if binarize_gripper:
+        a[-1] = 1.0 if a[-1] > 0 else -1.0
+    return a
+
+
 def get_suite(suite: str) -> Suite:
     if suite not in SUITES:
         raise ValueError(f"unknown LIBERO suite {suite!r}; known: {', '.join(SUITES)}")

@@ -83,7 +83,7 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
     `tasks` and `pool_factory(num_workers)` default to the suite's LIBERO tasks and env worker processes.
     `episodes` [(TaskSpec, episode id, EpisodeInit)] replaces the grid of tasks x standard init states
     (the oracle replays recorded episodes from their recorded init states this way)."""
-    from .libero_env import EnvWorkerPool, WorkerCrashed, get_suite, list_tasks
+    from .libero_env import EnvWorkerPool, WorkerCrashed, env_action, get_suite, list_tasks
 
     tasks = list_tasks(cfg.suite) if tasks is None else tasks
     if cfg.tasks is not None:
@@ -164,10 +164,7 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
                     chunk = policy.predict(_session(run), {"image": run.obs["image"], "wrist_image": run.obs["wrist_image"]},
                                            run.obs["state"], run.task.language)
                     run.queue = [a for a in chunk[:per_chunk]]
-                a = np.asarray(run.queue.pop(0), dtype=np.float64).copy()
-                if cfg.binarize_gripper:
-                    a[-1] = 1.0 if a[-1] > 0 else -1.0
-                actions[w] = a
+                actions[w] = env_action(run.queue.pop(0), cfg.binarize_gripper)
             if not actions:
                 continue
             replies = pool.step(actions)

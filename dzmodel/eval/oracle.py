@@ -94,7 +94,7 @@ def run_oracle(dataset: str | Path, out: str | Path, metadata: str | Path | None
                         "deltas, replay them through libero_sim or libero_sim_tiny")
     out.mkdir(parents=True, exist_ok=True)
     meta_path = _statistics(dataset, emb, Path(metadata) if metadata else None, out)
-    _, action_stats, pairs = policy_statistics(emb, meta_path)
+    _, action_stats, pairs, _ = policy_statistics(emb, meta_path)
     tasks = {t.index: t for t in list_tasks(rec["suite"])}
     recorded = rec["episodes"]
     if max_episodes and max_episodes < len(recorded):  # evenly spread, so that every task is replayed

@@ -9,7 +9,7 @@ Inference goes through the model's own API (`DreamZeroPolicy.predict_actions`, a
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,7 @@ class EmbodiedPolicy:
     relative_pairs: list
     step: int | None
     model_dir: Path
+    state_dims: dict[str, int] = field(default_factory=dict)   # width of each state key, in embodiment order
 
     @property
     def action_horizon(self) -> int:
@@ -87,18 +88,18 @@ def model_embodiment(model_dir: Path, cfg: TrainConfig, embodiment_files: list[s
     return get_embodiment(cfg.embodiment, load_embodiments(embodiment_files))
 
 
-def policy_statistics(emb: Embodiment, metadata: Path) -> tuple[NormStats, NormStats, list]:
-    """The state and action q99 statistics a policy normalises with, and its relative-action dims, from a
-    run's metadata.json (the eval oracle uses the same ones)."""
+def policy_statistics(emb: Embodiment, metadata: Path) -> tuple[NormStats, NormStats, list, dict[str, int]]:
+    """The state and action q99 statistics a policy normalises with, its relative-action dims and the width of
+    each state key, from a run's metadata.json (the eval oracle uses the same ones)."""
     stats = load_statistics(metadata, emb.tag)
     state_stats = NormStats.from_metadata(stats, [k.name for k in emb.state], "state", str(metadata))
     rel = set(emb.relative_action_keys)
     parts = [NormStats.from_metadata(stats, [k.name], "relative_action" if k.name in rel else "action", str(metadata))
              for k in emb.action]
     action_stats = NormStats(q01=np.concatenate([p.q01 for p in parts]), q99=np.concatenate([p.q99 for p in parts]))
-    pairs = relative_action_dims(emb, {k.name: len(stats["state"][k.name]["q01"]) for k in emb.state},
-                                 {k.name: len(p.q01) for k, p in zip(emb.action, parts)}) if rel else []
-    return state_stats, action_stats, pairs
+    state_dims = {k.name: len(stats["state"][k.name]["q01"]) for k in emb.state}
+    pairs = relative_action_dims(emb, state_dims, {k.name: len(p.q01) for k, p in zip(emb.action, parts)}) if rel else []
+    return state_stats, action_stats, pairs, state_dims
 
 
 def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embodiment: str | None = None,
@@ -117,7 +118,7 @@ def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embod
     if embodiment is not None and embodiment != cfg.embodiment:
         raise PolicyLoadError(f"{model_dir}: trained for embodiment {cfg.embodiment!r}, not {embodiment!r}")
     emb = model_embodiment(model_dir, cfg, embodiment_files)
-    state_stats, action_stats, pairs = policy_statistics(emb, model_dir / "experiment_cfg" / "metadata.json")
+    state_stats, action_stats, pairs, state_dims = policy_statistics(emb, model_dir / "experiment_cfg" / "metadata.json")
 
     model = load_dreamzero_dir(model_dir, device)
     if model.args.num_action_per_block != emb.action_horizon:
@@ -130,4 +131,5 @@ def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embod
         raise PolicyLoadError(f"{model_dir}: no tokenizer/ (re-run `dz convert`, which copies the run's tokenizer)")
     policy = build_policy(model, encoders, load_tokenizer(tok_dir), action_stats, state_stats,
                           solver=solver, seed=seed, image_size=emb.image_size)
-    return EmbodiedPolicy(policy=policy, embodiment=emb, relative_pairs=pairs, step=step, model_dir=model_dir)
+    return EmbodiedPolicy(policy=policy, embodiment=emb, relative_pairs=pairs, step=step, model_dir=model_dir,
+                          state_dims=state_dims)

@@ -1,66 +1,142 @@
-"""`dz serve BUNDLE`: the policy server, WebSocket + msgpack-numpy (openpi / RoboArena protocol, reference §6.2).
+"""`dz serve`: the policy server that openpi's client, RoboArena's evaluator and DreamZero's client use unchanged.
 
-- The handshake needs `Authorization: Bearer <token>`; anything else gets HTTP 401 and no connection.
-- `GET /healthz` (no token) returns status, open sessions, requests served and latency percentiles.
-- On connect the server sends the policy metadata; then every message is one observation and gets one reply,
-  `{"action": float32 (N, D), "server_timing": {"infer_ms": ...}}`, or an error frame `{"error": "..."}`:
-  a malformed message never crashes the server or drops the connection.
-- A session (KV cache) is per `session_id`, default one per connection; it is released when the connection closes.
-- Inference runs in a worker thread behind one lock, so the event loop keeps answering health checks.
+- Auth: `Authorization: Api-Key <token>` (openpi's client) or `Bearer <token>`, compared in constant time;
+  anything else gets HTTP 401. RoboArena's client sends no header: serving it needs `--no-auth`, named explicitly.
+- `GET /healthz` (no token): status, sessions, requests and latency percentiles. `GET /metadata` (token): the
+  policy's own metadata (embodiment, protocol keys, action shape, step).
+- On connect the server sends the handshake metadata: RoboArena's PolicyServerConfig fields when the embodiment
+  declares them (`serve.roboarena`), else the policy's own metadata. Then each binary frame is one request:
+  `endpoint: "infer"` (or none) gets `{"actions": float32 (N, D), "server_timing": {...}}`; `endpoint: "reset"`
+  ends the session and gets the text "reset successful", as RoboArena's server answers.
+- A session (KV cache) is per `session_id` (default: one per connection). New frames extend it; a connection
+  keeps at most `sessions_per_connection` (the least recently used is ended), the server `max_sessions`.
+- Errors go out as one text frame with the reason, then a close: 1008 for a bad request, 1011 when inference
+  failed, 1013 when the server is full (what openpi's and RoboArena's clients raise on).
+- One access-log line per request; a port probe or a failed handshake is one line, never a traceback.
+- Inference runs in a worker thread behind one lock, so the event loop keeps answering health checks and pings.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
+import sys
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from .protocol import Observation, ProtocolError, pack, unpack, validate_observation
+from ..data.embodiments import ROBOARENA_ACTION_SPACES, ServeSpec
+from .protocol import ProtocolError, Request, RequestLimits, pack, parse_request, unpack
+
+log = logging.getLogger("dzmodel.serve")
+
+CLOSE_BAD_REQUEST, CLOSE_INTERNAL, CLOSE_TRY_AGAIN = 1008, 1011, 1013
+
+
+class ServeError(RuntimeError):
+    """The server cannot start (bad bundle, port in use, bad TLS files); one line says why."""
 
 
 class Policy(Protocol):
-    metadata: dict
+    metadata: dict        # our own fields (GET /metadata)
+    handshake: dict       # what goes out on connect
+    spec: ServeSpec
+    state_dims: dict[str, int]
 
-    def infer(self, obs: Observation, session_id: str) -> np.ndarray: ...
+    def check_request(self, request: Request) -> None: ...
+
+    def infer(self, request: Request, session_id: str) -> np.ndarray: ...
 
     def end_session(self, session_id: str) -> None: ...
 
 
 class BundlePolicy:
-    """An EmbodiedPolicy behind the RoboArena keys: exterior camera 1 and the wrist camera become the
-    embodiment's first and second views; the state is joint position (7) + gripper position (1)."""
+    """An EmbodiedPolicy behind its embodiment's protocol keys (`serve:` in embodiments.yaml)."""
 
-    def __init__(self, embodied):
+    def __init__(self, embodied, state_margin: float = 10.0):
         self.embodied = embodied
-        views = list(embodied.embodiment.views)
-        if len(views) != 2:
-            raise ValueError(f"embodiment {embodied.embodiment.tag!r} has views {views}; the server maps exactly "
-                             "two (exterior camera 1, wrist camera)")
-        self.views = views
-        self.metadata = {"embodiment": embodied.embodiment.tag, "action_horizon": embodied.action_horizon,
-                         "action_dim": embodied.action_dim, "views": views, "step": embodied.step}
+        emb = embodied.embodiment
+        self.spec = emb.wire
+        stats = embodied.policy.state_stats
+        widths, start = {}, 0
+        names = [k.name for k in emb.state]
+        dims = embodied.state_dims
+        for name in names:
+            widths[name] = (start, start + dims[name])
+            start += dims[name]
+        self.state_dims, self._state_slices = dims, widths
+        span = np.maximum(stats.q99 - stats.q01, 0.0)
+        # a state far outside everything the model trained on is a unit, frame or sensor error, not an observation
+        self._state_lo, self._state_hi = stats.q01 - state_margin * span - 1.0, stats.q99 + state_margin * span + 1.0
+        arena = self.spec.roboarena
+        if arena is not None and ROBOARENA_ACTION_SPACES[arena["action_space"]] != embodied.action_dim:
+            raise ServeError(f"embodiment {emb.tag!r}: RoboArena's {arena['action_space']} actions have "
+                             f"{ROBOARENA_ACTION_SPACES[arena['action_space']]} dims, the model predicts {embodied.action_dim}")
+        self.metadata = {"embodiment": emb.tag, "action_horizon": embodied.action_horizon,
+                         "action_dim": embodied.action_dim, "views": list(emb.views), "step": embodied.step,
+                         "protocol": {"images": dict(self.spec.images), "state": dict(self.spec.state),
+                                      "state_dims": {p: dims[k] for p, k in self.spec.state.items()},
+                                      "ignored": list(self.spec.ignored)},
+                         "roboarena": arena}
+        self.handshake = dict(arena) if arena is not None else self.metadata
 
-    def infer(self, obs: Observation, session_id: str) -> np.ndarray:
-        views = {self.views[0]: obs.images["observation/exterior_image_1_left"],
-                 self.views[1]: obs.images["observation/wrist_image_left"]}
-        state = np.concatenate([obs.joint_position, obs.gripper_position])
-        return self.embodied.predict(session_id, views, state, obs.prompt)
+    def _state(self, request: Request) -> np.ndarray:
+        return np.concatenate([request.state[k.name] for k in self.embodied.embodiment.state])
+
+    def check_request(self, request: Request) -> None:
+        state = self._state(request)
+        bad = np.flatnonzero((state < self._state_lo) | (state > self._state_hi))
+        if bad.size:
+            i = int(bad[0])
+            key, offset = next((k, i - lo) for k, (lo, hi) in self._state_slices.items() if lo <= i < hi)
+            proto = next(p for p, s in self.spec.state.items() if s == key)
+            raise ProtocolError(f"{proto}[{offset}] = {state[i]:g} is far outside the trained range "
+                                f"{self._state_lo[i]:.3g}..{self._state_hi[i]:.3g} (wrong units or a bad reading?)")
+
+    def infer(self, request: Request, session_id: str) -> np.ndarray:
+        return self.embodied.predict(session_id, request.images, self._state(request), request.prompt)
 
     def end_session(self, session_id: str) -> None:
         self.embodied.end_session(session_id)
+
+
+class TokenAuth:
+    """`Authorization: Api-Key <token>` or `Bearer <token>`, compared in constant time."""
+
+    SCHEMES = ("api-key", "bearer")
+
+    def __init__(self, token: str):
+        if not token or len(token) < 8:
+            raise ServeError("the server token must have at least 8 characters (DZ_SERVE_TOKEN or --token-file)")
+        self._token = token.encode()
+
+    def accepts(self, header: str | None) -> bool:
+        scheme, _, credential = (header or "").strip().partition(" ")
+        ok = hmac.compare_digest(credential.strip().encode(), self._token)
+        return ok and scheme.lower() in self.SCHEMES
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_sessions: int = 64                # KV caches across all connections
+    sessions_per_connection: int = 4      # beyond it, the connection's least recently used session ends
+    max_connections: int = 64
+    max_frame_bytes: int = 32 << 20       # 3 cameras x 33 frames x 320x180 fit with room to spare
+    request: RequestLimits = RequestLimits()
 
 
 @dataclass
 class ServerStats:
     requests: int = 0
     errors: int = 0
+    connections: int = 0
     sessions: int = 0
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=10000))
 
@@ -72,71 +148,154 @@ class ServerStats:
             {"max": round(float(arr.max()), 2)}
 
 
+class _OneLine(logging.LoggerAdapter):
+    """websockets' own log (failed handshakes, probes) as single lines: the exception's message, no traceback."""
+
+    def process(self, msg, kwargs):
+        exc = kwargs.pop("exc_info", None)
+        if exc:
+            err = sys.exc_info()[1] if exc is True else exc[1] if isinstance(exc, tuple) else exc
+            while err is not None and err.__cause__ is not None:
+                err = err.__cause__
+            if err is not None:
+                msg = f"{msg}: {type(err).__name__}: {err}"
+        return msg, kwargs
+
+
+class _RequestFailed(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 class PolicyServer:
-    def __init__(self, policy: Policy, token: str, max_sessions: int = 64):
-        if not token:
-            raise ValueError("a bearer token is required (--token or DZ_SERVE_TOKEN)")
-        self.policy, self.token, self.max_sessions = policy, token, max_sessions
+    def __init__(self, policy: Policy, auth: TokenAuth | None, limits: ServerLimits = ServerLimits()):
+        self.policy, self.auth, self.limits = policy, auth, limits
         self.stats = ServerStats()
         self._lock = threading.Lock()
+        self._owner: dict[str, int] = {}     # session -> connection that holds it
 
-    # -- HTTP side: health and auth --
+    # -- HTTP side: health, metadata, auth --
+
     def _process_request(self, connection, request):
         if request.path == "/healthz":
-            body = {"status": "ok", "sessions": self.stats.sessions, "requests": self.stats.requests,
-                    "errors": self.stats.errors, "latency_ms": self.stats.percentiles()}
+            body = {"status": "ok", "connections": self.stats.connections, "sessions": self.stats.sessions,
+                    "requests": self.stats.requests, "errors": self.stats.errors,
+                    "latency_ms": self.stats.percentiles()}
             return connection.respond(200, json.dumps(body) + "\n")
-        if request.headers.get("Authorization", "") != f"Bearer {self.token}":
-            return connection.respond(401, "missing or wrong bearer token\n")
+        if self.auth is not None and not self.auth.accepts(request.headers.get("Authorization")):
+            log.info(f"{_peer(connection)} refused: missing or wrong token (HTTP 401)")
+            return connection.respond(401, "missing or wrong token: send 'Authorization: Api-Key <token>' "
+                                           "or 'Bearer <token>'\n")
+        if request.path == "/metadata":
+            return connection.respond(200, json.dumps(self.policy.metadata, default=str) + "\n")
         return None
 
-    def _infer(self, obs: Observation, session_id: str) -> tuple[np.ndarray, float]:
+    # -- inference --
+
+    def _infer(self, request: Request, session_id: str) -> tuple[np.ndarray, float]:
         with self._lock:  # one model, one request at a time
             t0 = time.perf_counter()
-            actions = self.policy.infer(obs, session_id)
-            return np.asarray(actions, dtype=np.float32), (time.perf_counter() - t0) * 1e3
-
-    async def _handler(self, ws):
-        if self.stats.sessions >= self.max_sessions:
-            await ws.send(pack({"error": f"server full: {self.max_sessions} sessions"}))
-            await ws.close(1013, "server full")
-            return
-        self.stats.sessions += 1
-        default_sid, seen = uuid.uuid4().hex, set()
-        try:
-            await ws.send(pack(self.policy.metadata))
-            async for message in ws:
-                try:
-                    if isinstance(message, str):
-                        raise ProtocolError("send binary msgpack frames, not text")
-                    obs = validate_observation(unpack(message))
-                    sid = obs.session_id or default_sid
-                    seen.add(sid)
-                    actions, ms = await asyncio.to_thread(self._infer, obs, sid)
-                    self.stats.requests += 1
-                    self.stats.latencies_ms.append(ms)
-                    await ws.send(pack({"action": actions, "server_timing": {"infer_ms": round(ms, 2)}}))
-                except Exception as exc:  # an error frame, never a dropped connection
-                    self.stats.errors += 1
-                    kind = "bad request" if isinstance(exc, ProtocolError) else f"inference failed ({type(exc).__name__})"
-                    await ws.send(pack({"error": f"{kind}: {exc}"}))
-        except Exception:
-            pass  # the client went away mid-send
-        finally:
-            self.stats.sessions -= 1
-            for sid in seen:
-                await asyncio.to_thread(self._end, sid)
+            actions = np.asarray(self.policy.infer(request, session_id), dtype=np.float32)
+            return actions, (time.perf_counter() - t0) * 1e3
 
     def _end(self, sid: str) -> None:
         with self._lock:
             self.policy.end_session(sid)
+        if self._owner.pop(sid, None) is not None:
+            self.stats.sessions -= 1
+
+    async def _open_session(self, conn_id: int, sessions: OrderedDict, sid: str) -> None:
+        """Register `sid` for this connection: bounded per connection (LRU) and across the server."""
+        if sid in sessions:
+            sessions.move_to_end(sid)
+            return
+        owner = self._owner.get(sid)
+        if owner is not None and owner != conn_id:
+            raise _RequestFailed(CLOSE_BAD_REQUEST, f"session_id {sid!r} is in use by another connection")
+        if len(sessions) >= self.limits.sessions_per_connection:
+            old, _ = sessions.popitem(last=False)
+            await asyncio.to_thread(self._end, old)
+        if self.stats.sessions >= self.limits.max_sessions:
+            raise _RequestFailed(CLOSE_TRY_AGAIN, f"server full: {self.limits.max_sessions} sessions open")
+        sessions[sid] = True
+        self._owner[sid] = conn_id
+        self.stats.sessions += 1
+
+    async def _handle(self, request: Request, conn_id: int, sessions: OrderedDict, default_sid: str):
+        sid = request.session_id or default_sid
+        if request.endpoint == "reset":
+            if sessions.pop(sid, None) is not None:
+                await asyncio.to_thread(self._end, sid)
+            return "reset successful", 0.0
+        self.policy.check_request(request)
+        await self._open_session(conn_id, sessions, sid)
+        actions, ms = await asyncio.to_thread(self._infer, request, sid)
+        return actions, ms
+
+    async def _handler(self, ws):
+        peer = _peer(ws)
+        if self.stats.connections >= self.limits.max_connections:
+            await _fail(ws, CLOSE_TRY_AGAIN, f"server full: {self.limits.max_connections} connections")
+            return
+        self.stats.connections += 1
+        conn_id, default_sid = id(ws), uuid.uuid4().hex
+        sessions: OrderedDict[str, bool] = OrderedDict()
+        prev_total_ms = None
+        try:
+            await ws.send(pack(self.policy.handshake))
+            async for message in ws:
+                t0 = time.perf_counter()
+                endpoint, sid = "?", None
+                try:
+                    if isinstance(message, str):
+                        raise ProtocolError("send binary msgpack frames, not text")
+                    request = parse_request(unpack(message), self.policy.spec, self.policy.state_dims,
+                                            self.limits.request)
+                    endpoint, sid = request.endpoint, request.session_id or default_sid
+                    result, infer_ms = await self._handle(request, conn_id, sessions, default_sid)
+                except (ProtocolError, _RequestFailed) as exc:
+                    code = exc.code if isinstance(exc, _RequestFailed) else CLOSE_BAD_REQUEST
+                    self._access(peer, endpoint, sid, f"error {code}", t0, str(exc))
+                    await _fail(ws, code, f"bad request: {exc}" if code == CLOSE_BAD_REQUEST else str(exc))
+                    return
+                except Exception as exc:  # inference failed: say why, close, keep serving others
+                    self._access(peer, endpoint, sid, f"error {CLOSE_INTERNAL}", t0, f"{type(exc).__name__}: {exc}")
+                    log.exception("inference failed")
+                    await _fail(ws, CLOSE_INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")
+                    return
+                if isinstance(result, str):
+                    await ws.send(result)
+                else:
+                    timing = {"infer_ms": round(infer_ms, 2)}
+                    if prev_total_ms is not None:
+                        timing["prev_total_ms"] = round(prev_total_ms, 2)
+                    await ws.send(pack({"actions": result, "server_timing": timing}))
+                    self.stats.requests += 1
+                    self.stats.latencies_ms.append(infer_ms)
+                prev_total_ms = (time.perf_counter() - t0) * 1e3
+                self._access(peer, endpoint, sid, "ok", t0)
+        except Exception as exc:  # the client went away mid-send
+            log.info(f"{peer} connection lost: {type(exc).__name__}")
+        finally:
+            self.stats.connections -= 1
+            for sid in list(sessions):
+                await asyncio.to_thread(self._end, sid)
+
+    def _access(self, peer: str, endpoint: str, sid: str | None, status: str, t0: float, detail: str = "") -> None:
+        if status != "ok":
+            self.stats.errors += 1
+        ms = (time.perf_counter() - t0) * 1e3
+        line = f"{peer} {endpoint} session={(sid or '-')[:16]} {status} {ms:.1f}ms"
+        log.info(f"{line} {detail}".rstrip())
 
     async def serve(self, host: str, port: int, ready: threading.Event | None = None, stop: asyncio.Event | None = None,
-                    bound: list | None = None):
+                    bound: list | None = None, ssl=None):
         from websockets.asyncio.server import serve
 
-        async with serve(self._handler, host, port, process_request=self._process_request, max_size=2**26,
-                         ping_interval=None) as server:
+        async with serve(self._handler, host, port, process_request=self._process_request,
+                         max_size=self.limits.max_frame_bytes, compression=None, ping_interval=None, ssl=ssl,
+                         logger=_OneLine(logging.getLogger("dzmodel.serve.ws"), {})) as server:
             if bound is not None:
                 bound.append(server.sockets[0].getsockname()[1])
             if ready is not None:
@@ -144,30 +303,57 @@ class PolicyServer:
             await (stop.wait() if stop is not None else asyncio.Future())
 
 
+def _peer(ws) -> str:
+    addr = getattr(ws, "remote_address", None)
+    return f"{addr[0]}:{addr[1]}" if addr else "?"
+
+
+async def _fail(ws, code: int, message: str) -> None:
+    """The reason as a text frame (openpi's and RoboArena's clients raise it), then the close."""
+    try:
+        await ws.send(message)
+        await ws.close(code, message[:120])
+    except Exception:
+        pass
+
+
 class ServerThread:
     """The server on a background thread (tests, notebooks): `with ServerThread(policy, token) as s: s.url`."""
 
-    def __init__(self, policy: Policy, token: str, host: str = "127.0.0.1", port: int = 0, max_sessions: int = 64):
-        self.server = PolicyServer(policy, token, max_sessions)
-        self.host, self._port, self._bound = host, port, []
+    def __init__(self, policy: Policy, token: str | None, host: str = "127.0.0.1", port: int = 0,
+                 limits: ServerLimits = ServerLimits(), ssl=None):
+        self.server = PolicyServer(policy, TokenAuth(token) if token is not None else None, limits)
+        self.host, self._port, self._bound, self._ssl = host, port, [], ssl
         self._ready = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._stop = None
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         asyncio.set_event_loop(self._loop)
         self._stop = asyncio.Event()
-        self._loop.run_until_complete(self.server.serve(self.host, self._port, self._ready, self._stop, self._bound))
+        try:
+            self._loop.run_until_complete(self.server.serve(self.host, self._port, self._ready, self._stop,
+                                                            self._bound, self._ssl))
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+
+    @property
+    def port(self) -> int:
+        return self._bound[0]
 
     @property
     def url(self) -> str:
-        return f"ws://{self.host}:{self._bound[0]}"
+        return f"{'wss' if self._ssl else 'ws'}://{self.host}:{self.port}"
 
     def __enter__(self):
         self._thread.start()
         if not self._ready.wait(30):
             raise RuntimeError("policy server did not start within 30 s")
+        if self._error is not None:
+            raise self._error
         return self
 
     def __exit__(self, *exc):
@@ -175,13 +361,62 @@ class ServerThread:
         self._thread.join(30)
 
 
-def serve_bundle(bundle: str, token: str, host: str = "0.0.0.0", port: int = 8000, device: str = "cpu",
-                 max_sessions: int = 64, solver=None) -> None:
+def tls_context(certfile: str | None, keyfile: str | None):
+    if not certfile:
+        if keyfile:
+            raise ServeError("--keyfile needs --certfile")
+        return None
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ServeError(f"TLS: cannot load {certfile}{' / ' + keyfile if keyfile else ''}: {exc}") from None
+    return ctx
+
+
+def configure_logging() -> None:
+    """Access log and server notices as plain timestamped lines on stdout."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
+    for name in ("dzmodel.serve", "dzmodel.serve.ws"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = [handler]
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
+
+
+def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu",
+                 limits: ServerLimits = ServerLimits(), solver=None, certfile: str | None = None,
+                 keyfile: str | None = None) -> None:
+    """Load, verify and serve a bundle; token None means no auth (the caller asked for it explicitly)."""
     from ..eval.policy import load_policy
     from .package import load_package
 
+    ssl = tls_context(certfile, keyfile)
+    auth = TokenAuth(token) if token is not None else None
     pkg = load_package(bundle)
     policy = BundlePolicy(load_policy(pkg.model_dir, device=device, solver=solver))
-    print(f"serving {pkg.root.name} ({policy.metadata}) on ws://{host}:{port}  health: http://{host}:{port}/healthz",
-          flush=True)
-    asyncio.run(PolicyServer(policy, token, max_sessions).serve(host, port))
+    configure_logging()
+    scheme = "wss" if ssl else "ws"
+    if auth is None:
+        log.warning("WARNING: --no-auth: anyone who can reach this port can drive the robot through this policy. "
+                    "Bind to localhost or a private network, or put it behind an authenticating proxy.")
+    log.info(f"serving {pkg.root.name} ({policy.metadata['embodiment']}, step {policy.metadata['step']}, actions "
+             f"{policy.metadata['action_horizon']}x{policy.metadata['action_dim']}) on {scheme}://{host}:{port}; "
+             f"health: http{'s' if ssl else ''}://{host}:{port}/healthz")
+    log.info(f"clients send {sorted(policy.spec.images)} + {sorted(policy.spec.state)} + prompt"
+             + (f"; RoboArena handshake {policy.handshake}" if policy.spec.roboarena else ""))
+    run_server(PolicyServer(policy, auth, limits), host, port, ssl)
+
+
+def run_server(server: PolicyServer, host: str, port: int, ssl=None) -> None:
+    """Serve until interrupted; a port in use or an unknown host is one ServeError line."""
+    try:
+        asyncio.run(server.serve(host, port, ssl=ssl))
+    except OSError as exc:
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc} "
+                         "(another server on that port? pick --port)") from None
+    except KeyboardInterrupt:
+        log.info("stopped")
