@@ -46,6 +46,9 @@ $(STAMP): pyproject.toml Makefile
 	@# lerobot 0.4.4 without its pins (they would pull CUDA torch 2.10); torchvision 0.28 is CUDA-built,
 	@# dzmodel.data.lerobot_compat makes it import on CPU torch.
 	$(PY) -m pip install --quiet --no-deps lerobot==0.4.4 torchvision==0.28.0
+	@# openpi's real client for the serving tests (tests/serve/test_real_clients.py): its numpy<2 pin is stale
+	@# (the wire code is msgpack + numpy basics); its other needs (msgpack, websockets, typing_extensions) are here.
+	$(PY) -m pip install --quiet --no-deps openpi-client==0.1.2
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -117,7 +117,7 @@ def cmd_data_synth(ns: argparse.Namespace) -> int:
     codec = {"av1": "libsvtav1", "h264": "libx264"}[ns.codec]
     path = make_synthetic_dataset(ns.out, num_episodes=ns.episodes, episode_length=ns.length,
                                   image_size=ns.image_size, codec=codec, seed=ns.seed, overwrite=ns.overwrite,
-                                  motion=ns.motion)
+                                  motion=ns.motion, embodiment=ns.embodiment)
     print(summarize(path))
     return EXIT_OK
 
@@ -629,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synth-episodes", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_data_fetch)
-    p = data.add_parser("synth", help="generate the embedded LIBERO-like LeRobot v3.0 dataset")
+    p = data.add_parser("synth", help="generate the embedded LIBERO-like (or DROID-like) LeRobot v3.0 dataset")
     p.add_argument("out")
     p.add_argument("--episodes", type=int, default=8)
     p.add_argument("--length", type=int, default=96)
@@ -638,6 +638,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--motion", choices=["walk", "orbit"], default="walk",
                    help="orbit: actions predictable from one frame (the demo's); walk: random walks")
+    p.add_argument("--embodiment", choices=["libero_sim", "oxe_droid"], default="libero_sim",
+                   help="oxe_droid: DROID's three views, 14-dim state and 21-dim action columns")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_data_synth)
     rec = data.add_parser("record", help="record demonstrations in simulation").add_subparsers(dest="sim", required=True)

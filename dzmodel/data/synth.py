@@ -27,6 +27,13 @@ Each action is then a fixed function of the scene the frame shows (plus a little
 that sees one frame can predict the next chunk; the random walk cannot be predicted from a frame (a linear
 predictor from the state gets 0.87-0.97 of the mean predictor's error). The demo trains on orbits.
 
+``embodiment="oxe_droid"`` writes the same scenes in DROID's layout instead: three views
+(``observation.images.{wrist_left, exterior_1_left, exterior_2_left}``; the second exterior camera sees the
+table mirrored), a 14-dim state (cartesian 0:6 = the scene state above, gripper position 6:7 in [0, 1],
+7 joint positions 7:14, a fixed linear map of the scene into a Franka's joint ranges) and a 21-dim action
+(cartesian velocity 0:6, gripper target 6:7, joint velocity 7:14, joint position target 14:21), the slices
+the ``oxe_droid`` embodiment reads. It gives the DROID serving path (RoboArena's protocol) a dataset.
+
 Everything is deterministic by ``seed``: parquet and json bytes and the rendered frames are identical
 across runs; mp4 files come from single-threaded encoders (in practice identical bytes too, though one
 loaded CI run decoded values a few levels apart; the test bounds that).
@@ -277,6 +284,35 @@ def _vector_features() -> dict[str, VectorFeature]:
             ACTION_KEY: VectorFeature(ACTION_DIM, list(ACTION_NAMES))}
 
 
+# --- the DROID layout (embodiment="oxe_droid") ---
+
+EMBODIMENTS = ("libero_sim", "oxe_droid")
+DROID_VIEWS = {"observation.images.wrist_left": WRIST_KEY, "observation.images.exterior_1_left": MAIN_KEY,
+               "observation.images.exterior_2_left": None}     # None: the main view, mirrored
+DROID_HOME = np.array([0.0, -0.78, 0.0, -2.36, 0.0, 1.57, 0.78])   # a Franka's ready pose (rad)
+# scene state (x, y, size, tint_r, tint_g, tint_b, gripper) -> joint offsets from home, in radians
+DROID_JOINT_MAP = np.random.default_rng(1234).uniform(-0.6, 0.6, size=(7, 7))
+
+
+def _droid_vectors(traj: dict, image_size: int) -> dict[str, np.ndarray]:
+    scene = _state_from_traj(traj, image_size)[:, :7]
+    cartesian, gripper = scene[:, :6], (1.0 - traj["grip"][:, None]) / 2   # DROID: 0 open .. 1 closed
+    centred = np.concatenate([cartesian - [0.5, 0.5, 0.5, 0, 0, 0], gripper], axis=1)
+    joints = DROID_HOME + centred @ DROID_JOINT_MAP.T
+    next_joints = np.concatenate([joints[1:], joints[-1:]])
+    acts = traj["actions"]
+    action = np.concatenate([acts[:, :6], (1.0 - acts[:, 6:7]) / 2, next_joints - joints, next_joints], axis=1)
+    return {STATE_KEY: np.concatenate([cartesian, gripper, joints], axis=1), ACTION_KEY: action}
+
+
+def _droid_features() -> dict[str, VectorFeature]:
+    cart = ["x", "y", "z", "roll", "pitch", "yaw"]
+    joints = [f"joint_{i}" for i in range(7)]
+    return {STATE_KEY: VectorFeature(14, [*cart, "gripper_position", *joints]),
+            ACTION_KEY: VectorFeature(21, [*(f"{c}_velocity" for c in cart), "gripper_position",
+                                           *(f"{j}_velocity" for j in joints), *(f"{j}_position" for j in joints)])}
+
+
 def make_synthetic_dataset(
     out_dir: str | os.PathLike,
     num_episodes: int = 8,
@@ -289,6 +325,7 @@ def make_synthetic_dataset(
     crf: int = 30,
     overwrite: bool = False,
     motion: str = "walk",
+    embodiment: str = "libero_sim",
 ) -> Path:
     """Write a synthetic LIBERO-like LeRobot v3.0 dataset to ``out_dir`` and return its path.
 
@@ -313,13 +350,16 @@ def make_synthetic_dataset(
         raise DataError(f"fps: must be >= 1, got {fps}")
     if motion not in MOTIONS:
         raise DataError(f"motion: must be one of {list(MOTIONS)}, got {motion!r}")
+    if embodiment not in EMBODIMENTS:
+        raise DataError(f"embodiment: must be one of {list(EMBODIMENTS)}, got {embodiment!r}")
     if out_dir.exists() and not overwrite:
         raise DataError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        _write_dataset(tmp, num_episodes, episode_length, image_size, fps, codec, seed, chunks_size, crf, motion)
+        _write_dataset(tmp, num_episodes, episode_length, image_size, fps, codec, seed, chunks_size, crf, motion,
+                       embodiment)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -328,15 +368,25 @@ def make_synthetic_dataset(
 
 
 def _write_dataset(root: Path, num_episodes, episode_length, image_size, fps, codec, seed, chunks_size, crf,
-                   motion="walk"):
+                   motion="walk", embodiment="libero_sim"):
     rng = np.random.default_rng(seed)
-    writer = LeRobotV3Writer(root, fps, "synthetic_block", {k: (image_size, image_size) for k in VIDEO_KEYS},
-                             _vector_features(), codec=codec, crf=crf, chunks_size=chunks_size)
+    droid = embodiment == "oxe_droid"
+    views = list(DROID_VIEWS) if droid else list(VIDEO_KEYS)
+    writer = LeRobotV3Writer(root, fps, "synthetic_droid" if droid else "synthetic_block",
+                             {k: (image_size, image_size) for k in views},
+                             _droid_features() if droid else _vector_features(), codec=codec, crf=crf,
+                             chunks_size=chunks_size)
     for ep in range(num_episodes):
         ti = int(rng.integers(len(TASKS))) if ep >= len(TASKS) else ep  # every task appears when possible
         traj = (_orbit_trajectory if motion == "orbit" else _episode_trajectory)(rng, episode_length, image_size)
-        writer.add_episode(TASKS[ti], render_episode(traj, ti, image_size),
-                           {STATE_KEY: _state_from_traj(traj, image_size), ACTION_KEY: traj["actions"]})
+        frames = render_episode(traj, ti, image_size)
+        if droid:
+            frames = {k: frames[src] if src else np.ascontiguousarray(frames[MAIN_KEY][:, :, ::-1])
+                      for k, src in DROID_VIEWS.items()}
+            vectors = _droid_vectors(traj, image_size)
+        else:
+            vectors = {STATE_KEY: _state_from_traj(traj, image_size), ACTION_KEY: traj["actions"]}
+        writer.add_episode(TASKS[ti], frames, vectors)
     writer.finish()
 
 

@@ -286,7 +286,9 @@ class DreamZeroPolicy:
         s[0, :, : state.shape[0]] = self.state_stats.normalize(state)
         state_t = torch.from_numpy(s).to(self.device)
 
-        gen = torch.Generator(device=self.device).manual_seed(self.seed + session.calls)
+        # the noise follows the history the session holds (its raw frames), not the number of calls, so the same
+        # frames give the same chunk however they were split across calls
+        gen = torch.Generator(device=self.device).manual_seed(self.seed + session.frames.shape[2])
         _, actions = sample_block(self.model, session.caches, session.conds, state_t, session.latent_hw,
                                   self.solver, gen)
         n = self.action_stats.q01.shape[0]

@@ -7,7 +7,8 @@
 - On connect the server sends the handshake metadata: RoboArena's PolicyServerConfig fields when the embodiment
   declares them (`serve.roboarena`), else the policy's own metadata. Then each binary frame is one request:
   `endpoint: "infer"` (or none) gets `{"actions": float32 (N, D), "server_timing": {...}}`; `endpoint: "reset"`
-  ends the session and gets the text "reset successful", as RoboArena's server answers.
+  ends the session named (or all of the connection's) and gets the text "reset successful", as RoboArena's
+  server answers.
 - A session (KV cache) is per `session_id` (default: one per connection). New frames extend it; a connection
   keeps at most `sessions_per_connection` (the least recently used is ended), the server `max_sessions`.
 - Errors go out as one text frame with the reason, then a close: 1008 for a bad request, 1011 when inference
@@ -224,9 +225,10 @@ class PolicyServer:
 
     async def _handle(self, request: Request, conn_id: int, sessions: OrderedDict, default_sid: str):
         sid = request.session_id or default_sid
-        if request.endpoint == "reset":
-            if sessions.pop(sid, None) is not None:
-                await asyncio.to_thread(self._end, sid)
+        if request.endpoint == "reset":  # RoboArena: the end of an episode; without a session_id, of them all
+            for ended in ([request.session_id] if request.session_id else list(sessions)):
+                if sessions.pop(ended, None) is not None:
+                    await asyncio.to_thread(self._end, ended)
             return "reset successful", 0.0
         self.policy.check_request(request)
         await self._open_session(conn_id, sessions, sid)
@@ -252,7 +254,8 @@ class PolicyServer:
                         raise ProtocolError("send binary msgpack frames, not text")
                     request = parse_request(unpack(message), self.policy.spec, self.policy.state_dims,
                                             self.limits.request)
-                    endpoint, sid = request.endpoint, request.session_id or default_sid
+                    endpoint = request.endpoint
+                    sid = request.session_id or (default_sid if endpoint == "infer" else "all")
                     result, infer_ms = await self._handle(request, conn_id, sessions, default_sid)
                 except (ProtocolError, _RequestFailed) as exc:
                     code = exc.code if isinstance(exc, _RequestFailed) else CLOSE_BAD_REQUEST
@@ -286,7 +289,7 @@ class PolicyServer:
         if status != "ok":
             self.stats.errors += 1
         ms = (time.perf_counter() - t0) * 1e3
-        line = f"{peer} {endpoint} session={(sid or '-')[:16]} {status} {ms:.1f}ms"
+        line = f"{peer} {endpoint} session={(sid or '-')[:40]} {status} {ms:.1f}ms"
         log.info(f"{line} {detail}".rstrip())
 
     async def serve(self, host: str, port: int, ready: threading.Event | None = None, stop: asyncio.Event | None = None,

@@ -66,10 +66,13 @@ def _fake_stages(calls: list[str]):
     def package(prof, paths, log):
         calls.append("package")
         step, rate = pipeline.chosen_step(prof, paths)
-        write(paths.stage("package") / "bundle.tar.gz")
+        bundle = paths.stage("package") / f"dreamzero-demo-{step}"
+        write(bundle / "robot.json", "{}")
+        write(bundle / "MANIFEST", "stand-in manifest\n")
+        write(paths.stage("package") / f"dreamzero-demo-{step}.tar.gz")
         # a stand-in held-out action error: the demo's gate reads its ratio
         action = {"step": step, "trained": 0.1, "ratio": 0.25, "mean_predictor": 0.4, "untrained": 0.9}
-        return {"bundle": str(paths.stage("package")), "tarball": str(paths.stage("package") / "bundle.tar.gz"),
+        return {"bundle": str(bundle), "tarball": str(paths.stage("package") / f"dreamzero-demo-{step}.tar.gz"),
                 "step": step, "success_rate": rate, "model": str(paths.stage("converted") / f"step_{step:07d}"),
                 "version": prof.package.version, "action_error": action}
 
@@ -110,7 +113,7 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     assert calls == ["eval", "package"]  # only the eval section changed
 
     calls.clear()
-    (tmp_path / "runs" / "demo" / "package" / "bundle.tar.gz").unlink()  # an output went missing
+    (tmp_path / "runs" / "demo" / "package" / "dreamzero-demo-3.tar.gz").unlink()  # an output went missing
     sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.4", "eval.episodes=3"])
     assert calls == ["package"]
 
@@ -135,11 +138,11 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     assert str(client.get_model_version_by_alias("dreamzero-demo", "production").version) == "4"
     v5 = client.get_model_version("dreamzero-demo", "5")
     assert v5.tags["promotion"] == "refused" and v5.tags["success_rate"] == "0.5"
-    assert v5.source == f"runs:/{last.info.run_id}/model/step_0000003"  # the packaged step's converted model
-    assert [a.path for a in client.list_artifacts(last.info.run_id, "model/step_0000003")] == [
-        "model/step_0000003/config.json"]
+    assert v5.source == f"runs:/{last.info.run_id}/bundle/dreamzero-demo-3"  # the servable bundle
+    assert [a.path for a in client.list_artifacts(last.info.run_id, "bundle/dreamzero-demo-3")] == [
+        "bundle/dreamzero-demo-3/MANIFEST", "bundle/dreamzero-demo-3/robot.json"]
     artifacts = {a.path for a in client.list_artifacts(last.info.run_id)}
-    assert {"model", "plots", "promotion.json"} <= artifacts
+    assert {"bundle", "plots", "promotion.json"} <= artifacts
 
     from prefect.client.orchestration import get_client
 
@@ -172,3 +175,31 @@ def test_dz_promote_applies_the_gate_to_a_registered_version(prefect_env, tmp_pa
     assert "refused: held-out action error ratio 0.25 (vs the mean predictor) > gate 0.20" in capsys.readouterr().out
     assert main(args) == 0
     assert "passed: held-out action error ratio 0.25 (vs the mean predictor) <= gate 0.50" in capsys.readouterr().out
+
+
+def test_models_uris_resolve_to_the_promoted_bundle(prefect_env, tmp_path, monkeypatch):
+    """`dz serve models:/dreamzero-demo@production` serves what the alias points at: the registry resolves
+    through the profile that registers the name (or MLFLOW_TRACKING_URI) into the bundle cache."""
+    from dzmodel.cli import main, resolve_bundle_source
+    from flows.sft_pipeline import sft_pipeline
+    from tasks.tracking import RegistryError, resolve_registered_bundle
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("DZ_BUNDLE_CACHE", str(tmp_path / "cache"))
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", _fake_stages([]))
+    sft_pipeline("demo", root=str(tmp_path))  # version 1, promoted by the demo's action-error gate
+    monkeypatch.chdir(tmp_path)
+    bundle = Path(resolve_bundle_source("models:/dreamzero-demo@production"))
+    assert bundle.name == "dreamzero-demo-3" and (bundle / "MANIFEST").read_text() == "stand-in manifest\n"
+    assert bundle.is_relative_to(tmp_path / "cache" / "registry" / "dreamzero-demo" / "1")
+    assert resolve_registered_bundle("models:/dreamzero-demo/1") == bundle  # by version, cached
+    with pytest.raises(RegistryError, match="not found"):
+        resolve_registered_bundle("models:/dreamzero-demo@staging")
+    with pytest.raises(RegistryError, match="no profile in params.yaml registers 'other-model'"):
+        resolve_registered_bundle("models:/other-model@production")
+    with pytest.raises(RegistryError, match="expected models:/<name>@<alias>"):
+        resolve_registered_bundle("models:/a/b/c")
+    # the served bundle is verified like any other: this stand-in's MANIFEST is refused, in one line
+    monkeypatch.setenv("DZ_SERVE_TOKEN", "a-long-enough-token")
+    assert main(["serve", "models:/dreamzero-demo@production"]) == 2

@@ -1,6 +1,6 @@
-"""End to end: a LIBERO Franka Panda driven through the packaged policy server over loopback.
-The bundle comes from a tiny-preset checkpoint; the server runs in its own process; the client sends the
-RoboArena keys and steps the env with the returned chunks."""
+"""End to end: `dz client` drives the LIBERO Franka Panda through `dz serve` of a packaged policy over loopback,
+at a control rate, with the chunk broker inferring the next chunk while the current one executes. The server
+runs in its own process and reads its token from DZ_SERVE_TOKEN, as docs/deploy.md tells a lab to."""
 
 import json
 import os
@@ -14,43 +14,16 @@ import urllib.request
 import numpy as np
 import pytest
 
-from dzmodel.data.dataset import embodiment_metadata
-from dzmodel.data.embodiments import get_embodiment, load_embodiments
-from dzmodel.data.synth import make_synthetic_dataset
-from dzmodel.eval.libero_env import EnvWorkerPool, list_tasks
-from dzmodel.serve.client import PolicyClient
-from dzmodel.serve.package import RobotConfig, build_package
-from dzmodel.train.config import TrainConfig
-from dzmodel.train.convert import convert_checkpoint, resolve_checkpoint
-from dzmodel.train.trainer import train
+from dzmodel.serve.client import ChunkBroker
 
-# Franka-like: 8-dim state (LIBERO's eef pose + gripper) and 8-dim actions (7 + gripper), as the protocol returns.
-FRANKA_TINY = """
-franka_sim_tiny:
-  views: {image: observation.images.image, wrist_image: observation.images.wrist_image}
-  view_size: [64, 64]
-  layout: [[image, wrist_image]]
-  state: {state: {column: observation.state, dim: 8}}
-  action: {arm: {column: action, slice: [0, 7]}, gripper: {column: action, slice: [6, 7]}}
-  action_horizon: 16
-"""
+from .helpers import tiny_bundle
+
 TOKEN = "loopback-token"
-ROBOT = {"robot_ip": "127.0.0.1", "camera_serials": ["sim-agentview", "sim-wrist"],
-         "target_ee_pose": [0.0, 0.0, 1.0, 3.14, 0.0, 0.0], "workspace_min": [-1, -1, 0], "workspace_max": [1, 1, 2]}
 
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    root = tmp_path_factory.mktemp("loopback")
-    ds = make_synthetic_dataset(root / "ds", num_episodes=2, episode_length=40)
-    (root / "emb.yaml").write_text(FRANKA_TINY)
-    embodiment_metadata(ds, get_embodiment("franka_sim_tiny", load_embodiments([root / "emb.yaml"])), root / "meta.json")
-    train(TrainConfig(preset="tiny", model_overrides={"num_action_per_block": 16}, datasets=[str(ds)],
-                      embodiment="franka_sim_tiny", embodiment_files=[str(root / "emb.yaml")],
-                      metadata=str(root / "meta.json"), steps=1, save_every=1, out_dir=str(root / "run"), progress=False))
-    hf = convert_checkpoint(resolve_checkpoint(root / "run"), root / "hf")
-    _, tarball = build_package(hf, root / "dist", RobotConfig.from_dict(ROBOT), "0.1.0")
-    return tarball
+    return tiny_bundle(tmp_path_factory.mktemp("loopback"), "libero_sim_tiny")
 
 
 def _free_port() -> int:
@@ -61,10 +34,11 @@ def _free_port() -> int:
 
 def test_libero_panda_through_the_packaged_server(bundle, tmp_path):
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "dzmodel.cli", "serve", str(bundle), "--token", TOKEN, "--host",
-                               "127.0.0.1", "--port", str(port), "--solver-steps", "2", "--cfg-scale", "1"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DZ_SERVE_TOKEN": TOKEN}
+    server = subprocess.Popen([sys.executable, "-m", "dzmodel.cli", "serve", str(bundle), "--port", str(port),
+                               "--solver-steps", "1", "--cfg-scale", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                              text=True)
     try:
         deadline, health = time.time() + 180, None
         while time.time() < deadline and server.poll() is None:
@@ -73,27 +47,50 @@ def test_libero_panda_through_the_packaged_server(bundle, tmp_path):
                 break
             except OSError:
                 time.sleep(0.5)
-        assert health is not None and health["status"] == "ok", server.stdout.read().decode()[-3000:] if server.poll() is not None else "no health"
-        task = list_tasks("spatial")[0]
-        with EnvWorkerPool(1, keep_raw=True) as pool, PolicyClient(f"ws://127.0.0.1:{port}", TOKEN) as client:
-            assert client.metadata["embodiment"] == "franka_sim_tiny" and client.metadata["action_dim"] == 8
-            obs = pool.reset([(0, task, 0)])[0]
-            for chunk in range(3):
-                raw = obs["raw"]
-                msg = {"observation/exterior_image_1_left": obs["image"], "observation/wrist_image_left": obs["wrist_image"],
-                       "observation/joint_position": np.asarray(raw["robot0_joint_pos"], dtype=np.float64),
-                       "observation/cartesian_position": obs["state"][:6],
-                       "observation/gripper_position": obs["state"][6:7], "prompt": task.language,
-                       "session_id": "panda-0"}
-                reply = client.infer(msg)
-                actions = reply["action"]
-                assert actions.shape == (16, 8) and actions.dtype == np.float32 and np.isfinite(actions).all()
-                assert reply["server_timing"]["infer_ms"] > 0
-                for a in actions[:4]:  # a few env steps per chunk; the sim's OSC action is 7-dim
-                    obs, success = pool.step({0: np.clip(a[:7], -1, 1)})[0]
-                    assert obs["image"].shape == (128, 128, 3) and isinstance(success, bool)
+        assert health is not None and health["status"] == "ok", "server did not come up"
+        out = subprocess.run([sys.executable, "-m", "dzmodel.cli", "client", f"ws://127.0.0.1:{port}", "--suite",
+                              "spatial", "--task", "0", "--episodes", "1", "--max-steps", "24", "--control-hz", "20",
+                              "--camera-size", "128", "--out", str(tmp_path / "client")],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        summary = json.loads((tmp_path / "client" / "summary.json").read_text())
+        ep = summary["per_episode"][0]
+        assert summary["episodes"] == 1 and ep["steps"] == 24 and ep["chunks"] >= 2
+        assert ep["latency_p50_ms"] > 0 and ep["achieved_hz"] > 0
         health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5).read())
-        assert health["requests"] == 3 and health["errors"] == 0
+        assert health["requests"] == ep["chunks"] and health["errors"] == 0 and health["sessions"] == 0
+        # the client's token came from the environment too; without it the server refuses
+        env.pop("DZ_SERVE_TOKEN")
+        refused = subprocess.run([sys.executable, "-m", "dzmodel.cli", "client", f"ws://127.0.0.1:{port}",
+                                  "--dry-run"], capture_output=True, text=True, env=env, timeout=120)
+        assert refused.returncode == 2 and "HTTP 401" in refused.stderr
     finally:
         os.killpg(server.pid, signal.SIGTERM)
-        server.wait(30)
+        log = server.communicate(timeout=30)[0]
+    assert log.count(" infer session=libero-spatial-0-0-") == ep["chunks"] and "Traceback" not in log
+
+
+def test_the_broker_infers_the_next_chunk_while_one_executes():
+    """A fake server that takes 3 control periods per chunk: the broker asks early enough that the robot never
+    waits after the first chunk, and it skips the actions whose time passed while the reply was on its way."""
+    period = 0.02
+    requested = []
+
+    def infer(obs):
+        requested.append(obs["step"])
+        time.sleep(3 * period)
+        return np.arange(obs["step"], obs["step"] + 8, dtype=np.float64)[:, None]  # action k is "step k"
+
+    broker = ChunkBroker(infer, control_hz=1 / period, lead=2)
+    executed = []
+    try:
+        for step in range(40):
+            action = broker.next_action(step, lambda: {"step": step})
+            executed.append(int(action[0]))
+            time.sleep(period)
+    finally:
+        broker.close()
+    assert executed == list(range(40))  # every step got the action predicted for it
+    assert len(requested) >= 5 and requested[0] == 0
+    assert sum(broker.waits_s[1:]) < 0.5 * sum(broker.latencies_s[1:])  # the later chunks were mostly ready
+    assert broker.lead >= 3
