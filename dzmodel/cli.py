@@ -327,7 +327,7 @@ def cmd_client(ns: argparse.Namespace) -> int:
 
         summary = run_libero_client(ns.url, token, suite=ns.suite, task=ns.task, episodes=ns.episodes,
                                     control_hz=ns.control_hz, max_steps=ns.max_steps, seed=ns.seed,
-                                    camera_size=ns.camera_size, out=ns.out)
+                                    camera_size=ns.camera_size, out=ns.out, overlap=not ns.sync)
         print(json.dumps(summary))
     except (ServerError, OSError) as exc:
         raise CLIError(str(exc)) from None
@@ -746,7 +746,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=300)
     p.add_argument("--camera-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write summary.json (and timings.csv) here")
+    p.add_argument("--sync", action="store_true",
+                   help="wait for each chunk and execute all of it (as dz eval libero), instead of inferring the next "
+                        "chunk while one executes")
+    p.add_argument("--out", help="write summary.json and episodes.csv here")
     p.add_argument("--load-test", type=int, metavar="SESSIONS", help="instead: this many concurrent sessions")
     p.add_argument("--requests", type=int, default=4, help="requests per session in the load test")
     p.set_defaults(func=cmd_client)

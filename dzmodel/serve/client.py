@@ -80,13 +80,18 @@ class ChunkBroker:
     `next_action(step, observe)` returns the action for control step `step`. When the current chunk has `lead`
     actions left, the observation of that moment goes to the server in the background; the chunk it returns
     was predicted for the step of that observation, so the actions for the steps already executed meanwhile
-    are skipped. `lead` follows the measured latency (in control steps), so at a control rate the server can
-    keep up with, the robot never waits."""
+    are skipped. `lead` follows the measured latency in control steps (at the rate the loop actually runs), so
+    the robot waits only when a chunk is shorter than the latency.
+
+    `overlap=False` is the synchronous broker of `dz eval libero`: ask when the chunk is used up, wait, execute
+    the whole next chunk (nothing skipped; the robot stands still while the server thinks)."""
 
     def __init__(self, infer: Callable[[dict], np.ndarray], control_hz: float, actions_per_chunk: int | None = None,
-                 lead: int = 2):
+                 lead: int = 2, overlap: bool = True):
         self.infer, self.period, self.per_chunk = infer, 1.0 / control_hz, actions_per_chunk
-        self.lead = lead
+        self.lead, self.overlap = (lead if overlap else 0), overlap
+        self._last_call: tuple[int, float] | None = None
+        self._step_s = self.period      # the measured time per control step (the target period or slower)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="chunk-broker")
         self._pending: tuple[int, Future] | None = None
         self._chunk: np.ndarray | None = None
@@ -111,6 +116,11 @@ class ChunkBroker:
         return usable - (step - self._chunk_step)
 
     def next_action(self, step: int, observe: Callable[[], dict]) -> np.ndarray:
+        now = time.perf_counter()
+        if self._last_call is not None and step > self._last_call[0]:
+            per_step = (now - self._last_call[1]) / (step - self._last_call[0])
+            self._step_s = max(self.period, 0.8 * self._step_s + 0.2 * per_step)
+        self._last_call = (step, now)
         if self._pending is None and self._left(step) <= self.lead:
             self._request(step, observe())
         if self._left(step) <= 0:
@@ -124,8 +134,8 @@ class ChunkBroker:
             if self._left(step) <= 0:  # the reply came too late to use any of it: ask again from here
                 self._request(step, observe())
                 return self.next_action(step, observe)
-            if self.latencies_s:  # ask early enough for the next reply to arrive before this chunk runs out
-                self.lead = max(1, int(np.ceil(np.median(self.latencies_s[-5:]) / self.period)) + 1)
+            if self.overlap and self.latencies_s:  # ask early enough for the reply to come before the chunk ends
+                self.lead = max(1, int(np.ceil(np.median(self.latencies_s[-5:]) / self._step_s)) + 1)
         return self._chunk[step - self._chunk_step]
 
     def close(self) -> None:

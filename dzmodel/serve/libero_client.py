@@ -46,7 +46,7 @@ def libero_keys(metadata: dict) -> dict[str, str]:
 def run_libero_client(url: str, token: str | None, suite: str = "object", task: int = 0, episodes: int = 1,
                       control_hz: float = 20.0, max_steps: int = 300, seed: int = 0, camera_size: int = 256,
                       actions_per_chunk: int | None = None, out: str | Path | None = None,
-                      progress: bool = True) -> dict:
+                      progress: bool = True, overlap: bool = True) -> dict:
     from ..eval.libero_env import EnvWorkerPool, WorkerCrashed, env_action, list_tasks
 
     tasks = list_tasks(suite)
@@ -70,7 +70,7 @@ def run_libero_client(url: str, token: str | None, suite: str = "object", task: 
             def infer(o):
                 return client.infer(o)["actions"]
 
-            broker = ChunkBroker(infer, control_hz, actions_per_chunk)
+            broker = ChunkBroker(infer, control_hz, actions_per_chunk, overlap=overlap)
             current = {"obs": obs}
             observe = lambda: {k: current["obs"][f] for k, f in keys.items()} | {  # noqa: E731
                 "prompt": spec.language, "session_id": session}
@@ -109,7 +109,7 @@ def run_libero_client(url: str, token: str | None, suite: str = "object", task: 
                   f"{rows[-1]['latency_p50_ms']} ms, waited {rows[-1]['wait_total_s']} s for chunks", flush=True)
     summary = {"url": url, "suite": suite, "task": task, "task_name": spec.name, "episodes": episodes,
                "successes": sum(r["success"] for r in rows), "success_rate": sum(r["success"] for r in rows) / episodes,
-               "control_hz": control_hz, "per_episode": rows}
+               "control_hz": control_hz, "broker": "overlap" if overlap else "sync", "per_episode": rows}
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)

@@ -139,8 +139,8 @@ def _model_card(name: str, version: str, train: dict, emb: dict, robot: RobotCon
               "- Research use on the robot and scene family it was trained on; supervise every run and keep the "
               "workspace limits and an emergency stop active.",
               "- Success rates above come from simulation or the listed evaluation and do not transfer as-is.", "",
-              "## Serving", "```", f"dz serve {name}-{version}.tar.gz --token $TOKEN",
-              "dz client ws://HOST:8000 --token $TOKEN --dry-run", "```", ""]
+              "## Serving (docs/deploy.md)", "```", "export DZ_SERVE_TOKEN=...   # the shared secret",
+              f"dz serve {name}-{version}.tar.gz --port 8000", "dz client ws://HOST:8000 --dry-run", "```", ""]
     return "\n".join(lines)
 
 

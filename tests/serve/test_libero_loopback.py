@@ -94,3 +94,18 @@ def test_the_broker_infers_the_next_chunk_while_one_executes():
     assert len(requested) >= 5 and requested[0] == 0
     assert sum(broker.waits_s[1:]) < 0.5 * sum(broker.latencies_s[1:])  # the later chunks were mostly ready
     assert broker.lead >= 3
+
+
+def test_the_sync_broker_waits_and_executes_whole_chunks():
+    requested = []
+
+    def infer(obs):
+        requested.append(obs["step"])
+        return np.arange(obs["step"], obs["step"] + 8, dtype=np.float64)[:, None]
+
+    broker = ChunkBroker(infer, control_hz=1000, overlap=False)
+    try:
+        executed = [int(broker.next_action(step, lambda: {"step": step})[0]) for step in range(24)]
+    finally:
+        broker.close()
+    assert executed == list(range(24)) and requested == [0, 8, 16] and broker.skipped == 0
