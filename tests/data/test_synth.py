@@ -219,3 +219,34 @@ def test_loads_with_lerobot(tmp_path):
     ours = open_dataset(root).read_frames(1, MAIN_KEY, [1])[0]  # global index 13 = episode 1, frame 1
     theirs = (item[MAIN_KEY].permute(1, 2, 0).numpy() * 255).round()
     assert abs(ours.astype(float) - theirs).max() <= 1
+
+
+def test_droid_layout_reads_as_oxe_droid(tmp_path):
+    """`--embodiment oxe_droid`: DROID's three views and column layout, which the oxe_droid embodiment's slices
+    read (joint targets = the next state's joints; exterior 2 = exterior 1 mirrored); lerobot reads it too."""
+    from dzmodel.data.dataset import embodiment_metadata
+    from dzmodel.data.embodiments import get_embodiment
+    from dzmodel.data.lerobot_compat import import_lerobot_dataset
+    from dzmodel.data.lerobot_format import open_dataset
+
+    root = make_synthetic_dataset(tmp_path / "droid", num_episodes=2, episode_length=30, image_size=32,
+                                  codec="libx264", embodiment="oxe_droid")
+    info = json.loads((root / "meta/info.json").read_text())
+    assert info["features"][STATE_KEY]["shape"] == [14] and info["features"][ACTION_KEY]["shape"] == [21]
+    views = {"observation.images.wrist_left", "observation.images.exterior_1_left", "observation.images.exterior_2_left"}
+    assert {k for k, f in info["features"].items() if f["dtype"] == "video"} == views
+    ds = open_dataset(root)
+    ext1 = ds.read_frames(0, "observation.images.exterior_1_left", [5])[0].astype(int)
+    ext2 = ds.read_frames(0, "observation.images.exterior_2_left", [5])[0].astype(int)
+    assert np.abs(ext1[:, ::-1] - ext2).mean() < 0.7 * np.abs(ext1 - ext2).mean()  # codec noise aside
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(next((root / "data").rglob("*.parquet")))
+    state, action = np.stack(table[STATE_KEY].to_numpy()), np.stack(table[ACTION_KEY].to_numpy())
+    np.testing.assert_allclose(action[:29, 14:21], state[1:30, 7:14], atol=1e-6)  # joint targets, episode 0
+    assert set(np.unique(state[:, 6]).round(6)) <= {0.0, 1.0}  # DROID's gripper position: 0 open, 1 closed
+    embodiment_metadata(root, get_embodiment("oxe_droid"), tmp_path / "meta.json")
+    stats = json.loads((tmp_path / "meta.json").read_text())["oxe_droid"]["statistics"]
+    assert len(stats["state"]["joint_position"]["q01"]) == 7 and len(stats["action"]["gripper_position"]["q99"]) == 1
+    LeRobotDatasetMetadata, _ = import_lerobot_dataset()
+    assert set(LeRobotDatasetMetadata("dzmodel/droid", root=root).video_keys) == views

@@ -283,3 +283,15 @@ def test_fifty_concurrent_sessions_without_errors():
         report = load_test(srv.url, TOKEN, sessions=50, requests_per_session=3, timeout_s=120)
     assert report["errors"] == 0, report["error_samples"]
     assert report["requests"] == 150 and report["wall_s"] < 120
+
+
+def test_an_oversized_frame_is_refused_with_1009():
+    with ServerThread(FakePolicy(), TOKEN, limits=ServerLimits(max_frame_bytes=1 << 20)) as srv:
+        ws = connect(srv.url, additional_headers={"Authorization": f"Api-Key {TOKEN}"}, max_size=None)
+        ws.recv(timeout=10)
+        ws.send(pack(libero_obs(frames=8)))  # 8 x 2 views x 224 x 224 x 3 = 2.4 MB
+        with pytest.raises(ConnectionClosed) as info:
+            ws.recv(timeout=10)
+        assert info.value.rcvd.code == 1009  # message too big
+        with PolicyClient(srv.url, TOKEN) as c:  # the server carries on
+            assert c.infer(libero_obs())["actions"].shape == (12, 8)
