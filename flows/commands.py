@@ -38,6 +38,9 @@ def where_to_look(summary: dict, root: Path) -> str:
     if summary.get("promotion"):
         p = summary["promotion"]
         lines.append(f"  registry    {p['registered_model']} v{p['version']}: {p['reason']}")
+        if p.get("promoted"):
+            lines.append(f"  serve       DZ_SERVE_TOKEN=<secret> {venv}/dz serve models:/{p['registered_model']}@{p['alias']}"
+                         "   (docs/deploy.md)")
     if uri.startswith("sqlite:"):
         lines.append(f"  MLflow UI   {venv}/mlflow ui --backend-store-uri {uri} --port 5000   "
                      f"(then http://127.0.0.1:5000, experiment {summary['experiment']})")

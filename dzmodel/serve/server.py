@@ -278,8 +278,8 @@ class PolicyServer:
                     self.stats.latencies_ms.append(infer_ms)
                 prev_total_ms = (time.perf_counter() - t0) * 1e3
                 self._access(peer, endpoint, sid, "ok", t0)
-        except Exception as exc:  # the client went away mid-send
-            log.info(f"{peer} connection lost: {type(exc).__name__}")
+        except Exception as exc:  # the client went away (openpi's client never sends a close frame)
+            log.info(f"{peer} disconnected ({type(exc).__name__})")
         finally:
             self.stats.connections -= 1
             for sid in list(sessions):
