@@ -1,0 +1,70 @@
+"""The cost guard of one action chunk (issue 14): what a chunk costs in model calls, attention calls and FLOPs,
+counted on CPU for a fixed configuration (the tiny policy, 16 solver steps, with and without CFG). An extra
+forward, a mask rebuilt per call or a second prefill changes these counts; timing is left to `dz bench policy`.
+An optimisation that lowers them updates the numbers here, with the measured speed-up in docs/performance.md."""
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from dzmodel.model import inference
+from dzmodel.model.components import build_tiny_policy
+from dzmodel.model.inference import SolverConfig
+
+# cfg_scale -> calls in a session's first chunk, and the FLOPs torch's FlopCounterMode counts for it
+EXPECTED = {
+    5.0: {"denoise_velocity": 32, "prefill": 2, "sdpa": 209},
+    1.0: {"denoise_velocity": 16, "prefill": 1, "sdpa": 105},
+}
+GUARD_FLOPS = {5.0: 174_632_960, 1.0: 113_772_544}
+
+
+def _count_one_chunk(policy, monkeypatch):
+    counts = collections.Counter()
+
+    def counted(module, name, key):
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    counted(inference, "denoise_velocity", "denoise_velocity")
+    counted(inference, "prefill", "prefill")
+    counted(F, "scaled_dot_product_attention", "sdpa")
+    h, w = policy.image_size
+    rng = np.random.default_rng(0)
+    obs = {"images": rng.integers(0, 255, (h, w, 3), dtype=np.uint8), "state": np.zeros(8),
+           "prompt": "pick up the bowl and place it on the plate", "session_id": "guard"}
+    with FlopCounterMode(display=False) as flops:
+        policy.predict_actions(obs)
+    return dict(counts), flops.get_total_flops()
+
+
+@pytest.mark.parametrize("cfg_scale", [5.0, 1.0])
+def test_one_chunk_costs_what_it_did(tmp_path, monkeypatch, cfg_scale):
+    torch.set_num_threads(1)
+    policy = build_tiny_policy(tmp_path, solver=SolverConfig(num_steps=16, cfg_scale=cfg_scale))
+    counts, flops = _count_one_chunk(policy, monkeypatch)
+    assert counts == EXPECTED[cfg_scale]
+    assert flops == GUARD_FLOPS[cfg_scale]  # encoders, VAE, prefill and solver together: nothing may grow
+
+
+def test_the_guard_fails_on_a_slow_path(tmp_path, monkeypatch):
+    """A denoiser that runs twice per solver step (what a regression would look like) is caught."""
+    policy = build_tiny_policy(tmp_path, solver=SolverConfig(num_steps=16, cfg_scale=1.0))
+    original = inference.denoise_velocity
+
+    def twice(*args, **kwargs):
+        original(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(inference, "denoise_velocity", twice)
+    counts, flops = _count_one_chunk(policy, monkeypatch)
+    assert counts["sdpa"] > EXPECTED[1.0]["sdpa"] and flops > GUARD_FLOPS[1.0]
