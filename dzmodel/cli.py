@@ -503,7 +503,8 @@ def cmd_bench_policy(ns: argparse.Namespace) -> int:
     from .bench.policy_bench import run_policy_bench
 
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    r = run_policy_bench(ns.preset, device, ns.solver_steps, ns.cfg_scale, ns.calls, ns.warmup)
+    r = run_policy_bench(ns.preset, device, ns.solver_steps, ns.cfg_scale, ns.calls, ns.warmup,
+                         batch_cfg=not ns.no_batch_cfg)
     print(json.dumps(r))
     if ns.out:
         with open(ns.out, "a") as f:
@@ -853,6 +854,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cfg-scale", type=float, default=5.0)
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-batch-cfg", action="store_true",
+                   help="run CFG's conditional and unconditional passes one after the other (the old path)")
     p.add_argument("--out", help="append a JSON line here")
     p.set_defaults(func=cmd_bench_policy)
     p = bench.add_parser("data", help="video decode (torchcodec batched vs PyAV) and loader samples/s, DROID-like")

@@ -23,7 +23,7 @@ from ..model.wam import DreamZeroWAM
 
 
 def run_policy_bench(preset_name: str = "tiny", device: str = "cpu", solver_steps: int = 16, cfg_scale: float = 5.0,
-                     calls: int = 10, warmup: int = 2, seed: int = 0) -> dict:
+                     calls: int = 10, warmup: int = 2, seed: int = 0, batch_cfg: bool = True) -> dict:
     torch.manual_seed(seed)
     args = preset(preset_name)
     with torch.device(device):
@@ -34,7 +34,8 @@ def run_policy_bench(preset_name: str = "tiny", device: str = "cpu", solver_step
     stats = NormStats(q01=-np.ones(args.action_dim), q99=np.ones(args.action_dim))
     state_stats = NormStats(q01=-np.ones(8), q99=np.ones(8))
     policy = build_policy(model, encoders, tokenizer, stats, state_stats,
-                          solver=SolverConfig(num_steps=solver_steps, cfg_scale=cfg_scale), seed=seed)
+                          solver=SolverConfig(num_steps=solver_steps, cfg_scale=cfg_scale, batch_cfg=batch_cfg),
+                          seed=seed)
     h, w = encoders.spec.image_size
     rng = np.random.default_rng(seed)
     cuda = device.startswith("cuda")
@@ -53,7 +54,8 @@ def run_policy_bench(preset_name: str = "tiny", device: str = "cpu", solver_step
             times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return {"preset": preset_name, "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "solver_steps": solver_steps, "cfg_scale": cfg_scale, "image_size": [h, w], "calls": calls,
+            "solver_steps": solver_steps, "cfg_scale": cfg_scale, "batch_cfg": batch_cfg, "image_size": [h, w],
+            "calls": calls, "torch": torch.__version__,
             "chunk_shape": list(actions.shape), "p50_ms": round(statistics.median(times), 1),
             "p95_ms": round(times[min(len(times) - 1, int(0.95 * len(times)))], 1), "max_ms": round(times[-1], 1),
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}

@@ -116,6 +116,24 @@ class SolverConfig:
     num_steps: int = 16
     cfg_scale: float = 5.0
     shift: float = 5.0
+    batch_cfg: bool = True   # conditional and unconditional velocity in one forward of batch 2B (same result)
+
+
+def _stack(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return None if a is None else torch.cat([a, b], dim=0)
+
+
+def stack_for_cfg(caches: tuple[KVCache, KVCache], conds: tuple[Conditioning, Conditioning]
+                  ) -> tuple[KVCache, Conditioning]:
+    """The conditional and unconditional caches and conditionings as one batch [cond; uncond]: both hold the same
+    frames, so one denoiser forward of batch 2B replaces two of batch B (half the kernel launches)."""
+    c, u = caches
+    if c.num_frames != u.num_frames or c.num_tokens != u.num_tokens:
+        raise ValueError(f"CFG caches differ: {c.num_frames} vs {u.num_frames} frames")
+    both = KVCache(layers=[(torch.cat([ck, uk]), torch.cat([cv, uv])) for (ck, cv), (uk, uv) in zip(c.layers, u.layers)],
+                   num_frames=c.num_frames)
+    a, b = conds
+    return both, Conditioning(text=_stack(a.text, b.text), image=_stack(a.image, b.image), y=_stack(a.y, b.y))
 
 
 @torch.no_grad()
@@ -132,11 +150,23 @@ def sample_block(model: DreamZeroWAM, caches: tuple[KVCache, KVCache | None], co
     sigmas = FlowMatchSchedule(shift=solver.shift).inference_sigmas(solver.num_steps).to(dev)
     dtype = model.patch_embedding.weight.dtype
     guided = solver.cfg_scale != 1.0 and caches[1] is not None and conds[1] is not None
+    batched = guided and solver.batch_cfg
+    if batched:
+        both_cache, both_cond = stack_for_cfg(caches, conds)
+        state2 = torch.cat([state, state]).to(dtype)
     for s, s_next in zip(sigmas[:-1], sigmas[1:]):
         t = (s * 1000).expand(B)
-        v_video, v_action = denoise_velocity(model, caches[0], video.to(dtype), actions.to(dtype), state.to(dtype), t, conds[0])
+        if batched:
+            v2, a2 = denoise_velocity(model, both_cache, torch.cat([video, video]).to(dtype),
+                                      torch.cat([actions, actions]).to(dtype), state2, (s * 1000).expand(2 * B), both_cond)
+            v_video, u_video, v_action = v2[:B], v2[B:], a2[:B]
+        else:
+            v_video, v_action = denoise_velocity(model, caches[0], video.to(dtype), actions.to(dtype), state.to(dtype),
+                                                 t, conds[0])
+            if guided:
+                u_video, _ = denoise_velocity(model, caches[1], video.to(dtype), actions.to(dtype), state.to(dtype), t,
+                                              conds[1])
         if guided:
-            u_video, _ = denoise_velocity(model, caches[1], video.to(dtype), actions.to(dtype), state.to(dtype), t, conds[1])
             v_video = u_video.float() + solver.cfg_scale * (v_video.float() - u_video.float())
         video = video + (s_next - s) * v_video.float()
         actions = actions + (s_next - s) * v_action.float()

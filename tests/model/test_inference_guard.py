@@ -17,7 +17,7 @@ from dzmodel.model.inference import SolverConfig
 
 # cfg_scale -> calls in a session's first chunk, and the FLOPs torch's FlopCounterMode counts for it
 EXPECTED = {
-    5.0: {"denoise_velocity": 32, "prefill": 2, "sdpa": 209},
+    5.0: {"denoise_velocity": 16, "prefill": 2, "sdpa": 113},   # CFG as one batch-2 forward per step
     1.0: {"denoise_velocity": 16, "prefill": 1, "sdpa": 105},
 }
 GUARD_FLOPS = {5.0: 174_632_960, 1.0: 113_772_544}
@@ -68,3 +68,15 @@ def test_the_guard_fails_on_a_slow_path(tmp_path, monkeypatch):
     monkeypatch.setattr(inference, "denoise_velocity", twice)
     counts, flops = _count_one_chunk(policy, monkeypatch)
     assert counts["sdpa"] > EXPECTED[1.0]["sdpa"] and flops > GUARD_FLOPS[1.0]
+
+
+def test_batched_cfg_equals_two_passes(tmp_path):
+    """One forward of [cond; uncond] gives the chunk of the two separate passes (float32 on CPU)."""
+    rng = np.random.default_rng(1)
+    obs = {"images": rng.integers(0, 255, (64, 64, 3), dtype=np.uint8), "state": rng.uniform(-1, 1, 8),
+           "prompt": "open the drawer", "session_id": "cfg"}
+    chunks = []
+    for batch_cfg in (True, False):
+        policy = build_tiny_policy(tmp_path, solver=SolverConfig(num_steps=4, cfg_scale=5.0, batch_cfg=batch_cfg))
+        chunks.append(policy.predict_actions(dict(obs)))
+    np.testing.assert_allclose(chunks[0], chunks[1], rtol=1e-4, atol=1e-5)
