@@ -255,7 +255,7 @@ def cmd_package(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def read_token(token_file: str | None, what: str) -> str | None:
+def read_token(token_file: str | None) -> str | None:
     """The shared secret from --token-file or DZ_SERVE_TOKEN (never the command line, which `ps` shows)."""
     if token_file:
         path = Path(token_file)
@@ -291,7 +291,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from .serve.protocol import RequestLimits
     from .serve.server import ServeError, ServerLimits, serve_bundle
 
-    token = read_token(ns.token_file, "dz serve")
+    token = read_token(ns.token_file)
     if ns.no_auth:
         if token:
             raise CLIError("--no-auth and a token (DZ_SERVE_TOKEN or --token-file) contradict each other; pick one")
@@ -315,7 +315,7 @@ def cmd_client(ns: argparse.Namespace) -> int:
 
     from .serve.client import DryRunRobot, ServerError, load_test, run_client
 
-    token = read_token(ns.token_file, "dz client")
+    token = read_token(ns.token_file)
     try:
         if ns.load_test:
             print(json.dumps(load_test(ns.url, token, ns.load_test, ns.requests)))

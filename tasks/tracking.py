@@ -371,7 +371,7 @@ def resolve_registered_bundle(uri: str, params_file: str | Path = "params.yaml",
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    found = [p for p in dest.rglob("MANIFEST")] or [Path(json.loads(r.read_text())["path"])
+    found = list(dest.rglob("MANIFEST")) or [Path(json.loads(r.read_text())["path"])
                                                       for r in dest.rglob("*.ref.json")]
     if not found:
         raise RegistryError(f"{uri}: version {mv.version}'s source {mv.source} holds no bundle (no MANIFEST); "

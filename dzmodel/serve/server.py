@@ -67,11 +67,10 @@ class BundlePolicy:
         self.spec = emb.wire
         stats = embodied.policy.state_stats
         widths, start = {}, 0
-        names = [k.name for k in emb.state]
         dims = embodied.state_dims
-        for name in names:
-            widths[name] = (start, start + dims[name])
-            start += dims[name]
+        for key in emb.state:
+            widths[key.name] = (start, start + dims[key.name])
+            start += dims[key.name]
         self.state_dims, self._state_slices = dims, widths
         span = np.maximum(stats.q99 - stats.q01, 0.0)
         # a state far outside everything the model trained on is a unit, frame or sensor error, not an observation
@@ -114,7 +113,7 @@ class TokenAuth:
     SCHEMES = ("api-key", "bearer")
 
     def __init__(self, token: str):
-        if not token or len(token) < 8:
+        if len(token) < 8:
             raise ServeError("the server token must have at least 8 characters (DZ_SERVE_TOKEN or --token-file)")
         self._token = token.encode()
 
@@ -223,8 +222,7 @@ class PolicyServer:
         self._owner[sid] = conn_id
         self.stats.sessions += 1
 
-    async def _handle(self, request: Request, conn_id: int, sessions: OrderedDict, default_sid: str):
-        sid = request.session_id or default_sid
+    async def _handle(self, request: Request, conn_id: int, sessions: OrderedDict, sid: str):
         if request.endpoint == "reset":  # RoboArena: the end of an episode; without a session_id, of them all
             for ended in ([request.session_id] if request.session_id else list(sessions)):
                 if sessions.pop(ended, None) is not None:
@@ -232,8 +230,7 @@ class PolicyServer:
             return "reset successful", 0.0
         self.policy.check_request(request)
         await self._open_session(conn_id, sessions, sid)
-        actions, ms = await asyncio.to_thread(self._infer, request, sid)
-        return actions, ms
+        return await asyncio.to_thread(self._infer, request, sid)
 
     async def _handler(self, ws):
         peer = _peer(ws)
@@ -256,7 +253,7 @@ class PolicyServer:
                                             self.limits.request)
                     endpoint = request.endpoint
                     sid = request.session_id or (default_sid if endpoint == "infer" else "all")
-                    result, infer_ms = await self._handle(request, conn_id, sessions, default_sid)
+                    result, infer_ms = await self._handle(request, conn_id, sessions, sid)
                 except (ProtocolError, _RequestFailed) as exc:
                     code = exc.code if isinstance(exc, _RequestFailed) else CLOSE_BAD_REQUEST
                     self._access(peer, endpoint, sid, f"error {code}", t0, str(exc))
