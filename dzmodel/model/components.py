@@ -99,16 +99,23 @@ def load_encoder_weights(encoders: FrozenEncoders, vae: str | Path | None = None
 
 def build_policy(model: DreamZeroWAM, encoders: FrozenEncoders, tokenizer, action_stats: NormStats,
                  state_stats: NormStats, solver: SolverConfig | None = None, negative_prompt: str = "",
-                 seed: int = 0, image_size: tuple[int, int] | None = None) -> DreamZeroPolicy:
-    """image_size: the model's input frame (H, W); default the preset's, or pass the embodiment's layout size."""
+                 seed: int = 0, image_size: tuple[int, int] | None = None,
+                 weights_dtype: torch.dtype | None = None, cuda_graphs: bool = True) -> DreamZeroPolicy:
+    """image_size: the model's input frame (H, W); default the preset's, or pass the embodiment's layout size.
+    weights_dtype: cast the DiT and the encoders (torch.bfloat16 on the GPU: half the weight reads, no autocast
+    copies per forward); None keeps them as loaded."""
+    if weights_dtype is not None:
+        model.to(weights_dtype)
+        encoders.to(weights_dtype)
     return DreamZeroPolicy(model=model.eval(), vae=encoders.vae, text_encoder=encoders.text_encoder, tokenizer=tokenizer,
                            image_encoder=encoders.image_encoder, action_stats=action_stats, state_stats=state_stats,
                            image_size=tuple(image_size or encoders.spec.image_size), solver=solver or SolverConfig(),
-                           negative_prompt=negative_prompt, seed=seed)
+                           negative_prompt=negative_prompt, seed=seed, cuda_graphs=cuda_graphs)
 
 
 def build_tiny_policy(tokenizer_dir: str | Path, action_dims: int = 7, state_dims: int = 8,
-                      solver: SolverConfig | None = None, seed: int = 0) -> DreamZeroPolicy:
+                      solver: SolverConfig | None = None, seed: int = 0,
+                      weights_dtype: torch.dtype | None = None) -> DreamZeroPolicy:
     """A complete tiny policy with random weights: for tests, the demo and smoke evals."""
     from .tokenizer import build_tiny_tokenizer, load_tokenizer
 
@@ -120,4 +127,4 @@ def build_tiny_policy(tokenizer_dir: str | Path, action_dims: int = 7, state_dim
         build_tiny_tokenizer(tok_dir, vocab_size=UMT5_TINY.vocab)
     stats = lambda n: NormStats(q01=-np.ones(n), q99=np.ones(n))  # noqa: E731
     return build_policy(model, build_encoders("tiny"), load_tokenizer(tok_dir), stats(action_dims), stats(state_dims),
-                        solver=solver or SolverConfig(num_steps=4, cfg_scale=2.0), seed=seed)
+                        solver=solver or SolverConfig(num_steps=4, cfg_scale=2.0), seed=seed, weights_dtype=weights_dtype)

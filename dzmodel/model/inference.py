@@ -11,10 +11,18 @@ unlike its training mask; we keep the training rule).
 observed frames, umT5 text (per-sample padding mask), CLIP of frame 0, a few-step Euler flow
 solver over the shifted sigma grid, classifier-free guidance on the video only (actions use the
 conditional prediction, as upstream), and q99 un-normalisation of the actions.
+
+What makes it fast (docs/performance.md measures each): CFG's two passes as one batch, umT5 once per
+prompt, only new frames through the VAE, CLIP once for both CFG branches, prefill and solver replayed as
+CUDA graphs per cache length, optional DiT caching (`SolverConfig.dit_steps`), bf16 weights
+(`build_policy(weights_dtype=...)`), and `predict_batch` for many sessions in one forward.
 """
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,7 +31,9 @@ import torch
 
 from ..data.transforms import NormStats  # noqa: F401  (re-exported: the policy's q99 stats)
 from .conditioning import video_to_unit_range
+from .cuda_graphs import GraphCache
 from .objective import FlowMatchSchedule
+from .vae import StreamState
 from .wam import DreamZeroWAM
 from .wan_dit import GroupedModulation, Rope
 
@@ -48,12 +58,49 @@ class KVCache:
     def num_tokens(self) -> int:
         return 0 if self.layers is None else self.layers[0][0].shape[1]
 
+    @staticmethod
+    def stack(caches: list["KVCache"]) -> "KVCache":
+        """Caches holding the same frames, as one batch (concatenated along the batch dim)."""
+        if len(caches) == 1:
+            return caches[0]
+        frames = {c.num_frames for c in caches}
+        if len(frames) != 1 or caches[0].layers is None:
+            raise ValueError(f"only caches of equal, non-zero length stack; got {sorted(frames)} frames")
+        layers = [(torch.cat([c.layers[i][0] for c in caches]), torch.cat([c.layers[i][1] for c in caches]))
+                  for i in range(len(caches[0].layers))]
+        return KVCache(layers=layers, num_frames=caches[0].num_frames)
+
+    def split(self, size: int) -> list["KVCache"]:
+        """Consecutive batch slices of `size` samples each (views)."""
+        batch = self.layers[0][0].shape[0]
+        return [KVCache(layers=[(k[i:i + size], v[i:i + size]) for k, v in self.layers], num_frames=self.num_frames)
+                for i in range(0, batch, size)]
+
 
 @dataclass
 class Conditioning:
     text: torch.Tensor               # [B, text_len, dim] after text_embedding
     image: torch.Tensor | None       # [B, clip_tokens, dim] after img_emb
     y: torch.Tensor | None = None    # [B, 4+z, F_window, h, w] first-frame condition (14B only)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.text, self.image, self.y) if t is not None]
+
+    def rebuild(self, tensors: list[torch.Tensor]) -> "Conditioning":
+        """The same structure with other tensors (from `tensors()` order)."""
+        it = iter(tensors)
+        return Conditioning(text=next(it), image=None if self.image is None else next(it),
+                            y=None if self.y is None else next(it))
+
+    @staticmethod
+    def stack(conds: list["Conditioning"]) -> "Conditioning":
+        if len(conds) == 1:
+            return conds[0]
+        return conds[0].rebuild([torch.cat(ts) for ts in zip(*(c.tensors() for c in conds))])
+
+    def split(self, size: int) -> list["Conditioning"]:
+        batch = self.text.shape[0]
+        return [self.rebuild([t[i:i + size] for t in self.tensors()]) for i in range(0, batch, size)]
 
 
 def _y_slice(model: DreamZeroWAM, cond: Conditioning, start: int, count: int) -> torch.Tensor | None:
@@ -67,19 +114,28 @@ def _y_slice(model: DreamZeroWAM, cond: Conditioning, start: int, count: int) ->
 @torch.no_grad()
 def prefill(model: DreamZeroWAM, cache: KVCache, latents: torch.Tensor, cond: Conditioning) -> None:
     """Append clean latent frames to the cache at t = 0: frame 0 alone, then whole blocks."""
-    a = model.args
+    check_prefill(model, cache, latents)
+    cache.append(prefill_kv(model, cache, latents, cond), latents.shape[2])
+
+
+def check_prefill(model: DreamZeroWAM, cache: KVCache, latents: torch.Tensor) -> None:
     f = latents.shape[2]
-    expected = 1 if cache.num_frames == 0 else a.num_frame_per_block
+    expected = 1 if cache.num_frames == 0 else model.args.num_frame_per_block
     if f != expected:
         raise ValueError(f"prefill takes {expected} latent frame(s) here (cache holds {cache.num_frames}), got {f}")
-    x_in = model._with_first_frame(latents, _y_slice(model, cond, cache.num_frames, f))
+
+
+def prefill_kv(model: DreamZeroWAM, cache: KVCache, latents: torch.Tensor, cond: Conditioning
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's roped K/V of the clean `latents` that follow the cached frames (what `prefill` appends)."""
+    x_in = model._with_first_frame(latents, _y_slice(model, cond, cache.num_frames, latents.shape[2]))
     tokens, grid = model.embed_video(x_in)
     B = tokens.shape[0]
     _, e0 = model.embed_time(torch.zeros(B, 1, device=tokens.device))
     e0 = GroupedModulation(e0, ((1, tokens.shape[1]),))  # one timestep for every token
     rope = model.video_rope(grid, start_frame=cache.num_frames)
     _, own = model.run_blocks(tokens, e0, rope, cond.text, cond.image, mask=None, cache=cache.layers)
-    cache.append(own, f)
+    return own
 
 
 @torch.no_grad()
@@ -111,83 +167,194 @@ def denoise_velocity(model: DreamZeroWAM, cache: KVCache, noisy_video: torch.Ten
     return video_vel, action_vel
 
 
+# upstream DreamZero's shipped schedule: 16 scheduler steps, the DiT runs on 8 and the others reuse its last velocity
+UPSTREAM_DIT_STEPS = "TTTFFFTFFFTFFTTT"
+
+
 @dataclass
 class SolverConfig:
     num_steps: int = 16
     cfg_scale: float = 5.0
     shift: float = 5.0
     batch_cfg: bool = True   # conditional and unconditional velocity in one forward of batch 2B (same result)
+    # which solver steps run the DiT ("T") and which reuse its last velocity ("F"), as upstream's DiT caching;
+    # "" runs it at every step, "upstream" is upstream's 16-step schedule (8 DiT forwards)
+    dit_steps: str = ""
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"solver num_steps must be >= 1, got {self.num_steps}")
+        mask = self.dit_mask()
+        if len(mask) != self.num_steps or not mask[0]:
+            raise ValueError(f"dit_steps {self.dit_steps!r} must have one T/F per solver step ({self.num_steps}) "
+                             "and start with T")
+
+    def dit_mask(self) -> tuple[bool, ...]:
+        text = UPSTREAM_DIT_STEPS if self.dit_steps == "upstream" else self.dit_steps
+        if not text:
+            return (True,) * self.num_steps
+        if set(text) - {"T", "F"}:
+            raise ValueError(f"dit_steps must be a string of T and F (or 'upstream'), got {self.dit_steps!r}")
+        return tuple(c == "T" for c in text)
+
+    @property
+    def dit_forwards(self) -> int:
+        return sum(self.dit_mask())
+
+    def sigmas(self) -> list[float]:
+        return FlowMatchSchedule(shift=self.shift).inference_sigmas(self.num_steps).tolist()
 
 
-def _stack(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    return None if a is None else torch.cat([a, b], dim=0)
-
-
-def stack_for_cfg(caches: tuple[KVCache, KVCache], conds: tuple[Conditioning, Conditioning]
-                  ) -> tuple[KVCache, Conditioning]:
-    """The conditional and unconditional caches and conditionings as one batch [cond; uncond]: both hold the same
-    frames, so one denoiser forward of batch 2B replaces two of batch B (half the kernel launches)."""
+def interleave_cfg(caches: tuple[KVCache, KVCache], conds: tuple[Conditioning, Conditioning]
+                   ) -> tuple[KVCache, Conditioning]:
+    """Conditional and unconditional caches and conditionings of batch B as one batch 2B, interleaved per sample
+    ([c0, u0, c1, u1, ...]): both hold the same frames, so one denoiser forward replaces two."""
     c, u = caches
     if c.num_frames != u.num_frames or c.num_tokens != u.num_tokens:
         raise ValueError(f"CFG caches differ: {c.num_frames} vs {u.num_frames} frames")
-    both = KVCache(layers=[(torch.cat([ck, uk]), torch.cat([cv, uv])) for (ck, cv), (uk, uv) in zip(c.layers, u.layers)],
+
+    def mix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.stack([x, y], dim=1).flatten(0, 1)
+
+    both = KVCache(layers=[(mix(ck, uk), mix(cv, uv)) for (ck, cv), (uk, uv) in zip(c.layers, u.layers)],
                    num_frames=c.num_frames)
-    a, b = conds
-    return both, Conditioning(text=_stack(a.text, b.text), image=_stack(a.image, b.image), y=_stack(a.y, b.y))
+    return both, conds[0].rebuild([mix(x, y) for x, y in zip(conds[0].tensors(), conds[1].tensors())])
+
+
+def split_cfg(cache: KVCache, cond: Conditioning) -> tuple[tuple[KVCache, KVCache], tuple[Conditioning, Conditioning]]:
+    """The inverse of `interleave_cfg`: (cond, uncond) caches and conditionings of batch B (strided views)."""
+    caches = tuple(KVCache(layers=[(k[i::2], v[i::2]) for k, v in cache.layers], num_frames=cache.num_frames)
+                   for i in (0, 1))
+    conds = tuple(cond.rebuild([t[i::2] for t in cond.tensors()]) for i in (0, 1))
+    return caches, conds  # type: ignore[return-value]
+
+
+def solve(model: DreamZeroWAM, cache: KVCache, cond: Conditioning, state: torch.Tensor, video: torch.Tensor,
+          actions: torch.Tensor, solver: SolverConfig, guided: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Euler flow solver from sigma 1 to 0 starting at the noise (`video`, `actions`, batch B).
+
+    guided: `cache` and `cond` hold [cond, uncond] interleaved per sample (batch 2B) and the video velocity is
+    guided with `solver.cfg_scale` (actions use the conditional prediction, as upstream). Steps that the
+    `dit_steps` schedule skips reuse the last velocity. Pure tensor work: it is what a CUDA graph captures."""
+    B = video.shape[0]
+    dtype = model.patch_embedding.weight.dtype
+    sigmas = solver.sigmas()
+    pair = 2 if guided else 1
+    state_in = state.to(dtype).repeat_interleave(pair, 0)
+    v_video = v_action = None
+    for run, s, s_next in zip(solver.dit_mask(), sigmas[:-1], sigmas[1:]):
+        if run:
+            t = torch.full((B * pair,), s * 1000.0, device=video.device)
+            vv, va = denoise_velocity(model, cache, video.to(dtype).repeat_interleave(pair, 0),
+                                      actions.to(dtype).repeat_interleave(pair, 0), state_in, t, cond)
+            vv, va = vv.float().unflatten(0, (B, pair)), va.float().unflatten(0, (B, pair))
+            v_video = vv[:, 1] + solver.cfg_scale * (vv[:, 0] - vv[:, 1]) if guided else vv[:, 0]
+            v_action = va[:, 0]
+        video = video + (s_next - s) * v_video
+        actions = actions + (s_next - s) * v_action
+    return video, actions
+
+
+def solve_two_passes(model: DreamZeroWAM, caches: tuple[KVCache, KVCache], conds: tuple[Conditioning, Conditioning],
+                     state: torch.Tensor, video: torch.Tensor, actions: torch.Tensor, solver: SolverConfig
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The guided solver with separate conditional and unconditional forwards (`batch_cfg=False`, the reference)."""
+    dtype = model.patch_embedding.weight.dtype
+    sigmas = solver.sigmas()
+    for run, s, s_next in zip(solver.dit_mask(), sigmas[:-1], sigmas[1:]):
+        if run:
+            t = torch.full((video.shape[0],), s * 1000.0, device=video.device)
+            args = (video.to(dtype), actions.to(dtype), state.to(dtype), t)
+            v_video, v_action = denoise_velocity(model, caches[0], args[0], args[1], args[2], args[3], conds[0])
+            u_video, _ = denoise_velocity(model, caches[1], args[0], args[1], args[2], args[3], conds[1])
+            v_video = u_video.float() + solver.cfg_scale * (v_video.float() - u_video.float())
+            v_action = v_action.float()
+        video = video + (s_next - s) * v_video
+        actions = actions + (s_next - s) * v_action
+    return video, actions
+
+
+def draw_noise(model: DreamZeroWAM, batch: int, latent_hw: tuple[int, int], device: torch.device,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    a = model.args
+    z = a.in_dim - (20 if a.concat_first_frame_latent else 0)
+    video = torch.randn(batch, z, a.num_frame_per_block, *latent_hw, generator=generator, device=device)
+    actions = torch.randn(batch, a.num_action_per_block, a.action_dim, generator=generator, device=device)
+    return video, actions
 
 
 @torch.no_grad()
 def sample_block(model: DreamZeroWAM, caches: tuple[KVCache, KVCache | None], conds: tuple[Conditioning, Conditioning | None],
                  state: torch.Tensor, latent_hw: tuple[int, int], solver: SolverConfig,
                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Euler flow solver from sigma 1 to 0. CFG (scale > 1 with an unconditional cache) on video only."""
-    a = model.args
-    B = state.shape[0]
-    dev = state.device
-    z = a.in_dim - (20 if a.concat_first_frame_latent else 0)
-    video = torch.randn(B, z, a.num_frame_per_block, *latent_hw, generator=generator, device=dev)
-    actions = torch.randn(B, a.num_action_per_block, a.action_dim, generator=generator, device=dev)
-    sigmas = FlowMatchSchedule(shift=solver.shift).inference_sigmas(solver.num_steps).to(dev)
-    dtype = model.patch_embedding.weight.dtype
+    """The next block from separate conditional and unconditional caches: noise, then the Euler solver.
+    CFG (scale != 1 with an unconditional cache) on video only."""
+    video, actions = draw_noise(model, state.shape[0], latent_hw, state.device, generator)
     guided = solver.cfg_scale != 1.0 and caches[1] is not None and conds[1] is not None
-    batched = guided and solver.batch_cfg
-    if batched:
-        both_cache, both_cond = stack_for_cfg(caches, conds)
-        state2 = torch.cat([state, state]).to(dtype)
-    for s, s_next in zip(sigmas[:-1], sigmas[1:]):
-        t = (s * 1000).expand(B)
-        if batched:
-            v2, a2 = denoise_velocity(model, both_cache, torch.cat([video, video]).to(dtype),
-                                      torch.cat([actions, actions]).to(dtype), state2, (s * 1000).expand(2 * B), both_cond)
-            v_video, u_video, v_action = v2[:B], v2[B:], a2[:B]
-        else:
-            v_video, v_action = denoise_velocity(model, caches[0], video.to(dtype), actions.to(dtype), state.to(dtype),
-                                                 t, conds[0])
-            if guided:
-                u_video, _ = denoise_velocity(model, caches[1], video.to(dtype), actions.to(dtype), state.to(dtype), t,
-                                              conds[1])
-        if guided:
-            v_video = u_video.float() + solver.cfg_scale * (v_video.float() - u_video.float())
-        video = video + (s_next - s) * v_video.float()
-        actions = actions + (s_next - s) * v_action.float()
-    return video, actions
+    if guided and not solver.batch_cfg:
+        return solve_two_passes(model, caches, conds, state, video, actions, solver)  # type: ignore[arg-type]
+    if guided:
+        cache, cond = interleave_cfg(caches, conds)  # type: ignore[arg-type]
+        return solve(model, cache, cond, state, video, actions, solver, guided=True)
+    return solve(model, caches[0], conds[0], state, video, actions, solver, guided=False)
+
+
+# --- timing ----------------------------------------------------------------------------
+
+STAGES = ("encoders", "vae", "prefill", "solver", "decode")
+
+
+class StageTimer:
+    """Wall milliseconds per stage of each chunk, for `dz bench policy`'s breakdown. It synchronises CUDA at
+    every stage edge, so it is off in serving (policy.timer = None)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.calls: list[dict[str, float]] = []
+
+    def start_call(self) -> None:
+        self.calls.append(dict.fromkeys(STAGES, 0.0))
+
+    @contextmanager
+    def stage(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            if self.calls:
+                self.calls[-1][name] += (time.perf_counter() - t0) * 1e3
 
 
 # --- policy ----------------------------------------------------------------------------
 
 
 class VideoEncoder(Protocol):
-    def encode(self, video: torch.Tensor) -> torch.Tensor: ...  # [B,3,T,H,W] in [-1,1] -> normalised latents
+    def encode(self, video: torch.Tensor, state: StreamState | None = None) -> torch.Tensor: ...
 
 
 @dataclass
 class _Session:
+    """One robot's history since its last reset. With CFG the cache and conditioning hold [cond, uncond]
+    (batch 2), so its prefill and solver forwards are one batch."""
+
     prompt: str
-    frames: torch.Tensor                     # raw frames since the reset, [1, 3, T, H, W] in [-1, 1]
-    caches: tuple[KVCache, KVCache | None]
-    conds: tuple[Conditioning, Conditioning | None]
+    cache: KVCache
+    cond: Conditioning
     latent_hw: tuple[int, int]
+    vae_state: StreamState           # the causal VAE's memory: new frames are encoded without the history
+    pending: torch.Tensor            # raw frames not yet in a whole 4-frame chunk [1, 3, t < 4, H, W]
+    latents: torch.Tensor | None     # encoded latent frames not yet prefilled
+    raw_frames: int = 1              # frames observed since the reset (seeds the noise)
     calls: int = 0
+
+    @property
+    def caches(self) -> tuple[KVCache, ...]:
+        """The conditional cache (and the unconditional one with CFG), for inspection."""
+        return tuple(self.cache.split(1))
 
 
 @dataclass
@@ -198,10 +365,11 @@ class DreamZeroPolicy:
            "state": float [state_dim], "prompt": str, "session_id": str (optional)}
     A single frame (T = 1) starts a new window (upstream LIBERO behaviour); later calls may pass
     the frames observed since the previous call (4 per latent frame) to extend the cache.
+    `predict_batch` runs many sessions' chunks as one batched forward (each keeps its own cache).
     """
 
     model: DreamZeroWAM
-    vae: Any                 # .encode([B,3,T,H,W] in [-1,1]) -> normalised latents
+    vae: Any                 # .encode([B,3,T,H,W] in [-1,1], stream state) -> normalised latents
     text_encoder: Any        # (ids, mask) -> [B, L, text_dim]
     tokenizer: Any           # (texts, max_length) -> (ids, mask)
     image_encoder: Any       # .encode_images([B,3,H,W] in [-1,1]) -> [B, clip_tokens, clip_dim]
@@ -211,39 +379,72 @@ class DreamZeroPolicy:
     solver: SolverConfig = field(default_factory=SolverConfig)
     negative_prompt: str = ""
     seed: int = 0
+    text_cache_size: int = 64    # prompts whose umT5 embedding is kept (0: encode the prompt at every reset)
+    cuda_graphs: bool = True     # prefill and solver as CUDA graphs per shape (CUDA only)
+    timer: StageTimer | None = None
     sessions: dict[str, _Session] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._texts: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.graphs = GraphCache(enabled=self.cuda_graphs and self.device.type == "cuda")
 
     @property
     def device(self) -> torch.device:
         return self.model.patch_embedding.weight.device
 
+    @property
+    def guided(self) -> bool:
+        return self.solver.cfg_scale != 1.0
+
+    def _stage(self, name: str):
+        return self.timer.stage(name) if self.timer is not None else nullcontext()
+
     # -- conditioning --
 
     def _text(self, prompt: str) -> torch.Tensor:
+        """umT5 embedding [1, text_len, text_dim] of a prompt, cached: a robot repeats its prompt every call."""
         from .t5 import zero_beyond_lengths
 
+        hit = self._texts.get(prompt)
+        if hit is not None:
+            self._texts.move_to_end(prompt)
+            return hit
         ids, mask = self.tokenizer([prompt], max_length=self.model.args.text_len)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        emb = self.text_encoder(ids, mask)
-        return zero_beyond_lengths(emb, mask.sum(dim=1))
+        emb = zero_beyond_lengths(self.text_encoder(ids, mask), mask.sum(dim=1))
+        if self.text_cache_size > 0:
+            self._texts[prompt] = emb
+            while len(self._texts) > self.text_cache_size:
+                self._texts.popitem(last=False)
+        return emb
 
-    def _conditioning(self, prompt: str, frame0: torch.Tensor, text_emb: torch.Tensor) -> Conditioning:
-        clip = self.image_encoder.encode_images(frame0)
-        text, image = self.model.embed_context(text_emb, clip)
+    def _conditioning(self, prompts: list[str], frame0: torch.Tensor) -> Conditioning:
+        """Batch B of prompts and first frames [B, 3, H, W] -> the conditioning, [cond, uncond] interleaved
+        (batch 2B) with CFG. CLIP and the first-frame latent are computed once for both."""
+        pair = 2 if self.guided else 1
+        with self._stage("encoders"):
+            texts = [self._text(p) for p in prompts]
+            if self.guided:
+                neg = self._text(self.negative_prompt)
+                texts = [t for pos in texts for t in (pos, neg)]
+            clip = self.image_encoder.encode_images(frame0).repeat_interleave(pair, 0)
+            text, image = self.model.embed_context(torch.cat(texts), clip)
         y = None
         if self.model.args.concat_first_frame_latent:
-            window = (self.model.args.local_attn_size - 1) * 4 + 1
-            video = torch.cat([frame0[:, :, None], frame0.new_zeros(1, 3, window - 1, *frame0.shape[-2:])], dim=2)
-            lat = self._encode(video)
-            msk = torch.zeros(1, 4, *lat.shape[2:], device=lat.device, dtype=lat.dtype)
-            msk[:, :, 0] = 1
-            y = torch.cat([msk, lat], dim=1)
+            with self._stage("vae"):
+                window = (self.model.args.local_attn_size - 1) * 4 + 1
+                B = frame0.shape[0]
+                video = torch.cat([frame0[:, :, None], frame0.new_zeros(B, 3, window - 1, *frame0.shape[-2:])], dim=2)
+                lat = self._encode(video)
+                msk = torch.zeros(B, 4, *lat.shape[2:], device=lat.device, dtype=lat.dtype)
+                msk[:, :, 0] = 1
+                y = torch.cat([msk, lat], dim=1).repeat_interleave(pair, 0)
         return Conditioning(text=text, image=image, y=y)
 
-    def _encode(self, video: torch.Tensor) -> torch.Tensor:
+    def _encode(self, video: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         """VAE latents cropped to whole patches: the patch conv drops an odd last row or column anyway
         (e.g. 176 px -> 11 latent rows with 2x2 patches), and the solver's latents must match its output."""
-        lat = self.vae.encode(video.to(next(self.vae.parameters()).dtype))
+        lat = self.vae.encode(video.to(next(self.vae.parameters()).dtype), state)
         _, ph, pw = self.model.args.patch_size
         h, w = lat.shape[-2:]
         return lat[..., : h - h % ph, : w - w % pw]
@@ -257,69 +458,149 @@ class DreamZeroPolicy:
         # the same uint8 -> [-1, 1] conversion and resize as training's conditioning
         return video_to_unit_range(torch.from_numpy(arr).to(self.device)[None], self.image_size)  # [1,3,T,H,W]
 
-    def _reset(self, session_id: str, prompt: str, frames: torch.Tensor) -> _Session:
-        last = frames[:, :, -1:]
-        cond = self._conditioning(prompt, last[:, :, 0], self._text(prompt))
-        neg = None
-        if self.solver.cfg_scale != 1.0:
-            neg = self._conditioning(prompt, last[:, :, 0], self._text(self.negative_prompt))
-        caches = (KVCache(), KVCache() if neg is not None else None)
-        latent0 = self._encode(last)
-        for cache, c in zip(caches, (cond, neg)):
-            if cache is not None:
-                prefill(self.model, cache, latent0, c)
-        session = _Session(prompt=prompt, frames=last, caches=caches, conds=(cond, neg),
-                           latent_hw=tuple(latent0.shape[-2:]))
-        self.sessions[session_id] = session
-        return session
+    # -- cache work (captured as CUDA graphs on the GPU) --
+
+    def _prefill(self, cache: KVCache, latents: torch.Tensor, cond: Conditioning) -> None:
+        """Prefill `latents` (batch B, repeated per CFG pair here) into `cache` (batch B·pair)."""
+        pair = 2 if self.guided else 1
+        latents = latents.repeat_interleave(pair, 0)
+        if not self.graphs.enabled:
+            prefill(self.model, cache, latents, cond)
+            return
+        check_prefill(self.model, cache, latents)
+        frames, n_cached = cache.num_frames, len(cache.layers or [])
+
+        def make():
+            def fn(*leaves):
+                kv, rest = leaves[:2 * n_cached], leaves[2 * n_cached:]
+                past = KVCache(layers=list(zip(kv[0::2], kv[1::2])) or None, num_frames=frames)
+                own = prefill_kv(self.model, past, rest[0], cond.rebuild(list(rest[1:])))
+                return [t for k, v in own for t in (k, v)]
+            return fn
+
+        leaves = [t for k, v in (cache.layers or []) for t in (k, v)] + [latents] + cond.tensors()
+        out = self.graphs.run(("prefill", frames, cond.image is not None, cond.y is not None), make, leaves)
+        cache.append(list(zip(out[0::2], out[1::2])), latents.shape[2])
+
+    def _solve(self, cache: KVCache, cond: Conditioning, state: torch.Tensor, video: torch.Tensor,
+               actions: torch.Tensor) -> torch.Tensor:
+        if self.guided and not self.solver.batch_cfg:
+            caches, conds = split_cfg(cache, cond)
+            return solve_two_passes(self.model, caches, conds, state, video, actions, self.solver)[1]
+        if not self.graphs.enabled:
+            return solve(self.model, cache, cond, state, video, actions, self.solver, self.guided)[1]
+        frames, n_layers, guided, solver = cache.num_frames, len(cache.layers), self.guided, self.solver
+
+        def make():
+            def fn(*leaves):
+                kv, rest = leaves[:2 * n_layers], leaves[2 * n_layers:]
+                c = KVCache(layers=list(zip(kv[0::2], kv[1::2])), num_frames=frames)
+                s, v, a = rest[-3:]
+                return [solve(self.model, c, cond.rebuild(list(rest[:-3])), s, v, a, solver, guided)[1]]
+            return fn
+
+        leaves = [t for k, v in cache.layers for t in (k, v)] + cond.tensors() + [state, video, actions]
+        key = ("solve", frames, guided, cond.image is not None, cond.y is not None)
+        return self.graphs.run(key, make, leaves)[0]
+
+    # -- sessions --
+
+    def _reset(self, items: list[tuple[str, str, torch.Tensor]]) -> None:
+        """Start sessions (id, prompt, frames) from their last frame, as one batch."""
+        last = torch.cat([frames[:, :, -1:] for _, _, frames in items])  # [B, 3, 1, H, W]
+        cond = self._conditioning([p for _, p, _ in items], last[:, :, 0])
+        with self._stage("vae"):
+            vae_state = StreamState()
+            latent0 = self._encode(last, vae_state)
+        cache = KVCache()
+        with self._stage("prefill"):
+            self._prefill(cache, latent0, cond)
+        pair = 2 if self.guided else 1
+        for i, (sid, prompt, frames), c, d in zip(range(len(items)), items, cache.split(pair), cond.split(pair)):
+            self.sessions[sid] = _Session(prompt=prompt, cache=c, cond=d, latent_hw=tuple(latent0.shape[-2:]),
+                                          vae_state=vae_state.select(i), pending=last[i:i + 1, :, :0], latents=None)
 
     def _extend(self, session: _Session, frames: torch.Tensor) -> bool:
-        """Add new frames; prefill every newly complete block. False when the window is full.
-
-        The session's raw frames (at most one training window, 4·(local_attn_size−1)+1) are re-encoded
-        each call: the VAE is causal, so earlier latents do not change. A streaming VAE cache would
-        avoid the re-encode; it is not needed at these window sizes."""
+        """Add new frames: encode only them (the VAE's stream state holds the history) and prefill every newly
+        complete block. False when the window is full (the caller resets the session)."""
         a = self.model.args
-        session.frames = torch.cat([session.frames, frames], dim=2)
-        usable = 1 + 4 * ((session.frames.shape[2] - 1) // 4)
-        latents = self._encode(session.frames[:, :, :usable])
-        cache = session.caches[0]
-        while latents.shape[2] - cache.num_frames >= a.num_frame_per_block:
-            if cache.num_frames + 2 * a.num_frame_per_block > a.local_attn_size:
+        pending = torch.cat([session.pending, frames], dim=2)
+        whole = pending.shape[2] - pending.shape[2] % 4
+        if whole:
+            with self._stage("vae"):
+                new = self._encode(pending[:, :, :whole], session.vae_state)
+            session.latents = new if session.latents is None else torch.cat([session.latents, new], dim=2)
+        session.pending = pending[:, :, whole:]
+        session.raw_frames += frames.shape[2]
+        while session.latents is not None and session.latents.shape[2] >= a.num_frame_per_block:
+            if session.cache.num_frames + 2 * a.num_frame_per_block > a.local_attn_size:
                 return False
-            block = latents[:, :, cache.num_frames:cache.num_frames + a.num_frame_per_block]
-            for c, cond in zip(session.caches, session.conds):
-                if c is not None:
-                    prefill(self.model, c, block, cond)
+            block, rest = session.latents[:, :, :a.num_frame_per_block], session.latents[:, :, a.num_frame_per_block:]
+            with self._stage("prefill"):
+                self._prefill(session.cache, block, session.cond)
+            session.latents = rest if rest.shape[2] else None
         return True
+
+    def end_session(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
 
     # -- the API --
 
-    @torch.no_grad()
-    def predict_actions(self, obs: dict) -> np.ndarray:
+    def _parse(self, obs: dict) -> tuple[str, str, torch.Tensor, torch.Tensor]:
         for key in ("images", "state", "prompt"):
             if key not in obs:
                 raise ValueError(f"observation is missing {key!r}")
         a = self.model.args
-        sid = str(obs.get("session_id", "default"))
-        prompt = str(obs["prompt"])
-        frames = self._frames(obs["images"])
-        session = self.sessions.get(sid)
-        if session is None or session.prompt != prompt or frames.shape[2] == 1 or not self._extend(session, frames):
-            session = self._reset(sid, prompt, frames)
-        session.calls += 1
-
         state = np.asarray(obs["state"], dtype=np.float64).reshape(-1)
         if state.shape[0] != self.state_stats.q01.shape[0] or state.shape[0] > a.max_state_dim:
             raise ValueError(f"state has {state.shape[0]} dims, the policy expects {self.state_stats.q01.shape[0]}")
         s = np.zeros((1, a.num_state_per_block, a.max_state_dim), dtype=np.float32)
         s[0, :, : state.shape[0]] = self.state_stats.normalize(state)
-        state_t = torch.from_numpy(s).to(self.device)
+        return str(obs.get("session_id", "default")), str(obs["prompt"]), self._frames(obs["images"]), \
+            torch.from_numpy(s).to(self.device)
 
-        # the noise follows the history the session holds (its raw frames), not the number of calls, so the same
-        # frames give the same chunk however they were split across calls
-        gen = torch.Generator(device=self.device).manual_seed(self.seed + session.frames.shape[2])
-        _, actions = sample_block(self.model, session.caches, session.conds, state_t, session.latent_hw,
-                                  self.solver, gen)
-        n = self.action_stats.q01.shape[0]
-        return self.action_stats.unnormalize(actions[0, :, :n].cpu().double().numpy())
+    def predict_actions(self, obs: dict) -> np.ndarray:
+        return self.predict_batch([obs])[0]
+
+    @torch.no_grad()
+    def predict_batch(self, observations: list[dict]) -> list[np.ndarray]:
+        """One action chunk per observation, each in its own session, solved as one batch (sessions whose caches
+        hold the same number of frames share a forward). Equal, within float tolerance, to one call each."""
+        parsed = [self._parse(obs) for obs in observations]
+        ids = [sid for sid, *_ in parsed]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a batch holds one observation per session; repeated: {sorted({i for i in ids if ids.count(i) > 1})}")
+        if self.timer is not None:
+            self.timer.start_call()
+        resets = []
+        for sid, prompt, frames, _ in parsed:
+            session = self.sessions.get(sid)
+            if session is None or session.prompt != prompt or frames.shape[2] == 1 or not self._extend(session, frames):
+                resets.append((sid, prompt, frames))
+        if resets:
+            self._reset(resets)
+
+        groups: dict[tuple, list[int]] = {}
+        for i, (sid, *_) in enumerate(parsed):
+            s = self.sessions[sid]
+            s.calls += 1
+            groups.setdefault((s.cache.num_frames, s.latent_hw), []).append(i)
+        chunks: list[torch.Tensor | None] = [None] * len(parsed)
+        for (_, latent_hw), idx in groups.items():
+            sessions = [self.sessions[parsed[i][0]] for i in idx]
+            # the noise follows the history a session holds (its raw frames), not the number of calls, so the
+            # same frames give the same chunk however they were split across calls, and batched or not
+            noise = [draw_noise(self.model, 1, latent_hw, self.device,
+                                torch.Generator(device=self.device).manual_seed(self.seed + s.raw_frames))
+                     for s in sessions]
+            with self._stage("solver"):
+                actions = self._solve(KVCache.stack([s.cache for s in sessions]),
+                                      Conditioning.stack([s.cond for s in sessions]),
+                                      torch.cat([parsed[i][3] for i in idx]),
+                                      torch.cat([v for v, _ in noise]), torch.cat([a for _, a in noise]))
+            for j, i in enumerate(idx):
+                chunks[i] = actions[j]
+        with self._stage("decode"):
+            n = self.action_stats.q01.shape[0]
+            host = torch.stack(chunks)[:, :, :n].cpu().double().numpy()  # one device -> host copy
+            return [self.action_stats.unnormalize(x) for x in host]

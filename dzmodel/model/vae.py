@@ -213,6 +213,16 @@ class StreamState:
     def remember(self, layer: nn.Module, value) -> None:
         self._memory[layer] = value
 
+    @property
+    def started(self) -> bool:
+        return bool(self._memory)
+
+    def select(self, index: int) -> "StreamState":
+        """The state of one sample of a batch (tensors sliced to batch 1; markers copied)."""
+        out = StreamState()
+        out._memory = {k: v[index:index + 1] if isinstance(v, torch.Tensor) else v for k, v in self._memory.items()}
+        return out
+
 
 def _run(layers: nn.Sequential, x: torch.Tensor, state: StreamState) -> torch.Tensor:
     """Apply a Sequential, giving the stream state to the layers that keep history."""
@@ -564,7 +574,7 @@ class _CausalVideoVAE(nn.Module):
 
     # --- input checks
 
-    def _check_video(self, video) -> None:
+    def _check_video(self, video, continued: bool = False) -> None:
         f = self.config.spatial_factor
         if not isinstance(video, torch.Tensor):
             raise ValueError(f"video must be a torch.Tensor [B, 3, T, H, W], got {type(video).__name__}")
@@ -574,7 +584,9 @@ class _CausalVideoVAE(nn.Module):
         b, c, t, h, w = video.shape
         if c != 3:
             raise ValueError(f"video must have 3 (RGB) channels in dim 1, got {c} (shape {tuple(video.shape)})")
-        if t < 1 or (t - 1) % FRAMES_PER_LATENT:
+        if continued and (t < 1 or t % FRAMES_PER_LATENT):
+            raise ValueError(f"a continued video stream takes 4k frames (4, 8, ...), got {t}")
+        if not continued and (t < 1 or (t - 1) % FRAMES_PER_LATENT):
             raise ValueError(f"video must have 1 + 4k frames (1, 5, 9, ...), got {t}")
         if h < f or w < f or h % f or w % f:
             raise ValueError(f"video height and width must be positive multiples of {f}, got {h}x{w}")
@@ -617,13 +629,20 @@ class _CausalVideoVAE(nn.Module):
 
     # --- public API
 
-    def encode(self, video: torch.Tensor) -> torch.Tensor:
-        """[B, 3, 1+4k, H, W] in [-1, 1] -> normalised latent mean [B, z, 1+k, H/f, W/f]."""
-        self._check_video(video)
+    def encode(self, video: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
+        """[B, 3, 1+4k, H, W] in [-1, 1] -> normalised latent mean [B, z, 1+k, H/f, W/f].
+
+        With a `state` that has seen earlier frames, `video` continues that stream: 4k new frames give k latent
+        frames, equal to the last k of encoding the whole video at once (the encoder is causal), so a robot's
+        new frames are encoded without re-encoding its history."""
+        continued = state is not None and state.started
+        self._check_video(video, continued)
         x = self._patchify(video.to(self.conv1.weight.dtype))
-        state = StreamState()
+        state = StreamState() if state is None else state
         # Frame 0 alone, then chunks of 4 frames: one latent frame each.
-        chunks = [x[:, :, :1]] + [x[:, :, s:s + FRAMES_PER_LATENT] for s in range(1, x.shape[2], FRAMES_PER_LATENT)]
+        first = 0 if continued else 1
+        chunks = ([] if continued else [x[:, :, :1]]) + [x[:, :, s:s + FRAMES_PER_LATENT]
+                                                         for s in range(first, x.shape[2], FRAMES_PER_LATENT)]
         feats = [self.encoder(chunk, state) for chunk in chunks]
         mu, _log_var = self.conv1(torch.cat(feats, dim=2)).chunk(2, dim=1)
         return self.normalize_latents(mu)

@@ -15,15 +15,16 @@ from dzmodel.model import inference
 from dzmodel.model.components import build_tiny_policy
 from dzmodel.model.inference import SolverConfig
 
-# cfg_scale -> calls in a session's first chunk, and the FLOPs torch's FlopCounterMode counts for it
+# cfg_scale -> calls in a session's first chunk, and the FLOPs torch's FlopCounterMode counts for it.
+# CFG: one batch-2 forward per solver step and one batch-2 prefill; CLIP runs once for both branches.
 EXPECTED = {
-    5.0: {"denoise_velocity": 16, "prefill": 2, "sdpa": 113},   # CFG as one batch-2 forward per step
+    5.0: {"denoise_velocity": 16, "prefill": 1, "sdpa": 105},
     1.0: {"denoise_velocity": 16, "prefill": 1, "sdpa": 105},
 }
-GUARD_FLOPS = {5.0: 174_632_960, 1.0: 113_772_544}
+GUARD_FLOPS = {5.0: 172_103_680, 1.0: 113_772_544}
 
 
-def _count_one_chunk(policy, monkeypatch):
+def _count_one_chunk(policy, monkeypatch, prompt="pick up the bowl and place it on the plate"):
     counts = collections.Counter()
 
     def counted(module, name, key):
@@ -38,10 +39,11 @@ def _count_one_chunk(policy, monkeypatch):
     counted(inference, "denoise_velocity", "denoise_velocity")
     counted(inference, "prefill", "prefill")
     counted(F, "scaled_dot_product_attention", "sdpa")
+    counted(type(policy.text_encoder), "forward", "text_encoder")
     h, w = policy.image_size
     rng = np.random.default_rng(0)
     obs = {"images": rng.integers(0, 255, (h, w, 3), dtype=np.uint8), "state": np.zeros(8),
-           "prompt": "pick up the bowl and place it on the plate", "session_id": "guard"}
+           "prompt": prompt, "session_id": "guard"}
     with FlopCounterMode(display=False) as flops:
         policy.predict_actions(obs)
     return dict(counts), flops.get_total_flops()
@@ -52,8 +54,30 @@ def test_one_chunk_costs_what_it_did(tmp_path, monkeypatch, cfg_scale):
     torch.set_num_threads(1)
     policy = build_tiny_policy(tmp_path, solver=SolverConfig(num_steps=16, cfg_scale=cfg_scale))
     counts, flops = _count_one_chunk(policy, monkeypatch)
-    assert counts == EXPECTED[cfg_scale]
+    text_calls = 2 if cfg_scale != 1.0 else 1  # the prompt and, with CFG, the negative prompt
+    assert counts == dict(EXPECTED[cfg_scale], text_encoder=text_calls)
     assert flops == GUARD_FLOPS[cfg_scale]  # encoders, VAE, prefill and solver together: nothing may grow
+
+
+def test_the_prompt_is_encoded_once_per_policy(tmp_path, monkeypatch):
+    """A robot repeats its prompt every call (and LIBERO restarts the cache every call): umT5 runs only for new
+    prompts, so the second chunk costs the first minus the text encoder."""
+    torch.set_num_threads(1)
+    policy = build_tiny_policy(tmp_path, solver=SolverConfig(num_steps=16, cfg_scale=5.0))
+    _, first = _count_one_chunk(policy, monkeypatch)
+    monkeypatch.undo()
+    counts, second = _count_one_chunk(policy, monkeypatch)
+    assert "text_encoder" not in counts and second < first
+    monkeypatch.undo()
+    counts, _ = _count_one_chunk(policy, monkeypatch, prompt="open the drawer")
+    assert counts["text_encoder"] == 1  # the negative prompt is cached too
+
+
+def test_dit_caching_runs_the_denoiser_on_the_scheduled_steps(tmp_path, monkeypatch):
+    """upstream's schedule: 16 solver steps, 8 denoiser forwards (the other steps reuse the velocity)."""
+    policy = build_tiny_policy(tmp_path, solver=SolverConfig(num_steps=16, cfg_scale=5.0, dit_steps="upstream"))
+    counts, flops = _count_one_chunk(policy, monkeypatch)
+    assert counts["denoise_velocity"] == 8 and flops < GUARD_FLOPS[5.0]
 
 
 def test_the_guard_fails_on_a_slow_path(tmp_path, monkeypatch):

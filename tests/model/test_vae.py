@@ -148,6 +148,27 @@ def test_encode_is_causal(make):
 
 
 @pytest.mark.parametrize("make", [tiny21, tiny22], ids=["wan2.1", "wan2.2"])
+def test_streamed_encode_of_new_frames_equals_the_whole_video(make):
+    """A session encodes frame 0, then only each new 4-frame chunk (its StreamState holds the history), and gets
+    the latents of encoding everything at once; one sample's state can be taken out of a batch."""
+    from dzmodel.model.vae import StreamState
+
+    vae = make()
+    x = torch.cat([video(frames=9, seed=20), video(frames=9, seed=21)])
+    with torch.no_grad():
+        whole = vae.encode(x)
+        state = StreamState()
+        parts = [vae.encode(x[:, :, :1], state)]
+        one = state.select(1)
+        parts += [vae.encode(x[:, :, 1:5], state), vae.encode(x[:, :, 5:9], state)]
+        alone = vae.encode(x[1:, :, 1:9], one)
+        with pytest.raises(ValueError, match="4k frames"):
+            vae.encode(x[:, :, :3], state)
+    assert max_err(torch.cat(parts, dim=2), whole) <= 1e-5
+    assert max_err(alone, whole[1:, :, 1:]) <= 1e-5
+
+
+@pytest.mark.parametrize("make", [tiny21, tiny22], ids=["wan2.1", "wan2.2"])
 def test_decode_is_causal(make):
     vae = make()
     g = torch.Generator().manual_seed(3)
