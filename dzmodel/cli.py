@@ -287,7 +287,6 @@ def resolve_bundle_source(source: str) -> str:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from .model.inference import SolverConfig
     from .serve.protocol import RequestLimits
     from .serve.server import ServeError, ServerLimits, serve_bundle
 
@@ -304,7 +303,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                           request=RequestLimits(max_frames=ns.max_frames))
     try:
         serve_bundle(resolve_bundle_source(ns.bundle), token, ns.host, ns.port, ns.device, limits,
-                     SolverConfig(num_steps=ns.solver_steps, cfg_scale=ns.cfg_scale), ns.certfile, ns.keyfile)
+                     solver_from(ns), ns.certfile, ns.keyfile, compile=False if ns.no_compile else None)
     except ServeError as exc:
         raise CLIError(str(exc)) from None
     return EXIT_OK
@@ -338,15 +337,15 @@ def cmd_eval_libero(ns: argparse.Namespace) -> int:
     from .eval.libero_env import LiberoNotInstalled
     from .eval.libero_eval import EvalConfig, evaluate_run
     from .eval.policy import PolicyLoadError
-    from .model.inference import SolverConfig
 
     cfg = EvalConfig(suite=ns.suite, tasks=_int_list(ns.tasks, "--tasks"), episodes_per_task=ns.episodes,
                      max_steps=ns.max_steps, num_workers=ns.workers, camera_size=ns.camera_size,
-                     actions_per_chunk=ns.actions_per_chunk, videos=ns.videos, seed=ns.seed)
+                     actions_per_chunk=ns.actions_per_chunk, videos=ns.videos, seed=ns.seed,
+                     batch_policy=not ns.no_batch_policy)
     try:
         rows = evaluate_run(ns.source, cfg, ns.out, steps=_int_list(ns.steps, "--steps"), device=ns.device,
-                            solver=SolverConfig(num_steps=ns.solver_steps, cfg_scale=ns.cfg_scale),
-                            progress=not ns.no_progress, embodiment=ns.embodiment)
+                            solver=solver_from(ns), progress=not ns.no_progress, embodiment=ns.embodiment,
+                            compile=ns.compile)
     except (LiberoNotInstalled, PolicyLoadError) as exc:
         raise CLIError(str(exc)) from None
     print(f"{'step':>8} {'task':>5} {'episodes':>8} {'successes':>9} {'rate':>6}")
@@ -359,12 +358,11 @@ def cmd_eval_libero(ns: argparse.Namespace) -> int:
 def cmd_eval_action_error(ns: argparse.Namespace) -> int:
     from .eval.action_error import ActionErrorError, describe, evaluate_action_error
     from .eval.policy import PolicyLoadError
-    from .model.inference import SolverConfig
 
     try:
         result = evaluate_action_error(ns.source, ns.out, steps=_int_list(ns.steps, "--steps"), stride=ns.stride,
                                        max_windows=ns.max_windows, device=ns.device, seed=ns.seed,
-                                       solver=SolverConfig(num_steps=ns.solver_steps, cfg_scale=ns.cfg_scale),
+                                       solver=solver_from(ns),
                                        untrained=not ns.no_untrained, progress=not ns.no_progress)
     except (ActionErrorError, PolicyLoadError) as exc:
         raise CLIError(str(exc)) from None
@@ -500,15 +498,28 @@ def cmd_bench_policy(ns: argparse.Namespace) -> int:
 
     import torch
 
-    from .bench.policy_bench import run_policy_bench
+    from .bench.policy_bench import PolicySetting, ladder, run_policy_bench
 
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    r = run_policy_bench(ns.preset, device, ns.solver_steps, ns.cfg_scale, ns.calls, ns.warmup,
-                         batch_cfg=not ns.no_batch_cfg)
-    print(json.dumps(r))
-    if ns.out:
-        with open(ns.out, "a") as f:
-            f.write(json.dumps(r) + "\n")
+    try:
+        batches = tuple(int(b) for b in ns.batch.split(","))
+    except ValueError:
+        raise CLIError(f"--batch takes comma-separated integers, got {ns.batch!r}") from None
+    if ns.ladder:
+        settings = ladder()
+    else:
+        settings = [PolicySetting(name=ns.name, weights=ns.weights or ("bf16" if device.startswith("cuda") else "fp32"),
+                                  solver_steps=ns.solver_steps, cfg_scale=ns.cfg_scale, batch_cfg=not ns.no_batch_cfg,
+                                  dit_steps=ns.dit_steps, text_cache=not ns.no_text_cache,
+                                  cuda_graphs=not ns.no_cuda_graphs, compile=ns.compile)]
+
+    def emit(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        if ns.out:
+            with open(ns.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    run_policy_bench(ns.preset, device, settings, batches, ns.calls, ns.warmup, ns.breakdown_calls, progress=emit)
     return EXIT_OK
 
 
@@ -600,6 +611,22 @@ def _add_plugin_commands(sub) -> None:
             continue
 
 # --- parser ----------------------------------------------------------------------------
+
+def add_solver_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--solver-steps", type=int, default=16, help="Euler steps of the flow solver")
+    p.add_argument("--cfg-scale", type=float, default=5.0, help="classifier-free guidance on the video (1 = off)")
+    p.add_argument("--dit-steps", default="", help="which solver steps run the DiT (T) or reuse its velocity (F), "
+                   "e.g. TTTFFFTFFFTFFTTT; 'upstream' = that 16-step schedule; default: every step")
+
+
+def solver_from(ns: argparse.Namespace):
+    from .model.inference import SolverConfig
+
+    try:
+        return SolverConfig(num_steps=ns.solver_steps, cfg_scale=ns.cfg_scale, dit_steps=ns.dit_steps)
+    except ValueError as exc:
+        raise CLIError(f"--solver-steps/--dit-steps: {exc}") from None
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dz", description="DreamZero fine-tuning pipeline")
@@ -729,8 +756,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int, default=64)
     p.add_argument("--max-frame-mib", type=float, default=32.0, help="largest request frame")
     p.add_argument("--max-frames", type=int, default=33, help="most camera frames per view in one request")
-    p.add_argument("--solver-steps", type=int, default=16)
-    p.add_argument("--cfg-scale", type=float, default=5.0)
+    p.add_argument("--no-compile", action="store_true", help="on CUDA: skip torch.compile of the DiT block "
+                   "(faster start, slower chunks; CUDA graphs stay on)")
+    add_solver_arguments(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("client", help="drive the LIBERO Panda (the sim Franka) through a policy server; "
@@ -769,8 +797,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--actions-per-chunk", type=int, help="execute this many actions of each chunk (default: all)")
     p.add_argument("--videos", type=int, default=2, help="record this many episodes per step as mp4")
     p.add_argument("--embodiment", help="refuse a checkpoint trained for another embodiment")
-    p.add_argument("--solver-steps", type=int, default=16)
-    p.add_argument("--cfg-scale", type=float, default=5.0)
+    p.add_argument("--compile", action="store_true", help="torch.compile the DiT block (GPU; compiles per batch shape)")
+    p.add_argument("--no-batch-policy", action="store_true",
+                   help="query the policy once per episode instead of one batched forward per step (for comparison)")
+    add_solver_arguments(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -783,8 +813,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", help="with a run directory: checkpoint steps to evaluate, e.g. 1000,2000 (default: all)")
     p.add_argument("--stride", type=int, default=4, help="frames between held-out window anchors")
     p.add_argument("--max-windows", type=int, help="at most this many windows (evenly spaced)")
-    p.add_argument("--solver-steps", type=int, default=16)
-    p.add_argument("--cfg-scale", type=float, default=5.0)
+    add_solver_arguments(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-untrained", action="store_true", help="skip the untrained reference")
@@ -847,16 +876,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true", help="FSDP2 even with one process")
     p.add_argument("--out", help="append a JSON line here")
     p.set_defaults(func=cmd_bench_profile)
-    p = bench.add_parser("policy", help="inference latency of one action chunk (predict_actions)")
+    p = bench.add_parser("policy", help="latency of one action chunk on the serving path (p50/p95, per-stage breakdown)")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--device", default=None)
-    p.add_argument("--solver-steps", type=int, default=16)
-    p.add_argument("--cfg-scale", type=float, default=5.0)
-    p.add_argument("--calls", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--name", default="custom", help="label of this setting in the JSON")
+    p.add_argument("--weights", choices=["bf16", "fp32", "autocast"], default=None,
+                   help="bf16 weights (GPU default), fp32 (CPU default), or fp32 under bf16 autocast (the old GPU path)")
+    add_solver_arguments(p)
     p.add_argument("--no-batch-cfg", action="store_true",
                    help="run CFG's conditional and unconditional passes one after the other (the old path)")
-    p.add_argument("--out", help="append a JSON line here")
+    p.add_argument("--no-text-cache", action="store_true", help="encode the prompt with umT5 at every call")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="launch every kernel from Python (eager)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the DiT block (inside the CUDA graphs)")
+    p.add_argument("--batch", default="1", help="sessions per call, comma-separated (e.g. 1,8,32): chunks/s per batch")
+    p.add_argument("--ladder", action="store_true", help="each optimisation in turn, then the fast settings, one model")
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--breakdown-calls", type=int, default=3, help="extra calls timed per stage (synchronised)")
+    p.add_argument("--out", help="append one JSON line per measurement here")
     p.set_defaults(func=cmd_bench_policy)
     p = bench.add_parser("data", help="video decode (torchcodec batched vs PyAV) and loader samples/s, DROID-like")
     p.add_argument("--workdir", default="build/bench_data", help="where the generated source videos are cached")

@@ -100,6 +100,7 @@ class EvalParams:
     steps: list[int] | None = None  # checkpoint steps to evaluate; null = every saved one
     solver_steps: int = field(default=16, metadata={"min": 1})
     cfg_scale: float = field(default=5.0, metadata={"min": 0})
+    dit_steps: str = ""  # solver steps that run the DiT (T) or reuse its velocity (F); "upstream"; "" = every step
     device: str = "cpu"
     seed: int = 0
     # the held-out action error (dzmodel/eval/action_error.py) of every converted step, LIBERO or not (`enabled`
@@ -107,6 +108,14 @@ class EvalParams:
     action_error: bool = True
     action_error_stride: int = field(default=4, metadata={"min": 1})  # frames between the held-out windows' anchors
     action_error_windows: int | None = field(default=None, metadata={"min": 1})  # at most this many windows
+
+    def __post_init__(self) -> None:
+        from .model.inference import SolverConfig
+
+        try:
+            SolverConfig(num_steps=self.solver_steps, cfg_scale=self.cfg_scale, dit_steps=self.dit_steps)
+        except ValueError as exc:
+            raise ValueError(f"eval.dit_steps: {exc}") from None
 
 
 @dataclass

@@ -433,7 +433,7 @@ def stage_action_error(prof: Profile, paths: StagePaths, out: Path, log: Log = _
         return {"measured": False, "reason": reason}
     result = evaluate_action_error(paths.stage("converted"), out, steps=e.steps, stride=e.action_error_stride,
                                    max_windows=e.action_error_windows, device=e.device, seed=e.seed,
-                                   solver=SolverConfig(num_steps=e.solver_steps, cfg_scale=e.cfg_scale))
+                                   solver=SolverConfig(num_steps=e.solver_steps, cfg_scale=e.cfg_scale, dit_steps=e.dit_steps))
     _write_csv(paths.run / "plots" / "action_error_vs_step.csv",
                [{"step": r["step"], "action_error": r["trained"], "mean_predictor": result["mean_predictor"],
                  "untrained": result["untrained"]} for r in result["steps"]])
@@ -462,7 +462,7 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
                      num_workers=e.workers, camera_size=e.camera_size, actions_per_chunk=e.actions_per_chunk,
                      videos=e.videos, seed=e.seed)
     rows = evaluate_run(paths.stage("converted"), cfg, out, steps=e.steps, device=e.device,
-                        solver=SolverConfig(num_steps=e.solver_steps, cfg_scale=e.cfg_scale),
+                        solver=SolverConfig(num_steps=e.solver_steps, cfg_scale=e.cfg_scale, dit_steps=e.dit_steps),
                         embodiment=prof.metadata.embodiment)
     overall = [r for r in rows if r["task"] == "all"]
     best = max(overall, key=lambda r: (r["rate"], r["step"] or 0)) if overall else None

@@ -1,9 +1,14 @@
-"""`dz bench policy`: inference latency of one action chunk (`DreamZeroPolicy.predict_actions`) per preset.
+"""`dz bench policy`: latency of one action chunk through the serving code path (`DreamZeroPolicy.predict_batch`,
+which `dz serve`, `dz eval libero` and `predict_actions` all use).
 
-Random weights at the preset's real sizes (the DiT and its frozen encoders), a fresh single-frame observation
-per call as in the LIBERO protocol (reference §6.1: the KV cache restarts on every call), so each call
-runs the text and image encoders, one VAE encode, the prefill and the flow solver (with CFG: two caches).
-CUDA: bf16 autocast over fp32 weights, CUDA-event timing. Reports p50 / p95 / max milliseconds per chunk.
+Random weights at the preset's real sizes (the DiT and its frozen encoders). Each call sends every session a fresh
+single frame, as in the LIBERO protocol (reference §6.1: the KV cache restarts on every call), so a call runs the
+image encoder, one VAE encode, the prefill and the flow solver (the prompt's umT5 embedding is cached unless
+text_cache is off). Reports p50 / p95 / max milliseconds per call, chunks per second, and a breakdown per stage
+(encoders, vae, prefill, solver, decode) from extra calls that synchronise at each stage edge.
+
+`--ladder` measures the optimisations one at a time in one process (one model build): each row adds one step to
+the row before it, from the old path (fp32 weights under autocast, two CFG passes, no text cache, eager) on.
 """
 
 from __future__ import annotations
@@ -11,51 +16,153 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
 
 from ..model.args import preset
 from ..model.components import build_encoders, build_policy
-from ..model.inference import NormStats, SolverConfig
+from ..model.cuda_graphs import GraphCache
+from ..model.inference import STAGES, NormStats, SolverConfig, StageTimer
 from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer
 from ..model.wam import DreamZeroWAM
 
+WEIGHTS = ("autocast", "bf16", "fp32")  # autocast: fp32 weights under bf16 autocast (the old GPU path)
 
-def run_policy_bench(preset_name: str = "tiny", device: str = "cpu", solver_steps: int = 16, cfg_scale: float = 5.0,
-                     calls: int = 10, warmup: int = 2, seed: int = 0, batch_cfg: bool = True) -> dict:
+
+@dataclass(frozen=True)
+class PolicySetting:
+    name: str = "custom"
+    weights: str = "bf16"
+    solver_steps: int = 16
+    cfg_scale: float = 5.0
+    batch_cfg: bool = True
+    dit_steps: str = ""
+    text_cache: bool = True
+    cuda_graphs: bool = True
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+
+    def solver(self) -> SolverConfig:
+        return SolverConfig(num_steps=self.solver_steps, cfg_scale=self.cfg_scale, batch_cfg=self.batch_cfg,
+                            dit_steps=self.dit_steps)
+
+
+def ladder() -> list[PolicySetting]:
+    """The optimisations one at a time (each row keeps the ones above), then the fewer-step settings."""
+    rows = [PolicySetting("before: fp32 weights + autocast, two CFG passes, umT5 every call, eager", weights="autocast",
+                          batch_cfg=False, text_cache=False, cuda_graphs=False)]
+    for name, change in (("+ CFG as one batch-2 forward", dict(batch_cfg=True)),
+                         ("+ bf16 weights", dict(weights="bf16")),
+                         ("+ umT5 cached per prompt", dict(text_cache=True)),
+                         ("+ CUDA graphs (prefill, solver)", dict(cuda_graphs=True)),
+                         ("+ DiT caching: 8 of 16 steps (upstream schedule)", dict(dit_steps="upstream"))):
+        rows.append(replace(rows[-1], name=name, **change))
+    full = rows[-2]  # every optimisation, all 16 DiT steps
+    rows += [replace(full, name="fast: 4 steps, CFG 5", solver_steps=4),
+             replace(full, name="fast: 4 steps, no CFG", solver_steps=4, cfg_scale=1.0),
+             replace(full, name="fast: 16 steps (upstream DiT caching), no CFG", dit_steps="upstream", cfg_scale=1.0),
+             replace(full, name="fast: 4 steps, CFG 5, + torch.compile of the blocks", solver_steps=4, compile=True)]
+    return rows
+
+
+def _build(preset_name: str, device: str, weights: str, seed: int):
     torch.manual_seed(seed)
     args = preset(preset_name)
-    with torch.device(device):
-        model = DreamZeroWAM(args)
-        encoders = build_encoders(preset_name, device=device)
+    # bf16 from the start when no fp32 row needs the fp32 weights (14B + umT5-XXL in fp32 exceed one H100)
+    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = DreamZeroWAM(args)
+            encoders = build_encoders(preset_name, device=device)
+    finally:
+        torch.set_default_dtype(default)
     with tempfile.TemporaryDirectory() as tok_dir:  # ids only feed the embedding; latency does not depend on them
         tokenizer = load_tokenizer(build_tiny_tokenizer(tok_dir))
     stats = NormStats(q01=-np.ones(args.action_dim), q99=np.ones(args.action_dim))
     state_stats = NormStats(q01=-np.ones(8), q99=np.ones(8))
-    policy = build_policy(model, encoders, tokenizer, stats, state_stats,
-                          solver=SolverConfig(num_steps=solver_steps, cfg_scale=cfg_scale, batch_cfg=batch_cfg),
-                          seed=seed)
-    h, w = encoders.spec.image_size
+    return build_policy(model, encoders, tokenizer, stats, state_stats, seed=seed)
+
+
+def _configure(policy, setting: PolicySetting, device: str) -> None:
+    if setting.weights == "bf16" and policy.model.patch_embedding.weight.dtype != torch.bfloat16:
+        for m in (policy.model, policy.vae, policy.text_encoder, policy.image_encoder):
+            m.to(torch.bfloat16)
+    if setting.weights != "bf16" and policy.model.patch_embedding.weight.dtype != torch.float32:
+        raise ValueError(f"setting {setting.name!r} needs fp32 weights: run fp32/autocast settings before bf16 ones")
+    policy.solver = setting.solver()
+    policy.text_cache_size = 64 if setting.text_cache else 0
+    policy._texts.clear()
+    policy.graphs = GraphCache(enabled=setting.cuda_graphs and device.startswith("cuda"))
+    policy.set_compile(setting.compile)
+    policy.sessions.clear()
+
+
+def _measure(policy, setting: PolicySetting, device: str, batch: int, calls: int, warmup: int,
+             breakdown_calls: int, seed: int) -> dict:
+    h, w = policy.image_size
     rng = np.random.default_rng(seed)
     cuda = device.startswith("cuda")
-    times = []
-    for i in range(warmup + calls):
-        obs = {"images": rng.integers(0, 255, (h, w, 3), dtype=np.uint8), "state": np.zeros(8),
-               "prompt": "pick up the bowl and place it on the plate", "session_id": "bench"}
+
+    def one_call() -> float:
+        obs = [{"images": rng.integers(0, 255, (h, w, 3), dtype=np.uint8), "state": np.zeros(8),
+                "prompt": "pick up the bowl and place it on the plate", "session_id": f"bench-{i}"}
+               for i in range(batch)]
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            actions = policy.predict_actions(obs)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and setting.weights == "autocast"):
+            policy.predict_batch(obs)
         if cuda:
             torch.cuda.synchronize()
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return {"preset": preset_name, "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "solver_steps": solver_steps, "cfg_scale": cfg_scale, "batch_cfg": batch_cfg, "image_size": [h, w],
-            "calls": calls, "torch": torch.__version__,
-            "chunk_shape": list(actions.shape), "p50_ms": round(statistics.median(times), 1),
-            "p95_ms": round(times[min(len(times) - 1, int(0.95 * len(times)))], 1), "max_ms": round(times[-1], 1),
+        return (time.perf_counter() - t0) * 1e3
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        one_call()
+    times = sorted(one_call() for _ in range(calls))
+    policy.timer = StageTimer(policy.device)
+    for _ in range(breakdown_calls):
+        one_call()
+    parts = {s: round(statistics.median(c[s] for c in policy.timer.calls), 1) for s in STAGES} if breakdown_calls else {}
+    policy.timer = None
+    p50 = statistics.median(times)
+    solver = setting.solver()
+    return {**asdict(setting), "dit_forwards": solver.dit_forwards, "batch": batch,
+            "calls": calls, "p50_ms": round(p50, 1), "p95_ms": round(times[min(len(times) - 1, int(0.95 * len(times)))], 1),
+            "max_ms": round(times[-1], 1), "chunks_per_s": round(batch * 1e3 / p50, 2), "breakdown_ms": parts,
+            "graph_captures": policy.graphs.captures,
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
+
+
+def run_policy_bench(preset_name: str = "tiny", device: str = "cpu", settings: list[PolicySetting] | None = None,
+                     batches: tuple[int, ...] = (1,), calls: int = 10, warmup: int = 2, breakdown_calls: int = 3,
+                     seed: int = 0, progress=None) -> list[dict]:
+    """One JSON-able row per (setting, batch). Settings run in order on one model: fp32/autocast before bf16."""
+    settings = settings or [PolicySetting()]
+    policy = _build(preset_name, device, "bf16" if all(s.weights == "bf16" for s in settings) else "fp32", seed)
+    h, w = policy.image_size
+    common = {"preset": preset_name, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+              "image_size": [h, w], "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    rows = []
+    for setting in settings:
+        _configure(policy, setting, device)
+        for batch in batches:
+            try:
+                row = {**common, **_measure(policy, setting, device, batch, calls, warmup, breakdown_calls, seed)}
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # a row that cannot run says why; the rest go on
+                row = {**common, **asdict(setting), "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                policy.sessions.clear()
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+            rows.append(row)
+            if progress is not None:
+                progress(row)
+    return rows

@@ -1,7 +1,8 @@
 """`dz eval libero`: LIBERO success rate of a policy, and of a training run across its checkpoint steps.
 
 Episodes run in parallel env worker processes (vectorised stepping); the policy runs here, through the
-model's own inference API with one KV-cache session per episode. Per episode: the standard init state,
+model's own inference API with one KV-cache session per episode: at each step the observations of every
+episode that needs a new chunk go through one batched forward (`predict_batch`). Per episode: the standard init state,
 10 settle steps, then action chunks (`actions_per_chunk` of each, then a new query) until success or
 `max_steps`. The metric is `success_once`: an episode counts if the task succeeded at any step.
 
@@ -38,6 +39,7 @@ class EvalConfig:
     videos: int = 2                         # record the agent-view video of this many episodes
     worker_timeout_s: float = 300.0
     seed: int = 0
+    batch_policy: bool = True               # one batched policy forward for all episodes that need a chunk
 
     def __post_init__(self) -> None:
         for name in ("episodes_per_task", "num_workers", "camera_size"):
@@ -158,13 +160,17 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
                     assign[free.pop(0)] = todo.pop(0)
                 start(assign)
                 continue
-            actions = {}
-            for w, run in running.items():
-                if not run.queue:
-                    chunk = policy.predict(_session(run), {"image": run.obs["image"], "wrist_image": run.obs["wrist_image"]},
-                                           run.obs["state"], run.task.language)
-                    run.queue = [a for a in chunk[:per_chunk]]
-                actions[w] = env_action(run.queue.pop(0), cfg.binarize_gripper)
+            need = [w for w, run in running.items() if not run.queue]
+            requests = [(_session(running[w]), {"image": running[w].obs["image"],
+                                                "wrist_image": running[w].obs["wrist_image"]},
+                         running[w].obs["state"], running[w].task.language) for w in need]
+            if cfg.batch_policy:  # every episode that needs a chunk, in one policy forward
+                chunks = policy.predict_batch(requests) if requests else []
+            else:
+                chunks = [policy.predict(*r) for r in requests]
+            for w, chunk in zip(need, chunks):
+                running[w].queue = list(chunk[:per_chunk])
+            actions = {w: env_action(run.queue.pop(0), cfg.binarize_gripper) for w, run in running.items()}
             if not actions:
                 continue
             replies = pool.step(actions)
@@ -263,7 +269,8 @@ def plot_success(rows: list[dict], path: str | Path, title: str) -> Path | None:
 
 
 def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path, steps: list[int] | None = None,
-                 device: str = "cpu", solver=None, progress: bool = True, embodiment: str | None = None) -> list[dict]:
+                 device: str = "cpu", solver=None, progress: bool = True, embodiment: str | None = None,
+                 compile: bool = False) -> list[dict]:
     """Evaluate every saved step of a training run (or `steps`), converting each checkpoint as needed,
     or one converted model directory. `embodiment`, if given, must be the one the checkpoint trained on.
     Writes results.csv, episodes.csv, summary.json, success_vs_step.png
@@ -278,6 +285,7 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
     rows, episodes = [], []
     for step, model_dir in models:
         policy = load_policy(model_dir, device=device, embodiment=embodiment, solver=solver, seed=cfg.seed)
+        policy.policy.set_compile(compile)
         if "image" not in policy.embodiment.views or "wrist_image" not in policy.embodiment.views:
             raise PolicyLoadError(f"{model_dir}: embodiment {policy.embodiment.tag!r} has views "
                                   f"{sorted(policy.embodiment.views)}; LIBERO gives 'image' and 'wrist_image'")

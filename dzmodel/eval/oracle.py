@@ -53,6 +53,9 @@ class ReplayModel:
             chunk = np.concatenate([chunk, np.repeat(actions[-1:], self.horizon - len(chunk), axis=0)])
         return self.action_stats.unnormalize(chunk.astype(np.float64))
 
+    def predict_batch(self, observations: list[dict]) -> list[np.ndarray]:
+        return [self.predict_actions(obs) for obs in observations]
+
 
 def _episode_actions(reader, emb, episode: int) -> np.ndarray:
     """The embodiment's action vector of every row of an episode, as training reads it (float64)."""

@@ -61,11 +61,17 @@ class EmbodiedPolicy:
 
     def predict(self, session_id: str, views: dict[str, np.ndarray], state: np.ndarray, instruction: str) -> np.ndarray:
         """One action chunk [action_horizon, action_dim] in the robot's units."""
-        state = np.asarray(state, dtype=np.float64).reshape(-1)
-        obs = {"images": self.frame(views), "state": state, "prompt": self.embodiment.prompt(instruction),
-               "session_id": session_id}
-        actions = self.policy.predict_actions(obs)[: self.action_horizon]
-        return from_relative(actions, state, self.relative_pairs) if self.relative_pairs else actions
+        return self.predict_batch([(session_id, views, state, instruction)])[0]
+
+    def predict_batch(self, requests: list[tuple[str, dict[str, np.ndarray], np.ndarray, str]]) -> list[np.ndarray]:
+        """(session_id, views, state, instruction) per robot -> one chunk each, in one batched policy forward."""
+        states = [np.asarray(state, dtype=np.float64).reshape(-1) for _, _, state, _ in requests]
+        obs = [{"images": self.frame(views), "state": state, "prompt": self.embodiment.prompt(instruction),
+                "session_id": sid} for (sid, views, _, instruction), state in zip(requests, states)]
+        chunks = [a[: self.action_horizon] for a in self.policy.predict_batch(obs)]
+        if self.relative_pairs:
+            chunks = [from_relative(a, state, self.relative_pairs) for a, state in zip(chunks, states)]
+        return chunks
 
     def end_session(self, session_id: str) -> None:
         self.policy.sessions.pop(session_id, None)
@@ -104,10 +110,11 @@ def policy_statistics(emb: Embodiment, metadata: Path) -> tuple[NormStats, NormS
 
 def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embodiment: str | None = None,
                 embodiment_files: list[str] | None = None, solver: SolverConfig | None = None,
-                seed: int = 0) -> EmbodiedPolicy:
+                seed: int = 0, weights_dtype: torch.dtype | None = None) -> EmbodiedPolicy:
     """A converted model directory (`dz convert`, or a bundle's model/) -> an EmbodiedPolicy.
 
-    embodiment: the embodiment the caller evaluates or deploys; it must be the one the run trained on."""
+    embodiment: the embodiment the caller evaluates or deploys; it must be the one the run trained on.
+    weights_dtype: default bf16 on CUDA (inference reads bf16 weights, no autocast), the saved dtype elsewhere."""
     from ..train.encoders import frozen_encoders, load_saved_encoders
 
     model_dir = Path(model_dir)
@@ -129,7 +136,9 @@ def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embod
     tok_dir = model_dir / "tokenizer"
     if not (tok_dir / "tokenizer.json").is_file():
         raise PolicyLoadError(f"{model_dir}: no tokenizer/ (re-run `dz convert`, which copies the run's tokenizer)")
+    if weights_dtype is None and torch.device(device).type == "cuda":
+        weights_dtype = torch.bfloat16
     policy = build_policy(model, encoders, load_tokenizer(tok_dir), action_stats, state_stats,
-                          solver=solver, seed=seed, image_size=emb.image_size)
+                          solver=solver, seed=seed, image_size=emb.image_size, weights_dtype=weights_dtype)
     return EmbodiedPolicy(policy=policy, embodiment=emb, relative_pairs=pairs, step=step, model_dir=model_dir,
                           state_dims=state_dims)

@@ -35,7 +35,7 @@ from .cuda_graphs import GraphCache
 from .objective import FlowMatchSchedule
 from .vae import StreamState
 from .wam import DreamZeroWAM
-from .wan_dit import GroupedModulation, Rope
+from .wan_dit import GroupedModulation, Rope, WanAttentionBlock
 
 # --- model-level cached inference -------------------------------------------------------
 
@@ -277,8 +277,8 @@ def solve_two_passes(model: DreamZeroWAM, caches: tuple[KVCache, KVCache], conds
 def draw_noise(model: DreamZeroWAM, batch: int, latent_hw: tuple[int, int], device: torch.device,
                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     a = model.args
-    z = a.in_dim - (20 if a.concat_first_frame_latent else 0)
-    video = torch.randn(batch, z, a.num_frame_per_block, *latent_hw, generator=generator, device=device)
+    # the noisy latent has out_dim channels (the velocity's); 14B's in_dim adds the 4 + z first-frame condition
+    video = torch.randn(batch, a.out_dim, a.num_frame_per_block, *latent_hw, generator=generator, device=device)
     actions = torch.randn(batch, a.num_action_per_block, a.action_dim, generator=generator, device=device)
     return video, actions
 
@@ -350,6 +350,7 @@ class _Session:
     latents: torch.Tensor | None     # encoded latent frames not yet prefilled
     raw_frames: int = 1              # frames observed since the reset (seeds the noise)
     calls: int = 0
+    y_state: StreamState | None = None  # 14B: the VAE stream of the first-frame condition (frame 0, then zeros)
 
     @property
     def caches(self) -> tuple[KVCache, ...]:
@@ -381,12 +382,18 @@ class DreamZeroPolicy:
     seed: int = 0
     text_cache_size: int = 64    # prompts whose umT5 embedding is kept (0: encode the prompt at every reset)
     cuda_graphs: bool = True     # prefill and solver as CUDA graphs per shape (CUDA only)
+    compile: bool = False        # torch.compile the DiT block (fused elementwise work; compiles on the first call)
     timer: StageTimer | None = None
     sessions: dict[str, _Session] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._texts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.graphs = GraphCache(enabled=self.cuda_graphs and self.device.type == "cuda")
+        self.set_compile(self.compile)
+
+    def set_compile(self, on: bool) -> None:
+        self.compile = on
+        self.model.block_runner = torch.compile(WanAttentionBlock.forward_with_kv, dynamic=False) if on else None
 
     @property
     def device(self) -> torch.device:
@@ -418,9 +425,13 @@ class DreamZeroPolicy:
                 self._texts.popitem(last=False)
         return emb
 
-    def _conditioning(self, prompts: list[str], frame0: torch.Tensor) -> Conditioning:
+    def _conditioning(self, prompts: list[str], frame0: torch.Tensor) -> tuple[Conditioning, StreamState | None]:
         """Batch B of prompts and first frames [B, 3, H, W] -> the conditioning, [cond, uncond] interleaved
-        (batch 2B) with CFG. CLIP and the first-frame latent are computed once for both."""
+        (batch 2B) with CFG. CLIP and the first-frame latent are computed once for both.
+
+        14B's first-frame condition y (frame 0, then zero frames) is encoded only as far as the cache and the next
+        block need (1 + num_frame_per_block latent frames here); `_grow_y` continues it with the returned VAE
+        stream state as the session grows. The VAE is causal, so this equals encoding the whole window at once."""
         pair = 2 if self.guided else 1
         with self._stage("encoders"):
             texts = [self._text(p) for p in prompts]
@@ -429,17 +440,33 @@ class DreamZeroPolicy:
                 texts = [t for pos in texts for t in (pos, neg)]
             clip = self.image_encoder.encode_images(frame0).repeat_interleave(pair, 0)
             text, image = self.model.embed_context(torch.cat(texts), clip)
-        y = None
-        if self.model.args.concat_first_frame_latent:
+        if not self.model.args.concat_first_frame_latent:
+            return Conditioning(text=text, image=image), None
+        with self._stage("vae"):
+            B, nfpb = frame0.shape[0], self.model.args.num_frame_per_block
+            video = torch.cat([frame0[:, :, None], frame0.new_zeros(B, 3, 4 * nfpb, *frame0.shape[-2:])], dim=2)
+            y_state = StreamState()
+            y = self._first_frame_condition(self._encode(video, y_state), first=True)
+        return Conditioning(text=text, image=image, y=y.repeat_interleave(pair, 0)), y_state
+
+    @staticmethod
+    def _first_frame_condition(latents: torch.Tensor, first: bool) -> torch.Tensor:
+        """[mask (4 channels: 1 on frame 0) | latents] along channels."""
+        msk = torch.zeros(latents.shape[0], 4, *latents.shape[2:], device=latents.device, dtype=latents.dtype)
+        if first:
+            msk[:, :, 0] = 1
+        return torch.cat([msk, latents], dim=1)
+
+    def _grow_y(self, session: "_Session", frames: int) -> None:
+        """Extend a session's first-frame condition y (14B) to cover `frames` latent frames."""
+        cond, nfpb = session.cond, self.model.args.num_frame_per_block
+        while cond.y is not None and cond.y.shape[2] < frames:
             with self._stage("vae"):
-                window = (self.model.args.local_attn_size - 1) * 4 + 1
-                B = frame0.shape[0]
-                video = torch.cat([frame0[:, :, None], frame0.new_zeros(B, 3, window - 1, *frame0.shape[-2:])], dim=2)
-                lat = self._encode(video)
-                msk = torch.zeros(B, 4, *lat.shape[2:], device=lat.device, dtype=lat.dtype)
-                msk[:, :, 0] = 1
-                y = torch.cat([msk, lat], dim=1).repeat_interleave(pair, 0)
-        return Conditioning(text=text, image=image, y=y)
+                zeros = cond.y.new_zeros(1, 3, 4 * nfpb, *self.image_size)
+                more = self._first_frame_condition(self._encode(zeros, session.y_state), first=False)
+            cond = Conditioning(text=cond.text, image=cond.image,
+                                y=torch.cat([cond.y, more.repeat_interleave(cond.y.shape[0], 0)], dim=2))
+        session.cond = cond
 
     def _encode(self, video: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         """VAE latents cropped to whole patches: the patch conv drops an odd last row or column anyway
@@ -459,6 +486,10 @@ class DreamZeroPolicy:
         return video_to_unit_range(torch.from_numpy(arr).to(self.device)[None], self.image_size)  # [1,3,T,H,W]
 
     # -- cache work (captured as CUDA graphs on the GPU) --
+
+    def _padding(self, n: int) -> int:
+        """Rows to add to a batch of n so that graphs (and compiled code) see powers of two only."""
+        return (1 << (n - 1).bit_length()) - n if self.graphs.enabled else 0
 
     def _prefill(self, cache: KVCache, latents: torch.Tensor, cond: Conditioning) -> None:
         """Prefill `latents` (batch B, repeated per CFG pair here) into `cache` (batch B·pair)."""
@@ -508,7 +539,11 @@ class DreamZeroPolicy:
     def _reset(self, items: list[tuple[str, str, torch.Tensor]]) -> None:
         """Start sessions (id, prompt, frames) from their last frame, as one batch."""
         last = torch.cat([frames[:, :, -1:] for _, _, frames in items])  # [B, 3, 1, H, W]
-        cond = self._conditioning([p for _, p, _ in items], last[:, :, 0])
+        prompts = [p for _, p, _ in items]
+        pad = self._padding(len(items))
+        if pad:  # a captured shape per power of two, not per batch size (the extra rows are dropped below)
+            last, prompts = torch.cat([last, last[-1:].expand(pad, -1, -1, -1, -1)]), prompts + prompts[-1:] * pad
+        cond, y_state = self._conditioning(prompts, last[:, :, 0])
         with self._stage("vae"):
             vae_state = StreamState()
             latent0 = self._encode(last, vae_state)
@@ -518,7 +553,8 @@ class DreamZeroPolicy:
         pair = 2 if self.guided else 1
         for i, (sid, prompt, frames), c, d in zip(range(len(items)), items, cache.split(pair), cond.split(pair)):
             self.sessions[sid] = _Session(prompt=prompt, cache=c, cond=d, latent_hw=tuple(latent0.shape[-2:]),
-                                          vae_state=vae_state.select(i), pending=last[i:i + 1, :, :0], latents=None)
+                                          vae_state=vae_state.select(i), pending=last[i:i + 1, :, :0], latents=None,
+                                          y_state=None if y_state is None else y_state.select(i))
 
     def _extend(self, session: _Session, frames: torch.Tensor) -> bool:
         """Add new frames: encode only them (the VAE's stream state holds the history) and prefill every newly
@@ -536,6 +572,7 @@ class DreamZeroPolicy:
             if session.cache.num_frames + 2 * a.num_frame_per_block > a.local_attn_size:
                 return False
             block, rest = session.latents[:, :, :a.num_frame_per_block], session.latents[:, :, a.num_frame_per_block:]
+            self._grow_y(session, session.cache.num_frames + 2 * a.num_frame_per_block)  # this block and the next
             with self._stage("prefill"):
                 self._prefill(session.cache, block, session.cond)
             session.latents = rest if rest.shape[2] else None
@@ -593,10 +630,12 @@ class DreamZeroPolicy:
             noise = [draw_noise(self.model, 1, latent_hw, self.device,
                                 torch.Generator(device=self.device).manual_seed(self.seed + s.raw_frames))
                      for s in sessions]
+            states = [parsed[i][3] for i in idx]
+            pad = self._padding(len(idx))
+            sessions, noise, states = sessions + sessions[-1:] * pad, noise + noise[-1:] * pad, states + states[-1:] * pad
             with self._stage("solver"):
                 actions = self._solve(KVCache.stack([s.cache for s in sessions]),
-                                      Conditioning.stack([s.cond for s in sessions]),
-                                      torch.cat([parsed[i][3] for i in idx]),
+                                      Conditioning.stack([s.cond for s in sessions]), torch.cat(states),
                                       torch.cat([v for v, _ in noise]), torch.cat([a for _, a in noise]))
             for j, i in enumerate(idx):
                 chunks[i] = actions[j]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .args import DreamZeroArgs
 from .attention import (AttnMask, SegmentedMask, TeacherForcingLayout, teacher_forcing_block_mask,
                         teacher_forcing_mask)
-from .wan_dit import GroupedModulation, Modulation, Rope, WanModel, rope_angles
+from .wan_dit import GroupedModulation, Modulation, Rope, WanAttentionBlock, WanModel, rope_angles
 
 
 class CategorySpecificLinear(nn.Module):
@@ -88,6 +88,8 @@ class DreamZeroWAM(WanModel):
         self.state_encoder = CategorySpecificMLP(args.max_state_dim, args.hidden_size, args.dim)
         self.action_encoder = ActionEncoder(args.action_dim, args.dim)
         self.action_decoder = CategorySpecificMLP(args.dim, args.hidden_size, args.action_dim)
+        # inference may swap in a compiled WanAttentionBlock.forward_with_kv (applied from outside, not a module)
+        self.block_runner = None
 
     # -- pieces --------------------------------------------------------------
 
@@ -204,7 +206,8 @@ class DreamZeroWAM(WanModel):
                    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Every layer over new tokens `x`, attending [cache | own]. Returns x and each layer's own K/V."""
         own = []
+        run = self.block_runner or WanAttentionBlock.forward_with_kv
         for i, block in enumerate(self.blocks):
-            x, kv = block.forward_with_kv(x, e0, rope, text, image, mask, None if cache is None else cache[i])
+            x, kv = run(block, x, e0, rope, text, image, mask, None if cache is None else cache[i])
             own.append(kv)
         return x, own

@@ -389,8 +389,11 @@ def configure_logging() -> None:
 
 def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu",
                  limits: ServerLimits = ServerLimits(), solver=None, certfile: str | None = None,
-                 keyfile: str | None = None) -> None:
-    """Load, verify and serve a bundle; token None means no auth (the caller asked for it explicitly)."""
+                 keyfile: str | None = None, compile: bool | None = None) -> None:
+    """Load, verify and serve a bundle; token None means no auth (the caller asked for it explicitly).
+    compile: torch.compile the DiT block (default on CUDA); the GPU path is warmed up before the port opens."""
+    import torch
+
     from ..eval.policy import load_policy
     from .package import load_package
 
@@ -399,6 +402,9 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
     pkg = load_package(bundle)
     policy = BundlePolicy(load_policy(pkg.model_dir, device=device, solver=solver))
     configure_logging()
+    if torch.device(device).type == "cuda":
+        policy.embodied.policy.set_compile(True if compile is None else compile)
+        warm_up(policy.embodied)
     scheme = "wss" if ssl else "ws"
     if auth is None:
         log.warning("WARNING: --no-auth: anyone who can reach this port can drive the robot through this policy. "
@@ -409,6 +415,18 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
     log.info(f"clients send {sorted(policy.spec.images)} + {sorted(policy.spec.state)} + prompt"
              + (f"; RoboArena handshake {policy.handshake}" if policy.spec.roboarena else ""))
     run_server(PolicyServer(policy, auth, limits), host, port, ssl)
+
+
+def warm_up(embodied) -> None:
+    """One chunk on blank frames before serving: the CUDA graphs are captured (and the block compiled) here, not
+    during a robot's first request."""
+    emb = embodied.embodiment
+    t0 = time.perf_counter()
+    views = {name: np.zeros((*emb.view_size, 3), np.uint8) for name in emb.views}
+    embodied.predict("warm-up", views, np.zeros(sum(embodied.state_dims.values())), "warm up")
+    embodied.end_session("warm-up")
+    log.info(f"warmed up in {time.perf_counter() - t0:.1f} s (CUDA graphs captured"
+             f"{', block compiled' if embodied.policy.compile else ''})")
 
 
 def run_server(server: PolicyServer, host: str, port: int, ssl=None) -> None:

@@ -15,12 +15,18 @@ from dzmodel.eval.libero_eval import EvalConfig, evaluate_policy, plot_success, 
 class FakePolicy:
     action_horizon: int = 4
     calls: int = 0
+    batches: list = None   # sessions per predict_batch call
+
     ended: list = None
 
     def predict(self, session_id, views, state, instruction):
         assert set(views) == {"image", "wrist_image"} and state.shape == (8,)
         self.calls += 1
         return np.full((self.action_horizon, 7), 0.5)
+
+    def predict_batch(self, requests):
+        self.batches = (self.batches or []) + [len(requests)]
+        return [self.predict(*r) for r in requests]
 
     def end_session(self, session_id):
         self.ended = (self.ended or []) + [session_id]

@@ -48,6 +48,11 @@ def test_the_graph_code_path_equals_the_direct_one(tmp_path):
     for obs in (_obs(0, session="g"), _obs(1, frames=8, session="g"), _obs(2, session="h")):
         np.testing.assert_allclose(graphed.predict_actions(dict(obs)), direct.predict_actions(dict(obs)),
                                    rtol=1e-5, atol=1e-6)
+    # three sessions are padded to a batch of four (one captured shape per power of two); the pad is dropped
+    batch = [_obs(3 + i, session=f"b{i}") for i in range(3)]
+    for g, d in zip(graphed.predict_batch(batch), direct.predict_batch(batch)):
+        np.testing.assert_allclose(g, d, rtol=1e-4, atol=1e-5)
+    assert not any(sid.startswith("b3") for sid in graphed.sessions)
 
 
 def test_frames_sent_in_pieces_equal_frames_sent_at_once(tmp_path):
@@ -117,3 +122,32 @@ def test_solver_schedule_is_validated():
         SolverConfig(num_steps=2, dit_steps="FT")
     with pytest.raises(ValueError, match="string of T and F"):
         SolverConfig(num_steps=2, dit_steps="TX")
+
+
+def test_first_frame_condition_is_encoded_only_as_far_as_needed(tmp_path):
+    """14B-style models (concat_first_frame_latent): y grows block by block with its own VAE stream and equals the
+    first frames of encoding the whole window [frame 0, zeros...] at once (what the policy did before)."""
+    import numpy as np
+
+    from dzmodel.model.args import preset
+    from dzmodel.model.components import build_encoders, build_policy
+    from dzmodel.model.inference import NormStats
+    from dzmodel.model.tokenizer import build_tiny_tokenizer, load_tokenizer
+    from dzmodel.model.wam import DreamZeroWAM
+
+    torch.manual_seed(0)
+    model = DreamZeroWAM(preset("tiny", in_dim=8 + 4 + 8, concat_first_frame_latent=True))  # noisy | mask | z
+    stats = NormStats(q01=-np.ones(7), q99=np.ones(7))
+    policy = build_policy(model, build_encoders("tiny"), load_tokenizer(build_tiny_tokenizer(tmp_path)), stats,
+                          NormStats(q01=-np.ones(8), q99=np.ones(8)), solver=SolverConfig(num_steps=2, cfg_scale=5.0))
+    policy.predict_actions(_obs(0))
+    session = policy.sessions["s"]
+    assert session.cond.y.shape[2] == 1 + 2  # frame 0 and the block being solved
+    frame0 = policy._frames(_obs(0)["images"])[:, :, -1]
+    chunk = policy.predict_actions(_obs(1, frames=8))
+    assert session.cache.num_frames == 3 and session.cond.y.shape[2] == 5 and np.isfinite(chunk).all()
+    window = (model.args.local_attn_size - 1) * 4 + 1
+    whole = policy._encode(torch.cat([frame0[:, :, None], frame0.new_zeros(1, 3, window - 1, 64, 64)], dim=2))
+    torch.testing.assert_close(session.cond.y[0:1, 4:], whole[:, :, :5], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(session.cond.y[1:2], session.cond.y[0:1])  # the unconditional branch's copy
+    assert (session.cond.y[:, :4, 0] == 1).all() and (session.cond.y[:, :4, 1:] == 0).all()
