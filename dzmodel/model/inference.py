@@ -140,10 +140,12 @@ def prefill_kv(model: DreamZeroWAM, cache: KVCache, latents: torch.Tensor, cond:
 
 @torch.no_grad()
 def denoise_velocity(model: DreamZeroWAM, cache: KVCache, noisy_video: torch.Tensor, noisy_actions: torch.Tensor,
-                     state: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
+                     state: torch.Tensor, t: torch.Tensor, cond: Conditioning,
+                     cross: list[tuple[torch.Tensor, ...]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Velocity for the next block given the cached history.
 
-    noisy_video [B, C, nfpb, H, W]; noisy_actions [B, A, action_dim]; state [B, S, max_state_dim]; t [B]."""
+    noisy_video [B, C, nfpb, H, W]; noisy_actions [B, A, action_dim]; state [B, S, max_state_dim]; t [B];
+    cross: `model.cross_kv(cond.text, cond.image)`, when the caller reuses it across steps."""
     a = model.args
     if cache.num_frames < 1 or (cache.num_frames - 1) % a.num_frame_per_block:
         raise ValueError(f"the cache must hold frame 0 plus whole blocks, holds {cache.num_frames} frames")
@@ -161,7 +163,7 @@ def denoise_velocity(model: DreamZeroWAM, cache: KVCache, noisy_video: torch.Ten
     n_new, n_cache = x.shape[1], cache.num_tokens
     mask = torch.ones(n_new, n_cache + n_new, dtype=torch.bool, device=x.device)
     mask[n_new - S:, : n_cache + n_new - S] = False  # state tokens attend only themselves
-    x, _ = model.run_blocks(x, e0, rope, cond.text, cond.image, mask=mask, cache=cache.layers)
+    x, _ = model.run_blocks(x, e0, rope, cond.text, cond.image, mask=mask, cache=cache.layers, cross=cross)
     video_vel = model.unpatchify(model.head(x[:, :nv], e.expand(B, nv, a.dim)), grid)
     action_vel = model.action_decoder(x[:, nv:nv + A])
     return video_vel, action_vel
@@ -241,12 +243,13 @@ def solve(model: DreamZeroWAM, cache: KVCache, cond: Conditioning, state: torch.
     sigmas = solver.sigmas()
     pair = 2 if guided else 1
     state_in = state.to(dtype).repeat_interleave(pair, 0)
+    cross = model.cross_kv(cond.text, cond.image)  # once per chunk, not once per step
     v_video = v_action = None
     for run, s, s_next in zip(solver.dit_mask(), sigmas[:-1], sigmas[1:]):
         if run:
             t = torch.full((B * pair,), s * 1000.0, device=video.device)
             vv, va = denoise_velocity(model, cache, video.to(dtype).repeat_interleave(pair, 0),
-                                      actions.to(dtype).repeat_interleave(pair, 0), state_in, t, cond)
+                                      actions.to(dtype).repeat_interleave(pair, 0), state_in, t, cond, cross)
             vv, va = vv.float().unflatten(0, (B, pair)), va.float().unflatten(0, (B, pair))
             v_video = vv[:, 1] + solver.cfg_scale * (vv[:, 0] - vv[:, 1]) if guided else vv[:, 0]
             v_action = va[:, 0]
@@ -261,12 +264,13 @@ def solve_two_passes(model: DreamZeroWAM, caches: tuple[KVCache, KVCache], conds
     """The guided solver with separate conditional and unconditional forwards (`batch_cfg=False`, the reference)."""
     dtype = model.patch_embedding.weight.dtype
     sigmas = solver.sigmas()
+    cross = [model.cross_kv(c.text, c.image) for c in conds]
     for run, s, s_next in zip(solver.dit_mask(), sigmas[:-1], sigmas[1:]):
         if run:
             t = torch.full((video.shape[0],), s * 1000.0, device=video.device)
             args = (video.to(dtype), actions.to(dtype), state.to(dtype), t)
-            v_video, v_action = denoise_velocity(model, caches[0], args[0], args[1], args[2], args[3], conds[0])
-            u_video, _ = denoise_velocity(model, caches[1], args[0], args[1], args[2], args[3], conds[1])
+            v_video, v_action = denoise_velocity(model, caches[0], *args, conds[0], cross[0])
+            u_video, _ = denoise_velocity(model, caches[1], *args, conds[1], cross[1])
             v_video = u_video.float() + solver.cfg_scale * (v_video.float() - u_video.float())
             v_action = v_action.float()
         video = video + (s_next - s) * v_video

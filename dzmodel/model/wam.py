@@ -203,11 +203,18 @@ class DreamZeroWAM(WanModel):
     def run_blocks(self, x: torch.Tensor, e0: Modulation, rope: Rope, text: torch.Tensor,
                    image: torch.Tensor | None, mask: AttnMask,
                    cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   cross: list[tuple[torch.Tensor, ...]] | None = None,
                    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Every layer over new tokens `x`, attending [cache | own]. Returns x and each layer's own K/V."""
+        """Every layer over new tokens `x`, attending [cache | own]. Returns x and each layer's own K/V.
+        cross: each layer's precomputed cross-attention context K/V (`cross_kv`), else computed here."""
         own = []
         run = self.block_runner or WanAttentionBlock.forward_with_kv
         for i, block in enumerate(self.blocks):
-            x, kv = run(block, x, e0, rope, text, image, mask, None if cache is None else cache[i])
+            x, kv = run(block, x, e0, rope, text, image, mask, None if cache is None else cache[i],
+                        None if cross is None else cross[i])
             own.append(kv)
         return x, own
+
+    def cross_kv(self, text: torch.Tensor, image: torch.Tensor | None) -> list[tuple[torch.Tensor, ...]]:
+        """Every layer's cross-attention K/V of a context: the same at every solver step of a chunk."""
+        return [block.cross_attn.context_kv(text, image) for block in self.blocks]

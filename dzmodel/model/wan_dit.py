@@ -161,10 +161,15 @@ class WanT2VCrossAttention(AttentionProjections):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], -1, self.num_heads, self.head_dim)
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+    def context_kv(self, text: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """The context's K and V as [B, L, H, D]. They depend on the context only, so a solver computes them once
+        per chunk and passes them to every step (`kv`)."""
+        return self._heads(self.norm_k(self.k(text))), self._heads(self.v(text))
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None,
+                kv: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        k, v = self.context_kv(text, image) if kv is None else kv
         q = self._heads(self.norm_q(self.q(x)))
-        k = self._heads(self.norm_k(self.k(text)))
-        v = self._heads(self.v(text))
         return self.o(attention(q, k, v).flatten(2))
 
 
@@ -177,14 +182,16 @@ class WanI2VCrossAttention(WanT2VCrossAttention):
         self.v_img = nn.Linear(dim, dim)
         self.norm_k_img = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+    def context_kv(self, text: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         if image is None:
             raise ValueError("i2v cross-attention needs CLIP image tokens")
+        return (*super().context_kv(text), self._heads(self.norm_k_img(self.k_img(image))),
+                self._heads(self.v_img(image)))
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None,
+                kv: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        k, v, k_img, v_img = self.context_kv(text, image) if kv is None else kv
         q = self._heads(self.norm_q(self.q(x)))
-        k = self._heads(self.norm_k(self.k(text)))
-        v = self._heads(self.v(text))
-        k_img = self._heads(self.norm_k_img(self.k_img(image)))
-        v_img = self._heads(self.v_img(image))
         out = attention(q, k, v).flatten(2) + attention(q, k_img, v_img).flatten(2)
         return self.o(out)
 
@@ -276,12 +283,14 @@ class WanAttentionBlock(nn.Module):
 
     def forward_with_kv(self, x: torch.Tensor, e0: Modulation, rope: Rope, text: torch.Tensor,
                         image: torch.Tensor | None = None, mask: AttnMask = None,
-                        past_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """The block, attending [past_kv | own]; also returns own roped (k, v) for a KV cache."""
+                        past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        cross_kv: tuple[torch.Tensor, ...] | None = None):
+        """The block, attending [past_kv | own]; also returns own roped (k, v) for a KV cache.
+        cross_kv: the cross-attention's context K/V, precomputed (`cross_attn.context_kv`)."""
         m, runs = self.modulation_terms(e0)
         y, own_kv = self.self_attn(per_run(modulate, runs, (self.norm1(x),), m[0:2]).type_as(x), rope, mask, past_kv)
         x = per_run(gated_residual, runs, (x, y), m[2:3]).type_as(x)
-        x = x + self.cross_attn(self.norm3(x), text, image)
+        x = x + self.cross_attn(self.norm3(x), text, image, cross_kv)
         y = self.ffn(per_run(modulate, runs, (self.norm2(x),), m[3:5]).type_as(x))
         return per_run(gated_residual, runs, (x, y), m[5:6]).type_as(x), own_kv
 

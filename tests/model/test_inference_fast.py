@@ -151,3 +151,22 @@ def test_first_frame_condition_is_encoded_only_as_far_as_needed(tmp_path):
     torch.testing.assert_close(session.cond.y[0:1, 4:], whole[:, :, :5], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(session.cond.y[1:2], session.cond.y[0:1])  # the unconditional branch's copy
     assert (session.cond.y[:, :4, 0] == 1).all() and (session.cond.y[:, :4, 1:] == 0).all()
+
+
+def test_cross_attention_kv_computed_once_equals_per_step():
+    """The solver computes every layer's text/image K/V once per chunk; a step given them equals one that
+    computes them itself."""
+    from dzmodel.model.inference import denoise_velocity
+
+    torch.manual_seed(0)
+    model = tiny_model()
+    b = tiny_batch(model.args, batch=2)
+    cond = Conditioning(*model.embed_context(b["context"], b["clip_feature"]))
+    cache = KVCache()
+    prefill(model, cache, b["clean_latents"][:, :, :1], cond)
+    args = (b["noisy_latents"][:, :, 1:3], b["noisy_actions"][:, :4], b["state"][:, :1], b["timestep"][:, 1])
+    with torch.no_grad():
+        fresh = denoise_velocity(model, cache, *args, cond)
+        reused = denoise_velocity(model, cache, *args, cond, model.cross_kv(cond.text, cond.image))
+    for x, y in zip(fresh, reused):
+        torch.testing.assert_close(x, y)
