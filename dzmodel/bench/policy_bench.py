@@ -42,6 +42,7 @@ class PolicySetting:
     text_cache: bool = True
     cuda_graphs: bool = True
     compile: bool = False
+    reuse_cross_kv: bool = True
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
@@ -49,24 +50,25 @@ class PolicySetting:
 
     def solver(self) -> SolverConfig:
         return SolverConfig(num_steps=self.solver_steps, cfg_scale=self.cfg_scale, batch_cfg=self.batch_cfg,
-                            dit_steps=self.dit_steps)
+                            dit_steps=self.dit_steps, reuse_cross_kv=self.reuse_cross_kv)
 
 
 def ladder() -> list[PolicySetting]:
     """The optimisations one at a time (each row keeps the ones above), then the fewer-step settings."""
-    rows = [PolicySetting("before: fp32 weights + autocast, two CFG passes, umT5 every call, eager", weights="autocast",
-                          batch_cfg=False, text_cache=False, cuda_graphs=False)]
+    rows = [PolicySetting("old settings: fp32 weights + autocast, two CFG passes, umT5 every call, eager",
+                          weights="autocast", batch_cfg=False, text_cache=False, cuda_graphs=False, reuse_cross_kv=False)]
     for name, change in (("+ CFG as one batch-2 forward", dict(batch_cfg=True)),
                          ("+ bf16 weights", dict(weights="bf16")),
                          ("+ umT5 cached per prompt", dict(text_cache=True)),
                          ("+ CUDA graphs (prefill, solver)", dict(cuda_graphs=True)),
+                         ("+ cross-attention K/V once per chunk", dict(reuse_cross_kv=True)),
+                         ("+ torch.compile of the DiT block", dict(compile=True)),
                          ("+ DiT caching: 8 of 16 steps (upstream schedule)", dict(dit_steps="upstream"))):
         rows.append(replace(rows[-1], name=name, **change))
-    full = rows[-2]  # every optimisation, all 16 DiT steps
-    rows += [replace(full, name="fast: 4 steps, CFG 5", solver_steps=4),
-             replace(full, name="fast: 4 steps, no CFG", solver_steps=4, cfg_scale=1.0),
-             replace(full, name="fast: 16 steps (upstream DiT caching), no CFG", dit_steps="upstream", cfg_scale=1.0),
-             replace(full, name="fast: 4 steps, CFG 5, + torch.compile of the blocks", solver_steps=4, compile=True)]
+    deploy = rows[-1]
+    rows += [replace(deploy, name="deploy, no CFG", cfg_scale=1.0),
+             replace(deploy, name="fast: 4 steps, CFG 5", solver_steps=4, dit_steps=""),
+             replace(deploy, name="fast: 4 steps, no CFG", solver_steps=4, dit_steps="", cfg_scale=1.0)]
     return rows
 
 

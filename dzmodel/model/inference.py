@@ -182,6 +182,7 @@ class SolverConfig:
     # which solver steps run the DiT ("T") and which reuse its last velocity ("F"), as upstream's DiT caching;
     # "" runs it at every step, "upstream" is upstream's 16-step schedule (8 DiT forwards)
     dit_steps: str = ""
+    reuse_cross_kv: bool = True   # the context's cross-attention K/V once per chunk (False: at every step, as before)
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -243,7 +244,7 @@ def solve(model: DreamZeroWAM, cache: KVCache, cond: Conditioning, state: torch.
     sigmas = solver.sigmas()
     pair = 2 if guided else 1
     state_in = state.to(dtype).repeat_interleave(pair, 0)
-    cross = model.cross_kv(cond.text, cond.image)  # once per chunk, not once per step
+    cross = model.cross_kv(cond.text, cond.image) if solver.reuse_cross_kv else None  # once per chunk
     v_video = v_action = None
     for run, s, s_next in zip(solver.dit_mask(), sigmas[:-1], sigmas[1:]):
         if run:
@@ -264,7 +265,7 @@ def solve_two_passes(model: DreamZeroWAM, caches: tuple[KVCache, KVCache], conds
     """The guided solver with separate conditional and unconditional forwards (`batch_cfg=False`, the reference)."""
     dtype = model.patch_embedding.weight.dtype
     sigmas = solver.sigmas()
-    cross = [model.cross_kv(c.text, c.image) for c in conds]
+    cross = [model.cross_kv(c.text, c.image) if solver.reuse_cross_kv else None for c in conds]
     for run, s, s_next in zip(solver.dit_mask(), sigmas[:-1], sigmas[1:]):
         if run:
             t = torch.full((video.shape[0],), s * 1000.0, device=video.device)
