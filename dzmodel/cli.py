@@ -612,18 +612,23 @@ def _add_plugin_commands(sub) -> None:
 
 # --- parser ----------------------------------------------------------------------------
 
-def add_solver_arguments(p: argparse.ArgumentParser) -> None:
+def add_solver_arguments(p: argparse.ArgumentParser, dit_steps: str = "") -> None:
     p.add_argument("--solver-steps", type=int, default=16, help="Euler steps of the flow solver")
     p.add_argument("--cfg-scale", type=float, default=5.0, help="classifier-free guidance on the video (1 = off)")
-    p.add_argument("--dit-steps", default="", help="which solver steps run the DiT (T) or reuse its velocity (F), "
-                   "e.g. TTTFFFTFFFTFFTTT; 'upstream' = that 16-step schedule; default: every step")
+    p.add_argument("--dit-steps", default=dit_steps, help="which solver steps run the DiT (T) or reuse its velocity "
+                   "(F), e.g. TTTFFFTFFFTFFTTT; 'upstream' = that 16-step schedule (8 DiT forwards); '' = every step"
+                   + ("; 'auto' (default) = upstream at 16 solver steps, else every step" if dit_steps == "auto" else
+                      " (default)"))
 
 
 def solver_from(ns: argparse.Namespace):
     from .model.inference import SolverConfig
 
+    dit_steps = ns.dit_steps
+    if dit_steps == "auto":  # dz serve: upstream's schedule at its 16 steps, every step otherwise
+        dit_steps = "upstream" if ns.solver_steps == 16 else ""
     try:
-        return SolverConfig(num_steps=ns.solver_steps, cfg_scale=ns.cfg_scale, dit_steps=ns.dit_steps)
+        return SolverConfig(num_steps=ns.solver_steps, cfg_scale=ns.cfg_scale, dit_steps=dit_steps)
     except ValueError as exc:
         raise CLIError(f"--solver-steps/--dit-steps: {exc}") from None
 
@@ -758,7 +763,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-frames", type=int, default=33, help="most camera frames per view in one request")
     p.add_argument("--no-compile", action="store_true", help="on CUDA: skip torch.compile of the DiT block "
                    "(faster start, slower chunks; CUDA graphs stay on)")
-    add_solver_arguments(p)
+    add_solver_arguments(p, dit_steps="auto")  # the deployed setting: upstream's 8 of 16 DiT steps
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("client", help="drive the LIBERO Panda (the sim Franka) through a policy server; "

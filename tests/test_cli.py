@@ -124,3 +124,19 @@ def test_model_tokenizer_builds_a_loadable_directory(tmp_path, capsys):
     assert "640-token tokenizer" in capsys.readouterr().out
     ids, mask = load_tokenizer(tmp_path / "tok")(["open the drawer"], max_length=8)
     assert ids.shape == (1, 8) and int(mask.sum()) >= 2
+
+
+def test_serve_deploys_upstreams_dit_schedule_at_16_steps_only():
+    """dz serve's default ('auto'): 8 of 16 DiT forwards at 16 solver steps; every step at other counts, so
+    `--solver-steps 4` works without also passing --dit-steps; a bad schedule is one CLI error."""
+    import argparse
+
+    import pytest
+
+    from dzmodel.cli import CLIError, solver_from
+
+    ns = argparse.Namespace(solver_steps=16, cfg_scale=5.0, dit_steps="auto")
+    assert solver_from(ns).dit_forwards == 8
+    assert solver_from(argparse.Namespace(solver_steps=4, cfg_scale=5.0, dit_steps="auto")).dit_forwards == 4
+    with pytest.raises(CLIError, match="dit-steps"):
+        solver_from(argparse.Namespace(solver_steps=4, cfg_scale=5.0, dit_steps="TTX"))

@@ -80,11 +80,12 @@ class _Running:
 
 def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path | None = None,
                     progress: bool = True, tag: str = "", tasks: list | None = None,
-                    pool_factory=None, episodes: list | None = None) -> list[EpisodeResult]:
+                    pool_factory=None, episodes: list | None = None, timing: dict | None = None) -> list[EpisodeResult]:
     """Run the configured episodes; videos go to `out_dir/videos/` when out_dir is given.
     `tasks` and `pool_factory(num_workers)` default to the suite's LIBERO tasks and env worker processes.
     `episodes` [(TaskSpec, episode id, EpisodeInit)] replaces the grid of tasks x standard init states
-    (the oracle replays recorded episodes from their recorded init states this way)."""
+    (the oracle replays recorded episodes from their recorded init states this way).
+    `timing`, if given, receives the seconds spent in the policy and in env steps, the chunks and the forwards."""
     from .libero_env import EnvWorkerPool, WorkerCrashed, env_action, get_suite, list_tasks
 
     tasks = list_tasks(cfg.suite) if tasks is None else tasks
@@ -110,6 +111,9 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
     if pool_factory is None:
         def pool_factory(n):
             return EnvWorkerPool(n, camera_size=cfg.camera_size, timeout_s=cfg.worker_timeout_s, seed=cfg.seed)
+    clock = timing if timing is not None else {}
+    for key in ("policy_s", "env_s", "chunks", "forwards"):
+        clock.setdefault(key, 0)
     with pool_factory(min(cfg.num_workers, total)) as pool:
         running: dict[int, _Running] = {}
         free = list(range(pool.num_workers))
@@ -164,16 +168,22 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
             requests = [(_session(running[w]), {"image": running[w].obs["image"],
                                                 "wrist_image": running[w].obs["wrist_image"]},
                          running[w].obs["state"], running[w].task.language) for w in need]
+            t0 = time.perf_counter()
             if cfg.batch_policy:  # every episode that needs a chunk, in one policy forward
                 chunks = policy.predict_batch(requests) if requests else []
             else:
                 chunks = [policy.predict(*r) for r in requests]
+            clock["policy_s"] += time.perf_counter() - t0
+            clock["chunks"] += len(requests)
+            clock["forwards"] += (1 if cfg.batch_policy else len(requests)) if requests else 0
             for w, chunk in zip(need, chunks):
                 running[w].queue = list(chunk[:per_chunk])
             actions = {w: env_action(run.queue.pop(0), cfg.binarize_gripper) for w, run in running.items()}
             if not actions:
                 continue
+            t0 = time.perf_counter()
             replies = pool.step(actions)
+            clock["env_s"] += time.perf_counter() - t0
             for w in list(actions):
                 run, r = running[w], replies.get(w)
                 if isinstance(r, WorkerCrashed) or r is None:
@@ -273,8 +283,8 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
                  compile: bool = False) -> list[dict]:
     """Evaluate every saved step of a training run (or `steps`), converting each checkpoint as needed,
     or one converted model directory. `embodiment`, if given, must be the one the checkpoint trained on.
-    Writes results.csv, episodes.csv, summary.json, success_vs_step.png
-    and videos/ under out_dir."""
+    Writes results.csv, episodes.csv, summary.json, success_vs_step.png, timing.json (wall, policy and env seconds
+    per step) and videos/ under out_dir."""
     from .libero_env import check_libero, ensure_libero_config
     from .policy import PolicyLoadError, load_policy
 
@@ -282,17 +292,23 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
     check_libero()
     src, out = Path(run_or_model), Path(out_dir)
     models = _models_to_evaluate(src, out, steps)
-    rows, episodes = [], []
+    rows, episodes, timings = [], [], []
     for step, model_dir in models:
         policy = load_policy(model_dir, device=device, embodiment=embodiment, solver=solver, seed=cfg.seed)
         policy.policy.set_compile(compile)
         if "image" not in policy.embodiment.views or "wrist_image" not in policy.embodiment.views:
             raise PolicyLoadError(f"{model_dir}: embodiment {policy.embodiment.tag!r} has views "
                                   f"{sorted(policy.embodiment.views)}; LIBERO gives 'image' and 'wrist_image'")
-        results = evaluate_policy(policy, cfg, out, progress=progress, tag=f"step{step}")
+        started, timing = time.perf_counter(), {}
+        results = evaluate_policy(policy, cfg, out, progress=progress, tag=f"step{step}", timing=timing)
+        timings.append({"step": step, "wall_s": round(time.perf_counter() - started, 1),
+                        "episodes_per_min": round(len(results) * 60 / (time.perf_counter() - started), 2),
+                        "batch_policy": cfg.batch_policy,
+                        **{k: round(v, 2) if isinstance(v, float) else v for k, v in timing.items()}})
         rows += summarize(results, step)
         episodes += [{"step": step, **asdict(r)} for r in results]
         write_results(out, rows, episodes)  # after every step: a long evaluation keeps what it has
+        atomic_write_text(out / "timing.json", json.dumps(timings, indent=1))
     plot_success(rows, out / "success_vs_step.png", f"LIBERO-{cfg.suite}: success vs training step")
     return rows
 

@@ -95,6 +95,25 @@ def test_success_once_chunks_and_crash_retry():
     assert len(policy.ended) >= 6  # every episode's KV-cache session is released
 
 
+def test_episodes_needing_a_chunk_share_one_policy_forward():
+    """Batched (default): both running episodes query together, one predict_batch per step that needs chunks; with
+    batch_policy off each episode queries alone. Same results either way; the timing counts chunks and forwards."""
+    runs = {}
+    for batched in (True, False):
+        policy = FakePolicy()
+        timing = {}
+        config = EvalConfig(episodes_per_task=2, max_steps=10, num_workers=2, videos=0, actions_per_chunk=2,
+                            batch_policy=batched)
+        results = evaluate_policy(policy, config, progress=False, tasks=_tasks(), timing=timing,
+                                  pool_factory=lambda n: ScriptedPool(n, {(0, 0): 3}, {}))
+        runs[batched] = (policy, timing, [(r.task, r.episode, r.success, r.steps) for r in results])
+    (bp, bt, bres), (sp, st, sres) = runs[True], runs[False]
+    assert bres == sres and bp.calls == sp.calls == bt["chunks"] == st["chunks"]
+    assert max(bp.batches) == 2 and sp.batches is None
+    assert bt["forwards"] < bt["chunks"] and st["forwards"] == st["chunks"]
+    assert bt["policy_s"] >= 0 and bt["env_s"] >= 0
+
+
 def test_tables_and_plot(tmp_path):
     _, res = _run(success_at={(0, 0): 1, (0, 1): 1, (1, 0): 2}, crashes={})
     rows = summarize(list(res.values()), step=100) + summarize(list(res.values())[:2], step=200)
