@@ -15,7 +15,6 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dzmodel.config import Profile, StagePaths, flatten, profile_dict
 from dzmodel.pipeline import files_under
@@ -300,18 +299,6 @@ def promote(uri: str, registered_model: str, version: str | None, alias: str, mi
         client.log_dict(run_id, decision, "promotion.json")
         client.set_tag(run_id, "promotion", reason)
     return decision
-
-
-def compare_runs(uri: str, experiment: str, metric_keys: list[str]) -> list[dict[str, Any]]:
-    """The latest value of each metric for every parent run of an experiment (what `mlflow ui` compares)."""
-    client = _client(uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        return []
-    runs = client.search_runs([exp.experiment_id], filter_string="tags.pipeline = 'sft_pipeline'",
-                              order_by=["attributes.start_time ASC"])
-    return [{"run_id": r.info.run_id, "run_name": r.info.run_name,
-             **{k: r.data.metrics.get(k) for k in metric_keys}} for r in runs]
 
 
 # --- serving from the registry -------------------------------------------------------------------------

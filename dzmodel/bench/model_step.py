@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..model.args import preset
-from ..model.flops import droid_layout, wam_forward_flops
+from ..model.attention import latent_layout
+from ..model.flops import wam_forward_flops
 from ..model.wam import DreamZeroWAM
 
 H100_BF16_PEAK = 989e12
@@ -96,7 +97,7 @@ def bench_step(preset_name: str = "dreamzero_5b", num_layers: int | None = 4, ba
     model.train()
     gen = torch.Generator(device=device).manual_seed(0)
     inputs = random_inputs(model, batch, latent_hw, device, dtype, gen)
-    layout = droid_layout(args, latent_hw)
+    layout = latent_layout(args, latent_hw)
     mask = model.make_mask(layout, backend, torch.device(device))
     flops = wam_forward_flops(args, layout).train() * batch
 
@@ -157,7 +158,7 @@ def check_flex_vs_sdpa(preset_name: str = "tiny", num_layers: int | None = None,
         model = DreamZeroWAM(args).to(dtype)
     gen = torch.Generator(device=device).manual_seed(1)
     inputs = random_inputs(model, batch, latent_hw, device, dtype, gen)
-    layout = droid_layout(args, latent_hw)
+    layout = latent_layout(args, latent_hw)
     results, grads = {}, {}
     for backend in ("sdpa", "flex"):
         out = model(**inputs, mask=model.make_mask(layout, backend, torch.device(device)))

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ..model.args import preset
-from ..model.flops import droid_layout, wam_forward_flops
+from ..model.attention import latent_layout
+from ..model.flops import wam_forward_flops
 from ..model.objective import FlowMatchSchedule, flow_matching_losses, sample_timestep_ids
 from ..model.wam import DreamZeroWAM
 from ..train.parallelize import apply_fsdp, apply_recompute_and_compile, build_adamw
@@ -85,7 +86,7 @@ def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int,
                       device_type=torch.device(device).type)
     gen = torch.Generator(device=device).manual_seed(0)
     inputs = random_inputs(model, micro_batch, latent_hw, device, torch.float32, gen)
-    layout = droid_layout(args, latent_hw)
+    layout = latent_layout(args, latent_hw)
     mask = model.make_mask(layout, attention, torch.device(device))
     sched = FlowMatchSchedule()
     A, K = args.num_action_per_block, args.max_chunk_size

@@ -178,10 +178,11 @@ def block_parts(preset_name: str, latent_hw, micro_batch: int = 1, device: str =
 
     from ..model.args import preset
     from ..model.attention import SegmentedMask, segmented_attention, teacher_forcing_block_mask
-    from ..model.flops import allowed_pairs, droid_layout
+    from ..model.attention import latent_layout
+    from ..model.flops import allowed_pairs
 
     args = preset(preset_name)
-    layout = droid_layout(args, latent_hw)
+    layout = latent_layout(args, latent_hw)
     L, d, ffn, C = layout.seq_len * micro_batch, args.dim, args.ffn_dim, args.text_len + args.clip_tokens
     H, D = args.num_heads, args.head_dim
     dev, bf = device, torch.bfloat16

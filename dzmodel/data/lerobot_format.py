@@ -32,7 +32,6 @@ V3_TASKS_PATH = "meta/tasks.parquet"
 V3_EPISODES_DIR = "meta/episodes"
 V2_EPISODES_PATH = "meta/episodes.jsonl"
 V2_TASKS_PATH = "meta/tasks.jsonl"
-FRAME_KEYS = ("timestamp", "frame_index", "episode_index", "index", "task_index")
 _TABLE_CACHE_FILES = 4
 _IMAGE_ROW_GROUPS_CACHED = 8
 

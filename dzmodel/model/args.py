@@ -157,11 +157,6 @@ PRESETS = {
 # Presets whose frozen encoders and tokenizer are the project's small offline ones (no WAN files exist for them).
 OFFLINE_PRESETS = ("tiny", "small")
 
-# Which VAE / manifest entry each DreamZero preset pairs with.
-PRESET_VAE = {"tiny": "wan2.2", "small": "wan2.2", "dreamzero_5b": "wan2.2", "dreamzero_14b": "wan2.1"}
-PRESET_WAN_MANIFEST = {"dreamzero_5b": "wan2.2_ti2v_5b_dit", "dreamzero_14b": "wan2.1_i2v_14b_dit",
-                       "wan2.2_ti2v_5b": "wan2.2_ti2v_5b_dit", "wan2.1_i2v_14b": "wan2.1_i2v_14b_dit"}
-
 
 def preset(name: str, **overrides: Any) -> WanDiTArgs:
     """A preset's args, with optional field overrides (e.g. num_layers=2 for a cut-down model)."""

@@ -106,6 +106,19 @@ def allowed(q_kind: torch.Tensor, q_block: torch.Tensor, k_kind: torch.Tensor, k
     return clean_rule | noisy0_rule | noisy_rule | state_rule
 
 
+def latent_layout(args, latent_hw: tuple[int, int], num_frames: int | None = None) -> TeacherForcingLayout:
+    """The one conversion from latents to the token layout: a latent frame's (H, W) before patching, and the latent
+    frames of the sample (default: the training window, frame 0 plus max_chunk_size blocks). args: DreamZeroArgs."""
+    nfpb, p = args.num_frame_per_block, args.patch_size
+    num_frames = 1 + nfpb * args.max_chunk_size if num_frames is None else num_frames // p[0]
+    if (num_frames - 1) % nfpb or num_frames < 1 + nfpb:
+        raise ValueError(f"latent frames must be 1 + k·{nfpb} (k >= 1), got {num_frames}")
+    return TeacherForcingLayout(num_blocks=(num_frames - 1) // nfpb,
+                                frame_seqlen=(latent_hw[0] // p[1]) * (latent_hw[1] // p[2]),
+                                num_frame_per_block=nfpb, num_action_per_block=args.num_action_per_block,
+                                num_state_per_block=args.num_state_per_block)
+
+
 def teacher_forcing_mask(layout: TeacherForcingLayout, device: torch.device | str = "cpu") -> torch.Tensor:
     """Dense [L, L] bool mask, mask[q, k] = True where query q attends key k (SDPA convention)."""
     kinds, blocks = (t.to(device) for t in layout.groups())

@@ -64,11 +64,3 @@ def wam_forward_flops(args: DreamZeroArgs, layout: TeacherForcingLayout) -> Flop
     return FlopsBreakdown(linear=linear, self_attn=self_attn, cross_attn=cross_attn, outside=outside)
 
 
-def droid_layout(args: DreamZeroArgs, latent_hw: tuple[int, int]) -> TeacherForcingLayout:
-    """The DROID training sample: max_chunk_size blocks over a latent grid of latent_hw (before patching)."""
-    p = args.patch_size
-    fs = (latent_hw[0] // p[1]) * (latent_hw[1] // p[2])
-    return TeacherForcingLayout(num_blocks=args.max_chunk_size, frame_seqlen=fs,
-                                num_frame_per_block=args.num_frame_per_block,
-                                num_action_per_block=args.num_action_per_block,
-                                num_state_per_block=args.num_state_per_block)

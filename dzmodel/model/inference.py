@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -335,10 +335,6 @@ class StageTimer:
 
 
 # --- policy ----------------------------------------------------------------------------
-
-
-class VideoEncoder(Protocol):
-    def encode(self, video: torch.Tensor, state: StreamState | None = None) -> torch.Tensor: ...
 
 
 @dataclass

@@ -15,16 +15,6 @@ import torch
 
 MANIFEST_PATH = Path(__file__).with_name("specs") / "wan_state_dict_manifest.json"
 
-MANIFEST_ENTRIES = (
-    "wan2.2_ti2v_5b_dit",
-    "wan2.1_i2v_14b_dit",
-    "wan2.2_vae",
-    "wan2.1_vae",
-    "umt5_xxl_encoder",
-    "wan2.1_clip_xlm_roberta_vit_h_14_visual",
-)
-
-
 @lru_cache(maxsize=1)
 def load_manifest() -> dict[str, dict[str, list[int]]]:
     with open(MANIFEST_PATH) as f:

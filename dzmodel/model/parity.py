@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from .args import DreamZeroArgs, WanDiTArgs
-from .attention import teacher_forcing_mask
+from .attention import latent_layout, teacher_forcing_mask
 from .objective import FlowMatchSchedule, action_timestep_ids, flow_matching_losses, tie_timestep_ids
 from .state_dict import StateDictError, load_strict
 from .wam import DreamZeroWAM
@@ -221,8 +221,7 @@ def run_wam(tensors, meta, path) -> dict[str, float]:
     }
     if "output.attention_mask" in tensors:
         F_, H, W = t["noisy_latents"].shape[2:]
-        p = args.patch_size
-        layout = model.layout(F_ // p[0], (H // p[1]) * (W // p[2]))
+        layout = latent_layout(args, (H, W), F_)
         mask = teacher_forcing_mask(layout)
         ref = tensors["output.attention_mask"]
         if mask.shape != ref.shape:

@@ -35,8 +35,6 @@ __all__ = [
     "TINY_CORPUS",
 ]
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
 
 def _import_tokenizers():
     try:

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .args import DreamZeroArgs
-from .attention import (AttnMask, SegmentedMask, TeacherForcingLayout, teacher_forcing_block_mask,
+from .attention import (AttnMask, SegmentedMask, TeacherForcingLayout, latent_layout, teacher_forcing_block_mask,
                         teacher_forcing_mask)
 from .wan_dit import GroupedModulation, Modulation, Rope, WanAttentionBlock, WanModel, rope_angles
 
@@ -93,15 +93,6 @@ class DreamZeroWAM(WanModel):
 
     # -- pieces --------------------------------------------------------------
 
-    def layout(self, num_frames: int, frame_seqlen: int) -> TeacherForcingLayout:
-        a = self.args
-        if (num_frames - 1) % a.num_frame_per_block or num_frames < 1 + a.num_frame_per_block:
-            raise ValueError(f"latent frames must be 1 + k·{a.num_frame_per_block} (k >= 1), got {num_frames}")
-        return TeacherForcingLayout(
-            num_blocks=(num_frames - 1) // a.num_frame_per_block, frame_seqlen=frame_seqlen,
-            num_frame_per_block=a.num_frame_per_block, num_action_per_block=a.num_action_per_block,
-            num_state_per_block=a.num_state_per_block)
-
     def register_rope(self, first_block: int, num_blocks: int) -> Rope:
         """1D RoPE for the action tokens then the state tokens of blocks [first, first+num)."""
         a, dev = self.args, self.patch_embedding.weight.device
@@ -163,7 +154,7 @@ class DreamZeroWAM(WanModel):
             raise ValueError(f"clean and noisy latents differ in shape: {clean_grid} vs {grid}")
         B = noisy.shape[0]
         F_, fs = grid[0], grid[1] * grid[2]
-        layout = self.layout(F_, fs)
+        layout = latent_layout(self.args, tuple(noisy_latents.shape[-2:]), noisy_latents.shape[2])
         if timestep.shape != (B, F_):
             raise ValueError(f"timestep must be [B, F] = [{B}, {F_}], got {tuple(timestep.shape)}")
         if noisy_actions.shape[1] != layout.action_len or timestep_action.shape != (B, layout.action_len):

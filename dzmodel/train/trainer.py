@@ -28,7 +28,7 @@ from ..data.lerobot_format import open_dataset
 from ..data.sampling import SampleStream, WindowSpec
 from ..data.video import worker_init_fn
 from ..model.args import OFFLINE_PRESETS, preset
-from ..model.attention import TeacherForcingLayout
+from ..model.attention import latent_layout
 from ..model.flops import wam_forward_flops
 from ..model.objective import FlowMatchSchedule
 from ..model.state_dict import load_wan_dit
@@ -128,11 +128,7 @@ class Trainer:
             self.stream = SampleStream([len(self.cached)], seed=cfg.seed, rank=self.info.rank,
                                        world_size=self.info.world_size)
             self.collate = collate_cached
-            lat = self.cached[0]["clean_latents"]
-            p = a.patch_size
-            fs = (lat.shape[-2] // p[1]) * (lat.shape[-1] // p[2])
-            layout = TeacherForcingLayout(a.max_chunk_size, fs, a.num_frame_per_block, a.num_action_per_block,
-                                          a.num_state_per_block)
+            layout = latent_layout(a, tuple(self.cached[0]["clean_latents"].shape[-2:]))
             self.flops_per_sample = wam_forward_flops(a, layout).train()
             return
         self.cached = None
@@ -154,10 +150,7 @@ class Trainer:
         self.embodiment = emb
         vae_factor = 16 if isinstance(self.encoders.vae, WanVideoVAE38) else 8
         h, w = emb.image_size
-        p = a.patch_size
-        fs = (h // vae_factor // p[1]) * (w // vae_factor // p[2])
-        layout = TeacherForcingLayout(a.max_chunk_size, fs, a.num_frame_per_block, a.num_action_per_block,
-                                      a.num_state_per_block)
+        layout = latent_layout(a, (h // vae_factor, w // vae_factor))
         self.flops_per_sample = wam_forward_flops(a, layout).train()
 
     def _tokenizer(self):
