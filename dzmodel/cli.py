@@ -36,6 +36,12 @@ class CLIError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
+def _deliberate(exc: BaseException) -> bool:
+    """One of the project's own error classes (DataError, ParamsError, ...) or a missing file: what users cause."""
+    return isinstance(exc, FileNotFoundError) or (
+        type(exc) is not ValueError and type(exc).__module__.split(".")[0] in ("dzmodel", "tasks", "flows"))
+
+
 # --- dz model --------------------------------------------------------------------
 
 def cmd_model_parity(ns: argparse.Namespace) -> int:
@@ -607,8 +613,16 @@ def _add_plugin_commands(sub) -> None:
     for ep in entry_points(group="dz.commands"):
         try:
             ep.load()(sub)
-        except ImportError:  # e.g. the GPU image: no Prefect/MLflow, no pipeline commands
-            continue
+        except ImportError as exc:  # e.g. the GPU image: no Prefect/MLflow; the command says so instead of vanishing
+            why = f"importing {ep.value.split(':')[0]} failed: {exc}"
+
+            def unavailable(ns, name=ep.name, why=why):
+                raise CLIError(f"`dz {name}` (and the Prefect/MLflow commands that come with it) is unavailable "
+                               f"here: {why}. Install the pipeline extras (`make setup`).")
+
+            p = sub.add_parser(ep.name, help=f"unavailable: {why}")
+            p.add_argument("args", nargs=argparse.REMAINDER)
+            p.set_defaults(func=unavailable)
 
 # --- parser ----------------------------------------------------------------------------
 
@@ -635,6 +649,7 @@ def solver_from(ns: argparse.Namespace):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dz", description="DreamZero fine-tuning pipeline")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of any error")
     sub = parser.add_subparsers(dest="group", required=True)
 
     model = sub.add_parser("model", help="model library checks").add_subparsers(dest="cmd", required=True)
@@ -936,6 +951,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    if ns.debug:  # every error with its traceback
+        return ns.func(ns)
     try:
         return ns.func(ns)
     except CLIError as exc:
@@ -943,6 +960,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except (ValueError, FileNotFoundError) as exc:  # DataError, ParamsError, ...: one clear message
         print(f"dz: error: {exc}", file=sys.stderr)
+        if not _deliberate(exc):  # a ValueError we did not raise on purpose may be a bug
+            print(f"dz: ({type(exc).__name__}; `dz --debug ...` shows where it came from)", file=sys.stderr)
         return EXIT_USAGE
     except RuntimeError as exc:
         from .pipeline import StageError

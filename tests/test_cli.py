@@ -140,3 +140,40 @@ def test_serve_deploys_upstreams_dit_schedule_at_16_steps_only():
     assert solver_from(argparse.Namespace(solver_steps=4, cfg_scale=5.0, dit_steps="auto")).dit_forwards == 4
     with pytest.raises(CLIError, match="dit-steps"):
         solver_from(argparse.Namespace(solver_steps=4, cfg_scale=5.0, dit_steps="TTX"))
+
+
+def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    """A user error is one line; a stray ValueError also says how to see where it came from; --debug raises."""
+    import pytest
+
+    from dzmodel import cli
+
+    assert cli.main(["eval", "oracle", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dz: error:")
+
+    def buggy(ns):
+        raise ValueError("shapes do not match")
+
+    monkeypatch.setattr(cli, "cmd_params_check", buggy)  # the parser is built inside main, after this
+    assert cli.main(["params", "check"]) == cli.EXIT_USAGE
+    assert "--debug" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="shapes do not match"):
+        cli.main(["--debug", "params", "check"])
+
+
+def test_a_broken_plugin_command_says_what_is_missing(monkeypatch, capsys):
+    import importlib.metadata
+
+    from dzmodel import cli
+
+    class BrokenEntryPoint:
+        name, value = "pipeline", "flows.commands:register"
+
+        def load(self):
+            raise ModuleNotFoundError("No module named 'prefect'", name="prefect")
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [BrokenEntryPoint()])
+    assert cli.main(["pipeline", "run"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "dz pipeline" in err and "prefect" in err and "make setup" in err
