@@ -112,7 +112,7 @@ def cmd_data_fetch(ns: argparse.Namespace) -> int:
 
     synth = {"num_episodes": ns.synth_episodes, "seed": ns.seed} if ns.source == "synthetic" else None
     path = fetch_dataset(ns.source, Path(ns.dest), revision=ns.revision, allow_patterns=ns.allow or None,
-                         synth_kwargs=synth, name=ns.name)
+                         synth_kwargs=synth, name=ns.name, retries=ns.retries, retry_delay_s=ns.retry_delay)
     print(f"dataset ready: {path}")
     return EXIT_OK
 
@@ -674,6 +674,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", help="required for hub ids: a commit sha or tag")
     p.add_argument("--allow", action="append", help="allow-pattern (repeatable), e.g. 'meta/*' 'data/*'")
     p.add_argument("--name", help="directory name under --dest")
+    p.add_argument("--retries", type=int, default=3, help="hub downloads: retries of transient errors (network, 5xx)")
+    p.add_argument("--retry-delay", type=float, default=10.0, help="seconds before the first retry (doubles each time)")
     p.add_argument("--synth-episodes", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_data_fetch)

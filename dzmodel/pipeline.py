@@ -99,7 +99,8 @@ def stage_fetch(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     log(f"fetch: {source} -> {paths.dataset}")
     record = dict(vars(f.record), seed=f.seed) if f.source == "libero" else None
     dest = fetch_dataset(source, paths.data, revision=f.revision, allow_patterns=f.allow or None,
-                         synth_kwargs=synth, name="dataset", record_kwargs=record)
+                         synth_kwargs=synth, name="dataset", record_kwargs=record, retries=f.retries,
+                         retry_delay_s=f.retry_delay_s)
     reader = open_dataset(dest)
     frames = sum(e.length for e in reader.episodes)
     log(f"fetch: {len(reader.episodes)} episodes, {frames} frames at {reader.fps:g} fps, views {reader.video_keys}")

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from prefect import get_run_logger, task
-from prefect.tasks import exponential_backoff
 
 from dzmodel.config import Profile, StagePaths
 from dzmodel.pipeline import run_stage, stage_params
@@ -35,12 +34,6 @@ def _key_from_parameters(context, parameters: dict) -> str:
     return parameters["cache_key"]
 
 
-def _retry_transient(task, task_run, state) -> bool:
-    """Retry network and I/O hiccups; a ValueError (bad data, bad params) fails the same way every time."""
-    exc = state.result(raise_on_failure=False)
-    return isinstance(exc, Exception) and not isinstance(exc, (ValueError, FileNotFoundError, KeyError))
-
-
 def _run(stage: str, prof: Profile, paths: StagePaths, **kwargs) -> dict:
     logger = get_run_logger()
     return run_stage(stage, prof, paths, log=logger.info, **kwargs)
@@ -49,8 +42,9 @@ def _run(stage: str, prof: Profile, paths: StagePaths, **kwargs) -> dict:
 _CACHED = dict(cache_key_fn=_key_from_parameters, persist_result=True, cache_expiration=timedelta(days=90))
 
 
-@task(name="fetch", retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=10), retry_jitter_factor=0.5,
-      retry_condition_fn=_retry_transient, **_CACHED)
+# no Prefect retries: fetch_dataset retries transient hub errors itself (fetch.retries, fetch.retry_delay_s), the
+# same way under `dz stage fetch` and dvc
+@task(name="fetch", **_CACHED)
 def fetch(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
     return _run("fetch", prof, paths)
 

@@ -106,19 +106,40 @@ def _copy_local(src: Path, tmp: Path, allow_patterns: list[str] | None) -> None:
         raise DataError(f"source: {src}: no files match allow_patterns={allow_patterns}")
 
 
-def _download_hub(repo_id: str, revision: str, tmp: Path, allow_patterns: list[str] | None) -> None:
+# hub errors that are answers, not hiccups: retrying cannot change them
+_PERMANENT = ("RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError", "EntryNotFoundError",
+              "OfflineModeIsEnabled", "LocalEntryNotFoundError", "DisabledRepoError")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Network trouble, timeouts, HTTP 429 and 5xx: worth another try. Not-found, auth, offline mode and bad
+    data fail the same way every time."""
+    if isinstance(exc, DataError) or any(c.__name__ in _PERMANENT for c in type(exc).__mro__):
+        return False
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if isinstance(status, int):
+        return status == 429 or status >= 500
+    return isinstance(exc, (ConnectionError, TimeoutError, OSError)) and not isinstance(exc, FileNotFoundError)
+
+
+def _download_hub(repo_id: str, revision: str, tmp: Path, allow_patterns: list[str] | None,
+                  retries: int = 3, retry_delay_s: float = 10.0, log=print) -> None:
     try:
         import huggingface_hub
     except ImportError as e:
         raise DataError(f"source: {repo_id!r} is a hub id but huggingface_hub is not installed ({e})") from e
     try:
-        huggingface_hub.snapshot_download(
-            repo_id,
-            repo_type="dataset",
-            revision=revision,
-            allow_patterns=allow_patterns,
-            local_dir=str(tmp),
-        )
+        for attempt in range(retries + 1):
+            try:
+                huggingface_hub.snapshot_download(repo_id, repo_type="dataset", revision=revision,
+                                                  allow_patterns=allow_patterns, local_dir=str(tmp))
+                break
+            except Exception as e:
+                if attempt == retries or not is_transient(e):
+                    raise
+                delay = retry_delay_s * 2 ** attempt  # exponential backoff; the download resumes in local_dir
+                log(f"fetch: {repo_id}: {type(e).__name__}: {e}; retry {attempt + 1}/{retries} in {delay:g} s")
+                time.sleep(delay)
     except DataError:
         raise
     except Exception as e:
@@ -157,6 +178,8 @@ def fetch_dataset(
     name: str | None = None,
     verify_files: bool = True,
     record_kwargs: dict | None = None,
+    retries: int = 3,
+    retry_delay_s: float = 10.0,
 ) -> Path:
     """Fetch ``source`` into ``dest_root/<name>`` and return that path.
 
@@ -166,7 +189,8 @@ def fetch_dataset(
     (``dzmodel.eval.libero_record.record_libero(RecordConfig(**record_kwargs), out_dir)``). ``name`` defaults
     to the repo/directory basename, or "synthetic". ``allow_patterns`` filters files (hub
     semantics) for hub and local sources. ``verify_files=False`` only checks that info.json and
-    the episode table open (for deliberately partial downloads, e.g. meta/ only).
+    the episode table open (for deliberately partial downloads, e.g. meta/ only). Hub downloads retry transient
+    errors (`is_transient`) up to ``retries`` times, waiting ``retry_delay_s`` · 2^attempt.
     """
     dest_root = Path(dest_root).expanduser()
     kind = _source_kind(source)
@@ -232,7 +256,7 @@ def fetch_dataset(
         tmp = dest_root / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             if kind == "hub":
-                _download_hub(source, revision, tmp, allow_patterns)
+                _download_hub(source, revision, tmp, allow_patterns, retries, retry_delay_s)
             elif kind == "local":
                 _copy_local(Path(resolved), tmp, allow_patterns)
             elif kind == "libero":

@@ -184,15 +184,49 @@ def test_fetch_hub_partial_download_fails_clean(src, tmp_path, monkeypatch):
 def test_fetch_hub_error_mid_download_fails_clean(src, tmp_path, monkeypatch):
     import huggingface_hub
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", FakeHub({"lerobot/tiny": src}, fail_after=2))
+    hub = FakeHub({"lerobot/tiny": src}, fail_after=2)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the online hint; `make test` exports HF_HUB_OFFLINE=1
     dest_root = tmp_path / "d"
     with pytest.raises(DataError, match="cannot download dataset 'lerobot/tiny' at revision 'r1'.*connection reset"):
-        fetch_dataset("lerobot/tiny", dest_root, revision="r1")
+        fetch_dataset("lerobot/tiny", dest_root, revision="r1", retries=2, retry_delay_s=0)
+    assert len(hub.calls) == 3  # a connection reset is transient: tried 1 + 2 times
     assert list(dest_root.iterdir()) == []
     with pytest.raises(DataError, match="RepositoryNotFoundError.*check the repo id"):
-        fetch_dataset("lerobot/nope", dest_root, revision="r1")
+        fetch_dataset("lerobot/nope", dest_root, revision="r1", retries=2, retry_delay_s=0)
+    assert len(hub.calls) == 4  # not found is an answer: no retry
     assert list(dest_root.iterdir()) == []
+
+
+class _HTTPError(Exception):
+    def __init__(self, status):
+        super().__init__(f"{status} Server Error")
+        self.response = type("Response", (), {"status_code": status})()
+
+
+def test_fetch_hub_retries_transient_errors_then_succeeds(src, tmp_path, monkeypatch):
+    """A hub that fails twice (a timeout, then a 503) and then answers: the fetch succeeds on the third try, with
+    exponential backoff; a 403 is not retried."""
+    import huggingface_hub
+
+    from dzmodel.data import fetch as fetch_module
+
+    copy = FakeHub({"lerobot/tiny": src})
+    failures = [TimeoutError("read timed out"), _HTTPError(503)]
+    calls, sleeps = [], []
+
+    def flaky(repo_id, **kw):
+        calls.append(repo_id)
+        if failures:
+            raise failures.pop(0)
+        return copy(repo_id, **kw)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", flaky)
+    monkeypatch.setattr(fetch_module.time, "sleep", sleeps.append)
+    out = fetch_dataset("lerobot/tiny", tmp_path / "d", revision="r1", retries=3, retry_delay_s=2.0)
+    assert len(calls) == 3 and sleeps == [2.0, 4.0] and _files(out) == _files(src)
+    assert fetch_module.is_transient(_HTTPError(429)) and not fetch_module.is_transient(_HTTPError(403))
+    assert not fetch_module.is_transient(DataError("bad data")) and not fetch_module.is_transient(FileNotFoundError())
 
 
 def test_fetch_hub_offline(tmp_path, monkeypatch):
