@@ -48,9 +48,11 @@ def embodiment_metadata(dataset: str | Path, emb: Embodiment, out: str | Path | 
     def keys(group):
         return {k.name: (k.column, None if k.start is None else slice(k.start, k.end)) for k in group}
 
+    declared = {(group, k.name): k.dim for group, ks in (("state", emb.state), ("action", emb.action))
+                for k in ks if k.dim is not None}
     return compute_metadata(dataset, emb.tag, keys(emb.state), keys(emb.action), out,
                             relative_action_keys=emb.relative_action_keys, action_horizon=emb.action_horizon,
-                            video_keys=emb.views, merge=merge, max_episodes=max_episodes)
+                            video_keys=emb.views, merge=merge, max_episodes=max_episodes, declared_dims=declared)
 
 
 def key_vectors(cols: dict, keys, rows) -> np.ndarray:

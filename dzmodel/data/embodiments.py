@@ -264,10 +264,19 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
+class EmbodimentRegistry(dict):
+    """tag -> Embodiment for the entries that parse; `broken` holds each bad entry's error, raised only when that
+    tag is asked for, so one bad entry does not take the rest of its file down."""
+
+    def __init__(self):
+        super().__init__()
+        self.broken: dict[str, DataError] = {}
+
+
 def load_embodiments(paths: Iterable[str | Path] = (), extra: Mapping[str, Mapping] | None = None,
-                     include_builtin: bool = True) -> dict[str, Embodiment]:
+                     include_builtin: bool = True) -> EmbodimentRegistry:
     """The registry: built-ins, then each YAML file, then `extra` (later entries replace earlier ones)."""
-    registry: dict[str, Embodiment] = {}
+    registry = EmbodimentRegistry()
     sources: list[tuple[str, dict]] = []
     if include_builtin:
         sources.append((str(BUILTIN_YAML), _read_yaml(BUILTIN_YAML)))
@@ -277,12 +286,20 @@ def load_embodiments(paths: Iterable[str | Path] = (), extra: Mapping[str, Mappi
         sources.append(("<params>", dict(extra)))
     for source, entries in sources:
         for tag, raw in entries.items():
-            registry[str(tag)] = parse_embodiment(str(tag), raw, source)
+            try:
+                registry[str(tag)] = parse_embodiment(str(tag), raw, source)
+                registry.broken.pop(str(tag), None)
+            except DataError as exc:
+                registry.pop(str(tag), None)
+                registry.broken[str(tag)] = exc
     return registry
 
 
 def get_embodiment(tag: str, registry: Mapping[str, Embodiment] | None = None) -> Embodiment:
     registry = load_embodiments() if registry is None else registry
+    broken = getattr(registry, "broken", {})
+    if tag in broken:
+        raise broken[tag]
     if tag not in registry:
         raise DataError(f"unknown embodiment tag {tag!r}; known: {', '.join(sorted(registry))} "
                         f"(add one with a YAML entry, see {BUILTIN_YAML.name})")

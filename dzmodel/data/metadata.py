@@ -436,6 +436,7 @@ def compute_metadata(
     quantile_bins: int = DEFAULT_QUANTILE_BINS,
     exact_threshold: int = DEFAULT_EXACT_THRESHOLD,
     batch_rows: int = DEFAULT_BATCH_ROWS,
+    declared_dims: Mapping[tuple[str, str], int] | None = None,
 ) -> dict:
     """Compute the ``metadata.json`` entry of ``embodiment_tag`` for a LeRobot v3.0 dataset.
 
@@ -457,6 +458,8 @@ def compute_metadata(
             the error is at most (max - min) / quantile_bins per dimension.
         exact_threshold: at most this many rows (values per dimension) per key -> exact quantiles.
         batch_rows: rows per parquet batch read (memory bound of one pass).
+        declared_dims: {(group, key): dim} the embodiment declares; a key whose data has another width is a
+            DataError, and nothing is written.
 
     Returns the whole document written (``{tag: entry}``, plus other tags when merging).
     Raises DataError for a missing/bad column, a NaN or null (naming file, column and row), a slice
@@ -559,6 +562,11 @@ def compute_metadata(
     if run_pass(hist=False) == 0:
         raise DataError(f"{root}: no data rows")
     all_stats = [*stats["state"].values(), *stats["action"].values(), *rel.values()]
+    for (group, key), want in (declared_dims or {}).items():
+        got = stats[group][key].dim if key in stats.get(group, {}) else None
+        if got is not None and got != want:
+            raise DataError(f"{group} key {key!r}: the data has {got} dims (column {specs[group][key].column!r}), "
+                            f"the embodiment declares dim {want}; fix the YAML's dim or slice")
     if any(s.needs_pass2 for s in all_stats):
         run_pass(hist=True)
 

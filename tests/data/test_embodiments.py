@@ -73,3 +73,21 @@ def test_unknown_tag_and_bad_files(tmp_path):
     bad.write_text("a: [unclosed")
     with pytest.raises(DataError, match="bad.yaml: not valid YAML"):
         load_embodiments([bad])
+
+
+def test_a_bad_entry_reports_only_itself(tmp_path):
+    """One robot's broken entry must not take the other entries of its file down; asking for it names the file,
+    the tag and the field."""
+    good = {"views": {"cam": "observation.images.cam"}, "view_size": [8, 8], "layout": [["cam"]],
+            "state": {"s": {"column": "observation.state"}}, "action": {"a": {"column": "action"}},
+            "action_horizon": 4}
+    bad = dict(good, action_horizon="four")
+    path = tmp_path / "robots.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump({"good_arm": good, "bad_arm": bad}))
+    reg = load_embodiments([path])
+    assert get_embodiment("good_arm", reg).action_horizon == 4
+    with pytest.raises(DataError, match=r"robots.yaml: embodiment 'bad_arm', field 'action_horizon'"):
+        get_embodiment("bad_arm", reg)
+    assert "bad_arm" not in reg and "bad_arm" in reg.broken

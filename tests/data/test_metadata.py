@@ -232,3 +232,21 @@ def test_on_synthetic_dataset(tmp_path):
                                         "wrist_image": {"resolution": [32, 32], "channels": 3, "fps": 10.0}}
     assert e["statistics"]["action"]["gripper"]["min"] == [-1.0] and e["statistics"]["action"]["gripper"]["max"] == [1.0]
     assert set(e["statistics"]["relative_action"]) == {"eef"}
+
+
+def test_a_wrong_declared_dim_is_refused_and_nothing_is_written(tmp_path):
+    """The embodiment says the state has 3 dims; the synthetic dataset's state has 8: one error naming the key,
+    the data's width and the declared dim, and no metadata.json."""
+    from dzmodel.data.dataset import embodiment_metadata
+    from dzmodel.data.embodiments import get_embodiment, load_embodiments
+    from dzmodel.data.errors import DataError
+    from dzmodel.data.synth import make_synthetic_dataset
+    from tests.tiny_data import TABLETOP_EMBODIMENT
+
+    ds = make_synthetic_dataset(tmp_path / "ds", num_episodes=1, episode_length=20, image_size=32, codec="libx264")
+    (tmp_path / "emb.yaml").write_text(TABLETOP_EMBODIMENT.replace("{column: observation.state}",
+                                                                   "{column: observation.state, dim: 3}"))
+    emb = get_embodiment("tabletop_pusher", load_embodiments([tmp_path / "emb.yaml"]))
+    with pytest.raises(DataError, match=r"state key 'state': the data has 8 dims .* declares dim 3"):
+        embodiment_metadata(ds, emb, tmp_path / "meta.json")
+    assert not (tmp_path / "meta.json").exists()
