@@ -112,7 +112,8 @@ def cmd_data_fetch(ns: argparse.Namespace) -> int:
 
     synth = {"num_episodes": ns.synth_episodes, "seed": ns.seed} if ns.source == "synthetic" else None
     path = fetch_dataset(ns.source, Path(ns.dest), revision=ns.revision, allow_patterns=ns.allow or None,
-                         synth_kwargs=synth, name=ns.name, retries=ns.retries, retry_delay_s=ns.retry_delay)
+                         synth_kwargs=synth, name=ns.name, retries=ns.retries, retry_delay_s=ns.retry_delay,
+                         skip_missing=ns.skip_missing)
     print(f"dataset ready: {path}")
     return EXIT_OK
 
@@ -220,8 +221,8 @@ def load_train_config(ns: argparse.Namespace):
             raw[key] = json.loads(value)
         except json.JSONDecodeError:
             raw[key] = value
-    for key in ("preset", "embodiment", "metadata", "steps", "out_dir"):
-        value = getattr(ns, key)
+    for key in ("preset", "embodiment", "metadata", "steps", "out_dir", "skip_missing"):
+        value = getattr(ns, key, None)
         if value is not None:
             raw[key] = value
     if ns.dataset:
@@ -676,6 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="directory name under --dest")
     p.add_argument("--retries", type=int, default=3, help="hub downloads: retries of transient errors (network, 5xx)")
     p.add_argument("--retry-delay", type=float, default=10.0, help="seconds before the first retry (doubles each time)")
+    p.add_argument("--skip-missing", action="store_true",
+                   help="accept a dataset that lacks some video files (train with --skip-missing to skip their episodes)")
     p.add_argument("--synth-episodes", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_data_fetch)
@@ -736,6 +739,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metadata")
     p.add_argument("--steps", type=int)
     p.add_argument("--out", dest="out_dir")
+    p.add_argument("--skip-missing", action="store_true", default=None,
+                   help="train on the other episodes when some view videos are missing (they are listed)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("cache", help="precompute frozen-encoder outputs (VAE, umT5, CLIP) per sample window")

@@ -60,6 +60,7 @@ class FetchParams:
     seed: int = 0
     retries: int = field(default=3, metadata={"min": 0, "max": 10})  # network fetches are retried with backoff
     retry_delay_s: float = field(default=10.0, metadata={"min": 0})
+    skip_missing: bool = False  # accept a source that lacks some video files (set train.skip_missing too)
     record: RecordParams = field(default_factory=RecordParams)  # source "libero" only
 
     def __post_init__(self) -> None:

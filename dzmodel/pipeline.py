@@ -32,7 +32,8 @@ class StageError(RuntimeError):
 
 
 # the cache holds the training windows only, so the held-out split shapes it too
-ENCODER_TRAIN_FIELDS = ("preset", "model_overrides", "encoder_weights", "tokenizer", "precision", "heldout_episodes")
+ENCODER_TRAIN_FIELDS = ("preset", "model_overrides", "encoder_weights", "tokenizer", "precision", "heldout_episodes",
+                        "skip_missing")
 STAGES = ("fetch", "metadata", "cache", "train", "convert", "eval", "package")
 Log = Callable[[str], None]
 
@@ -100,7 +101,7 @@ def stage_fetch(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     record = dict(vars(f.record), seed=f.seed) if f.source == "libero" else None
     dest = fetch_dataset(source, paths.data, revision=f.revision, allow_patterns=f.allow or None,
                          synth_kwargs=synth, name="dataset", record_kwargs=record, retries=f.retries,
-                         retry_delay_s=f.retry_delay_s)
+                         retry_delay_s=f.retry_delay_s, skip_missing=f.skip_missing)
     reader = open_dataset(dest)
     frames = sum(e.length for e in reader.episodes)
     log(f"fetch: {len(reader.episodes)} episodes, {frames} frames at {reader.fps:g} fps, views {reader.video_keys}")

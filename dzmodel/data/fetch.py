@@ -47,12 +47,12 @@ def _source_kind(source: str) -> str:
     )
 
 
-def _verify(path: Path, full: bool) -> None:
+def _verify(path: Path, full: bool, skip_missing: bool = False) -> None:
     from dzmodel.data.lerobot_format import open_dataset
 
     reader = open_dataset(path)
     if full:
-        reader.check()
+        reader.check(allow_missing_videos=skip_missing)
 
 
 @contextlib.contextmanager
@@ -180,6 +180,7 @@ def fetch_dataset(
     record_kwargs: dict | None = None,
     retries: int = 3,
     retry_delay_s: float = 10.0,
+    skip_missing: bool = False,
 ) -> Path:
     """Fetch ``source`` into ``dest_root/<name>`` and return that path.
 
@@ -190,7 +191,8 @@ def fetch_dataset(
     to the repo/directory basename, or "synthetic". ``allow_patterns`` filters files (hub
     semantics) for hub and local sources. ``verify_files=False`` only checks that info.json and
     the episode table open (for deliberately partial downloads, e.g. meta/ only). Hub downloads retry transient
-    errors (`is_transient`) up to ``retries`` times, waiting ``retry_delay_s`` · 2^attempt.
+    errors (`is_transient`) up to ``retries`` times, waiting ``retry_delay_s`` · 2^attempt. ``skip_missing``
+    accepts a dataset whose source lacks some video files (training skips their episodes with the same flag).
     """
     dest_root = Path(dest_root).expanduser()
     kind = _source_kind(source)
@@ -248,7 +250,7 @@ def fetch_dataset(
                 )
             if {k: old.get(k) for k in record} == record:
                 try:
-                    _verify(dest, verify_files)
+                    _verify(dest, verify_files, skip_missing)
                     return dest
                 except DataError:
                     pass  # damaged copy: fetch again below
@@ -270,7 +272,7 @@ def fetch_dataset(
                 if out is not None and Path(out).resolve() != tmp.resolve():
                     raise DataError(f"synthetic: make_synthetic_dataset wrote to {out}, not {tmp}")
             try:
-                _verify(tmp, verify_files)
+                _verify(tmp, verify_files, skip_missing)
             except DataError as e:
                 raise DataError(f"fetched dataset from {source!r} failed verification: {e}".replace(str(tmp), str(dest))) from e
             # swap into place: drop the old marker first (a dest without marker is never trusted as complete)

@@ -365,14 +365,15 @@ class LeRobotReader:
         for rel in sorted({loc.data_file for loc in self._locs.values()}):
             yield self.root / rel
 
-    def check(self) -> None:
-        """Raise DataError if a file that info.json / the episode table promises is missing."""
+    def check(self, allow_missing_videos: bool = False) -> None:
+        """Raise DataError if a file that info.json / the episode table promises is missing (video files excepted
+        with allow_missing_videos: training's skip_missing skips their episodes)."""
         problems: list[str] = []
         missing: list[str] = []
         seen: set[str] = set()
         for ep in sorted(self._locs):
             loc = self._locs[ep]
-            for rel in (loc.data_file, *loc.video_files.values()):
+            for rel in (loc.data_file, *([] if allow_missing_videos else loc.video_files.values())):
                 if rel not in seen:
                     seen.add(rel)
                     if not (self.root / rel).is_file():

@@ -23,6 +23,7 @@ class TrainConfig:
     num_workers: int = 0
     cache: str | None = None                # a `dz cache` directory: train from precomputed encoder outputs
     heldout_episodes: int = 0               # the last N episodes of each dataset are never trained on (eval only)
+    skip_missing: bool = False              # train on the other episodes when some view videos are missing (listed)
     # optimisation (reference §5.1)
     steps: int = 100
     stop_at: int | None = None              # end this invocation after this step (schedule still spans `steps`)

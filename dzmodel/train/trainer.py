@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,12 @@ def training_windows(path, emb, spec: WindowSpec, stats: dict, cfg: TrainConfig,
     if cfg.heldout_episodes:
         episodes, _ = heldout_split([e.index for e in reader.episodes], cfg.heldout_episodes,
                                     f"train.heldout_episodes ({path})")
-    return WindowDataset(reader, emb, spec, stats, train=train, seed=cfg.seed, episodes=episodes)
+    ds = WindowDataset(reader, emb, spec, stats, train=train, seed=cfg.seed, episodes=episodes,
+                       skip_missing=cfg.skip_missing)
+    if ds.missing and int(os.environ.get("RANK", "0")) == 0:
+        eps = sorted({ep for ep, _ in ds.missing})
+        print(f"{path}: skip_missing: {len(ds.missing)} video files missing; skipping episodes {eps}", file=sys.stderr)
+    return ds
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

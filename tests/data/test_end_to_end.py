@@ -119,7 +119,7 @@ def test_v21_av1_dataset_with_missing_videos_fails_clearly_or_skips(tmp_path):
     yaml_path.write_text(f"""
 test_arm:
   views: {{{views}}}
-  view_size: [16, 16]
+  view_size: [32, 32]
   layout: [[{", ".join(f"c{i}" for i in range(len(CAMERAS)))}]]
   state: {{state: {{column: observation.state}}}}
   action: {{action: {{column: action}}}}
@@ -137,3 +137,15 @@ test_arm:
     assert {ep for ep, _ in ds.missing} == {1}
     assert {seg.episode for seg in ds.index.segments} == {0, 2}
     assert ds.sample(len(ds) - 1)["images"].shape[0] == 17
+
+    # and `dz train` on it: refused with a pointer to skip_missing, then trained with --skip-missing
+    from dzmodel.data.dataset import embodiment_metadata
+
+    embodiment_metadata(root, emb, tmp_path / "meta.json")
+    args = ["train", "--preset", "tiny", "--dataset", str(root), "--embodiment", "test_arm", "--metadata",
+            str(tmp_path / "meta.json"), "--steps", "2", "--out", str(tmp_path / "run"),
+            "--set", f'embodiment_files=["{yaml_path}"]', "--set", "save_every=2", "--set", "progress=false"]
+    assert main(args) == 2
+    assert main(args + ["--skip-missing"]) == 0
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 2 and (tmp_path / "run" / "checkpoints").is_dir()
