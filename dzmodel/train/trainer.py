@@ -80,6 +80,19 @@ def training_windows(path, emb, spec: WindowSpec, stats: dict, cfg: TrainConfig,
     return ds
 
 
+def resume_position(state: dict, world_size: int) -> int:
+    """Each rank's position in the sample stream after a checkpoint, for any world size: rank r of W reads global
+    positions r, r + W, ..., so after `samples` samples in all, every rank of the new world continues at
+    samples / W and together they read exactly the positions not yet read."""
+    total = state.get("samples")
+    if total is None:  # older checkpoints: each rank's own count (all equal)
+        total = sum(int(v) for v in state["consumed"].values())
+    if int(total) % world_size:
+        raise DataError(f"cannot resume on {world_size} processes: the checkpoint consumed {total} samples, "
+                        f"which do not split evenly over them (use a world size that divides the global batch)")
+    return int(total) // world_size
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     warmup = int(cfg.warmup_ratio * cfg.steps)
     if step < warmup:
@@ -205,7 +218,7 @@ class Trainer:
         ckpt = latest_checkpoint(self.out)
         if ckpt is not None:
             state, rng = load_checkpoint(ckpt, self.model, self.optimizer)
-            start, consumed = int(state["step"]), int(state["consumed"][str(info.rank)])
+            start, consumed = int(state["step"]), resume_position(state, info.world_size)
             if "torch" in rng:
                 torch.set_rng_state(rng["torch"])
         if start >= cfg.steps:
@@ -262,7 +275,8 @@ class Trainer:
             if (step + 1) % cfg.save_every == 0 or step + 1 == end:
                 all_consumed = self._gather_consumed(consumed)
                 save_checkpoint(self.out, step + 1, self.model, self.optimizer,
-                                {"step": step + 1, "consumed": all_consumed, "config": cfg.to_dict()},
+                                {"step": step + 1, "samples": sum(all_consumed.values()), "consumed": all_consumed,
+                                 "world_size": info.world_size, "config": cfg.to_dict()},
                                 self._rng_states())
         progress.close()
         if sink is not None and self.sink is None:

@@ -107,10 +107,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(cfg: TrainConfig, cfg_path: Path) -> subprocess.Popen:
+def _torchrun(cfg: TrainConfig, cfg_path: Path, nproc: int = 2) -> subprocess.Popen:
     cfg_path.write_text(json.dumps(cfg.to_dict()))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={_free_port()}", "-m", "dzmodel.cli", "train", "--config", str(cfg_path)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -154,6 +154,42 @@ def test_two_process_fsdp2_kill9_and_resume_bit_exact(data, tmp_path):
     assert [r["step"] for r in resumed] == list(range(int(resume_from.name.split("_")[1]) + 1, steps + 1))
     assert all(r["loss"] == ref[r["step"]] for r in resumed), (resumed, ref)
     assert not list((run_out / "checkpoints").glob("*.tmp"))
+
+
+def _run_to_end(cfg, path, nproc):
+    p = _torchrun(cfg, path, nproc)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out.decode()[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
+def test_resume_on_another_process_count_continues_the_run(data, tmp_path, first, second):
+    """Train 3 of 6 steps on `first` processes, resume on `second` (DCP reshards model and optimizer; the sample
+    stream's position is global): steps 4-6 match an uninterrupted 2-process run with the same global batch."""
+    common = dict(steps=6, save_every=3, micro_batch=1, global_batch=2)
+    ref_out = tmp_path / "ref"
+    _run_to_end(_cfg(data, ref_out, **common), tmp_path / "ref.json", 2)
+    ref = _losses(ref_out)
+    run_out = tmp_path / "run"
+    _run_to_end(_cfg(data, run_out, stop_at=3, **common), tmp_path / "a.json", first)
+    state = json.loads((latest_checkpoint(run_out) / "trainer_state.json").read_text())
+    assert state["samples"] == 6 and state["world_size"] == first
+    _run_to_end(_cfg(data, run_out, **common), tmp_path / "b.json", second)
+    got = _losses(run_out)
+    assert sorted(got) == list(range(1, 7))
+    for step in (4, 5, 6):
+        assert got[step] == pytest.approx(ref[step], rel=1e-3), (step, got, ref)
+
+
+def test_resume_position_splits_the_global_count():
+    from dzmodel.data.errors import DataError
+    from dzmodel.train.trainer import resume_position
+
+    assert resume_position({"samples": 12, "consumed": {"0": 6, "1": 6}}, 4) == 3
+    assert resume_position({"consumed": {"0": 6, "1": 6}}, 1) == 12  # a checkpoint from before the global count
+    with pytest.raises(DataError, match="do not split evenly over them"):
+        resume_position({"samples": 6}, 4)
 
 
 def test_convert_round_trips_exactly(data, tmp_path):
