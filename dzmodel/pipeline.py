@@ -331,7 +331,8 @@ def summarize_training(paths: StagePaths, out_dir: str | Path, wall_s: float | N
     summary = {
         "steps": rows[-1]["step"], "loss": rows[-1]["loss"], "action_loss": rows[-1]["action_loss"],
         "dynamics_loss": rows[-1]["dynamics_loss"], "samples_per_s_per_gpu": round(mean("samples_per_s_per_gpu"), 4),
-        "mfu": round(mean("mfu"), 5), "peak_mem_gib": round(max(r["peak_mem_gib"] for r in rows), 3),
+        "mfu": round(mean("mfu"), 5) if all("mfu" in r for r in steady) else None,  # None: CPU or unknown GPU
+        "peak_mem_gib": round(max(r["peak_mem_gib"] for r in rows), 3),
         "checkpoints": [s for s, _ in list_checkpoints(out_dir)],
     }
     if wall_s is not None:
@@ -343,7 +344,7 @@ def summarize_training(paths: StagePaths, out_dir: str | Path, wall_s: float | N
     _write_csv(plots / "train_losses.csv", [{"step": r["step"], "loss": r["loss"], "action_loss": r["action_loss"],
                                               "dynamics_loss": r["dynamics_loss"]} for r in rows])
     _write_csv(plots / "train_throughput.csv", [{"step": r["step"], "samples_per_s_per_gpu": r["samples_per_s_per_gpu"],
-                                                  "mfu": r["mfu"], "peak_mem_gib": r["peak_mem_gib"]} for r in rows])
+                                                  "mfu": r.get("mfu"), "peak_mem_gib": r["peak_mem_gib"]} for r in rows])
     images = plot_training(rows, plots)
     return {"train_dir": str(out_dir), "summary": summary, "metrics_file": str(paths.run / "metrics" / "train.json"),
             "plots": [str(p) for p in images]}
@@ -368,9 +369,10 @@ def plot_training(rows: list[dict], out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["samples_per_s_per_gpu"] for r in rows], marker=".", color="tab:blue")
     ax.set_xlabel("step"), ax.set_ylabel("samples/s/GPU", color="tab:blue"), ax.set_title("throughput")
-    ax2 = ax.twinx()
-    ax2.plot(steps, [100 * r["mfu"] for r in rows], marker=".", color="tab:orange")
-    ax2.set_ylabel("MFU (%)", color="tab:orange")
+    if all("mfu" in r for r in rows):
+        ax2 = ax.twinx()
+        ax2.plot(steps, [100 * r["mfu"] for r in rows], marker=".", color="tab:orange")
+        ax2.set_ylabel("MFU (%)", color="tab:orange")
     ax.grid(alpha=0.3)
     written.append(_save(fig, out / "throughput.png"))
     plt.close("all")

@@ -43,7 +43,7 @@ def train_artifact(profile: str, result: dict, mlflow_link: str | None) -> None:
     s = result["summary"]
     rows = [{"metric": k, "value": s[k]} for k in ("steps", "loss", "action_loss", "dynamics_loss",
                                                      "samples_per_s_per_gpu", "mfu", "peak_mem_gib",
-                                                     "world_size", "wall_s") if k in s]
+                                                     "world_size", "wall_s") if s.get(k) is not None]
     md = "### Training\n\n" + _table(rows, ["metric", "value"])
     md += f"\ncheckpoints at steps {s['checkpoints']} in `{result['train_dir']}`\n"
     if mlflow_link:

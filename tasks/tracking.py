@@ -175,10 +175,11 @@ class Tracker:
 
     def _log_train(self, rid, result, paths):
         s = result["summary"]
-        self.metrics(rid, {"train.final_loss": s["loss"], "train.final_action_loss": s["action_loss"],
-                           "train.final_dynamics_loss": s["dynamics_loss"],
-                           "train.samples_per_s_per_gpu": s["samples_per_s_per_gpu"], "train.mfu": s["mfu"],
-                           "train.peak_mem_gib": s["peak_mem_gib"], "train.steps": s["steps"]})
+        summary = {"train.final_loss": s["loss"], "train.final_action_loss": s["action_loss"],
+                   "train.final_dynamics_loss": s["dynamics_loss"],
+                   "train.samples_per_s_per_gpu": s["samples_per_s_per_gpu"], "train.mfu": s.get("mfu"),
+                   "train.peak_mem_gib": s["peak_mem_gib"], "train.steps": s["steps"]}
+        self.metrics(rid, {k: v for k, v in summary.items() if v is not None})  # no MFU on a CPU
         from dzmodel.pipeline import read_metrics
 
         rows = read_metrics(Path(result["train_dir"]) / "metrics.jsonl")

@@ -4,7 +4,8 @@ Forward FLOPs, counting a multiply-add as 2:
   per layer: linear  = 2·L·(4d² + 2d² + 2d·ffn) + 2·C·2d²   (self qkvo, cross q/o, FFN; cross K/V on C context tokens)
              self    = 4·d·P                                   (P = allowed (query, key) pairs of the mask)
              cross   = 4·d·L·C
-  outside:   time MLP on every token 2·L·(f·d + 7d²), text/CLIP embedders, patch conv, head, action/state MLPs.
+  outside:   time MLP once per timestep group 2·T·(f·d + 7d²) (T = 1 + F + action + state tokens: what forward runs),
+             text/CLIP embedders, patch conv, head, action/state MLPs.
 Training model FLOPs = 3 × forward (backward = 2 × forward). Activation recompute is NOT counted
 (that would be hardware FLOPs); `recompute=True` adds one more forward for reporting HFU.
 """
@@ -55,7 +56,10 @@ def wam_forward_flops(args: DreamZeroArgs, layout: TeacherForcingLayout) -> Flop
     cross_attn = n * 4 * d * L * C
     patch = 2 * 2 * layout.video_len * args.in_dim * 4 * d * 1  # both copies; kernel (1,2,2) = 4 taps per channel
     head = 2 * layout.video_len * d * 4 * args.out_dim
-    time_mlp = 2 * L * (args.freq_dim * d + 7 * d * d)
+    # the time MLP runs once per group of tokens that share a timestep: the clean copy (one), each noisy latent
+    # frame, and each action and state token; not once per token
+    time_rows = 1 + layout.num_frames + layout.action_len + layout.state_len
+    time_mlp = 2 * time_rows * (args.freq_dim * d + 7 * d * d)
     text = 2 * args.text_len * (args.text_dim * d + d * d)
     image = 2 * args.clip_tokens * (args.clip_dim * args.clip_dim + args.clip_dim * d)
     action = 2 * layout.action_len * (args.action_dim * d + 2 * d * d + d * d + d * args.hidden_size + args.hidden_size * args.action_dim)

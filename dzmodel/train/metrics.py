@@ -16,7 +16,18 @@ from ..progress import Progress  # noqa: F401 - the trainer's bar; re-exported f
 
 import torch
 
-PEAK_FLOPS = {"cuda": 989e12, "cpu": 1e12}  # H100 dense bf16; the CPU figure is nominal (MFU on CPU is not meaningful)
+# Dense bf16 peak FLOP/s per GPU model, matched by name in this order. A CPU, or a GPU not listed, reports no MFU
+# rather than a made-up one.
+PEAK_BF16_FLOPS = (("B200", 2250e12), ("B100", 1750e12), ("H200", 989e12), ("H100", 989e12), ("H800", 989e12),
+                   ("L40S", 362e12), ("A100", 312e12), ("A800", 312e12), ("L40", 181e12), ("A10", 125e12),
+                   ("L4", 121e12))
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
 
 
 class MetricsSink(Protocol):

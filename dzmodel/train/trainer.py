@@ -29,8 +29,6 @@ from ..data.lerobot_format import open_dataset
 from ..data.sampling import SampleStream, WindowSpec
 from ..data.video import worker_init_fn
 from ..model.args import OFFLINE_PRESETS, preset
-from ..model.attention import latent_layout
-from ..model.flops import wam_forward_flops
 from ..model.objective import FlowMatchSchedule
 from ..model.state_dict import load_wan_dit
 from ..model.vae import WanVideoVAE38
@@ -38,7 +36,7 @@ from ..model.wam import DreamZeroWAM
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .encoders import frozen_encoders
-from .metrics import PEAK_FLOPS, JsonlSink, MetricsSink, Progress, peak_memory_gib
+from .metrics import JsonlSink, MetricsSink, Progress, peak_flops, peak_memory_gib
 from .parallelize import DTYPES, apply_fsdp, apply_recompute_and_compile, build_adamw
 from .step import losses_from_encoded, sft_losses
 
@@ -147,8 +145,7 @@ class Trainer:
             self.stream = SampleStream([len(self.cached)], seed=cfg.seed, rank=self.info.rank,
                                        world_size=self.info.world_size)
             self.collate = collate_cached
-            layout = latent_layout(a, tuple(self.cached[0]["clean_latents"].shape[-2:]))
-            self.flops_per_sample = wam_forward_flops(a, layout).train()
+            self.flops_per_sample = a.flops(tuple(self.cached[0]["clean_latents"].shape[-2:])).train()
             return
         self.cached = None
         if not cfg.datasets:
@@ -169,8 +166,7 @@ class Trainer:
         self.embodiment = emb
         vae_factor = 16 if isinstance(self.encoders.vae, WanVideoVAE38) else 8
         h, w = emb.image_size
-        layout = latent_layout(a, (h // vae_factor, w // vae_factor))
-        self.flops_per_sample = wam_forward_flops(a, layout).train()
+        self.flops_per_sample = a.flops((h // vae_factor, w // vae_factor)).train()
 
     def _tokenizer(self):
         from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer
@@ -231,6 +227,7 @@ class Trainer:
         it = iter(self.loader(consumed))
         history = []
         dev = info.device
+        peak = peak_flops(dev)
         end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
         for step in range(start, end):
             lr = lr_at(step, cfg)
@@ -265,9 +262,10 @@ class Trainer:
                 "loss": float(sums[0]), "dynamics_loss": float(sums[1]), "action_loss": float(sums[2]),
                 "lr": lr, "grad_norm": float(grad_norm), "step_time_s": dt,
                 "samples_per_s_per_gpu": samples / dt,
-                "mfu": self.flops_per_sample * samples / dt / PEAK_FLOPS[dev.type],
                 "peak_mem_gib": peak_memory_gib(dev),
             }
+            if peak is not None:  # no MFU on a CPU or an unlisted GPU
+                metrics["mfu"] = self.flops_per_sample * samples / dt / peak
             history.append({"step": step + 1, **metrics})
             if sink is not None and (step + 1) % cfg.log_every == 0:
                 sink.log(step + 1, metrics)

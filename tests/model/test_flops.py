@@ -1,0 +1,31 @@
+"""The model FLOPs (DreamZeroArgs.flops) count what forward runs: equal to torch's FlopCounterMode on the tiny
+preset (matmuls, the patch conv, and attention through the math kernel, one call per mask rectangle)."""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from dzmodel.train.metrics import peak_flops
+
+from .helpers import tiny_batch, tiny_model
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_forward_flops_equal_what_torch_counts(batch):
+    model = tiny_model()
+    b = tiny_batch(model.args, batch=batch)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(**b, attn_backend="segments")  # segments: only the mask's allowed rectangles are computed
+    latents = b["noisy_latents"]
+    ours = model.args.flops(tuple(latents.shape[-2:]), latents.shape[2])
+    assert ours.forward * batch == counter.get_total_flops()
+    assert ours.train() == 3 * ours.forward
+
+
+def test_peaks_per_device_and_no_mfu_without_one(monkeypatch):
+    assert peak_flops(torch.device("cpu")) is None
+    for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                       ("NVIDIA L40S", 362e12), ("NVIDIA B200", 2250e12), ("Some Future GPU", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert peak_flops(torch.device("cuda")) == peak, name
