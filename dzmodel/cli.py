@@ -176,6 +176,13 @@ def cmd_data_check(ns: argparse.Namespace) -> int:
         if not ns.skip_missing:
             raise
         print(f"warning: {exc}")
+    from .data.check import deep_check, file_problems
+
+    problems = deep_check(reader) if ns.deep else file_problems(reader)
+    if problems:
+        raise DataError(f"{reader.root}: {len(problems)} file(s) cannot be used:\n  " + "\n  ".join(problems))
+    print("every data file's footer opens and every video is a video container"
+          + ("; video frame counts and durations match the episode table" if ns.deep else ""))
     if reader.version == "v3.0":
         from .data.lerobot_format import crosscheck_with_lerobot
 
@@ -728,6 +735,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=4, help="action chunks per window (the model's max_chunk_size)")
     p.add_argument("--frames-per-block", type=int, default=2)
     p.add_argument("--skip-missing", action="store_true", help="report missing video files, use the other episodes")
+    p.add_argument("--deep", action="store_true",
+                   help="also read every video's header: frame counts and durations against the episode table")
     p.set_defaults(func=cmd_data_check)
 
     p = sub.add_parser("train", help="SFT training (one process, or under torchrun with FSDP2)")

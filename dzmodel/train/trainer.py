@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..data.check import verify_files
 from ..data.collate import Collator
 from ..data.dataset import MixtureDataset, StreamSampler, WindowDataset, heldout_split, load_statistics
 from ..data.embodiments import get_embodiment, load_embodiments
@@ -64,8 +65,11 @@ def init_distributed() -> DistInfo:
 
 
 def training_windows(path, emb, spec: WindowSpec, stats: dict, cfg: TrainConfig, train: bool = True) -> WindowDataset:
-    """A dataset's windows without its held-out episodes (`heldout_episodes`): training never samples them."""
+    """A dataset's windows without its held-out episodes (`heldout_episodes`): training never samples them.
+    Every data and video file is verified first (footers, containers, LFS pointers): a corrupt file stops the run
+    here with one error, not mid-run or never."""
     reader = open_dataset(path)
+    verify_files(reader)
     episodes = None
     if cfg.heldout_episodes:
         episodes, _ = heldout_split([e.index for e in reader.episodes], cfg.heldout_episodes,
