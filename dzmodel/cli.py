@@ -234,6 +234,8 @@ def load_train_config(ns: argparse.Namespace):
             raw[key] = value
     if ns.dataset:
         raw["datasets"] = ns.dataset
+    if getattr(ns, "embodiments", None):
+        raw["embodiment_files"] = list(raw.get("embodiment_files") or []) + ns.embodiments
     try:
         return TrainConfig.from_dict(raw)
     except (TypeError, ValueError) as exc:
@@ -750,6 +752,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", dest="out_dir")
     p.add_argument("--skip-missing", action="store_true", default=None,
                    help="train on the other episodes when some view videos are missing (they are listed)")
+    p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s), as the data commands take")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("cache", help="precompute frozen-encoder outputs (VAE, umT5, CLIP) per sample window")
@@ -759,6 +762,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", action="append")
     p.add_argument("--embodiment")
     p.add_argument("--metadata")
+    p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
     p.add_argument("--out", dest="cache_out", required=True, help="cache directory to write")
     p.add_argument("--stride", type=int, default=1, help="cache every stride-th anchor")
     p.add_argument("--batch-size", type=int, default=8)

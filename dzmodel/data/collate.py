@@ -40,7 +40,9 @@ class Collator:
         N, A = samples[0]["action"].shape
         if S > self.max_state_dim or A > self.max_action_dim:
             raise DataError(f"state {S} / action {A} dims exceed the model's max_state_dim {self.max_state_dim} / "
-                            f"max_action_dim {self.max_action_dim}")
+                            f"action_dim {self.max_action_dim}: set train.model_overrides "
+                            f"{{max_state_dim: {max(S, self.max_state_dim)}, action_dim: {max(A, self.max_action_dim)}}} "
+                            "(a pretrained preset keeps its checkpoint's widths: fewer dims than these fit)")
         state = torch.zeros(B, K, self.max_state_dim)
         action = torch.zeros(B, N, self.max_action_dim)
         state_mask = torch.zeros(B, K, self.max_state_dim, dtype=torch.bool)

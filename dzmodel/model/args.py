@@ -176,7 +176,7 @@ def preset(name: str, **overrides: Any) -> WanDiTArgs:
         d = args.to_dict()
         unknown = sorted(set(overrides) - set(d))
         if unknown:
-            raise ValueError(f"unknown override(s) for preset {name!r}: {unknown}")
+            raise ValueError(f"unknown override(s) for preset {name!r}: {unknown}; valid: {', '.join(sorted(d))}")
         d.update(overrides)
         args = type(args).from_dict(d)
     return args

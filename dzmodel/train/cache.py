@@ -40,12 +40,13 @@ CACHE_VERSION = 1
 
 def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_size: int = 8, shard_size: int = 256,
                 tokenizer=None, encoders=None, device: str = "cpu", progress: bool = True) -> Path:
+    from .trainer import size_to_embodiment, training_windows
+
+    cfg = size_to_embodiment(cfg)  # the same widths the trainer will build
     a = preset(cfg.preset, **cfg.model_overrides)
     emb = get_embodiment(cfg.embodiment, load_embodiments(cfg.embodiment_files))
     stats = load_statistics(cfg.metadata, emb.tag)
     spec = WindowSpec(a.max_chunk_size, emb.action_horizon, 4 * a.num_frame_per_block, emb.sampling)
-    from .trainer import training_windows
-
     datasets = [training_windows(p, emb, spec, stats, cfg, train=False) for p in cfg.datasets]  # no held-out
     if encoders is None:
         encoders = frozen_encoders(cfg, device)  # the same frozen weights the trainer builds

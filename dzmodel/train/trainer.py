@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -105,8 +105,31 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def size_to_embodiment(cfg: TrainConfig) -> TrainConfig:
+    """The small offline presets (tiny, small) train from scratch: their state and action widths follow the
+    embodiment (from its metadata) when it needs more than the preset has, unless model_overrides sets them. The
+    result goes into the saved config, so convert and serve build the same model."""
+    if cfg.preset not in OFFLINE_PRESETS or not cfg.metadata or not Path(cfg.metadata).is_file():
+        return cfg
+    args = preset(cfg.preset, **cfg.model_overrides)
+    emb = get_embodiment(cfg.embodiment, load_embodiments(cfg.embodiment_files))
+    stats = load_statistics(cfg.metadata, emb.tag)
+    widths = {group: sum(len(stats[group][k.name]["q01"]) for k in keys if k.name in stats.get(group, {}))
+              for group, keys in (("state", emb.state), ("action", emb.action))}
+    sized = {}
+    for field_name, group in (("max_state_dim", "state"), ("action_dim", "action")):
+        if field_name not in cfg.model_overrides and widths[group] > getattr(args, field_name):
+            sized[field_name] = widths[group]
+    if not sized:
+        return cfg
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"preset {cfg.preset!r} sized to embodiment {emb.tag!r}: {sized} (model_overrides)", file=sys.stderr)
+    return replace(cfg, model_overrides={**cfg.model_overrides, **sized})
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, sink: MetricsSink | None = None):
+        cfg = size_to_embodiment(cfg)
         self.cfg = cfg
         self.info = init_distributed()
         self.out = Path(cfg.out_dir)

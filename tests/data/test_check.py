@@ -64,7 +64,7 @@ test_arm:
     reader.video_file(2, CAMERAS[0]).write_text("version https://git-lfs.github.com/spec/v1\noid sha256:cd34\n")
     code = main(["train", "--preset", "tiny", "--dataset", str(dataset), "--embodiment", "test_arm", "--metadata",
                  str(tmp_path / "meta.json"), "--steps", "2", "--out", str(tmp_path / "run"),
-                 "--set", f'embodiment_files=["{yaml_path}"]', "--set", "progress=false"])
+                 "--embodiments", str(yaml_path), "--set", "progress=false"])
     err = capsys.readouterr().err
     assert code == 2 and "git-LFS pointer" in err and "episode_000002.mp4" in err
     assert not (tmp_path / "run" / "checkpoints").exists()

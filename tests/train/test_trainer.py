@@ -281,3 +281,29 @@ def test_encoder_cache_holds_the_online_encoder_outputs_and_trains(data, tmp_pat
     assert len(hist) == 4 and all(h["loss"] == h["loss"] for h in hist)  # finite
     resumed = train(_cfg(data, tmp_path / "cached_run", steps=4, save_every=4, cache=str(tmp_path / "cache")))
     assert resumed == []
+
+
+def test_a_tiny_model_sizes_its_state_and_action_to_the_embodiment(data, tmp_path):
+    """A robot with more state/action dims than the tiny preset's 8: the widths follow the embodiment's metadata,
+    are saved in the run's config (so convert builds the same model), and an explicit override still wins."""
+    from dzmodel.data.dataset import embodiment_metadata
+    from dzmodel.train.trainer import size_to_embodiment
+
+    wide = (data / "emb.yaml").read_text().replace("tabletop_pusher:", "wide_pusher:").replace(
+        "state: {state: {column: observation.state}}",
+        "state: {state: {column: observation.state}, again: {column: observation.state}}")
+    (tmp_path / "wide.yaml").write_text(wide)
+    emb = get_embodiment("wide_pusher", load_embodiments([tmp_path / "wide.yaml"]))
+    embodiment_metadata(data / "ds", emb, tmp_path / "meta.json")
+    cfg = _cfg(data, tmp_path / "run", embodiment="wide_pusher", embodiment_files=[str(tmp_path / "wide.yaml")],
+               metadata=str(tmp_path / "meta.json"), steps=1, save_every=1)
+    assert size_to_embodiment(cfg).model_overrides == {"max_state_dim": 16}
+    assert train(cfg)[-1]["step"] == 1
+    state = json.loads((latest_checkpoint(tmp_path / "run") / "trainer_state.json").read_text())
+    assert state["config"]["model_overrides"] == {"max_state_dim": 16}
+    pinned = _cfg(data, tmp_path / "x", embodiment="wide_pusher", embodiment_files=[str(tmp_path / "wide.yaml")],
+                  metadata=str(tmp_path / "meta.json"), model_overrides={"max_state_dim": 20})
+    assert size_to_embodiment(pinned).model_overrides == {"max_state_dim": 20}
+    with pytest.raises(ValueError, match="valid: .*max_state_dim"):
+        from dzmodel.model.args import preset
+        preset("tiny", max_action_dim=26)
