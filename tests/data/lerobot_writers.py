@@ -286,3 +286,20 @@ def write_image_parquet(
         start += n
     _write_v2_meta(root, lengths, fps, _features(cameras, "image", fps, ""), None, 1000, version)
     return root
+
+
+def write_test_arm_yaml(path: str | Path, sampling: str | None = None) -> Path:
+    """The `test_arm` embodiment over the writers' cameras (32 px views side by side, action horizon 4)."""
+    views = ", ".join(f"c{i}: {k}" for i, k in enumerate(CAMERAS))
+    text = f"""
+test_arm:
+  views: {{{views}}}
+  view_size: [32, 32]
+  layout: [[{", ".join(f"c{i}" for i in range(len(CAMERAS)))}]]
+  state: {{state: {{column: observation.state}}}}
+  action: {{action: {{column: action}}}}
+  action_horizon: 4
+"""
+    path = Path(path)
+    path.write_text(text + (f"  sampling: {sampling}\n" if sampling else ""))
+    return path

@@ -8,7 +8,7 @@ import pytest
 from dzmodel.data.check import deep_check, file_problems, verify_files
 from dzmodel.data.errors import DataError
 from dzmodel.data.lerobot_format import open_dataset
-from tests.data.lerobot_writers import CAMERAS, write_v21
+from tests.data.lerobot_writers import CAMERAS, write_test_arm_yaml, write_v21
 
 
 @pytest.fixture()
@@ -48,17 +48,7 @@ def test_training_refuses_a_corrupt_file_before_its_first_step(dataset, tmp_path
     from dzmodel.data.dataset import embodiment_metadata
     from dzmodel.data.embodiments import get_embodiment, load_embodiments
 
-    yaml_path = tmp_path / "arm.yaml"
-    views = ", ".join(f"c{i}: {k}" for i, k in enumerate(CAMERAS))
-    yaml_path.write_text(f"""
-test_arm:
-  views: {{{views}}}
-  view_size: [32, 32]
-  layout: [[{", ".join(f"c{i}" for i in range(len(CAMERAS)))}]]
-  state: {{state: {{column: observation.state}}}}
-  action: {{action: {{column: action}}}}
-  action_horizon: 4
-""")
+    yaml_path = write_test_arm_yaml(tmp_path / "arm.yaml")
     embodiment_metadata(dataset, get_embodiment("test_arm", load_embodiments([yaml_path])), tmp_path / "meta.json")
     reader = open_dataset(dataset)
     reader.video_file(2, CAMERAS[0]).write_text("version https://git-lfs.github.com/spec/v1\noid sha256:cd34\n")

@@ -110,22 +110,11 @@ def test_metadata_for_the_embodiment_has_its_keys(setup):
 def test_v21_av1_dataset_with_missing_videos_fails_clearly_or_skips(tmp_path):
     """A v2.1 AV1 dataset, an embodiment from YAML alone, some episodes' mp4s missing."""
     from dzmodel.cli import main
-    from tests.data.lerobot_writers import CAMERAS, write_v21
+    from tests.data.lerobot_writers import CAMERAS, write_test_arm_yaml, write_v21
 
     root = write_v21(tmp_path / "v21", lengths=(12, 11, 13), codec="libsvtav1")
     reader = open_dataset(root)
-    yaml_path = tmp_path / "arm.yaml"
-    views = ", ".join(f"c{i}: {k}" for i, k in enumerate(CAMERAS))
-    yaml_path.write_text(f"""
-test_arm:
-  views: {{{views}}}
-  view_size: [32, 32]
-  layout: [[{", ".join(f"c{i}" for i in range(len(CAMERAS)))}]]
-  state: {{state: {{column: observation.state}}}}
-  action: {{action: {{column: action}}}}
-  action_horizon: 4
-  sampling: fixed_window
-""")
+    yaml_path = write_test_arm_yaml(tmp_path / "arm.yaml", sampling="fixed_window")
     emb = get_embodiment("test_arm", load_embodiments([yaml_path]))
     WindowDataset(reader, emb, WindowSpec(2, 4), None).sample(0)  # complete: works
     victim = reader.video_file(1, CAMERAS[-1])
