@@ -176,11 +176,9 @@ def cmd_data_check(ns: argparse.Namespace) -> int:
         if not ns.skip_missing:
             raise
         print(f"warning: {exc}")
-    from .data.check import deep_check, file_problems
+    from .data.check import deep_check, file_problems, raise_problems
 
-    problems = deep_check(reader) if ns.deep else file_problems(reader)
-    if problems:
-        raise DataError(f"{reader.root}: {len(problems)} file(s) cannot be used:\n  " + "\n  ".join(problems))
+    raise_problems(reader, deep_check(reader) if ns.deep else file_problems(reader), shown=None)
     print("every data file's footer opens and every video is a video container"
           + ("; video frame counts and durations match the episode table" if ns.deep else ""))
     if reader.version == "v3.0":

@@ -60,12 +60,17 @@ def file_problems(reader) -> list[str]:
     return problems
 
 
+def raise_problems(reader, problems: list[str], shown: int | None = 10) -> None:
+    """One DataError listing the problems (the first `shown`; None: all), or nothing when there are none."""
+    if problems:
+        more = f"\n  ... and {len(problems) - shown} more" if shown is not None and len(problems) > shown else ""
+        raise DataError(f"{reader.root}: {len(problems)} file(s) cannot be used:\n  "
+                        + "\n  ".join(problems[:shown]) + more)
+
+
 def verify_files(reader) -> None:
     """One DataError listing every data or video file that would fail training (see the module docstring)."""
-    problems = file_problems(reader)
-    if problems:
-        shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
-        raise DataError(f"{reader.root}: {len(problems)} file(s) cannot be used:\n  {shown}")
+    raise_problems(reader, file_problems(reader))
 
 
 def deep_check(reader) -> list[str]:

@@ -123,7 +123,7 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def _download_hub(repo_id: str, revision: str, tmp: Path, allow_patterns: list[str] | None,
-                  retries: int = 3, retry_delay_s: float = 10.0, log=print) -> None:
+                  retries: int = 3, retry_delay_s: float = 10.0) -> None:
     try:
         import huggingface_hub
     except ImportError as e:
@@ -138,7 +138,7 @@ def _download_hub(repo_id: str, revision: str, tmp: Path, allow_patterns: list[s
                 if attempt == retries or not is_transient(e):
                     raise
                 delay = retry_delay_s * 2 ** attempt  # exponential backoff; the download resumes in local_dir
-                log(f"fetch: {repo_id}: {type(e).__name__}: {e}; retry {attempt + 1}/{retries} in {delay:g} s")
+                print(f"fetch: {repo_id}: {type(e).__name__}: {e}; retry {attempt + 1}/{retries} in {delay:g} s")
                 time.sleep(delay)
     except DataError:
         raise

@@ -301,8 +301,8 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
                                   f"{sorted(policy.embodiment.views)}; LIBERO gives 'image' and 'wrist_image'")
         started, timing = time.perf_counter(), {}
         results = evaluate_policy(policy, cfg, out, progress=progress, tag=f"step{step}", timing=timing)
-        timings.append({"step": step, "wall_s": round(time.perf_counter() - started, 1),
-                        "episodes_per_min": round(len(results) * 60 / (time.perf_counter() - started), 2),
+        wall = time.perf_counter() - started
+        timings.append({"step": step, "wall_s": round(wall, 1), "episodes_per_min": round(len(results) * 60 / wall, 2),
                         "batch_policy": cfg.batch_policy,
                         **{k: round(v, 2) if isinstance(v, float) else v for k, v in timing.items()}})
         rows += summarize(results, step)

@@ -70,6 +70,15 @@ class KVCache:
                   for i in range(len(caches[0].layers))]
         return KVCache(layers=layers, num_frames=caches[0].num_frames)
 
+    def leaves(self) -> list[torch.Tensor]:
+        """k0, v0, k1, v1, ...: the flat tensor list a CUDA graph takes as inputs."""
+        return [t for k, v in (self.layers or []) for t in (k, v)]
+
+    @staticmethod
+    def from_leaves(leaves, num_frames: int) -> "KVCache":
+        """The inverse of `leaves` (no leaves: an empty cache)."""
+        return KVCache(layers=list(zip(leaves[0::2], leaves[1::2])) or None, num_frames=num_frames)
+
     def split(self, size: int) -> list["KVCache"]:
         """Consecutive batch slices of `size` samples each (views)."""
         batch = self.layers[0][0].shape[0]
@@ -500,19 +509,18 @@ class DreamZeroPolicy:
             prefill(self.model, cache, latents, cond)
             return
         check_prefill(self.model, cache, latents)
-        frames, n_cached = cache.num_frames, len(cache.layers or [])
+        kv, frames = cache.leaves(), cache.num_frames
 
         def make():
             def fn(*leaves):
-                kv, rest = leaves[:2 * n_cached], leaves[2 * n_cached:]
-                past = KVCache(layers=list(zip(kv[0::2], kv[1::2])) or None, num_frames=frames)
-                own = prefill_kv(self.model, past, rest[0], cond.rebuild(list(rest[1:])))
-                return [t for k, v in own for t in (k, v)]
+                past = KVCache.from_leaves(leaves[:len(kv)], frames)
+                own = prefill_kv(self.model, past, leaves[len(kv)], cond.rebuild(list(leaves[len(kv) + 1:])))
+                return KVCache(layers=own).leaves()
             return fn
 
-        leaves = [t for k, v in (cache.layers or []) for t in (k, v)] + [latents] + cond.tensors()
-        out = self.graphs.run(("prefill", frames, cond.image is not None, cond.y is not None), make, leaves)
-        cache.append(list(zip(out[0::2], out[1::2])), latents.shape[2])
+        out = self.graphs.run(("prefill", frames, cond.image is not None, cond.y is not None), make,
+                              kv + [latents] + cond.tensors())
+        cache.append(KVCache.from_leaves(out, 0).layers, latents.shape[2])
 
     def _solve(self, cache: KVCache, cond: Conditioning, state: torch.Tensor, video: torch.Tensor,
                actions: torch.Tensor) -> torch.Tensor:
@@ -521,19 +529,17 @@ class DreamZeroPolicy:
             return solve_two_passes(self.model, caches, conds, state, video, actions, self.solver)[1]
         if not self.graphs.enabled:
             return solve(self.model, cache, cond, state, video, actions, self.solver, self.guided)[1]
-        frames, n_layers, guided, solver = cache.num_frames, len(cache.layers), self.guided, self.solver
+        kv, frames, guided, solver = cache.leaves(), cache.num_frames, self.guided, self.solver
 
         def make():
             def fn(*leaves):
-                kv, rest = leaves[:2 * n_layers], leaves[2 * n_layers:]
-                c = KVCache(layers=list(zip(kv[0::2], kv[1::2])), num_frames=frames)
+                c, rest = KVCache.from_leaves(leaves[:len(kv)], frames), leaves[len(kv):]
                 s, v, a = rest[-3:]
                 return [solve(self.model, c, cond.rebuild(list(rest[:-3])), s, v, a, solver, guided)[1]]
             return fn
 
-        leaves = [t for k, v in cache.layers for t in (k, v)] + cond.tensors() + [state, video, actions]
         key = ("solve", frames, guided, cond.image is not None, cond.y is not None)
-        return self.graphs.run(key, make, leaves)[0]
+        return self.graphs.run(key, make, kv + cond.tensors() + [state, video, actions])[0]
 
     # -- sessions --
 
@@ -578,9 +584,6 @@ class DreamZeroPolicy:
                 self._prefill(session.cache, block, session.cond)
             session.latents = rest if rest.shape[2] else None
         return True
-
-    def end_session(self, session_id: str) -> None:
-        self.sessions.pop(session_id, None)
 
     # -- the API --
 

@@ -28,6 +28,7 @@ from ..data.embodiments import get_embodiment, load_embodiments
 from ..data.errors import DataError
 from ..data.lerobot_format import open_dataset
 from ..data.sampling import SampleStream, WindowSpec
+from ..data.transforms import NormStats
 from ..data.video import worker_init_fn
 from ..model.args import OFFLINE_PRESETS, preset
 from ..model.objective import FlowMatchSchedule
@@ -114,7 +115,7 @@ def size_to_embodiment(cfg: TrainConfig) -> TrainConfig:
     args = preset(cfg.preset, **cfg.model_overrides)
     emb = get_embodiment(cfg.embodiment, load_embodiments(cfg.embodiment_files))
     stats = load_statistics(cfg.metadata, emb.tag)
-    widths = {group: sum(len(stats[group][k.name]["q01"]) for k in keys if k.name in stats.get(group, {}))
+    widths = {group: len(NormStats.from_metadata(stats, [k.name for k in keys], group, cfg.metadata).q01)
               for group, keys in (("state", emb.state), ("action", emb.action))}
     sized = {}
     for field_name, group in (("max_state_dim", "state"), ("action_dim", "action")):
