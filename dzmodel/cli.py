@@ -404,9 +404,16 @@ def cmd_eval_oracle(ns: argparse.Namespace) -> int:
 
 
 def cmd_cache(ns: argparse.Namespace) -> int:
-    from .train.cache import build_cache
+    from .train.cache import build_cache, synthetic_cache
 
     cfg = load_train_config(ns)
+    if ns.synthetic is not None:
+        if ns.synthetic < 1:
+            raise CLIError(f"--synthetic wants a number of samples >= 1, got {ns.synthetic}")
+        out = synthetic_cache(cfg.preset, ns.cache_out, ns.synthetic, _latent_hw(ns.latent_hw),
+                              seed=cfg.seed, model_overrides=cfg.model_overrides)
+        print(f"wrote a synthetic cache of {ns.synthetic} random {cfg.preset} samples: {out}")
+        return EXIT_OK
     if not cfg.tokenizer:
         raise CLIError("dz cache needs the tokenizer directory (train.tokenizer / --set tokenizer=DIR)")
     out = build_cache(cfg, ns.cache_out, stride=ns.stride, batch_size=ns.batch_size)
@@ -431,9 +438,7 @@ def cmd_bench_model(ns: argparse.Namespace) -> int:
     from .bench.model_step import run
 
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    hw = tuple(int(x) for x in ns.latent_hw.split(","))
-    if len(hw) != 2:
-        raise CLIError(f"--latent-hw must be H,W (e.g. 11,20), got {ns.latent_hw!r}")
+    hw = _latent_hw(ns.latent_hw)
     if ns.check:
         from .bench.model_step import check_flex_vs_sdpa
 
@@ -443,6 +448,16 @@ def cmd_bench_model(ns: argparse.Namespace) -> int:
     run(ns.preset, ns.layers, [int(b) for b in ns.batch.split(",")], ns.backend.split(","), hw,
         ns.steps, ns.warmup, device, ns.out)
     return EXIT_OK
+
+
+def _latent_hw(text: str) -> tuple[int, int]:
+    try:
+        hw = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        hw = ()
+    if len(hw) != 2 or min(hw) < 1:
+        raise CLIError(f"--latent-hw must be H,W (e.g. 11,20), got {text!r}")
+    return hw
 
 
 # The best measured 5B configuration on one H200 (docs/performance.md).
@@ -474,8 +489,8 @@ def cmd_bench_train(ns: argparse.Namespace) -> int:
                         "encoders": "online_per_sample"})
     # Before the first CUDA allocation: large, varying activation sets fragment the default allocator.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    hw = tuple(int(x) for x in ns.latent_hw.split(","))
-    run(ns.preset, ns.layers or None, configs, hw, ns.steps, ns.warmup, ns.out, fsdp=ns.fsdp)
+    run(ns.preset, ns.layers or None, configs, _latent_hw(ns.latent_hw), ns.steps, ns.warmup, ns.out, fsdp=ns.fsdp,
+        against_run=ns.against_run)
     return EXIT_OK
 
 
@@ -485,7 +500,7 @@ def cmd_bench_profile(ns: argparse.Namespace) -> int:
     from .bench.train_profile import block_parts, print_parts, print_summary, profile_step
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    hw = tuple(int(x) for x in ns.latent_hw.split(","))
+    hw = _latent_hw(ns.latent_hw)
     v = parse_variant(ns.variant)
     result = {}
     if ns.parts or ns.parts_only:
@@ -764,6 +779,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", dest="cache_out", required=True, help="cache directory to write")
     p.add_argument("--stride", type=int, default=1, help="cache every stride-th anchor")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--synthetic", type=int, metavar="N",
+                   help="no data or encoders: N random samples of the preset's real shapes (to measure dz train)")
+    p.add_argument("--latent-hw", default="11,20", help="with --synthetic: latent H,W (5B DROID 11,20)")
     p.set_defaults(func=cmd_cache, steps=None, out_dir=None)
 
     p = sub.add_parser("package", help="a versioned, checksummed Franka deployment bundle (+ .tar.gz)")
@@ -899,6 +917,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "encoders=cache|online_batched|online_per_sample (repeatable)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 even with one process (its overhead without communication)")
+    p.add_argument("--against-run", metavar="RUN_DIR",
+                   help="a dz train run at the first variant's settings: compare its logged samples/s/GPU")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", help="append JSON lines here")

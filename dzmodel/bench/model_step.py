@@ -1,8 +1,9 @@
-"""`dz bench model`: one bf16 forward + backward of the DreamZero WAM on the real token layout.
+"""`dz bench model`: the trainer's forward + backward (no optimizer, no FSDP) on the real token layout.
 
-This is the model-only GPU check (no FSDP, no optimizer): it builds a preset, optionally cut to a
-few layers, feeds random inputs of the DROID training sample's shape and times full
-forward + backward steps with CUDA events after warm-up. FLOPs follow dzmodel.model.flops.
+The model-only GPU check: it builds a preset in bf16, optionally cut to a few layers, and times the training
+step's forward and backward (`TrainStep.forward_backward`: its mask, noise draws and flow-matching loss) on
+synthetic micro-batches of the DROID training sample's shape, with CUDA events after warm-up. FLOPs follow
+`DreamZeroArgs.flops`; MFU divides by the device's peak (none on a CPU).
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ import torch
 
 from ..model.args import preset
 from ..model.attention import latent_layout
-from ..model.flops import wam_forward_flops
 from ..model.wam import DreamZeroWAM
-
-H100_BF16_PEAK = 989e12
+from ..train.metrics import peak_flops
 
 
 @dataclass
@@ -36,7 +35,7 @@ class StepResult:
     peak_mem_gib: float
     samples_per_s: float
     model_tflops_per_s: float
-    mfu_vs_989: float
+    mfu: float | None
     device: str
 
 
@@ -66,8 +65,8 @@ def time_steps(step, steps: int, warmup: int, device: str) -> list[float]:
     return times
 
 
-def random_inputs(model: DreamZeroWAM, batch: int, latent_hw: tuple[int, int], device, dtype, generator):
-    a = model.args
+def random_inputs(a, batch: int, latent_hw: tuple[int, int], device, dtype, generator):
+    """The model's forward inputs for `batch` samples of args `a` on a latent grid, drawn from `generator`."""
     F_ = a.num_frames
     K = a.max_chunk_size
     z = a.in_dim - (20 if a.concat_first_frame_latent else 0)
@@ -89,36 +88,36 @@ def random_inputs(model: DreamZeroWAM, batch: int, latent_hw: tuple[int, int], d
 def bench_step(preset_name: str = "dreamzero_5b", num_layers: int | None = 4, batch: int = 1,
                latent_hw: tuple[int, int] = (11, 20), backend: str = "flex", warmup: int = 3, steps: int = 10,
                dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> StepResult:
+    from ..train.step import TrainStep
+    from .train_bench import synthetic_batches
+
     overrides = {"num_layers": num_layers} if num_layers else {}
     args = preset(preset_name, **overrides)
     torch.manual_seed(0)
     with torch.device(device):
         model = DreamZeroWAM(args).to(dtype)
     model.train()
-    gen = torch.Generator(device=device).manual_seed(0)
-    inputs = random_inputs(model, batch, latent_hw, device, dtype, gen)
+    train_step = TrainStep(model, attn_backend=backend, autocast=None if dtype == torch.float32 else dtype)
+    batches = synthetic_batches(args, batch, latent_hw, device, "cache")
     layout = latent_layout(args, latent_hw)
-    mask = model.make_mask(layout, backend, torch.device(device))
-    flops = wam_forward_flops(args, layout).train() * batch
+    flops = args.flops(latent_hw).train() * batch
 
     def step():
-        out = model(**inputs, mask=mask)
-        loss = out.video_pred.float().square().mean() + out.action_pred.float().square().mean()
-        loss.backward()
-        for p in model.parameters():
-            p.grad = None
+        train_step.forward_backward(batches)
+        model.zero_grad(set_to_none=True)
 
     times = time_steps(step, steps, warmup, device)
     cuda = device.startswith("cuda")
     med = statistics.median(times)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     achieved = flops / (med / 1e3)
+    peak = peak_flops(torch.device(device))
     return StepResult(
         preset=preset_name, num_layers=args.num_layers, batch=batch, seq_len=layout.seq_len,
         context_tokens=args.text_len + args.clip_tokens, backend=backend, dtype=str(dtype).replace("torch.", ""),
-        step_ms_median=round(med, 3), step_ms_min=round(min(times), 3), peak_mem_gib=round(peak, 3),
+        step_ms_median=round(med, 3), step_ms_min=round(min(times), 3), peak_mem_gib=round(peak_mem, 3),
         samples_per_s=round(batch / (med / 1e3), 3), model_tflops_per_s=round(achieved / 1e12, 1),
-        mfu_vs_989=round(achieved / H100_BF16_PEAK, 4),
+        mfu=round(achieved / peak, 4) if peak else None,
         device=torch.cuda.get_device_name() if cuda else "cpu",
     )
 
@@ -144,7 +143,7 @@ def run(preset_name: str, num_layers: int | None, batches: list[int], backends: 
     print(hdr)
     for r in results:
         print(f"{r.backend:>7} {r.batch:>5} {r.seq_len:>6} {r.step_ms_median:>9.2f} {r.peak_mem_gib:>9.2f} "
-              f"{r.samples_per_s:>10.2f} {r.model_tflops_per_s:>8.1f} {r.mfu_vs_989:>6.1%}")
+              f"{r.samples_per_s:>10.2f} {r.model_tflops_per_s:>8.1f} {'-' if r.mfu is None else f'{r.mfu:.1%}':>6}")
     return results
 
 
@@ -157,7 +156,7 @@ def check_flex_vs_sdpa(preset_name: str = "tiny", num_layers: int | None = None,
     with torch.device(device):
         model = DreamZeroWAM(args).to(dtype)
     gen = torch.Generator(device=device).manual_seed(1)
-    inputs = random_inputs(model, batch, latent_hw, device, dtype, gen)
+    inputs = random_inputs(args, batch, latent_hw, device, dtype, gen)
     layout = latent_layout(args, latent_hw)
     results, grads = {}, {}
     for backend in ("sdpa", "flex"):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model_step import H100_BF16_PEAK
+from ..train.metrics import peak_flops
 
 CATEGORIES = (
     ("communication", re.compile(r"nccl", re.I)),
@@ -106,9 +106,9 @@ def profile_step(preset_name: str, num_layers: int | None, micro_batch: int, com
 
     from .train_bench import build_train_step, init_distributed
 
-    device = init_distributed(fsdp)  # under torchrun: FSDP2 over all GPUs, as `dz bench train` runs it
-    step, _, _ = build_train_step(preset_name, num_layers, micro_batch, compile, ac, attention, "cache", latent_hw,
-                                  device=device, fsdp=fsdp)
+    init_distributed(fsdp)  # under torchrun: FSDP2 over all GPUs, as `dz bench train` runs it
+    step, _ = build_train_step(preset_name, num_layers, micro_batch, compile, ac, attention, "cache", latent_hw,
+                               fsdp=fsdp)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -186,11 +186,12 @@ def block_parts(preset_name: str, latent_hw, micro_batch: int = 1, device: str =
     L, d, ffn, C = layout.seq_len * micro_batch, args.dim, args.ffn_dim, args.text_len + args.clip_tokens
     H, D = args.num_heads, args.head_dim
     dev, bf = device, torch.bfloat16
+    peak = peak_flops(torch.device(dev))
     rows = []
 
     def add(name: str, flops: float, ms: float, count: int = 1):
         rows.append({"piece": name, "count_per_block": count, "ms": round(ms, 3), "ms_per_block": round(ms * count, 3),
-                     "tflops": round(flops / ms / 1e9, 1), "of_peak": round(flops / ms / 1e9 / (H100_BF16_PEAK / 1e12), 3)})
+                     "tflops": round(flops / ms / 1e9, 1), "of_peak": round(flops / ms / 1e9 / (peak / 1e12), 3) if peak else None})
 
     # Linear layers: forward X·W, backward dX = dY·Wᵀ and dW = Xᵀ·dY (each 2·M·N·K).
     def linear(name: str, k: int, n: int, count: int) -> None:

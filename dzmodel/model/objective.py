@@ -31,9 +31,16 @@ class FlowMatchSchedule:
         y = torch.exp(-2 * ((self.timesteps - n / 2) / n) ** 2)
         y = y - y.min()
         self.weights = y * (n / y.sum())
+        self._on_device: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def _table(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return table.to(ids.device)[ids]
+        """table[ids], with the table copied to the ids' device once (a copy per call would wait for the GPU)."""
+        if ids.device.type == "cpu":
+            return table[ids]
+        key = (id(table), ids.device)
+        if key not in self._on_device:
+            self._on_device[key] = table.to(ids.device)
+        return self._on_device[key][ids]
 
     def sigma(self, ids: torch.Tensor) -> torch.Tensor:
         return self._table(self.sigmas, ids)

@@ -31,11 +31,60 @@ from ..data.dataset import load_statistics
 from ..data.embodiments import get_embodiment, load_embodiments
 from ..data.sampling import WindowSpec
 from ..model.args import preset
-from ..model.conditioning import EncodedBatch, encode_batch
+from ..model.conditioning import encode_batch
 from .config import TrainConfig
 from .encoders import frozen_encoders
 
 CACHE_VERSION = 1
+
+
+class CacheWriter:
+    """Writes a cache directory in `<out>.tmp` (rows in shards, one text row per unique prompt) and renames it
+    into place when finished: a failed build never leaves a half cache under the real name."""
+
+    def __init__(self, out_dir: str | Path, shard_size: int = 256):
+        self.out = Path(out_dir)
+        self.tmp = self.out.with_name(self.out.name + ".tmp")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.shard_size = shard_size
+        self.prompts: dict[str, int] = {}
+        self.text_rows: list[torch.Tensor] = []
+        self.shards: list[dict] = []
+        self.pending: list[dict[str, torch.Tensor]] = []
+
+    def prompt_index(self, prompt: str, context: torch.Tensor) -> int:
+        """The index of a prompt's text row; `context` [text_len, text_dim] is stored the first time."""
+        if prompt not in self.prompts:
+            self.prompts[prompt] = len(self.prompts)
+            self.text_rows.append(context.detach().cpu().unsqueeze(0))
+        return self.prompts[prompt]
+
+    def add(self, rows: dict[str, torch.Tensor]) -> None:
+        """A batch of rows (each tensor [n, ...], with prompt_index [n])."""
+        self.pending.append({k: v.detach().cpu() for k, v in rows.items()})
+        if sum(p["prompt_index"].shape[0] for p in self.pending) >= self.shard_size:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        tensors = {k: torch.cat([p[k] for p in self.pending]) for k in self.pending[0]}
+        name = f"shard_{len(self.shards):05d}.safetensors"
+        save_file(tensors, str(self.tmp / name))
+        self.shards.append({"file": name, "samples": int(tensors["prompt_index"].shape[0])})
+        self.pending.clear()
+
+    def finish(self, **index) -> Path:
+        self._flush()
+        save_file({"context": torch.cat(self.text_rows)}, str(self.tmp / "text.safetensors"))
+        index = {"version": CACHE_VERSION, **index, "prompts": list(self.prompts), "shards": self.shards,
+                 "samples": sum(s["samples"] for s in self.shards)}
+        (self.tmp / "index.json").write_text(json.dumps(index, indent=1))
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        os.replace(self.tmp, self.out)
+        return self.out
 
 
 def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_size: int = 8, shard_size: int = 256,
@@ -55,32 +104,9 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
 
         tokenizer = load_tokenizer(cfg.tokenizer)
     collate = Collator(tokenizer, a.text_len, a.max_state_dim, a.action_dim)
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    writer = CacheWriter(out_dir, shard_size)
     items = [(d, i) for d, ds in enumerate(datasets) for i in range(0, len(ds), stride)]
-    prompts: dict[str, int] = {}
-    text_rows: list[torch.Tensor] = []
-    shards, pending = [], []
-    bar = None
-    if progress:
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(items), desc="cache", unit="sample")
-        except ImportError:
-            pass
-
-    def flush():
-        if not pending:
-            return
-        tensors = {k: torch.cat([p[k] for p in pending]) for k in pending[0]}
-        name = f"shard_{len(shards):05d}.safetensors"
-        save_file(tensors, str(tmp / name))
-        shards.append({"file": name, "samples": int(tensors["prompt_index"].shape[0])})
-        pending.clear()
-
+    bar = _bar(len(items), progress)
     with torch.no_grad():
         for start in range(0, len(items), batch_size):
             chunk = items[start:start + batch_size]
@@ -88,37 +114,67 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
             batch = collate(samples)
             enc = encode_batch(a, encoders.vae, encoders.text_encoder, encoders.image_encoder,
                                batch["images"].to(device), batch["text"].to(device), batch["text_attention_mask"].to(device))
-            index = []
-            for j, s in enumerate(samples):
-                if s["prompt"] not in prompts:
-                    prompts[s["prompt"]] = len(prompts)
-                    text_rows.append(enc.context[j:j + 1].cpu())
-                index.append(prompts[s["prompt"]])
-            row = {"clean_latents": enc.clean_latents.cpu(), "clip_feature": enc.clip_feature.cpu(),
+            index = [writer.prompt_index(s["prompt"], enc.context[j]) for j, s in enumerate(samples)]
+            row = {"clean_latents": enc.clean_latents, "clip_feature": enc.clip_feature,
                    "state": batch["state"], "action": batch["action"], "action_mask": batch["action_mask"],
                    "prompt_index": torch.tensor(index, dtype=torch.long),
                    "has_real_action": batch["has_real_action"]}
             if enc.y is not None:
-                row["y"] = enc.y.cpu()
-            pending.append(row)
-            if sum(p["prompt_index"].shape[0] for p in pending) >= shard_size:
-                flush()
+                row["y"] = enc.y
+            writer.add(row)
             if bar is not None:
                 bar.update(len(chunk))
-    flush()
     if bar is not None:
         bar.close()
-    save_file({"context": torch.cat(text_rows)}, str(tmp / "text.safetensors"))
-    index = {"version": CACHE_VERSION, "preset": cfg.preset, "model_overrides": cfg.model_overrides,
-             "embodiment": emb.tag, "datasets": [str(Path(p).resolve()) for p in cfg.datasets], "stride": stride,
-             "heldout_episodes": cfg.heldout_episodes,
-             "metadata": str(cfg.metadata), "prompts": list(prompts), "shards": shards,
-             "samples": sum(s["samples"] for s in shards)}
-    (tmp / "index.json").write_text(json.dumps(index, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    return writer.finish(preset=cfg.preset, model_overrides=cfg.model_overrides, embodiment=emb.tag,
+                         datasets=[str(Path(p).resolve()) for p in cfg.datasets], stride=stride,
+                         heldout_episodes=cfg.heldout_episodes, metadata=str(cfg.metadata))
+
+
+def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_hw: tuple[int, int] = (11, 20),
+                    prompts: int = 4, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                    model_overrides: dict | None = None, progress: bool = True) -> Path:
+    """A cache of `samples` random windows with a preset's real shapes (latent grid `latent_hw`, the encoders'
+    output widths, `prompts` distinct prompts), stored in `dtype` as a bf16 encoder writes them. For measuring
+    `dz train`'s throughput where neither data nor encoder weights are at hand (the numbers do not depend on
+    the values); its index says it is synthetic. Drawn in batches of 16, so memory stays small."""
+    from ..bench.model_step import random_inputs
+
+    a = preset(preset_name, **(model_overrides or {}))
+    g = torch.Generator().manual_seed(seed)
+    writer = CacheWriter(out_dir)
+    K, A = a.max_chunk_size, a.num_action_per_block
+    bar = _bar(samples, progress)
+    for start in range(0, samples, 16):
+        n = min(16, samples - start)
+        x = random_inputs(a, n, latent_hw, "cpu", dtype, g)
+        index = [writer.prompt_index(f"synthetic prompt {(start + j) % prompts}", x["context"][j]) for j in range(n)]
+        action = torch.rand(n, K * A, a.action_dim, generator=g) * 2 - 1
+        row = {"clean_latents": x["clean_latents"], "clip_feature": x["clip_feature"],
+               "state": torch.rand(n, K * a.num_state_per_block, a.max_state_dim, generator=g) * 2 - 1,
+               "action": action, "action_mask": torch.ones_like(action, dtype=torch.bool),
+               "prompt_index": torch.tensor(index, dtype=torch.long),
+               "has_real_action": torch.ones(n, dtype=torch.bool)}
+        if x["y"] is not None:
+            row["y"] = x["y"]
+        writer.add(row)
+        if bar is not None:
+            bar.update(n)
+    if bar is not None:
+        bar.close()
+    return writer.finish(preset=preset_name, model_overrides=model_overrides or {}, embodiment="synthetic",
+                         datasets=[], stride=1, heldout_episodes=0, metadata=None, synthetic=True,
+                         latent_hw=list(latent_hw))
+
+
+def _bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="cache", unit="sample")
 
 
 class CachedWindows(torch.utils.data.Dataset):
@@ -162,10 +218,3 @@ class CachedWindows(torch.utils.data.Dataset):
 
 def collate_cached(samples: list[dict]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
-
-
-def encoded_from_cached(batch: dict[str, torch.Tensor], device) -> EncodedBatch:
-    return EncodedBatch(clean_latents=batch["clean_latents"].to(device), context=batch["context"].to(device),
-                        clip_feature=batch["clip_feature"].to(device),
-                        y=batch["y"].to(device) if "y" in batch else None)
-

@@ -46,7 +46,7 @@ class TrainConfig:
     attn_backend: str = "auto"
     # bookkeeping
     out_dir: str = "runs/train"
-    save_every: int = 50
+    save_every: int = 50                    # 0: never checkpoint (a measurement run; nothing to resume or convert)
     log_every: int = 1
     seed: int = 0
     progress: bool = True
@@ -68,9 +68,11 @@ class TrainConfig:
         ac = self.activation_checkpointing
         if ac not in AC_MODES and not (ac.startswith("full:") and ac[5:].isdigit()):
             raise ValueError(f"train.activation_checkpointing must be one of {AC_MODES} or full:N, got {ac!r}")
-        for name in ("steps", "micro_batch", "global_batch", "save_every", "log_every"):
+        for name in ("steps", "micro_batch", "global_batch", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.save_every < 0:
+            raise ValueError(f"train.save_every must be >= 0 (0: never checkpoint), got {self.save_every}")
         if self.heldout_episodes < 0:
             raise ValueError(f"train.heldout_episodes must be >= 0, got {self.heldout_episodes}")
         if not 0 <= self.warmup_ratio < 1:

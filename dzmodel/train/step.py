@@ -1,63 +1,171 @@
-"""One supervised fine-tuning step's loss: collated batch -> frozen encoders -> noised inputs -> WAM -> losses."""
+"""The one training step, shared by `dz train` and the training benchmarks (`dz bench train`, `bench model`,
+`bench profile`), so every recorded throughput is the trainer's.
+
+A step is `accumulation` micro-batches of forward and backward, then gradient clipping and the optimizer. Per
+batch shape the token layout and the attention mask are built once. The diffusion timesteps and noise are drawn
+on the model's device from a per-sample seed (the sample's global stream position), so the same sample gets the
+same draws whatever the micro-batch, accumulation or world size. Loss sums stay on the device: nothing inside a
+step reads a value back to the host, so the GPU never waits on Python; the caller reads a step's metrics once.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+from dataclasses import dataclass
+from typing import Iterable
+
 import torch
 
+from ..model.attention import latent_layout
 from ..model.conditioning import EncodedBatch, encode_batch
-from ..model.objective import FlowMatchSchedule, Losses, flow_matching_losses, sample_timestep_ids
+from ..model.objective import (FlowMatchSchedule, Losses, action_timestep_ids, flow_matching_losses,
+                               tie_timestep_ids)
 from ..model.wam import DreamZeroWAM
 
-
-def _per_sample_draws(positions: torch.Tensor, seed: int, F: int, a, latent_shape, action_shape):
-    """Timestep ids and noise drawn per sample from (seed, stream position): the same sample gets the same
-    draws whatever the micro-batch size, accumulation or world size (so those runs are comparable)."""
-    ids, aids, noise, noise_a = [], [], [], []
-    for pos in positions.tolist():
-        g = torch.Generator().manual_seed(seed * 1_000_003 + int(pos))
-        _, i, ai = sample_timestep_ids(1, F, a.num_frame_per_block, a.num_action_per_block, generator=g)
-        ids.append(i)
-        aids.append(ai)
-        noise.append(torch.randn((1, *latent_shape[1:]), generator=g))
-        noise_a.append(torch.randn((1, *action_shape[1:]), generator=g))
-    return torch.cat(ids), torch.cat(aids), torch.cat(noise), torch.cat(noise_a)
+# Keys of a batch that are already encoded (a `dz cache` batch, or a benchmark's synthetic one).
+ENCODED_KEYS = ("clean_latents", "context", "clip_feature")
 
 
-def sft_losses(model: DreamZeroWAM, encoders, batch: dict[str, torch.Tensor], schedule: FlowMatchSchedule,
-               generator: torch.Generator | None = None, attn_backend: str = "auto",
-               noise_seed: int | None = None) -> Losses:
-    """`batch` follows dzmodel.data.collate; `encoders` has .vae, .text_encoder, .image_encoder.
-    With `noise_seed` and batch["position"], draws are per sample; else from `generator`."""
-    dev = model.patch_embedding.weight.device
-    batch = {k: v.to(dev) for k, v in batch.items()}
-    enc = encode_batch(model.args, encoders.vae, encoders.text_encoder, encoders.image_encoder, batch["images"],
-                       batch["text"], batch["text_attention_mask"])
-    return losses_from_encoded(model, enc, batch, schedule, generator, attn_backend, noise_seed)
+@dataclass
+class StepOutput:
+    losses: torch.Tensor            # [3] float64 on the device: loss, dynamics, action (mean over micro-batches)
+    grad_norm: torch.Tensor | None  # before clipping, on the device (None without an optimizer)
+
+    def read(self) -> tuple[list[float], float | None]:
+        """The step's numbers on the host: one device read for all of them."""
+        if self.grad_norm is None:
+            return self.losses.tolist(), None
+        values = torch.cat([self.losses, self.grad_norm.detach().reshape(1).to(self.losses)]).tolist()
+        return values[:3], values[3]
 
 
-def losses_from_encoded(model: DreamZeroWAM, enc: EncodedBatch, batch: dict[str, torch.Tensor],
-                        schedule: FlowMatchSchedule, generator: torch.Generator | None = None,
-                        attn_backend: str = "auto", noise_seed: int | None = None) -> Losses:
-    """The loss from frozen-encoder outputs (computed online, or read from `dz cache`)."""
-    a = model.args
-    dev = model.patch_embedding.weight.device
-    latents = enc.clean_latents.float()
-    B, F = latents.shape[0], latents.shape[2]
-    actions, state = batch["action"].to(dev), batch["state"].to(dev)
-    blocks = (F - 1) // a.num_frame_per_block
-    if actions.shape[1] != blocks * a.num_action_per_block:
-        raise ValueError(f"the batch has {actions.shape[1]} action rows, the model wants {blocks} chunks x "
-                         f"{a.num_action_per_block} (embodiment action_horizon must equal num_action_per_block)")
-    if noise_seed is not None and "position" in batch:
-        ids, aids, noise, noise_a = _per_sample_draws(batch["position"].cpu(), noise_seed, F, a, latents.shape,
-                                                      actions.shape)
-    else:
-        _, ids, aids = sample_timestep_ids(B, F, a.num_frame_per_block, a.num_action_per_block, generator=generator)
-        noise = torch.randn(latents.shape, generator=generator)
-        noise_a = torch.randn(actions.shape, generator=generator)
-    ids, aids, noise, noise_a = ids.to(dev), aids.to(dev), noise.to(dev), noise_a.to(dev)
-    out = model(schedule.add_noise(latents, noise, ids, 2), latents, schedule.timestep(ids),
-                schedule.add_noise(actions, noise_a, aids, 1), schedule.timestep(aids), state,
-                enc.context, enc.clip_feature, y=enc.y, attn_backend=attn_backend)
-    return flow_matching_losses(schedule, out.video_pred, out.action_pred, latents, noise, actions, noise_a,
-                                ids, aids, batch["action_mask"].to(dev), batch["has_real_action"].to(dev))
+class TrainStep:
+    """model: a DreamZeroWAM (optionally compiled, recomputed, FSDP2-wrapped from outside); optimizer: None for
+    forward and backward only (`dz bench model`); encoders: the frozen VAE/umT5/CLIP for batches of images
+    (None when every batch is encoded); autocast: the compute dtype, or None; encode_per_sample: run the
+    encoders one sample at a time, as upstream does (the benchmark's baseline)."""
+
+    def __init__(self, model: DreamZeroWAM, optimizer: torch.optim.Optimizer | None = None, *,
+                 accumulation: int = 1, grad_clip: float = 1.0, encoders=None, autocast: torch.dtype | None = None,
+                 attn_backend: str = "auto", noise_seed: int = 0, encode_per_sample: bool = False):
+        self.model, self.optimizer, self.encoders = model, optimizer, encoders
+        self.args = model.args
+        self.accumulation, self.grad_clip = accumulation, grad_clip
+        self.autocast, self.attn_backend = autocast, attn_backend
+        self.noise_seed, self.encode_per_sample = noise_seed, encode_per_sample
+        self.device = model.patch_embedding.weight.device
+        self.schedule = FlowMatchSchedule()
+        self.generator = torch.Generator(device=self.device)
+        self._masks: dict[tuple, object] = {}
+        self.mask_builds = 0            # the guard's count: once per shape
+        self.activation_bytes = 0       # CUDA memory held from a micro-batch's start until its backward
+
+    # -- per shape -----------------------------------------------------------------------------
+
+    def mask(self, latent_shape: torch.Size):
+        """The attention mask of a latent shape [B, C, F, H, W], built on first use."""
+        key = tuple(latent_shape[2:])
+        if key not in self._masks:
+            layout = latent_layout(self.args, tuple(latent_shape[-2:]), latent_shape[2])
+            self._masks[key] = self.model.make_mask(layout, self.attn_backend, self.device)
+            self.mask_builds += 1
+        return self._masks[key]
+
+    # -- one micro-batch -------------------------------------------------------------------------
+
+    def draws(self, positions: torch.Tensor, latent_shape, action_shape):
+        """Timestep ids [B, F], action ids [B, K·A], noise and action noise, per sample from (noise_seed,
+        position). `positions` stay on the host (no device read); the numbers are drawn on the device."""
+        a, dev, g = self.args, self.device, self.generator
+        F = latent_shape[2]
+        B = len(positions)
+        raw = torch.empty((B, F), dtype=torch.long, device=dev)
+        noise = torch.empty(latent_shape, device=dev)
+        noise_a = torch.empty(action_shape, device=dev)
+        for i, pos in enumerate(positions.tolist()):
+            g.manual_seed(self.noise_seed * 1_000_003 + int(pos))
+            raw[i] = torch.randint(0, self.schedule.num_train_timesteps, (F,), generator=g, device=dev)
+            noise[i].normal_(generator=g)
+            noise_a[i].normal_(generator=g)
+        ids = tie_timestep_ids(raw, a.num_frame_per_block)
+        return ids, action_timestep_ids(ids, a.num_frame_per_block, a.num_action_per_block), noise, noise_a
+
+    def encode(self, batch: dict[str, torch.Tensor]) -> EncodedBatch:
+        if all(k in batch for k in ENCODED_KEYS):
+            return EncodedBatch(clean_latents=batch["clean_latents"], context=batch["context"],
+                                clip_feature=batch["clip_feature"], y=batch.get("y"))
+        if self.encoders is None:
+            raise ValueError("this batch holds images, not encodings: the step was built without encoders")
+        e, a = self.encoders, self.args
+        with torch.no_grad():
+            if not self.encode_per_sample:
+                return encode_batch(a, e.vae, e.text_encoder, e.image_encoder, batch["images"], batch["text"],
+                                    batch["text_attention_mask"])
+            parts = [encode_batch(a, e.vae, e.text_encoder, e.image_encoder, batch["images"][i:i + 1],
+                                  batch["text"][i:i + 1], batch["text_attention_mask"][i:i + 1])
+                     for i in range(batch["images"].shape[0])]
+        def cat(field):
+            return None if getattr(parts[0], field) is None else torch.cat([getattr(p, field) for p in parts])
+
+        return EncodedBatch(cat("clean_latents"), cat("context"), cat("clip_feature"), cat("y"))
+
+    def losses(self, batch: dict[str, torch.Tensor]) -> Losses:
+        """One micro-batch's losses (no backward). `batch` follows dzmodel.data.collate or the cache's layout and
+        carries each sample's stream `position`; it may still be on the host (copied without a sync)."""
+        if "position" not in batch:
+            raise ValueError("the batch has no 'position' (each sample's stream position seeds its noise)")
+        positions = batch["position"].cpu()
+        dev, a = self.device, self.args
+        batch = {k: v.to(dev, non_blocking=True) for k, v in batch.items() if k != "position"}
+        enc = self.encode(batch)
+        latents = enc.clean_latents.float()
+        actions = batch["action"]
+        blocks = (latents.shape[2] - 1) // a.num_frame_per_block
+        if actions.shape[1] != blocks * a.num_action_per_block:
+            raise ValueError(f"the batch has {actions.shape[1]} action rows, the model wants {blocks} chunks x "
+                             f"{a.num_action_per_block} (embodiment action_horizon must equal num_action_per_block)")
+        ids, aids, noise, noise_a = self.draws(positions, latents.shape, actions.shape)
+        s = self.schedule
+        out = self.model(s.add_noise(latents, noise, ids, 2), latents, s.timestep(ids),
+                         s.add_noise(actions, noise_a, aids, 1), s.timestep(aids), batch["state"],
+                         enc.context, enc.clip_feature, y=enc.y, mask=self.mask(latents.shape))
+        return flow_matching_losses(s, out.video_pred, out.action_pred, latents, noise, actions, noise_a,
+                                    ids, aids, batch["action_mask"], batch["has_real_action"])
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def forward_backward(self, batches: Iterable[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """`accumulation` micro-batches of forward and backward; returns the mean losses [3] on the device."""
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        cuda = self.device.type == "cuda"
+        count = 0
+        for batch in itertools.islice(batches, self.accumulation):
+            before = torch.cuda.memory_allocated(self.device) if cuda else 0
+            cast = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
+                    else contextlib.nullcontext())
+            with cast:
+                losses = self.losses(batch)
+            if cuda:
+                self.activation_bytes = torch.cuda.memory_allocated(self.device) - before
+            (losses.loss / self.accumulation).backward()
+            sums += torch.stack([losses.loss.detach(), losses.dynamics_loss.detach(),
+                                 losses.action_loss.detach()]).double()
+            count += 1
+        if count != self.accumulation:
+            raise ValueError(f"the step wants {self.accumulation} micro-batches, the data gave {count}")
+        return sums / self.accumulation
+
+    def __call__(self, batches: Iterable[dict[str, torch.Tensor]], lr: float | None = None) -> StepOutput:
+        losses = self.forward_backward(batches)
+        if self.optimizer is None:
+            return StepOutput(losses, None)
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor of partial norms
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutput(losses, grad_norm)

@@ -10,7 +10,7 @@ pure function of the step (linear warmup then cosine to `min_lr`, like HF's cosi
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import math
 import os
 import sys
@@ -31,7 +31,6 @@ from ..data.sampling import SampleStream, WindowSpec
 from ..data.transforms import NormStats
 from ..data.video import worker_init_fn
 from ..model.args import OFFLINE_PRESETS, preset
-from ..model.objective import FlowMatchSchedule
 from ..model.state_dict import load_wan_dit
 from ..model.vae import WanVideoVAE38
 from ..model.wam import DreamZeroWAM
@@ -40,7 +39,7 @@ from .config import TrainConfig
 from .encoders import frozen_encoders
 from .metrics import JsonlSink, MetricsSink, Progress, peak_flops, peak_memory_gib
 from .parallelize import DTYPES, apply_fsdp, apply_recompute_and_compile, build_adamw
-from .step import losses_from_encoded, sft_losses
+from .step import TrainStep
 
 
 @dataclass
@@ -140,15 +139,20 @@ class Trainer:
 
     # -- building --------------------------------------------------------------------------
 
-    def build_model(self) -> None:
+    def build_model(self, shard_one_process: bool = False, with_encoders: bool | None = None) -> None:
+        """The model, optimizer, frozen encoders and the one training step. shard_one_process: FSDP2 in a
+        one-process group too (benchmarks measure its overhead without communication); with_encoders: default
+        unless training from the cache."""
         cfg, dev = self.cfg, self.info.device
         torch.manual_seed(cfg.seed)
-        model = DreamZeroWAM(self.args)
+        # Drawn where it trains: a 5B model's CPU init alone takes minutes (the init differs between devices)
+        with torch.device("cpu" if cfg.init_dit else dev):
+            model = DreamZeroWAM(self.args)
         if cfg.init_dit:
             load_wan_dit(model, cfg.init_dit)
         model.to(dev).train()
         apply_recompute_and_compile(model, cfg.activation_checkpointing, cfg.compile)
-        self.sharded = self.info.world_size > 1 and cfg.sharding != "none"
+        self.sharded = cfg.sharding != "none" and (self.info.world_size > 1 or shard_one_process)
         if self.sharded:
             apply_fsdp(model, cfg.sharding, cfg.precision, cfg.reduce_dtype, dev.type)
         elif self.info.world_size > 1:
@@ -156,9 +160,16 @@ class Trainer:
         self.model = model
         self.optimizer = build_adamw(model.parameters(), cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay, dev.type)
         # frozen, replicated, batched per micro-batch; not needed when training from the cache
-        self.encoders = None if cfg.cache else frozen_encoders(cfg, dev)
+        if with_encoders is None:
+            with_encoders = not cfg.cache
+        self.encoders = frozen_encoders(cfg, dev) if with_encoders else None
         if self.encoders is not None and cfg.precision == "bf16":  # frozen: no master copy needed
             self.encoders.to(torch.bfloat16)
+        # FSDP2 casts to the compute dtype itself; a plain model computes under autocast
+        autocast = DTYPES[cfg.precision] if cfg.precision != "fp32" and not self.sharded else None
+        self.step = TrainStep(model, self.optimizer, accumulation=self.accum, grad_clip=cfg.grad_clip,
+                              encoders=self.encoders, autocast=autocast, attn_backend=cfg.attn_backend,
+                              noise_seed=cfg.seed)
 
     def build_data(self) -> None:
         cfg, a = self.cfg, self.args
@@ -216,20 +227,11 @@ class Trainer:
         dataset = self.cached if self.cached is not None else MixtureDataset(self.datasets)
         return torch.utils.data.DataLoader(
             dataset, batch_size=self.cfg.micro_batch, sampler=StreamSampler(self.stream),
-            collate_fn=self.collate, num_workers=self.cfg.num_workers,
+            collate_fn=self.collate, num_workers=self.cfg.num_workers, pin_memory=self.info.device.type == "cuda",
             worker_init_fn=worker_init_fn if self.cfg.num_workers else None,
             persistent_workers=bool(self.cfg.num_workers))
 
     # -- the loop ----------------------------------------------------------------------------
-
-    def _losses(self, batch: dict, schedule: FlowMatchSchedule):
-        cfg = self.cfg
-        if self.cached is not None:
-            from .cache import encoded_from_cached
-
-            enc = encoded_from_cached(batch, self.info.device)
-            return losses_from_encoded(self.model, enc, batch, schedule, None, cfg.attn_backend, noise_seed=cfg.seed)
-        return sft_losses(self.model, self.encoders, batch, schedule, None, cfg.attn_backend, noise_seed=cfg.seed)
 
     def _rng_states(self) -> dict[str, torch.Tensor]:
         return {"torch": torch.get_rng_state()}  # diffusion noise is seeded per sample position; this is for the rest
@@ -247,11 +249,8 @@ class Trainer:
                 torch.set_rng_state(rng["torch"])
         if start >= cfg.steps:
             return []
-        schedule = FlowMatchSchedule()
         sink = self.sink if self.sink is not None else (JsonlSink(self.out / "metrics.jsonl") if info.rank == 0 else None)
         progress = Progress(cfg.steps, start, enabled=cfg.progress and info.rank == 0)
-        autocast = (torch.autocast(info.device.type, dtype=DTYPES[cfg.precision])
-                    if cfg.precision != "fp32" and not self.sharded else None)
         it = iter(self.loader(consumed))
         history = []
         dev = info.device
@@ -259,29 +258,14 @@ class Trainer:
         end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
         for step in range(start, end):
             lr = lr_at(step, cfg)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
             if dev.type == "cuda":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            sums = torch.zeros(3, dtype=torch.float64)
-            for _ in range(self.accum):
-                batch = next(it)
-                with autocast if autocast is not None else contextlib.nullcontext():
-                    losses = self._losses(batch, schedule)
-                (losses.loss / self.accum).backward()
-                sums += torch.tensor([losses.loss.item(), losses.dynamics_loss.item(), losses.action_loss.item()],
-                                     dtype=torch.float64)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
+            t0 = time.perf_counter()  # the data's time counts: the loader must keep up
+            out = self.step(itertools.islice(it, self.accum), lr)
+            (loss, dynamics, action), grad_norm = out.read()  # the step's one device read
             dt = time.perf_counter() - t0
             consumed += self.accum * cfg.micro_batch
-            sums /= self.accum
+            sums = torch.tensor([loss, dynamics, action], dtype=torch.float64)
             if dist.is_initialized():
                 dist.all_reduce(sums)
                 sums /= info.world_size
@@ -298,7 +282,7 @@ class Trainer:
             if sink is not None and (step + 1) % cfg.log_every == 0:
                 sink.log(step + 1, metrics)
             progress.update(metrics)
-            if (step + 1) % cfg.save_every == 0 or step + 1 == end:
+            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == end):
                 all_consumed = self._gather_consumed(consumed)
                 save_checkpoint(self.out, step + 1, self.model, self.optimizer,
                                 {"step": step + 1, "samples": sum(all_consumed.values()), "consumed": all_consumed,

@@ -18,13 +18,35 @@ def test_variant_parsing_defaults_and_errors():
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_bench_step_accumulates_then_updates_once(accumulation):
-    step, args, layout = build_train_step("tiny", None, 2, False, "elementwise", "sdpa", "cache",
-                                          latent_hw=(4, 6), device="cpu", accumulation=accumulation)
-    model = next(c.cell_contents for c in step.__closure__ if isinstance(c.cell_contents, torch.nn.Module))
+def test_bench_step_is_the_trainers_step(accumulation):
+    step, trainer = build_train_step("tiny", None, 2, False, "elementwise", "sdpa", "cache",
+                                     latent_hw=(4, 6), accumulation=accumulation)
+    model = trainer.model
+    assert trainer.step.model is model and trainer.step.accumulation == accumulation
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     step()
     moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert len(moved) > len(before) // 2  # one AdamW update happened
     assert all(p.grad is None for p in model.parameters())  # and the accumulated grads were cleared
-    assert layout.seq_len > 0 and args.num_layers == 2
+    assert trainer.args.num_layers == 2
+
+
+def test_bench_train_runs_on_cpu_and_compares_with_a_run(tmp_path):
+    from dzmodel.bench.train_bench import compare_with_run, run
+
+    results = run("tiny", None, [{"name": "optimised", "micro_batch": 2, "compile": False, "ac": "none",
+                                  "attention": "sdpa", "encoders": "cache"},
+                                 {"name": "baseline", "micro_batch": 1, "compile": False, "ac": "none",
+                                  "attention": "sdpa", "encoders": "online_per_sample"}],
+                  (4, 6), steps=2, warmup=1, out_path=None)
+    assert [r.name for r in results] == ["optimised", "baseline"]
+    assert all(r.mfu is None and r.samples_per_s_per_gpu > 0 for r in results)  # no MFU on a CPU
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(
+        f'{{"step": {i}, "samples_per_s_per_gpu": {v}}}\n' for i, v in enumerate([1.0, 1.0, 1.0, 9.0, 10.0, 11.0], 1)))
+    cmp = compare_with_run(run_dir, results[0])
+    assert cmp["train_samples_per_s_per_gpu"] == 10.0 and cmp["train_steps_timed"] == 3
+    assert cmp["ratio"] == pytest.approx(10.0 / results[0].samples_per_s_per_gpu, rel=1e-3)
+    with pytest.raises(ValueError, match="none after the first 9"):
+        compare_with_run(run_dir, results[0], skip=9)

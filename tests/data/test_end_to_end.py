@@ -16,10 +16,9 @@ from dzmodel.data.synth import make_synthetic_dataset
 from dzmodel.data.video import worker_init_fn
 from dzmodel.model.args import preset
 from dzmodel.model.components import build_encoders
-from dzmodel.model.objective import FlowMatchSchedule
 from dzmodel.model.tokenizer import build_tiny_tokenizer, load_tokenizer
 from dzmodel.model.wam import DreamZeroWAM
-from dzmodel.train.step import sft_losses
+from dzmodel.train.step import TrainStep
 
 YAML = """
 tabletop_pusher:            # a robot this code has never seen: defined here only
@@ -67,7 +66,7 @@ def test_yaml_only_embodiment_trains_one_step(setup):
     model = DreamZeroWAM(args).train()
     enc = build_encoders("tiny")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.95, 0.999), weight_decay=1e-5)
-    losses = sft_losses(model, enc, batch, FlowMatchSchedule(), torch.Generator().manual_seed(0), attn_backend="sdpa")
+    losses = TrainStep(model, encoders=enc, attn_backend="sdpa").losses(batch)
     losses.loss.backward()
     before = model.blocks[0].self_attn.q.weight.detach().clone()
     opt.step()
