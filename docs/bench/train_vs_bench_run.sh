@@ -16,10 +16,10 @@ if [ "$PART" != bench ]; then
   python -c "import tests.train.test_step as t; t.test_a_cuda_step_never_synchronises(); print('guard: a CUDA step never synchronises: ok')"
   python -m dzmodel.cli cache --synthetic 64 --preset dreamzero_5b --latent-hw 11,20 --out "$WORK/cache_5b"
   rm -rf "$WORK/run_5b"
-  /usr/bin/time -v python -m dzmodel.cli train --preset dreamzero_5b --steps "$STEPS" --out "$WORK/run_5b" \
+  python -m dzmodel.cli train --preset dreamzero_5b --steps "$STEPS" --out "$WORK/run_5b" \
     --set cache="$WORK/cache_5b" --set micro_batch=21 --set global_batch=21 --set compile=true \
     --set activation_checkpointing=elementwise --set attn_backend=segments --set precision=bf16 \
-    --set num_workers=2 --set save_every=0 --set progress=false 2> >(grep -E "Maximum resident|Elapsed" >&2)
+    --set num_workers=2 --set save_every=0 --set progress=false
   cp "$WORK/run_5b/metrics.jsonl" "$OUT/train_5b_dz_train_$GPU.jsonl"
 fi
 if [ "$PART" != train ]; then
