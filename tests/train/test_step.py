@@ -96,11 +96,11 @@ def test_a_cuda_step_never_synchronises():
     step, trainer = build_train_step("tiny", None, 2, False, "elementwise", "auto", "cache", latent_hw=(4, 6))
     step()  # per-shape setup and the optimizer's state on the first step
     batches = synthetic_batches(trainer.args, 2, (4, 6), trainer.info.device, "cache")
-    pinned = ({k: v.cpu().pin_memory() for k, v in b.items()} for b in batches)  # as dz train's loader gives them
+    pinned = [{k: v.cpu().pin_memory() for k, v in next(batches).items()} for _ in range(2)]  # as the loader gives
     torch.cuda.set_sync_debug_mode("error")
     try:
         step()
         step()
-        trainer.step(pinned)
+        trainer.step(iter(pinned))
     finally:
         torch.cuda.set_sync_debug_mode("default")
