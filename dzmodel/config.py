@@ -27,7 +27,6 @@ PROFILE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 PIPELINE_TRAIN_FIELDS = ("datasets", "metadata", "embodiment", "embodiment_files", "out_dir", "cache", "progress",
                          "stop_at")
 LAUNCH_FIELDS = ("nproc_per_node", "nnodes")
-DVC_SECTIONS = ("fetch", "metadata", "cache", "train", "convert", "eval", "package")
 
 
 class ParamsError(ValueError):
@@ -271,6 +270,22 @@ def apply_overrides(raw: dict, overrides: list[str], profile: str) -> dict:
     return raw
 
 
+def _default_text(path: str) -> str:
+    """': <default>' of a train or metadata field, for the message that asks to write it out."""
+    import dataclasses
+
+    from .train.config import TrainConfig
+
+    section, _, name = path.partition(".")
+    owner = {"train": TrainConfig, "metadata": MetadataParams}.get(section)
+    fields = {f.name: f for f in dataclasses.fields(owner)} if owner and name else {}
+    if name not in fields:
+        return ""
+    f = fields[name]
+    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return f": {json.dumps(value)}"
+
+
 def parse_params(raw: Any, source: str = "params.yaml") -> Params:
     """Every problem in the file at once: the schema's, then each profile's train section (a TrainConfig)."""
     problems: list[str] = []
@@ -281,9 +296,11 @@ def parse_params(raw: Any, source: str = "params.yaml") -> Params:
         problems.extend(exc.problems)
     profiles = raw.get("profiles") if isinstance(raw, dict) else None
     for name, prof in (profiles.items() if isinstance(profiles, dict) else ()):
-        if isinstance(prof, dict):  # dvc.yaml depends on each stage's section by name: it must be written out
-            problems.extend(f"profiles.{name}.{section}: missing (dvc.yaml depends on it; write it out, even as "
-                            "the defaults)" for section in DVC_SECTIONS if not prof.get(section))
+        if isinstance(prof, dict):  # DVC refuses a stage whose params are missing: each must be written out
+            from .stages import missing_params
+
+            problems.extend(f"profiles.{name}.{path}: missing (dvc.yaml's {stage} stage depends on it; write it "
+                            f"out, even as the default{_default_text(path)})" for path, stage in missing_params(prof))
         train = prof.get("train", {}) if isinstance(prof, dict) else None
         if isinstance(train, dict):
             try:

@@ -26,15 +26,13 @@ from typing import Any
 
 from .atomic import atomic_write_text
 from .config import Profile, StagePaths, profile_dict, train_config
+from .stages import STAGES
+from .stages import stage_params as _params_of
 
 class StageError(RuntimeError):
     """A stage failed for a reason already reported (e.g. torchrun's exit code after its log)."""
 
 
-# the cache holds the training windows only, so the held-out split shapes it too
-ENCODER_TRAIN_FIELDS = ("preset", "model_overrides", "encoder_weights", "tokenizer", "precision", "heldout_episodes",
-                        "skip_missing")
-STAGES = ("fetch", "metadata", "cache", "train", "convert", "eval", "package")
 Log = Callable[[str], None]
 
 
@@ -581,15 +579,8 @@ def outputs_intact(name: str, paths: StagePaths) -> bool:
 
 
 def stage_params(prof: Profile, name: str) -> dict:
-    """The params a stage depends on (its section, plus what it reads from others), for cache keys."""
-    d = profile_dict(prof)
-    needs = {"fetch": ["fetch"], "metadata": ["metadata"], "cache": ["cache", "metadata"],
-             "train": ["train", "cache", "metadata"], "convert": ["convert"], "eval": ["eval", "metadata"],
-             "package": ["package"]}[name]
-    out = {k: d[k] for k in needs}
-    if name == "cache":  # what the frozen encoders depend on, not the optimiser settings
-        out["train"] = {k: d["train"].get(k) for k in ENCODER_TRAIN_FIELDS}
-    return out
+    """The params a stage reads (dzmodel/stages.py), for its cache key."""
+    return _params_of(profile_dict(prof), name)
 
 
 def promotion_decision(success_rate: float | None, min_success: float | None,

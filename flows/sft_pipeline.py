@@ -18,7 +18,8 @@ from prefect.context import get_run_context
 from dzmodel.config import StagePaths, load_params
 from dzmodel.pipeline import STAGES, outputs_intact
 from tasks import artifacts
-from tasks.stages import STAGE_TASKS, UPSTREAM, cache_key, register_and_promote
+from dzmodel.stages import STAGE_TABLE
+from tasks.stages import STAGE_TASKS, cache_key, register_and_promote
 from tasks.tracking import Tracker, experiment_name
 
 
@@ -47,7 +48,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
     results: dict[str, dict] = {}
     try:
         for stage in STAGES:
-            key = cache_key(stage, prof, [results[u]["outputs_fingerprint"] for u in UPSTREAM[stage]])
+            key = cache_key(stage, prof, [results[u]["outputs_fingerprint"] for u in STAGE_TABLE[stage].upstream])
             task = STAGE_TASKS[stage].with_options(refresh_cache=not outputs_intact(stage, paths))
             kwargs = {}
             if stage == "train":  # per-step metrics reach MLflow while training runs

@@ -1,9 +1,10 @@
 """Prefect tasks: one per pipeline stage, each a thin call of `dzmodel.pipeline.run_stage` (what `dz stage`
 and dvc.yaml run too).
 
-Caching: the flow computes each stage's key from the stage's params and its upstream stages' output
-fingerprints (`cache_key`), so an unchanged stage is skipped and returns its stored result; the flow forces
-a rerun (refresh_cache) when a stage's outputs are missing or were changed since it recorded them.
+Caching: the flow computes each stage's key from the params it reads, its upstream stages' output fingerprints
+and a hash of the code it runs, all as the stage table declares them (`dzmodel/stages.py`, which dvc.yaml
+mirrors), so an unchanged stage is skipped and returns its stored result; the flow forces a rerun
+(refresh_cache) when a stage's outputs are missing or were changed since it recorded them.
 Stages that use the GPU pool carry the `gpu-pool` tag, which a Prefect tag concurrency limit bounds.
 """
 
@@ -18,15 +19,15 @@ from prefect import get_run_logger, task
 
 from dzmodel.config import Profile, StagePaths
 from dzmodel.pipeline import run_stage, stage_params
+from dzmodel.stages import code_fingerprint
 
 GPU_POOL_TAG = "gpu-pool"
-UPSTREAM = {"fetch": [], "metadata": ["fetch"], "cache": ["fetch", "metadata"], "train": ["fetch", "metadata", "cache"],
-            "convert": ["train"], "eval": ["convert"], "package": ["convert", "eval"]}
 
 
-def cache_key(stage: str, prof: Profile, upstream_fingerprints: list[str], code_version: str = "") -> str:
+def cache_key(stage: str, prof: Profile, upstream_fingerprints: list[str]) -> str:
+    """upstream_fingerprints: the outputs' fingerprints of the stage's upstream stages, in table order."""
     payload = json.dumps({"stage": stage, "params": stage_params(prof, stage), "upstream": upstream_fingerprints,
-                          "code": code_version}, sort_keys=True, default=str)
+                          "code": code_fingerprint(stage)}, sort_keys=True, default=str)
     return f"dz-{stage}-" + hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from dzmodel.config import StagePaths, load_params
+from dzmodel.stages import STAGE_TABLE, dvc_deps, dvc_params
 from dzmodel.pipeline import (STAGES, MetricsFollower, chosen_step, outputs_intact, promotion_decision, read_metrics,
                               run_stage, run_streaming, stage_outputs, summarize_training, torchrun_command)
 
@@ -28,10 +29,55 @@ def test_dvc_yaml_runs_each_stage_through_dz_and_names_its_outputs():
         outs = [next(iter(o)) if isinstance(o, dict) else o for o in stage["outs"]]
         outs = {o.replace("${profile}", "demo") for o in outs}
         assert {str(p) for p in stage_outputs(name, paths)} <= outs, name
-        assert any(p.startswith("profiles.${profile}.") for p in stage["params"])
-    assert "profiles.${profile}.train" in dvc["stages"]["train"]["params"]
-    # the cache depends on the preset, not on the learning rate
-    assert "profiles.${profile}.train" not in dvc["stages"]["cache"]["params"]
+
+
+def test_dvc_yaml_deps_and_params_are_the_stage_tables():
+    """One declaration (dzmodel/stages.py): dvc.yaml must list exactly the deps and params the Prefect keys use."""
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    as_dvc = StagePaths(Path("."), "${profile}")
+    for name in STAGES:
+        assert dvc[name]["params"] == dvc_params(name), name
+        assert dvc[name]["deps"] == dvc_deps(name, lambda up: [str(p) for p in stage_outputs(up, as_dvc)]), name
+        for path in STAGE_TABLE[name].code:
+            assert (ROOT / path).exists(), f"{name}: code path {path} does not exist"
+    # the cache depends on what changes the encodings, not on the learning rate
+    assert "profiles.${profile}.train" not in dvc["cache"]["params"]
+    assert "profiles.${profile}.train.encoder_weights" in dvc["cache"]["params"]
+
+
+def _key(stage, prof):
+    from tasks.stages import cache_key
+
+    return cache_key(stage, prof, ["upstream"])
+
+
+def test_prefect_keys_follow_the_params_each_stage_reads(tmp_path):
+    base, _ = _demo(tmp_path)
+    lr, _ = _demo(tmp_path, "train.lr=0.01")
+    weights, _ = _demo(tmp_path, "train.encoder_weights={vae: v.safetensors}")
+    seed, _ = _demo(tmp_path, "train.seed=3")
+    assert _key("cache", lr) == _key("cache", base) and _key("train", lr) != _key("train", base)
+    assert _key("cache", weights) != _key("cache", base) and _key("cache", seed) != _key("cache", base)
+    assert _key("convert", seed) == _key("convert", base)
+
+
+def test_the_code_fingerprint_changes_with_the_code_a_stage_runs(tmp_path):
+    import shutil
+
+    from dzmodel.stages import code_fingerprint
+
+    root = tmp_path / "repo"
+    for path in {p for spec in STAGE_TABLE.values() for p in spec.code}:
+        src, dst = ROOT / path, root / path
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True) if src.is_dir()
+         else shutil.copyfile(src, dst))
+    before = {s: code_fingerprint(s, root) for s in STAGES}
+    assert before["train"] == code_fingerprint("train", ROOT)
+    with open(root / "dzmodel/train/convert.py", "a") as f:
+        f.write("# changed\n")
+    after = {s: code_fingerprint(s, root) for s in STAGES}
+    assert [s for s in STAGES if after[s] != before[s]] == ["train", "convert"]
 
 
 def test_fetch_and_metadata_record_results_and_detect_changed_outputs(tmp_path):
