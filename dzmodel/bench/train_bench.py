@@ -89,7 +89,7 @@ def build_trainer(preset_name: str, num_layers: int | None, micro_batch: int, co
 
     if encoders not in ENCODER_MODES:
         raise ValueError(f"encoders must be one of {ENCODER_MODES}, got {encoders!r}")
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: every rank holds micro_batch samples
     cfg = TrainConfig(preset=preset_name, model_overrides={"num_layers": num_layers} if num_layers else {},
                       micro_batch=micro_batch, global_batch=micro_batch * accumulation * world, compile=compile,
                       activation_checkpointing=ac, attn_backend=attention, precision="bf16",
