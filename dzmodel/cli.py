@@ -425,7 +425,8 @@ def cmd_convert(ns: argparse.Namespace) -> int:
     from .train.convert import convert_checkpoint, resolve_checkpoint
 
     ckpt = resolve_checkpoint(ns.checkpoint, ns.step)
-    out = convert_checkpoint(ckpt, ns.out, max_shard_bytes=int(ns.max_shard_gib * 2**30))
+    out = convert_checkpoint(ckpt, ns.out, max_shard_bytes=int(ns.max_shard_gib * 2**30),
+                             adapters_only=ns.adapters_only, weights=ns.weights)
     print(f"converted {ckpt} -> {out}")
     return EXIT_OK
 
@@ -466,9 +467,9 @@ OPTIMISED_VARIANT = {"name": "optimised", "micro_batch": 21, "accumulation": 1, 
 
 
 def parse_variant(text: str) -> dict:
-    """'name=opt,mbs=32,compile=1,ac=full,attn=flex,encoders=cache' -> run_config kwargs."""
+    """'name=opt,mbs=32,compile=1,ac=full,attn=flex,encoders=cache,lora=64,ema=0.999' -> run_config kwargs."""
     keys = {"name": "name", "mbs": "micro_batch", "accum": "accumulation", "compile": "compile", "ac": "ac",
-            "attn": "attention", "encoders": "encoders"}
+            "attn": "attention", "encoders": "encoders", "lora": "lora_rank", "ema": "ema_decay"}
     out = dict(OPTIMISED_VARIANT)
     for part in text.split(","):
         if "=" not in part:
@@ -476,7 +477,11 @@ def parse_variant(text: str) -> dict:
         k, v = part.split("=", 1)
         if k not in keys:
             raise CLIError(f"variant key {k!r} is not one of {sorted(keys)}")
-        out[keys[k]] = int(v) if k in ("mbs", "accum") else (v in ("1", "true", "yes")) if k == "compile" else v
+        try:
+            out[keys[k]] = (int(v) if k in ("mbs", "accum", "lora") else float(v) if k == "ema"
+                            else (v in ("1", "true", "yes")) if k == "compile" else v)
+        except ValueError:
+            raise CLIError(f"variant field {part!r}: {v!r} is not a number") from None
     return out
 
 
@@ -893,6 +898,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--step", type=int, help="with a run directory: that step's checkpoint")
     p.add_argument("--max-shard-gib", type=float, default=5.0)
+    p.add_argument("--adapters-only", action="store_true",
+                   help="a LoRA run: write only the trainable tensors (adapters.safetensors), not merged weights")
+    p.add_argument("--weights", choices=("raw", "ema"), default="raw",
+                   help="the optimizer's weights, or the EMA a run with train.ema_decay kept")
     p.set_defaults(func=cmd_convert)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="cmd", required=True)
@@ -914,7 +923,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latent-hw", default="11,20", help="latent H,W (5B DROID 11,20; 14B DROID 44,80)")
     p.add_argument("--variant", action="append",
                    help="an optimised config: name=..,mbs=..,accum=..,compile=0/1,ac=none|elementwise|selective|full|full:N,attn=segments|flex|sdpa,"
-                        "encoders=cache|online_batched|online_per_sample (repeatable)")
+                        "encoders=cache|online_batched|online_per_sample,lora=RANK,ema=DECAY (repeatable)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 even with one process (its overhead without communication)")
     p.add_argument("--against-run", metavar="RUN_DIR",

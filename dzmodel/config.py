@@ -84,6 +84,8 @@ class CacheParams:
 @dataclass
 class ConvertParams:
     max_shard_gib: float = field(default=5.0, metadata={"gt": 0})
+    # the optimizer's weights, or the EMA (a run with train.ema_decay > 0); eval and package take what convert wrote
+    weights: str = field(default="raw", metadata={"choices": ("raw", "ema")})
 
 
 @dataclass

@@ -398,7 +398,8 @@ def stage_convert(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     tmp = _fresh_dir(out.with_name(out.name + ".tmp"))
     progress = Progress(len(saved), desc="convert", unit="ckpt")
     for step, ckpt in saved:
-        convert_checkpoint(ckpt, tmp / f"step_{step:07d}", max_shard_bytes=int(prof.convert.max_shard_gib * 2**30))
+        convert_checkpoint(ckpt, tmp / f"step_{step:07d}", max_shard_bytes=int(prof.convert.max_shard_gib * 2**30),
+                           weights=prof.convert.weights)
         progress.update()
     progress.close()
     if out.exists():

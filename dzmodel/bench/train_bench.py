@@ -51,6 +51,10 @@ class TrainBenchResult:
     activation_gib: float  # memory held from the start of a micro-batch's forward until its backward
     alloc_retries: int  # allocator flush-and-retry events: > 0 means the step ran at the memory limit
     device: str
+    lora_rank: int = 0              # 0: full fine-tuning
+    ema_decay: float = 0.0
+    trainable_params: int = 0
+    params: int = 0
 
 
 ENCODER_MODES = ("cache", "online_per_sample", "online_batched")
@@ -82,9 +86,11 @@ def synthetic_batches(args, micro_batch: int, latent_hw, device, encoders: str):
 
 
 def build_trainer(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
-                  attention: str, encoders: str, accumulation: int = 1, fsdp: bool = False):
+                  attention: str, encoders: str, accumulation: int = 1, fsdp: bool = False, lora_rank: int = 0,
+                  ema_decay: float = 0.0):
     """The Trainer of `dz train` at one configuration (bf16, one process or FSDP2 over the torchrun group), its
-    model, optimizer and step built; no data. fsdp: FSDP2 in a one-process group too."""
+    model, optimizer and step built; no data. fsdp: FSDP2 in a one-process group too. lora_rank > 0: LoRA
+    adapters of that rank (alpha = rank) on the frozen bf16 base; ema_decay > 0: an EMA of the trained weights."""
     from ..train.trainer import Trainer
 
     if encoders not in ENCODER_MODES:
@@ -93,7 +99,8 @@ def build_trainer(preset_name: str, num_layers: int | None, micro_batch: int, co
     cfg = TrainConfig(preset=preset_name, model_overrides={"num_layers": num_layers} if num_layers else {},
                       micro_batch=micro_batch, global_batch=micro_batch * accumulation * world, compile=compile,
                       activation_checkpointing=ac, attn_backend=attention, precision="bf16",
-                      out_dir=tempfile.gettempdir(), progress=False, save_every=0)
+                      out_dir=tempfile.gettempdir(), progress=False, save_every=0, ema_decay=ema_decay,
+                      lora={"rank": lora_rank, "alpha": float(lora_rank or 16)})
     trainer = Trainer(cfg)
     trainer.build_model(shard_one_process=fsdp, with_encoders=encoders != "cache")
     trainer.step.encode_per_sample = encoders == "online_per_sample"
@@ -101,11 +108,12 @@ def build_trainer(preset_name: str, num_layers: int | None, micro_batch: int, co
 
 
 def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
-                     attention: str, encoders: str, latent_hw=(11, 20), accumulation: int = 1, fsdp: bool = False):
+                     attention: str, encoders: str, latent_hw=(11, 20), accumulation: int = 1, fsdp: bool = False,
+                     lora_rank: int = 0, ema_decay: float = 0.0):
     """The trainer's step at one configuration, fed synthetic batches, as a closure: (step, trainer). Used by the
     bench and by `train_profile`."""
     trainer = build_trainer(preset_name, num_layers, micro_batch, compile, ac, attention, encoders, accumulation,
-                            fsdp)
+                            fsdp, lora_rank, ema_decay)
     batches = synthetic_batches(trainer.args, micro_batch, latent_hw, trainer.info.device, encoders)
 
     def step():
@@ -116,9 +124,10 @@ def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int,
 
 def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
                attention: str, encoders: str, latent_hw=(11, 20), steps: int = 8, warmup: int = 3,
-               accumulation: int = 1, fsdp: bool = False) -> TrainBenchResult:
+               accumulation: int = 1, fsdp: bool = False, lora_rank: int = 0,
+               ema_decay: float = 0.0) -> TrainBenchResult:
     step, trainer = build_train_step(preset_name, num_layers, micro_batch, compile, ac, attention, encoders,
-                                     latent_hw, accumulation, fsdp)
+                                     latent_hw, accumulation, fsdp, lora_rank, ema_decay)
     device = trainer.info.device
     cuda = device.type == "cuda"
     each = time_steps(step, steps, warmup, str(device))
@@ -136,7 +145,9 @@ def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch:
         peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         activation_gib=round(trainer.step.activation_bytes / 2**30, 2),
         alloc_retries=int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if cuda else 0,
-        device=torch.cuda.get_device_name() if cuda else "cpu")
+        device=torch.cuda.get_device_name() if cuda else "cpu", lora_rank=lora_rank, ema_decay=ema_decay,
+        trainable_params=sum(p.numel() for p in trainer.step.params),
+        params=sum(p.numel() for p in trainer.model.parameters()))
     del step, trainer  # frees the model, optimizer and inputs they hold
     _release_memory()
     return res
@@ -158,11 +169,11 @@ def _pct(x: float | None) -> str:
 
 def print_side_by_side(results: list[TrainBenchResult]) -> None:
     print(f"{'config':<12} {'layers':>6} {'mbs':>4} {'acc':>3} {'compile':>7} {'AC':>9} {'attn':>8} {'encoders':>17} "
-          f"{'step ms':>9} {'samples/s/GPU':>13} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8} {'act GiB':>7}")
+          f"{'lora':>4} {'step ms':>9} {'samples/s/GPU':>13} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8} {'act GiB':>7}")
     for r in results:
         peak = "-" if r.peak_mem_gib is None else f"{r.peak_mem_gib:.1f}"
         print(f"{r.name:<12} {r.num_layers:>6} {r.micro_batch:>4} {r.accumulation:>3} {str(r.compile):>7} "
-              f"{r.activation_checkpointing:>9} {r.attention:>8} {r.encoders:>17} {r.step_ms:>9.1f} "
+              f"{r.activation_checkpointing:>9} {r.attention:>8} {r.encoders:>17} {r.lora_rank:>4} {r.step_ms:>9.1f} "
               f"{r.samples_per_s_per_gpu:>13.3f} {r.model_tflops_per_s:>8.1f} {_pct(r.mfu):>6} {peak:>8} "
               f"{r.activation_gib:>7.1f}")
     base = next((r for r in results if r.name.startswith("baseline")), None)

@@ -83,6 +83,7 @@ def read_train_config(model_dir: Path) -> tuple[TrainConfig, int | None]:
         raise PolicyLoadError(f"{model_dir}: no experiment_cfg/train_config.json (convert it with `dz convert`)")
     raw = json.loads(path.read_text())
     step = raw.pop("step", None)
+    raw.pop("weights", None)  # raw or ema: which weights dz convert exported
     return TrainConfig.from_dict(raw), step
 
 

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 STEP_DIR = re.compile(r"^step_(\d{7})$")
 MARKER = "COMPLETE"
@@ -46,8 +47,16 @@ def checkpoint_dir(out_dir: str | Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
 
+def _model_options(model: torch.nn.Module) -> StateDictOptions:
+    """Only the trainable tensors of a model with frozen ones (LoRA: the base is referenced, not copied)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict, rng_states: dict[str, torch.Tensor]) -> Path:
+                    trainer_state: dict, rng_states: dict[str, torch.Tensor],
+                    ema: dict[str, torch.Tensor] | None = None) -> Path:
+    """ema: the EMA weights by parameter name (saved sharded beside the model, under "ema")."""
     root = checkpoint_dir(out_dir)
     final = root / f"step_{step:07d}"
     tmp = root / f"step_{step:07d}.tmp"
@@ -58,7 +67,10 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opti
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model, options=_model_options(model)),
+             "optim": get_optimizer_state_dict(model, optimizer)}
+    if ema is not None:
+        state["ema"] = ema
     dcp.save(state, checkpoint_id=str(tmp))
     save_file({k: v.contiguous() for k, v in rng_states.items()}, str(tmp / f"rng_rank{rank}.safetensors"))
     _barrier()
@@ -89,17 +101,21 @@ def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / MARKER).is_file())
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-                    ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Restore model (and optimizer) in place; return (trainer_state, this rank's RNG states)."""
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                    ema: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Restore model (and optimizer, and the EMA weights into `ema`'s tensors) in place; return
+    (trainer_state, this rank's RNG states)."""
     path = Path(path)
     if not (path / MARKER).is_file():
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no {MARKER} marker)")
-    state = {"model": get_model_state_dict(model)}
+    options = _model_options(model)
+    state = {"model": get_model_state_dict(model, options=options)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
+    if ema is not None:
+        state["ema"] = ema
     dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=options)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     rng_file = path / f"rng_rank{_rank()}.safetensors"

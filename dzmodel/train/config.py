@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..model.lora import LoRAConfig
+
 
 @dataclass
 class TrainConfig:
@@ -13,6 +15,7 @@ class TrainConfig:
     model_overrides: dict[str, Any] = field(default_factory=dict)
     init_dit: str | None = None            # WAN DiT file for a cold start (action/state modules stay at init)
     encoder_weights: dict[str, str] = field(default_factory=dict)  # {vae, t5, clip}: WAN files; empty = seeded random
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: adapters on the DiT, base frozen (docs/training.md)
     # data
     datasets: list[str] = field(default_factory=list)
     dataset_weights: list[float] | None = None
@@ -37,6 +40,7 @@ class TrainConfig:
     min_lr: float = 0.0
     schedule: str = "cosine"                # cosine | constant
     grad_clip: float = 1.0
+    ema_decay: float = 0.0                  # > 0: keep an EMA of the trainable weights (e.g. 0.999); 0: off
     # systems
     precision: str = "fp32"                 # compute dtype: fp32 | bf16 (master weights and Adam state stay fp32)
     reduce_dtype: str = "fp32"              # gradient reduce-scatter dtype: fp32 | bf16
@@ -53,6 +57,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # type: ignore[assignment]
+        if isinstance(self.lora, dict):  # built in code rather than from_dict
+            from ..schema import build
+
+            self.lora = build(LoRAConfig, self.lora, path="train.lora")
         choices = {"precision": ("fp32", "bf16"), "reduce_dtype": ("fp32", "bf16"), "sharding": ("full", "hybrid", "none"),
                    "schedule": ("cosine", "constant"),
                    "attn_backend": ("auto", "flex", "segments", "sdpa")}
@@ -77,6 +85,8 @@ class TrainConfig:
             raise ValueError(f"train.heldout_episodes must be >= 0, got {self.heldout_episodes}")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"train.ema_decay must be in [0, 1) (0: no EMA), got {self.ema_decay}")
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError("train.lr and train.grad_clip must be > 0")
 

@@ -6,6 +6,9 @@
     <out>/experiment_cfg/train_config.json the run's TrainConfig
     <out>/experiment_cfg/embodiments/      copies of the run's embodiment YAML files (if any)
     <out>/tokenizer/                       the run's tokenizer directory
+A LoRA run's adapters are merged into the base by default, so the result is a plain model that packages and
+`dz serve` take as they are; `adapters_only` writes `adapters.safetensors` (the trainable tensors, with the
+base's reference in its metadata) plus the same config files instead.
 The frozen encoders are not copied (they are the run's WAN files or seeded weights, rebuilt from the
 config; `dz package` writes them into the bundle).
 Built in `<out>.tmp` and renamed, so a half-written conversion is never picked up.
@@ -18,8 +21,10 @@ import os
 import shutil
 from pathlib import Path
 
-from ..model.args import preset
-from ..model.state_dict import save_dreamzero_dir
+import torch
+
+from ..model.lora import apply_lora, lora_state, merge_lora
+from ..model.state_dict import save_dreamzero_dir, save_safetensors_atomic
 from ..model.wam import DreamZeroWAM
 from .checkpoint import MARKER, latest_checkpoint, list_checkpoints, load_checkpoint
 from .config import TrainConfig
@@ -41,21 +46,72 @@ def resolve_checkpoint(path: str | Path, step: int | None = None) -> Path:
     return ckpt
 
 
-def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
+def lora_base(cfg: TrainConfig, base: dict | None, where: Path) -> DreamZeroWAM:
+    """A LoRA checkpoint's frozen base, rebuilt from its reference and checked against it."""
+    from .trainer import base_reference, files_sha256, initial_model
+
+    if not base:
+        raise ValueError(f"{where}: a LoRA checkpoint without the reference to its base weights")
+    if "init_dit" in base:
+        if not Path(base["init_dit"]).is_file():
+            raise FileNotFoundError(f"{where}: the base weights {base['init_dit']} are not here")
+        if files_sha256(base["init_dit"]) != base["sha256"]:
+            raise ValueError(f"{where}: the base weights {base['init_dit']} changed since training (sha256 differs)")
+        return initial_model(cfg, "cpu")
+    if base != base_reference(cfg, base["device"]):
+        raise ValueError(f"{where}: base reference {base} does not match the run's config")
+    if base["device"] == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{where}: the seeded base was drawn on a GPU; convert on a machine with one")
+    return initial_model(cfg, base["device"]).cpu()
+
+
+WEIGHTS = ("raw", "ema")
+
+
+def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes: int = 5 * 2**30,
+                       adapters_only: bool = False, weights: str = "raw") -> Path:
+    """weights: "raw" (the optimizer's) or "ema" (the moving average a run with train.ema_decay kept)."""
     ckpt = Path(checkpoint)
     state = json.loads((ckpt / "trainer_state.json").read_text())
     cfg = TrainConfig.from_dict(state["config"])
-    model = DreamZeroWAM(preset(cfg.preset, **cfg.model_overrides))
-    load_checkpoint(ckpt, model, None)
+    if adapters_only and not cfg.lora.enabled:
+        raise ValueError(f"{ckpt}: --adapters-only needs a LoRA run (train.lora.rank > 0)")
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights == "ema" and not cfg.ema_decay:
+        raise ValueError(f"{ckpt}: --weights ema needs a run that kept an EMA (train.ema_decay > 0)")
+    if cfg.lora.enabled:
+        model = lora_base(cfg, state.get("base"), ckpt)
+        apply_lora(model, cfg.lora)
+    else:
+        from ..model.args import preset
+
+        model = DreamZeroWAM(preset(cfg.preset, **cfg.model_overrides))
+    ema = ({n: torch.empty_like(p) for n, p in model.named_parameters() if p.requires_grad}
+           if weights == "ema" else None)
+    load_checkpoint(ckpt, model, None, ema)
+    if ema is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in ema:
+                    p.copy_(ema[name])
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_dreamzero_dir(model, tmp, max_shard_bytes=max_shard_bytes)
+    if adapters_only:
+        tmp.mkdir(parents=True)
+        save_safetensors_atomic({k: v.contiguous() for k, v in lora_state(model).items()}, tmp / "adapters.safetensors",
+                                {"format": "pt", "base": json.dumps(state["base"]), "lora": json.dumps(cfg.to_dict()["lora"])})
+    else:
+        if cfg.lora.enabled:
+            merge_lora(model)
+        save_dreamzero_dir(model, tmp, max_shard_bytes=max_shard_bytes)
     exp = tmp / "experiment_cfg"
     exp.mkdir()
     if cfg.metadata and Path(cfg.metadata).is_file():
         shutil.copyfile(cfg.metadata, exp / "metadata.json")
-    (exp / "train_config.json").write_text(json.dumps({"step": state["step"], **cfg.to_dict()}, indent=1))
+    (exp / "train_config.json").write_text(json.dumps({"step": state["step"], "weights": weights, **cfg.to_dict()},
+                                                      indent=1))
     for i, f in enumerate(cfg.embodiment_files):  # the embodiment definitions travel with the weights
         if Path(f).is_file():
             (exp / "embodiments").mkdir(exist_ok=True)

@@ -55,11 +55,23 @@ class TrainStep:
         self.autocast, self.attn_backend = autocast, attn_backend
         self.noise_seed, self.encode_per_sample = noise_seed, encode_per_sample
         self.device = model.patch_embedding.weight.device
+        # LoRA: only the adapters and the robot modules train
+        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named_params]
+        self.ema: dict[str, torch.Tensor] | None = None  # `enable_ema`
         self.schedule = FlowMatchSchedule()
         self.generator = torch.Generator(device=self.device)
         self._masks: dict[tuple, object] = {}
         self.mask_builds = 0            # the guard's count: once per shape
         self.activation_bytes = 0       # CUDA memory held from a micro-batch's start until its backward
+
+    def enable_ema(self, decay: float) -> None:
+        """Keep an exponential moving average of the trainable weights, updated after every optimizer step:
+        ema = decay·ema + (1 - decay)·w. Under FSDP2 each copy is sharded like its parameter."""
+        if not 0 < decay < 1:
+            raise ValueError(f"train.ema_decay must be in (0, 1) to keep an EMA, got {decay}")
+        self.ema_decay = decay
+        self.ema = {n: p.detach().clone() for n, p in self.named_params}
 
     # -- per shape -----------------------------------------------------------------------------
 
@@ -163,9 +175,11 @@ class TrainStep:
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor of partial norms
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            torch._foreach_lerp_(list(self.ema.values()), [p.detach() for p in self.params], 1 - self.ema_decay)
         return StepOutput(losses, grad_norm)

@@ -11,6 +11,7 @@ pure function of the step (linear warmup then cosine to `min_lr`, like HF's cosi
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import sys
@@ -31,6 +32,7 @@ from ..data.sampling import SampleStream, WindowSpec
 from ..data.transforms import NormStats
 from ..data.video import worker_init_fn
 from ..model.args import OFFLINE_PRESETS, preset
+from ..model.lora import apply_lora
 from ..model.state_dict import load_wan_dit
 from ..model.vae import WanVideoVAE38
 from ..model.wam import DreamZeroWAM
@@ -127,6 +129,42 @@ def size_to_embodiment(cfg: TrainConfig) -> TrainConfig:
     return replace(cfg, model_overrides={**cfg.model_overrides, **sized})
 
 
+def initial_model(cfg: TrainConfig, device: torch.device | str) -> DreamZeroWAM:
+    """The model before its first step: a seeded init drawn where it trains (a 5B model's CPU init alone takes
+    minutes; the numbers differ between device types), or on the CPU under a WAN DiT file that replaces it."""
+    torch.manual_seed(cfg.seed)
+    with torch.device("cpu" if cfg.init_dit else device):
+        model = DreamZeroWAM(preset(cfg.preset, **cfg.model_overrides))
+    if cfg.init_dit:
+        load_wan_dit(model, cfg.init_dit)
+    return model
+
+
+def base_reference(cfg: TrainConfig, device: torch.device | str) -> dict:
+    """What a LoRA checkpoint's frozen base is: the WAN DiT file(s) and their sha256, or the seeded init (and the
+    device type it was drawn on). `dz convert` rebuilds the base from it and refuses one that changed."""
+    if cfg.init_dit:
+        return {"init_dit": str(cfg.init_dit), "sha256": files_sha256(cfg.init_dit)}
+    return {"init": "seeded", "seed": cfg.seed, "device": torch.device(device).type}
+
+
+def files_sha256(path: str | Path) -> str:
+    """sha256 over a weights file, or over an index.json and every shard it names."""
+    import hashlib
+
+    path = Path(path)
+    files = [path]
+    if path.name.endswith(".index.json"):
+        shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+        files += [path.parent / s for s in shards]
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, sink: MetricsSink | None = None):
         cfg = size_to_embodiment(cfg)
@@ -144,12 +182,11 @@ class Trainer:
         one-process group too (benchmarks measure its overhead without communication); with_encoders: default
         unless training from the cache."""
         cfg, dev = self.cfg, self.info.device
-        torch.manual_seed(cfg.seed)
-        # Drawn where it trains: a 5B model's CPU init alone takes minutes (the init differs between devices)
-        with torch.device("cpu" if cfg.init_dit else dev):
-            model = DreamZeroWAM(self.args)
-        if cfg.init_dit:
-            load_wan_dit(model, cfg.init_dit)
+        model = initial_model(cfg, dev)
+        self.base = None
+        if cfg.lora.enabled:  # the base is frozen (in the compute dtype) and referenced by checkpoints, not copied
+            self.base = base_reference(cfg, dev)
+            apply_lora(model, cfg.lora, base_dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None)
         model.to(dev).train()
         apply_recompute_and_compile(model, cfg.activation_checkpointing, cfg.compile)
         self.sharded = cfg.sharding != "none" and (self.info.world_size > 1 or shard_one_process)
@@ -158,7 +195,7 @@ class Trainer:
         elif self.info.world_size > 1:
             raise ValueError("sharding 'none' with several processes is not supported: use full or hybrid")
         self.model = model
-        self.optimizer = build_adamw(model.parameters(), cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay, dev.type)
+        self.optimizer = build_adamw([p for p in model.parameters() if p.requires_grad], cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay, dev.type)
         # frozen, replicated, batched per micro-batch; not needed when training from the cache
         if with_encoders is None:
             with_encoders = not cfg.cache
@@ -170,6 +207,8 @@ class Trainer:
         self.step = TrainStep(model, self.optimizer, accumulation=self.accum, grad_clip=cfg.grad_clip,
                               encoders=self.encoders, autocast=autocast, attn_backend=cfg.attn_backend,
                               noise_seed=cfg.seed)
+        if cfg.ema_decay:
+            self.step.enable_ema(cfg.ema_decay)
 
     def build_data(self) -> None:
         cfg, a = self.cfg, self.args
@@ -243,7 +282,7 @@ class Trainer:
         start, consumed = 0, 0
         ckpt = latest_checkpoint(self.out)
         if ckpt is not None:
-            state, rng = load_checkpoint(ckpt, self.model, self.optimizer)
+            state, rng = load_checkpoint(ckpt, self.model, self.optimizer, self.step.ema)
             start, consumed = int(state["step"]), resume_position(state, info.world_size)
             if "torch" in rng:
                 torch.set_rng_state(rng["torch"])
@@ -286,8 +325,9 @@ class Trainer:
                 all_consumed = self._gather_consumed(consumed)
                 save_checkpoint(self.out, step + 1, self.model, self.optimizer,
                                 {"step": step + 1, "samples": sum(all_consumed.values()), "consumed": all_consumed,
-                                 "world_size": info.world_size, "config": cfg.to_dict()},
-                                self._rng_states())
+                                 "world_size": info.world_size, "config": cfg.to_dict(),
+                                 **({"base": self.base} if self.base else {})},
+                                self._rng_states(), ema=self.step.ema)
         progress.close()
         if sink is not None and self.sink is None:
             sink.close()

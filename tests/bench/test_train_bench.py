@@ -8,6 +8,9 @@ from dzmodel.cli import CLIError, parse_variant
 
 
 def test_variant_parsing_defaults_and_errors():
+    assert parse_variant("lora=64,ema=0.999")["lora_rank"] == 64
+    with pytest.raises(CLIError, match="is not a number"):
+        parse_variant("lora=big")
     v = parse_variant("name=ew,mbs=16,accum=2,ac=elementwise,compile=0")
     assert v == {"name": "ew", "micro_batch": 16, "accumulation": 2, "compile": False, "ac": "elementwise",
                  "attention": "segments", "encoders": "cache"}
@@ -37,9 +40,12 @@ def test_bench_train_runs_on_cpu_and_compares_with_a_run(tmp_path):
     results = run("tiny", None, [{"name": "optimised", "micro_batch": 2, "compile": False, "ac": "none",
                                   "attention": "sdpa", "encoders": "cache"},
                                  {"name": "baseline", "micro_batch": 1, "compile": False, "ac": "none",
-                                  "attention": "sdpa", "encoders": "online_per_sample"}],
+                                  "attention": "sdpa", "encoders": "online_per_sample"},
+                                 {"name": "lora", "micro_batch": 2, "compile": False, "ac": "elementwise",
+                                  "attention": "sdpa", "encoders": "cache", "lora_rank": 4, "ema_decay": 0.99}],
                   (4, 6), steps=2, warmup=1, out_path=None)
-    assert [r.name for r in results] == ["optimised", "baseline"]
+    assert [r.name for r in results] == ["optimised", "baseline", "lora"]
+    assert results[0].trainable_params == results[0].params > results[2].trainable_params > 0
     assert all(r.mfu is None and r.samples_per_s_per_gpu > 0 for r in results)  # no MFU on a CPU
     run_dir = tmp_path / "run"
     run_dir.mkdir()
