@@ -115,3 +115,37 @@ def test_fsdp_keeps_fp32_timesteps_and_modulation_under_bf16_params(tmp_path):
                    for p in model.parameters() if p.requires_grad)
     finally:
         dist.destroy_process_group()
+
+
+def test_elementwise_recompute_keeps_linear_outputs_but_not_lora_up_projections():
+    """The guard for 5B LoRA's memory: only the up-projection (rank -> out) is recomputed, counted per op."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from dzmodel.train.parallelize import _recompute_elementwise_policy
+
+    policy, mm, addmm = _recompute_elementwise_policy(), torch.ops.aten.mm.default, torch.ops.aten.addmm.default
+    x, w = torch.empty(10, 64), torch.empty(64, 128)  # a base linear (tiny's FFN up)
+    h, b = torch.empty(10, 4), torch.empty(4, 64)     # LoRA: rank 4 -> 64
+    assert policy(None, mm, x, w) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, addmm, torch.empty(128), x, w) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, mm, x, torch.empty(64, 4)) == CheckpointPolicy.MUST_SAVE  # down-projection: small output
+    assert policy(None, mm, h, b) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_lora_under_elementwise_recompute_gives_the_plain_gradients():
+    from dzmodel.model.lora import LoRAConfig, LoRALinear, apply_lora
+
+    grads = {}
+    for mode in ("none", "elementwise"):
+        model = tiny_model(seed=3).train()
+        apply_lora(model, LoRAConfig(rank=4))
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                torch.nn.init.constant_(m.lora_b, 0.01)
+        apply_recompute_and_compile(model, mode, compile=False)
+        out = model(**tiny_batch(model.args, batch=2))
+        (out.video_pred.square().mean() + out.action_pred.square().mean()).backward()
+        grads[mode] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert any(".lora_a" in n for n in grads["none"])
+    for n, g in grads["none"].items():
+        torch.testing.assert_close(grads["elementwise"][n], g, rtol=1e-6, atol=1e-7, msg=n)
