@@ -16,17 +16,28 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def action_error(tmp_path_factory):
+def _demo_action_error(root: Path, overrides: list[str]) -> dict:
     from dzmodel.pipeline import stage_action_error
 
-    root = tmp_path_factory.mktemp("demo")
     shutil.copy(ROOT / "params.yaml", root / "params.yaml")
-    prof = load_params(root / "params.yaml", profile="demo").selected("demo")
+    prof = load_params(root / "params.yaml", overrides, profile="demo").selected("demo")
     paths = StagePaths(root, "demo")
     for stage in ("fetch", "metadata", "cache", "train", "convert"):
         run_stage(stage, prof, paths, log=lambda line: None)
     return stage_action_error(prof, paths, root / "action_error", log=print)
+
+
+@pytest.fixture(scope="module")
+def action_error(tmp_path_factory):
+    return _demo_action_error(tmp_path_factory.mktemp("demo"), [])
+
+
+@pytest.fixture(scope="module")
+def lora_action_error(tmp_path_factory):
+    """The demo as LoRA (rank 16 adapters on a frozen base, robot modules in full, under 2-process FSDP2) + EMA,
+    converted merged from the EMA weights."""
+    return _demo_action_error(tmp_path_factory.mktemp("demo_lora"),
+                              ["train.lora={rank: 16, alpha: 32.0}", "train.ema_decay=0.99", "convert.weights=ema"])
 
 
 def test_the_trained_model_beats_the_untrained_one_on_heldout_episodes(action_error):
@@ -38,3 +49,12 @@ def test_the_trained_model_beats_half_the_mean_predictor(action_error):
     """The issue's bound, with the demo's own steps and learning rate (measured: 0.09 x at step 1000)."""
     last = action_error["steps"][-1]
     assert last["step"] == 1000 and last["trained"] < 0.5 * action_error["mean_predictor"], action_error
+
+
+def test_a_lora_run_learns_too(lora_action_error, action_error):
+    """LoRA lowers the held-out action error as the full fine-tune does (issue 16), if less on this random base
+    (measured: 0.34 against full 0.07, untrained 0.90, mean predictor 0.36)."""
+    last = lora_action_error["steps"][-1]
+    assert last["trained"] < 0.5 * lora_action_error["untrained"], lora_action_error
+    print(f"held-out action error at step {last['step']}: LoRA {last['trained']:.4f}, "
+          f"full {action_error['steps'][-1]['trained']:.4f}, mean predictor {action_error['mean_predictor']:.4f}")
