@@ -16,7 +16,7 @@ from dzmodel.train.config import TrainConfig
 from dzmodel.train.convert import convert_checkpoint, lora_base
 from dzmodel.train.trainer import train
 
-from .test_trainer import _cfg, data  # noqa: F401 - the module's dataset fixture
+from .test_trainer import _cfg
 
 LORA = {"rank": 4, "alpha": 8.0}
 
@@ -26,7 +26,7 @@ def _losses(history):
 
 
 @pytest.fixture(scope="module")
-def lora_run(data, tmp_path_factory):  # noqa: F811
+def lora_run(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora") / "run"
     history = train(_cfg(data, out, steps=4, save_every=2, lora=LORA))
     return out, history
@@ -45,7 +45,7 @@ def test_a_lora_checkpoint_holds_only_trainable_tensors_and_the_base_reference(l
     assert state["base"] == {"init": "seeded", "seed": 0, "device": "cpu"}
 
 
-def test_lora_resume_is_bit_exact(data, tmp_path, lora_run):  # noqa: F811
+def test_lora_resume_is_bit_exact(data, tmp_path, lora_run):
     _, full = lora_run
     out = tmp_path / "resumed"
     first = train(_cfg(data, out, steps=4, save_every=2, stop_at=2, lora=LORA))
@@ -70,7 +70,7 @@ def test_convert_merges_into_a_plain_model_with_the_same_outputs(lora_run, tmp_p
     torch.testing.assert_close(b.video_pred, a.video_pred, rtol=1e-5, atol=1e-5)
 
 
-def test_adapters_only_export_and_its_errors(lora_run, data, tmp_path):  # noqa: F811
+def test_adapters_only_export_and_its_errors(lora_run, data, tmp_path):
     out, _ = lora_run
     ckpt = latest_checkpoint(out)
     exported = convert_checkpoint(ckpt, tmp_path / "adapters", adapters_only=True)
@@ -88,7 +88,7 @@ def test_adapters_only_export_and_its_errors(lora_run, data, tmp_path):  # noqa:
         lora_base(cfg, {**state["base"], "seed": 7}, ckpt)
 
 
-def test_ema_resume_is_bit_exact_and_convert_exports_either_weights(data, tmp_path):  # noqa: F811
+def test_ema_resume_is_bit_exact_and_convert_exports_either_weights(data, tmp_path):
     ema = {"ema_decay": 0.9, "lora": LORA}
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     train(_cfg(data, whole, steps=4, save_every=2, **ema))
@@ -110,7 +110,7 @@ def test_ema_resume_is_bit_exact_and_convert_exports_either_weights(data, tmp_pa
         convert_checkpoint(latest_checkpoint(plain), tmp_path / "y", weights="ema")
 
 
-def test_the_optimizer_holds_only_the_trainable_parameters(data, tmp_path):  # noqa: F811
+def test_the_optimizer_holds_only_the_trainable_parameters(data, tmp_path):
     from dzmodel.train.trainer import Trainer
 
     trainer = Trainer(_cfg(data, tmp_path / "t", lora=LORA))

@@ -15,11 +15,7 @@ from dzmodel.data.embodiments import get_embodiment, load_embodiments
 from dzmodel.train.checkpoint import latest_checkpoint
 from dzmodel.train.config import TrainConfig
 from dzmodel.train.trainer import lr_at, train
-from tests.tiny_data import make_tabletop_data
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_tabletop_data(tmp_path_factory.mktemp("train"))
 
 
 def _cfg(data, out, **kw) -> TrainConfig:
