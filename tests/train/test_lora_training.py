@@ -28,7 +28,7 @@ def _losses(history):
 @pytest.fixture(scope="module")
 def lora_run(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora") / "run"
-    history = train(_cfg(data, out, steps=4, save_every=2, lora=LORA))
+    history = train(_cfg(data, out, steps=4, save_every=2, lora=LORA, micro_batch=1, global_batch=2))  # 2 accumulated
     return out, history
 
 
@@ -48,8 +48,9 @@ def test_a_lora_checkpoint_holds_only_trainable_tensors_and_the_base_reference(l
 def test_lora_resume_is_bit_exact(data, tmp_path, lora_run):
     _, full = lora_run
     out = tmp_path / "resumed"
-    first = train(_cfg(data, out, steps=4, save_every=2, stop_at=2, lora=LORA))
-    second = train(_cfg(data, out, steps=4, save_every=2, lora=LORA))
+    kw = dict(steps=4, save_every=2, lora=LORA, micro_batch=1, global_batch=2)
+    first = train(_cfg(data, out, stop_at=2, **kw))
+    second = train(_cfg(data, out, **kw))
     assert _losses(first + second) == _losses(full)
 
 
