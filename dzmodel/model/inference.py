@@ -361,6 +361,8 @@ class _Session:
     raw_frames: int = 1              # frames observed since the reset (seeds the noise)
     calls: int = 0
     y_state: StreamState | None = None  # 14B: the VAE stream of the first-frame condition (frame 0, then zeros)
+    first_latent: torch.Tensor | None = None   # the reset frame's latent [1, z, 1, h, w] (to decode predictions)
+    predicted: torch.Tensor | None = None      # the last call's predicted video latents, when `keep_video`
 
     @property
     def caches(self) -> tuple[KVCache, ...]:
@@ -394,6 +396,7 @@ class DreamZeroPolicy:
     cuda_graphs: bool = True     # prefill and solver as CUDA graphs per shape (CUDA only)
     compile: bool = False        # torch.compile the DiT block (fused elementwise work; compiles on the first call)
     timer: StageTimer | None = None
+    keep_video: bool = False     # keep each session's predicted video latents (world-model previews)
     sessions: dict[str, _Session] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -523,23 +526,25 @@ class DreamZeroPolicy:
         cache.append(KVCache.from_leaves(out, 0).layers, latents.shape[2])
 
     def _solve(self, cache: KVCache, cond: Conditioning, state: torch.Tensor, video: torch.Tensor,
-               actions: torch.Tensor) -> torch.Tensor:
+               actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(predicted video latents, actions) of one block."""
         if self.guided and not self.solver.batch_cfg:
             caches, conds = split_cfg(cache, cond)
-            return solve_two_passes(self.model, caches, conds, state, video, actions, self.solver)[1]
+            return solve_two_passes(self.model, caches, conds, state, video, actions, self.solver)
         if not self.graphs.enabled:
-            return solve(self.model, cache, cond, state, video, actions, self.solver, self.guided)[1]
+            return solve(self.model, cache, cond, state, video, actions, self.solver, self.guided)
         kv, frames, guided, solver = cache.leaves(), cache.num_frames, self.guided, self.solver
 
         def make():
             def fn(*leaves):
                 c, rest = KVCache.from_leaves(leaves[:len(kv)], frames), leaves[len(kv):]
                 s, v, a = rest[-3:]
-                return [solve(self.model, c, cond.rebuild(list(rest[:-3])), s, v, a, solver, guided)[1]]
+                return list(solve(self.model, c, cond.rebuild(list(rest[:-3])), s, v, a, solver, guided))
             return fn
 
         key = ("solve", frames, guided, cond.image is not None, cond.y is not None)
-        return self.graphs.run(key, make, kv + cond.tensors() + [state, video, actions])[0]
+        video, actions = self.graphs.run(key, make, kv + cond.tensors() + [state, video, actions])
+        return video, actions
 
     # -- sessions --
 
@@ -560,6 +565,7 @@ class DreamZeroPolicy:
         pair = 2 if self.guided else 1
         for i, (sid, prompt, frames), c, d in zip(range(len(items)), items, cache.split(pair), cond.split(pair)):
             self.sessions[sid] = _Session(prompt=prompt, cache=c, cond=d, latent_hw=tuple(latent0.shape[-2:]),
+                                          first_latent=latent0[i:i + 1] if self.keep_video else None,
                                           vae_state=vae_state.select(i), pending=last[i:i + 1, :, :0], latents=None,
                                           y_state=None if y_state is None else y_state.select(i))
 
@@ -600,6 +606,17 @@ class DreamZeroPolicy:
         return str(obs.get("session_id", "default")), str(obs["prompt"]), self._frames(obs["images"]), \
             torch.from_numpy(s).to(self.device)
 
+    @torch.no_grad()
+    def predicted_frames(self, session_id: str) -> np.ndarray:
+        """The video the last call predicted for a session (keep_video): its latent block decoded by the VAE after
+        the reset frame's latent (the causal decoder needs what came first), uint8 [4·nfpb, H, W, 3]."""
+        s = self.sessions.get(session_id)
+        if s is None or s.predicted is None or s.first_latent is None:
+            raise ValueError(f"session {session_id!r} has no predicted video (set keep_video and predict first)")
+        latents = torch.cat([s.first_latent, s.predicted.to(s.first_latent.dtype)], dim=2)
+        video = self.vae.decode(latents.to(next(self.vae.parameters()).dtype), clamp=True)[:, :, 1:]  # drop frame 0
+        return ((video[0].permute(1, 2, 3, 0).float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+
     def predict_actions(self, obs: dict) -> np.ndarray:
         return self.predict_batch([obs])[0]
 
@@ -638,11 +655,13 @@ class DreamZeroPolicy:
             pad = self._padding(len(idx))
             sessions, noise, states = sessions + sessions[-1:] * pad, noise + noise[-1:] * pad, states + states[-1:] * pad
             with self._stage("solver"):
-                actions = self._solve(KVCache.stack([s.cache for s in sessions]),
+                video, actions = self._solve(KVCache.stack([s.cache for s in sessions]),
                                       Conditioning.stack([s.cond for s in sessions]), torch.cat(states),
                                       torch.cat([v for v, _ in noise]), torch.cat([a for _, a in noise]))
             for j, i in enumerate(idx):
                 chunks[i] = actions[j]
+                if self.keep_video:
+                    sessions[j].predicted = video[j:j + 1].clone()
         with self._stage("decode"):
             n = self.action_stats.q01.shape[0]
             host = torch.stack(chunks)[:, :, :n].cpu().double().numpy()  # one device -> host copy
