@@ -110,6 +110,9 @@ class EvalParams:
     action_error: bool = True
     action_error_stride: int = field(default=4, metadata={"min": 1})  # frames between the held-out windows' anchors
     action_error_windows: int | None = field(default=None, metadata={"min": 1})  # at most this many windows
+    # world-model previews (dzmodel/eval/previews.py): decoded predicted video of this many held-out windows per
+    # converted step, beside the real frames (mp4s and a PNG grid); 0: none. Needs train.heldout_episodes.
+    previews: int = field(default=2, metadata={"min": 0})
 
     def __post_init__(self) -> None:
         from .model.inference import SolverConfig

@@ -444,12 +444,32 @@ def stage_action_error(prof: Profile, paths: StagePaths, out: Path, log: Log = _
     return {"measured": True, **result}
 
 
+def stage_previews(prof: Profile, paths: StagePaths, out: Path, log: Log = _print) -> list[dict] | None:
+    """World-model previews of every converted step (part of the eval stage); skipped, saying why, when the run
+    held no episode out."""
+    from .eval.policy import read_train_config
+    from .eval.previews import write_previews
+    from .model.inference import SolverConfig
+
+    e = prof.eval
+    converted = sorted(p for p in paths.stage("converted").glob("step_*") if (p / "config.json").is_file())
+    if not converted or not read_train_config(converted[-1])[0].heldout_episodes:
+        log("eval: previews skipped (no converted model with held-out episodes)")
+        return None
+    solver = SolverConfig(num_steps=e.solver_steps, cfg_scale=e.cfg_scale, dit_steps=e.dit_steps)
+    done = [write_previews(m, out / m.name, windows=e.previews, stride=e.action_error_stride, device=e.device,
+                           solver=solver, seed=e.seed) for m in converted]
+    log(f"eval: world-model previews of {len(converted)} steps -> {out}")
+    return done
+
+
 def stage_eval(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     e = prof.eval
     out = _fresh_dir(paths.stage("eval"))
     metrics_file = paths.run / "metrics" / "eval.json"
     plots = paths.run / "plots"
     action = stage_action_error(prof, paths, out / "action_error", log) if e.action_error else None
+    previews = stage_previews(prof, paths, out / "previews", log) if e.previews else None
     if action is None or not action["measured"]:
         _write_csv(plots / "action_error_vs_step.csv", [])
     if not e.enabled:
@@ -457,7 +477,8 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
         _write_json(metrics_file, {"evaluated": False, **action_error_metrics(action)})
         _write_csv(plots / "success_vs_step.csv", [])
         log("eval: LIBERO disabled (eval.enabled: false)")
-        return {"eval_dir": str(out), "evaluated": False, "rows": [], "best": None, "action_error": action}
+        return {"eval_dir": str(out), "evaluated": False, "rows": [], "best": None, "action_error": action,
+                "previews": previews}
     from .eval.libero_eval import EvalConfig, evaluate_run
     from .model.inference import SolverConfig
 
@@ -479,6 +500,7 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
         shutil.copyfile(out / "success_vs_step.png", plots / "success_vs_step.png")
     log("eval: " + ", ".join(f"step {r['step']}: {r['rate']:.0%}" for r in overall))
     return {"eval_dir": str(out), "evaluated": True, "rows": rows, "best": best, "action_error": action,
+            "previews": previews,
             "plot": str(plots / "success_vs_step.png") if (plots / "success_vs_step.png").is_file() else None}
 
 

@@ -199,6 +199,8 @@ class Tracker:
 
     def _log_eval(self, rid, result, paths):
         self._log_action_error(rid, result.get("action_error"), Path(result["eval_dir"]) / "action_error")
+        if result.get("previews"):  # decoded predicted video beside the real frames, per converted step
+            self.artifact(rid, Path(result["eval_dir"]) / "previews", "eval/previews")
         if not result.get("evaluated"):
             return
         for row in result["rows"]:
