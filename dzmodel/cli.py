@@ -11,6 +11,7 @@
     dz eval libero RUN|MODEL --out DIR      LIBERO success rate across checkpoint steps
     dz eval oracle DATASET --out DIR        replay recorded episodes through the eval path (exit 1 below 95 %)
     dz eval action-error RUN|MODEL --out DIR   held-out action error vs the mean predictor and the untrained model
+    dz eval previews MODEL --out DIR          the predicted video of held-out windows beside the real frames
     dz package MODEL --robot R --version V --out DIR   versioned Franka bundle + tarball
     dz serve BUNDLE|models:/NAME@ALIAS      the policy server (openpi/RoboArena protocol; token in DZ_SERVE_TOKEN)
     dz client URL [--dry-run]               drive the LIBERO Panda through a server (or print its actions)
@@ -387,6 +388,23 @@ def cmd_eval_action_error(ns: argparse.Namespace) -> int:
         print(f"{str(r['step']):>8} {r['trained']:>9.4g} {r['ratio']:>7.3f}")
     print(describe(result))
     print(f"results in {ns.out}: action_error.json, action_error.csv")
+    return EXIT_OK
+
+
+def cmd_eval_previews(ns: argparse.Namespace) -> int:
+    from .eval.action_error import ActionErrorError
+    from .eval.policy import PolicyLoadError
+    from .eval.previews import write_previews
+
+    if ns.windows < 1:
+        raise CLIError(f"--windows must be >= 1, got {ns.windows}")
+    try:
+        result = write_previews(ns.model, ns.out, windows=ns.windows, stride=ns.stride, device=ns.device,
+                                solver=solver_from(ns), seed=ns.seed)
+    except (ActionErrorError, PolicyLoadError) as exc:
+        raise CLIError(str(exc)) from None
+    print(f"step {result['step']}: {result['windows']} held-out windows -> {ns.out}: "
+          + ", ".join(Path(v).name for v in result["videos"]) + ", grid.png")
     return EXIT_OK
 
 
@@ -880,6 +898,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-untrained", action="store_true", help="skip the untrained reference")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_eval_action_error)
+
+    p = ev.add_parser("previews", help="a converted model's predicted video of held-out windows, decoded, beside the "
+                      "real frames (mp4s and a PNG grid)")
+    p.add_argument("model", help="a converted model directory (its run must hold episodes out)")
+    p.add_argument("--out", required=True, help="ep<E>_t<T>.mp4 per window and grid.png")
+    p.add_argument("--windows", type=int, default=2)
+    p.add_argument("--stride", type=int, default=4, help="frames between held-out window anchors")
+    add_solver_arguments(p)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_eval_previews)
 
     p = ev.add_parser("oracle", help="replay recorded demonstrations through the evaluation path (exit 1 below 95%%)")
     p.add_argument("dataset", help="a dataset recorded by `dz data record libero`")

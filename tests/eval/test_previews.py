@@ -43,3 +43,12 @@ def test_side_by_side_pads_an_ended_episode_with_black():
     assert strip.shape == (3, 8, 3 * 6 + 8, 3)
     assert (strip[:, :, :6] == 10).all() and (strip[:, :, 10:16] == 20).all()
     assert (strip[0, :, 20:] == 30).all() and (strip[1:, :, 20:] == 0).all()
+
+
+def test_dz_eval_previews(converted, tmp_path, capsys):
+    from dzmodel.cli import main
+
+    assert main(["eval", "previews", str(converted), "--out", str(tmp_path / "v"), "--windows", "1",
+                 "--solver-steps", "2", "--cfg-scale", "1"]) == 0
+    assert "1 held-out windows" in capsys.readouterr().out and (tmp_path / "v" / "grid.png").is_file()
+    assert main(["eval", "previews", str(converted), "--out", str(tmp_path / "w"), "--windows", "0"]) != 0
