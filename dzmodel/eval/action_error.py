@@ -46,6 +46,7 @@ class Window:
     state: np.ndarray              # raw state at the anchor [S]
     instruction: str
     target: np.ndarray             # normalised action chunk [horizon, A]
+    dataset: str = ""              # the dataset the episode is in
 
 
 def normalised_mse(pred: np.ndarray, target: np.ndarray) -> float:
@@ -129,7 +130,8 @@ def heldout_windows(cfg, emb, stats: NormStats, pairs: list, stride: int, max_wi
             state = key_vectors(cols, emb.state, np.array([t]))[0]
             target = normalise_chunk(key_vectors(cols, emb.action, np.arange(t, t + emb.action_horizon)), state, stats,
                                      pairs)
-            windows.append(Window(ep, t, {s: np.asarray(f[i]) for s, f in frames.items()}, state, tasks[t], target))
+            windows.append(Window(ep, t, {s: np.asarray(f[i]) for s, f in frames.items()}, state, tasks[t], target,
+                                  str(path)))
     return windows
 
 

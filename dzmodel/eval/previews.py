@@ -19,11 +19,11 @@ import numpy as np
 from .action_error import Window, heldout_windows
 
 
-def real_future(policy, window: Window, dataset: str, count: int, video_backend: str = "auto") -> np.ndarray:
+def real_future(policy, window: Window, count: int, video_backend: str = "auto") -> np.ndarray:
     """The `count` frames after the anchor (fewer at the episode's end), laid out as the model sees them."""
     from ..data.lerobot_format import open_dataset
 
-    reader = open_dataset(dataset)
+    reader = open_dataset(window.dataset)
     length = next(e.length for e in reader.episodes if e.index == window.episode)
     rows = list(range(window.anchor + 1, min(window.anchor + 1 + count, length)))
     if not rows:
@@ -117,7 +117,7 @@ def write_previews(model_dir: str | Path, out_dir: str | Path, windows: int = 2,
         policy.predict(session, w.views, w.state, w.instruction)
         predicted = policy.policy.predicted_frames(session)
         policy.end_session(session)
-        real = real_future(policy, w, cfg.datasets[0], len(predicted))
+        real = real_future(policy, w, len(predicted))
         strip = side_by_side(policy.frame(w.views)[-1][: predicted.shape[1], : predicted.shape[2]], predicted, real)
         name = f"ep{w.episode}_t{w.anchor}"
         files.append(str(write_mp4(strip, out / f"{name}.mp4")))
