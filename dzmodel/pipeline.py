@@ -419,15 +419,26 @@ def action_error_metrics(action: dict | None) -> dict:
             "action_error_untrained": action["untrained"], "action_error_windows": action["windows"]}
 
 
+def converted_models(paths: StagePaths) -> list[Path]:
+    """The converted steps' model directories, oldest first."""
+    return sorted(p for p in paths.stage("converted").glob("step_*") if (p / "config.json").is_file())
+
+
+def eval_solver(e):
+    """The flow solver the eval section sets (steps, CFG scale, DiT schedule)."""
+    from .model.inference import SolverConfig
+
+    return SolverConfig(num_steps=e.solver_steps, cfg_scale=e.cfg_scale, dit_steps=e.dit_steps)
+
+
 def stage_action_error(prof: Profile, paths: StagePaths, out: Path, log: Log = _print) -> dict:
     """The held-out action error of every converted step (part of the eval stage); skipped, saying why, when the
     run held no episode out."""
     from .eval.action_error import describe, evaluate_action_error
     from .eval.policy import read_train_config
-    from .model.inference import SolverConfig
 
     e = prof.eval
-    converted = sorted(p for p in paths.stage("converted").glob("step_*") if (p / "config.json").is_file())
+    converted = converted_models(paths)
     if not converted:
         raise FileNotFoundError(f"{paths.stage('converted')}: no converted model (run the convert stage)")
     if not read_train_config(converted[-1])[0].heldout_episodes:
@@ -436,7 +447,7 @@ def stage_action_error(prof: Profile, paths: StagePaths, out: Path, log: Log = _
         return {"measured": False, "reason": reason}
     result = evaluate_action_error(paths.stage("converted"), out, steps=e.steps, stride=e.action_error_stride,
                                    max_windows=e.action_error_windows, device=e.device, seed=e.seed,
-                                   solver=SolverConfig(num_steps=e.solver_steps, cfg_scale=e.cfg_scale, dit_steps=e.dit_steps))
+                                   solver=eval_solver(e))
     _write_csv(paths.run / "plots" / "action_error_vs_step.csv",
                [{"step": r["step"], "action_error": r["trained"], "mean_predictor": result["mean_predictor"],
                  "untrained": result["untrained"]} for r in result["steps"]])
@@ -449,14 +460,13 @@ def stage_previews(prof: Profile, paths: StagePaths, out: Path, log: Log = _prin
     held no episode out."""
     from .eval.policy import read_train_config
     from .eval.previews import write_previews
-    from .model.inference import SolverConfig
 
     e = prof.eval
-    converted = sorted(p for p in paths.stage("converted").glob("step_*") if (p / "config.json").is_file())
+    converted = converted_models(paths)
     if not converted or not read_train_config(converted[-1])[0].heldout_episodes:
         log("eval: previews skipped (no converted model with held-out episodes)")
         return None
-    solver = SolverConfig(num_steps=e.solver_steps, cfg_scale=e.cfg_scale, dit_steps=e.dit_steps)
+    solver = eval_solver(e)
     done = [write_previews(m, out / m.name, windows=e.previews, stride=e.action_error_stride, device=e.device,
                            solver=solver, seed=e.seed) for m in converted]
     log(f"eval: world-model previews of {len(converted)} steps -> {out}")
@@ -480,13 +490,12 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
         return {"eval_dir": str(out), "evaluated": False, "rows": [], "best": None, "action_error": action,
                 "previews": previews}
     from .eval.libero_eval import EvalConfig, evaluate_run
-    from .model.inference import SolverConfig
 
     cfg = EvalConfig(suite=e.suite, tasks=e.tasks, episodes_per_task=e.episodes, max_steps=e.max_steps,
                      num_workers=e.workers, camera_size=e.camera_size, actions_per_chunk=e.actions_per_chunk,
                      videos=e.videos, seed=e.seed)
     rows = evaluate_run(paths.stage("converted"), cfg, out, steps=e.steps, device=e.device,
-                        solver=SolverConfig(num_steps=e.solver_steps, cfg_scale=e.cfg_scale, dit_steps=e.dit_steps),
+                        solver=eval_solver(e),
                         embodiment=prof.metadata.embodiment)
     overall = [r for r in rows if r["task"] == "all"]
     best = max(overall, key=lambda r: (r["rate"], r["step"] or 0)) if overall else None

@@ -45,25 +45,11 @@ def side_by_side(context: np.ndarray, predicted: np.ndarray, real: np.ndarray) -
 
 
 def write_mp4(frames: np.ndarray, path: Path, fps: int = 8) -> Path:
-    """uint8 [T, H, W, 3] -> an H.264 mp4 (even sizes), written atomically."""
-    import av
-
-    from ..atomic import temp_sibling
+    """uint8 [T, H, W, 3] -> an H.264 mp4 (cropped to even sizes), written atomically (`encode_video`)."""
+    from ..data.video import encode_video
 
     h, w = frames.shape[1] - frames.shape[1] % 2, frames.shape[2] - frames.shape[2] % 2
-    tmp = temp_sibling(path)
-    try:
-        with av.open(str(tmp), "w", format="mp4") as out:
-            stream = out.add_stream("libx264", rate=fps)
-            stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-            for f in frames:
-                out.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f[:h, :w]), format="rgb24")))
-            out.mux(stream.encode())
-        tmp.chmod(0o644)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return encode_video(path, np.ascontiguousarray(frames[:, :h, :w]), fps, codec="libx264")
 
 
 def write_grid(rows: list[tuple[str, np.ndarray]], path: Path, columns: int = 4) -> Path:

@@ -54,10 +54,14 @@ class LoRALinear(nn.Linear):
                  bias: bool = True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.rank, self.scale = rank, alpha / rank
-        self.lora_a = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=torch.float32))
-        self.lora_b = nn.Parameter(torch.zeros(out_features, rank, device=device, dtype=torch.float32))
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.reset_adapters(device)
+
+    def reset_adapters(self, device=None) -> None:
+        """Fresh fp32 adapters on `device`: A Kaiming-uniform, B zero (the layer equals its base)."""
+        self.lora_a = nn.Parameter(torch.empty(self.rank, self.in_features, device=device, dtype=torch.float32))
+        self.lora_b = nn.Parameter(torch.zeros(self.out_features, self.rank, device=device, dtype=torch.float32))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
 
     @classmethod
     def wrap(cls, linear: nn.Linear, rank: int, alpha: float, dropout: float = 0.0) -> "LoRALinear":
@@ -65,10 +69,7 @@ class LoRALinear(nn.Linear):
         with torch.device("meta"):
             out = cls(linear.in_features, linear.out_features, rank, alpha, dropout, bias=linear.bias is not None)
         out.weight, out.bias = linear.weight, linear.bias
-        dev = linear.weight.device
-        out.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, device=dev))
-        out.lora_b = nn.Parameter(torch.zeros(linear.out_features, rank, device=dev))
-        nn.init.kaiming_uniform_(out.lora_a, a=math.sqrt(5))
+        out.reset_adapters(linear.weight.device)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
