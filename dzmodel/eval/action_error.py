@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ..atomic import atomic_write_text
 from ..data.dataset import heldout_split, key_vectors
@@ -151,17 +150,12 @@ def predict_errors(policy, windows: list[Window], progress=None) -> np.ndarray:
 
 def untrained_policy(trained, cfg):
     """The same policy with the model at the trainer's step 0: the run's seed, and its init_dit if any."""
-    from ..model.state_dict import load_wan_dit
-    from ..model.wam import DreamZeroWAM
+    from ..train.trainer import initial_model
 
     ref = trained.policy.model.patch_embedding.weight
-    torch.manual_seed(cfg.seed)  # as Trainer.build_model
-    model = DreamZeroWAM(trained.policy.model.args)
-    if cfg.init_dit:
-        if not Path(cfg.init_dit).exists():
-            raise ActionErrorError(f"train.init_dit: {cfg.init_dit} is not there; the untrained reference starts from it")
-        load_wan_dit(model, cfg.init_dit)
-    model = model.to(device=ref.device, dtype=ref.dtype).eval()
+    if cfg.init_dit and not Path(cfg.init_dit).exists():
+        raise ActionErrorError(f"train.init_dit: {cfg.init_dit} is not there; the untrained reference starts from it")
+    model = initial_model(cfg, ref.device).to(device=ref.device, dtype=ref.dtype).eval()  # as the trainer built it
     policy = dataclasses.replace(trained.policy, model=model, sessions={})
     return dataclasses.replace(trained, policy=policy, step=0)
 

@@ -129,11 +129,19 @@ def size_to_embodiment(cfg: TrainConfig) -> TrainConfig:
     return replace(cfg, model_overrides={**cfg.model_overrides, **sized})
 
 
+def init_device(cfg: TrainConfig, device: torch.device | str) -> str:
+    """Where the seeded init is drawn: the small offline presets on the CPU, as their encoders (`frozen_encoders`),
+    so a run trained on a GPU and evaluated on a CPU starts from the same numbers (its untrained reference too);
+    a WAN DiT file replaces the init, so the CPU; the big presets where they train (a 5B CPU init takes minutes,
+    and its numbers differ between device types)."""
+    return "cpu" if cfg.init_dit or cfg.preset in OFFLINE_PRESETS else torch.device(device).type
+
+
 def initial_model(cfg: TrainConfig, device: torch.device | str) -> DreamZeroWAM:
-    """The model before its first step: a seeded init drawn where it trains (a 5B model's CPU init alone takes
-    minutes; the numbers differ between device types), or on the CPU under a WAN DiT file that replaces it."""
+    """The model before its first step (the trainer's, the untrained reference's, a LoRA run's base), on the
+    device `init_device` picks."""
     torch.manual_seed(cfg.seed)
-    with torch.device("cpu" if cfg.init_dit else device):
+    with torch.device(init_device(cfg, device)):
         model = DreamZeroWAM(preset(cfg.preset, **cfg.model_overrides))
     if cfg.init_dit:
         load_wan_dit(model, cfg.init_dit)
@@ -145,7 +153,7 @@ def base_reference(cfg: TrainConfig, device: torch.device | str) -> dict:
     device type it was drawn on). `dz convert` rebuilds the base from it and refuses one that changed."""
     if cfg.init_dit:
         return {"init_dit": str(cfg.init_dit), "sha256": files_sha256(cfg.init_dit)}
-    return {"init": "seeded", "seed": cfg.seed, "device": torch.device(device).type}
+    return {"init": "seeded", "seed": cfg.seed, "device": init_device(cfg, device)}
 
 
 def files_sha256(path: str | Path) -> str:

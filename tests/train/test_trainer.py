@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from dzmodel.data.embodiments import get_embodiment, load_embodiments
 from dzmodel.train.checkpoint import latest_checkpoint
@@ -303,3 +304,13 @@ def test_a_tiny_model_sizes_its_state_and_action_to_the_embodiment(data, tmp_pat
     with pytest.raises(ValueError, match="valid: .*max_state_dim"):
         from dzmodel.model.args import preset
         preset("tiny", max_action_dim=26)
+
+
+def test_the_seeded_init_of_small_presets_is_drawn_on_the_cpu():
+    """As the encoders: a tiny run trained on a GPU and evaluated on a CPU starts from the same numbers (and so does
+    its untrained reference); a big preset is drawn where it trains, a WAN DiT file is loaded on the CPU."""
+    from dzmodel.train.trainer import init_device
+
+    assert init_device(TrainConfig(preset="tiny"), "cuda") == "cpu"
+    assert init_device(TrainConfig(preset="dreamzero_5b"), torch.device("cuda", 1)) == "cuda"
+    assert init_device(TrainConfig(preset="dreamzero_5b", init_dit="w.safetensors"), "cuda") == "cpu"
