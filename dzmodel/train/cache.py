@@ -32,6 +32,7 @@ from ..data.embodiments import get_embodiment, load_embodiments
 from ..data.sampling import WindowSpec
 from ..model.args import preset
 from ..model.conditioning import encode_batch
+from ..progress import Progress
 from .config import TrainConfig
 from .encoders import frozen_encoders
 
@@ -106,7 +107,7 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
     collate = Collator(tokenizer, a.text_len, a.max_state_dim, a.action_dim)
     writer = CacheWriter(out_dir, shard_size)
     items = [(d, i) for d, ds in enumerate(datasets) for i in range(0, len(ds), stride)]
-    bar = _bar(len(items), progress)
+    bar = Progress(len(items), enabled=progress, desc="cache", unit="sample")
     with torch.no_grad():
         for start in range(0, len(items), batch_size):
             chunk = items[start:start + batch_size]
@@ -122,10 +123,8 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
             if enc.y is not None:
                 row["y"] = enc.y
             writer.add(row)
-            if bar is not None:
-                bar.update(len(chunk))
-    if bar is not None:
-        bar.close()
+            bar.update(n=len(chunk))
+    bar.close()
     return writer.finish(preset=cfg.preset, model_overrides=cfg.model_overrides, embodiment=emb.tag,
                          datasets=[str(Path(p).resolve()) for p in cfg.datasets], stride=stride,
                          heldout_episodes=cfg.heldout_episodes, metadata=str(cfg.metadata))
@@ -144,7 +143,7 @@ def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_
     g = torch.Generator().manual_seed(seed)
     writer = CacheWriter(out_dir)
     K, A = a.max_chunk_size, a.num_action_per_block
-    bar = _bar(samples, progress)
+    bar = Progress(samples, enabled=progress, desc="cache", unit="sample")
     for start in range(0, samples, 16):
         n = min(16, samples - start)
         x = random_inputs(a, n, latent_hw, "cpu", dtype, g)
@@ -158,23 +157,11 @@ def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_
         if x["y"] is not None:
             row["y"] = x["y"]
         writer.add(row)
-        if bar is not None:
-            bar.update(n)
-    if bar is not None:
-        bar.close()
+        bar.update(n=n)
+    bar.close()
     return writer.finish(preset=preset_name, model_overrides=model_overrides or {}, embodiment="synthetic",
                          datasets=[], stride=1, heldout_episodes=0, metadata=None, synthetic=True,
                          latent_hw=list(latent_hw))
-
-
-def _bar(total: int, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="cache", unit="sample")
 
 
 class CachedWindows(torch.utils.data.Dataset):
