@@ -360,7 +360,7 @@ def cmd_eval_libero(ns: argparse.Namespace) -> int:
     try:
         rows = evaluate_run(ns.source, cfg, ns.out, steps=_int_list(ns.steps, "--steps"), device=ns.device,
                             solver=solver_from(ns), progress=not ns.no_progress, embodiment=ns.embodiment,
-                            compile=ns.compile)
+                            compile=ns.compile, weights=ns.weights)
     except (LiberoNotInstalled, PolicyLoadError) as exc:
         raise CLIError(str(exc)) from None
     print(f"{'step':>8} {'task':>5} {'episodes':>8} {'successes':>9} {'rate':>6}")
@@ -403,7 +403,8 @@ def cmd_eval_previews(ns: argparse.Namespace) -> int:
                                 solver=solver_from(ns), seed=ns.seed)
     except (ActionErrorError, PolicyLoadError) as exc:
         raise CLIError(str(exc)) from None
-    print(f"step {result['step']}: {result['windows']} held-out windows -> {ns.out}: "
+    kind = "training (the run held no episode out)" if result["seen_in_training"] else "held-out"
+    print(f"step {result['step']}: {result['windows']} {kind} windows -> {ns.out}: "
           + ", ".join(Path(v).name for v in result["videos"]) + ", grid.png")
     return EXIT_OK
 
@@ -876,6 +877,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--actions-per-chunk", type=int, help="execute this many actions of each chunk (default: all)")
     p.add_argument("--videos", type=int, default=2, help="record this many episodes per step as mp4")
     p.add_argument("--embodiment", help="refuse a checkpoint trained for another embodiment")
+    p.add_argument("--weights", choices=("raw", "ema"), default="raw",
+                   help="with a run directory: convert its checkpoints' raw weights or the EMA (train.ema_decay)")
     p.add_argument("--compile", action="store_true", help="torch.compile the DiT block (GPU; compiles per batch shape)")
     p.add_argument("--no-batch-policy", action="store_true",
                    help="query the policy once per episode instead of one batched forward per step (for comparison)")
@@ -901,7 +904,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = ev.add_parser("previews", help="a converted model's predicted video of held-out windows, decoded, beside the "
                       "real frames (mp4s and a PNG grid)")
-    p.add_argument("model", help="a converted model directory (its run must hold episodes out)")
+    p.add_argument("model", help="a converted model directory (held-out windows; a run that held none out shows "
+                   "training windows)")
     p.add_argument("--out", required=True, help="ep<E>_t<T>.mp4 per window and grid.png")
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--stride", type=int, default=4, help="frames between held-out window anchors")

@@ -18,16 +18,23 @@ def _raw() -> dict:
     return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
-def test_shipped_params_are_valid_with_five_profiles():
+def test_shipped_params_are_valid_with_six_profiles():
     params = load_params(ROOT / "params.yaml")
     assert params.profile == "demo"
-    assert set(params.profiles) == {"demo", "libero_5b", "libero_5b_lora", "droid_14b", "libero_scripted"}
+    assert set(params.profiles) == {"demo", "libero_5b", "libero_5b_lora", "droid_14b", "libero_scripted",
+                                    "libero_scripted_lora"}
     lora = params.selected("libero_5b_lora")
     assert lora.train["lora"]["rank"] == 64 and lora.launch["nproc_per_node"] == 1 and lora.convert.weights == "ema"
     scripted = params.selected("libero_scripted")
     assert scripted.fetch.source == "libero" and scripted.fetch.record.suite == "object"
     assert scripted.train["preset"] == "small" and scripted.metadata.embodiment == "libero_sim_small"
     assert scripted.eval.suite == "object" and scripted.eval.tasks == scripted.fetch.record.tasks
+    # the LoRA arm of the comparison differs from the full one only in its adapters, learning rate and names
+    scripted_lora = params.selected("libero_scripted_lora")
+    assert scripted_lora.fetch == scripted.fetch and scripted_lora.metadata == scripted.metadata
+    differ = {k for k in set(scripted.train) | set(scripted_lora.train)
+              if scripted.train.get(k) != scripted_lora.train.get(k)}
+    assert differ == {"lora", "lr"} and scripted_lora.train["lora"]["rank"] == 64
     assert scripted.promote.min_success > 0  # a gate that can fail
     demo = params.selected()
     assert demo.train["preset"] == "tiny" and demo.launch == {"nproc_per_node": 2, "nnodes": 1}
@@ -90,7 +97,7 @@ def test_overrides_and_cli(tmp_path, capsys):
     params = load_params(ROOT / "params.yaml", ["train.steps=7", "eval.tasks=[0, 2]"], "demo")
     assert params.selected().train["steps"] == 7 and params.selected().eval.tasks == [0, 2]
     assert main(["params", "check", "--params", str(ROOT / "params.yaml")]) == 0
-    assert "valid (5 profiles" in capsys.readouterr().out
+    assert "valid (6 profiles" in capsys.readouterr().out
     assert main(["params", "check", "--params", str(ROOT / "params.yaml"), "--set", "train.micro_batch=zero"]) == 2
     assert "profiles.demo.train.micro_batch: expected an integer" in capsys.readouterr().err
     out = tmp_path / "train.json"

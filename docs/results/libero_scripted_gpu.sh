@@ -6,12 +6,17 @@
 #                      suite's files, mujoco and cffi wheels) and any wheels in .libero_bundle_extra/ (PyAV for the
 #                      recorder's H.264), into /tmp/libero; then check that an env renders
 #   record WORKERS     the fetch stage (the scripted expert's recording, WORKERS env processes) and the metadata
-#                      stage of the profile, then its train config
+#                      stage of the profile, then its train config ($TRAIN_SET: extra `--set train.K=V` words)
+#   share-data FROM    this profile trains on profile FROM's recording (same fetch params): link the dataset,
+#                      then the metadata stage and the train config
 #   train-bg           start training (the train config above, resuming from the newest checkpoint) in the
 #                      background, detached, so that it outlives this command; its log is runs/<profile>/train.log
 #   wait SECONDS       follow the training log for at most SECONDS, or until training ends
 #   stop               stop the background training (checkpoints are atomic: the newest saved one stays usable)
 #   eval STEPS ARGS..  `dz eval libero` of the run's checkpoints STEPS (e.g. 1000,2000) on this GPU, with ARGS added
+#   compare-bg         detached, after every training here ended: previews and the LoRA / full / EMA evaluations of
+#                      docs/results.md section 7 (docs/results/compare_queue.sh), one after another
+#   collect            copy what the comparison has written so far into $OUT
 #   export STEPS       the converted checkpoints STEPS with bf16 model weights, as tar parts of <= 15 MiB in $OUT
 #                      (the device returns at most 16 MiB per file); `cat` them back together, then
 #                      upcast_model.py restores an fp32 converted model directory
@@ -32,18 +37,36 @@ case "$1" in
   record)
     dz stage fetch --profile "$profile" --set "fetch.record.workers=$2"
     dz stage metadata --profile "$profile"
-    dz params train-config --profile "$profile" --out "$run/train_config.json" ;;
+    dz params train-config --profile "$profile" --out "$run/train_config.json" ${TRAIN_SET:-} ;;
+  share-data)
+    mkdir -p data
+    ln -sfn "$2" "data/$profile"
+    dz stage metadata --profile "$profile"
+    dz params train-config --profile "$profile" --out "$run/train_config.json" ${TRAIN_SET:-} ;;
   train-bg)
     mkdir -p "$run"
     setsid nohup python3 -m dzmodel.cli train --config "$run/train_config.json" >>"$run/train.log" 2>&1 </dev/null &
     echo "training in the background (pid $!); log: $run/train.log" ;;
   wait)
     end=$((SECONDS + $2))
-    while ((SECONDS < end)) && pgrep -f "dzmodel.cli train" >/dev/null; do sleep 20; done
-    grep -v -i warn "$run/train.log" | tail -5
-    tail -n 1 "$run/train/metrics.jsonl" 2>/dev/null || true
-    ls "$run/train/checkpoints" 2>/dev/null || true
-    cp "$run/train/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null || true ;;
+    while ((SECONDS < end)) && pgrep -f "dzmodel.cli train|compare_queue" >/dev/null; do sleep 15; done
+    for log in runs/*/train.log; do
+      r=$(dirname "$log"); echo "== $r"
+      grep -v -i warn "$log" | tail -3
+      tail -n 1 "$r/train/metrics.jsonl" 2>/dev/null || true
+      ls "$r/train/checkpoints" 2>/dev/null | tr '\n' ' '; echo
+      cp "$r/train/metrics.jsonl" "$OUT/$(basename "$r")_metrics.jsonl" 2>/dev/null || true
+    done
+    if [[ -f runs/compare/log ]]; then tail -n 15 runs/compare/log; bash "$0" collect; fi ;;
+  compare-bg)
+    mkdir -p runs/compare
+    setsid nohup bash docs/results/compare_queue.sh >>runs/compare/log 2>&1 </dev/null &
+    echo "comparison queued in the background (pid $!); log: runs/compare/log" ;;
+  collect)
+    (cd runs/compare && find . \( -path '*/converted*' -o -path './models' \) -prune -o \
+       \( -name '*.csv' -o -name '*.json' -o -name '*.png' -o -name log \) -print) | while read -r f; do
+      cp "runs/compare/$f" "$OUT/$(echo "${f#./}" | tr / _)"
+    done ;;
   stop)
     pkill -TERM -f "dzmodel.cli train" || true
     sleep 5
@@ -70,6 +93,7 @@ PY
       tar -C /tmp/export -cf - "$name" | split -b 15M - "$OUT/$name.tar.part-"
     done
     ls -la "$OUT" ;;
-  *) echo "usage: $0 setup | record WORKERS | train-bg | wait SECONDS | stop | eval STEPS [ARGS] | export STEPS" >&2
+  *) echo "usage: $0 setup | record WORKERS | share-data FROM | train-bg | wait SECONDS | stop | eval STEPS [ARGS] |" \
+          "compare-bg | collect | export STEPS" >&2
      exit 2 ;;
 esac

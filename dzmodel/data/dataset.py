@@ -6,11 +6,16 @@
     action  float32 [K·H, A]           q99-normalised (relative keys made relative first)
     prompt  str                        the embodiment's template around the frame's task
 Sample randomness (crop, jitter) is seeded by (seed, global position): see transforms.py.
+
+`frame_cache_mib` > 0 keeps whole decoded episodes (per camera) in each loader process, least recently used first
+out: a window then costs an index instead of a seek and a decode. Small datasets (LIBERO-scale, 128 px) fit whole;
+the frames are the ones a per-window decode returns (tests/data/test_dataset.py).
 """
 
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -90,12 +95,40 @@ def heldout_split(episodes: Sequence[int], heldout: int, where: str = "train.hel
     return order[:cut], order[cut:]
 
 
+class DecodedEpisodes:
+    """Whole decoded episode videos, keyed by (episode, camera), within a byte budget (least recently used out).
+    An episode larger than the whole budget is not kept."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget, self.used = int(budget_bytes), 0
+        self._items: OrderedDict[tuple[int, str], np.ndarray] = OrderedDict()
+        self.decodes = 0  # whole-episode decodes so far (a guard for tests)
+
+    def frames(self, reader: Any, episode: int, key: str, rows: np.ndarray, length: int, backend: str) -> np.ndarray:
+        whole = self._items.get((episode, key))
+        if whole is None:
+            whole = reader.read_frames(episode, key, range(length), backend=backend)
+            self.decodes += 1
+            if whole.nbytes <= self.budget:
+                while self.used + whole.nbytes > self.budget:
+                    self.used -= self._items.popitem(last=False)[1].nbytes
+                self._items[(episode, key)] = whole
+                self.used += whole.nbytes
+        else:
+            self._items.move_to_end((episode, key))
+        return whole[rows]
+
+
 class WindowDataset:
     """One LeRobot dataset seen through one embodiment (`episodes`: only those episode indices; None = all)."""
 
     def __init__(self, reader: Any, embodiment: Embodiment, spec: WindowSpec, statistics: dict | None,
                  train: bool = True, seed: int = 0, video_backend: str = "auto", skip_missing: bool = False,
-                 episodes: Sequence[int] | None = None):
+                 episodes: Sequence[int] | None = None, frame_cache_mib: int = 0):
+        if frame_cache_mib < 0:
+            raise ValueError(f"frame_cache_mib must be >= 0, got {frame_cache_mib}")
+        self.frame_cache = DecodedEpisodes(frame_cache_mib * 2**20) if frame_cache_mib else None
+        self.lengths = {ep.index: ep.length for ep in reader.episodes}
         self.reader, self.emb, self.spec = reader, embodiment, spec
         self.episodes = None if episodes is None else set(int(e) for e in episodes)
         self.train, self.seed, self.video_backend = train, seed, video_backend
@@ -187,7 +220,11 @@ class WindowDataset:
         rng = np.random.default_rng([self.seed, position])
         views = {}
         for short, key in self.emb.views.items():
-            frames = self.reader.read_frames(w.episode, key, w.frames.tolist(), backend=self.video_backend)
+            if self.frame_cache is not None and self.reader.features[key].dtype == "video":
+                frames = self.frame_cache.frames(self.reader, w.episode, key, np.asarray(w.frames),
+                                                 self.lengths[w.episode], self.video_backend)
+            else:
+                frames = self.reader.read_frames(w.episode, key, w.frames.tolist(), backend=self.video_backend)
             views[short] = transform_view(frames, self.emb.view_size, self.train, rng, self.emb.crop_scale,
                                           self.emb.color_jitter)
         task = self.reader.task_per_frame(w.episode)[int(w.start)]

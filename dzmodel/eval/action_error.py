@@ -68,18 +68,18 @@ def _anchors(length: int, horizon: int, stride: int) -> list[int]:
     return list(range(0, length - horizon + 1, stride))
 
 
-def split_episodes(cfg, where: str) -> list[tuple[str, list[int], list[int]]]:
+def split_episodes(cfg, where: str, need_heldout: bool = True) -> list[tuple[str, list[int], list[int]]]:
     """(dataset, training episodes, held-out episodes) of a run's datasets, as its trainer split them."""
-    if not cfg.heldout_episodes:
+    if not cfg.heldout_episodes and need_heldout:
         raise ActionErrorError(f"{where}: train.heldout_episodes is 0, so every episode was trained on and there is "
                                "nothing held out to measure (set train.heldout_episodes >= 1 and retrain)")
     out = []
     for path in cfg.datasets:
         if not Path(path).exists():
             raise ActionErrorError(f"{where}: the run's dataset {path} is not there")
-        reader = open_dataset(path)
-        train, held = heldout_split([e.index for e in reader.episodes], cfg.heldout_episodes,
-                                    f"train.heldout_episodes ({path})")
+        episodes = [e.index for e in open_dataset(path).episodes]
+        train, held = (heldout_split(episodes, cfg.heldout_episodes, f"train.heldout_episodes ({path})")
+                       if cfg.heldout_episodes else (episodes, []))
         out.append((str(path), train, held))
     return out
 
@@ -105,17 +105,19 @@ def mean_action(cfg, emb, stats: NormStats, pairs: list, stride: int, where: str
 
 
 def heldout_windows(cfg, emb, stats: NormStats, pairs: list, stride: int, max_windows: int | None,
-                    where: str, video_backend: str = "auto") -> list[Window]:
-    """Every `stride`-th anchor of the held-out episodes with a whole chunk ahead, at most `max_windows`
-    (then evenly spaced over them, so every held-out episode still counts)."""
+                    where: str, video_backend: str = "auto", training: bool = False) -> list[Window]:
+    """Every `stride`-th anchor of the held-out episodes (`training`: of the training episodes) with a whole chunk
+    ahead, at most `max_windows` (then evenly spaced over them, so every episode still counts)."""
     columns = sorted({k.column for k in emb.state + emb.action})
     todo = []
-    for path, _, held in split_episodes(cfg, where):
+    for path, train, held in split_episodes(cfg, where, need_heldout=not training):
         reader = open_dataset(path)
         lengths = {e.index: e.length for e in reader.episodes}
-        todo += [(path, ep, t) for ep in held for t in _anchors(lengths[ep], emb.action_horizon, stride)]
+        todo += [(path, ep, t) for ep in (train if training else held)
+                 for t in _anchors(lengths[ep], emb.action_horizon, stride)]
     if not todo:
-        raise ActionErrorError(f"{where}: no held-out episode is {emb.action_horizon} frames long")
+        raise ActionErrorError(f"{where}: no {'training' if training else 'held-out'} episode is "
+                               f"{emb.action_horizon} frames long")
     if max_windows is not None and len(todo) > max_windows:
         todo = [todo[i] for i in np.linspace(0, len(todo) - 1, max_windows).round().astype(int)]
     windows = []

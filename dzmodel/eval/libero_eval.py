@@ -280,9 +280,10 @@ def plot_success(rows: list[dict], path: str | Path, title: str) -> Path | None:
 
 def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path, steps: list[int] | None = None,
                  device: str = "cpu", solver=None, progress: bool = True, embodiment: str | None = None,
-                 compile: bool = False) -> list[dict]:
-    """Evaluate every saved step of a training run (or `steps`), converting each checkpoint as needed,
-    or one converted model directory. `embodiment`, if given, must be the one the checkpoint trained on.
+                 compile: bool = False, weights: str = "raw") -> list[dict]:
+    """Evaluate every saved step of a training run (or `steps`), converting each checkpoint as needed (with its
+    `weights`: raw or ema), or one converted model directory. `embodiment`, if given, must be the one the
+    checkpoint trained on.
     Writes results.csv, episodes.csv, summary.json, success_vs_step.png, timing.json (wall, policy and env seconds
     per step) and videos/ under out_dir."""
     from .libero_env import check_libero, ensure_libero_config
@@ -291,7 +292,7 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
     ensure_libero_config()
     check_libero()
     src, out = Path(run_or_model), Path(out_dir)
-    models = _models_to_evaluate(src, out, steps)
+    models = _models_to_evaluate(src, out, steps, weights)
     rows, episodes, timings = [], [], []
     for step, model_dir in models:
         policy = load_policy(model_dir, device=device, embodiment=embodiment, solver=solver, seed=cfg.seed)
@@ -313,15 +314,20 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
     return rows
 
 
-def _models_to_evaluate(src: Path, out: Path, steps: list[int] | None) -> list[tuple[int | None, Path]]:
+def _models_to_evaluate(src: Path, out: Path, steps: list[int] | None,
+                        weights: str = "raw") -> list[tuple[int | None, Path]]:
     from ..train.checkpoint import list_checkpoints
     from ..train.convert import convert_checkpoint
     from .policy import PolicyLoadError, read_train_config
 
+    saved = list_checkpoints(src)
+    if weights != "raw" and not saved:
+        raise PolicyLoadError(f"{src}: --weights {weights} picks weights while converting a run's checkpoints; this "
+                              f"is already converted (convert it with `dz convert --weights {weights}`)")
     if (src / "config.json").is_file():  # already converted
         return [(read_train_config(src)[1], src)]
     converted = sorted(p for p in src.glob("step_*") if (p / "config.json").is_file())
-    if converted and not list_checkpoints(src):  # a `dz stage convert` directory: one converted model per step
+    if converted and not saved:  # a `dz stage convert` directory: one converted model per step
         models = [(read_train_config(p)[1], p) for p in converted]
         if steps:
             missing = [s for s in steps if s not in {m for m, _ in models}]
@@ -329,7 +335,6 @@ def _models_to_evaluate(src: Path, out: Path, steps: list[int] | None) -> list[t
                 raise PolicyLoadError(f"{src}: no converted model for step(s) {missing}")
             models = [(s, p) for s, p in models if s in steps]
         return models
-    saved = list_checkpoints(src)
     if not saved:
         raise PolicyLoadError(f"{src}: neither a converted model (config.json) nor a run with complete checkpoints")
     if steps:
@@ -340,10 +345,10 @@ def _models_to_evaluate(src: Path, out: Path, steps: list[int] | None) -> list[t
         saved = [(s, p) for s, p in saved if s in steps]
     models = []
     for step, ckpt in saved:
-        dest = out / "converted" / f"step_{step:07d}"
+        dest = out / ("converted" if weights == "raw" else f"converted_{weights}") / f"step_{step:07d}"
         if not (dest / "config.json").is_file():
             try:
-                convert_checkpoint(ckpt, dest)
+                convert_checkpoint(ckpt, dest, weights=weights)
             except Exception as exc:  # one clear message naming the checkpoint
                 raise PolicyLoadError(f"{ckpt}: cannot convert this checkpoint: {exc}") from exc
         models.append((step, dest))

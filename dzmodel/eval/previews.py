@@ -1,7 +1,8 @@
 """World-model previews: the video a converted model predicts, beside what the camera saw.
 
 DreamZero denoises the future video with the actions. For a few held-out windows (the action error's: episodes the
-run never trained on), the policy sees the anchor frame, state and instruction, predicts one chunk, and its
+run never trained on; a run that held none out, such as the closed-loop profile, shows training episodes and says
+so in the titles), the policy sees the anchor frame, state and instruction, predicts one chunk, and its
 predicted video latents are decoded by the VAE (`DreamZeroPolicy.predicted_frames`). Per converted step:
 
     <out>/step_XXXXXXX/ep<E>_t<T>.mp4   context | predicted | real, side by side, one frame per predicted frame
@@ -85,7 +86,8 @@ def write_grid(rows: list[tuple[str, np.ndarray]], path: Path, columns: int = 4)
 
 def write_previews(model_dir: str | Path, out_dir: str | Path, windows: int = 2, stride: int = 4,
                    device: str = "cpu", solver=None, seed: int = 0, policy=None) -> dict:
-    """Previews of one converted model for `windows` held-out windows (evenly spread over the held-out episodes)."""
+    """Previews of one converted model for `windows` held-out windows (evenly spread over the held-out episodes;
+    over the training episodes when the run held none out)."""
     from .policy import load_policy, read_train_config
 
     model_dir, out = Path(model_dir), Path(out_dir)
@@ -95,7 +97,8 @@ def write_previews(model_dir: str | Path, out_dir: str | Path, windows: int = 2,
     policy.policy.keep_video = True
     emb, stats = policy.embodiment, policy.policy.action_stats
     where = str(model_dir / "experiment_cfg" / "train_config.json")
-    chosen = heldout_windows(cfg, emb, stats, policy.relative_pairs, stride, windows, where)
+    training = not cfg.heldout_episodes
+    chosen = heldout_windows(cfg, emb, stats, policy.relative_pairs, stride, windows, where, training=training)
     out.mkdir(parents=True, exist_ok=True)
     rows, files = [], []
     for i, w in enumerate(chosen):
@@ -107,6 +110,7 @@ def write_previews(model_dir: str | Path, out_dir: str | Path, windows: int = 2,
         strip = side_by_side(policy.frame(w.views)[-1][: predicted.shape[1], : predicted.shape[2]], predicted, real)
         name = f"ep{w.episode}_t{w.anchor}"
         files.append(str(write_mp4(strip, out / f"{name}.mp4")))
-        rows.append((f"episode {w.episode}, frame {w.anchor}", strip))
+        seen = " (trained on)" if training else ""
+        rows.append((f"episode {w.episode}{seen}, frame {w.anchor}", strip))
     grid = write_grid(rows, out / "grid.png")
-    return {"step": step, "videos": files, "grid": str(grid), "windows": len(chosen)}
+    return {"step": step, "videos": files, "grid": str(grid), "windows": len(chosen), "seen_in_training": training}

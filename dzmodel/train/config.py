@@ -24,6 +24,7 @@ class TrainConfig:
     metadata: str | None = None             # metadata.json with the embodiment's statistics
     tokenizer: str | None = None            # local HF tokenizer dir (built offline for the tiny preset if missing)
     num_workers: int = 0
+    frame_cache_mib: int = 0                # per loader process: keep decoded episodes in memory (0: decode per window)
     cache: str | None = None                # a `dz cache` directory: train from precomputed encoder outputs
     heldout_episodes: int = 0               # the last N episodes of each dataset are never trained on (eval only)
     skip_missing: bool = False              # train on the other episodes when some view videos are missing (listed)
@@ -83,6 +84,8 @@ class TrainConfig:
             raise ValueError(f"train.save_every must be >= 0 (0: never checkpoint), got {self.save_every}")
         if self.heldout_episodes < 0:
             raise ValueError(f"train.heldout_episodes must be >= 0, got {self.heldout_episodes}")
+        if self.frame_cache_mib < 0:
+            raise ValueError(f"train.frame_cache_mib must be >= 0 (0: off), got {self.frame_cache_mib}")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not 0 <= self.ema_decay < 1:

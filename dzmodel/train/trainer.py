@@ -77,7 +77,7 @@ def training_windows(path, emb, spec: WindowSpec, stats: dict, cfg: TrainConfig,
         episodes, _ = heldout_split([e.index for e in reader.episodes], cfg.heldout_episodes,
                                     f"train.heldout_episodes ({path})")
     ds = WindowDataset(reader, emb, spec, stats, train=train, seed=cfg.seed, episodes=episodes,
-                       skip_missing=cfg.skip_missing)
+                       skip_missing=cfg.skip_missing, frame_cache_mib=cfg.frame_cache_mib)
     if ds.missing and int(os.environ.get("RANK", "0")) == 0:
         eps = sorted({ep for ep, _ in ds.missing})
         print(f"{path}: skip_missing: {len(ds.missing)} video files missing; skipping episodes {eps}", file=sys.stderr)

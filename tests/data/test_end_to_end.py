@@ -85,6 +85,29 @@ def test_samples_are_reproducible_by_position(setup):
     assert a["prompt"].startswith("A robot arm will ")
 
 
+def test_decoded_episode_cache_gives_the_per_window_frames(setup):
+    """frame_cache_mib keeps whole decoded episodes: the same samples, one decode per (episode, camera)."""
+    dataset, emb, meta, _ = setup
+    spec = WindowSpec(2, 4, 8, emb.sampling)
+    stats = load_statistics(meta, emb.tag)
+    plain = WindowDataset(open_dataset(dataset), emb, spec, stats, train=True, seed=5)
+    cached = WindowDataset(open_dataset(dataset), emb, spec, stats, train=True, seed=5, frame_cache_mib=64)
+    anchors = list(range(0, len(plain), 7))
+    for position, anchor in enumerate(anchors + anchors):
+        assert torch.equal(plain.sample(anchor, position)["images"], cached.sample(anchor, position)["images"])
+    episodes = {plain.index.window(a).episode for a in anchors}
+    assert cached.frame_cache.decodes == len(episodes) * len(emb.views)  # the second pass decodes nothing
+    # a budget of one episode: least recently used out, still the same frames
+    one = cached.frame_cache._items[next(iter(cached.frame_cache._items))].nbytes
+    small = WindowDataset(open_dataset(dataset), emb, spec, stats, train=True, seed=5, frame_cache_mib=1)
+    small.frame_cache.budget = one
+    for position, anchor in enumerate(anchors):
+        assert torch.equal(plain.sample(anchor, position)["images"], small.sample(anchor, position)["images"])
+    assert small.frame_cache.used <= one and len(small.frame_cache._items) == 1
+    with pytest.raises(ValueError, match="frame_cache_mib"):
+        WindowDataset(open_dataset(dataset), emb, spec, stats, frame_cache_mib=-1)
+
+
 def test_dims_that_disagree_with_the_config_are_refused(setup, tmp_path):
     dataset, emb, meta, _ = setup
     bad = tmp_path / "bad.yaml"

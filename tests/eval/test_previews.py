@@ -35,6 +35,21 @@ def test_previews_write_side_by_side_videos_and_a_grid(converted, tmp_path):
     assert oct((tmp_path / "p" / "grid.png").stat().st_mode & 0o777) == "0o644"
 
 
+def test_a_run_that_held_nothing_out_previews_training_windows(converted, tmp_path):
+    import json
+    import shutil
+
+    model = shutil.copytree(converted, tmp_path / "all_trained")
+    cfg_file = model / "experiment_cfg" / "train_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["heldout_episodes"] = 0
+    cfg_file.write_text(json.dumps(cfg))
+    result = write_previews(model, tmp_path / "p", windows=3, solver=SolverConfig(num_steps=1, cfg_scale=1.0))
+    assert result["seen_in_training"] and result["windows"] == 3
+    names = [v.rsplit("/", 1)[1] for v in result["videos"]]
+    assert {n.split("_")[0] for n in names} == {"ep0", "ep1", "ep2"}  # spread over all three, the last included
+
+
 def test_side_by_side_pads_an_ended_episode_with_black():
     ctx = np.full((8, 6, 3), 10, np.uint8)
     pred = np.full((3, 8, 6, 3), 20, np.uint8)

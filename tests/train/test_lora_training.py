@@ -109,6 +109,18 @@ def test_ema_resume_is_bit_exact_and_convert_exports_either_weights(data, tmp_pa
     train(_cfg(data, plain, steps=1, save_every=1))
     with pytest.raises(ValueError, match="--weights ema needs a run that kept an EMA"):
         convert_checkpoint(latest_checkpoint(plain), tmp_path / "y", weights="ema")
+    # `dz eval libero RUN --weights ema` converts the run's steps with the EMA, beside the raw ones
+    from dzmodel.eval.libero_eval import _models_to_evaluate
+    from dzmodel.eval.policy import PolicyLoadError
+
+    name = next(k for k in moved if k.startswith("action_decoder"))
+    for weights in ("ema", "raw"):
+        [(step, model)] = _models_to_evaluate(whole, tmp_path / "eval", [4], weights)
+        assert step == 4 and model.parent.name == ("converted_ema" if weights == "ema" else "converted")
+        assert torch.equal(load_file(str(model / "model.safetensors"))[name],
+                           exported["whole", weights][name])
+    with pytest.raises(PolicyLoadError, match="already converted"):
+        _models_to_evaluate(model, tmp_path / "eval", None, "ema")
 
 
 def test_the_optimizer_holds_only_the_trainable_parameters(data, tmp_path):
