@@ -14,12 +14,12 @@
 #   wait SECONDS       follow the training log for at most SECONDS, or until training ends
 #   stop               stop the background training (checkpoints are atomic: the newest saved one stays usable)
 #   eval STEPS ARGS..  `dz eval libero` of the run's checkpoints STEPS (e.g. 1000,2000) on this GPU, with ARGS added
-#   compare-bg         detached, after every training here ended: previews and the LoRA / full / EMA evaluations of
-#                      docs/results.md section 7 (docs/results/compare_queue.sh), one after another
+#   compare-bg JOB..   detached, after every training here ended: the evaluations and previews JOB.. of the LoRA / full /
+#                      EMA comparison (docs/results/compare_queue.sh says what a JOB is), one after another
 #   collect            copy what the comparison has written so far into $OUT
-#   export STEPS       the converted checkpoints STEPS with bf16 model weights, as tar parts of <= 15 MiB in $OUT
-#                      (the device returns at most 16 MiB per file); `cat` them back together, then
-#                      upcast_model.py restores an fp32 converted model directory
+#   export STEPS [W]   the converted checkpoints STEPS (weights W: raw or ema) as tar parts of <= 15 MiB in $OUT (the
+#                      device returns at most 16 MiB per file); with BF16=1 the model weights are rounded to bf16 (half
+#                      the size; upcast_model.py restores an fp32 directory), by default they stay fp32
 set -euo pipefail
 export PYTHONPATH=/tmp/libero/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 TQDM_MININTERVAL=10
 export LIBERO_CONFIG_PATH=/tmp/libero/config MUJOCO_GL=egl
@@ -60,7 +60,8 @@ case "$1" in
     if [[ -f runs/compare/log ]]; then tail -n 15 runs/compare/log; bash "$0" collect; fi ;;
   compare-bg)
     mkdir -p runs/compare
-    setsid nohup bash docs/results/compare_queue.sh >>runs/compare/log 2>&1 </dev/null &
+    shift
+    setsid nohup bash docs/results/compare_queue.sh "$@" >>runs/compare/log 2>&1 </dev/null &
     echo "comparison queued in the background (pid $!); log: runs/compare/log" ;;
   collect)
     (cd runs/compare && find . \( -path '*/converted*' -o -path './models' \) -prune -o \
@@ -76,24 +77,26 @@ case "$1" in
     dz eval libero "$run/train" --steps "$steps" --device cuda --no-progress --out "$run/eval" "$@"
     cp "$run/eval/results.csv" "$run/eval/episodes.csv" "$run/eval/summary.json" "$OUT/" ;;
   export)
+    weights=${3:-raw}
     for step in ${2//,/ }; do
       name=step_$(printf %07d "$step")
-      python3 - "$run/train" "$name" <<'PY'
+      python3 - "$run/train" "$name" "$weights" "${BF16:-0}" <<'PY'
 import sys, torch
 from pathlib import Path
 from dzmodel.train.convert import convert_checkpoint, resolve_checkpoint
 from dzmodel.model.state_dict import read_weights, save_safetensors_atomic
-run, name = sys.argv[1], sys.argv[2]
-out = Path("/tmp/export") / name
-convert_checkpoint(resolve_checkpoint(run, int(name.split("_")[1])), out)
-state = {k: v.to(torch.bfloat16) for k, v in read_weights(out).items()}
-(out / "model.safetensors").unlink()
-save_safetensors_atomic(state, out / "model.bf16.safetensors", {"format": "pt", "dtype": "bfloat16"})
+run, name, weights, bf16 = sys.argv[1:5]
+out = Path("/tmp/export") / weights / name
+convert_checkpoint(resolve_checkpoint(run, int(name.split("_")[1])), out, weights=weights)
+if bf16 == "1":
+    state = {k: v.to(torch.bfloat16) for k, v in read_weights(out).items()}
+    (out / "model.safetensors").unlink()
+    save_safetensors_atomic(state, out / "model.bf16.safetensors", {"format": "pt", "dtype": "bfloat16"})
 PY
-      tar -C /tmp/export -cf - "$name" | split -b 15M - "$OUT/$name.tar.part-"
+      tar -C "/tmp/export/$weights" -cf - "$name" | split -b 15M - "$OUT/${profile}_${weights}_$name.tar.part-"
     done
     ls -la "$OUT" ;;
   *) echo "usage: $0 setup | record WORKERS | share-data FROM | train-bg | wait SECONDS | stop | eval STEPS [ARGS] |" \
-          "compare-bg | collect | export STEPS" >&2
+          "compare-bg JOB.. | collect | export STEPS [raw|ema]" >&2
      exit 2 ;;
 esac
