@@ -394,7 +394,7 @@ def cmd_eval_action_error(ns: argparse.Namespace) -> int:
 def cmd_eval_previews(ns: argparse.Namespace) -> int:
     from .eval.action_error import ActionErrorError
     from .eval.policy import PolicyLoadError
-    from .eval.previews import write_previews
+    from .eval.previews import describe_errors, write_previews
 
     if ns.windows < 1:
         raise CLIError(f"--windows must be >= 1, got {ns.windows}")
@@ -405,7 +405,8 @@ def cmd_eval_previews(ns: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
     kind = "training (the run held no episode out)" if result["seen_in_training"] else "held-out"
     print(f"step {result['step']}: {result['windows']} {kind} windows -> {ns.out}: "
-          + ", ".join(Path(v).name for v in result["videos"]) + ", grid.png")
+          + ", ".join(Path(v).name for v in result["videos"]) + ", grid.png, previews.json; "
+          + (describe_errors(result) or "no latent error (every window's episode ends within the predicted block)"))
     return EXIT_OK
 
 

@@ -459,7 +459,7 @@ def stage_previews(prof: Profile, paths: StagePaths, out: Path, log: Log = _prin
     """World-model previews of every converted step (part of the eval stage); skipped, saying why, when the run
     held no episode out."""
     from .eval.policy import read_train_config
-    from .eval.previews import write_previews
+    from .eval.previews import describe_errors, write_previews
 
     e = prof.eval
     converted = converted_models(paths)
@@ -469,7 +469,8 @@ def stage_previews(prof: Profile, paths: StagePaths, out: Path, log: Log = _prin
     solver = eval_solver(e)
     done = [write_previews(m, out / m.name, windows=e.previews, stride=e.action_error_stride, device=e.device,
                            solver=solver, seed=e.seed) for m in converted]
-    log(f"eval: world-model previews of {len(converted)} steps -> {out}")
+    log(f"eval: world-model previews of {len(converted)} steps -> {out}: "
+        + ", ".join(f"step {d['step']}: {describe_errors(d) or 'no latent error'}" for d in done))
     return done
 
 

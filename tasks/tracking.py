@@ -201,6 +201,11 @@ class Tracker:
         self._log_action_error(rid, result.get("action_error"), Path(result["eval_dir"]) / "action_error")
         if result.get("previews"):  # decoded predicted video beside the real frames, per converted step
             self.artifact(rid, Path(result["eval_dir"]) / "previews", "eval/previews")
+            for preview in result["previews"]:  # latent errors per step (None or absent: `metrics` drops them)
+                if preview["step"] is not None:
+                    self.metrics(rid, {"previews.latent_mse": preview.get("latent_mse"),
+                                       "previews.still_latent_mse": preview.get("still_latent_mse")},
+                                 step=int(preview["step"]))
         if not result.get("evaluated"):
             return
         for row in result["rows"]:

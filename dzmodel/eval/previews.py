@@ -5,10 +5,18 @@ run never trained on; a run that held none out, such as the closed-loop profile,
 so in the titles), the policy sees the anchor frame, state and instruction, predicts one chunk, and its
 predicted video latents are decoded by the VAE (`DreamZeroPolicy.predicted_frames`). Per converted step:
 
-    <out>/step_XXXXXXX/ep<E>_t<T>.mp4   context | predicted | real, side by side, one frame per predicted frame
-    <out>/step_XXXXXXX/grid.png          a still grid: a row per window (context, then predicted over real at a
-                                         few times)
+    <out>/step_XXXXXXX/ep<E>_t<T>.mp4   context | predicted | real via VAE | real, side by side, one frame per
+                                         predicted frame
+    <out>/step_XXXXXXX/grid.png          a still grid: per window the context, then predicted, real via VAE and
+                                         real at a few times
+    <out>/step_XXXXXXX/previews.json     latent errors per window and their means
 The real frames are the episode's next frames, laid out as the model sees them (same views, size and crop).
+
+Why "real via VAE": the small presets' VAE is seeded random, its decoder no inverse of its encoder, so even a
+perfect prediction decodes to texture. Compare the predicted column with the real frames encoded and decoded by
+the same VAE (`DreamZeroPolicy.compare_with_real`), not with the real one. The numbers to watch across checkpoints
+are the latent errors: `latent_mse`, the predicted latents against the real frames', and `still_latent_mse`, the
+same for a model that predicts nothing moves (the context latent repeated), which a useful model beats.
 """
 
 from __future__ import annotations
@@ -34,15 +42,26 @@ def real_future(policy, window: Window, count: int, video_backend: str = "auto")
     return policy.frame(views)
 
 
-def side_by_side(context: np.ndarray, predicted: np.ndarray, real: np.ndarray) -> np.ndarray:
-    """uint8 [T, H, 3W + 2·gap, 3]: the context frame, the predicted frame t and the real frame t (black when the
-    episode ended) per t."""
-    t, h, w, _ = predicted.shape
-    gap = np.full((t, h, 4, 3), 255, dtype=np.uint8)
-    real = np.concatenate([real[:t], np.zeros((max(0, t - len(real)), h, w, 3), dtype=np.uint8)])
-    if real.shape[1:3] != (h, w):  # the VAE's output is cropped to whole patches: match it
-        real = real[:, :h, :w]
-    return np.concatenate([np.broadcast_to(context, (t, h, w, 3)), gap, predicted, gap, real], axis=2)
+GAP = 4  # white columns between panels
+
+
+def side_by_side(context: np.ndarray, *panels: np.ndarray) -> np.ndarray:
+    """uint8 [T, H, (1 + P)·W + P·GAP, 3]: per t, the context frame then each panel's frame t. The first panel sets
+    T, H and W: shorter panels are padded with black (an episode that ended), larger frames cropped to it (the
+    VAE's output is cropped to whole patches)."""
+    t, h, w, _ = panels[0].shape
+    gap = np.full((t, h, GAP, 3), 255, dtype=np.uint8)
+    columns = [np.broadcast_to(context[:h, :w], (t, h, w, 3))]
+    for panel in panels:
+        panel = panel[:t, :h, :w]
+        columns += [gap, np.concatenate([panel, np.zeros((t - len(panel), h, w, 3), dtype=np.uint8)])]
+    return np.concatenate(columns, axis=2)
+
+
+def split_panels(strip: np.ndarray, count: int) -> list[np.ndarray]:
+    """The `count` panels of a `side_by_side` strip, each [T, H, W, 3]."""
+    w = (strip.shape[2] - (count - 1) * GAP) // count
+    return [strip[:, :, k * (w + GAP):k * (w + GAP) + w] for k in range(count)]
 
 
 def write_mp4(frames: np.ndarray, path: Path, fps: int = 8) -> Path:
@@ -53,41 +72,60 @@ def write_mp4(frames: np.ndarray, path: Path, fps: int = 8) -> Path:
     return encode_video(path, np.ascontiguousarray(frames[:, :h, :w]), fps, codec="libx264")
 
 
-def write_grid(rows: list[tuple[str, np.ndarray]], path: Path, columns: int = 4) -> Path:
-    """A PNG: per window, the context and `columns` predicted frames over the real ones at the same times."""
+ROWS = ("predicted", "real via VAE", "real")  # the strips' panels after the context, a grid row each
+
+
+def write_grid(windows: list[tuple[str, np.ndarray]], path: Path, columns: int = 4) -> Path:
+    """A PNG: per window (title, strip), the context and `columns` frames of each panel in `ROWS`, one over the
+    other at the same times."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2 * len(rows), columns + 1, figsize=(2 * (columns + 1), 2.2 * len(rows)), squeeze=False)
-    for r, (title, strip) in enumerate(rows):
-        t, h, w3, _ = strip.shape
-        w = (w3 - 8) // 3
-        context, predicted, real = strip[0, :, :w], strip[:, :, w + 4:2 * w + 4], strip[:, :, 2 * w + 8:]
-        picks = np.linspace(0, t - 1, columns).round().astype(int)
-        for k, (ax_p, ax_r) in enumerate(zip(axes[2 * r], axes[2 * r + 1])):
-            for ax in (ax_p, ax_r):
-                ax.axis("off")
-            if k == 0:
-                ax_p.imshow(context)
-                ax_p.set_title(f"{title}\ncontext", fontsize=7)
-                continue
-            i = picks[k - 1]
-            ax_p.imshow(predicted[i])
-            ax_p.set_title(f"predicted t+{i + 1}", fontsize=7)
-            ax_r.imshow(real[i])
-            ax_r.set_title(f"real t+{i + 1}", fontsize=7)
+    n = len(ROWS)
+    fig, axes = plt.subplots(n * len(windows), columns + 1, figsize=(2 * (columns + 1), 1.1 * n * len(windows)),
+                             squeeze=False)
+    for r, (title, strip) in enumerate(windows):
+        context, *panels = split_panels(strip, 1 + n)
+        picks = np.linspace(0, len(strip) - 1, columns).round().astype(int)
+        for ax in axes[n * r:n * (r + 1)].flat:
+            ax.axis("off")
+        axes[n * r, 0].imshow(context[0])
+        axes[n * r, 0].set_title(f"{title}\ncontext", fontsize=7)
+        for row, (label, panel) in enumerate(zip(ROWS, panels)):
+            for ax, i in zip(axes[n * r + row, 1:], picks):
+                ax.imshow(panel[i])
+                ax.set_title(f"{label} t+{i + 1}", fontsize=7)
     fig.tight_layout()
     from ..pipeline import _save
 
     return _save(fig, path)
 
 
+ERRORS = ("latent_mse", "still_latent_mse")  # per window (None when its episode ended too soon), and their means
+
+
+def describe_errors(errors: dict) -> str:
+    """'latent MSE 0.012 (still 0.034)', of a window or of a step's means; '' when unknown (the episode ended)."""
+    if errors["latent_mse"] is None:
+        return ""
+    return f"latent MSE {errors['latent_mse']:.4g} (still {errors['still_latent_mse']:.4g})"
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return float(np.mean(known)) if known else None
+
+
 def write_previews(model_dir: str | Path, out_dir: str | Path, windows: int = 2, stride: int = 4,
                    device: str = "cpu", solver=None, seed: int = 0, policy=None) -> dict:
     """Previews of one converted model for `windows` held-out windows (evenly spread over the held-out episodes;
-    over the training episodes when the run held none out)."""
+    over the training episodes when the run held none out), and their latent errors (None for a window whose
+    episode ends before the predicted block does; the means are over the others)."""
+    import json
+
+    from ..atomic import atomic_write_text
     from .policy import load_policy, read_train_config
 
     model_dir, out = Path(model_dir), Path(out_dir)
@@ -100,17 +138,24 @@ def write_previews(model_dir: str | Path, out_dir: str | Path, windows: int = 2,
     training = not cfg.heldout_episodes
     chosen = heldout_windows(cfg, emb, stats, policy.relative_pairs, stride, windows, where, training=training)
     out.mkdir(parents=True, exist_ok=True)
-    rows, files = [], []
+    rows, files, errors = [], [], []
     for i, w in enumerate(chosen):
         session = f"preview-{i}"
         policy.predict(session, w.views, w.state, w.instruction)
         predicted = policy.policy.predicted_frames(session)
+        context, real = policy.frame(w.views)[-1:], real_future(policy, w, len(predicted))
+        check = policy.policy.compare_with_real(session, np.concatenate([context, real]))
         policy.end_session(session)
-        real = real_future(policy, w, len(predicted))
-        strip = side_by_side(policy.frame(w.views)[-1][: predicted.shape[1], : predicted.shape[2]], predicted, real)
+        round_trip = check.round_trip if check is not None else real[:0]  # black: the episode ended too soon
+        strip = side_by_side(context[0], predicted, round_trip, real)
         name = f"ep{w.episode}_t{w.anchor}"
         files.append(str(write_mp4(strip, out / f"{name}.mp4")))
+        errors.append({"episode": int(w.episode), "anchor": int(w.anchor), **{k: getattr(check, k, None) for k in ERRORS}})
         seen = " (trained on)" if training else ""
-        rows.append((f"episode {w.episode}{seen}, frame {w.anchor}", strip))
+        rows.append((f"episode {w.episode}{seen}, frame {w.anchor}\n{describe_errors(errors[-1])}".rstrip(), strip))
     grid = write_grid(rows, out / "grid.png")
-    return {"step": step, "videos": files, "grid": str(grid), "windows": len(chosen), "seen_in_training": training}
+    means = {k: _mean([e[k] for e in errors]) for k in ERRORS}
+    atomic_write_text(out / "previews.json", json.dumps({"step": step, "seen_in_training": training,
+                                                         "windows": errors, **means}, indent=1))
+    return {"step": step, "videos": files, "grid": str(grid), "windows": len(chosen), "seen_in_training": training,
+            "window_errors": errors, **means}

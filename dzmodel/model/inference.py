@@ -33,7 +33,7 @@ from ..data.transforms import NormStats  # noqa: F401  (re-exported: the policy'
 from .conditioning import video_to_unit_range
 from .cuda_graphs import GraphCache
 from .objective import FlowMatchSchedule
-from .vae import StreamState
+from .vae import FRAMES_PER_LATENT, StreamState
 from .wam import DreamZeroWAM
 from .wan_dit import GroupedModulation, Rope, WanAttentionBlock
 
@@ -371,6 +371,15 @@ class _Session:
 
 
 @dataclass
+class RealComparison:
+    """A session's predicted block against the real frames' (`DreamZeroPolicy.compare_with_real`)."""
+
+    round_trip: np.ndarray    # the real frames through the VAE, decoded as the prediction is, uint8 [4·nfpb, H, W, 3]
+    latent_mse: float         # mean squared error of the predicted latents against the real ones
+    still_latent_mse: float   # the same for "nothing moves": the reset frame's latent repeated
+
+
+@dataclass
 class DreamZeroPolicy:
     """Observation in, un-normalised action chunk out, with one KV cache per session.
 
@@ -606,16 +615,42 @@ class DreamZeroPolicy:
         return str(obs.get("session_id", "default")), str(obs["prompt"]), self._frames(obs["images"]), \
             torch.from_numpy(s).to(self.device)
 
-    @torch.no_grad()
-    def predicted_frames(self, session_id: str) -> np.ndarray:
-        """The video the last call predicted for a session (keep_video): its latent block decoded by the VAE after
-        the reset frame's latent (the causal decoder needs what came first), uint8 [4·nfpb, H, W, 3]."""
+    def _prediction(self, session_id: str) -> _Session:
         s = self.sessions.get(session_id)
         if s is None or s.predicted is None or s.first_latent is None:
             raise ValueError(f"session {session_id!r} has no predicted video (set keep_video and predict first)")
-        latents = torch.cat([s.first_latent, s.predicted.to(s.first_latent.dtype)], dim=2)
-        video = self.vae.decode(latents.to(next(self.vae.parameters()).dtype), clamp=True)[:, :, 1:]  # drop frame 0
+        return s
+
+    def _decode_after_context(self, latents: torch.Tensor) -> np.ndarray:
+        """Latents [1, z, 1 + k, h, w] starting with the context frame's -> the 4k frames after the context,
+        uint8 [4k, H, W, 3] (the causal decoder needs what came first; its frame 0, the context, is dropped)."""
+        video = self.vae.decode(latents.to(next(self.vae.parameters()).dtype), clamp=True)[:, :, 1:]
         return ((video[0].permute(1, 2, 3, 0).float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+
+    @torch.no_grad()
+    def predicted_frames(self, session_id: str) -> np.ndarray:
+        """The video the last call predicted for a session (keep_video): its latent block decoded by the VAE after
+        the reset frame's latent, uint8 [4·nfpb, H, W, 3]."""
+        s = self._prediction(session_id)
+        return self._decode_after_context(torch.cat([s.first_latent, s.predicted.to(s.first_latent.dtype)], dim=2))
+
+    @torch.no_grad()
+    def compare_with_real(self, session_id: str, frames: np.ndarray) -> RealComparison | None:
+        """A session's last prediction (keep_video) against what really followed: `frames` is uint8 [1 + T, H, W, 3],
+        the session's reset frame then the next real frames, laid out as the images `predict_batch` takes. They are
+        encoded as the session's frames were; None when too few to cover the predicted block (an episode's end)."""
+        s = self._prediction(session_id)
+        needed = 1 + FRAMES_PER_LATENT * s.predicted.shape[2]
+        if len(frames) < needed:
+            return None
+        real = self._encode(self._frames(np.asarray(frames)[:needed]))  # [1, z, 1 + nfpb, h, w]
+        context, block = real[:, :, :1], real[:, :, 1:].float()
+
+        def mse(latents: torch.Tensor) -> float:
+            return float((latents.float() - block).pow(2).mean())
+
+        return RealComparison(round_trip=self._decode_after_context(real), latent_mse=mse(s.predicted),
+                              still_latent_mse=mse(context.expand_as(block)))
 
     def predict_actions(self, obs: dict) -> np.ndarray:
         return self.predict_batch([obs])[0]
