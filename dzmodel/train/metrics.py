@@ -42,6 +42,11 @@ class JsonlSink:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_file():  # a kill mid-write can leave half a row: drop it, so every line stays one JSON row
+            data = self.path.read_bytes()
+            if data and not data.endswith(b"\n"):
+                with open(self.path, "r+b") as f:
+                    f.truncate(data.rfind(b"\n") + 1)
         self._f = open(self.path, "a")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
