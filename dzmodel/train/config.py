@@ -42,6 +42,7 @@ class TrainConfig:
     schedule: str = "cosine"                # cosine | constant
     grad_clip: float = 1.0
     ema_decay: float = 0.0                  # > 0: keep an EMA of the trainable weights (e.g. 0.999); 0: off
+    noise_on: str = "device"                # where each sample's timesteps and noise are drawn: device | cpu
     # systems
     precision: str = "fp32"                 # compute dtype: fp32 | bf16 (master weights and Adam state stay fp32)
     reduce_dtype: str = "fp32"              # gradient reduce-scatter dtype: fp32 | bf16
@@ -63,7 +64,7 @@ class TrainConfig:
 
             self.lora = build(LoRAConfig, self.lora, path="train.lora")
         choices = {"precision": ("fp32", "bf16"), "reduce_dtype": ("fp32", "bf16"), "sharding": ("full", "hybrid", "none"),
-                   "schedule": ("cosine", "constant"),
+                   "schedule": ("cosine", "constant"), "noise_on": ("device", "cpu"),
                    "attn_backend": ("auto", "flex", "segments", "sdpa")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

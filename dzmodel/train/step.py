@@ -44,11 +44,14 @@ class TrainStep:
     """model: a DreamZeroWAM (optionally compiled, recomputed, FSDP2-wrapped from outside); optimizer: None for
     forward and backward only (`dz bench model`); encoders: the frozen VAE/umT5/CLIP for batches of images
     (None when every batch is encoded); autocast: the compute dtype, or None; encode_per_sample: run the
-    encoders one sample at a time, as upstream does (the benchmark's baseline)."""
+    encoders one sample at a time, as upstream does (the benchmark's baseline); noise_on: "device" draws each
+    sample's timesteps and noise with the device's generator (no host work), "cpu" with the CPU's and copies them
+    (the same numbers on any device, as before issue 15: docs/results.md, section 7)."""
 
     def __init__(self, model: DreamZeroWAM, optimizer: torch.optim.Optimizer | None = None, *,
                  accumulation: int = 1, grad_clip: float = 1.0, encoders=None, autocast: torch.dtype | None = None,
-                 attn_backend: str = "auto", noise_seed: int = 0, encode_per_sample: bool = False):
+                 attn_backend: str = "auto", noise_seed: int = 0, encode_per_sample: bool = False,
+                 noise_on: str = "device"):
         self.model, self.optimizer, self.encoders = model, optimizer, encoders
         self.args = model.args
         self.accumulation, self.grad_clip = accumulation, grad_clip
@@ -60,7 +63,10 @@ class TrainStep:
         self.params = [p for _, p in self.named_params]
         self.ema: dict[str, torch.Tensor] | None = None  # `enable_ema`
         self.schedule = FlowMatchSchedule()
-        self.generator = torch.Generator(device=self.device)
+        if noise_on not in ("device", "cpu"):
+            raise ValueError(f"noise_on must be 'device' or 'cpu', got {noise_on!r}")
+        self.draw_device = self.device if noise_on == "device" else torch.device("cpu")
+        self.generator = torch.Generator(device=self.draw_device)
         self._masks: dict[tuple, object] = {}
         self.mask_builds = 0            # the guard's count: once per shape
         self.activation_bytes = 0       # CUDA memory held from a micro-batch's start until its backward
@@ -89,7 +95,7 @@ class TrainStep:
     def draws(self, positions: torch.Tensor, latent_shape, action_shape):
         """Timestep ids [B, F], action ids [B, K·A], noise and action noise, per sample from (noise_seed,
         position). `positions` stay on the host (no device read); the numbers are drawn on the device."""
-        a, dev, g = self.args, self.device, self.generator
+        a, dev, g = self.args, self.draw_device, self.generator
         F = latent_shape[2]
         B = len(positions)
         raw = torch.empty((B, F), dtype=torch.long, device=dev)
@@ -100,6 +106,8 @@ class TrainStep:
             raw[i] = torch.randint(0, self.schedule.num_train_timesteps, (F,), generator=g, device=dev)
             noise[i].normal_(generator=g)
             noise_a[i].normal_(generator=g)
+        if dev != self.device:
+            raw, noise, noise_a = (t.to(self.device, non_blocking=True) for t in (raw, noise, noise_a))
         ids = tie_timestep_ids(raw, a.num_frame_per_block)
         return ids, action_timestep_ids(ids, a.num_frame_per_block, a.num_action_per_block), noise, noise_a
 

@@ -91,6 +91,44 @@ def test_a_batch_without_positions_or_encoders_is_refused():
         TrainStep(trainer.model, accumulation=2).forward_backward(iter([next(batches)]))
 
 
+def test_cpu_draws_are_round_2s_numbers():
+    """noise_on="cpu" draws what the trainer drew before issue 15 (per sample, CPU generator seeded by (seed,
+    position)): the same numbers on any device, for comparing a GPU run with that code (docs/results.md, §7)."""
+    trainer, _ = _trainer(accumulation=1)
+    t = trainer.step
+    step = TrainStep(t.model, noise_seed=3, noise_on="cpu")
+    shape, ashape = (2, 8, 3, 4, 6), (2, 16, 8)
+    ids, _, noise, noise_a = step.draws(torch.tensor([11, 4]), shape, ashape)
+    for i, pos in enumerate((11, 4)):
+        g = torch.Generator().manual_seed(3 * 1_000_003 + pos)
+        raw = torch.randint(0, 1000, (1, 3), generator=g)
+        assert ids[i, 0] == raw[0, 0] and ids[i, 1] == raw[0, 1]  # frame 0, then the block's first frame
+        assert torch.equal(noise[i:i + 1], torch.randn((1, *shape[1:]), generator=g))
+        assert torch.equal(noise_a[i:i + 1], torch.randn((1, *ashape[1:]), generator=g))
+    with pytest.raises(ValueError, match="noise_on"):
+        TrainStep(t.model, noise_on="gpu")
+
+
+@pytest.mark.parametrize("noise_on", ["device", "cpu"])
+def test_draws_are_uniform_timesteps_and_independent_unit_noise(noise_on):
+    """Statistics of the per-sample draws over 512 consecutive positions (run on a GPU too: CUDA's generator,
+    reseeded per sample, must give the same distribution as the CPU's)."""
+    trainer, _ = _trainer(accumulation=1)
+    step = TrainStep(trainer.step.model, noise_seed=0, noise_on=noise_on)
+    n, shape, ashape = 512, (512, 4, 3, 8, 8), (512, 16, 8)
+    ids, _, noise, noise_a = step.draws(torch.arange(n), shape, ashape)
+    first = ids[:, 0].double().cpu()
+    assert abs(first.mean().item() - 499.5) < 40 and abs(first.std().item() - 288.7) < 25  # uniform on 0..999
+    deciles = torch.histc(first, bins=10, min=0, max=1000)
+    assert deciles.min() > 25 and deciles.max() < 80  # 51 expected per decile
+    for x in (noise, noise_a):
+        x = x.double().cpu().flatten(1)
+        assert abs(x.mean().item()) < 0.02 and abs(x.std().item() - 1) < 0.02
+        corr = torch.corrcoef(torch.stack([x[:-1].flatten(), x[1:].flatten()]))[0, 1]
+        assert abs(corr.item()) < 0.02  # consecutive positions (consecutive seeds) are independent
+    assert abs(torch.corrcoef(torch.stack([first, noise.double().cpu().flatten(1)[:, 0]]))[0, 1].item()) < 0.2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA stream synchronisation is a GPU property")
 def test_a_cuda_step_never_synchronises():
     step, trainer = build_train_step("tiny", None, 2, False, "elementwise", "auto", "cache", latent_hw=(4, 6))
