@@ -9,7 +9,7 @@ Sample randomness (crop, jitter) is seeded by (seed, global position): see trans
 
 `frame_cache_mib` > 0 keeps whole decoded episodes (per camera) in each loader process, least recently used first
 out: a window then costs an index instead of a seek and a decode. Small datasets (LIBERO-scale, 128 px) fit whole;
-the frames are the ones a per-window decode returns (tests/data/test_dataset.py).
+the frames are the ones a per-window decode returns (tests/data/test_end_to_end.py).
 """
 
 from __future__ import annotations
@@ -104,10 +104,10 @@ class DecodedEpisodes:
         self._items: OrderedDict[tuple[int, str], np.ndarray] = OrderedDict()
         self.decodes = 0  # whole-episode decodes so far (a guard for tests)
 
-    def frames(self, reader: Any, episode: int, key: str, rows: np.ndarray, length: int, backend: str) -> np.ndarray:
+    def frames(self, reader: Any, episode: int, key: str, rows: np.ndarray, backend: str) -> np.ndarray:
         whole = self._items.get((episode, key))
         if whole is None:
-            whole = reader.read_frames(episode, key, range(length), backend=backend)
+            whole = reader.read_frames(episode, key, range(reader.episode(episode).length), backend=backend)
             self.decodes += 1
             if whole.nbytes <= self.budget:
                 while self.used + whole.nbytes > self.budget:
@@ -128,7 +128,6 @@ class WindowDataset:
         if frame_cache_mib < 0:
             raise ValueError(f"frame_cache_mib must be >= 0, got {frame_cache_mib}")
         self.frame_cache = DecodedEpisodes(frame_cache_mib * 2**20) if frame_cache_mib else None
-        self.lengths = {ep.index: ep.length for ep in reader.episodes}
         self.reader, self.emb, self.spec = reader, embodiment, spec
         self.episodes = None if episodes is None else set(int(e) for e in episodes)
         self.train, self.seed, self.video_backend = train, seed, video_backend
@@ -221,8 +220,7 @@ class WindowDataset:
         views = {}
         for short, key in self.emb.views.items():
             if self.frame_cache is not None and self.reader.features[key].dtype == "video":
-                frames = self.frame_cache.frames(self.reader, w.episode, key, np.asarray(w.frames),
-                                                 self.lengths[w.episode], self.video_backend)
+                frames = self.frame_cache.frames(self.reader, w.episode, key, np.asarray(w.frames), self.video_backend)
             else:
                 frames = self.reader.read_frames(w.episode, key, w.frames.tolist(), backend=self.video_backend)
             views[short] = transform_view(frames, self.emb.view_size, self.train, rng, self.emb.crop_scale,

@@ -33,7 +33,7 @@ def real_future(policy, window: Window, count: int, video_backend: str = "auto")
     from ..data.lerobot_format import open_dataset
 
     reader = open_dataset(window.dataset)
-    length = next(e.length for e in reader.episodes if e.index == window.episode)
+    length = reader.episode(window.episode).length
     rows = list(range(window.anchor + 1, min(window.anchor + 1 + count, length)))
     if not rows:
         return np.zeros((0, *policy.frame(window.views).shape[1:]), dtype=np.uint8)
