@@ -1045,9 +1045,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dz: ({type(exc).__name__}; `dz --debug ...` shows where it came from)", file=sys.stderr)
         return EXIT_USAGE
     except RuntimeError as exc:
+        from .dirlock import DirectoryBusy
         from .pipeline import StageError
 
-        if not isinstance(exc, StageError):
+        if not isinstance(exc, (StageError, DirectoryBusy)):
             raise
         print(f"dz: error: {exc}", file=sys.stderr)
         return EXIT_FAIL

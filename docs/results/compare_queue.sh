@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The LoRA / full / EMA comparison of docs/results.md section 7 on the GPU machine. Started detached by
-# `libero_scripted_gpu.sh compare-bg JOB...`, after the runs' trainings here ended; each JOB is
+# `libero_scripted_gpu.sh compare-bg JOB...`; each job starts once the checkpoints it needs are complete (or their
+# training has ended), so evaluations overlap the trainings still running (a lease lasts 30 minutes). Each JOB is
 #     eval:NAME:RUN:STEPS:WEIGHTS[:SOLVER]   `dz eval libero` of RUN's checkpoints STEPS with WEIGHTS (raw|ema), LIBERO-
 #                                            Object tasks 0-3, standard init states 0..$EPISODES-1 (default 10);
 #                                            SOLVER: fast (4 steps, the profile's), upstream or reference (16 steps
@@ -15,11 +16,18 @@ dz() { python3 -m dzmodel.cli "$@"; }
 out=runs/compare
 declare -A solvers=([fast]="--solver-steps 4 --cfg-scale 1" [upstream]="--solver-steps 16 --cfg-scale 1 --dit-steps upstream"
                     [reference]="--solver-steps 16 --cfg-scale 1 --dit-steps=")
-while pgrep -f "dzmodel[.]cli train" >/dev/null; do sleep 10; done
-echo "[$(date +%T)] no training running"
+# until every checkpoint in STEPS (comma-separated) of RUN is complete, or no training is running any more
+wait_for() {
+  local run=$1 step
+  for step in ${2//,/ }; do
+    while [[ ! -f "$run/checkpoints/step_$(printf %07d "$step")/COMPLETE" ]] && pgrep -f "dzmodel[.]cli train" >/dev/null
+    do sleep 10; done
+  done
+}
 for job in "$@"; do
   IFS=: read -r kind name run steps weights solver <<<"$job"
   read -r -a args <<<"${solvers[${solver:-fast}]}"
+  wait_for "$run" "$steps"
   echo "[$(date +%T)] $job"
   case $kind in
     eval)

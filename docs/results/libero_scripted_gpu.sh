@@ -14,9 +14,9 @@
 #   wait SECONDS       follow the training log for at most SECONDS, or until training ends
 #   stop               stop the background training (checkpoints are atomic: the newest saved one stays usable)
 #   eval STEPS ARGS..  `dz eval libero` of the run's checkpoints STEPS (e.g. 1000,2000) on this GPU, with ARGS added
-#   compare-bg JOB..   detached, after every training here ended: the evaluations and previews JOB.. of the LoRA / full /
-#                      EMA comparison (docs/results/compare_queue.sh says what a JOB is), one after another
-#   collect            copy what the comparison has written so far into $OUT
+#   compare-bg JOB..   detached: the evaluations and previews JOB.. of the LoRA / full / EMA comparison, one after
+#                      another, each once its checkpoints exist (docs/results/compare_queue.sh says what a JOB is)
+#   collect            what the comparison has written so far, as $OUT/compare.tar.gz (the device returns 8 files)
 #   export STEPS [W]   the converted checkpoints STEPS (weights W: raw or ema) as tar parts of <= 15 MiB in $OUT (the
 #                      device returns at most 16 MiB per file); with BF16=1 the model weights are rounded to bf16 (half
 #                      the size; upcast_model.py restores an fp32 directory), by default they stay fp32
@@ -65,9 +65,8 @@ case "$1" in
     echo "comparison queued in the background (pid $!); log: runs/compare/log" ;;
   collect)
     (cd runs/compare && find . \( -path '*/converted*' -o -path './models' \) -prune -o \
-       \( -name '*.csv' -o -name '*.json' -o -name '*.png' -o -name log \) -print) | while read -r f; do
-      cp "runs/compare/$f" "$OUT/$(echo "${f#./}" | tr / _)"
-    done ;;
+       \( -name '*.csv' -o -name '*.json' -o -name '*.png' -o -name log \) -print) |
+      tar -C runs/compare -czf "$OUT/compare.tar.gz" -T - ;;
   stop)
     pkill -TERM -f "dzmodel.cli train" || true
     sleep 5

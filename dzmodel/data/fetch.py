@@ -11,7 +11,6 @@ huggingface_hub is imported lazily.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import json
 import os
@@ -22,6 +21,7 @@ import uuid
 from pathlib import Path
 
 from dzmodel.atomic import atomic_write_text
+from dzmodel.dirlock import directory_lock
 from dzmodel.data.errors import DataError
 
 MARKER_SUFFIX = ".dz_fetch.json"
@@ -53,24 +53,6 @@ def _verify(path: Path, full: bool, skip_missing: bool = False) -> None:
     reader = open_dataset(path)
     if full:
         reader.check(allow_missing_videos=skip_missing)
-
-
-@contextlib.contextmanager
-def _lock(directory: Path):
-    """Exclusive flock on ``directory`` itself (no lock file left behind) so two processes don't
-    fetch into the same dest_root at once. No-op where flock is unavailable."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
 
 
 def _matches(rel: str, patterns: list[str] | None) -> bool:
@@ -235,7 +217,7 @@ def fetch_dataset(
         raise DataError(f"dest_root: {dest} is the source directory itself")
 
     dest_root.mkdir(parents=True, exist_ok=True)
-    with _lock(dest_root):
+    with directory_lock(dest_root):
         if dest.exists():
             old = _read_marker(marker)
             if old is None:

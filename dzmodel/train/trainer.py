@@ -10,6 +10,7 @@ pure function of the step (linear warmup then cosine to `min_lr`, like HF's cosi
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -31,6 +32,7 @@ from ..data.lerobot_format import open_dataset
 from ..data.sampling import SampleStream, WindowSpec
 from ..data.transforms import NormStats
 from ..data.video import worker_init_fn
+from ..dirlock import directory_lock
 from ..model.args import OFFLINE_PRESETS, preset
 from ..model.lora import apply_lora
 from ..model.state_dict import load_wan_dit
@@ -284,6 +286,14 @@ class Trainer:
         return {"torch": torch.get_rng_state()}  # diffusion noise is seeded per sample position; this is for the rest
 
     def run(self) -> list[dict]:
+        # Rank 0 owns the run directory: a second run on it (or workers orphaned by a killed torchrun) would
+        # interleave metrics and overwrite checkpoints.
+        lock = (directory_lock(self.out, wait=False, what="another `dz train`") if self.info.rank == 0
+                else contextlib.nullcontext())
+        with lock:
+            return self._run()
+
+    def _run(self) -> list[dict]:
         cfg, info = self.cfg, self.info
         self.build_model()
         self.build_data()

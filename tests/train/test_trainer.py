@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dzmodel.dirlock import DirectoryBusy, directory_lock
 from dzmodel.data.embodiments import get_embodiment, load_embodiments
 from dzmodel.train.checkpoint import latest_checkpoint
 from dzmodel.train.config import TrainConfig
@@ -50,6 +51,14 @@ def test_single_process_checkpoints_and_resumes_bit_exact(data, tmp_path):
     assert [h["step"] for h in rest] == [4, 5, 6]
     assert [h["loss"] for h in part + rest] == [h["loss"] for h in ref]  # bit-exact, not approximately
     assert train(_cfg(data, tmp_path / "run", steps=6)) == []  # finished: nothing to do
+
+
+def test_a_second_run_on_the_same_directory_is_refused_before_it_writes(data, tmp_path):
+    with directory_lock(tmp_path / "run"):  # e.g. workers left running by a killed torchrun
+        with pytest.raises(DirectoryBusy, match="another `dz train`"):
+            train(_cfg(data, tmp_path / "run", steps=2))
+    assert list((tmp_path / "run").iterdir()) == []
+    assert [h["step"] for h in train(_cfg(data, tmp_path / "run", steps=2))] == [1, 2]
 
 
 def test_gradient_accumulation_matches_a_bigger_micro_batch(data, tmp_path):
@@ -115,6 +124,48 @@ def _torchrun(cfg: TrainConfig, cfg_path: Path, nproc: int = 2) -> subprocess.Po
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc): torchrun starts its workers in their own sessions, so killing
+    its process group leaves them running."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _kill9_job(p: subprocess.Popen) -> None:
+    """kill -9 a torchrun job whole, as a lost node would: the launcher and every worker at once."""
+    os.kill(p.pid, signal.SIGSTOP)  # no reaction to its workers' deaths while we collect them
+    pids = _descendants(p.pid)
+    assert pids, "torchrun has no workers"
+    for pid in [p.pid, *pids]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait()
+    deadline = time.time() + 60
+    while not all(_gone(pid) for pid in pids):
+        assert time.time() < deadline, "torchrun's workers survived kill -9"
+        time.sleep(0.05)
+
+
 def _failure(out: bytes) -> str:
     """What a failed torchrun printed: each rank's first traceback (the root cause, which a 2-process job's
     last lines often do not show: the peer only reports the closed connection) and the tail."""
@@ -149,8 +200,7 @@ def test_two_process_fsdp2_kill9_and_resume_bit_exact(data, tmp_path):
         if (run_out / "metrics.jsonl").is_file() and max(_losses(run_out), default=0) >= 5:
             break
         time.sleep(0.02)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    _kill9_job(p)
     killed_at = max(_losses(run_out))
     assert killed_at < steps, "the run finished before it could be killed"
     resume_from = latest_checkpoint(run_out)
