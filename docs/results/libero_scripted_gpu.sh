@@ -8,7 +8,11 @@
 #   record WORKERS     the fetch stage (the scripted expert's recording, WORKERS env processes) and the metadata
 #                      stage of the profile, then its train config ($TRAIN_SET: extra `--set train.K=V` words)
 #   share-data FROM    this profile trains on profile FROM's recording (same fetch params): link the dataset,
-#                      then the metadata stage and the train config
+#                      then `configure`
+#   configure          the metadata stage and the train config, for a recording already in data/<profile>/ (e.g.
+#                      carried); with VARIANT=NAME the run is runs/<profile>_NAME/ (another seed or setting via
+#                      $TRAIN_SET, the same recording and metadata); train-bg, stop, eval and export take VARIANT too;
+#                      STOP_AT=S stops training after step S on the same schedule
 #   train-bg           start training (the train config above, resuming from the newest checkpoint) in the
 #                      background, detached, so that it outlives this command; its log is runs/<profile>/train.log
 #   wait SECONDS       follow the training log for at most SECONDS, or until training ends
@@ -24,7 +28,7 @@ set -euo pipefail
 export PYTHONPATH=/tmp/libero/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 TQDM_MININTERVAL=10
 export LIBERO_CONFIG_PATH=/tmp/libero/config MUJOCO_GL=egl
 profile=${PROFILE:-libero_scripted}
-run=runs/$profile
+run=runs/$profile${VARIANT:+_$VARIANT}
 dz() { python3 -m dzmodel.cli "$@"; }
 case "$1" in
   setup)
@@ -36,13 +40,21 @@ case "$1" in
     python3 -c 'from dzmodel.eval.libero_env import check_libero; print("LIBERO:", check_libero(deep=True))' ;;
   record)
     dz stage fetch --profile "$profile" --set "fetch.record.workers=$2"
-    dz stage metadata --profile "$profile"
-    dz params train-config --profile "$profile" --out "$run/train_config.json" ${TRAIN_SET:-} ;;
+    bash "$0" configure ;;
   share-data)
     mkdir -p data
     ln -sfn "$2" "data/$profile"
+    bash "$0" configure ;;
+  configure)
     dz stage metadata --profile "$profile"
-    dz params train-config --profile "$profile" --out "$run/train_config.json" ${TRAIN_SET:-} ;;
+    # shellcheck disable=SC2086  # TRAIN_SET is a list of words
+    dz params train-config --profile "$profile" --out "$run/train_config.json" ${TRAIN_SET:-}
+    # params.yaml derives out_dir from the profile: point it at the variant's run; STOP_AT ends the run early on the
+    # same LR schedule (the trainer's stop_at, which the pipeline leaves unset)
+    python3 -c 'import json, sys; run, variant, stop_at = sys.argv[1:]; p = run + "/train_config.json"
+c = json.load(open(p)); c["out_dir"] = run + "/train" if variant else c["out_dir"]
+c["stop_at"] = int(stop_at) if stop_at else c.get("stop_at"); json.dump(c, open(p, "w"), indent=1)
+print("out_dir", c["out_dir"], "stop_at", c["stop_at"])' "$run" "${VARIANT:-}" "${STOP_AT:-}" ;;
   train-bg)
     mkdir -p "$run"
     setsid nohup python3 -m dzmodel.cli train --config "$run/train_config.json" >>"$run/train.log" 2>&1 </dev/null &
@@ -95,7 +107,7 @@ PY
       tar -C "/tmp/export/$weights" -cf - "$name" | split -b 15M - "$OUT/${profile}_${weights}_$name.tar.part-"
     done
     ls -la "$OUT" ;;
-  *) echo "usage: $0 setup | record WORKERS | share-data FROM | train-bg | wait SECONDS | stop | eval STEPS [ARGS] |" \
+  *) echo "usage: $0 setup | record WORKERS | share-data FROM | configure | train-bg | wait SECONDS | stop | eval STEPS [ARGS] |" \
           "compare-bg JOB.. | collect | export STEPS [raw|ema]" >&2
      exit 2 ;;
 esac
