@@ -1,7 +1,9 @@
 """An exclusive lock on a directory: two processes must not write the same dataset or run at once.
 
-flock on the directory itself leaves no lock file behind, and the kernel drops it when its holder dies, even
-by kill -9, so a crashed run never blocks its own resume."""
+flock on the directory itself leaves no lock file behind, and the kernel drops it when the last process holding
+the descriptor exits, even by kill -9, so a crashed run does not block its own resume for long: its forked
+children (data-loader workers) hold the descriptor until they notice and exit, within seconds. The lock is advisory
+and per machine: on NFS it does not exclude a process on another node."""
 
 from __future__ import annotations
 
@@ -33,10 +35,14 @@ def directory_lock(directory: str | os.PathLike, wait: bool = True, what: str = 
         except BlockingIOError:
             raise DirectoryBusy(f"{directory}: {what} is writing to this directory; wait for it to finish or stop "
                                 "it (under torchrun, stop its worker processes too: they run in their own "
-                                "sessions and outlive a killed launcher)") from None
+                                "sessions and outlive a killed launcher; a run killed a moment ago lets go within "
+                                "seconds, once its data-loader workers have exited)") from None
         except OSError as e:
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise
         yield
     finally:
-        os.close(fd)  # closing the descriptor releases the lock
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # now, even where forked children (data-loader workers) share the descriptor
+        finally:
+            os.close(fd)

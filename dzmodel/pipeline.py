@@ -26,6 +26,8 @@ from typing import Any
 
 from .atomic import atomic_write_text
 from .config import Profile, StagePaths, profile_dict, train_config
+from .dirlock import directory_lock
+from .proctree import kill_tree
 from .stages import STAGES
 from .stages import stage_params as _params_of
 
@@ -169,6 +171,9 @@ def torchrun_command(config: Path, nproc_per_node: int, nnodes: int = 1) -> list
     return cmd + ["-m", "dzmodel.cli", "train", "--config", str(config)]
 
 
+TERM_GRACE_S = 30.0  # how long an interrupted command may take to stop after SIGTERM before it is killed
+
+
 def run_streaming(cmd: list[str], log: Log, env: dict | None = None, cwd: Path | None = None,
                   on_poll: Callable[[], None] | None = None) -> int:
     """Run `cmd`, passing each output line (tqdm's carriage-return updates included) to `log`."""
@@ -195,14 +200,17 @@ def run_streaming(cmd: list[str], log: Log, env: dict | None = None, cwd: Path |
         if buf.strip():
             log(buf.decode(errors="replace"))
         return proc.wait()
-    except BaseException:  # interrupted: take the whole process group down with us
+    except BaseException:  # interrupted: take the command down with us (torchrun forwards SIGTERM to its workers)
         import signal
 
         try:
             os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=TERM_GRACE_S)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:  # the whole tree: torchrun's workers are in other process groups
+            kill_tree(proc.pid)
+            proc.wait()
         raise
     finally:
         done.set()
@@ -303,7 +311,8 @@ def _start_fresh_if_changed(cfg, paths: StagePaths, log: Log) -> None:
         while aside.exists():
             aside, n = paths.run / "superseded" / f"train-{stamp}-{n}", n + 1
         aside.parent.mkdir(parents=True, exist_ok=True)
-        out.replace(aside)
+        with directory_lock(out, wait=False, what="a running `dz train`"):  # never move a live run's directory
+            out.replace(aside)
         log(f"train: the train config or its data changed since {out} was written; it moved to {aside}, "
             "and a fresh run starts")
     _write_json(record, inputs)

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from dzmodel.config import StagePaths, load_params
+from dzmodel.dirlock import DirectoryBusy, directory_lock
 from dzmodel.stages import STAGE_TABLE, dvc_deps, dvc_params
 from dzmodel.pipeline import (STAGES, MetricsFollower, chosen_step, outputs_intact, promotion_decision, read_metrics,
                               run_stage, run_streaming, stage_outputs, summarize_training, torchrun_command)
@@ -133,6 +134,33 @@ def test_streaming_splits_progress_updates_into_lines():
     assert lines == ["start", "10%", "50%", "100%"]
 
 
+def test_an_interrupted_command_is_killed_with_everything_it_started(monkeypatch):
+    """A launcher that ignores SIGTERM and started a worker in its own session (as torchrun does): after the
+    grace period the whole tree goes, the worker included."""
+    import textwrap
+
+    import dzmodel.pipeline as pipeline
+    from dzmodel.proctree import alive
+
+    launcher = textwrap.dedent("""
+        import signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        print(worker.pid, flush=True)
+        time.sleep(600)
+    """)
+    workers = []
+
+    def log(line):
+        workers.append(int(line))
+        raise KeyboardInterrupt  # as Ctrl-C or a cancelled flow run would
+
+    monkeypatch.setattr(pipeline, "TERM_GRACE_S", 1.0)
+    with pytest.raises(KeyboardInterrupt):
+        run_streaming([sys.executable, "-c", launcher], log)
+    assert workers and not alive(workers[0])
+
+
 def test_torchrun_command():
     one = torchrun_command(Path("cfg.json"), 2)
     assert one[1:] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "dzmodel.cli",
@@ -180,6 +208,10 @@ def test_train_restarts_when_its_config_or_data_change_and_keeps_the_old_run(tmp
     _start_fresh_if_changed(cfg, paths, logs.append)
     assert out.exists() and "resuming" in logs[-1]  # same config and data: resume (after a crash)
     cfg.lr = 5e-4
+    with directory_lock(out):  # a `dz train` still running there (e.g. a torchrun started by hand)
+        with pytest.raises(DirectoryBusy, match="a running `dz train`"):
+            _start_fresh_if_changed(cfg, paths, logs.append)
+    assert (out / "metrics.jsonl").is_file()  # left in place
     _start_fresh_if_changed(cfg, paths, logs.append)
     assert not out.exists() and "a fresh run starts" in logs[-1]
     moved = list((paths.run / "superseded").glob("train-*"))

@@ -78,9 +78,9 @@ print("out_dir", c["out_dir"], "stop_at", c["stop_at"])' "$run" "${VARIANT:-}" "
   collect)
     (cd runs/compare && find . \( -path '*/converted*' -o -path './models' \) -prune -o \
        \( -name '*.csv' -o -name '*.json' -o -name '*.png' -o -name log \) -print) |
-      tar -C runs/compare -czf "$OUT/compare.tar.gz" -T - ;;
+      { tar -C runs/compare --warning=no-file-changed -czf "$OUT/compare.tar.gz" -T - || (($? == 1)); } ;;  # 1: the log grew
   stop)
-    pkill -TERM -f "dzmodel.cli train" || true
+    pkill -TERM -f "dzmodel[.]cli train --config $run/train_config[.]json" || true  # this run only
     sleep 5
     ls "$run/train/checkpoints" ;;
   eval)

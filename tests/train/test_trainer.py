@@ -4,7 +4,6 @@ import json
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from dzmodel.dirlock import DirectoryBusy, directory_lock
+from dzmodel.proctree import kill_tree
 from dzmodel.data.embodiments import get_embodiment, load_embodiments
 from dzmodel.train.checkpoint import latest_checkpoint
 from dzmodel.train.config import TrainConfig
@@ -124,46 +124,11 @@ def _torchrun(cfg: TrainConfig, cfg_path: Path, nproc: int = 2) -> subprocess.Po
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (from /proc): torchrun starts its workers in their own sessions, so killing
-    its process group leaves them running."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited meanwhile
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
 def _kill9_job(p: subprocess.Popen) -> None:
     """kill -9 a torchrun job whole, as a lost node would: the launcher and every worker at once."""
-    os.kill(p.pid, signal.SIGSTOP)  # no reaction to its workers' deaths while we collect them
-    pids = _descendants(p.pid)
-    assert pids, "torchrun has no workers"
-    for pid in [p.pid, *pids]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    killed = kill_tree(p.pid, timeout=60)
+    assert len(killed) >= 3, f"torchrun and its 2 workers, got {killed}"
     p.wait()
-    deadline = time.time() + 60
-    while not all(_gone(pid) for pid in pids):
-        assert time.time() < deadline, "torchrun's workers survived kill -9"
-        time.sleep(0.05)
 
 
 def _failure(out: bytes) -> str:
