@@ -210,6 +210,10 @@ def run_streaming(cmd: list[str], log: Log, env: dict | None = None, cwd: Path |
             pass
         except subprocess.TimeoutExpired:  # the whole tree: torchrun's workers are in other process groups
             kill_tree(proc.pid)
+            try:  # and, as before, the group: members whose parent already exited are no longer in the tree
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             proc.wait()
         raise
     finally:
