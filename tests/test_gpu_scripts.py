@@ -22,3 +22,19 @@ def test_the_usage_line_names_every_command():
     result = subprocess.run(["bash", str(script), "no-such-command"], capture_output=True, text=True)
     assert result.returncode == 2
     assert commands and all(c in result.stderr for c in commands), (commands, result.stderr)
+
+
+def test_the_runs_plot_reads_every_recorded_result(tmp_path):
+    """docs/results/plot_runs.py names the CSVs of docs/results.md §§6-8: each exists and has its "all" row."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "docs" / "results" / "plot_runs.py"
+    spec = importlib.util.spec_from_file_location("plot_runs", path)
+    plot_runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_runs)
+    files = [f for *_, pattern in plot_runs.RUNS.values() for f in plot_runs.expand(pattern)]
+    assert len(files) >= 20 and all(f.is_file() for f in files), [f for f in files if not f.is_file()]
+    assert all(n in (40, 80) and 0 <= k <= n for _, k, n in map(plot_runs.overall, files))
+    low, high = plot_runs.wilson(4, 40)  # 10 %: about 4-24 %
+    assert 0.03 < low < 0.05 and 0.22 < high < 0.25 and plot_runs.wilson(0, 40)[0] == 0
+    assert plot_runs.main(tmp_path / "runs.png").stat().st_size > 10_000

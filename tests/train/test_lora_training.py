@@ -131,3 +131,14 @@ def test_the_optimizer_holds_only_the_trainable_parameters(data, tmp_path):
     held = [p for g in trainer.optimizer.param_groups for p in g["params"]]
     assert len(held) == len(trainer.step.params) < sum(1 for _ in trainer.model.parameters())
     assert all(p.requires_grad for p in held)
+
+
+@pytest.mark.parametrize("feature", [{"ema_decay": 0.9}, {"frame_cache_mib": 64}])
+def test_an_ema_or_the_frame_cache_leaves_the_raw_training_unchanged(data, tmp_path, feature):
+    """Both arrived after round 2's closed-loop run (docs/results.md §7): neither may change what is trained."""
+    plain = train(_cfg(data, tmp_path / "plain", steps=4, save_every=4))
+    other = train(_cfg(data, tmp_path / "other", steps=4, save_every=4, **feature))
+    assert _losses(other) == _losses(plain)
+    a, b = (load_file(str(convert_checkpoint(latest_checkpoint(tmp_path / r), tmp_path / f"{r}_raw")
+                          / "model.safetensors")) for r in ("plain", "other"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
