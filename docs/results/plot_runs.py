@@ -18,6 +18,7 @@ HERE = Path(__file__).parent
 RUNS = {
     "round-2 code, seed 0 (round 2)": ("tab:gray", "s", True, "round2/results_s{1000,1500,2000,3000}.csv"),
     "round-2 code, seed 0 (round 3)": ("black", "s", True, "round3/old_code_s{1000,1500,2000,3000}.csv"),
+    "round-2 code, seed 1 (round 4)": ("tab:purple", "s", True, "round4/round2code_s1_raw_1500.csv"),
     "full, seed 0, device noise (round 3)": ("tab:red", "o", True, "round3/new_raw_s{1500,3000}.csv"),
     "full, seed 0, device noise, EMA (round 3)": ("tab:red", "o", False, "round3/new_ema_s{1500,3000}.csv"),
     "full, seed 0, round 2's noise": ("tab:orange", "o", True, "round4/full_s0cpu_raw_{1500,2000}.csv"),
