@@ -11,12 +11,18 @@ import time
 from pathlib import Path
 
 
+def _stat_after_name(stat: Path) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...); the name, in parentheses, may
+    hold spaces and parentheses itself. Raises OSError or IndexError once the process has gone."""
+    return stat.read_text().rsplit(")", 1)[1].split()
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid`, parents before children; [] where there is no /proc."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name, in parentheses, may hold spaces
+            ppid = int(_stat_after_name(stat)[1])
         except (OSError, IndexError, ValueError):  # exited meanwhile
             continue
         children.setdefault(ppid, []).append(int(stat.parent.name))
@@ -31,7 +37,7 @@ def descendants(pid: int) -> list[int]:
 def alive(pid: int) -> bool:
     """Running or stopped; a zombie (exited, not yet reaped) is not alive."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return _stat_after_name(Path(f"/proc/{pid}/stat"))[0] != "Z"
     except (OSError, IndexError):
         return False
 

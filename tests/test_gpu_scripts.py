@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = sorted((Path(__file__).parents[1] / "docs" / "results").glob("*.sh"))
+RESULTS = Path(__file__).parents[1] / "docs" / "results"
+SCRIPTS = sorted(RESULTS.glob("*.sh"))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -16,7 +17,7 @@ def test_the_script_parses(script):
 
 
 def test_the_usage_line_names_every_command():
-    script = Path(__file__).parents[1] / "docs" / "results" / "libero_scripted_gpu.sh"
+    script = RESULTS / "libero_scripted_gpu.sh"
     text = script.read_text()
     commands = set(re.findall(r"^  ([a-z-]+)\)$", text, re.M))
     result = subprocess.run(["bash", str(script), "no-such-command"], capture_output=True, text=True)
@@ -28,8 +29,7 @@ def test_the_runs_plot_reads_every_recorded_result(tmp_path):
     """docs/results/plot_runs.py names the CSVs of docs/results.md §§6-8: each exists and has its "all" row."""
     import importlib.util
 
-    path = Path(__file__).parents[1] / "docs" / "results" / "plot_runs.py"
-    spec = importlib.util.spec_from_file_location("plot_runs", path)
+    spec = importlib.util.spec_from_file_location("plot_runs", RESULTS / "plot_runs.py")
     plot_runs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_runs)
     files = [f for *_, pattern in plot_runs.RUNS.values() for f in plot_runs.expand(pattern)]
