@@ -4,7 +4,9 @@ Episodes run in parallel env worker processes (vectorised stepping); the policy 
 model's own inference API with one KV-cache session per episode: at each step the observations of every
 episode that needs a new chunk go through one batched forward (`predict_batch`). Per episode: the standard init state,
 10 settle steps, then action chunks (`actions_per_chunk` of each, then a new query) until success or
-`max_steps`. The metric is `success_once`: an episode counts if the task succeeded at any step.
+`max_steps`. Each query after the first sends the frames observed since the previous one at the model's frame
+rate (`EmbodiedPolicy.frame_stride`), so the policy predicts from the history a training window holds
+(`context: episode`); `context: frame` restarts from the current frame at every query (upstream's LIBERO eval). The metric is `success_once`: an episode counts if the task succeeded at any step.
 
 A crashed worker is restarted and its episode retried once; a second crash counts the episode as failed,
 with a note. Nothing waits forever: every worker reply has a timeout.
@@ -35,6 +37,9 @@ class EvalConfig:
     num_workers: int = 2
     camera_size: int = 128
     actions_per_chunk: int | None = None    # execute this many of each chunk, then query again; None = all
+    # episode: one session per episode, each query sends the frames since the last one (the KV cache holds the
+    # history as in training); frame: each query sends only the current frame and restarts the context
+    context: str = "episode"
     binarize_gripper: bool = True           # the last action dim becomes ±1 (reference §6.1)
     videos: int = 2                         # record the agent-view video of this many episodes
     worker_timeout_s: float = 300.0
@@ -49,6 +54,8 @@ class EvalConfig:
             raise ValueError(f"eval.max_steps must be >= 1, got {self.max_steps}")
         if self.actions_per_chunk is not None and self.actions_per_chunk < 1:
             raise ValueError(f"eval.actions_per_chunk must be >= 1, got {self.actions_per_chunk}")
+        if self.context not in ("episode", "frame"):
+            raise ValueError(f"eval.context must be episode or frame, got {self.context!r}")
 
 
 @dataclass
@@ -76,6 +83,8 @@ class _Running:
     queue: list = field(default_factory=list)
     frames: list | None = None
     init: object = None  # the EpisodeInit it started from (None: the standard init state)
+    new_frames: list = field(default_factory=list)  # views at the model's frame rate since the last query
+    queried: bool = False
 
 
 def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path | None = None,
@@ -96,6 +105,10 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
         tasks = [tasks[t] for t in cfg.tasks]
     max_steps = cfg.max_steps or get_suite(cfg.suite).max_steps
     per_chunk = min(cfg.actions_per_chunk or policy.action_horizon, policy.action_horizon)
+    stride = getattr(policy, "frame_stride", None) if cfg.context == "episode" else None
+    if stride is not None and per_chunk % stride:
+        raise ValueError(f"eval.actions_per_chunk ({per_chunk}) must be a multiple of {stride}: the model saw a frame "
+                         f"every {stride} steps, and each query must end on one")
     if episodes is None:
         todo = [(t, e, 1, None) for t in tasks for e in range(cfg.episodes_per_task)]
         for t, e, _, _ in todo:
@@ -165,9 +178,7 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
                 start(assign)
                 continue
             need = [w for w, run in running.items() if not run.queue]
-            requests = [(_session(running[w]), {"image": running[w].obs["image"],
-                                                "wrist_image": running[w].obs["wrist_image"]},
-                         running[w].obs["state"], running[w].task.language) for w in need]
+            requests = [_request(running[w], stride) for w in need]
             t0 = time.perf_counter()
             if cfg.batch_policy:  # every episode that needs a chunk, in one policy forward
                 chunks = policy.predict_batch(requests) if requests else []
@@ -191,6 +202,8 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
                     continue
                 obs, success = r
                 run.obs, run.steps = obs, run.steps + 1
+                if stride is not None and run.steps % stride == 0:
+                    run.new_frames.append(_views(obs))
                 run.success = run.success or bool(success)
                 if run.frames is not None:
                     run.frames.append(obs["image"])
@@ -205,6 +218,26 @@ SESSION_FORMAT = "task{task}-ep{episode}-try{attempt}"  # one KV-cache session p
 
 def _session(run: _Running) -> str:
     return SESSION_FORMAT.format(task=run.task.index, episode=run.episode, attempt=run.attempt)
+
+
+def _views(obs: dict) -> dict:
+    return {"image": obs["image"], "wrist_image": obs["wrist_image"]}
+
+
+def _request(run: _Running, stride: int | None) -> tuple:
+    """A policy query: (session, views, state, instruction[, reset]). With a frame stride the episode is one
+    session: the first query starts it from the current frame, later ones send the frames since the last query
+    (every `stride` steps, the current one last)."""
+    base = (_session(run), _views(run.obs), run.obs["state"], run.task.language)
+    if stride is None:
+        return base
+    if not run.queried:
+        run.queried = True
+        run.new_frames = []
+        return base + (True,)
+    views = {k: np.stack([f[k] for f in run.new_frames]) for k in ("image", "wrist_image")}
+    run.new_frames = []
+    return (base[0], views, *base[2:], False)
 
 
 def _write_video(path: Path, frames: list) -> str:

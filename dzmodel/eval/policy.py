@@ -46,6 +46,14 @@ class EmbodiedPolicy:
     def action_dim(self) -> int:
         return int(self.policy.action_stats.q01.shape[0])
 
+    @property
+    def frame_stride(self) -> int | None:
+        """Control steps between the frames the model saw in training (its windows' frame spacing): an
+        action chunk of H steps spans one block of 4·num_frame_per_block frames. None when H is not a multiple
+        of that (the frames are then not evenly spaced, and each query sends only the current frame)."""
+        per_block = self.policy.frames_per_block
+        return self.action_horizon // per_block if self.action_horizon % per_block == 0 else None
+
     def frame(self, views: dict[str, np.ndarray]) -> np.ndarray:
         """Camera frames (uint8 [H, W, 3] or [T, H, W, 3] per view name) -> the model's laid-out frames."""
         missing = [v for v in self.embodiment.views if v not in views]
@@ -59,15 +67,23 @@ class EmbodiedPolicy:
                                        rng=np.random.default_rng(0), crop_scale=self.embodiment.crop_scale)
         return compose_layout(self.embodiment, out).numpy()
 
-    def predict(self, session_id: str, views: dict[str, np.ndarray], state: np.ndarray, instruction: str) -> np.ndarray:
-        """One action chunk [action_horizon, action_dim] in the robot's units."""
-        return self.predict_batch([(session_id, views, state, instruction)])[0]
+    def predict(self, session_id: str, views: dict[str, np.ndarray], state: np.ndarray, instruction: str,
+                reset: bool | None = None) -> np.ndarray:
+        """One action chunk [action_horizon, action_dim] in the robot's units. `views` hold the current frame, or
+        the frames since the last call ([T, H, W, 3] per view, `frame_stride` control steps apart, the newest
+        last); `reset` starts the session (None: a single frame does, as upstream)."""
+        return self.predict_batch([(session_id, views, state, instruction, reset)])[0]
 
-    def predict_batch(self, requests: list[tuple[str, dict[str, np.ndarray], np.ndarray, str]]) -> list[np.ndarray]:
-        """(session_id, views, state, instruction) per robot -> one chunk each, in one batched policy forward."""
-        states = [np.asarray(state, dtype=np.float64).reshape(-1) for _, _, state, _ in requests]
-        obs = [{"images": self.frame(views), "state": state, "prompt": self.embodiment.prompt(instruction),
-                "session_id": sid} for (sid, views, _, instruction), state in zip(requests, states)]
+    def predict_batch(self, requests: list[tuple]) -> list[np.ndarray]:
+        """(session_id, views, state, instruction[, reset]) per robot -> one chunk each, in one batched forward."""
+        states = [np.asarray(r[2], dtype=np.float64).reshape(-1) for r in requests]
+        obs = []
+        for (sid, views, _, instruction, *reset), state in zip(requests, states):
+            o = {"images": self.frame(views), "state": state, "prompt": self.embodiment.prompt(instruction),
+                 "session_id": sid}
+            if reset and reset[0] is not None:
+                o["reset"] = bool(reset[0])
+            obs.append(o)
         chunks = [a[: self.action_horizon] for a in self.policy.predict_batch(obs)]
         if self.relative_pairs:
             chunks = [from_relative(a, state, self.relative_pairs) for a, state in zip(chunks, states)]

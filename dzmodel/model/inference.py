@@ -358,7 +358,9 @@ class _Session:
     vae_state: StreamState           # the causal VAE's memory: new frames are encoded without the history
     pending: torch.Tensor            # raw frames not yet in a whole 4-frame chunk [1, 3, t < 4, H, W]
     latents: torch.Tensor | None     # encoded latent frames not yet prefilled
-    raw_frames: int = 1              # frames observed since the reset (seeds the noise)
+    history: torch.Tensor | None = None  # the newest raw frames, enough to rebuild the longest context
+    raw_frames: int = 1              # frames observed since the session started (seeds the noise)
+    context_end: int = 1             # raw_frames up to the last frame the cache holds
     calls: int = 0
     y_state: StreamState | None = None  # 14B: the VAE stream of the first-frame condition (frame 0, then zeros)
     first_latent: torch.Tensor | None = None   # the reset frame's latent [1, z, 1, h, w] (to decode predictions)
@@ -384,9 +386,14 @@ class DreamZeroPolicy:
     """Observation in, un-normalised action chunk out, with one KV cache per session.
 
     obs = {"images": uint8 [T, H, W, 3] or [H, W, 3] (views already laid out as in training),
-           "state": float [state_dim], "prompt": str, "session_id": str (optional)}
-    A single frame (T = 1) starts a new window (upstream LIBERO behaviour); later calls may pass
-    the frames observed since the previous call (4 per latent frame) to extend the cache.
+           "state": float [state_dim], "prompt": str, "session_id": str (optional), "reset": bool (optional)}
+    A session is one episode. Its first call (or "reset": True) starts it; later calls pass the frames observed
+    since the previous call, at the model's frame rate (the training windows' frame spacing). Each chunk is
+    predicted from the context a training window would hold at that moment: frame 0 then whole blocks
+    (4·num_frame_per_block frames each), ending at the newest frame. New frames that are whole blocks extend the
+    KV cache; otherwise (a replanning interval shorter than a block, or a full window) the context slides: it
+    is rebuilt from the session's recent frames. Without "reset", a single frame (T = 1) starts a new session
+    (upstream's rule for clients that send only the current frame).
     `predict_batch` runs many sessions' chunks as one batched forward (each keeps its own cache).
     """
 
@@ -557,26 +564,63 @@ class DreamZeroPolicy:
 
     # -- sessions --
 
-    def _reset(self, items: list[tuple[str, str, torch.Tensor]]) -> None:
-        """Start sessions (id, prompt, frames) from their last frame, as one batch."""
-        last = torch.cat([frames[:, :, -1:] for _, _, frames in items])  # [B, 3, 1, H, W]
-        prompts = [p for _, p, _ in items]
+    @property
+    def frames_per_block(self) -> int:
+        """Raw frames (at the model's frame rate) one causal block covers: 4 per latent frame."""
+        return FRAMES_PER_LATENT * self.model.args.num_frame_per_block
+
+    @property
+    def _history_len(self) -> int:
+        """Frames a session keeps: the longest context (frame 0 and max_chunk_size - 1 blocks)."""
+        return 1 + self.frames_per_block * (self.model.args.max_chunk_size - 1)
+
+    def _context(self, history: torch.Tensor) -> torch.Tensor:
+        """The training window's layout ending at the newest frame: frame 0 then as many whole blocks as the window
+        holds before the block to predict (max_chunk_size - 1), as far as the history reaches."""
+        fpb = self.frames_per_block
+        blocks = min(self.model.args.max_chunk_size - 1, (history.shape[2] - 1) // fpb)
+        return history[:, :, history.shape[2] - 1 - fpb * blocks:]
+
+    def _reset(self, items: list[tuple[str, str, torch.Tensor, int]]) -> None:
+        """(Re)start sessions (id, prompt, history, frames seen) as one batch: each from the context that
+        ends at its newest frame (`_context`): its first frame is prefilled as frame 0, then its whole blocks."""
+        contexts = [self._context(history) for _, _, history, _ in items]
+        first = torch.cat([c[:, :, :1] for c in contexts])  # [B, 3, 1, H, W]
+        prompts = [p for _, p, _, _ in items]
         pad = self._padding(len(items))
         if pad:  # a captured shape per power of two, not per batch size (the extra rows are dropped below)
-            last, prompts = torch.cat([last, last[-1:].expand(pad, -1, -1, -1, -1)]), prompts + prompts[-1:] * pad
-        cond, y_state = self._conditioning(prompts, last[:, :, 0])
+            first, prompts = torch.cat([first, first[-1:].expand(pad, -1, -1, -1, -1)]), prompts + prompts[-1:] * pad
+        cond, y_state = self._conditioning(prompts, first[:, :, 0])
         with self._stage("vae"):
             vae_state = StreamState()
-            latent0 = self._encode(last, vae_state)
+            latent0 = self._encode(first, vae_state)
         cache = KVCache()
         with self._stage("prefill"):
             self._prefill(cache, latent0, cond)
         pair = 2 if self.guided else 1
-        for i, (sid, prompt, frames), c, d in zip(range(len(items)), items, cache.split(pair), cond.split(pair)):
-            self.sessions[sid] = _Session(prompt=prompt, cache=c, cond=d, latent_hw=tuple(latent0.shape[-2:]),
-                                          first_latent=latent0[i:i + 1] if self.keep_video else None,
-                                          vae_state=vae_state.select(i), pending=last[i:i + 1, :, :0], latents=None,
-                                          y_state=None if y_state is None else y_state.select(i))
+        for i, (sid, prompt, history, seen), c, d in zip(range(len(items)), items, cache.split(pair), cond.split(pair)):
+            session = _Session(prompt=prompt, cache=c, cond=d, latent_hw=tuple(latent0.shape[-2:]),
+                               first_latent=latent0[i:i + 1] if self.keep_video else None,
+                               vae_state=vae_state.select(i), pending=first[i:i + 1, :, :0], latents=None,
+                               y_state=None if y_state is None else y_state.select(i),
+                               history=history[:, :, -self._history_len:], raw_frames=seen, context_end=seen)
+            self.sessions[sid] = session
+            if contexts[i].shape[2] > 1 and not self._extend(session, contexts[i][:, :, 1:]):
+                raise AssertionError("a context of whole blocks always fits the window")  # _context's invariant
+            session.raw_frames = session.context_end = seen
+
+    def _continue(self, session: _Session, frames: torch.Tensor) -> bool:
+        """Extend a session's cache with new frames when they are whole blocks right after what it holds and the
+        window has room for them and the block to predict; False when the context must be rebuilt instead."""
+        a, fpb = self.model.args, self.frames_per_block
+        blocks, rest = divmod(frames.shape[2], fpb)
+        if rest or session.context_end != session.raw_frames or \
+                session.cache.num_frames + a.num_frame_per_block * (blocks + 1) > a.local_attn_size:
+            return False
+        if not self._extend(session, frames):
+            return False
+        session.context_end = session.raw_frames
+        return True
 
     def _extend(self, session: _Session, frames: torch.Tensor) -> bool:
         """Add new frames: encode only them (the VAE's stream state holds the history) and prefill every newly
@@ -666,10 +710,19 @@ class DreamZeroPolicy:
         if self.timer is not None:
             self.timer.start_call()
         resets = []
-        for sid, prompt, frames, _ in parsed:
+        for obs, (sid, prompt, frames, _) in zip(observations, parsed):
             session = self.sessions.get(sid)
-            if session is None or session.prompt != prompt or frames.shape[2] == 1 or not self._extend(session, frames):
-                resets.append((sid, prompt, frames))
+            # without an explicit "reset", a single frame starts a new window (upstream's rule)
+            start = bool(obs["reset"]) if "reset" in obs else frames.shape[2] == 1
+            if session is None or session.prompt != prompt or start:
+                resets.append((sid, prompt, frames, frames.shape[2]))
+                continue
+            history = torch.cat([session.history, frames], dim=2)
+            seen = session.raw_frames + frames.shape[2]
+            if not self._continue(session, frames):
+                resets.append((sid, prompt, history, seen))  # the context slides to end at the newest frame
+            else:
+                session.history = history[:, :, -self._history_len:]
         if resets:
             self._reset(resets)
 

@@ -132,3 +132,69 @@ def test_bad_eval_config_and_task_index():
     with pytest.raises(ValueError, match="has tasks 0..2"):
         evaluate_policy(FakePolicy(), EvalConfig(tasks=[5], videos=0), progress=False, tasks=_tasks(),
                         pool_factory=lambda n: ScriptedPool(n, {}, {}))
+
+
+class FramePool(ScriptedPool):
+    """ScriptedPool whose frames change every step (64 px views, the tiny embodiment's size)."""
+
+    def _obs(self):
+        self.t = getattr(self, "t", 0) + 1
+        img = np.full((64, 64, 3), self.t % 255, np.uint8)
+        return {"image": img, "wrist_image": img[::-1].copy(), "state": np.zeros(8)}
+
+
+@pytest.fixture(scope="module")
+def tiny_embodied(tmp_path_factory):
+    """A random tiny policy with 16-action chunks (as the demo trains it) behind the LIBERO tiny embodiment."""
+    import dataclasses
+    from pathlib import Path
+
+    import dzmodel.model.components as components
+    from dzmodel.data.embodiments import get_embodiment
+    from dzmodel.eval.policy import EmbodiedPolicy
+    from dzmodel.model.inference import SolverConfig
+
+    real = components.preset
+    components.preset = lambda name: dataclasses.replace(real(name), num_action_per_block=16)
+    try:
+        policy = components.build_tiny_policy(tmp_path_factory.mktemp("tok"), solver=SolverConfig(num_steps=1,
+                                                                                                  cfg_scale=1.0))
+    finally:
+        components.preset = real
+    return EmbodiedPolicy(policy, get_embodiment("libero_sim_tiny"), [], None, Path("."))
+
+
+@pytest.mark.parametrize("context", ["episode", "frame"])
+def test_an_episodes_later_queries_extend_its_session(tiny_embodied, context):
+    """context episode: the second query of an episode sends the 8 frames since the first (every 2nd step of a
+    16-action chunk) and the KV cache then holds more than frame 0; context frame restarts from one frame."""
+    held, sent = [], []
+    predict_batch = tiny_embodied.predict_batch
+
+    def spy(requests):
+        out = predict_batch(requests)
+        for sid, views, *rest in requests:
+            sent.append(np.asarray(views["image"]).reshape(-1, 64, 64, 3).shape[0])
+            held.append(tiny_embodied.policy.sessions[sid].caches[0].num_frames)
+        return out
+
+    tiny_embodied.predict_batch = spy
+    try:
+        config = EvalConfig(episodes_per_task=1, max_steps=40, num_workers=1, videos=0, context=context)
+        evaluate_policy(tiny_embodied, config, progress=False, tasks=_tasks(1),
+                        pool_factory=lambda n: FramePool(n, {}, {}))
+    finally:
+        del tiny_embodied.predict_batch
+    assert tiny_embodied.frame_stride == 2 and len(held) == 3  # steps 0, 16, 32
+    if context == "episode":
+        assert sent == [1, 8, 8] and held[0] == 1 and held[1] > 1 and held[2] > 1
+    else:
+        assert sent == [1, 1, 1] and held == [1, 1, 1]
+
+
+def test_a_replanning_interval_must_end_on_a_frame_the_model_saw(tiny_embodied):
+    with pytest.raises(ValueError, match="multiple of 2"):
+        evaluate_policy(tiny_embodied, EvalConfig(episodes_per_task=1, max_steps=8, videos=0, actions_per_chunk=3),
+                        progress=False, tasks=_tasks(1), pool_factory=lambda n: FramePool(n, {}, {}))
+    with pytest.raises(ValueError, match="eval.context"):
+        EvalConfig(context="window")

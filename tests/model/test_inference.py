@@ -120,8 +120,55 @@ def test_kv_cache_grows_within_a_session_and_resets(tiny_policy):
     tiny_policy.predict_actions(_obs(rng, frames=4 * nfpb, prompt="open the drawer", session="a"))  # new prompt
     assert tiny_policy.sessions["a"].caches[0].num_frames == 1
     tiny_policy.predict_actions(_obs(rng, frames=4 * nfpb, session="a"))
-    tiny_policy.predict_actions(_obs(rng, frames=4 * nfpb, session="a"))  # window full -> restart from the last frame
-    assert tiny_policy.sessions["a"].caches[0].num_frames <= tiny_policy.model.args.local_attn_size - nfpb
+    tiny_policy.predict_actions(_obs(rng, frames=4 * nfpb, session="a"))  # window full -> the context slides
+    assert tiny_policy.sessions["a"].caches[0].num_frames == tiny_policy.model.args.local_attn_size - nfpb
+
+
+def _frames(rng, n):
+    return rng.integers(0, 255, (n, 64, 64, 3), dtype=np.uint8)
+
+
+def test_an_episode_keeps_its_history_as_a_training_window_would(tiny_policy):
+    """Within a session each chunk is predicted from frame 0 and whole blocks ending at the newest frame: whole
+    blocks extend the cache, a full window or a partial block (replanning mid-chunk) rebuilds it from the
+    session's recent frames. Either way the chunk equals a new session given the same frames at once."""
+    rng = np.random.default_rng(4)
+    a = tiny_policy.model.args
+    fpb = 4 * a.num_frame_per_block
+    frames = _frames(rng, 1 + 3 * fpb + fpb // 2)
+    state = rng.uniform(-1, 1, 8)
+
+    def ask(sid, images, reset):
+        return tiny_policy.predict_actions({"images": images, "state": state, "prompt": "p", "session_id": sid,
+                                            "reset": reset})
+
+    cuts = [1, 1 + fpb, 1 + 2 * fpb, 1 + 3 * fpb, len(frames)]  # a block, a block (window full), half a block
+    held = []
+    for i, end in enumerate(cuts):
+        start = cuts[i - 1] if i else 0
+        chunk = ask("episode", frames[start:end], reset=i == 0)
+        held.append(tiny_policy.sessions["episode"].caches[0].num_frames)
+        fresh = ask(f"fresh{i}", frames[:end], reset=True)
+        np.testing.assert_allclose(chunk, fresh, atol=1e-5)
+    assert held == [1, 1 + a.num_frame_per_block, 1 + a.num_frame_per_block * (a.max_chunk_size - 1),
+                    1 + a.num_frame_per_block * (a.max_chunk_size - 1), 1 + a.num_frame_per_block * (a.max_chunk_size - 1)]
+    assert tiny_policy.sessions["episode"].raw_frames == len(frames)
+    # the history changes the chunk: restarting from the newest frame alone gives another one
+    alone = ask("alone", frames[-1:], reset=True)
+    assert not np.allclose(alone, ask("full", frames, reset=True), atol=1e-4)
+
+
+def test_a_reset_flag_restarts_a_session_whatever_it_sends(tiny_policy):
+    rng = np.random.default_rng(5)
+    fpb = 4 * tiny_policy.model.args.num_frame_per_block
+    obs = {"images": _frames(rng, 1), "state": np.zeros(8), "prompt": "p", "session_id": "r", "reset": True}
+    tiny_policy.predict_actions(obs)
+    tiny_policy.predict_actions(dict(obs, images=_frames(rng, fpb), reset=False))
+    assert tiny_policy.sessions["r"].raw_frames == 1 + fpb
+    tiny_policy.predict_actions(dict(obs, images=_frames(rng, 1), reset=False))  # one new frame extends, no restart
+    assert tiny_policy.sessions["r"].raw_frames == 2 + fpb
+    tiny_policy.predict_actions(dict(obs, images=_frames(rng, fpb)))  # reset: True
+    assert tiny_policy.sessions["r"].raw_frames == fpb
 
 
 def test_predict_actions_is_deterministic_per_seed(tiny_policy):
