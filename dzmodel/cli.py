@@ -356,16 +356,17 @@ def cmd_eval_libero(ns: argparse.Namespace) -> int:
     cfg = EvalConfig(suite=ns.suite, tasks=_int_list(ns.tasks, "--tasks"), episodes_per_task=ns.episodes,
                      max_steps=ns.max_steps, num_workers=ns.workers, camera_size=ns.camera_size,
                      actions_per_chunk=ns.actions_per_chunk, videos=ns.videos, seed=ns.seed,
-                     batch_policy=not ns.no_batch_policy)
+                     batch_policy=not ns.no_batch_policy, context=ns.context, first_init_state=ns.first_init_state)
     try:
         rows = evaluate_run(ns.source, cfg, ns.out, steps=_int_list(ns.steps, "--steps"), device=ns.device,
                             solver=solver_from(ns), progress=not ns.no_progress, embodiment=ns.embodiment,
                             compile=ns.compile, weights=ns.weights)
     except (LiberoNotInstalled, PolicyLoadError) as exc:
         raise CLIError(str(exc)) from None
-    print(f"{'step':>8} {'task':>5} {'episodes':>8} {'successes':>9} {'rate':>6}")
+    print(f"{'step':>8} {'task':>5} {'episodes':>8} {'successes':>9} {'rate':>6}   95 % interval")
     for r in rows:
-        print(f"{str(r['step']):>8} {str(r['task']):>5} {r['episodes']:>8} {r['successes']:>9} {r['rate']:>6.1%}")
+        print(f"{str(r['step']):>8} {str(r['task']):>5} {r['episodes']:>8} {r['successes']:>9} {r['rate']:>6.1%}   "
+              f"{r['ci_low']:.1%}-{r['ci_high']:.1%}")
     print(f"results in {ns.out}: results.csv, episodes.csv, summary.json, success_vs_step.png, videos/")
     return EXIT_OK
 
@@ -871,6 +872,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", default="spatial", help="spatial | object | goal | 10")
     p.add_argument("--tasks", help="task indices, e.g. 0,1 (default: all tasks of the suite)")
     p.add_argument("--episodes", type=int, default=1, help="episodes per task (the standard init states 0..N-1)")
+    p.add_argument("--first-init-state", type=int, default=0,
+                   help="start at this standard init state (e.g. past the ones that picked the checkpoint)")
+    p.add_argument("--context", choices=("episode", "frame"), default="episode",
+                   help="episode: one session per episode, each query sends the frames since the last (the KV cache "
+                        "holds the history, as in training); frame: restart from the current frame at every query")
     p.add_argument("--max-steps", type=int, help="policy steps per episode (default: the suite's standard limit)")
     p.add_argument("--steps", help="with a run directory: checkpoint steps to evaluate, e.g. 1000,2000 (default: all)")
     p.add_argument("--workers", type=int, default=2, help="env worker processes")

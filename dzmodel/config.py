@@ -98,6 +98,11 @@ class EvalParams:
     workers: int = field(default=2, metadata={"min": 1})
     camera_size: int = field(default=128, metadata={"min": 16})
     actions_per_chunk: int | None = field(default=None, metadata={"min": 1})
+    # episode: one KV-cache session per episode fed the frames since the last query; frame: restart every query
+    context: Literal["episode", "frame"] = "episode"
+    # init states per task, after the `episodes` reported ones, that pick the checkpoint; the pick is then reported
+    # on init states 0..episodes-1. 0: nothing is picked, the final number pools the last 3 checkpoints.
+    select_episodes: int = field(default=0, metadata={"min": 0})
     videos: int = field(default=2, metadata={"min": 0})
     steps: list[int] | None = None  # checkpoint steps to evaluate; null = every saved one
     solver_steps: int = field(default=16, metadata={"min": 1})

@@ -10,6 +10,7 @@ that hold its metrics and plots. Promotion is not a stage here: it acts on the M
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import io
 import json
@@ -505,30 +506,60 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
                 "previews": previews}
     from .eval.libero_eval import EvalConfig, evaluate_run
 
+    from .eval.libero_eval import pooled
+
     cfg = EvalConfig(suite=e.suite, tasks=e.tasks, episodes_per_task=e.episodes, max_steps=e.max_steps,
                      num_workers=e.workers, camera_size=e.camera_size, actions_per_chunk=e.actions_per_chunk,
-                     videos=e.videos, seed=e.seed)
-    rows = evaluate_run(paths.stage("converted"), cfg, out, steps=e.steps, device=e.device,
-                        solver=eval_solver(e),
-                        embodiment=prof.metadata.embodiment)
+                     videos=e.videos, seed=e.seed, context=e.context)
+
+    def evaluate(config: EvalConfig, where: Path, steps: list[int] | None) -> list[dict]:
+        return evaluate_run(paths.stage("converted"), config, where, steps=steps, device=e.device,
+                            solver=eval_solver(e), embodiment=prof.metadata.embodiment)
+
+    picked = None
+    if e.select_episodes:  # pick on init states the reported number never sees
+        selection = evaluate(dataclasses.replace(cfg, first_init_state=e.episodes, episodes_per_task=e.select_episodes,
+                                                 videos=0), out / "selection", e.steps)
+        picked = max((r for r in selection if r["task"] == "all"), key=lambda r: (r["rate"], r["step"] or 0))
+        log(f"eval: step {picked['step']} picked on init states {e.episodes}..{e.episodes + e.select_episodes - 1} "
+            f"({picked['rate']:.0%})")
+        rows = evaluate(cfg, out, [picked["step"]] if picked["step"] is not None else None)
+    else:
+        rows = evaluate(cfg, out, e.steps)
     overall = [r for r in rows if r["task"] == "all"]
     best = max(overall, key=lambda r: (r["rate"], r["step"] or 0)) if overall else None
+    if picked is not None:
+        final = overall[-1]
+        rule = (f"step {picked['step']}, picked on init states {e.episodes}..{e.episodes + e.select_episodes - 1}, "
+                f"reported on 0..{e.episodes - 1}")
+    else:
+        last = [r["step"] for r in overall][-3:]
+        final = pooled(overall, last) if overall else None
+        rule = f"the last {len(last)} checkpoints pooled (none picked)"
     _write_json(metrics_file, {"evaluated": True, "suite": e.suite, "best_step": best["step"] if best else None,
                                "best_success_rate": best["rate"] if best else None,
                                "last_success_rate": overall[-1]["rate"] if overall else None,
                                "episodes_per_step": overall[-1]["episodes"] if overall else 0,
+                               "picked_step": picked["step"] if picked else None,
+                               "final_success_rate": final["rate"] if final else None,
+                               "final_ci_low": final["ci_low"] if final else None,
+                               "final_ci_high": final["ci_high"] if final else None,
+                               "final_rule": rule,
                                **action_error_metrics(action)})
     _write_csv(plots / "success_vs_step.csv", [{"step": r["step"], "success_rate": r["rate"]} for r in overall])
     if (out / "success_vs_step.png").is_file():
         shutil.copyfile(out / "success_vs_step.png", plots / "success_vs_step.png")
-    log("eval: " + ", ".join(f"step {r['step']}: {r['rate']:.0%}" for r in overall))
+    log("eval: " + ", ".join(f"step {r['step']}: {r['rate']:.0%}" for r in overall)
+        + (f"; final {final['rate']:.1%} (95 % {final['ci_low']:.0%}-{final['ci_high']:.0%}): {rule}" if final else ""))
     return {"eval_dir": str(out), "evaluated": True, "rows": rows, "best": best, "action_error": action,
             "previews": previews,
             "plot": str(plots / "success_vs_step.png") if (plots / "success_vs_step.png").is_file() else None}
 
 
 def chosen_step(prof: Profile, paths: StagePaths) -> tuple[int, float | None]:
-    """The converted step to package: the best by eval success (ties: the later step), or the last one."""
+    """The converted step to package (`package.checkpoint`: best = the step picked on the selection init states,
+    else the best by eval success, ties to the later step; or the last one) and the success rate the promotion
+    gate reads: the eval's final number (picked on other init states, or the last 3 checkpoints pooled)."""
     converted = sorted(int(p.name.split("_")[1]) for p in paths.stage("converted").glob("step_*")
                        if (p / "config.json").is_file())
     if not converted:
@@ -539,10 +570,13 @@ def chosen_step(prof: Profile, paths: StagePaths) -> tuple[int, float | None]:
     rates = {}
     if results.is_file():
         rates = {int(r["step"]): float(r["rate"]) for r in csv.DictReader(results.open()) if r["task"] == "all"}
+    final = summary.get("final_success_rate")  # the gate's number: picked on other init states, or pooled
+    if prof.package.checkpoint == "best" and summary.get("picked_step") in converted:
+        return int(summary["picked_step"]), final
     if prof.package.checkpoint == "best" and summary.get("evaluated") and summary.get("best_step") in converted:
         step = int(summary["best_step"])
-        return step, rates.get(step)
-    return converted[-1], rates.get(converted[-1])
+        return step, final if final is not None else rates.get(step)
+    return converted[-1], final if final is not None else rates.get(converted[-1])
 
 
 def stage_package(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:

@@ -185,6 +185,43 @@ def test_package_takes_the_best_evaluated_step_else_the_last(tmp_path):
     assert chosen_step(prof, paths) == (30, 0.5)
 
 
+@pytest.mark.parametrize("select", [0, 2])
+def test_the_gates_number_is_never_the_one_that_picked_the_checkpoint(tmp_path, monkeypatch, select):
+    """With selection init states the checkpoint is picked there and reported on init states it never saw;
+    without, nothing is picked and the final number pools the last 3 checkpoints."""
+    import dzmodel.eval.libero_eval as libero_eval
+    from dzmodel.eval.libero_eval import _row
+    from dzmodel.pipeline import stage_eval
+
+    prof, paths = _demo(tmp_path, "eval.episodes=4", f"eval.select_episodes={select}", "eval.action_error=false",
+                        "eval.previews=0")
+    for step in (10, 20, 30, 40):
+        (paths.stage("converted") / f"step_{step:07d}").mkdir(parents=True)
+        (paths.stage("converted") / f"step_{step:07d}" / "config.json").write_text("{}")
+    calls = []
+    # successes per step: on the selection states step 20 looks best, on the reported ones it is not
+    table = {"select": {10: 0, 20: 2, 30: 1, 40: 0}, "report": {10: 1, 20: 1, 30: 3, 40: 2}}
+
+    def fake_run(src, cfg, out, steps=None, **kw):
+        which = "select" if cfg.first_init_state else "report"
+        calls.append((which, cfg.first_init_state, cfg.episodes_per_task, steps))
+        return [_row(s, "all", "", cfg.episodes_per_task, table[which][s]) for s in (steps or [10, 20, 30, 40])]
+
+    monkeypatch.setattr(libero_eval, "evaluate_run", fake_run)
+    stage_eval(prof, paths, log=lambda *a: None)
+    summary = json.loads((paths.run / "metrics" / "eval.json").read_text())
+    if select:
+        assert calls == [("select", 4, 2, None), ("report", 0, 4, [20])]
+        assert summary["picked_step"] == 20 and summary["final_success_rate"] == 0.25
+        assert "picked on init states 4..5, reported on 0..3" in summary["final_rule"]
+    else:
+        assert calls == [("report", 0, 4, None)]
+        assert summary["picked_step"] is None and summary["best_step"] == 30
+        assert summary["final_success_rate"] == 0.5 and summary["final_rule"].startswith("the last 3 checkpoints")
+    assert summary["final_ci_low"] < summary["final_success_rate"] < summary["final_ci_high"]
+    assert chosen_step(prof, paths)[1] == summary["final_success_rate"]
+
+
 def test_promotion_gate():
     assert promotion_decision(0.8, 0.8) == (True, "passed: LIBERO success 80.0% >= gate 80.0%")
     ok, why = promotion_decision(0.5, 0.8)

@@ -32,7 +32,8 @@ from .policy import EmbodiedPolicy
 class EvalConfig:
     suite: str = "spatial"
     tasks: list[int] | None = None          # task indices; None = every task of the suite
-    episodes_per_task: int = 1              # init states 0..N-1 (the standard fixed ones)
+    episodes_per_task: int = 1              # init states first_init_state .. + N-1 (the standard fixed ones)
+    first_init_state: int = 0               # where the init states start (a set kept apart to pick checkpoints)
     max_steps: int | None = None            # policy steps per episode; None = the suite's standard limit
     num_workers: int = 2
     camera_size: int = 128
@@ -50,6 +51,8 @@ class EvalConfig:
         for name in ("episodes_per_task", "num_workers", "camera_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"eval.{name} must be >= 1, got {getattr(self, name)}")
+        if self.first_init_state < 0:
+            raise ValueError(f"eval.first_init_state must be >= 0, got {self.first_init_state}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"eval.max_steps must be >= 1, got {self.max_steps}")
         if self.actions_per_chunk is not None and self.actions_per_chunk < 1:
@@ -110,7 +113,8 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
         raise ValueError(f"eval.actions_per_chunk ({per_chunk}) must be a multiple of {stride}: the model saw a frame "
                          f"every {stride} steps, and each query must end on one")
     if episodes is None:
-        todo = [(t, e, 1, None) for t in tasks for e in range(cfg.episodes_per_task)]
+        first = cfg.first_init_state
+        todo = [(t, e, 1, None) for t in tasks for e in range(first, first + cfg.episodes_per_task)]
         for t, e, _, _ in todo:
             if e >= t.num_init_states:
                 raise ValueError(f"task {t.index} of {cfg.suite!r} has {t.num_init_states} init states; "
@@ -251,18 +255,38 @@ def _write_video(path: Path, frames: list) -> str:
 # --- tables and across checkpoint steps ------------------------------------------------------------
 
 
+def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a success rate (sound at 0 and 1 successes, unlike the normal one)."""
+    if trials == 0:
+        return 0.0, 1.0
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * np.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _row(step, task, name: str, episodes: int, successes: int) -> dict:
+    low, high = wilson_interval(successes, episodes)
+    return {"step": step, "task": task, "task_name": name, "episodes": episodes, "successes": successes,
+            "rate": round(successes / episodes, 4) if episodes else 0.0, "ci_low": round(low, 4),
+            "ci_high": round(high, 4)}
+
+
 def summarize(results: list[EpisodeResult], step: int | None = None) -> list[dict]:
-    """Rows step, task, episodes, successes, rate: one per task, then `all`."""
+    """Rows step, task, episodes, successes, rate and its 95 % Wilson interval: one per task, then `all`."""
     rows = []
     for task in sorted({r.task for r in results}):
         rs = [r for r in results if r.task == task]
-        ok = sum(r.success for r in rs)
-        rows.append({"step": step, "task": task, "task_name": rs[0].task_name, "episodes": len(rs), "successes": ok,
-                     "rate": round(ok / len(rs), 4)})
-    ok = sum(r.success for r in results)
-    rows.append({"step": step, "task": "all", "task_name": "", "episodes": len(results), "successes": ok,
-                 "rate": round(ok / len(results), 4) if results else 0.0})
+        rows.append(_row(step, task, rs[0].task_name, len(rs), sum(r.success for r in rs)))
+    rows.append(_row(step, "all", "", len(results), sum(r.success for r in results)))
     return rows
+
+
+def pooled(rows: list[dict], steps: list) -> dict:
+    """The `all` rows of `steps` pooled into one (e.g. the last 3 checkpoints: a rate no checkpoint was picked for)."""
+    chosen = [r for r in rows if r["task"] == "all" and r["step"] in steps]
+    return _row(",".join(str(s) for s in steps), "all", "", sum(int(r["episodes"]) for r in chosen),
+                sum(int(r["successes"]) for r in chosen))
 
 
 def write_results(out_dir: str | Path, rows: list[dict], episodes: list[dict]) -> None:

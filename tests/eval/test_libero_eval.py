@@ -118,10 +118,12 @@ def test_tables_and_plot(tmp_path):
     _, res = _run(success_at={(0, 0): 1, (0, 1): 1, (1, 0): 2}, crashes={})
     rows = summarize(list(res.values()), step=100) + summarize(list(res.values())[:2], step=200)
     overall = [r for r in rows if r["task"] == "all"]
-    assert overall[0] == {"step": 100, "task": "all", "task_name": "", "episodes": 6, "successes": 3, "rate": 0.5}
+    assert overall[0] == {"step": 100, "task": "all", "task_name": "", "episodes": 6, "successes": 3, "rate": 0.5,
+                          "ci_low": 0.1876, "ci_high": 0.8124}
     assert [r["rate"] for r in rows if r["task"] == 0] == [1.0, 1.0]
     write_results(tmp_path, rows, [{"step": 100, "task": 0}])
-    assert (tmp_path / "results.csv").read_text().splitlines()[0] == "step,task,task_name,episodes,successes,rate"
+    assert (tmp_path / "results.csv").read_text().splitlines()[0] == \
+        "step,task,task_name,episodes,successes,rate,ci_low,ci_high"
     png = plot_success(rows, tmp_path / "plot.png", "t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -198,3 +200,30 @@ def test_a_replanning_interval_must_end_on_a_frame_the_model_saw(tiny_embodied):
                         progress=False, tasks=_tasks(1), pool_factory=lambda n: FramePool(n, {}, {}))
     with pytest.raises(ValueError, match="eval.context"):
         EvalConfig(context="window")
+
+
+def test_wilson_intervals_and_pooled_checkpoints():
+    from dzmodel.eval.libero_eval import pooled, wilson_interval
+
+    assert wilson_interval(0, 40)[0] == 0.0 and 0.08 < wilson_interval(0, 40)[1] < 0.09
+    low, high = wilson_interval(34, 80)  # round 2's 42.5 %
+    assert 0.32 < low < 0.33 and 0.53 < high < 0.54
+    rows = [{"step": s, "task": "all", "episodes": 10, "successes": k} for s, k in ((1, 9), (2, 2), (3, 4), (4, 6))]
+    last3 = pooled(rows, [2, 3, 4])
+    assert last3["episodes"] == 30 and last3["successes"] == 12 and last3["rate"] == 0.4 and last3["step"] == "2,3,4"
+
+
+def test_init_states_can_start_past_the_ones_that_picked_a_checkpoint():
+    seen = []
+
+    class Pool(ScriptedPool):
+        def reset(self, assignments):
+            seen.extend(ep for _, _, ep in assignments)
+            return super().reset(assignments)
+
+    evaluate_policy(FakePolicy(), EvalConfig(episodes_per_task=3, first_init_state=40, max_steps=2, videos=0),
+                    progress=False, tasks=_tasks(1), pool_factory=lambda n: Pool(n, {}, {}))
+    assert sorted(seen) == [40, 41, 42]
+    with pytest.raises(ValueError, match="has 50 init states; asked for 51"):
+        evaluate_policy(FakePolicy(), EvalConfig(episodes_per_task=3, first_init_state=48, videos=0),
+                        progress=False, tasks=_tasks(1), pool_factory=lambda n: Pool(n, {}, {}))
