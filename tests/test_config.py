@@ -70,6 +70,8 @@ def test_train_config_is_filled_from_the_stage_paths(tmp_path):
     (lambda r: r["profiles"]["demo"].pop("convert"), "profiles.demo.convert: missing (dvc.yaml's convert stage depends"),
     (lambda r: r["profiles"]["demo"]["train"].pop("seed"),
      "profiles.demo.train.seed: missing (dvc.yaml's cache stage depends on it; write it out, even as the default: 0)"),
+    (lambda r: r["profiles"]["demo"]["train"].pop("heldout_episodes"),
+     "profiles.demo.train.heldout_episodes: missing (dvc.yaml's metadata stage depends on it"),
     (lambda r: r.update(profile="nope"), "profile: 'nope' is not one of the profiles"),
     (lambda r: r["profiles"]["libero_5b"]["fetch"].pop("revision"), "fetch.revision: hub dataset"),
     (lambda r: r.update(extra=1), "extra: unknown key"),
