@@ -4,8 +4,10 @@
 A step is `accumulation` micro-batches of forward and backward, then gradient clipping and the optimizer. Per
 batch shape the token layout and the attention mask are built once. The diffusion timesteps and noise are drawn
 on the model's device from a per-sample seed (the sample's global stream position), so the same sample gets the
-same draws whatever the micro-batch, accumulation or world size. Loss sums stay on the device: nothing inside a
-step reads a value back to the host, so the GPU never waits on Python; the caller reads a step's metrics once.
+same draws whatever the micro-batch, accumulation or world size. The action noise is zero on the padded action
+dims (past the robot's own), which stay zero in the noisy input as they do at inference. Loss sums stay on the
+device: nothing inside a step reads a value back to the host, so the GPU never waits on Python; the caller
+reads a step's metrics once.
 """
 
 from __future__ import annotations
@@ -146,6 +148,8 @@ class TrainStep:
             raise ValueError(f"the batch has {actions.shape[1]} action rows, the model wants {blocks} chunks x "
                              f"{a.num_action_per_block} (embodiment action_horizon must equal num_action_per_block)")
         ids, aids, noise, noise_a = self.draws(positions, latents.shape, actions.shape)
+        # padded action dims: zero noise, so their noisy input is zero (and their target, masked anyway, too)
+        noise_a = noise_a * batch["action_mask"]
         s = self.schedule
         out = self.model(s.add_noise(latents, noise, ids, 2), latents, s.timestep(ids),
                          s.add_noise(actions, noise_a, aids, 1), s.timestep(aids), batch["state"],
