@@ -158,5 +158,7 @@ def test_a_cuda_step_never_synchronises():
         step()
         step()
         trainer.step(iter(pinned))
+        trainer.step.enable_prompt_dropout(1.0, pinned[0]["context"][:1].to(trainer.info.device))
+        step()  # the null prompt: the host's choice reaches the device without a sync
     finally:
         torch.cuda.set_sync_debug_mode("default")
