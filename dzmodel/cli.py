@@ -149,9 +149,10 @@ def cmd_data_metadata(ns: argparse.Namespace) -> int:
     from .data.embodiments import get_embodiment
 
     emb = get_embodiment(ns.embodiment, _registry(ns))
-    doc = embodiment_metadata(ns.dataset, emb, ns.out, merge=ns.merge, max_episodes=ns.max_episodes)
+    doc = embodiment_metadata(ns.dataset, emb, ns.out, merge=ns.merge, max_episodes=ns.max_episodes,
+                              heldout_episodes=ns.heldout_episodes)
     stats = doc[emb.tag]["statistics"]
-    print(f"wrote {ns.out} [{emb.tag}]")
+    print(f"wrote {ns.out} [{emb.tag}], statistics from {doc[emb.tag]['statistics_episodes']} episodes")
     for group, entries in stats.items():
         for key, st in entries.items():
             print(f"  {group}.{key}: {len(st['mean'])} dims, q01 {[round(v, 3) for v in st['q01'][:4]]}..., "
@@ -768,6 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="metadata.json to write (never inside the dataset)")
     p.add_argument("--merge", action="store_true", help="merge into an existing metadata.json")
     p.add_argument("--max-episodes", type=int)
+    p.add_argument("--heldout-episodes", type=int, default=0,
+                   help="leave out the last N episodes (train.heldout_episodes): statistics of the training episodes")
     p.set_defaults(func=cmd_data_metadata)
     p = data.add_parser("check", help="verify a dataset's files and, with --embodiment, its keys and one sample")
     p.add_argument("dataset")

@@ -34,7 +34,8 @@ _LIBERO_RECORDER = ("dzmodel/eval/libero_record.py", "dzmodel/eval/libero_expert
 
 STAGE_TABLE: dict[str, StageSpec] = {
     "fetch": StageSpec(params=("fetch",), code=("dzmodel/data", *_LIBERO_RECORDER)),
-    "metadata": StageSpec(upstream=("fetch",), params=("metadata",), code=("dzmodel/data",)),
+    # the statistics leave out the episodes training holds out
+    "metadata": StageSpec(upstream=("fetch",), params=("metadata", "train.heldout_episodes"), code=("dzmodel/data",)),
     "cache": StageSpec(upstream=("fetch", "metadata"),
                        params=("cache", *EMBODIMENT_FIELDS, *(f"train.{f}" for f in ENCODING_TRAIN_FIELDS)),
                        code=("dzmodel/data", "dzmodel/model", "dzmodel/train/cache.py", "dzmodel/train/encoders.py")),

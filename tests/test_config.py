@@ -35,10 +35,12 @@ def test_shipped_params_are_valid_with_six_profiles():
     differ = {k for k in set(scripted.train) | set(scripted_lora.train)
               if scripted.train.get(k) != scripted_lora.train.get(k)}
     assert differ == {"lora", "lr"} and scripted_lora.train["lora"]["rank"] == 64
+    assert scripted.train["prompt_dropout"] == 0.1  # both arms train the unconditional branch CFG would guide with
     assert scripted.promote.min_success > 0  # a gate that can fail
     demo = params.selected()
     assert demo.train["preset"] == "tiny" and demo.launch == {"nproc_per_node": 2, "nnodes": 1}
     assert demo.fetch.source == "synthetic" and demo.eval.device == "cpu"
+    assert train_config(demo, StagePaths(Path("."), "demo")).prompt_dropout == 0.0  # the demo runs without CFG
     assert params.selected("libero_5b").train["preset"] == "dreamzero_5b"
     assert params.selected("droid_14b").train["preset"] == "dreamzero_14b"
     assert params.selected("libero_5b").train["lr"] == 1e-5  # YAML 1.2 float, not the string '1.0e-5'
@@ -70,6 +72,10 @@ def test_train_config_is_filled_from_the_stage_paths(tmp_path):
     (lambda r: r["profiles"]["demo"].pop("convert"), "profiles.demo.convert: missing (dvc.yaml's convert stage depends"),
     (lambda r: r["profiles"]["demo"]["train"].pop("seed"),
      "profiles.demo.train.seed: missing (dvc.yaml's cache stage depends on it; write it out, even as the default: 0)"),
+    (lambda r: r["profiles"]["demo"]["train"].update(prompt_dropout=1.5),
+     "profiles.demo.train.prompt_dropout must be in [0, 1] (0: off), got 1.5"),
+    (lambda r: r["profiles"]["demo"]["train"].pop("heldout_episodes"),
+     "profiles.demo.train.heldout_episodes: missing (dvc.yaml's metadata stage depends on it"),
     (lambda r: r.update(profile="nope"), "profile: 'nope' is not one of the profiles"),
     (lambda r: r["profiles"]["libero_5b"]["fetch"].pop("revision"), "fetch.revision: hub dataset"),
     (lambda r: r.update(extra=1), "extra: unknown key"),

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _demo(tmp_path, *overrides):
-    params = load_params(ROOT / "params.yaml", ["fetch.synth_episodes=2", "fetch.synth_length=24", *overrides], "demo")
+    # 3 episodes: the demo holds out 2 (train.heldout_episodes), which the metadata stage leaves out too
+    params = load_params(ROOT / "params.yaml", ["fetch.synth_episodes=3", "fetch.synth_length=24", *overrides], "demo")
     return params.selected(), StagePaths(tmp_path, "demo")
 
 
@@ -42,6 +43,7 @@ def test_dvc_yaml_deps_and_params_are_the_stage_tables():
         for path in STAGE_TABLE[name].code:
             assert (ROOT / path).exists(), f"{name}: code path {path} does not exist"
     # the cache depends on what changes the encodings, not on the learning rate
+    assert "profiles.${profile}.train.heldout_episodes" in dvc["metadata"]["params"]  # its statistics leave them out
     assert "profiles.${profile}.train" not in dvc["cache"]["params"]
     assert "profiles.${profile}.train.encoder_weights" in dvc["cache"]["params"]
 
@@ -84,9 +86,14 @@ def test_the_code_fingerprint_changes_with_the_code_a_stage_runs(tmp_path):
 def test_fetch_and_metadata_record_results_and_detect_changed_outputs(tmp_path):
     prof, paths = _demo(tmp_path)
     fetched = run_stage("fetch", prof, paths, log=lambda s: None)
-    assert fetched["episodes"] == 2 and Path(fetched["dataset"]) == paths.dataset
+    assert fetched["episodes"] == 3 and Path(fetched["dataset"]) == paths.dataset
     meta = run_stage("metadata", prof, paths, log=lambda s: None)
-    assert meta["embodiment"] == "libero_sim_tiny" and json.loads(paths.metadata.read_text())["libero_sim_tiny"]
+    entry = json.loads(paths.metadata.read_text())["libero_sim_tiny"]
+    assert meta["embodiment"] == "libero_sim_tiny" and entry["statistics"]
+    # the statistics come from the training episodes only: train.heldout_episodes 2 of the 3 are left out
+    assert prof.train["heldout_episodes"] == 2
+    assert (entry["statistics_episodes"], entry["heldout_episodes"]) == (1, [1, 2])
+    assert (meta["statistics_episodes"], meta["heldout_episodes"]) == (1, [1, 2])
     assert (paths.metadata.parent / "statistics.csv").read_text().startswith("group,key,dim,mean,std,q01,q99")
     assert outputs_intact("fetch", paths) and outputs_intact("metadata", paths)
     record = json.loads((paths.run / "stages" / "metadata.json").read_text())

@@ -46,8 +46,9 @@ def load_statistics(metadata_path: str | Path, tag: str) -> dict:
 
 
 def embodiment_metadata(dataset: str | Path, emb: Embodiment, out: str | Path | None, merge: bool = False,
-                        max_episodes: int | None = None) -> dict:
-    """metadata.json for one dataset seen through one embodiment (its keys, slices and relative keys)."""
+                        max_episodes: int | None = None, heldout_episodes: int = 0) -> dict:
+    """metadata.json for one dataset seen through one embodiment (its keys, slices and relative keys), its
+    statistics over the training episodes: all but the last `heldout_episodes` (`heldout_split`)."""
     from .metadata import compute_metadata
 
     def keys(group):
@@ -57,7 +58,8 @@ def embodiment_metadata(dataset: str | Path, emb: Embodiment, out: str | Path | 
                 for k in ks if k.dim is not None}
     return compute_metadata(dataset, emb.tag, keys(emb.state), keys(emb.action), out,
                             relative_action_keys=emb.relative_action_keys, action_horizon=emb.action_horizon,
-                            video_keys=emb.views, merge=merge, max_episodes=max_episodes, declared_dims=declared)
+                            video_keys=emb.views, merge=merge, max_episodes=max_episodes, declared_dims=declared,
+                            heldout_episodes=heldout_episodes)
 
 
 def key_vectors(cols: dict, keys, rows) -> np.ndarray:

@@ -46,6 +46,10 @@ action key, with the same width), every anchor frame ``a`` of every episode and 
 ``action[a + k] - state[a]`` enters ``statistics.relative_action[key]`` (computed one episode at a
 time, so memory is bounded by the longest episode x horizon).
 
+Held-out episodes. ``heldout_episodes=N`` leaves out the last N episodes by index (the split training and the
+held-out evaluation use, ``dzmodel.data.dataset.heldout_split``): the statistics come from the training episodes
+only, and the entry says which (``statistics_episodes``: how many were used; ``heldout_episodes``: the indices).
+
 Nothing is ever written inside the dataset directory: an ``out_path`` there is a DataError.
 """
 
@@ -283,12 +287,29 @@ def _column_to_2d(arr, path: Path, column: str, row0: int) -> np.ndarray:
     return out
 
 
-def _iter_batches(
-    files: Sequence[Path], columns: Sequence[str], batch_rows: int, max_episodes: int | None
-) -> Iterator[tuple[Path, np.ndarray, np.ndarray | None, dict[str, np.ndarray]]]:
-    """Yield (file, episode_index [n], frame_index [n] | None, {column: float64 [n, w]}) per batch."""
+def _episode_indices(files: Sequence[Path]) -> list[int]:
+    """Every episode index in the data files (only their episode_index column is read)."""
     import pyarrow.parquet as pq
 
+    found: set[int] = set()
+    for path in files:
+        try:
+            column = pq.read_table(path, columns=["episode_index"]).column("episode_index")
+        except Exception as e:  # pyarrow raises several types for corrupt files or a missing column
+            raise DataError(f"{path}: cannot read column 'episode_index' ({e})") from e
+        found.update(np.unique(np.asarray(column.to_numpy(), dtype=np.int64)).tolist())
+    return sorted(found)
+
+
+def _iter_batches(
+    files: Sequence[Path], columns: Sequence[str], batch_rows: int, max_episodes: int | None,
+    excluded: Sequence[int] = (),
+) -> Iterator[tuple[Path, np.ndarray, np.ndarray | None, dict[str, np.ndarray]]]:
+    """Yield (file, episode_index [n], frame_index [n] | None, {column: float64 [n, w]}) per batch, without the
+    rows of the `excluded` episodes (which do not count towards `max_episodes`)."""
+    import pyarrow.parquet as pq
+
+    excluded_arr = np.asarray(sorted(excluded), dtype=np.int64)
     allowed: dict[int, None] = {}
     done = False
     for path in files:
@@ -309,18 +330,19 @@ def _iter_batches(
         for batch in pf.iter_batches(batch_size=batch_rows, columns=want):
             n = batch.num_rows
             ep = np.asarray(batch.column("episode_index").to_numpy(zero_copy_only=False), dtype=np.int64)
-            keep = None
+            keep = ~np.isin(ep, excluded_arr) if excluded_arr.size else None
             if max_episodes is not None:
-                for e in dict.fromkeys(ep.tolist()):
+                for e in dict.fromkeys((ep if keep is None else ep[keep]).tolist()):
                     if e not in allowed and len(allowed) < max_episodes:
                         allowed[e] = None
-                keep = np.isin(ep, np.fromiter(allowed, dtype=np.int64, count=len(allowed)))
-                if not keep.any():
-                    if len(allowed) >= max_episodes:
-                        done = True  # episodes are contiguous in v3 files: the rest is beyond the limit
-                        break
-                    row0 += n
-                    continue
+                within = np.isin(ep, np.fromiter(allowed, dtype=np.int64, count=len(allowed)))
+                keep = within if keep is None else keep & within
+            if keep is not None and not keep.any():
+                if max_episodes is not None and len(allowed) >= max_episodes:
+                    done = True  # episodes are contiguous in v3 files: the rest is beyond the limit
+                    break
+                row0 += n
+                continue
             cols = {c: _column_to_2d(batch.column(c), path, c, row0) for c in columns}
             fi = (
                 np.asarray(batch.column("frame_index").to_numpy(zero_copy_only=False), dtype=np.int64)
@@ -432,6 +454,7 @@ def compute_metadata(
     video_keys: Mapping[str, str] | None = None,
     merge: bool = False,
     max_episodes: int | None = None,
+    heldout_episodes: int = 0,
     progress: bool = True,
     quantile_bins: int = DEFAULT_QUANTILE_BINS,
     exact_threshold: int = DEFAULT_EXACT_THRESHOLD,
@@ -454,12 +477,17 @@ def compute_metadata(
             short name = the part after the last dot.
         merge: keep the other embodiment tags of an existing ``out_path`` (same tag replaced).
         max_episodes: use only the first N episodes met in the data files (quick looks).
+        heldout_episodes: leave out the last N episodes by index, as training does (``train.heldout_episodes``,
+            ``heldout_split``), so the held-out evaluation's episodes do not shape the normalisation.
         quantile_bins: histogram bins per dimension for q01/q99 above ``exact_threshold`` rows;
             the error is at most (max - min) / quantile_bins per dimension.
         exact_threshold: at most this many rows (values per dimension) per key -> exact quantiles.
         batch_rows: rows per parquet batch read (memory bound of one pass).
         declared_dims: {(group, key): dim} the embodiment declares; a key whose data has another width is a
             DataError, and nothing is written.
+
+    The entry records the episodes its statistics come from: ``statistics_episodes`` (how many) and
+    ``heldout_episodes`` (the indices left out).
 
     Returns the whole document written (``{tag: entry}``, plus other tags when merging).
     Raises DataError for a missing/bad column, a NaN or null (naming file, column and row), a slice
@@ -482,6 +510,8 @@ def compute_metadata(
         raise DataError(f"quantile_bins: must be >= 1, got {quantile_bins}")
     if max_episodes is not None and max_episodes < 1:
         raise DataError(f"max_episodes: must be >= 1, got {max_episodes}")
+    if heldout_episodes < 0:
+        raise DataError(f"heldout_episodes: must be >= 0, got {heldout_episodes}")
     if not state_keys and not action_keys:
         raise DataError("state_keys / action_keys: none configured")
 
@@ -496,6 +526,12 @@ def compute_metadata(
     info = _load_info(root)
     files = _data_files(root)
     columns = sorted({s.column for group in specs.values() for s in group.values()})
+    heldout: list[int] = []
+    if heldout_episodes:
+        from .dataset import heldout_split
+
+        _, heldout = heldout_split(_episode_indices(files), heldout_episodes, "train.heldout_episodes")
+    used_episodes: set[int] = set()
 
     stats = {g: {k: _Stats(f"{g}.{k}", exact_threshold, quantile_bins) for k in specs[g]} for g in specs}
     rel = {k: _Stats(f"relative_action.{k}", exact_threshold, quantile_bins) for k in relative_action_keys}
@@ -540,8 +576,9 @@ def compute_metadata(
         total = None if max_episodes else info.get("total_frames")
         bar = Progress(total, desc="statistics" + (" (quantiles)" if hist else ""), unit="row",
                        enabled=progress)
-        for path, ep, fi, cols in _iter_batches(files, columns, batch_rows, max_episodes):
+        for path, ep, fi, cols in _iter_batches(files, columns, batch_rows, max_episodes, heldout):
             rows += len(ep)
+            used_episodes.update(np.unique(ep).tolist())
             bar.update(n=len(ep))
             for g in specs:
                 for k in specs[g]:
@@ -590,6 +627,8 @@ def compute_metadata(
             "action": modality("action"),
         },
         "embodiment_tag": embodiment_tag,
+        "statistics_episodes": len(used_episodes),
+        "heldout_episodes": heldout,
     }
     doc = {embodiment_tag: entry}
     if out_path is not None:

@@ -18,6 +18,20 @@ from .args import DreamZeroArgs
 from .t5 import zero_beyond_lengths
 
 
+# The unconditional prompt: what inference's CFG branch encodes by default (`DreamZeroPolicy.negative_prompt`) and
+# what training's prompt dropout (`train.prompt_dropout`) substitutes, so that branch sees a context it trained on.
+NULL_PROMPT = ""
+
+
+@torch.no_grad()
+def encode_prompts(tokenizer, text_encoder, prompts: list[str], text_len: int, device) -> torch.Tensor:
+    """umT5 embeddings [B, text_len, text_dim] of `prompts`, zero past each prompt's own length: the tokens,
+    mask and zeroing of `encode_batch` (training) and `DreamZeroPolicy._text` (inference)."""
+    ids, mask = tokenizer(list(prompts), max_length=text_len)
+    ids, mask = ids.to(device), mask.to(device)
+    return zero_beyond_lengths(text_encoder(ids, mask), mask)
+
+
 @dataclass
 class EncodedBatch:
     clean_latents: torch.Tensor        # [B, z, F, h, w], normalised

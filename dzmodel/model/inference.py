@@ -241,16 +241,32 @@ def split_cfg(cache: KVCache, cond: Conditioning) -> tuple[tuple[KVCache, KVCach
     return caches, conds  # type: ignore[return-value]
 
 
+def real_action_dims(actions: torch.Tensor, action_dims: int | None) -> torch.Tensor:
+    """bool [action_dim]: True on the robot's own action dims (the first `action_dims`; None: all), False on the
+    padding up to the model's action_dim. Built on the actions' device (inside a CUDA graph, a captured kernel)."""
+    width = actions.shape[-1]
+    if action_dims is None:
+        action_dims = width
+    if not 1 <= action_dims <= width:
+        raise ValueError(f"action_dims must be in [1, {width}] (the model's action_dim), got {action_dims}")
+    return torch.arange(width, device=actions.device) < action_dims
+
+
 def solve(model: DreamZeroWAM, cache: KVCache, cond: Conditioning, state: torch.Tensor, video: torch.Tensor,
-          actions: torch.Tensor, solver: SolverConfig, guided: bool) -> tuple[torch.Tensor, torch.Tensor]:
+          actions: torch.Tensor, solver: SolverConfig, guided: bool, action_dims: int | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Euler flow solver from sigma 1 to 0 starting at the noise (`video`, `actions`, batch B).
 
     guided: `cache` and `cond` hold [cond, uncond] interleaved per sample (batch 2B) and the video velocity is
     guided with `solver.cfg_scale` (actions use the conditional prediction, as upstream). Steps that the
-    `dit_steps` schedule skips reuse the last velocity. Pure tensor work: it is what a CUDA graph captures."""
+    `dit_steps` schedule skips reuse the last velocity. action_dims: the robot's own action dims; the padding past
+    them is zero from the start and after every step, as training feeds it (the model's velocity there is
+    meaningless, never trained). Pure tensor work: it is what a CUDA graph captures."""
     B = video.shape[0]
     dtype = model.patch_embedding.weight.dtype
     sigmas = solver.sigmas()
+    real = real_action_dims(actions, action_dims)
+    actions = torch.where(real, actions, 0.0)
     pair = 2 if guided else 1
     state_in = state.to(dtype).repeat_interleave(pair, 0)
     cross = model.cross_kv(cond.text, cond.image) if solver.reuse_cross_kv else None  # once per chunk
@@ -262,18 +278,20 @@ def solve(model: DreamZeroWAM, cache: KVCache, cond: Conditioning, state: torch.
                                       actions.to(dtype).repeat_interleave(pair, 0), state_in, t, cond, cross)
             vv, va = vv.float().unflatten(0, (B, pair)), va.float().unflatten(0, (B, pair))
             v_video = vv[:, 1] + solver.cfg_scale * (vv[:, 0] - vv[:, 1]) if guided else vv[:, 0]
-            v_action = va[:, 0]
+            v_action = torch.where(real, va[:, 0], 0.0)
         video = video + (s_next - s) * v_video
         actions = actions + (s_next - s) * v_action
     return video, actions
 
 
 def solve_two_passes(model: DreamZeroWAM, caches: tuple[KVCache, KVCache], conds: tuple[Conditioning, Conditioning],
-                     state: torch.Tensor, video: torch.Tensor, actions: torch.Tensor, solver: SolverConfig
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     state: torch.Tensor, video: torch.Tensor, actions: torch.Tensor, solver: SolverConfig,
+                     action_dims: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The guided solver with separate conditional and unconditional forwards (`batch_cfg=False`, the reference)."""
     dtype = model.patch_embedding.weight.dtype
     sigmas = solver.sigmas()
+    real = real_action_dims(actions, action_dims)
+    actions = torch.where(real, actions, 0.0)
     cross = [model.cross_kv(c.text, c.image) if solver.reuse_cross_kv else None for c in conds]
     for run, s, s_next in zip(solver.dit_mask(), sigmas[:-1], sigmas[1:]):
         if run:
@@ -282,35 +300,40 @@ def solve_two_passes(model: DreamZeroWAM, caches: tuple[KVCache, KVCache], conds
             v_video, v_action = denoise_velocity(model, caches[0], *args, conds[0], cross[0])
             u_video, _ = denoise_velocity(model, caches[1], *args, conds[1], cross[1])
             v_video = u_video.float() + solver.cfg_scale * (v_video.float() - u_video.float())
-            v_action = v_action.float()
+            v_action = torch.where(real, v_action.float(), 0.0)
         video = video + (s_next - s) * v_video
         actions = actions + (s_next - s) * v_action
     return video, actions
 
 
 def draw_noise(model: DreamZeroWAM, batch: int, latent_hw: tuple[int, int], device: torch.device,
-               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               generator: torch.Generator | None = None, action_dims: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The solver's starting noise: video latents and actions, the actions zero past the robot's `action_dims`
+    (the real dims' noise is the same whatever `action_dims` is)."""
     a = model.args
     # the noisy latent has out_dim channels (the velocity's); 14B's in_dim adds the 4 + z first-frame condition
     video = torch.randn(batch, a.out_dim, a.num_frame_per_block, *latent_hw, generator=generator, device=device)
     actions = torch.randn(batch, a.num_action_per_block, a.action_dim, generator=generator, device=device)
-    return video, actions
+    return video, torch.where(real_action_dims(actions, action_dims), actions, 0.0)
 
 
 @torch.no_grad()
 def sample_block(model: DreamZeroWAM, caches: tuple[KVCache, KVCache | None], conds: tuple[Conditioning, Conditioning | None],
                  state: torch.Tensor, latent_hw: tuple[int, int], solver: SolverConfig,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 generator: torch.Generator | None = None, action_dims: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The next block from separate conditional and unconditional caches: noise, then the Euler solver.
-    CFG (scale != 1 with an unconditional cache) on video only."""
-    video, actions = draw_noise(model, state.shape[0], latent_hw, state.device, generator)
+    CFG (scale != 1 with an unconditional cache) on video only. action_dims: the robot's own (None: all)."""
+    video, actions = draw_noise(model, state.shape[0], latent_hw, state.device, generator, action_dims)
     guided = solver.cfg_scale != 1.0 and caches[1] is not None and conds[1] is not None
     if guided and not solver.batch_cfg:
-        return solve_two_passes(model, caches, conds, state, video, actions, solver)  # type: ignore[arg-type]
+        return solve_two_passes(model, caches, conds, state, video, actions, solver,  # type: ignore[arg-type]
+                                action_dims)
     if guided:
         cache, cond = interleave_cfg(caches, conds)  # type: ignore[arg-type]
-        return solve(model, cache, cond, state, video, actions, solver, guided=True)
-    return solve(model, caches[0], conds[0], state, video, actions, solver, guided=False)
+        return solve(model, cache, cond, state, video, actions, solver, guided=True, action_dims=action_dims)
+    return solve(model, caches[0], conds[0], state, video, actions, solver, guided=False, action_dims=action_dims)
 
 
 # --- timing ----------------------------------------------------------------------------
@@ -543,22 +566,24 @@ class DreamZeroPolicy:
 
     def _solve(self, cache: KVCache, cond: Conditioning, state: torch.Tensor, video: torch.Tensor,
                actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(predicted video latents, actions) of one block."""
+        """(predicted video latents, actions) of one block; the actions' padding past the robot's dims stays zero."""
+        action_dims = self.action_stats.q01.shape[0]
         if self.guided and not self.solver.batch_cfg:
             caches, conds = split_cfg(cache, cond)
-            return solve_two_passes(self.model, caches, conds, state, video, actions, self.solver)
+            return solve_two_passes(self.model, caches, conds, state, video, actions, self.solver, action_dims)
         if not self.graphs.enabled:
-            return solve(self.model, cache, cond, state, video, actions, self.solver, self.guided)
+            return solve(self.model, cache, cond, state, video, actions, self.solver, self.guided, action_dims)
         kv, frames, guided, solver = cache.leaves(), cache.num_frames, self.guided, self.solver
 
         def make():
             def fn(*leaves):
                 c, rest = KVCache.from_leaves(leaves[:len(kv)], frames), leaves[len(kv):]
                 s, v, a = rest[-3:]
-                return list(solve(self.model, c, cond.rebuild(list(rest[:-3])), s, v, a, solver, guided))
+                return list(solve(self.model, c, cond.rebuild(list(rest[:-3])), s, v, a, solver, guided, action_dims))
             return fn
 
-        key = ("solve", frames, guided, cond.image is not None, cond.y is not None)
+        # action_dims is a constant of the captured graph (its real-dims mask is built inside it): part of the key
+        key = ("solve", frames, guided, cond.image is not None, cond.y is not None, action_dims)
         video, actions = self.graphs.run(key, make, kv + cond.tensors() + [state, video, actions])
         return video, actions
 

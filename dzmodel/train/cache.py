@@ -10,7 +10,8 @@ are lost; a cache holds every `stride`-th anchor. Diffusion noise and timesteps 
 
 Layout (a DVC stage can track the directory):
     index.json                 config, datasets, embodiment, stride, shards and their sizes
-    text.safetensors           embeddings [P, text_len, text_dim] of the P unique prompts
+    text.safetensors           embeddings [P, text_len, text_dim] of the P unique prompts, and null_context
+                               [1, text_len, text_dim]: the null prompt's (train.prompt_dropout substitutes it)
     shard_00000.safetensors    clean_latents [n, z, F, h, w], clip_feature [n, T, D], state, action,
                                action_mask, prompt_index [n] (and y for first-frame models)
 Built in `<out>.tmp` and renamed.
@@ -31,7 +32,7 @@ from ..data.dataset import load_statistics
 from ..data.embodiments import get_embodiment, load_embodiments
 from ..data.sampling import WindowSpec
 from ..model.args import preset
-from ..model.conditioning import encode_batch
+from ..model.conditioning import NULL_PROMPT, encode_batch, encode_prompts
 from ..progress import Progress
 from .config import TrainConfig
 from .encoders import frozen_encoders
@@ -40,10 +41,11 @@ CACHE_VERSION = 1
 
 
 class CacheWriter:
-    """Writes a cache directory in `<out>.tmp` (rows in shards, one text row per unique prompt) and renames it
-    into place when finished: a failed build never leaves a half cache under the real name."""
+    """Writes a cache directory in `<out>.tmp` (rows in shards, one text row per unique prompt, and the null
+    prompt's row `null_context` [1, text_len, text_dim]) and renames it into place when finished: a failed build
+    never leaves a half cache under the real name."""
 
-    def __init__(self, out_dir: str | Path, shard_size: int = 256):
+    def __init__(self, out_dir: str | Path, null_context: torch.Tensor, shard_size: int = 256):
         self.out = Path(out_dir)
         self.tmp = self.out.with_name(self.out.name + ".tmp")
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -53,6 +55,7 @@ class CacheWriter:
         self.text_rows: list[torch.Tensor] = []
         self.shards: list[dict] = []
         self.pending: list[dict[str, torch.Tensor]] = []
+        self.null_context = null_context.detach().cpu()  # [1, text_len, text_dim], the null prompt's embedding
 
     def prompt_index(self, prompt: str, context: torch.Tensor) -> int:
         """The index of a prompt's text row; `context` [text_len, text_dim] is stored the first time."""
@@ -78,7 +81,8 @@ class CacheWriter:
 
     def finish(self, **index) -> Path:
         self._flush()
-        save_file({"context": torch.cat(self.text_rows)}, str(self.tmp / "text.safetensors"))
+        save_file({"context": torch.cat(self.text_rows), "null_context": self.null_context},
+                  str(self.tmp / "text.safetensors"))
         index = {"version": CACHE_VERSION, **index, "prompts": list(self.prompts), "shards": self.shards,
                  "samples": sum(s["samples"] for s in self.shards)}
         (self.tmp / "index.json").write_text(json.dumps(index, indent=1))
@@ -105,7 +109,8 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
 
         tokenizer = load_tokenizer(cfg.tokenizer)
     collate = Collator(tokenizer, a.text_len, a.max_state_dim, a.action_dim)
-    writer = CacheWriter(out_dir, shard_size)
+    writer = CacheWriter(out_dir, encode_prompts(tokenizer, encoders.text_encoder, [NULL_PROMPT], a.text_len, device),
+                         shard_size)
     items = [(d, i) for d, ds in enumerate(datasets) for i in range(0, len(ds), stride)]
     bar = Progress(len(items), enabled=progress, desc="cache", unit="sample")
     with torch.no_grad():
@@ -141,7 +146,7 @@ def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_
 
     a = preset(preset_name, **(model_overrides or {}))
     g = torch.Generator().manual_seed(seed)
-    writer = CacheWriter(out_dir)
+    writer = CacheWriter(out_dir, torch.randn(1, a.text_len, a.text_dim, generator=g).to(dtype))  # a synthetic null
     K, A = a.max_chunk_size, a.num_action_per_block
     bar = Progress(samples, enabled=progress, desc="cache", unit="sample")
     for start in range(0, samples, 16):
@@ -175,7 +180,9 @@ class CachedWindows(torch.utils.data.Dataset):
         self.index = json.loads(index_path.read_text())
         if expect_preset and self.index["preset"] != expect_preset:
             raise ValueError(f"{self.root}: cache was built for preset {self.index['preset']!r}, not {expect_preset!r}")
-        self.text = load_file(str(self.root / "text.safetensors"))["context"]
+        text = load_file(str(self.root / "text.safetensors"))
+        self.text = text["context"]
+        self.null_context = text.get("null_context")  # absent in caches built before prompt dropout
         self.offsets = [0]
         for s in self.index["shards"]:
             self.offsets.append(self.offsets[-1] + s["samples"])

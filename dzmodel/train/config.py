@@ -43,6 +43,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     ema_decay: float = 0.0                  # > 0: keep an EMA of the trainable weights (e.g. 0.999); 0: off
     noise_on: str = "device"                # where each sample's timesteps and noise are drawn: device | cpu
+    # a sample's prompt is replaced by the null prompt "" with this probability (decided per sample from the seed
+    # and its stream position), so inference's unconditional CFG branch sees a context it was trained on
+    prompt_dropout: float = 0.0
     # systems
     precision: str = "fp32"                 # compute dtype: fp32 | bf16 (master weights and Adam state stay fp32)
     reduce_dtype: str = "fp32"              # gradient reduce-scatter dtype: fp32 | bf16
@@ -91,6 +94,8 @@ class TrainConfig:
             raise ValueError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"train.ema_decay must be in [0, 1) (0: no EMA), got {self.ema_decay}")
+        if not 0 <= self.prompt_dropout <= 1:
+            raise ValueError(f"train.prompt_dropout must be in [0, 1] (0: off), got {self.prompt_dropout}")
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError("train.lr and train.grad_clip must be > 0")
 

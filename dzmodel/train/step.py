@@ -4,14 +4,17 @@
 A step is `accumulation` micro-batches of forward and backward, then gradient clipping and the optimizer. Per
 batch shape the token layout and the attention mask are built once. The diffusion timesteps and noise are drawn
 on the model's device from a per-sample seed (the sample's global stream position), so the same sample gets the
-same draws whatever the micro-batch, accumulation or world size. Loss sums stay on the device: nothing inside a
-step reads a value back to the host, so the GPU never waits on Python; the caller reads a step's metrics once.
+same draws whatever the micro-batch, accumulation or world size, and so does the prompt dropout's choice of the
+samples that see the null prompt. The action noise is zero on the padded action dims (past the robot's own), which
+stay zero in the noisy input as they do at inference. Loss sums stay on the device: nothing inside a step reads a
+value back to the host, so the GPU never waits on Python; the caller reads a step's metrics once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -62,6 +65,7 @@ class TrainStep:
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         self.ema: dict[str, torch.Tensor] | None = None  # `enable_ema`
+        self.prompt_dropout, self.null_context = 0.0, None  # `enable_prompt_dropout`
         self.schedule = FlowMatchSchedule()
         if noise_on not in ("device", "cpu"):
             raise ValueError(f"noise_on must be 'device' or 'cpu', got {noise_on!r}")
@@ -78,6 +82,21 @@ class TrainStep:
             raise ValueError(f"train.ema_decay must be in (0, 1) to keep an EMA, got {decay}")
         self.ema_decay = decay
         self.ema = {n: p.detach().clone() for n, p in self.named_params}
+
+    def enable_prompt_dropout(self, p: float, null_context: torch.Tensor) -> None:
+        """With probability `p` a sample trains on `null_context` [1, text_len, text_dim], the null prompt's
+        encoding (`conditioning.NULL_PROMPT`, what inference's unconditional CFG branch sees), instead of its own."""
+        if not 0 <= p <= 1:
+            raise ValueError(f"train.prompt_dropout must be in [0, 1], got {p}")
+        if null_context.dim() != 3 or null_context.shape[0] != 1:
+            raise ValueError(f"the null prompt's context must be [1, text_len, text_dim], got {tuple(null_context.shape)}")
+        self.prompt_dropout, self.null_context = p, null_context.to(self.device)
+
+    def dropped_prompts(self, positions: torch.Tensor) -> list[bool]:
+        """Which samples see the null prompt, from (noise_seed, position) alone, on the host: the same on any
+        device and micro-batch split, so a resumed run drops the same samples."""
+        return [random.Random(f"prompt_dropout/{self.noise_seed}/{pos}").random() < self.prompt_dropout
+                for pos in positions.tolist()]
 
     # -- per shape -----------------------------------------------------------------------------
 
@@ -146,10 +165,18 @@ class TrainStep:
             raise ValueError(f"the batch has {actions.shape[1]} action rows, the model wants {blocks} chunks x "
                              f"{a.num_action_per_block} (embodiment action_horizon must equal num_action_per_block)")
         ids, aids, noise, noise_a = self.draws(positions, latents.shape, actions.shape)
+        # padded action dims: zero noise, so their noisy input is zero (and their target, masked anyway, too)
+        noise_a = noise_a * batch["action_mask"]
+        context = enc.context
+        if self.prompt_dropout:
+            dropped = self.dropped_prompts(positions)
+            if any(dropped):  # a host list: no device read
+                use_null = torch.tensor(dropped).to(dev, non_blocking=True)[:, None, None]
+                context = torch.where(use_null, self.null_context.to(context.dtype), context)
         s = self.schedule
         out = self.model(s.add_noise(latents, noise, ids, 2), latents, s.timestep(ids),
                          s.add_noise(actions, noise_a, aids, 1), s.timestep(aids), batch["state"],
-                         enc.context, enc.clip_feature, y=enc.y, mask=self.mask(latents.shape))
+                         context, enc.clip_feature, y=enc.y, mask=self.mask(latents.shape))
         return flow_matching_losses(s, out.video_pred, out.action_pred, latents, noise, actions, noise_a,
                                     ids, aids, batch["action_mask"], batch["has_real_action"])
 

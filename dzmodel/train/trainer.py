@@ -34,6 +34,7 @@ from ..data.transforms import NormStats
 from ..data.video import worker_init_fn
 from ..dirlock import directory_lock
 from ..model.args import OFFLINE_PRESETS, preset
+from ..model.conditioning import NULL_PROMPT, encode_prompts
 from ..model.lora import apply_lora
 from ..model.state_dict import load_wan_dit
 from ..model.vae import WanVideoVAE38
@@ -234,6 +235,11 @@ class Trainer:
                                        world_size=self.info.world_size)
             self.collate = collate_cached
             self.flops_per_sample = a.flops(tuple(self.cached[0]["clean_latents"].shape[-2:])).train()
+            if cfg.prompt_dropout:
+                if self.cached.null_context is None:
+                    raise DataError(f"{cfg.cache}: has no null-prompt context, which train.prompt_dropout needs "
+                                    "(built before prompt dropout); rebuild it with `dz cache`")
+                self.step.enable_prompt_dropout(cfg.prompt_dropout, self.cached.null_context)
             return
         self.cached = None
         if not cfg.datasets:
@@ -255,6 +261,9 @@ class Trainer:
         vae_factor = 16 if isinstance(self.encoders.vae, WanVideoVAE38) else 8
         h, w = emb.image_size
         self.flops_per_sample = a.flops((h // vae_factor, w // vae_factor)).train()
+        if cfg.prompt_dropout:
+            null = encode_prompts(tokenizer, self.encoders.text_encoder, [NULL_PROMPT], a.text_len, self.info.device)
+            self.step.enable_prompt_dropout(cfg.prompt_dropout, null)
 
     def _tokenizer(self):
         from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer

@@ -18,6 +18,10 @@ def test_synth_check_metadata_and_fetch(tmp_path, capsys):
     assert set(json.loads(meta.read_text())) == {"libero_sim"}
     assert main(["data", "metadata", str(ds), "--embodiment", "franka_pnp", "--out", str(meta), "--merge"]) == 0
     assert set(json.loads(meta.read_text())) == {"libero_sim", "franka_pnp"}
+    held = tmp_path / "meta" / "held.json"  # as the pipeline writes it for train.heldout_episodes 1
+    assert main(["data", "metadata", str(ds), "--embodiment", "libero_sim", "--out", str(held), "--heldout-episodes", "1"]) == 0
+    assert "statistics from 2 episodes" in capsys.readouterr().out
+    assert json.loads(held.read_text())["libero_sim"]["heldout_episodes"] == [2]
     # never inside the dataset
     assert main(["data", "metadata", str(ds), "--embodiment", "libero_sim", "--out", str(ds / "m.json")]) == 2
     assert "never written into a dataset" in capsys.readouterr().err

@@ -15,8 +15,10 @@ pq = pytest.importorskip("pyarrow.parquet")
 STATS = ("min", "max", "mean", "std", "q01", "q99")
 
 
-def make_dataset(root: Path, lengths, state_dim=8, action_dim=7, seed=0, files=1, nan_at=None, dist="normal"):
-    """A minimal v3.0-like dataset: meta/info.json + data parquet file(s) with fixed-size-list columns."""
+def make_dataset(root: Path, lengths, state_dim=8, action_dim=7, seed=0, files=1, nan_at=None, dist="normal",
+                 extreme_episodes=()):
+    """A minimal v3.0-like dataset: meta/info.json + data parquet file(s) with fixed-size-list columns.
+    extreme_episodes: episodes whose state and actions are scaled by 100."""
     rng = np.random.default_rng(seed)
     n = int(sum(lengths))
     if dist == "normal":
@@ -29,6 +31,9 @@ def make_dataset(root: Path, lengths, state_dim=8, action_dim=7, seed=0, files=1
     if nan_at is not None:
         state[nan_at, 2] = np.nan
     ep = np.repeat(np.arange(len(lengths)), lengths)
+    extreme = np.isin(ep, list(extreme_episodes))
+    state[extreme] *= 100
+    action[extreme] *= 100
     fi = np.concatenate([np.arange(L) for L in lengths])
     features = {
         "observation.images.front": {"dtype": "video", "shape": [48, 80, 3], "names": ["height", "width", "channels"],
@@ -191,6 +196,36 @@ def test_max_episodes(tmp_path):
     doc = compute_metadata(tmp_path / "ds", "t", {"s": "observation.state"}, {"a": "action"}, max_episodes=2,
                            batch_rows=3)
     assert_stats_equal(doc["t"]["statistics"]["state"]["s"], np_stats(state[:10]))
+
+
+def test_heldout_episodes_are_left_out_of_the_statistics(tmp_path):
+    """train.heldout_episodes N: the last N episodes (here with extreme values) shape no statistic, relative
+    actions included, and the entry records where the statistics came from."""
+    from dzmodel.data.dataset import heldout_split
+
+    lengths = [6, 8, 7, 5, 9]
+    state, action, ep, _ = make_dataset(tmp_path / "ds", lengths, state_dim=7, files=2, extreme_episodes=(3, 4))
+    keys = dict(state_keys={"x": "observation.state"}, action_keys={"x": "action"}, relative_action_keys=["x"],
+                action_horizon=2, batch_rows=4)
+    held = compute_metadata(tmp_path / "ds", "t", out_path=tmp_path / "meta.json", heldout_episodes=2, **keys)["t"]
+    every = compute_metadata(tmp_path / "ds", "t", **keys)["t"]
+    train_eps, held_eps = heldout_split(range(len(lengths)), 2)  # the trainer's split
+    assert held_eps == [3, 4]
+    rows = np.isin(ep, train_eps)
+    assert_stats_equal(held["statistics"]["state"]["x"], np_stats(state[rows]))
+    assert_stats_equal(held["statistics"]["action"]["x"], np_stats(action[rows]))
+    for group in ("state", "action", "relative_action"):
+        assert max(every["statistics"][group]["x"]["q99"]) > 10 * max(held["statistics"][group]["x"]["q99"]), group
+    assert (held["statistics_episodes"], held["heldout_episodes"]) == (3, [3, 4])
+    assert (every["statistics_episodes"], every["heldout_episodes"]) == (5, [])
+    assert json.loads((tmp_path / "meta.json").read_text())["t"]["statistics_episodes"] == 3
+    first = compute_metadata(tmp_path / "ds", "t", heldout_episodes=2, max_episodes=2, **keys)["t"]  # a quick look
+    assert first["statistics_episodes"] == 2
+    assert_stats_equal(first["statistics"]["action"]["x"], np_stats(action[ep < 2]))
+    with pytest.raises(DataError, match="train.heldout_episodes: 5 held-out episodes must leave at least one"):
+        compute_metadata(tmp_path / "ds", "t", heldout_episodes=5, **keys)
+    with pytest.raises(DataError, match="heldout_episodes: must be >= 0, got -1"):
+        compute_metadata(tmp_path / "ds", "t", heldout_episodes=-1, **keys)
 
 
 def test_refuses_out_path_inside_dataset(tmp_path):

@@ -68,6 +68,24 @@ def test_draws_depend_on_the_sample_position_only():
     assert torch.equal(aids[:, :a.num_action_per_block], ids[:, 1:2].expand(-1, a.num_action_per_block))
 
 
+def test_the_noisy_action_input_is_zero_on_padded_dims():
+    """Dims past the robot's own (action_mask False) get no noise: the model is fed zeros there, as at inference,
+    and the real dims' noise is the draws' (unchanged by the padding)."""
+    trainer, batches = _trainer(accumulation=1)
+    batch = dict(next(batches))
+    real = 5
+    batch["action_mask"] = batch["action_mask"].clone()
+    batch["action_mask"][..., real:] = False
+    batch["action"] = batch["action"] * batch["action_mask"]  # as collated: zero past the robot's dims
+    fed = []
+    trainer.model.register_forward_pre_hook(lambda module, args: fed.append(args[3].detach().clone()))
+    trainer.step.losses(batch)
+    noisy = fed[0]
+    assert not noisy[..., real:].any() and noisy[..., :real].abs().min() > 0
+    _, aids, _, noise_a = trainer.step.draws(batch["position"], batch["clean_latents"].shape, batch["action"].shape)
+    torch.testing.assert_close(noisy[..., :real], trainer.step.schedule.add_noise(batch["action"], noise_a, aids, 1)[..., :real])
+
+
 def test_online_per_sample_encoding_equals_batched():
     trainer, batches = _trainer(accumulation=1, encoders="online_batched")
     batch = next(batches)
@@ -140,5 +158,7 @@ def test_a_cuda_step_never_synchronises():
         step()
         step()
         trainer.step(iter(pinned))
+        trainer.step.enable_prompt_dropout(1.0, pinned[0]["context"][:1].to(trainer.info.device))
+        step()  # the null prompt: the host's choice reaches the device without a sync
     finally:
         torch.cuda.set_sync_debug_mode("default")
