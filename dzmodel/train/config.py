@@ -30,6 +30,9 @@ class TrainConfig:
     skip_missing: bool = False              # train on the other episodes when some view videos are missing (listed)
     # optimisation (reference §5.1)
     steps: int = 100
+    # when set, the run's length in passes over the training windows (one per anchor frame): steps becomes
+    # ceil(epochs x windows / global_batch), so a bigger recording trains longer at the same recipe
+    epochs: float | None = None
     stop_at: int | None = None              # end this invocation after this step (schedule still spans `steps`)
     micro_batch: int = 2
     global_batch: int = 2                   # = micro_batch x world_size x accumulation
@@ -84,6 +87,8 @@ class TrainConfig:
         for name in ("steps", "micro_batch", "global_batch", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"train.epochs must be > 0 (null: train.steps sets the length), got {self.epochs}")
         if self.save_every < 0:
             raise ValueError(f"train.save_every must be >= 0 (0: never checkpoint), got {self.save_every}")
         if self.heldout_episodes < 0:

@@ -100,6 +100,11 @@ def resume_position(state: dict, world_size: int) -> int:
     return int(total) // world_size
 
 
+def steps_for_epochs(cfg: TrainConfig, windows: int) -> int:
+    """`epochs` passes over `windows` training windows, in optimizer steps of global_batch samples."""
+    return max(1, math.ceil(cfg.epochs * windows / cfg.global_batch))
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     warmup = int(cfg.warmup_ratio * cfg.steps)
     if step < warmup:
@@ -221,6 +226,11 @@ class Trainer:
         if cfg.ema_decay:
             self.step.enable_ema(cfg.ema_decay)
 
+    @property
+    def num_windows(self) -> int:
+        """Training windows (samples) in one pass over the data: one per anchor of every dataset."""
+        return len(self.cached) if self.cached is not None else sum(len(d) for d in self.datasets)
+
     def build_data(self) -> None:
         cfg, a = self.cfg, self.args
         if cfg.cache:
@@ -306,6 +316,11 @@ class Trainer:
         cfg, info = self.cfg, self.info
         self.build_model()
         self.build_data()
+        if cfg.epochs is not None:
+            cfg.steps = steps_for_epochs(cfg, self.num_windows)
+            if info.rank == 0 and cfg.progress:
+                print(f"train: {cfg.epochs:g} epochs of {self.num_windows} windows at batch {cfg.global_batch} = "
+                      f"{cfg.steps} steps", file=sys.stderr)
         start, consumed = 0, 0
         ckpt = latest_checkpoint(self.out)
         if ckpt is not None:

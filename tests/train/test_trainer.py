@@ -53,6 +53,22 @@ def test_single_process_checkpoints_and_resumes_bit_exact(data, tmp_path):
     assert train(_cfg(data, tmp_path / "run", steps=6)) == []  # finished: nothing to do
 
 
+def test_epochs_set_the_length_in_samples_not_steps(data, tmp_path):
+    """train.epochs: ceil(epochs x windows / global_batch) steps, whatever train.steps says; the schedule spans them."""
+    from dzmodel.train.trainer import Trainer
+
+    cfg = _cfg(data, tmp_path / "run", steps=1000, epochs=0.25, micro_batch=2, global_batch=4, save_every=0)
+    trainer = Trainer(cfg)
+    trainer.build_model()
+    trainer.build_data()
+    windows = trainer.num_windows
+    expected = -(-windows // 16)  # ceil(0.25 x windows / 4)
+    history = train(_cfg(data, tmp_path / "run", steps=1000, epochs=0.25, micro_batch=2, global_batch=4, save_every=0))
+    assert windows > 16 and len(history) == expected and history[-1]["step"] == expected
+    with pytest.raises(ValueError, match="train.epochs must be > 0"):
+        _cfg(data, tmp_path, epochs=0)
+
+
 def test_a_second_run_on_the_same_directory_is_refused_before_it_writes(data, tmp_path):
     with directory_lock(tmp_path / "run"):  # e.g. workers left running by a killed torchrun
         with pytest.raises(DirectoryBusy, match="another `dz train`"):
