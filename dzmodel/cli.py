@@ -5,7 +5,7 @@
     dz model manifest                       check our modules against the WAN checkpoint manifest
     dz model tokenizer OUT                  build the small offline tokenizer of the embedded default
     dz data fetch|synth|metadata|check ...  datasets (see `dz data -h`)
-    dz data record libero --suite S --out D LIBERO demonstrations from the scripted expert
+    dz data record libero --suite S --out D LIBERO demonstrations from the scripted expert (DART noise, DAgger)
     dz train [--config FILE] [--set k=v]    SFT; under torchrun: FSDP2 over all ranks; resumes from out_dir
     dz convert RUN|CKPT --out DIR           DCP -> config.json + model.safetensors (+ experiment_cfg/)
     dz eval libero RUN|MODEL --out DIR      LIBERO success rate across checkpoint steps
@@ -135,8 +135,11 @@ def cmd_data_record_libero(ns: argparse.Namespace) -> int:
     from .eval.libero_record import RecordConfig, record_libero
 
     cfg = RecordConfig(suite=ns.suite, tasks=_int_list(ns.tasks, "--tasks"), episodes=ns.episodes, init=ns.init,
-                       max_shift_m=ns.max_shift, image_size=ns.image_size, seed=ns.seed, workers=ns.workers,
-                       codec={"av1": "libsvtav1", "h264": "libx264"}[ns.codec], gop=ns.gop)
+                       max_shift_m=ns.max_shift, min_shift_m=ns.min_shift, image_size=ns.image_size, seed=ns.seed,
+                       workers=ns.workers, codec={"av1": "libsvtav1", "h264": "libx264"}[ns.codec], gop=ns.gop,
+                       max_steps=ns.max_steps, dart_noise=ns.dart_noise, dagger=ns.dagger, dagger_beta=ns.dagger_beta,
+                       dagger_device=ns.device, dagger_solver_steps=ns.solver_steps, dagger_cfg_scale=ns.cfg_scale,
+                       actions_per_chunk=ns.actions_per_chunk, keep=ns.keep)
     try:
         record_libero(cfg, ns.out, overwrite=ns.overwrite, progress=not ns.no_progress)
     except LiberoNotInstalled as exc:
@@ -750,9 +753,25 @@ def build_parser() -> argparse.ArgumentParser:
                    "single pick-and-place goals too)")
     p.add_argument("--tasks", help="task indices, e.g. 0,1,2 (default: every task of the suite)")
     p.add_argument("--episodes", type=int, default=10, help="expert attempts per task; only successes are kept")
-    p.add_argument("--init", choices=["standard", "perturbed"], default="standard",
-                   help="the standard init states 0..N-1, or seeded perturbations of them")
+    p.add_argument("--init", choices=["standard", "perturbed", "sampled"], default="standard",
+                   help="the standard init states 0..N-1 (the evaluation's), seeded perturbations of them, or fresh "
+                   "draws from the task's init distribution")
     p.add_argument("--max-shift", type=float, default=0.02, help="perturbed: object x/y shift bound in metres")
+    p.add_argument("--min-shift", type=float, help="perturbed: every object moves at least this much; perturbed and "
+                   "sampled: every standard init state is at least this far (default: max shift / 2)")
+    p.add_argument("--max-steps", type=int, help="steps per attempt (default: the suite's standard limit)")
+    p.add_argument("--dart-noise", type=float, default=0.0, metavar="SIGMA",
+                   help="DART: execute the expert's action + N(0, SIGMA^2) on the 6 arm dims (clipped to [-1, 1]); "
+                   "the clean expert action is recorded")
+    p.add_argument("--dagger", metavar="MODEL_DIR", help="DAgger: a converted model whose policy acts (per chunk, "
+                   "with probability 1 - beta); every row is labelled with the expert's action at that state")
+    p.add_argument("--dagger-beta", type=float, default=0.5, help="DAgger: probability that the expert acts a chunk")
+    p.add_argument("--actions-per-chunk", type=int, help="DAgger: steps per chunk (default: the policy's horizon)")
+    p.add_argument("--device", default="cpu", help="DAgger: where the policy runs")
+    p.add_argument("--solver-steps", type=int, default=16, help="DAgger: Euler steps of the policy's flow solver")
+    p.add_argument("--cfg-scale", type=float, default=5.0, help="DAgger: classifier-free guidance (1 = off)")
+    p.add_argument("--keep", choices=["successes", "all"], help="which episodes to write (default: successes; all "
+                   "with --dagger)")
     p.add_argument("--image-size", type=int, default=256, help="camera size (the public datasets use 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2, help="parallel env processes")

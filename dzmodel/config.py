@@ -39,8 +39,13 @@ class RecordParams:
     suite: Literal["object", "spatial", "goal", "10"] = "object"
     tasks: list[int] | None = None  # task indices; null = every task of the suite
     episodes: int = field(default=10, metadata={"min": 1})  # expert attempts per task; successes are kept
-    init: Literal["standard", "perturbed"] = "standard"
+    # standard: the evaluation's init states; perturbed: shifted by [min_shift_m, max_shift_m]; sampled: fresh draws
+    # from the task's init distribution. perturbed and sampled keep min_shift_m from every standard init state.
+    init: Literal["standard", "perturbed", "sampled"] = "standard"
     max_shift_m: float = field(default=0.02, metadata={"min": 0, "max": 0.1})
+    # null: max_shift_m / 2 (perturbed), 0.002 (sampled)
+    min_shift_m: float | None = field(default=None, metadata={"min": 0, "max": 0.1})
+    dart_noise: float = field(default=0.0, metadata={"min": 0, "max": 1})  # DART σ on the executed arm dims
     image_size: int = field(default=256, metadata={"min": 32})
     workers: int = field(default=2, metadata={"min": 1})
     codec: Literal["libsvtav1", "libx264"] = "libsvtav1"  # libx264 also decodes with OpenCV (the GPU image)

@@ -100,6 +100,11 @@ def stage_fetch(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
               else f.source)
     log(f"fetch: {source} -> {paths.dataset}")
     record = dict(vars(f.record), seed=f.seed) if f.source == "libero" else None
+    if record is not None:  # options added later, absent where they change nothing: those fetch markers stay valid
+        if record.get("dart_noise") == 0:
+            record.pop("dart_noise")
+        if record.get("init") == "standard":
+            record.pop("min_shift_m", None)
     dest = fetch_dataset(source, paths.data, revision=f.revision, allow_patterns=f.allow or None,
                          synth_kwargs=synth, name="dataset", record_kwargs=record, retries=f.retries,
                          retry_delay_s=f.retry_delay_s, skip_missing=f.skip_missing)

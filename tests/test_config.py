@@ -18,11 +18,11 @@ def _raw() -> dict:
     return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
-def test_shipped_params_are_valid_with_six_profiles():
+def test_shipped_params_are_valid_with_seven_profiles():
     params = load_params(ROOT / "params.yaml")
     assert params.profile == "demo"
     assert set(params.profiles) == {"demo", "libero_5b", "libero_5b_lora", "droid_14b", "libero_scripted",
-                                    "libero_scripted_lora"}
+                                    "libero_scripted_lora", "libero_object"}
     lora = params.selected("libero_5b_lora")
     assert lora.train["lora"]["rank"] == 64 and lora.launch["nproc_per_node"] == 1 and lora.convert.weights == "ema"
     scripted = params.selected("libero_scripted")
@@ -37,6 +37,12 @@ def test_shipped_params_are_valid_with_six_profiles():
     assert differ == {"lora", "lr"} and scripted_lora.train["lora"]["rank"] == 64
     assert scripted.train["prompt_dropout"] == 0.1  # both arms train the unconditional branch CFG would guide with
     assert scripted.promote.min_success > 0  # a gate that can fail
+    # all of LIBERO-Object: 10 tasks x 50 perturbed starts, none an evaluation start; evaluated on 10 x 50
+    obj = params.selected("libero_object")
+    rec = obj.fetch.record
+    assert rec.tasks == list(range(10)) and rec.episodes == 50 and rec.init == "perturbed"
+    assert 0 < rec.min_shift_m <= rec.max_shift_m and rec.dart_noise == 0
+    assert obj.eval.tasks == list(range(10)) and obj.eval.episodes == 50 and obj.train == scripted.train
     demo = params.selected()
     assert demo.train["preset"] == "tiny" and demo.launch == {"nproc_per_node": 2, "nnodes": 1}
     assert demo.fetch.source == "synthetic" and demo.eval.device == "cpu"
@@ -103,7 +109,7 @@ def test_overrides_and_cli(tmp_path, capsys):
     params = load_params(ROOT / "params.yaml", ["train.steps=7", "eval.tasks=[0, 2]"], "demo")
     assert params.selected().train["steps"] == 7 and params.selected().eval.tasks == [0, 2]
     assert main(["params", "check", "--params", str(ROOT / "params.yaml")]) == 0
-    assert "valid (6 profiles" in capsys.readouterr().out
+    assert "valid (7 profiles" in capsys.readouterr().out
     assert main(["params", "check", "--params", str(ROOT / "params.yaml"), "--set", "train.micro_batch=zero"]) == 2
     assert "profiles.demo.train.micro_batch: expected an integer" in capsys.readouterr().err
     out = tmp_path / "train.json"

@@ -287,3 +287,28 @@ def test_a_run_started_outside_the_pipeline_is_adopted_only_under_the_same_confi
     cfg.lr = 3e-2  # not the demo's lr: a changed config
     _start_fresh_if_changed(cfg, paths, logs.append)
     assert not ckpt.exists() and list((paths.run / "superseded").glob("train-*/checkpoints/step_0000010"))
+
+
+def test_fetch_passes_the_recorder_only_the_options_that_change_its_data(tmp_path, monkeypatch):
+    """Options added to fetch.record later (min_shift_m, dart_noise) are left out where they change nothing, so the
+    fetch markers of existing standard-start recordings stay valid; a perturbed or noised recording names them."""
+    import dzmodel.data.fetch as fetch
+    from dzmodel.pipeline import stage_fetch
+
+    seen = []
+
+    def fake_fetch(source, dest_root, record_kwargs=None, **kw):
+        seen.append(record_kwargs)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(fetch, "fetch_dataset", fake_fetch)
+    for overrides in (["fetch.record.init=standard"], ["fetch.record.dart_noise=0.1"]):
+        prof = load_params(ROOT / "params.yaml", overrides, "libero_object").selected("libero_object")
+        with pytest.raises(RuntimeError, match="stop"):
+            stage_fetch(prof, StagePaths(tmp_path, "libero_object"), log=lambda s: None)
+    standard, noised = seen
+    assert "min_shift_m" not in standard and "dart_noise" not in standard and standard["init"] == "standard"
+    assert noised["dart_noise"] == 0.1 and noised["min_shift_m"] == 0.015 and noised["tasks"] == list(range(10))
+    from dzmodel.eval.libero_record import RecordConfig
+
+    assert RecordConfig(**noised).min_shift == 0.015  # what the recorder is handed, it takes

@@ -297,17 +297,66 @@ _RAW_KEYS = ("agentview_image", "robot0_eye_in_hand_image", "robot0_eef_pos", "r
              "robot0_gripper_qpos", "robot0_joint_pos")
 
 
-def _worker_main(conn, camera_size: int, keep_raw: bool) -> None:
+class ExpertStep(NamedTuple):
+    """A worker's reply to `expert_step`: the observation after the step, LIBERO's success, the expert's action at
+    the state before the step (the label), the action the env executed (the label, the label plus DART noise, or
+    the action the caller passed), and whether the label is valid (`ScriptedExpert.label_valid`)."""
+
+    obs: dict
+    success: bool
+    label: np.ndarray
+    executed: np.ndarray
+    label_valid: bool
+
+
+ARM_DIMS = 6  # the delta position and rotation dims of the 7-dim action (DART noise goes there, not on the gripper)
+
+
+def _sampled_state(env, avoid, min_distance: float, max_resets: int = 20) -> np.ndarray:
+    """A fresh init state from the task's own init distribution (LIBERO's placement samplers, run by `env.reset()`
+    on the seeded global numpy generator), redrawn while it is within `min_distance` of a state in `avoid`."""
+    from .libero_expert import init_state_distance, movable_xy_index
+
+    index = movable_xy_index(env) if avoid is not None else None
+    for _ in range(max_resets):
+        state = np.array(env.get_sim_state(), dtype=np.float64)
+        if index is None or init_state_distance(index, state, avoid).min() >= min_distance:
+            return state
+        env.reset()
+    raise RuntimeError(f"no sampled init state within {max_resets} resets stays {min_distance} m from every "
+                       "standard init state (the task's init regions are small: lower --min-shift)")
+
+
+def _init_info(env, state, base, avoid) -> dict:
+    """How an episode's start relates to its base and to the standard init states (for the recording)."""
+    from .libero_expert import init_state_distance, movable_xy_index
+
+    index = movable_xy_index(env)
+    info = {"object_xy_index": index.tolist()}
+    if base is not None:
+        xy = np.stack([index, index + 1], -1)
+        info["object_shift_xy"] = (state[xy] - base[xy]).tolist()
+    if avoid is not None:
+        info["min_distance_to_standard"] = float(init_state_distance(index, state, avoid).min())
+    return info
+
+
+def _worker_main(conn, camera_size: int, keep_raw: bool, privileged: bool = False) -> None:
     """One env worker: commands in, ("ok", payload) or ("error", traceback) out, until "close" or EOF."""
     os.environ.setdefault("MUJOCO_GL", "egl")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes us
     env, env_bddl = None, None
     last_raw, expert = None, None  # the latest raw observation; the scripted expert of the running episode
+    noise_rng = None               # the running episode's DART noise generator
 
     def convert(raw):
         obs = to_policy_obs(raw)
         if keep_raw:
             obs["raw"] = {k: np.array(raw[k]) for k in _RAW_KEYS}
+        if privileged:
+            from .libero_expert import goal_positions
+
+            obs["objects"] = goal_positions(env).astype(np.float32)
         return obs
 
     try:
@@ -320,7 +369,8 @@ def _worker_main(conn, camera_size: int, keep_raw: bool) -> None:
                 break
             try:
                 if msg[0] == "reset":
-                    _, bddl_file, state, seed, perturb = msg
+                    _, bddl_file, state, seed, perturb, *rest = msg
+                    extra = rest[0] if rest else {}
                     if env is None or env_bddl != bddl_file:
                         if env is not None:
                             env.close()
@@ -333,17 +383,25 @@ def _worker_main(conn, camera_size: int, keep_raw: bool) -> None:
                         env_bddl = bddl_file
                     env.seed(seed)
                     env.reset()
-                    expert = None
-                    if perturb is not None:
+                    expert, noise_rng = None, None
+                    avoid, min_shift = extra.get("avoid"), float(extra.get("min_shift_m", 0.0))
+                    base = None
+                    if extra.get("sample"):
+                        state = _sampled_state(env, avoid, min_shift)
+                    elif perturb is not None:
                         from .libero_expert import perturb_init_state
 
-                        state = perturb_init_state(env, np.asarray(state), np.random.default_rng(perturb[0]), perturb[1])
+                        base = np.asarray(state, dtype=np.float64)
+                        state = perturb_init_state(env, base, np.random.default_rng(perturb[0]), perturb[1],
+                                                   min_shift, avoid)
                     raw = env.set_init_state(state)
                     for _ in range(SETTLE_STEPS):
                         raw, _, _, _ = env.step(list(SETTLE_ACTION))
                     last_raw = raw
                     reply = convert(raw)
                     reply["init_state"] = np.array(state, dtype=np.float64)
+                    if extra.get("describe"):
+                        reply["init_info"] = _init_info(env, reply["init_state"], base, avoid)
                 elif msg[0] == "step":
                     if env is None:
                         raise RuntimeError("step before reset")
@@ -351,17 +409,30 @@ def _worker_main(conn, camera_size: int, keep_raw: bool) -> None:
                     last_raw = raw
                     reply = (convert(raw), bool(done))  # LIBERO's done is its success check
                 elif msg[0] == "expert_step":
-                    # the scripted expert acts from privileged simulator state, so it runs here beside the env
+                    # the scripted expert acts from privileged simulator state, so it runs here beside the env;
+                    # its action is the label, the executed one may be noised (DART) or the caller's (DAgger)
                     if env is None:
                         raise RuntimeError("expert_step before reset")
+                    opts = msg[2] if len(msg) > 2 and msg[2] else {}
+                    sigma = float(opts.get("noise", 0.0))
                     if expert is None:
                         from .libero_expert import ScriptedExpert
 
-                        expert = ScriptedExpert(env, seed=msg[1])
-                    action = np.asarray(expert.act(last_raw), dtype=np.float64)
-                    raw, _, done, _ = env.step(action)
+                        expert = ScriptedExpert(env, seed=msg[1], recover=bool(opts.get("recover")),
+                                                hold_orientation=bool(opts.get("hold_orientation", sigma > 0)))
+                        noise_rng = np.random.default_rng(int(opts.get("noise_seed", 0)))
+                    label = np.asarray(expert.act(last_raw), dtype=np.float64)
+                    valid = expert.label_valid
+                    noise = noise_rng.normal(0.0, sigma, ARM_DIMS) if sigma > 0 else None
+                    if opts.get("execute") is not None:
+                        executed = np.asarray(opts["execute"], dtype=np.float64).reshape(ACTION_DIM).copy()
+                    else:
+                        executed = label.copy()
+                        if noise is not None:  # DART: the expert's action plus noise on the arm dims, clipped
+                            executed[:ARM_DIMS] = np.clip(executed[:ARM_DIMS] + noise, -1.0, 1.0)
+                    raw, _, done, _ = env.step(executed)
                     last_raw = raw
-                    reply = (convert(raw), bool(done), action)
+                    reply = ExpertStep(convert(raw), bool(done), label, executed, bool(valid))
                 else:
                     raise ValueError(f"unknown command {msg[0]!r}")
                 out = ("ok", reply)
@@ -387,6 +458,13 @@ class EpisodeInit:
     perturb_seed: int | None = None
     max_shift_m: float = 0.0
     env_seed: int | None = None
+    # recording only: `sample` a fresh init state from the task's init distribution (env.reset's placement
+    # samplers) instead of a standard one; `min_shift_m` > 0: a perturbed or sampled start keeps at least this
+    # x/y distance (some object) from every standard init state of the task, and a perturbation moves every
+    # object by at least this much; `describe`: the reply's `init_info` says how the start was made
+    sample: bool = False
+    min_shift_m: float = 0.0
+    describe: bool = False
 
 
 class _Worker:
@@ -404,7 +482,7 @@ class EnvWorkerPool:
     Use as a context manager, or call `close()`."""
 
     def __init__(self, num_workers: int = 2, camera_size: int = 128, timeout_s: float = 120.0, seed: int = 0,
-                 keep_raw: bool = False):
+                 keep_raw: bool = False, privileged: bool = False):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         ensure_libero_config()  # before spawning: the workers inherit LIBERO_CONFIG_PATH and MUJOCO_GL
@@ -414,6 +492,7 @@ class EnvWorkerPool:
         self.timeout_s = timeout_s
         self.seed = seed
         self.keep_raw = keep_raw
+        self.privileged = privileged  # observations also carry `objects` (libero_expert.goal_positions)
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker | None] = [None] * num_workers
         self._closed = False
@@ -446,7 +525,12 @@ class EnvWorkerPool:
             state = init_state(task, episode) if spec.state is None else np.asarray(spec.state, dtype=np.float64)
             seed = self.seed + episode if spec.env_seed is None else spec.env_seed
             perturb = None if spec.perturb_seed is None else (spec.perturb_seed, spec.max_shift_m)
-            cmds[w] = ("reset", task.bddl_file, state, seed, perturb)
+            extra = {}
+            if spec.sample or spec.min_shift_m > 0 or spec.describe:
+                extra = {"sample": spec.sample, "min_shift_m": spec.min_shift_m, "describe": spec.describe,
+                         "avoid": _init_states(task.suite, task.index) if spec.min_shift_m > 0 else None}
+            cmds[w] = ("reset", task.bddl_file, state, seed, perturb, extra) if extra else \
+                ("reset", task.bddl_file, state, seed, perturb)
         for w in cmds:
             self._workers[w].active = False
         out = self._request(cmds)
@@ -456,16 +540,26 @@ class EnvWorkerPool:
                 self._workers[w].bddl_file = cmds[w][1]
         return out
 
-    def expert_step(self, seeds: dict[int, int]) -> dict[int, tuple[dict, bool, np.ndarray] | WorkerCrashed]:
+    def expert_step(self, seeds: dict[int, int],
+                    options: dict[int, dict] | None = None) -> dict[int, ExpertStep | WorkerCrashed]:
         """Let each addressed worker's scripted expert (`libero_expert.ScriptedExpert`, built on the first call
-        after a reset with the given seed) choose an action from the simulator state and step the env with it.
-        Returns {worker_id: (obs, success, action)} (or WorkerCrashed)."""
+        after a reset with the given seed) choose an action from the simulator state (the label) and step the env.
+        `options` {worker_id: {...}}: `execute` an action instead of the label (DAgger: the learned policy's),
+        `noise` σ: execute the label plus N(0, σ²) on the 6 arm dims, clipped to [-1, 1] (DART; `noise_seed` seeds it
+        per episode), `recover` / `hold_orientation`: the expert's modes (read when it is built).
+        Returns {worker_id: ExpertStep} (or WorkerCrashed)."""
         cmds = {}
+        options = options or {}
         for w, seed in seeds.items():
             self._check_worker(w)
             if not self._workers[w].active:
                 raise ValueError(f"env worker {w} has no running episode: reset it first")
-            cmds[w] = ("expert_step", int(seed))
+            opts = options.get(w)
+            if opts and opts.get("execute") is not None:
+                a = np.asarray(opts["execute"], dtype=np.float64).reshape(-1)
+                if a.shape != (ACTION_DIM,) or not np.all(np.isfinite(a)):
+                    raise ValueError(f"worker {w}: an action must be {ACTION_DIM} finite numbers, got {a}")
+            cmds[w] = ("expert_step", int(seed), opts) if opts else ("expert_step", int(seed))
         return self._request(cmds)
 
     def step(self, actions: dict) -> dict[int, tuple[dict, bool] | WorkerCrashed]:
@@ -517,7 +611,7 @@ class EnvWorkerPool:
 
     def _start(self, w: int) -> None:
         parent, child = self._ctx.Pipe(duplex=True)
-        p = self._ctx.Process(target=_worker_main, args=(child, self.camera_size, self.keep_raw),
+        p = self._ctx.Process(target=_worker_main, args=(child, self.camera_size, self.keep_raw, self.privileged),
                               name=f"libero-env-{w}", daemon=True)
         p.start()
         child.close()  # so that the worker's death reads as EOF here

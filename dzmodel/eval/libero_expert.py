@@ -15,6 +15,12 @@ every action dim to its 1st..99th percentile over the whole dataset):
   each position dim sit at the saturation value and clipping changes nothing. The one direction that is rare
   (-x, towards the robot) is capped at NEG_X_CAP, so that its tail is a point mass at the cap instead.
 * The gripper is exactly -1 or +1.
+* `hold_orientation` (DART noise and DAgger, where something else may rotate the hand): the rotation dims command
+  the hand back to its reset orientation. Off by default, so plain recordings keep rotation exactly 0.
+* `recover` (DAgger, where a learned policy drives the state between the expert's labels): the phase machine
+  re-plans from the state when it no longer fits the phase (the hand left the grasp point, the object was dropped
+  or grasped by someone else, a release away from the target), and it never gives up. Without it a grasp that
+  failed MAX_GRASP_TRIES times ends in a retreat whose actions are not a valid label (`label_valid` is False).
 
 Grasps come from the object's collision geometry (world AABB of its geoms): upright and flat objects are grasped
 from above at a height below their top; bowls (too wide for the gripper) by their rim, offset from the centre by
@@ -41,6 +47,8 @@ MIN_CLOSE_STEPS = 6       # +1 steps before the fingers can have reached a ~6 cm
 MAX_CLOSE_STEPS = 16      # the fingers shut fully from open in about 12 steps
 RELEASE_STEPS = 6
 MAX_GRASP_TRIES = 3
+ROT_OUTPUT_MAX = 0.5      # rad per unit rotation action (LIBERO's OSC_POSE output_max for the rotation dims)
+ROT_GAIN = 0.5            # hold_orientation: fraction of the orientation error commanded per step
 
 
 class ExpertUnsupported(ValueError):
@@ -122,8 +130,9 @@ class ScriptedExpert:
     """Closed-loop pick-and-place: approach above the grasp point, descend, close, lift, carry the object over the
     target, lower it, open. Call `act(raw_obs)` once per env step; it returns the next (7,) action."""
 
-    def __init__(self, env, seed: int = 0):
+    def __init__(self, env, seed: int = 0, recover: bool = False, hold_orientation: bool = False):
         self.env = env
+        self.recover, self.hold_orientation = bool(recover), bool(hold_orientation)
         self.pred, self.obj, self.target = _goal_of(env)
         inner = env.env
         self.sim = inner.sim
@@ -163,6 +172,10 @@ class ScriptedExpert:
             self.support_top = _body_box(self.sim, tgt_body)[1][2]
             self.drop_gap = 0.015
         self.carry_clear_z = self._carry_clearance(origin[:2], self.place_xy, max(size[0], size[1]) / 2)
+
+        self.obj_rest_z = float(origin[2])
+        self.ref_rot = None      # hold_orientation: the hand's orientation at the first act() (its reset one)
+        self.gave_up = False     # grasps failed MAX_GRASP_TRIES times: retreating, the actions are no valid label
 
         self.phase = "approach"
         self.phase_steps = 0
@@ -257,6 +270,8 @@ class ScriptedExpert:
         # the eef height that puts the held object's bottom at height h
         held_bottom_to_eef = self.grasp_offset[2] + self.obj_bottom_below_origin
         carry_z = self.carry_clear_z + held_bottom_to_eef
+        if self.recover:
+            self._replan(raw_obs, eef, obj, grasp)
         self.phase_steps += 1
         gripper = -1.0
         move = np.zeros(3)
@@ -322,7 +337,42 @@ class ScriptedExpert:
         action = np.zeros(7, dtype=np.float64)
         action[:3] = move
         action[6] = gripper
+        if self.hold_orientation:
+            action[3:6] = self._hold_orientation(raw_obs["robot0_eef_quat"])
         return action
+
+    @property
+    def label_valid(self) -> bool:
+        """Whether the last action is a valid expert label: False once the expert has given up (a retreat after
+        MAX_GRASP_TRIES failed grasps; never with `recover`)."""
+        return not self.gave_up
+
+    def _hold_orientation(self, quat) -> np.ndarray:
+        """Rotation action back towards the reference orientation (OSC deltas are world-frame axis-angle)."""
+        rot = quat_to_matrix(quat)
+        if self.ref_rot is None:
+            self.ref_rot = rot
+        err = matrix_to_rotvec(self.ref_rot @ rot.T)
+        return np.clip(ROT_GAIN * err / ROT_OUTPUT_MAX, -1.0, 1.0)
+
+    def _replan(self, raw_obs, eef, obj, grasp) -> None:
+        """`recover`: put the phase machine back in line with the state when something else moved the hand or the
+        object since the last label (module docstring)."""
+        finger = float(np.sum(np.abs(raw_obs["robot0_gripper_qpos"])))
+        xy_err = float(np.linalg.norm(grasp[:2] - eef[:2]))
+        attached = not self._dropped(eef, obj) and xy_err < 0.02
+        held = attached and obj[2] > self.obj_rest_z + 0.02 and finger < 0.07  # lifted, the fingers not wide open
+        if self.phase in ("approach", "descend", "close") and held:
+            self.grasp_eef_z, self.obj_z_at_grasp = eef[2] - 0.03, obj[2] - 0.03  # taken as lifted by 3 cm
+            self._set("lift")
+        elif self.phase == "descend" and xy_err > 0.03:
+            self._set("approach")
+        elif self.phase == "close" and (xy_err > 0.02 or abs(eef[2] - grasp[2]) > 0.02):
+            self._set("approach")
+        elif self.phase in ("lift", "carry", "lower") and self._dropped(eef, obj):
+            self._set("approach")
+        elif self.phase in ("release", "retreat") and np.linalg.norm(self.place_xy - obj[:2]) > 0.03:
+            self._set("approach")  # let go away from the target (or the object was moved off it): start over
 
     def _dropped(self, eef, obj) -> bool:
         expected = eef + (-self.grasp_offset)  # where the object origin should be while held
@@ -330,26 +380,101 @@ class ScriptedExpert:
 
     def _regrasp(self) -> None:
         self.tries += 1
-        self._set("approach" if self.tries < MAX_GRASP_TRIES else "retreat")
+        if self.recover or self.tries < MAX_GRASP_TRIES:
+            self._set("approach")
+        else:
+            self.gave_up = True
+            self._set("retreat")
 
 
-# --- init-state perturbation ---------------------------------------------------------------------------------------
+def quat_to_matrix(quat) -> np.ndarray:
+    """(x, y, z, w) quaternion -> 3x3 rotation matrix."""
+    x, y, z, w = np.asarray(quat, dtype=np.float64).reshape(4) / np.linalg.norm(quat)
+    return np.array([[1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w)],
+                     [2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w)],
+                     [2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)]])
 
 
-def perturb_init_state(env, state: np.ndarray, rng: np.random.Generator, max_shift_m: float = 0.02) -> np.ndarray:
-    """A seeded perturbation of a standard init state: the movable objects' free-joint x/y shifted by up to
-    max_shift_m (uniform), fixtures untouched; returns the new flat MuJoCo state (same layout as `state`, so
-    `env.set_init_state` accepts it). The flat layout is [time, qpos, qvel]."""
+def matrix_to_rotvec(m: np.ndarray) -> np.ndarray:
+    """3x3 rotation matrix -> axis-angle vector (angle in [0, pi])."""
+    cos = np.clip((np.trace(m) - 1) / 2, -1.0, 1.0)
+    angle = float(np.arccos(cos))
+    if angle < 1e-9:
+        return np.zeros(3)
+    axis = np.array([m[2, 1] - m[1, 2], m[0, 2] - m[2, 0], m[1, 0] - m[0, 1]])
+    if np.pi - angle < 1e-4:  # near pi the antisymmetric part vanishes: the axis from the symmetric part
+        axis = np.sqrt(np.clip((np.diag(m) + 1) / 2, 0, None))
+        k = int(np.argmax(axis))
+        axis = m[:, k] + np.eye(3)[k]
+    return axis / np.linalg.norm(axis) * angle
+
+
+# --- init states: perturbation, distance, privileged goal positions ---------------------------------------------
+
+
+def movable_xy_index(env) -> np.ndarray:
+    """Index, in a flat MuJoCo state [time, qpos, qvel], of each movable object's free-joint x (y follows)."""
     inner = env.env
     model = inner.sim.model._model
     movable_roots = {inner.objects_dict[name].root_body for name in sorted(inner.objects_dict)}
-    out = np.array(state, dtype=np.float64, copy=True)
+    out = []
     for j in range(model.njnt):
         if model.jnt_type[j] != 0:  # mjJNT_FREE
             continue
-        body = inner.sim.model.body_id2name(int(model.jnt_bodyid[j]))
-        if body not in movable_roots:
-            continue
-        adr = 1 + int(model.jnt_qposadr[j])
-        out[adr:adr + 2] += rng.uniform(-max_shift_m, max_shift_m, size=2)
-    return out
+        if inner.sim.model.body_id2name(int(model.jnt_bodyid[j])) in movable_roots:
+            out.append(1 + int(model.jnt_qposadr[j]))
+    return np.array(out, dtype=np.int64)
+
+
+def init_state_distance(index: np.ndarray, state, others) -> np.ndarray:
+    """Per row of `others` (or one state): the largest x/y displacement of any movable object between it and
+    `state` (metres; `index` from `movable_xy_index`)."""
+    state = np.asarray(state, dtype=np.float64)
+    others = np.atleast_2d(np.asarray(others, dtype=np.float64))
+    idx = np.stack([index, index + 1], axis=-1)  # [objects, 2]
+    return np.linalg.norm(others[:, idx] - state[idx][None], axis=-1).max(axis=-1)
+
+
+def perturb_init_state(env, state: np.ndarray, rng: np.random.Generator, max_shift_m: float = 0.02,
+                       min_shift_m: float = 0.0, avoid=None, max_draws: int = 100) -> np.ndarray:
+    """A seeded perturbation of a standard init state: every movable object's free-joint x/y shifted by a
+    uniform draw in [-max_shift_m, max_shift_m]^2, redrawn until its length is at least `min_shift_m` (so no object
+    stays where it was); fixtures untouched. With `avoid` (states, e.g. all of the task's standard init states),
+    the whole draw is repeated while some object configuration in `avoid` is within `min_shift_m`
+    (`init_state_distance`). Returns the new flat MuJoCo state (same layout as `state`, so `env.set_init_state`
+    accepts it); the flat layout is [time, qpos, qvel]. With min_shift_m 0 the draws are those of earlier versions."""
+    if not 0 <= min_shift_m <= max_shift_m:
+        raise ValueError(f"min_shift_m must be in [0, max_shift_m={max_shift_m}], got {min_shift_m}")
+    index = movable_xy_index(env)
+    base = np.array(state, dtype=np.float64, copy=True)
+    for _ in range(max_draws):
+        out = base.copy()
+        for adr in index:
+            while True:
+                shift = rng.uniform(-max_shift_m, max_shift_m, size=2)
+                if min_shift_m == 0 or np.linalg.norm(shift) >= min_shift_m:
+                    break
+            out[adr:adr + 2] += shift
+        if avoid is None or min_shift_m == 0 or init_state_distance(index, out, avoid).min() >= min_shift_m:
+            return out
+    raise ValueError(f"no perturbation within {max_draws} draws stays {min_shift_m} m from every state to avoid")
+
+
+def goal_positions(env) -> np.ndarray:
+    """Privileged (6,) float64: the world xyz of the goal's object (its root body) and of its target (the region
+    site for In, the target's root body for On), from the current simulator state."""
+    pred, obj, target = _goal_of(env)
+    inner = env.env
+    sim = inner.sim
+    obj_xyz = sim.data.body_xpos[sim.model.body_name2id(inner.objects_dict[obj].root_body)]
+    if pred == "in":
+        tgt_xyz = sim.data.get_site_xpos(target)
+    else:
+        owner = inner.objects_dict.get(target) or inner.fixtures_dict[target]
+        tgt_xyz = sim.data.body_xpos[sim.model.body_name2id(owner.root_body)]
+    return np.concatenate([obj_xyz, tgt_xyz]).astype(np.float64)
+
+
+def goal_names(env) -> tuple[str, str, str]:
+    """(predicate, object, target) of the env's single pick-and-place goal (ExpertUnsupported otherwise)."""
+    return _goal_of(env)

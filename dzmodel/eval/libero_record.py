@@ -4,7 +4,31 @@ Episodes run in the evaluation's own env worker processes (`EnvWorkerPool`: the 
 and settle steps as `dz eval libero`), with the expert (`libero_expert.ScriptedExpert`) acting beside each env on
 privileged simulator state through the standard 7-dim OSC action. LIBERO's own goal predicate (`done`) decides
 success; an episode that does not succeed within the suite's standard step limit is a failure. Only successful
-episodes are kept.
+episodes are kept (`keep: all` keeps failures too).
+
+Starts (`init`): `standard` is the evaluation's own init states 0..N-1; `perturbed` shifts every movable object's
+x/y by [min_shift_m, max_shift_m] from a standard state; `sampled` draws a fresh state from the task's own init
+distribution (LIBERO's placement samplers, as `env.reset()` does without a fixed state). Perturbed and sampled
+starts are redrawn until every standard init state of the task is at least `min_shift_m` away (some object's x/y),
+so a recorded episode never starts where an evaluation episode does. LIBERO-Object's init regions are small, so
+sampled starts stay within millimetres of standard ones (default distance 2 mm): in-distribution, near-duplicate
+starts; perturbed ones (default min shift max_shift_m / 2) move every object by centimetres.
+
+Label and executed action can differ:
+
+* DART (`dart_noise` σ > 0): the env executes the expert's action plus N(0, σ²) on the 6 arm dims (clipped to
+  [-1, 1], gripper untouched); the dataset's `action` is the clean expert action. The expert is closed-loop (it acts
+  from the simulator state at every step), so it corrects the perturbation; with noise it also holds the hand's
+  orientation (the noise rotates it).
+* DAgger (`dagger` = a converted model directory): per chunk of `actions_per_chunk` steps the expert acts with
+  probability `dagger_beta`, else the learned policy's chunk is executed (batched over the env workers, one session
+  per episode, as `dz eval libero`). Every row's `action` is the expert's action at that state (`recover` mode: the
+  expert re-plans when the policy moved things). Failed episodes are kept by default (`keep: all`): their states
+  are the point. Rows stop at the first step whose expert label is not valid (`ScriptedExpert.label_valid`).
+  Both write the executed actions as `executed_action` (7).
+
+Every row also holds `observation.objects` (6, privileged, for diagnostics only: no embodiment reads it): the world
+xyz of the goal's object and of its target (the region site for In, the target body for On).
 
 The dataset matches the public LIBERO LeRobot datasets (HuggingFaceVLA/libero, converted from the OpenVLA/openpi
 regenerated data) so that the `libero_sim` and `libero_sim_tiny` embodiments read it unchanged:
@@ -16,7 +40,9 @@ step and the action taken from it.
 
 `meta/dz_recording.json` holds what a replay needs and what the expert achieved: the suite, per task the
 attempts, successes and mean length, and per kept episode its task, init-state index, the exact MuJoCo state it
-started from (a seeded perturbation of the standard one, or the standard one itself) and its env seed.
+started from (a seeded perturbation of the standard one, a sampled one, or the standard one itself), how it was
+made (`init`: base index, per-object shift, distance to the nearest standard state), its env seed and whether it
+succeeded. `meta/info.json` carries the same recording options under `dz_recording` (DART σ, DAgger model and β).
 
 Deterministic per seed: episodes are written in (task, attempt) order whatever the worker that ran them. Atomic:
 everything is written into a temporary sibling and renamed into place; an interrupted recording leaves nothing
@@ -46,9 +72,15 @@ FPS = 10                 # the public LIBERO LeRobot datasets' fps (one row per 
 ROBOT_TYPE = "panda"
 IMAGE_KEY, WRIST_KEY = "observation.images.image", "observation.images.wrist_image"
 STATE_KEY, ACTION_KEY = "observation.state", "action"
+OBJECTS_KEY, EXECUTED_KEY = "observation.objects", "executed_action"
 STATE_NAMES = {"motors": ["x", "y", "z", "roll", "pitch", "yaw", "gripper", "gripper"]}
 ACTION_NAMES = {"motors": ["x", "y", "z", "roll", "pitch", "yaw", "gripper"]}
-INIT_MODES = ("standard", "perturbed")
+OBJECTS_NAMES = {"axes": ["object_x", "object_y", "object_z", "target_x", "target_y", "target_z"]}
+INIT_MODES = ("standard", "perturbed", "sampled")
+KEEP_MODES = ("successes", "all")
+# LIBERO-Object's init regions are small (3 of the 7 objects sit at fixed spots, the others vary by about a
+# centimetre), so a sampled start is typically ~5 mm from its nearest standard start: the default distance it must keep
+SAMPLED_MIN_DISTANCE_M = 0.002
 SUPPORTED_PREDICATES = ("in", "on")  # the pick-and-place goals the scripted expert solves
 
 
@@ -57,8 +89,21 @@ class RecordConfig:
     suite: str = "object"
     tasks: list[int] | None = None     # task indices; None = every task of the suite
     episodes: int = 10                 # attempts per task (only successes are kept)
-    init: str = "standard"             # standard: init states 0..N-1 (cycled past 50); perturbed: seeded shifts of them
+    init: str = "standard"             # standard: init states 0..N-1 (cycled past 50); perturbed: seeded shifts of
+                                       # them; sampled: fresh draws from the task's init distribution
     max_shift_m: float = 0.02          # perturbed: objects' x/y moved by up to this much
+    min_shift_m: float | None = None   # perturbed: every object moved at least this much; perturbed and sampled: at
+                                       # least this far (some object) from every standard init state; None: max/2
+                                       # (perturbed), SAMPLED_MIN_DISTANCE_M (sampled)
+    max_steps: int | None = None       # steps per attempt; None = the suite's standard limit
+    dart_noise: float = 0.0            # DART: N(0, σ²) on the executed arm dims, the clean expert action as the label
+    dagger: str | None = None          # DAgger: a converted model directory whose policy acts with prob. 1 - beta
+    dagger_beta: float = 0.5           # per chunk, the probability that the expert acts
+    dagger_device: str = "cpu"
+    dagger_solver_steps: int = 16
+    dagger_cfg_scale: float = 5.0
+    actions_per_chunk: int | None = None  # DAgger: steps per chunk (policy chunk executed); None = its horizon
+    keep: str | None = None            # successes | all; None = successes, all with dagger
     image_size: int = 256
     seed: int = 0
     workers: int = 2
@@ -84,6 +129,36 @@ class RecordConfig:
             raise DataError(f"--gop: must be >= 1, got {self.gop}")
         if not 0 <= self.max_shift_m <= 0.1:
             raise DataError(f"--max-shift: must be in [0, 0.1] m, got {self.max_shift_m}")
+        if self.min_shift_m is not None and not 0 <= self.min_shift_m <= 0.1:
+            raise DataError(f"--min-shift: must be in [0, 0.1] m, got {self.min_shift_m}")
+        if self.init == "perturbed" and not 0 < self.min_shift <= self.max_shift_m:
+            raise DataError(f"--min-shift: a perturbed start must move every object, so 0 < min shift <= max shift "
+                            f"({self.max_shift_m} m); got {self.min_shift}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise DataError(f"--max-steps: must be >= 1, got {self.max_steps}")
+        if not 0 <= self.dart_noise <= 1:
+            raise DataError(f"--dart-noise: must be in [0, 1] (σ in action units), got {self.dart_noise}")
+        if not 0 <= self.dagger_beta <= 1:
+            raise DataError(f"--dagger-beta: must be in [0, 1], got {self.dagger_beta}")
+        if self.actions_per_chunk is not None and self.actions_per_chunk < 1:
+            raise DataError(f"--actions-per-chunk: must be >= 1, got {self.actions_per_chunk}")
+        if self.dagger_solver_steps < 1:
+            raise DataError(f"--solver-steps: must be >= 1, got {self.dagger_solver_steps}")
+        if self.keep is not None and self.keep not in KEEP_MODES:
+            raise DataError(f"--keep: must be one of {', '.join(KEEP_MODES)}, got {self.keep!r}")
+
+    @property
+    def min_shift(self) -> float:
+        """The effective minimum shift / distance from the standard init states (0 for standard starts)."""
+        if self.init == "standard":
+            return 0.0
+        if self.min_shift_m is not None:
+            return self.min_shift_m
+        return self.max_shift_m / 2 if self.init == "perturbed" else SAMPLED_MIN_DISTANCE_M
+
+    @property
+    def keep_mode(self) -> str:
+        return self.keep or ("all" if self.dagger else "successes")
 
 
 @dataclass
@@ -94,24 +169,38 @@ class _Attempt:
     env_seed: int
     expert_seed: int
     perturb_seed: int | None
+    noise_seed: int = 0
+    mix_seed: int = 0
     images: list = field(default_factory=list)
     wrists: list = field(default_factory=list)
     states: list = field(default_factory=list)
-    actions: list = field(default_factory=list)
+    actions: list = field(default_factory=list)    # the expert's labels
+    executed: list = field(default_factory=list)   # what the env executed
+    objects: list = field(default_factory=list)
     init_state: np.ndarray | None = None
+    init_info: dict | None = None
     obs: dict | None = None
     success: bool = False
     note: str = ""
+    mix_rng: object = None                         # DAgger: who acts per chunk
+    queue: list = field(default_factory=list)      # DAgger: the policy's actions left in this chunk
+    chunk_left: int = 0
+    actors: list = field(default_factory=list)     # DAgger: "E" (expert) or "P" (policy) per chunk
+    policy_steps: int = 0
+
+    def drop_frames(self) -> None:
+        self.images, self.wrists, self.states, self.actions, self.executed, self.objects = [], [], [], [], [], []
 
 
 def _attempts(cfg: RecordConfig, tasks) -> list[_Attempt]:
     out = []
     for t in tasks:
         for k in range(cfg.episodes):
-            seq = np.random.SeedSequence([cfg.seed, t.index, k])
-            env_seed, expert_seed, perturb_seed = (int(x) for x in seq.generate_state(3) % (2**31 - 1))
+            seq = np.random.SeedSequence([cfg.seed, t.index, k])  # a prefix-stable stream: old seeds unchanged
+            words = seq.generate_state(5) % (2**31 - 1)
+            env_seed, expert_seed, perturb_seed, noise_seed, mix_seed = (int(x) for x in words)
             out.append(_Attempt(t, k, k % t.num_init_states, env_seed, expert_seed,
-                                perturb_seed if cfg.init == "perturbed" else None))
+                                perturb_seed if cfg.init == "perturbed" else None, noise_seed, mix_seed))
     return out
 
 
@@ -176,12 +265,33 @@ def _clear_stale(out: Path) -> None:
             continue
 
 
+def _load_dagger_policy(cfg: RecordConfig):
+    from ..model.inference import SolverConfig
+    from .policy import PolicyLoadError, load_policy
+
+    try:
+        policy = load_policy(cfg.dagger, device=cfg.dagger_device, seed=cfg.seed,
+                             solver=SolverConfig(num_steps=cfg.dagger_solver_steps, cfg_scale=cfg.dagger_cfg_scale))
+    except PolicyLoadError as exc:
+        raise DataError(f"--dagger: {exc}") from None
+    if "image" not in policy.embodiment.views or "wrist_image" not in policy.embodiment.views:
+        raise DataError(f"--dagger: {cfg.dagger}: embodiment {policy.embodiment.tag!r} has views "
+                        f"{sorted(policy.embodiment.views)}; LIBERO gives 'image' and 'wrist_image'")
+    return policy
+
+
+def _session(a: _Attempt) -> str:
+    return f"record-task{a.task.index}-attempt{a.number}"  # one policy session per DAgger episode
+
+
 def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, progress: bool = True,
-                  log=print, pool_factory=None) -> dict:
+                  log=print, pool_factory=None, policy=None) -> dict:
     """Record `cfg.episodes` expert attempts per task into a LeRobot v3.0 dataset at `out` (module docstring).
     Returns the recording summary (also in meta/dz_recording.json). DataError for bad arguments or when no
-    attempt succeeded (nothing is written then)."""
-    from .libero_env import EnvWorkerPool, EpisodeInit, WorkerCrashed, check_libero, ensure_libero_config, get_suite
+    episode is kept (nothing is written then). `policy` (an `EmbodiedPolicy`-like object with `predict_batch`,
+    `end_session` and `action_horizon`) replaces loading `cfg.dagger`."""
+    from .libero_env import (EnvWorkerPool, EpisodeInit, WorkerCrashed, check_libero, env_action,
+                             ensure_libero_config, get_suite)
 
     out = Path(out).expanduser()
     if out.exists() and not overwrite:
@@ -190,7 +300,13 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
     check_libero()
     tasks = _select_tasks(cfg)
     _check_supported(cfg, tasks)
-    max_steps = get_suite(cfg.suite).max_steps
+    max_steps = cfg.max_steps or get_suite(cfg.suite).max_steps
+    if cfg.dagger and policy is None:
+        policy = _load_dagger_policy(cfg)
+    dagger = policy is not None
+    per_chunk = min(cfg.actions_per_chunk or policy.action_horizon, policy.action_horizon) if dagger else 0
+    keep_all = cfg.keep_mode == "all"
+    extra = dagger or cfg.dart_noise > 0  # the executed actions differ from the labels: written beside them
     todo = _attempts(cfg, tasks)
     total = len(todo)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -199,13 +315,18 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
     os.chmod(tmp, 0o755)
     started = time.perf_counter()
     bar = Progress(total, enabled=progress, desc=f"record LIBERO-{cfg.suite}", unit="episode")
+    vectors = {STATE_KEY: VectorFeature(8, STATE_NAMES), ACTION_KEY: VectorFeature(7, ACTION_NAMES),
+               OBJECTS_KEY: VectorFeature(6, OBJECTS_NAMES)}
+    if extra:
+        vectors[EXECUTED_KEY] = VectorFeature(7, ACTION_NAMES)
+    options = recording_options(cfg, dagger)
     try:
         writer = LeRobotV3Writer(tmp, FPS, ROBOT_TYPE, {IMAGE_KEY: (cfg.image_size,) * 2, WRIST_KEY: (cfg.image_size,) * 2},
-                                 {STATE_KEY: VectorFeature(8, STATE_NAMES), ACTION_KEY: VectorFeature(7, ACTION_NAMES)},
-                                 codec=cfg.codec, episodes_per_video_file=1, image_names=("height", "width", "rgb"),
-                                 gop=cfg.gop)
+                                 vectors, codec=cfg.codec, episodes_per_video_file=1,
+                                 image_names=("height", "width", "rgb"), gop=cfg.gop)
         finished: dict[int, _Attempt] = {}
         kept: list[dict] = []
+        object_xy_index: dict[int, list] = {}
         next_to_write = 0
 
         def flush():
@@ -214,17 +335,33 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
             while next_to_write in finished:
                 a = finished.pop(next_to_write)
                 next_to_write += 1
-                if not a.success:
+                if not a.actions or not (a.success or keep_all):
                     continue
+                columns = {STATE_KEY: np.stack(a.states), ACTION_KEY: np.stack(a.actions),
+                           OBJECTS_KEY: np.stack(a.objects)}
+                if extra:
+                    columns[EXECUTED_KEY] = np.stack(a.executed)
                 ep = writer.add_episode(a.task.language, {IMAGE_KEY: np.stack(a.images), WRIST_KEY: np.stack(a.wrists)},
-                                        {STATE_KEY: np.stack(a.states), ACTION_KEY: np.stack(a.actions)})
-                kept.append({"episode_index": ep, "task": a.task.index, "task_name": a.task.name,
-                             "attempt": a.number, "init_index": a.init_index, "perturbed": a.perturb_seed is not None,
-                             "env_seed": a.env_seed, "expert_seed": a.expert_seed, "steps": len(a.actions),
-                             "init_state": [float(x) for x in a.init_state]})
+                                        columns)
+                info = dict(a.init_info or {})
+                object_xy_index.setdefault(a.task.index, info.pop("object_xy_index", None))
+                row = {"episode_index": ep, "task": a.task.index, "task_name": a.task.name,
+                       "attempt": a.number, "init_index": a.init_index, "perturbed": a.perturb_seed is not None,
+                       "env_seed": a.env_seed, "expert_seed": a.expert_seed, "steps": len(a.actions),
+                       "success": a.success,
+                       "init": {"mode": cfg.init, "base_index": None if cfg.init == "sampled" else a.init_index,
+                                "perturb_seed": a.perturb_seed, **info},
+                       "init_state": [float(x) for x in a.init_state]}
+                if cfg.dart_noise > 0:
+                    row["noise_seed"] = a.noise_seed
+                if dagger:
+                    row.update(policy_steps=a.policy_steps, chunk_actors="".join(a.actors))
+                if a.note:
+                    row["note"] = a.note
+                kept.append(row)
 
         results: list[_Attempt] = []
-        pool_factory = pool_factory or (lambda n: EnvWorkerPool(n, camera_size=cfg.image_size,
+        pool_factory = pool_factory or (lambda n: EnvWorkerPool(n, camera_size=cfg.image_size, privileged=True,
                                                                 timeout_s=cfg.worker_timeout_s, seed=cfg.seed))
         order = {id(a): i for i, a in enumerate(todo)}
         queue = list(todo)
@@ -235,11 +372,14 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
             def done(w, a: _Attempt, note=""):
                 a.note = note
                 running.pop(w, None)
-                free.append(w)
+                if w not in free:
+                    free.append(w)
+                if dagger:
+                    policy.end_session(_session(a))
                 results.append(a)
                 finished[order[id(a)]] = a
-                if not a.success:  # free the frames now; a failure is never written
-                    a.images, a.wrists, a.states, a.actions = [], [], [], []
+                if not (a.success or keep_all):  # free the frames now; a failure is never written
+                    a.drop_frames()
                 flush()
                 ok = sum(r.success for r in results)
                 if bar.bar is not None:
@@ -252,55 +392,83 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
                     while queue and free:
                         assign[free.pop(0)] = queue.pop(0)
                     inits = {w: EpisodeInit(env_seed=a.env_seed, perturb_seed=a.perturb_seed,
-                                            max_shift_m=cfg.max_shift_m) for w, a in assign.items()}
+                                            max_shift_m=cfg.max_shift_m, sample=cfg.init == "sampled",
+                                            min_shift_m=cfg.min_shift, describe=True) for w, a in assign.items()}
                     replies = pool.reset([(w, a.task, a.init_index) for w, a in assign.items()], inits)
                     for w, a in assign.items():
                         r = replies.get(w)
                         if isinstance(r, WorkerCrashed) or r is None:
-                            free.append(w)
                             done(w, a, f"reset failed: {getattr(r, 'reason', 'no reply')}".splitlines()[0])
                             continue
                         a.obs, a.init_state = r, np.asarray(r["init_state"], dtype=np.float64)
+                        a.init_info = r.get("init_info")
+                        if dagger:
+                            a.mix_rng = np.random.default_rng(a.mix_seed)
                         running[w] = a
                     continue
-                replies = pool.expert_step({w: a.expert_seed for w, a in running.items()})
+                if dagger:
+                    _dagger_chunks(cfg, policy, running, per_chunk, env_action)
+                opts = {}
+                for w, a in running.items():
+                    o = {}
+                    if cfg.dart_noise > 0:
+                        o.update(noise=cfg.dart_noise, noise_seed=a.noise_seed)
+                    if dagger:
+                        o.update(recover=True, hold_orientation=True)
+                        if a.queue:
+                            o["execute"] = a.queue.pop(0)
+                            a.policy_steps += 1
+                        a.chunk_left -= 1
+                    if o:
+                        opts[w] = o
+                seeds = {w: a.expert_seed for w, a in running.items()}
+                replies = pool.expert_step(seeds, opts) if opts else pool.expert_step(seeds)
                 for w, a in list(running.items()):
                     r = replies.get(w)
                     if isinstance(r, WorkerCrashed) or r is None:
                         reason = getattr(r, "reason", "no reply").strip().splitlines()
                         done(w, a, f"env worker crashed: {reason[-1] if reason else ''}")
                         continue
-                    obs, success, action = r
+                    if not r.label_valid:  # the rows end before the first step without a valid label
+                        done(w, a, "the expert gave up (no valid label from here)")
+                        continue
                     a.images.append(a.obs["image"])
                     a.wrists.append(a.obs["wrist_image"])
                     a.states.append(a.obs["state"])
-                    a.actions.append(np.asarray(action, dtype=np.float32))
-                    a.obs = obs
-                    if success:
+                    a.objects.append(np.asarray(a.obs["objects"], dtype=np.float32))
+                    a.actions.append(np.asarray(r.label, dtype=np.float32))
+                    a.executed.append(np.asarray(r.executed, dtype=np.float32))
+                    a.obs = r.obs
+                    if r.success:
                         a.success = True
                         done(w, a)
                     elif len(a.actions) >= max_steps:
-                        done(w, a, f"no success within the suite's {max_steps} steps")
+                        done(w, a, f"no success within the suite's {max_steps} steps" if cfg.max_steps is None
+                             else f"no success within {max_steps} steps (--max-steps)")
         bar.close()
-        per_task = _per_task(tasks, results)
+        per_task = _per_task(tasks, results, kept, object_xy_index)
+        successes = sum(a.success for a in results)
         summary = {
             "generator": "dz data record libero",
             "expert": "dzmodel.eval.libero_expert.ScriptedExpert",
             "suite": cfg.suite,
             "max_steps": max_steps,
             "config": asdict(cfg),
+            "options": options,
             "per_task": per_task,
             "attempts": total,
-            "successes": len(kept),
+            "successes": successes,
+            "kept": len(kept),
             "failures": [{"task": a.task.index, "attempt": a.number, "init_index": a.init_index, "note": a.note}
                          for a in sorted(results, key=lambda a: order[id(a)]) if not a.success],
             "episodes": kept,
             "seconds": round(time.perf_counter() - started, 1),
         }
         if not kept:
-            raise DataError(f"no attempt succeeded ({total} tried on {cfg.suite!r} tasks "
+            what = "no attempt succeeded" if not keep_all else "no attempt recorded a step"
+            raise DataError(f"{what} ({total} tried on {cfg.suite!r} tasks "
                             f"{[t.index for t in tasks]}); nothing was written")
-        writer.finish()
+        writer.finish(extra_info={"dz_recording": options})
         (tmp / RECORDING_FILE).write_text(json.dumps(summary, indent=1) + "\n")
         _publish(tmp, out)
     except BaseException:
@@ -311,14 +479,54 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
     return summary
 
 
-def _per_task(tasks, results: list[_Attempt]) -> list[dict]:
+def _dagger_chunks(cfg: RecordConfig, policy, running: dict, per_chunk: int, env_action) -> None:
+    """At a chunk boundary, every episode there asks the policy (one batched forward, so its session sees the
+    same observations as in `dz eval libero`), then draws who acts for the chunk: the expert with probability beta."""
+    need = [w for w, a in running.items() if a.chunk_left <= 0]
+    if not need:
+        return
+    chunks = None
+    if cfg.dagger_beta < 1:
+        requests = [(_session(a), {"image": a.obs["image"], "wrist_image": a.obs["wrist_image"]}, a.obs["state"],
+                     a.task.language) for a in (running[w] for w in need)]
+        chunks = policy.predict_batch(requests)
+    for i, w in enumerate(need):
+        a = running[w]
+        by_policy = bool(a.mix_rng.random() >= cfg.dagger_beta)
+        a.chunk_left = per_chunk
+        a.queue = [env_action(x) for x in chunks[i][:per_chunk]] if by_policy else []
+        a.actors.append("P" if by_policy else "E")
+
+
+def recording_options(cfg: RecordConfig, dagger: bool) -> dict:
+    """What the labels and starts of a recording are (meta/info.json's `dz_recording`, and the summary's)."""
+    opts = {"init": cfg.init, "max_shift_m": cfg.max_shift_m if cfg.init == "perturbed" else None,
+            "min_shift_m": cfg.min_shift, "dart_noise": cfg.dart_noise,
+            "label": "the scripted expert's clean action at each row's state",
+            "executed_key": EXECUTED_KEY if (dagger or cfg.dart_noise > 0) else None,
+            "keep": cfg.keep_mode,
+            "objects_key": OBJECTS_KEY, "objects_layout": OBJECTS_NAMES["axes"],
+            "objects_note": "privileged world xyz of the goal's object and its target (region site for In, body for "
+                            "On); diagnostics only, not a model input"}
+    if dagger:
+        opts.update(dagger_model=str(cfg.dagger) if cfg.dagger else "(given policy)", dagger_beta=cfg.dagger_beta,
+                    dagger_mixing="per chunk")
+    return opts
+
+
+def _per_task(tasks, results: list[_Attempt], kept: list[dict], object_xy_index: dict) -> list[dict]:
     rows = []
     for t in tasks:
         rs = [a for a in results if a.task.index == t.index]
-        ok = [a for a in rs if a.success]
-        rows.append({"task": t.index, "name": t.name, "language": t.language, "attempts": len(rs),
-                     "successes": len(ok), "success_rate": round(len(ok) / len(rs), 4) if rs else 0.0,
-                     "mean_steps": round(float(np.mean([len(a.actions) for a in ok])), 1) if ok else None})
+        ok = [e["steps"] for e in kept if e["task"] == t.index and e["success"]]
+        n_ok = sum(a.success for a in rs)
+        row = {"task": t.index, "name": t.name, "language": t.language, "attempts": len(rs),
+               "successes": n_ok, "success_rate": round(n_ok / len(rs), 4) if rs else 0.0,
+               "mean_steps": round(float(np.mean(ok)), 1) if ok else None,
+               "kept": sum(e["task"] == t.index for e in kept)}
+        if object_xy_index.get(t.index) is not None:
+            row["object_xy_index"] = object_xy_index[t.index]  # flat-state index of each movable object's x
+        rows.append(row)
     return rows
 
 
@@ -335,7 +543,11 @@ def _publish(tmp: Path, out: Path) -> None:
 def summary_line(summary: dict, out: Path | str) -> str:
     tasks = ", ".join(f"task {r['task']} {r['successes']}/{r['attempts']}" for r in summary["per_task"])
     frames = sum(e["steps"] for e in summary["episodes"])
-    return (f"record: LIBERO-{summary['suite']} expert {summary['successes']}/{summary['attempts']} successes "
+    opts = summary.get("options", {})
+    who = "expert" if not opts.get("dagger_model") else f"DAgger (beta {opts['dagger_beta']:g})"
+    if opts.get("dart_noise"):
+        who += f" with DART noise {opts['dart_noise']:g}"
+    return (f"record: LIBERO-{summary['suite']} {who} {summary['successes']}/{summary['attempts']} successes "
             f"({tasks}); kept {len(summary['episodes'])} episodes, {frames} frames -> {out} "
             f"({summary['seconds']:.0f} s)")
 

@@ -90,6 +90,12 @@ def run_oracle(dataset: str | Path, out: str | Path, metadata: str | Path | None
 
     dataset, out = Path(dataset), Path(out)
     rec = read_recording(dataset)
+    opts = rec.get("options") or {}
+    if opts.get("executed_key"):  # DART noise or DAgger: the labels were not what the env executed
+        how = "DAgger" if opts.get("dagger_model") else f"DART noise {opts.get('dart_noise')}"
+        raise DataError(f"{dataset}: recorded with {how}: its actions are the expert's labels, not the executed "
+                        f"actions ({opts['executed_key']}), so replaying them cannot reproduce the episodes; the oracle "
+                        "replays plain expert recordings")
     reader = open_dataset(dataset)
     emb = get_embodiment(embodiment, load_embodiments())
     if emb.relative_action_keys:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dzmodel.data.errors import DataError
-from dzmodel.eval.libero_env import WorkerCrashed
+from dzmodel.eval.libero_env import ExpertStep, WorkerCrashed
 from dzmodel.eval.libero_record import RECORDING_FILE, RecordConfig, goal_predicates, read_recording, record_libero
 
 pytest.importorskip("libero")  # the task list and BDDL files come from LIBERO's package (no simulator needed)
@@ -36,7 +36,7 @@ class ExpertPool:
     def _obs(key, n):
         v = (key[0] * 31 + key[1] * 7 + n) % 250
         return {"image": np.full((SIZE, SIZE, 3), v, np.uint8), "wrist_image": np.full((SIZE, SIZE, 3), 255 - v, np.uint8),
-                "state": np.full(8, n, np.float32)}
+                "state": np.full(8, n, np.float32), "objects": np.arange(6, dtype=np.float32) + n}
 
     def reset(self, assignments, inits):
         out = {}
@@ -46,8 +46,9 @@ class ExpertPool:
             out[w] = {**self._obs((task.index, ep), 0), "init_state": np.arange(5.0) + ep}
         return out
 
-    def expert_step(self, seeds):
+    def expert_step(self, seeds, options=None):
         out = {}
+        self.options = options
         for w in seeds:
             key, n = self.running[w]
             self.running[w][1] = n = n + 1
@@ -58,7 +59,9 @@ class ExpertPool:
                 out[w] = WorkerCrashed(w, "killed by the test")
                 continue
             action = np.array([0.1 * n, 0, 0, 0, 0, 0, 1.0 if n > 2 else -1.0])
-            out[w] = (self._obs(key, n), self.success_at.get(key) == n, action)
+            opts = (options or {}).get(w) or {}
+            executed = np.asarray(opts["execute"]) if opts.get("execute") is not None else action + opts.get("noise", 0)
+            out[w] = ExpertStep(self._obs(key, n), self.success_at.get(key) == n, action, executed, True)
         return out
 
 
@@ -154,3 +157,208 @@ def test_nothing_succeeded_writes_nothing(tmp_path):
     with pytest.raises(DataError, match="no attempt succeeded"):
         record_libero(cfg, tmp_path / "rec", progress=False, pool_factory=lambda n: ExpertPool(n, {}))
     assert list(tmp_path.iterdir()) == []
+
+
+# --- DART noise, DAgger, privileged object positions (bookkeeping; the simulator runs in test_record_sim.py) -------
+
+
+def _cfg(**kw):
+    base = dict(suite="object", tasks=[0, 3], episodes=3, image_size=SIZE, workers=2, codec="libx264")
+    return RecordConfig(**{**base, **kw})
+
+
+SUCCESS = {(0, 0): 4, (0, 2): 6, (3, 1): 3, (3, 2): 5}
+
+
+def test_objects_column_is_recorded_and_ignored_by_the_embodiments(tmp_path):
+    from dzmodel.data.dataset import WindowDataset, embodiment_metadata
+    from dzmodel.data.embodiments import get_embodiment
+    from dzmodel.data.lerobot_format import open_dataset
+    from dzmodel.data.sampling import WindowSpec
+
+    _record(tmp_path)
+    out = tmp_path / "rec"
+    reader = open_dataset(out)
+    info = json.loads((out / "meta" / "info.json").read_text())
+    assert info["features"]["observation.objects"]["shape"] == [6]
+    assert info["features"]["observation.objects"]["names"]["axes"][:3] == ["object_x", "object_y", "object_z"]
+    assert info["dz_recording"]["objects_key"] == "observation.objects" and "executed_action" not in info["features"]
+    objects = np.asarray(reader.read_columns(1, ["observation.objects"])["observation.objects"])
+    np.testing.assert_allclose(objects, np.arange(6)[None] + np.arange(6)[:, None])  # the obs before each step
+    for tag in ("libero_sim", "libero_sim_small"):
+        emb = get_embodiment(tag)
+        assert all(k.column != "observation.objects" for k in (*emb.state, *emb.action))
+        meta = embodiment_metadata(out, emb, None)[tag]
+        assert set(meta["statistics"]["state"]) == {"state"} and meta["modalities"]["state"]["state"]["shape"] == [8]
+        ds = WindowDataset(reader, emb, WindowSpec(1, 2, 2, emb.sampling), meta["statistics"], train=False)
+        sample = ds.sample(0)
+        assert sample["state"].shape[-1] == 8 and sample["action"].shape[-1] == 7
+        assert not any("object" in k for k in sample)
+
+
+def test_dart_records_the_clean_label_and_the_noised_action_beside_it(tmp_path):
+    from dzmodel.data.lerobot_format import open_dataset
+
+    pools = []
+
+    def factory(n):
+        pools.append(ExpertPool(n, SUCCESS))
+        return pools[-1]
+
+    summary = record_libero(_cfg(dart_noise=0.25), tmp_path / "rec", progress=False, log=lambda s: None,
+                            pool_factory=factory)
+    opts = pools[0].options
+    assert {o["noise"] for o in opts.values()} == {0.25} and all("execute" not in o for o in opts.values())
+    assert len({o["noise_seed"] for o in opts.values()}) == len(opts)  # a noise stream per episode
+    reader = open_dataset(tmp_path / "rec")
+    cols = reader.read_columns(1, ["action", "executed_action"])
+    np.testing.assert_allclose(np.asarray(cols["action"])[:, 0], 0.1 * np.arange(1, 7), rtol=1e-6)  # the label
+    np.testing.assert_allclose(np.asarray(cols["executed_action"]) - np.asarray(cols["action"]), 0.25, rtol=1e-5)
+    info = json.loads((tmp_path / "rec" / "meta" / "info.json").read_text())
+    assert info["dz_recording"]["dart_noise"] == 0.25 and info["dz_recording"]["executed_key"] == "executed_action"
+    assert info["features"]["executed_action"]["shape"] == [7]
+    assert summary["options"]["dart_noise"] == 0.25 and summary["successes"] == 4
+    assert [r["success_rate"] for r in summary["per_task"]] == [round(2 / 3, 4), round(2 / 3, 4)]
+    assert all("noise_seed" in e for e in summary["episodes"])
+
+
+class FakePolicy:
+    """Stands in for `EmbodiedPolicy`: a chunk of 4 constant actions that names its call, sessions logged."""
+
+    action_horizon = 4
+
+    def __init__(self):
+        self.calls, self.ended = [], []
+
+    def predict_batch(self, requests):
+        self.calls.append([sid for sid, views, state, text in requests])
+        assert all(set(views) == {"image", "wrist_image"} and len(state) == 8 for _, views, state, _ in requests)
+        return [np.tile([0.5, -0.5, 0.25, 0.0, 0.0, 0.1, 0.3], (4, 1)) for _ in requests]
+
+    def end_session(self, sid):
+        self.ended.append(sid)
+
+
+def _dagger(tmp_path, name="rec", policy=None, **kw):
+    pools, policy = [], policy or FakePolicy()
+
+    def factory(n):
+        pools.append(ExpertPool(n, SUCCESS))
+        return pools[-1]
+
+    summary = record_libero(_cfg(dagger="model", max_steps=10, **kw), tmp_path / name, progress=False,
+                            log=lambda s: None, pool_factory=factory, policy=policy)
+    return summary, policy, pools[0]
+
+
+def test_dagger_labels_are_the_experts_and_the_policy_acts_at_beta_zero(tmp_path):
+    from dzmodel.data.lerobot_format import open_dataset
+
+    summary, policy, pool = _dagger(tmp_path, dagger_beta=0.0)
+    # every attempt kept (failures too, DAgger's default), cut at the step limit or at the expert's success
+    assert summary["kept"] == 6 and summary["options"]["keep"] == "all" and summary["options"]["dagger_beta"] == 0.0
+    assert [e["steps"] for e in summary["episodes"]] == [4, 10, 6, 10, 3, 5]
+    assert all(e["policy_steps"] == e["steps"] and set(e["chunk_actors"]) == {"P"} for e in summary["episodes"])
+    assert [e["success"] for e in summary["episodes"]] == [True, False, True, False, True, True]
+    assert all(o["recover"] and o["hold_orientation"] for o in pool.options.values())
+    reader = open_dataset(tmp_path / "rec")
+    cols = reader.read_columns(1, ["action", "executed_action"])
+    np.testing.assert_allclose(np.asarray(cols["action"])[:, 0], 0.1 * np.arange(1, 11), rtol=1e-6)  # expert labels
+    executed = np.asarray(cols["executed_action"])
+    np.testing.assert_allclose(executed, np.tile([0.5, -0.5, 0.25, 0.0, 0.0, 0.1, 1.0], (10, 1)), rtol=1e-6)  # policy's, gripper ±1
+    # one batched forward per chunk boundary over the running episodes, one session per episode, all ended
+    assert max(len(c) for c in policy.calls) == 2
+    assert sorted(policy.ended) == sorted({s for c in policy.calls for s in c}) and len(policy.ended) == 6
+
+
+def test_dagger_beta_one_is_the_expert_and_successes_only_on_request(tmp_path):
+    summary, policy, pool = _dagger(tmp_path, dagger_beta=1.0, keep="successes")
+    assert policy.calls == [] and summary["kept"] == 4
+    assert all(e["policy_steps"] == 0 and set(e["chunk_actors"]) == {"E"} for e in summary["episodes"])
+    assert all("execute" not in o for o in pool.options.values())
+
+
+def test_dagger_mixes_per_chunk_deterministically(tmp_path):
+    one, _, _ = _dagger(tmp_path, name="a", dagger_beta=0.5, actions_per_chunk=2)
+    two, _, _ = _dagger(tmp_path, name="b", dagger_beta=0.5, actions_per_chunk=2)
+    actors = "".join(e["chunk_actors"] for e in one["episodes"])
+    assert set(actors) == {"E", "P"} and actors == "".join(e["chunk_actors"] for e in two["episodes"])
+    for e in one["episodes"]:
+        assert e["policy_steps"] == sum(min(2, e["steps"] - 2 * i) for i, c in enumerate(e["chunk_actors"]) if c == "P")
+
+
+def test_rows_end_where_the_expert_label_stops_being_valid(tmp_path):
+    class GivesUp(ExpertPool):
+        def expert_step(self, seeds, options=None):
+            out = super().expert_step(seeds, options)
+            for w, r in out.items():
+                if not isinstance(r, WorkerCrashed) and self.running[w][1] >= 3:
+                    out[w] = r._replace(label_valid=False)
+            return out
+
+    summary = record_libero(_cfg(keep="all"), tmp_path / "rec", progress=False, log=lambda s: None,
+                            pool_factory=lambda n: GivesUp(n, SUCCESS))
+    # the 3rd label is invalid: every episode keeps its first 2 rows (and (3, 1)'s success at step 3 is not had)
+    assert [(e["task"], e["steps"], e["success"]) for e in summary["episodes"]] == [(0, 2, False)] * 3 + [(3, 2, False)] * 3
+    assert {f["note"] for f in summary["failures"]} >= {"the expert gave up (no valid label from here)"}
+
+
+def test_start_options_are_checked():
+    with pytest.raises(DataError, match="--min-shift: a perturbed start must move every object"):
+        RecordConfig(init="perturbed", min_shift_m=0.0)
+    with pytest.raises(DataError, match="--min-shift"):
+        RecordConfig(init="perturbed", max_shift_m=0.01, min_shift_m=0.02)
+    assert RecordConfig(init="perturbed", max_shift_m=0.03).min_shift == 0.015
+    assert RecordConfig(init="standard").min_shift == 0.0 and RecordConfig(init="sampled").min_shift == 0.002
+    with pytest.raises(DataError, match="--init"):
+        RecordConfig(init="random")
+    with pytest.raises(DataError, match="--dart-noise"):
+        RecordConfig(dart_noise=-0.1)
+    with pytest.raises(DataError, match="--dagger-beta"):
+        RecordConfig(dagger_beta=1.5)
+    with pytest.raises(DataError, match="--keep"):
+        RecordConfig(keep="failures")
+    assert RecordConfig(dagger="m").keep_mode == "all" and RecordConfig().keep_mode == "successes"
+
+
+def test_starts_are_described_per_episode(tmp_path):
+    class Describes(ExpertPool):
+        def reset(self, assignments, inits):
+            out = super().reset(assignments, inits)
+            for w, task, ep in assignments:
+                assert inits[w].describe and inits[w].min_shift_m == 0.01 and inits[w].perturb_seed is not None
+                out[w]["init_info"] = {"object_xy_index": [10, 17], "object_shift_xy": [[0.01, 0.0], [0.0, -0.02]],
+                                       "min_distance_to_standard": 0.02}
+            return out
+
+    summary = record_libero(_cfg(init="perturbed"), tmp_path / "rec", progress=False, log=lambda s: None,
+                            pool_factory=lambda n: Describes(n, SUCCESS))
+    e = summary["episodes"][0]
+    assert e["init"]["mode"] == "perturbed" and e["init"]["base_index"] == e["init_index"] == 0
+    assert e["init"]["min_distance_to_standard"] == 0.02 and e["init"]["object_shift_xy"][1] == [0.0, -0.02]
+    assert summary["per_task"][0]["object_xy_index"] == [10, 17] and "object_xy_index" not in e["init"]
+    assert summary["options"]["min_shift_m"] == 0.01
+
+
+def test_the_oracle_refuses_recordings_whose_labels_were_not_executed(tmp_path):
+    from dzmodel.eval.oracle import run_oracle
+
+    record_libero(_cfg(dart_noise=0.1), tmp_path / "rec", progress=False, log=lambda s: None,
+                  pool_factory=lambda n: ExpertPool(n, SUCCESS))
+    with pytest.raises(DataError, match="recorded with DART noise 0.1: its actions are the expert's labels"):
+        run_oracle(tmp_path / "rec", tmp_path / "oracle", progress=False)
+
+
+def test_orientation_helpers_agree_with_the_state_convention():
+    from dzmodel.eval.libero_env import quat_to_axis_angle
+    from dzmodel.eval.libero_expert import matrix_to_rotvec, quat_to_matrix
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        q = rng.normal(size=4)
+        q *= np.sign(q[3]) / np.linalg.norm(q)  # w >= 0: angle in [0, pi]
+        m = quat_to_matrix(q)
+        np.testing.assert_allclose(m @ m.T, np.eye(3), atol=1e-12)
+        np.testing.assert_allclose(matrix_to_rotvec(m), quat_to_axis_angle(q), atol=1e-9)
+    flip = quat_to_matrix([1.0, 0.0, 0.0, 0.0])  # pi about x: the gripper's reset orientation
+    np.testing.assert_allclose(np.abs(matrix_to_rotvec(flip)), [np.pi, 0, 0], atol=1e-9)
