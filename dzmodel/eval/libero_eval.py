@@ -289,6 +289,9 @@ def pooled(rows: list[dict], steps: list) -> dict:
                 sum(int(r["successes"]) for r in chosen))
 
 
+PER_EPISODE_COLUMNS = ("seed", "task", "init_state", "checkpoint_step", "success")  # seed: the run's train.seed
+
+
 def write_results(out_dir: str | Path, rows: list[dict], episodes: list[dict]) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -299,6 +302,12 @@ def write_results(out_dir: str | Path, rows: list[dict], episodes: list[dict]) -
             w.writeheader()
             w.writerows(data)
             atomic_write_text(out / name, buf.getvalue())
+    if episodes and "train_seed" in episodes[0]:  # the raw per-episode table, one row per episode
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(PER_EPISODE_COLUMNS)
+        w.writerows([e["train_seed"], e["task"], e["episode"], e["step"], int(e["success"])] for e in episodes)
+        atomic_write_text(out / "per_episode.csv", buf.getvalue())
     overall = [r for r in rows if r["task"] == "all"]
     atomic_write_text(out / "summary.json", json.dumps({"per_step": overall, "best": max(overall, key=lambda r: r["rate"])
                                                         if overall else None}, indent=1))
@@ -341,10 +350,10 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
     """Evaluate every saved step of a training run (or `steps`), converting each checkpoint as needed (with its
     `weights`: raw or ema), or one converted model directory. `embodiment`, if given, must be the one the
     checkpoint trained on.
-    Writes results.csv, episodes.csv, summary.json, success_vs_step.png, timing.json (wall, policy and env seconds
-    per step) and videos/ under out_dir."""
+    Writes results.csv, episodes.csv, per_episode.csv (seed,task,init_state,checkpoint_step,success), summary.json,
+    success_vs_step.png, timing.json (wall, policy and env seconds per step) and videos/ under out_dir."""
     from .libero_env import check_libero, ensure_libero_config
-    from .policy import PolicyLoadError, load_policy
+    from .policy import PolicyLoadError, load_policy, read_train_config
 
     ensure_libero_config()
     check_libero()
@@ -364,7 +373,8 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
                         "batch_policy": cfg.batch_policy,
                         **{k: round(v, 2) if isinstance(v, float) else v for k, v in timing.items()}})
         rows += summarize(results, step)
-        episodes += [{"step": step, **asdict(r)} for r in results]
+        seed = read_train_config(model_dir)[0].seed
+        episodes += [{"step": step, "train_seed": seed, **asdict(r)} for r in results]
         write_results(out, rows, episodes)  # after every step: a long evaluation keeps what it has
         atomic_write_text(out / "timing.json", json.dumps(timings, indent=1))
     plot_success(rows, out / "success_vs_step.png", f"LIBERO-{cfg.suite}: success vs training step")

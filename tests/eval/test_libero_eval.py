@@ -122,6 +122,9 @@ def test_tables_and_plot(tmp_path):
                           "ci_low": 0.1876, "ci_high": 0.8124}
     assert [r["rate"] for r in rows if r["task"] == 0] == [1.0, 1.0]
     write_results(tmp_path, rows, [{"step": 100, "task": 0}])
+    assert not (tmp_path / "per_episode.csv").exists()  # no run seed known
+    write_results(tmp_path, rows, [{"step": 100, "train_seed": 2, "task": 0, "episode": 7, "success": True}])
+    assert (tmp_path / "per_episode.csv").read_text() == "seed,task,init_state,checkpoint_step,success\n2,0,7,100,1\n"
     assert (tmp_path / "results.csv").read_text().splitlines()[0] == \
         "step,task,task_name,episodes,successes,rate,ci_low,ci_high"
     png = plot_success(rows, tmp_path / "plot.png", "t")

@@ -28,15 +28,18 @@ def run(tmp_path_factory):
 def test_smoke_eval_across_checkpoint_steps(run, capsys):
     out = run / "eval"
     rc = main(["eval", "libero", str(run / "run"), "--out", str(out), "--tasks", "0,1", "--episodes", "1",
-               "--max-steps", "16", "--workers", "2", "--solver-steps", "2", "--cfg-scale", "1", "--videos", "1",
+               "--max-steps", "40", "--workers", "2", "--solver-steps", "2", "--cfg-scale", "1", "--videos", "1",
                "--no-progress"])
     assert rc == 0, capsys.readouterr().err
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert [(r["step"], r["task"]) for r in rows] == [(s, t) for s in ("1", "2") for t in ("0", "1", "all")]
     assert all(r["episodes"] == "1" or r["task"] == "all" for r in rows)
     episodes = list(csv.DictReader((out / "episodes.csv").open()))
-    assert len(episodes) == 4 and all(int(e["steps"]) <= 16 for e in episodes)
+    assert len(episodes) == 4 and all(int(e["steps"]) <= 40 for e in episodes)
     assert {e["note"] for e in episodes} == {""}  # no worker crashed
+    per_episode = list(csv.DictReader((out / "per_episode.csv").open()))
+    assert [(p["seed"], p["task"], p["init_state"], p["checkpoint_step"]) for p in per_episode] == \
+        [("0", t, "0", s) for s in ("1", "2") for t in ("0", "1")]
     assert (out / "success_vs_step.png").read_bytes()[:4] == b"\x89PNG"
     assert len(list((out / "videos").glob("*.mp4"))) == 2  # one per step
     assert json.loads((out / "summary.json").read_text())["best"]["task"] == "all"
