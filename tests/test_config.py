@@ -69,7 +69,7 @@ def test_train_config_is_filled_from_the_stage_paths(tmp_path):
     (lambda r: r["profiles"]["demo"]["promote"].update(min_success=1.5), "profiles.demo.promote.min_success: must be <= 1"),
     (lambda r: r["profiles"]["demo"].pop("convert"), "profiles.demo.convert: missing (dvc.yaml's convert stage depends"),
     (lambda r: r["profiles"]["demo"]["train"].pop("seed"),
-     "profiles.demo.train.seed: missing (dvc.yaml's cache stage depends on it; write it out, even as the default: 0)"),
+     "profiles.demo.train.seed: missing (dvc.yaml's vision stage depends on it; write it out, even as the default: 0)"),
     (lambda r: r.update(profile="nope"), "profile: 'nope' is not one of the profiles"),
     (lambda r: r["profiles"]["libero_5b"]["fetch"].pop("revision"), "fetch.revision: hub dataset"),
     (lambda r: r.update(extra=1), "extra: unknown key"),
