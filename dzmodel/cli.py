@@ -12,6 +12,7 @@
     dz eval oracle DATASET --out DIR        replay recorded episodes through the eval path (exit 1 below 95 %)
     dz eval action-error RUN|MODEL --out DIR   held-out action error vs the mean predictor and the untrained model
     dz eval previews MODEL --out DIR          the predicted video of held-out windows beside the real frames
+    dz eval probe DATASET --vae V --out DIR   linear probes from VAE latents to the eef/object positions (held out)
     dz package MODEL --robot R --version V --out DIR   versioned Franka bundle + tarball
     dz serve BUNDLE|models:/NAME@ALIAS      the policy server (openpi/RoboArena protocol; token in DZ_SERVE_TOKEN)
     dz client URL [--dry-run]               drive the LIBERO Panda through a server (or print its actions)
@@ -412,6 +413,23 @@ def cmd_eval_previews(ns: argparse.Namespace) -> int:
     print(f"step {result['step']}: {result['windows']} {kind} windows -> {ns.out}: "
           + ", ".join(Path(v).name for v in result["videos"]) + ", grid.png, previews.json; "
           + (describe_errors(result) or "no latent error (every window's episode ends within the predicted block)"))
+    return EXIT_OK
+
+
+def cmd_eval_probe(ns: argparse.Namespace) -> int:
+    from .data.embodiments import get_embodiment, load_embodiments
+    from .eval.probe import describe, parse_target, run_probe
+
+    try:
+        targets = [parse_target(t) for t in ns.target] if ns.target else None
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    emb = get_embodiment(ns.embodiment, load_embodiments(ns.embodiments or []))
+    result = run_probe(ns.dataset, emb, ns.vae or ["random"], ns.out, preset_name=ns.preset, seed=ns.seed,
+                       targets=targets, heldout_episodes=ns.heldout_episodes, stride=ns.stride, device=ns.device,
+                       progress=not ns.no_progress)
+    print("\n".join(describe(result)))
+    print(f"fit on episodes {result['fit_episodes']}, scored on {result['heldout_episodes']} -> {ns.out}/probe.json")
     return EXIT_OK
 
 
@@ -942,6 +960,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_eval_previews)
+
+    p = ev.add_parser("probe", help="linear probes from VAE latents to the scene state (eef position, objects) on "
+                      "held-out episodes: a random VAE vs a pretrained one")
+    p.add_argument("dataset", help="a LeRobot dataset (the frames and the state to predict)")
+    p.add_argument("--embodiment", required=True, help="views and layout the frames are seen through")
+    p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
+    p.add_argument("--vae", action="append", help="repeatable: 'random' (the preset's seeded random VAE), a VAE "
+                   ".safetensors (e.g. runs/<profile>/vision/vae.safetensors), or a converted model / bundle model "
+                   "directory (the VAE it runs with); default: random")
+    p.add_argument("--preset", help="the VAE's preset (tiny, small); read from a vision-stage file when absent")
+    p.add_argument("--seed", type=int, default=0, help="with --vae random: the run's train.seed")
+    p.add_argument("--target", action="append", metavar="NAME=COLUMN[A:B]",
+                   help="what to predict (repeatable); default: LIBERO eef position and gripper (or each state key), "
+                        "and observation.objects when the dataset has it")
+    p.add_argument("--heldout-episodes", type=int, help="score on the last N episodes (default: a fifth, at least 1)")
+    p.add_argument("--stride", type=int, default=2, help="every stride-th frame")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", required=True, help="probe.json and probe.txt")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_eval_probe)
 
     p = ev.add_parser("oracle", help="replay recorded demonstrations through the evaluation path (exit 1 below 95%%)")
     p.add_argument("dataset", help="a dataset recorded by `dz data record libero`")

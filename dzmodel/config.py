@@ -2,7 +2,8 @@
 
     profile: demo                 # the profile `dvc repro` and `dz stage` use unless told otherwise
     profiles:
-      demo:      {fetch: ..., metadata: ..., cache: ..., train: ..., convert: ..., eval: ..., package: ..., promote: ...}
+      demo:      {fetch: ..., metadata: ..., vision: ..., cache: ..., train: ..., convert: ..., eval: ..., package: ...,
+                  promote: ...}
       libero_5b: {...}
       droid_14b: {...}
 
@@ -77,6 +78,29 @@ class MetadataParams:
     embodiment: str = "libero_sim"
     embodiment_files: list[str] = field(default_factory=list)  # extra embodiment YAMLs (project-relative)
     max_episodes: int | None = field(default=None, metadata={"min": 1})
+
+
+@dataclass
+class VisionParams:
+    """The vision stage (dzmodel/train/vision.py): the offline presets' seeded random VAE trained as an autoencoder
+    on the dataset's frames before SFT; cache and train then use it (train.encoder_weights.vae). Off for presets
+    with real WAN weights."""
+    enabled: bool = False
+    steps: int = field(default=2000, metadata={"min": 1})
+    batch_size: int = field(default=8, metadata={"min": 1})
+    lr: float = field(default=1e-3, metadata={"gt": 0})
+    clip_frames: int = field(default=5, metadata={"min": 1})  # 1 + 4k frames of the SFT windows
+    kl_weight: float = field(default=1e-5, metadata={"min": 0})  # KL to N(0, I); 0: a plain autoencoder
+    # the reconstruction is measured on the last N episodes (never trained on; train.heldout_episodes' too)
+    heldout_episodes: int = field(default=1, metadata={"min": 1})
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when there is one
+    num_workers: int = field(default=0, metadata={"min": 0})
+    frame_cache_mib: int = field(default=0, metadata={"min": 0})  # per loader process (dzmodel/data/dataset.py)
+
+    def __post_init__(self) -> None:
+        if (self.clip_frames - 1) % 4:
+            raise ValueError(f"vision.clip_frames must be 1 + 4k (1, 5, 9, ...): the VAE encodes frame 0 alone, then "
+                             f"4 frames per latent frame; got {self.clip_frames}")
 
 
 @dataclass
@@ -177,6 +201,7 @@ class Profile:
     description: str = ""
     fetch: FetchParams = field(default_factory=FetchParams)
     metadata: MetadataParams = field(default_factory=MetadataParams)
+    vision: VisionParams = field(default_factory=VisionParams)
     cache: CacheParams = field(default_factory=CacheParams)
     train: dict[str, Any] = field(default_factory=dict)  # launch (nproc_per_node, nnodes) + TrainConfig fields
     convert: ConvertParams = field(default_factory=ConvertParams)
@@ -184,6 +209,19 @@ class Profile:
     package: PackageParams = field(default_factory=PackageParams)
     promote: PromoteParams = field(default_factory=PromoteParams)
     tracking: TrackingParams = field(default_factory=TrackingParams)
+
+    def __post_init__(self) -> None:
+        from .model.args import OFFLINE_PRESETS
+
+        weights = self.train.get("encoder_weights") if isinstance(self.train, dict) else None
+        vae = weights.get("vae") if isinstance(weights, dict) else None
+        if self.vision.enabled and vae:
+            raise ValueError(f"vision.enabled: train.encoder_weights.vae is set ({vae}); vision pretraining replaces "
+                             "a seeded random VAE, so set vision.enabled: false for real weights")
+        preset_name = self.train.get("preset", "tiny") if isinstance(self.train, dict) else "tiny"
+        if self.vision.enabled and preset_name not in OFFLINE_PRESETS:
+            raise ValueError(f"vision.enabled: preset {preset_name!r} takes real WAN encoder weights; vision "
+                             f"pretraining is for the offline presets ({', '.join(OFFLINE_PRESETS)})")
 
     @property
     def launch(self) -> dict[str, int]:
@@ -237,6 +275,11 @@ class StagePaths:
     @property
     def train_config(self) -> Path:
         return self.run / "train_config.json"
+
+    @property
+    def vision_vae(self) -> Path:
+        """The vision stage's VAE, which train.encoder_weights.vae names when vision.enabled."""
+        return self.stage("vision") / "vae.safetensors"
 
 
 # --- loading ------------------------------------------------------------------------------------------
@@ -342,9 +385,13 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | None = 
     return params
 
 
-def train_config(prof: Profile, paths: StagePaths):
-    """The TrainConfig the train stage runs, from the profile's train section and the upstream outputs."""
-    return _train_config(prof.train, prof.metadata, prof.cache.enabled, paths)
+def train_config(prof: Profile, paths: StagePaths, vision_vae: bool = True):
+    """The TrainConfig the train stage runs, from the profile's train section and the upstream outputs: with
+    vision.enabled, the vision stage's VAE (vision_vae=False: the seeded random one it starts from)."""
+    cfg = _train_config(prof.train, prof.metadata, prof.cache.enabled, paths)
+    if vision_vae and prof.vision.enabled:
+        cfg.encoder_weights = {**cfg.encoder_weights, "vae": str(paths.vision_vae)}
+    return cfg
 
 
 def _train_config(train: dict, metadata: MetadataParams, cache_enabled: bool, paths: StagePaths):

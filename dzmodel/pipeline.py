@@ -1,4 +1,5 @@
-"""The pipeline's stages as library functions: fetch → metadata → cache → train → convert → eval → package.
+"""The pipeline's stages as library functions: fetch → metadata → vision → cache → train → convert → eval →
+package.
 
 `dz stage NAME` (what dvc.yaml runs) and the Prefect tasks call the same `run_stage`, so there is one code
 path. Every stage reads its section of one params.yaml profile, writes at fixed places (`StagePaths`, the
@@ -139,6 +140,40 @@ def stage_metadata(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
             "statistics_episodes": entry["statistics_episodes"], "heldout_episodes": entry["heldout_episodes"]}
 
 
+def stage_vision(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
+    """The offline presets' VAE pretrained on the dataset's frames (dzmodel/train/vision.py): cache and train load
+    it through train.encoder_weights.vae (`train_config`). Disabled: an empty marker, and they keep their VAE."""
+    out, v = paths.stage("vision"), prof.vision
+    metrics_file = paths.run / "metrics" / "vision.json"
+    if not v.enabled:
+        _fresh_dir(out)
+        atomic_write_text(out / "DISABLED", "vision.enabled is false: cache and train use the preset's seeded random "
+                                            "VAE, or train.encoder_weights.vae\n")
+        _write_json(metrics_file, {"pretrained": False})
+        log("vision: disabled (vision.enabled: false)")
+        return {"vision": None}
+    from .train.vision import VAE_FILE, pretrain_vae
+
+    assert paths.vision_vae.name == VAE_FILE
+    tmp = _fresh_dir(out.with_name(out.name + ".tmp"))
+    report = pretrain_vae(train_config(prof, paths, vision_vae=False), tmp, steps=v.steps, batch_size=v.batch_size,
+                          lr=v.lr, clip_frames=v.clip_frames, kl_weight=v.kl_weight,
+                          heldout_episodes=v.heldout_episodes, device=v.device, num_workers=v.num_workers,
+                          frame_cache_mib=v.frame_cache_mib, log=log)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.replace(out)
+    headline = {k: report[k] for k in ("steps", "heldout_mse", "heldout_mse_random", "heldout_mse_ratio",
+                                       "heldout_mse_mean_colour", "seconds")}
+    _write_json(metrics_file, {"pretrained": True, **headline})
+    return {"vision": str(out), "vae": str(paths.vision_vae), **headline}
+
+
+def _require_vision(prof: Profile, paths: StagePaths, stage: str) -> None:
+    if prof.vision.enabled and not paths.vision_vae.is_file():
+        raise FileNotFoundError(f"{stage}: vision.enabled, but {paths.vision_vae} is missing (run the vision stage)")
+
+
 def stage_cache(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     out = paths.stage("cache")
     if not prof.cache.enabled:
@@ -151,6 +186,7 @@ def stage_cache(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     from .model.args import OFFLINE_PRESETS
     from .model.tokenizer import build_tiny_tokenizer
 
+    _require_vision(prof, paths, "cache")
     cfg = train_config(prof, paths)  # offline presets: tokenizer = runs/<profile>/tokenizer, built here
     cfg.cache = None
     if not cfg.tokenizer:
@@ -268,6 +304,7 @@ class MetricsFollower:
 
 def stage_train(prof: Profile, paths: StagePaths, log: Log = _print,
                 on_metrics: Callable[[list[dict]], None] | None = None) -> dict:
+    _require_vision(prof, paths, "train")
     cfg = train_config(prof, paths)
     _start_fresh_if_changed(cfg, paths, log)
     _write_json(paths.train_config, cfg.to_dict())
@@ -306,6 +343,9 @@ def _start_fresh_if_changed(cfg, paths: StagePaths, log: Log) -> None:
     out = Path(cfg.out_dir)
     inputs = {"config": _trajectory(cfg.to_dict()),
               "data": content_fingerprint(paths.dataset, paths.metadata, *([Path(cfg.cache)] if cfg.cache else []))}
+    if cfg.encoder_weights.get("vae") == str(paths.vision_vae) and paths.vision_vae.is_file():
+        # a retrained VAE keeps its path: its bytes say whether the checkpoints were trained on it
+        inputs["vision_vae"] = hashlib.sha256(paths.vision_vae.read_bytes()).hexdigest()[:16]
     record = paths.run / "train_inputs.json"
     if out.exists() and any(out.iterdir()):
         old = json.loads(record.read_text()) if record.is_file() else None
@@ -627,7 +667,7 @@ def packaged_action_error(paths: StagePaths, step: int) -> dict | None:
 
 
 STAGE_FUNCTIONS: dict[str, Callable[..., dict]] = {
-    "fetch": stage_fetch, "metadata": stage_metadata, "cache": stage_cache, "train": stage_train,
+    "fetch": stage_fetch, "metadata": stage_metadata, "vision": stage_vision, "cache": stage_cache, "train": stage_train,
     "convert": stage_convert, "eval": stage_eval, "package": stage_package,
 }
 

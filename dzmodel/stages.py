@@ -30,16 +30,25 @@ class StageSpec:
 ENCODING_TRAIN_FIELDS = ("preset", "model_overrides", "encoder_weights", "tokenizer", "heldout_episodes",
                          "skip_missing", "seed")
 EMBODIMENT_FIELDS = ("metadata.embodiment", "metadata.embodiment_files")
+# What the vision stage's VAE depends on besides its own section: the seeded random VAE it starts from (preset,
+# seed), the windows its clips come from (model_overrides: their frame spacing) and the episodes it may train on.
+VISION_TRAIN_FIELDS = ("preset", "model_overrides", "seed", "heldout_episodes", "skip_missing")
 _LIBERO_RECORDER = ("dzmodel/eval/libero_record.py", "dzmodel/eval/libero_expert.py", "dzmodel/eval/libero_env.py")
 
 STAGE_TABLE: dict[str, StageSpec] = {
     "fetch": StageSpec(params=("fetch",), code=("dzmodel/data", *_LIBERO_RECORDER)),
     # the statistics leave out the episodes training holds out
     "metadata": StageSpec(upstream=("fetch",), params=("metadata", "train.heldout_episodes"), code=("dzmodel/data",)),
-    "cache": StageSpec(upstream=("fetch", "metadata"),
+    # the offline presets' VAE pretrained on the dataset's frames (dzmodel/train/vision.py); a no-op when disabled
+    "vision": StageSpec(upstream=("fetch", "metadata"),
+                        params=("vision", *EMBODIMENT_FIELDS, *(f"train.{f}" for f in VISION_TRAIN_FIELDS)),
+                        code=("dzmodel/data", "dzmodel/model", "dzmodel/train/vision.py", "dzmodel/train/encoders.py",
+                              "dzmodel/train/config.py")),
+    "cache": StageSpec(upstream=("fetch", "metadata", "vision"),
                        params=("cache", *EMBODIMENT_FIELDS, *(f"train.{f}" for f in ENCODING_TRAIN_FIELDS)),
                        code=("dzmodel/data", "dzmodel/model", "dzmodel/train/cache.py", "dzmodel/train/encoders.py")),
-    "train": StageSpec(upstream=("fetch", "metadata", "cache"), params=("train", "cache.enabled", *EMBODIMENT_FIELDS),
+    "train": StageSpec(upstream=("fetch", "metadata", "vision", "cache"),
+                       params=("train", "cache.enabled", *EMBODIMENT_FIELDS),
                        code=("dzmodel/data", "dzmodel/model", "dzmodel/train")),
     "convert": StageSpec(upstream=("train",), params=("convert",),
                          code=("dzmodel/train/convert.py", "dzmodel/train/checkpoint.py", "dzmodel/model/state_dict.py")),

@@ -1,4 +1,5 @@
-"""The SFT pipeline as a Prefect flow: fetch → metadata → cache → train → convert → eval → package → promote.
+"""The SFT pipeline as a Prefect flow: fetch → metadata → vision → cache → train → convert → eval → package →
+promote.
 
 It composes the tasks in `tasks/` and holds no stage logic of its own. One MLflow parent run per flow run
 (experiment dreamzero-<profile>), a nested run per stage; Prefect artifacts show the tables and plots.

@@ -55,6 +55,11 @@ def metadata(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
     return _run("metadata", prof, paths)
 
 
+@task(name="vision", tags=[GPU_POOL_TAG], **_CACHED)
+def vision(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
+    return _run("vision", prof, paths)
+
+
 @task(name="cache", tags=[GPU_POOL_TAG], **_CACHED)
 def cache(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
     return _run("cache", prof, paths)
@@ -84,7 +89,7 @@ def package(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
     return _run("package", prof, paths)
 
 
-STAGE_TASKS = {"fetch": fetch, "metadata": metadata, "cache": cache, "train": train, "convert": convert,
+STAGE_TASKS = {"fetch": fetch, "metadata": metadata, "vision": vision, "cache": cache, "train": train, "convert": convert,
                "eval": evaluate, "package": package}
 
 

@@ -173,6 +173,14 @@ class Tracker:
         self.artifact(rid, paths.metadata, "metadata")
         self.artifact(rid, paths.metadata.parent / "statistics.csv", "metadata")
 
+    def _log_vision(self, rid, result, paths):
+        if result.get("vision") is None:  # disabled
+            return
+        self.metrics(rid, {"vision.heldout_mse": result["heldout_mse"],
+                           "vision.heldout_mse_random": result["heldout_mse_random"],
+                           "vision.steps": result["steps"]})
+        self.artifact(rid, Path(result["vision"]) / "report.json", "vision")
+
     def _log_train(self, rid, result, paths):
         s = result["summary"]
         summary = {"train.final_loss": s["loss"], "train.final_action_loss": s["action_loss"],

@@ -80,7 +80,7 @@ def test_train_config_is_filled_from_the_stage_paths(tmp_path):
     (lambda r: r["profiles"]["demo"]["promote"].update(min_success=1.5), "profiles.demo.promote.min_success: must be <= 1"),
     (lambda r: r["profiles"]["demo"].pop("convert"), "profiles.demo.convert: missing (dvc.yaml's convert stage depends"),
     (lambda r: r["profiles"]["demo"]["train"].pop("seed"),
-     "profiles.demo.train.seed: missing (dvc.yaml's cache stage depends on it; write it out, even as the default: 0)"),
+     "profiles.demo.train.seed: missing (dvc.yaml's vision stage depends on it; write it out, even as the default: 0)"),
     (lambda r: r["profiles"]["demo"]["train"].update(prompt_dropout=1.5),
      "profiles.demo.train.prompt_dropout must be in [0, 1] (0: off), got 1.5"),
     (lambda r: r["profiles"]["demo"]["train"].pop("heldout_episodes"),

@@ -58,7 +58,7 @@ def project(tmp_path_factory):
 
 def test_repro_on_a_fresh_clone_reproduces_the_demo(project):
     dest, log = project
-    assert _ran(log) == ["fetch", "metadata", "cache", "train", "convert", "eval", "package"]
+    assert _ran(log) == ["fetch", "metadata", "vision", "cache", "train", "convert", "eval", "package"]
     assert list((dest / "runs" / "demo" / "package").glob("*.tar.gz"))
     assert (dest / "runs" / "demo" / "eval" / "results.csv").is_file()
     assert "Data and pipelines are up to date" in _run(["dvc", "status"], dest)

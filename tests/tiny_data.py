@@ -28,3 +28,29 @@ def make_tabletop_data(root: Path, num_episodes: int = 3, episode_length: int = 
     emb = get_embodiment("tabletop_pusher", load_embodiments([root / "emb.yaml"]))
     embodiment_metadata(ds, emb, root / "meta.json")
     return root
+
+
+# libero_sim at 32 px per view (LIBERO's 8-dim state and horizon 16): the vision stage's and the probe's tests, on
+# orbit scenes, where the block's position (state[0:3]) moves with the frames along the same circle every episode
+LIBERO32_EMBODIMENT = """
+libero_sim_32:
+  tag_id: 21
+  views: {image: observation.images.image, wrist_image: observation.images.wrist_image}
+  view_size: [32, 32]
+  layout: [[image, wrist_image]]
+  state: {state: {column: observation.state, dim: 8}}
+  action: {actions: {column: action, dim: 7}}
+  action_horizon: 16
+  color_jitter: {brightness: 0.2, hue: 0.05}
+  sampling: multi_anchor
+"""
+
+
+def make_libero32_data(root: Path, num_episodes: int = 6, episode_length: int = 40) -> Path:
+    """root/ds (orbit scenes at 32 px), root/emb.yaml (libero_sim_32), root/meta.json; returns root."""
+    ds = make_synthetic_dataset(root / "ds", num_episodes=num_episodes, episode_length=episode_length,
+                                image_size=32, codec="libx264", motion="orbit")
+    (root / "emb.yaml").write_text(LIBERO32_EMBODIMENT)
+    emb = get_embodiment("libero_sim_32", load_embodiments([root / "emb.yaml"]))
+    embodiment_metadata(ds, emb, root / "meta.json")
+    return root

@@ -9,8 +9,9 @@
 #                      stage of the profile, then its train config ($TRAIN_SET: extra `--set train.K=V` words)
 #   share-data FROM    this profile trains on profile FROM's recording (same fetch params): link the dataset,
 #                      then `configure`
-#   configure          the metadata stage and the train config, for a recording already in data/<profile>/ (e.g.
-#                      carried); with VARIANT=NAME the run is runs/<profile>_NAME/ (another seed or setting via
+#   configure          the metadata stage, the vision stage (the VAE pretraining, unless runs/<profile>/vision
+#                      already holds one: variants share it) and the train config, for a recording already in
+#                      data/<profile>/ (e.g. carried); with VARIANT=NAME the run is runs/<profile>_NAME/ (another seed or setting via
 #                      $TRAIN_SET, the same recording and metadata); train-bg, stop, eval and export take VARIANT too;
 #                      STOP_AT=S stops training after step S on the same schedule
 #   train-bg           start training (the train config above, resuming from the newest checkpoint) in the
@@ -47,6 +48,8 @@ case "$1" in
     bash "$0" configure ;;
   configure)
     dz stage metadata --profile "$profile"
+    # shellcheck disable=SC2086  # TRAIN_SET is a list of words (`--set vision.enabled=false`: the seeded VAE)
+    [ -f "runs/$profile/vision/vae.safetensors" ] || dz stage vision --profile "$profile" ${TRAIN_SET:-}
     # shellcheck disable=SC2086  # TRAIN_SET is a list of words
     dz params train-config --profile "$profile" --out "$run/train_config.json" ${TRAIN_SET:-}
     # params.yaml derives out_dir from the profile: point it at the variant's run; STOP_AT ends the run early on the

@@ -635,6 +635,12 @@ class _CausalVideoVAE(nn.Module):
         With a `state` that has seen earlier frames, `video` continues that stream: 4k new frames give k latent
         frames, equal to the last k of encoding the whole video at once (the encoder is causal), so a robot's
         new frames are encoded without re-encoding its history."""
+        return self.encode_moments(video, state)[0]
+
+    def encode_moments(self, video: torch.Tensor,
+                       state: StreamState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`encode`'s normalised latent mean, and the posterior's log-variance of the raw (unnormalised) latent,
+        which training the VAE needs for its KL term (dzmodel/train/vision.py)."""
         continued = state is not None and state.started
         self._check_video(video, continued)
         x = self._patchify(video.to(self.conv1.weight.dtype))
@@ -644,8 +650,8 @@ class _CausalVideoVAE(nn.Module):
         chunks = ([] if continued else [x[:, :, :1]]) + [x[:, :, s:s + FRAMES_PER_LATENT]
                                                          for s in range(first, x.shape[2], FRAMES_PER_LATENT)]
         feats = [self.encoder(chunk, state) for chunk in chunks]
-        mu, _log_var = self.conv1(torch.cat(feats, dim=2)).chunk(2, dim=1)
-        return self.normalize_latents(mu)
+        mu, log_var = self.conv1(torch.cat(feats, dim=2)).chunk(2, dim=1)
+        return self.normalize_latents(mu), log_var
 
     def decode(self, latents: torch.Tensor, clamp: bool = False) -> torch.Tensor:
         """Normalised latents [B, z, 1+k, h, w] -> video [B, 3, 1+4k, h*f, w*f].

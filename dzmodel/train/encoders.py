@@ -21,9 +21,12 @@ def frozen_encoders(cfg: TrainConfig, device: torch.device | str = "cpu") -> Fro
     """Random weights are seeded with `seed + 1`. The offline presets' small encoders are drawn on the CPU and
     then moved, so a run trained on a GPU and evaluated on a CPU (or the reverse), its cache and its evaluation
     all see identical encoders; CUDA's generator would draw other numbers. Random big encoders (benchmarks) are
-    drawn on the device. Real runs name the WAN files (reference §2) and load them strictly."""
-    files = cfg.encoder_weights
-    build_on = "meta" if files else ("cpu" if cfg.preset in OFFLINE_PRESETS else device)
+    drawn on the device. Real runs name the WAN files (reference §2) and load them strictly. Files for only some
+    encoders (e.g. the vision stage's VAE) load over the seeded ones: the others keep the very numbers a run
+    without files draws."""
+    files = {k: v for k, v in cfg.encoder_weights.items() if v}
+    every = all(files.get(k) for k in ("vae", "t5", "clip"))
+    build_on = "meta" if every else ("cpu" if cfg.preset in OFFLINE_PRESETS else device)
     with torch.random.fork_rng(devices=[]):  # leave the caller's CPU RNG stream where it was
         torch.manual_seed(cfg.seed + 1)
         enc = build_encoders(cfg.preset, device=build_on)

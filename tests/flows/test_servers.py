@@ -110,7 +110,7 @@ def test_mlflow_server_compares_two_demo_runs(servers):
     children = _json(f"{mlf}/api/2.0/mlflow/runs/search", {
         "experiment_ids": [exp["experiment_id"]], "filter": f"tags.mlflow.parentRunId = '{runs[0]['info']['run_id']}'"})
     stages = {r["info"]["run_name"] for r in children["runs"]}
-    assert stages == {"fetch", "metadata", "cache", "train", "convert", "eval", "package"}
+    assert stages == {"fetch", "metadata", "vision", "cache", "train", "convert", "eval", "package"}
     cached = {r["info"]["run_name"] for r in children["runs"]
               if {t["key"]: t["value"] for t in r["data"]["tags"]}.get("cached") == "true"}
     assert {"fetch", "metadata", "cache"} <= cached and "train" not in cached  # only what lr affects reran

@@ -33,6 +33,11 @@ def _fake_stages(calls: list[str]):
         return {"metadata": str(paths.metadata), "embodiment": prof.metadata.embodiment,
                 "statistics": [{"group": "state", "key": "s", "dim": 0, "mean": 0.0, "std": 1.0, "q01": -1.0, "q99": 1.0}]}
 
+    def vision(prof, paths, log):
+        calls.append("vision")
+        write(paths.stage("vision") / "DISABLED")
+        return {"vision": None}
+
     def cache(prof, paths, log):
         calls.append("cache")
         write(paths.stage("cache") / "DISABLED")
@@ -76,7 +81,7 @@ def _fake_stages(calls: list[str]):
                 "step": step, "success_rate": rate, "model": str(paths.stage("converted") / f"step_{step:07d}"),
                 "version": prof.package.version, "action_error": action}
 
-    return {"fetch": fetch, "metadata": metadata, "cache": cache, "train": train, "convert": convert,
+    return {"fetch": fetch, "metadata": metadata, "vision": vision, "cache": cache, "train": train, "convert": convert,
             "eval": evaluate, "package": package}
 
 
@@ -132,8 +137,8 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     assert [m.step for m in client.get_metric_history(last.info.run_id, "eval.success_rate")] == [2, 3]
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{last.info.run_id}'")
     assert {r.info.run_name: r.data.tags["cached"] for r in children} == {
-        "fetch": "true", "metadata": "true", "cache": "true", "train": "false", "convert": "false", "eval": "false",
-        "package": "false"}
+        "fetch": "true", "metadata": "true", "vision": "true", "cache": "true", "train": "false", "convert": "false",
+        "eval": "false", "package": "false"}
     # the registry: every run registered a version; the alias stayed on the last one that passed the gate
     assert str(client.get_model_version_by_alias("dreamzero-demo", "production").version) == "4"
     v5 = client.get_model_version("dreamzero-demo", "5")
