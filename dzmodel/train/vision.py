@@ -281,7 +281,8 @@ def pretrain_vae(cfg: TrainConfig, out_dir: str | Path, *, steps: int, batch_siz
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
         optimizer.step()
-        row = {"step": step + 1, "loss": float(loss.detach()), "mse": float(mse.detach()), "kl": float(kl.detach())}
+        values = torch.stack([loss, mse, kl]).detach().tolist()  # the step's one device read
+        row = {"step": step + 1, "loss": values[0], "mse": values[1], "kl": values[2]}
         history.append(row)
         bar.update({"loss": row["mse"], "samples_per_s_per_gpu": len(batch) / (time.perf_counter() - t0)})
     bar.close()
