@@ -25,3 +25,15 @@ def fixtures_dir() -> Path:
     if not path.is_dir():
         pytest.fail(f"reference fixtures not found at {path}; set DZ_SHARED_DIR to the shared/ folder")
     return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One compute thread for a module: small convolutions (the tiny VAE's) run several times faster than on two
+    shared cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -20,13 +20,7 @@ from tests.tiny_data import LIBERO32_EMBODIMENT, make_libero32_data
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One compute thread: the tiny VAE's small convolutions run several times faster than on two shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
