@@ -25,7 +25,7 @@ import torch
 
 from .embodiments import Embodiment
 from .errors import DataError
-from .sampling import AnchorIndex, SampleStream, WindowSpec, task_segments
+from .sampling import AnchorIndex, SampleStream, WindowSpec, heldout_split, task_segments  # noqa: F401 (re-exported)
 from .transforms import NormStats, compose_layout, relative_action_dims, to_relative, transform_view
 
 
@@ -84,17 +84,6 @@ class KeyLayout:
     @property
     def action_dim(self) -> int:
         return sum(self.action_widths.values())
-
-
-def heldout_split(episodes: Sequence[int], heldout: int, where: str = "train.heldout_episodes") -> tuple[list[int], list[int]]:
-    """(training, held-out) episode indices: the last `heldout` episodes by index are held out. Deterministic,
-    so training and the held-out evaluation, given the same count, split the same way."""
-    order = sorted(int(e) for e in episodes)
-    if heldout < 0 or heldout >= len(order):
-        raise DataError(f"{where}: {heldout} held-out episodes must leave at least one of the dataset's "
-                        f"{len(order)} episodes to train on")
-    cut = len(order) - heldout
-    return order[:cut], order[cut:]
 
 
 class DecodedEpisodes:

@@ -528,7 +528,7 @@ def compute_metadata(
     columns = sorted({s.column for group in specs.values() for s in group.values()})
     heldout: list[int] = []
     if heldout_episodes:
-        from .dataset import heldout_split
+        from .sampling import heldout_split
 
         _, heldout = heldout_split(_episode_indices(files), heldout_episodes, "train.heldout_episodes")
     used_episodes: set[int] = set()

@@ -184,3 +184,14 @@ class SampleStream:
         item = self.peek(self.position)
         self.position += 1
         return item
+
+
+def heldout_split(episodes: Sequence[int], heldout: int, where: str = "train.heldout_episodes") -> tuple[list[int], list[int]]:
+    """(training, held-out) episode indices: the last `heldout` episodes by index are held out. Deterministic,
+    so training and the held-out evaluation, given the same count, split the same way."""
+    order = sorted(int(e) for e in episodes)
+    if heldout < 0 or heldout >= len(order):
+        raise DataError(f"{where}: {heldout} held-out episodes must leave at least one of the dataset's "
+                        f"{len(order)} episodes to train on")
+    cut = len(order) - heldout
+    return order[:cut], order[cut:]
