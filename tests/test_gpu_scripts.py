@@ -16,8 +16,9 @@ def test_the_script_parses(script):
     assert result.returncode == 0, result.stderr
 
 
-def test_the_usage_line_names_every_command():
-    script = RESULTS / "libero_scripted_gpu.sh"
+@pytest.mark.parametrize("name", ["libero_scripted_gpu.sh", "fastpath_gpu.sh"])
+def test_the_usage_line_names_every_command(name):
+    script = RESULTS / name
     text = script.read_text()
     commands = set(re.findall(r"^  ([a-z-]+)\)$", text, re.M))
     result = subprocess.run(["bash", str(script), "no-such-command"], capture_output=True, text=True)

@@ -97,7 +97,15 @@ def encode_mp4(path: Path, frames: np.ndarray, fps: int, codec: str, crf: int, g
 
 
 def _video_info(path: Path, fps: int) -> dict:
-    import av
+    try:
+        import av
+    except ImportError:  # OpenCV only (the GPU image): the header facts it reads
+        from .video import video_info
+
+        info = video_info(path)
+        return {"video.height": info["height"], "video.width": info["width"], "video.codec": info["codec"],
+                "video.pix_fmt": info["pix_fmt"], "video.is_depth_map": False, "video.fps": int(fps),
+                "video.channels": 3, "has_audio": False}
 
     with av.open(str(path)) as container:
         st = container.streams.video[0]

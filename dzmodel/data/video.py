@@ -261,11 +261,14 @@ def _rgb_check(path: Path, frames: np.ndarray) -> np.ndarray:
 
 
 def video_info(path: str | os.PathLike) -> dict:
-    """Header facts of the first video stream via PyAV: codec, width, height, fps, num_frames, duration_s."""
-    av = _import_av()
+    """Header facts of the first video stream via PyAV (OpenCV where PyAV is missing): codec, width, height, fps,
+    num_frames, duration_s."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: video file is missing")
+    if not _module_available("av") and _module_available("cv2"):
+        return _video_info_opencv(path)
+    av = _import_av()
     try:
         with av.open(str(path)) as c:
             s = c.streams.video[0]
@@ -357,9 +360,12 @@ def encode_video(
 
     ``codec``: "libsvtav1"/"av1" (AV1, lerobot's default) or "libx264"/"h264". ``gop`` is the
     keyframe interval (lerobot uses 2: fast random access). H and W must be even (yuv420p).
+    Without PyAV but with OpenCV (the GPU image), "h264" falls back to `_encode_video_opencv`.
     """
-    av = _import_av()
     path = Path(path)
+    if not _module_available("av") and _module_available("cv2") and CODEC_ALIASES.get(codec) == "libx264":
+        return _encode_video_opencv(path, np.asarray(frames), fps)
+    av = _import_av()
     if codec not in CODEC_ALIASES:
         raise DataError(f"codec: {codec!r} is not one of {sorted(CODEC_ALIASES)}")
     vcodec = CODEC_ALIASES[codec]
@@ -397,3 +403,53 @@ def encode_video(
             raise DataError(f"{path}: cannot encode video with {vcodec}: {type(e).__name__}: {e}") from e
         raise
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# OpenCV fallbacks (machines with opencv-python but no PyAV, such as the GPU image)
+
+_FOURCC_CODECS = {"mp4v": "mpeg4", "fmp4": "mpeg4", "avc1": "h264", "h264": "h264", "av01": "av1", "hev1": "hevc", "hvc1": "hevc"}
+
+
+def _encode_video_opencv(path: Path, frames: np.ndarray, fps: float) -> Path:
+    """MPEG-4 Part 2 ('mp4v') in an mp4, the one mp4 codec the opencv-python wheels encode (no H.264: they ship
+    no OpenH264; no AV1). For synthetic data where PyAV is missing; OpenCV, PyAV and torchcodec decode it. No GOP or
+    CRF control (OpenCV's defaults); atomic like `encode_video`."""
+    import cv2
+
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or frames.shape[0] == 0:
+        raise DataError(f"{path}: frames must be non-empty uint8 [T,H,W,3], got {frames.shape} {frames.dtype}")
+    t, h, w, _ = frames.shape
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp-{uuid.uuid4().hex[:8]}.mp4")
+    writer = cv2.VideoWriter(str(tmp), cv2.VideoWriter_fourcc(*"mp4v"), float(fps), (w, h))
+    try:
+        if not writer.isOpened():
+            raise DataError(f"{path}: OpenCV cannot write mp4v video (and PyAV is not installed)")
+        for i in range(t):
+            writer.write(cv2.cvtColor(frames[i], cv2.COLOR_RGB2BGR))
+        writer.release()
+        os.replace(tmp, path)
+    except BaseException:
+        writer.release()
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _video_info_opencv(path: Path) -> dict:
+    import cv2
+
+    cap = cv2.VideoCapture(str(path))
+    try:
+        if not cap.isOpened():
+            raise DataError(f"{path}: cannot read video header (OpenCV)")
+        code = int(cap.get(cv2.CAP_PROP_FOURCC))
+        fourcc = "".join(chr((code >> 8 * i) & 0xFF) for i in range(4)).strip().lower()
+        fps = cap.get(cv2.CAP_PROP_FPS) or None
+        n = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)) or None
+        return {"codec": _FOURCC_CODECS.get(fourcc, fourcc), "width": int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)),
+                "height": int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT)), "pix_fmt": "yuv420p", "fps": fps,
+                "num_frames": n, "duration_s": n / fps if n and fps else None}
+    finally:
+        cap.release()

@@ -28,6 +28,9 @@ class TrainConfig:
     cache: str | None = None                # a `dz cache` directory: train from precomputed encoder outputs
     heldout_episodes: int = 0               # the last N episodes of each dataset are never trained on (eval only)
     skip_missing: bool = False              # train on the other episodes when some view videos are missing (listed)
+    data_on_device: bool = False            # decode the whole recording once onto the training device; batches are
+                                            # gathered and augmented there, no loader workers (docs/training.md)
+    augment: bool = True                    # random crop + colour jitter per sample (False: the eval transforms)
     # optimisation (reference §5.1)
     steps: int = 100
     # when set, the run's length in passes over the training windows (one per anchor frame): steps becomes
@@ -93,6 +96,9 @@ class TrainConfig:
             raise ValueError(f"train.save_every must be >= 0 (0: never checkpoint), got {self.save_every}")
         if self.heldout_episodes < 0:
             raise ValueError(f"train.heldout_episodes must be >= 0, got {self.heldout_episodes}")
+        if self.data_on_device and self.cache:
+            raise ValueError("train.data_on_device decodes the recording and encodes every micro-batch live (its "
+                             "augmented frames are not in a `dz cache`): unset train.cache or data_on_device")
         if self.frame_cache_mib < 0:
             raise ValueError(f"train.frame_cache_mib must be >= 0 (0: off), got {self.frame_cache_mib}")
         if not 0 <= self.warmup_ratio < 1:

@@ -98,6 +98,10 @@ def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool) -> N
     A whole-block checkpoint must wrap the compiled forward: compiling a checkpoint-wrapped forward
     graph-breaks and silently runs eager.
     """
+    if compile:
+        from ..model.compile_compat import allow_bare_cantsplit
+
+        allow_bare_cantsplit()  # torch 2.11: the small preset's blocks fail to compile without it
     for block, plan in zip(model.blocks, block_recompute_plan(mode, len(model.blocks))):
         forward = block.forward
         if plan == "elementwise":

@@ -79,8 +79,9 @@ def training_windows(path, emb, spec: WindowSpec, stats: dict, cfg: TrainConfig,
     if cfg.heldout_episodes:
         episodes, _ = heldout_split([e.index for e in reader.episodes], cfg.heldout_episodes,
                                     f"train.heldout_episodes ({path})")
-    ds = WindowDataset(reader, emb, spec, stats, train=train, seed=cfg.seed, episodes=episodes,
-                       skip_missing=cfg.skip_missing, frame_cache_mib=cfg.frame_cache_mib)
+    ds = WindowDataset(reader, emb, spec, stats, train=train and cfg.augment, seed=cfg.seed, episodes=episodes,
+                       skip_missing=cfg.skip_missing,
+                       frame_cache_mib=0 if cfg.data_on_device else cfg.frame_cache_mib)
     if ds.missing and int(os.environ.get("RANK", "0")) == 0:
         eps = sorted({ep for ep, _ in ds.missing})
         print(f"{path}: skip_missing: {len(ds.missing)} video files missing; skipping episodes {eps}", file=sys.stderr)
@@ -233,6 +234,7 @@ class Trainer:
 
     def build_data(self) -> None:
         cfg, a = self.cfg, self.args
+        self.device_data = None  # `data_on_device`: the recording on the device (below)
         if cfg.cache:
             from .cache import CachedWindows, collate_cached
 
@@ -268,6 +270,16 @@ class Trainer:
         tokenizer = self._tokenizer()
         self.collate = Collator(tokenizer, a.text_len, a.max_state_dim, a.action_dim)
         self.embodiment = emb
+        if cfg.data_on_device:  # the whole recording decoded once onto the device; no loader workers
+            from ..data.device_dataset import DeviceData
+
+            t0 = time.perf_counter()
+            self.device_data = DeviceData(self.datasets, self.info.device, tokenizer, a.text_len, a.max_state_dim,
+                                          a.action_dim, train=cfg.augment, seed=cfg.seed)
+            if self.info.rank == 0:
+                print(f"data_on_device: {self.device_data.decodes} episode videos decoded to "
+                      f"{self.device_data.nbytes / 2**30:.2f} GiB on {self.info.device} in "
+                      f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
         vae_factor = 16 if isinstance(self.encoders.vae, WanVideoVAE38) else 8
         h, w = emb.image_size
         self.flops_per_sample = a.flops((h // vae_factor, w // vae_factor)).train()
@@ -292,6 +304,8 @@ class Trainer:
 
     def loader(self, position: int):
         self.stream.position = position
+        if self.device_data is not None:
+            return self.device_data.batches(self.stream, self.cfg.micro_batch)
         dataset = self.cached if self.cached is not None else MixtureDataset(self.datasets)
         return torch.utils.data.DataLoader(
             dataset, batch_size=self.cfg.micro_batch, sampler=StreamSampler(self.stream),
@@ -337,43 +351,62 @@ class Trainer:
         dev = info.device
         peak = peak_flops(dev)
         end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
+        samples = self.accum * cfg.micro_batch
+        pending: list[tuple[int, float, object]] = []  # (step, lr, StepOutput) not read back yet
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()  # the data's time counts: the loader must keep up
         for step in range(start, end):
             lr = lr_at(step, cfg)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()  # the data's time counts: the loader must keep up
             out = self.step(itertools.islice(it, self.accum), lr)
-            (loss, dynamics, action), grad_norm = out.read()  # the step's one device read
-            dt = time.perf_counter() - t0
-            consumed += self.accum * cfg.micro_batch
-            sums = torch.tensor([loss, dynamics, action], dtype=torch.float64)
-            if dist.is_initialized():
-                dist.all_reduce(sums)
-                sums /= info.world_size
-            samples = self.accum * cfg.micro_batch
-            metrics = {
-                "loss": float(sums[0]), "dynamics_loss": float(sums[1]), "action_loss": float(sums[2]),
-                "lr": lr, "grad_norm": float(grad_norm), "step_time_s": dt,
-                "samples_per_s_per_gpu": samples / dt,
-                "peak_mem_gib": peak_memory_gib(dev),
-            }
-            if peak is not None:  # no MFU on a CPU or an unlisted GPU
-                metrics["mfu"] = self.flops_per_sample * samples / dt / peak
-            history.append({"step": step + 1, **metrics})
-            if sink is not None and (step + 1) % cfg.log_every == 0:
-                sink.log(step + 1, metrics)
-            progress.update(metrics)
-            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == end):
+            consumed += samples
+            pending.append((step, lr, out))
+            saving = bool(cfg.save_every) and ((step + 1) % cfg.save_every == 0 or step + 1 == end)
+            # The device is read back once per `log_every` steps (and before a checkpoint or the end), not once per
+            # step: between reads the host queues steps ahead and the GPU never waits for Python.
+            if (step + 1) % cfg.log_every == 0 or step + 1 == end or saving:
+                rows = self._read_back(pending)
+                dt = (time.perf_counter() - t0) / len(pending)  # the window's mean step time (the read waited)
+                for (s, lr_s, _), (loss, dynamics, action, grad_norm) in zip(pending, rows):
+                    metrics = {
+                        "loss": loss, "dynamics_loss": dynamics, "action_loss": action,
+                        "lr": lr_s, "grad_norm": grad_norm, "step_time_s": dt,
+                        "samples_per_s_per_gpu": samples / dt,
+                        "peak_mem_gib": peak_memory_gib(dev),
+                    }
+                    if peak is not None:  # no MFU on a CPU or an unlisted GPU
+                        metrics["mfu"] = self.flops_per_sample * samples / dt / peak
+                    history.append({"step": s + 1, **metrics})
+                    if sink is not None and (s + 1) % cfg.log_every == 0:
+                        sink.log(s + 1, metrics)
+                    progress.update(metrics)
+                pending = []
+            if saving:
                 all_consumed = self._gather_consumed(consumed)
                 save_checkpoint(self.out, step + 1, self.model, self.optimizer,
                                 {"step": step + 1, "samples": sum(all_consumed.values()), "consumed": all_consumed,
                                  "world_size": info.world_size, "config": cfg.to_dict(),
                                  **({"base": self.base} if self.base else {})},
                                 self._rng_states(), ema=self.step.ema)
+            if not pending:  # just read back (and saved): the next window's clock starts here
+                t0 = time.perf_counter()
         progress.close()
         if sink is not None and self.sink is None:
             sink.close()
         return history
+
+    def _read_back(self, pending: list) -> list[tuple[float, float, float, float]]:
+        """(loss, dynamics, action, grad_norm) of each pending step: one device read for all of them, the losses
+        averaged over the ranks."""
+        outs = [out for _, _, out in pending]
+        dev = outs[0].losses.device
+        values = torch.stack([torch.cat([o.losses, o.grad_norm.detach().reshape(1).to(device=dev, dtype=o.losses.dtype)])
+                              for o in outs]).cpu()
+        if dist.is_initialized():
+            losses = values[:, :3].contiguous()
+            dist.all_reduce(losses)
+            values[:, :3] = losses / self.info.world_size
+        return [tuple(float(v) for v in row) for row in values.tolist()]
 
     def _gather_consumed(self, consumed: int) -> dict[str, int]:
         if not dist.is_initialized():

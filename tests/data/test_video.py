@@ -207,3 +207,28 @@ def test_worker_init_fn(monkeypatch):
         assert os.environ["OMP_NUM_THREADS"] == "1"
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not HAS_CV2, reason="OpenCV is not installed")
+def test_opencv_encodes_where_pyav_is_missing(tmp_path, monkeypatch):
+    """The GPU image has OpenCV but no PyAV: `dz data synth --codec h264` writes MPEG-4 Part 2 (mp4v) there, which
+    OpenCV decodes; the synthetic dataset reads back through the OpenCV backend."""
+    import sys
+
+    from dzmodel.data.lerobot_format import open_dataset
+    from dzmodel.data.synth import make_synthetic_dataset
+
+    monkeypatch.setattr(V, "_module_available", lambda name: name == "cv2")
+    monkeypatch.setitem(sys.modules, "av", None)  # `import av` fails
+    frames = np.stack([frame_rgb(0, i, size=(32, 48)) for i in range(6)])
+    p = V.encode_video(tmp_path / "v.mp4", frames, 15, codec="h264")
+    info = V.video_info(p)
+    assert (info["codec"], info["width"], info["height"], info["num_frames"]) == ("mpeg4", 48, 32, 6)
+    out = V.decode_frames(p, [i / 15 for i in (4, 0, 5)], backend="opencv")
+    assert [frame_id(f) for f in out] == [(0, 4), (0, 0), (0, 5)]
+    with pytest.raises(DataError, match="PyAV is not installed"):
+        V.encode_video(tmp_path / "a.mp4", frames, 15, codec="av1")  # no AV1 encoder in OpenCV
+    ds = open_dataset(make_synthetic_dataset(tmp_path / "ds", num_episodes=2, episode_length=20, image_size=32,
+                                             codec="libx264"))
+    assert ds.features["observation.images.image"].dtype == "video"
+    assert ds.read_frames(1, "observation.images.wrist_image", range(20), backend="opencv").shape == (20, 32, 32, 3)

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Throughput of `dz train` on the device-resident data path (train.data_on_device, docs/training.md) at the
+# libero_scripted shape: the small preset with 1x1 patches, two 128 px views side by side (128x256 frames), 16-action
+# chunks, 2 blocks per window (1 + 16 video frames), micro-batch 32, bf16, augmentation on, compiled blocks. For a GPU
+# machine with the device image (Python 3.12, torch, numpy, pyarrow, PyYAML, OpenCV; no PyAV, torchcodec, lerobot,
+# prefect or mlflow). Run from the repo root.
+#
+#   synth [EPISODES] [LENGTH]  a synthetic recording at that shape in data/fastpath_synth (`dz data synth`: two 128 px
+#                              views, 8-dim state, 7-dim actions, orbit motion; MPEG-4 through OpenCV where PyAV is
+#                              missing), default 60 episodes of 160 frames
+#   measure DATASET [K=V ..]   `dz train` with the libero_scripted train config plus data_on_device, compile, STEPS steps
+#                              (default 300), no checkpoints, metrics every LOG_EVERY (default 25) steps, on DATASET (a
+#                              carried recording, e.g. data/libero_scripted/<its fetch dir>, or data/fastpath_synth).
+#                              K=V words override train fields (JSON values), e.g. micro_batch=128 (global_batch
+#                              follows unless given), compile=false, augment=false, or data_on_device=false
+#                              num_workers=12 frame_cache_mib=4096 for the CPU loader it replaces. Prints the median
+#                              samples/s/GPU, step time and MFU over the logged windows after the first WARM_ROWS
+#                              (default 2: compile and warm-up), and copies the metrics and the log to $OUT. The run is
+#                              runs/fastpath/$VARIANT (default "default"), started fresh
+#   synccheck DATASET [K=V ..] 20 steps with torch.cuda.set_sync_debug_mode("warn") from the 4th step on: prints each
+#                              place in dzmodel that makes the host wait for the GPU, with its count (expected: only
+#                              the trainer's metrics read-back, once per LOG_EVERY steps)
+#   all                        synth, then measure on it
+set -euo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+OUT=${OUT:-/tmp}
+run=runs/fastpath/${VARIANT:-default}
+synth=data/fastpath_synth
+dz() { python3 -m dzmodel.cli "$@"; }
+
+configure() {  # DATASET STEPS [K=V ..]: $run/metadata.json and $run/train_config.json
+  local dataset=$1 steps=$2
+  shift 2
+  [[ -d "$dataset" ]] || { echo "no dataset directory $dataset" >&2; exit 2; }
+  rm -rf "$run"
+  mkdir -p "$run"
+  dz data metadata "$dataset" --embodiment libero_sim_small --out "$run/metadata.json" >/dev/null
+  dz params train-config --profile libero_scripted --out "$run/train_config.json" >/dev/null
+  python3 - "$run" "$dataset" "$steps" "${LOG_EVERY:-25}" "$@" <<'PY'
+import json, sys
+run, dataset, steps, log_every, *pairs = sys.argv[1:]
+path = run + "/train_config.json"
+c = json.load(open(path))
+c.update(datasets=[dataset], metadata=run + "/metadata.json", out_dir=run + "/train", data_on_device=True,
+         compile=True, steps=int(steps), save_every=0, log_every=int(log_every), progress=False)
+given = {}
+for pair in pairs:
+    key, _, value = pair.partition("=")
+    try:
+        given[key] = json.loads(value)
+    except ValueError:
+        given[key] = value
+if "micro_batch" in given and "global_batch" not in given:
+    given["global_batch"] = given["micro_batch"]
+c.update(given)
+json.dump(c, open(path, "w"), indent=1)
+print("train config:", {k: c[k] for k in ("preset", "model_overrides", "micro_batch", "global_batch", "precision",
+      "compile", "data_on_device", "augment", "num_workers", "attn_backend", "steps", "log_every")})
+PY
+}
+
+summary() {  # the logged windows after the warm-up: median samples/s/GPU, step time, MFU
+  python3 - "$run/train/metrics.jsonl" "${WARM_ROWS:-2}" <<'PY'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+rows = rows[int(sys.argv[2]):] or rows
+med = lambda key: statistics.median(r[key] for r in rows) if all(key in r for r in rows) else None
+sps, mfu = med("samples_per_s_per_gpu"), med("mfu")
+print(f"steps {rows[0]['step']}-{rows[-1]['step']} ({len(rows)} logged windows): median {sps:.1f} samples/s/GPU, "
+      f"step {1000 * med('step_time_s'):.1f} ms, MFU {'n/a' if mfu is None else f'{100 * mfu:.2f} %'}, "
+      f"peak {max(r['peak_mem_gib'] for r in rows):.1f} GiB, loss {rows[-1]['loss']:.4f}")
+PY
+}
+
+case "${1:-}" in
+  synth)
+    dz data synth "$synth" --episodes "${2:-60}" --length "${3:-160}" --image-size 128 --codec h264 --motion orbit \
+      --seed 0 --overwrite ;;
+  measure)
+    dataset=$2
+    shift 2
+    configure "$dataset" "${STEPS:-300}" "$@"
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
+    python3 -c 'import torch; print("torch", torch.__version__)'
+    dz train --config "$run/train_config.json" 2>&1 | { grep -v -i warn || true; } | tee "$run/train.log"
+    summary | tee "$run/summary.txt"
+    cp "$run/train/metrics.jsonl" "$OUT/fastpath_${VARIANT:-default}_metrics.jsonl"
+    cp "$run/train.log" "$run/summary.txt" "$run/train_config.json" "$OUT/" 2>/dev/null || true ;;
+  synccheck)
+    dataset=$2
+    shift 2
+    configure "$dataset" 20 "$@"
+    python3 - "$run/train_config.json" <<'PY'
+import collections, sys, traceback, warnings
+
+import torch
+
+from dzmodel.cli import main
+from dzmodel.train.step import TrainStep
+
+sites, calls = collections.Counter(), [0]
+step_call = TrainStep.__call__
+
+
+def call(self, *args, **kwargs):  # compile and first-use allocations happen in the first steps: watch from the 4th
+    calls[0] += 1
+    if calls[0] == 4 and torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode("warn")
+    return step_call(self, *args, **kwargs)
+
+
+def show(message, category, filename, lineno, file=None, line=None):
+    if "synchroniz" in str(message):
+        stack = [f"{f.filename.split('dzmodel/')[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
+                 if "/dzmodel/" in f.filename]
+        sites[" <- ".join(stack[::-1][:3]) or f"{filename}:{lineno}"] += 1
+
+
+TrainStep.__call__ = call
+warnings.showwarning = show
+warnings.simplefilter("always")
+rc = main(["train", "--config", sys.argv[1]])
+if torch.cuda.is_available():
+    torch.cuda.set_sync_debug_mode("default")
+print(f"host syncs from step 4 to the end ({calls[0] - 3} steps):" if sites else "no host sync from step 4 on")
+for site, n in sites.most_common():
+    print(f"{n:6d}  {site}")
+sys.exit(rc)
+PY
+    ;;
+  all)
+    bash "$0" synth
+    bash "$0" measure "$synth" ;;
+  *) echo "usage: $0 synth [EPISODES] [LENGTH] | measure DATASET [K=V ..] | synccheck DATASET [K=V ..] | all" >&2
+     exit 2 ;;
+esac
