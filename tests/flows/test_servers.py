@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -61,8 +62,12 @@ def test_scheduled_deployment_run_is_created_and_completes(servers):
     with background([str(BIN / "prefect"), "worker", "start", "--pool", "gpu-pool"], env, worker_log):
         deadline, done = time.time() + 540, None
         while time.time() < deadline and done is None:
-            runs = _json(f"{api}/flow_runs/filter", {"deployments": {"id": {"any_": [deployment["id"]]}},
-                                                    "sort": "EXPECTED_START_TIME_ASC"})
+            try:
+                runs = _json(f"{api}/flow_runs/filter", {"deployments": {"id": {"any_": [deployment["id"]]}},
+                                                        "sort": "EXPECTED_START_TIME_ASC"})
+            except (TimeoutError, urllib.error.URLError):  # the server's SQLite is busy (locked): ask again
+                time.sleep(3)
+                continue
             bad = [r for r in runs if r["state_type"] in ("FAILED", "CRASHED")]
             assert not bad, (bad[0]["state"], worker_log.read_text()[-4000:])
             done = next((r for r in runs if r["state_type"] == "COMPLETED"), None)
