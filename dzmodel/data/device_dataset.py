@@ -34,9 +34,9 @@ import torch.nn.functional as F
 
 from .augment import ViewAugment, augment_view, draw, stored_size
 from .dataset import WindowDataset
-from .embodiments import Embodiment
 from .errors import DataError
 from .sampling import SampleStream
+from .transforms import compose_layout
 
 
 def _normalize(x: torch.Tensor, q01: torch.Tensor, q99: torch.Tensor) -> torch.Tensor:
@@ -202,7 +202,7 @@ class DeviceRecording:
         state_mask[:, :, :S] = True
         action_mask[:, :, :A] = True
         return {
-            "images": layout(emb, views),
+            "images": compose_layout(emb, views),
             "state": state_out, "state_mask": state_mask,
             "action": action_out, "action_mask": action_mask,
             "text": self.text[prompt], "text_attention_mask": self.text_mask[prompt],
@@ -217,29 +217,6 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
-
-
-def layout(emb: Embodiment, views: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per-view uint8 [B, T, h, w, 3] -> [B, T, rows·h, cols·w, 3] following emb.layout (`compose_layout` for a
-    batch; a view stretched over several widths is resized in float off the CPU, as the GPU has no uint8 resize)."""
-    h, w = emb.view_size
-    rows = []
-    for row in emb.layout:
-        cells = []
-        for cell in row:
-            v = views[cell.view]
-            if cell.width != 1:
-                B, T = v.shape[:2]
-                x = v.reshape(B * T, h, w, 3).permute(0, 3, 1, 2).contiguous()
-                if x.device.type == "cpu":
-                    x = F.interpolate(x, size=(h, w * cell.width), mode="bilinear", align_corners=False)
-                else:
-                    x = F.interpolate(x.float(), size=(h, w * cell.width), mode="bilinear", align_corners=False)
-                    x = x.round_().clamp_(0, 255).to(torch.uint8)
-                v = x.permute(0, 2, 3, 1).reshape(B, T, h, w * cell.width, 3)
-            cells.append(v)
-        rows.append(torch.cat(cells, dim=3))
-    return torch.cat(rows, dim=2)
 
 
 class DeviceData:

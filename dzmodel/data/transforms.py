@@ -155,7 +155,9 @@ def transform_view(frames: np.ndarray | torch.Tensor, size: tuple[int, int], tra
 
 
 def compose_layout(emb: Embodiment, views: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per-view uint8 [T, h, w, 3] -> one frame [T, rows·h, cols·w, 3] following emb.layout."""
+    """Per-view uint8 [..., h, w, 3] (a window [T, ...] or a batch [B, T, ...]) -> [..., rows·h, cols·w, 3]
+    following emb.layout. A view stretched over several widths is resized bilinearly: in uint8 on the CPU, in
+    float on a GPU (which has no uint8 resize)."""
     h, w = emb.view_size
     rows = []
     for row in emb.layout:
@@ -163,9 +165,14 @@ def compose_layout(emb: Embodiment, views: dict[str, torch.Tensor]) -> torch.Ten
         for cell in row:
             v = views[cell.view]
             if cell.width != 1:
-                x = v.permute(0, 3, 1, 2).contiguous()
-                v = F.interpolate(x, size=(h, w * cell.width), mode="bilinear", align_corners=False)
-                v = v.permute(0, 2, 3, 1)
+                lead = v.shape[:-3]
+                x = v.reshape(-1, h, w, 3).permute(0, 3, 1, 2).contiguous()
+                if x.device.type == "cpu":
+                    x = F.interpolate(x, size=(h, w * cell.width), mode="bilinear", align_corners=False)
+                else:
+                    x = F.interpolate(x.float(), size=(h, w * cell.width), mode="bilinear", align_corners=False)
+                    x = x.round_().clamp_(0, 255).to(torch.uint8)
+                v = x.permute(0, 2, 3, 1).reshape(*lead, h, w * cell.width, 3)
             cells.append(v)
-        rows.append(torch.cat(cells, dim=2))
-    return torch.cat(rows, dim=1)
+        rows.append(torch.cat(cells, dim=-2))
+    return torch.cat(rows, dim=-3)
