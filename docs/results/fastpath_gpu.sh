@@ -20,6 +20,10 @@
 #   synccheck DATASET [K=V ..] 20 steps with torch.cuda.set_sync_debug_mode("warn") from the 4th step on: prints each
 #                              place in dzmodel that makes the host wait for the GPU, with its count (expected: only
 #                              the trainer's metrics read-back, once per LOG_EVERY steps)
+#   phases DATASET [K=V ..]    30 steps, each phase timed with a device sync around it (the micro-batch gather and
+#                              augmentation, the frozen encoders, the model's forward and backward, clipping + AdamW +
+#                              EMA), then 3 steps under torch.profiler: kernel launches per step and the top kernels by
+#                              device time; where a step's fixed cost goes (the syncs slow it: not a throughput figure)
 #   all                        synth, then measure on it
 set -euo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
@@ -42,7 +46,7 @@ run, dataset, steps, log_every, *pairs = sys.argv[1:]
 path = run + "/train_config.json"
 c = json.load(open(path))
 c.update(datasets=[dataset], metadata=run + "/metadata.json", out_dir=run + "/train", data_on_device=True,
-         compile=True, steps=int(steps), save_every=0, log_every=int(log_every), progress=False)
+         compile=True, encoder_weights={}, steps=int(steps), save_every=0, log_every=int(log_every), progress=False)
 given = {}
 for pair in pairs:
     key, _, value = pair.partition("=")
@@ -128,9 +132,74 @@ for site, n in sites.most_common():
 sys.exit(rc)
 PY
     ;;
+  phases)
+    dataset=$2
+    shift 2
+    configure "$dataset" 33 "$@"
+    python3 - "$run/train_config.json" <<'PY'
+import collections, statistics, sys, time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dzmodel.cli import main
+from dzmodel.data.device_dataset import DeviceData
+from dzmodel.train.step import TrainStep
+
+times, calls, state = collections.defaultdict(list), [0], {"profile": None}
+sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        if state["profile"] is not None or calls[0] < 4:
+            return fn(*args, **kwargs)
+        sync()
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sync()
+        times[name].append(1000 * (time.perf_counter() - t0))
+        return out
+    return wrapper
+
+
+DeviceData.batch = timed("gather + augment", DeviceData.batch)
+TrainStep.encode = timed("frozen encoders", TrainStep.encode)
+TrainStep.forward_backward = timed("encoders + forward + backward", TrainStep.forward_backward)
+step_call = timed("whole step (after gather)", TrainStep.__call__)
+
+
+def call(self, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 30:
+        state["profile"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        state["profile"].__enter__()
+    out = step_call(self, *args, **kwargs)
+    if calls[0] == 32:
+        sync()
+        state["profile"].__exit__(None, None, None)
+    return out
+
+
+TrainStep.__call__ = call
+rc = main(["train", "--config", sys.argv[1]])
+print("phase                              median ms (steps 4-29, synced)")
+for name, values in times.items():
+    print(f"{name:34s} {statistics.median(values):8.2f}")
+p = state["profile"]
+if p is not None:
+    events = p.key_averages()
+    kernels = [e for e in events if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)]
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    print(f"kernel launches per step: {launches / 3:.0f}")
+    print(p.key_averages().table(sort_by="self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
+                                 row_limit=25, max_name_column_width=70))
+sys.exit(rc)
+PY
+    ;;
   all)
     bash "$0" synth
     bash "$0" measure "$synth" ;;
-  *) echo "usage: $0 synth [EPISODES] [LENGTH] | measure DATASET [K=V ..] | synccheck DATASET [K=V ..] | all" >&2
+  *) echo "usage: $0 synth [EPISODES] [LENGTH] | measure DATASET [K=V ..] | synccheck DATASET [K=V ..] | phases DATASET [K=V ..] | all" >&2
      exit 2 ;;
 esac

@@ -112,6 +112,7 @@ class DeviceRecording:
             self.views[short] = ViewAugment(source=source, size=tuple(emb.view_size), crop_scale=emb.crop_scale,
                                             jitter=dict(emb.color_jitter))
         self.view_list = [self.views[s] for s in emb.views]
+        self.encoded: dict[str, torch.Tensor] | None = None  # `encode_variants`
 
     def __len__(self) -> int:
         return len(self.start_row)
@@ -163,9 +164,26 @@ class DeviceRecording:
     # -- one micro-batch (or the part of it from this recording) ------------------------------------
 
     def gather(self, anchors: np.ndarray, positions: np.ndarray, train: bool, seed: int,
-               max_state_dim: int, max_action_dim: int) -> dict[str, torch.Tensor]:
-        """The collate's tensors for windows `anchors` at stream `positions` (host int arrays), on the device."""
-        dev, emb, B = self.device, self.emb, len(anchors)
+               max_state_dim: int, max_action_dim: int, variants: np.ndarray | None = None) -> dict[str, torch.Tensor]:
+        """The collate's tensors for windows `anchors` at stream `positions` (host int arrays), on the device. With
+        `variants` (after `encode_variants`), each window's encodings of copy `variants[i]` replace its images."""
+        dev, B = self.device, len(anchors)
+        if variants is None:
+            start, out = self._images(anchors, positions, train, seed)
+        else:
+            if self.encoded is None:
+                raise RuntimeError("gather(variants=...) before encode_variants")
+            rows = np.asarray(variants, dtype=np.int64) * len(self) + anchors
+            ints = _to_device(np.stack([self.start_row[anchors], rows, self.prompt_id[anchors]], axis=1), dev)
+            start, rows, prompt = ints[:, 0], ints[:, 1], ints[:, 2]
+            out = {key: self.encoded[key][rows] for key in ("clean_latents", "clip_feature", "y") if key in self.encoded}
+            out["context"] = self.encoded["context"][prompt]
+        out.update(self._vectors(start, B, max_state_dim, max_action_dim))
+        return out
+
+    def _images(self, anchors: np.ndarray, positions: np.ndarray, train: bool, seed: int):
+        """Each window's first row on the device, and its augmented images and tokenised prompt."""
+        dev, B = self.device, len(anchors)
         aug = draw(seed, positions, self.view_list, train)
         V = len(self.view_list)
         ints = np.concatenate([self.start_row[anchors][:, None], self.prompt_id[anchors][:, None], aug.top, aug.left],
@@ -182,7 +200,12 @@ class DeviceRecording:
         for j, short in enumerate(self.views):
             views[short] = augment_view(self.frames[short], index, self.views[short], top[:, j], left[:, j],
                                         None if matrix is None else matrix[:, j], None if coef is None else coef[:, j])
+        return start, {"images": compose_layout(self.emb, views), "text": self.text[prompt],
+                       "text_attention_mask": self.text_mask[prompt]}
 
+    def _vectors(self, start: torch.Tensor, B: int, max_state_dim: int, max_action_dim: int) -> dict[str, torch.Tensor]:
+        """State and action chunks of the windows starting at rows `start`, normalised and padded, with masks."""
+        dev = self.device
         state = self.state[start[:, None] + self.state_offsets]                       # [B, K, S] float64
         action = self.action[start[:, None] + self.action_offsets]                    # [B, K·H, A]
         if self.pairs:  # relative actions: chunk c minus the state at its anchor (the gather made a copy)
@@ -202,13 +225,51 @@ class DeviceRecording:
         state_mask[:, :, :S] = True
         action_mask[:, :, :A] = True
         return {
-            "images": compose_layout(emb, views),
             "state": state_out, "state_mask": state_mask,
             "action": action_out, "action_mask": action_mask,
-            "text": self.text[prompt], "text_attention_mask": self.text_mask[prompt],
-            "embodiment_id": torch.full((B,), emb.tag_id, dtype=torch.long, device=dev),
+            "embodiment_id": torch.full((B,), self.emb.tag_id, dtype=torch.long, device=dev),
             "has_real_action": torch.ones(B, dtype=torch.bool, device=dev),
         }
+
+    # -- encoded copies (train.encoded_variants) ----------------------------------------------------
+
+    def encode_variants(self, encode, variants: int, train: bool, seed: int, batch_size: int,
+                        progress=None, memory_fraction: float = 0.8) -> None:
+        """Encode every window `variants` times and keep the encodings here: copy v of window i is augmented as
+        stream position v·N + i would be, and `encode` (a batch of images -> `EncodedBatch`) gives its latents and
+        CLIP features; the text encoding is kept once per prompt. `progress(n)` counts encoded windows."""
+        N, store = len(self), {}
+        context: dict[int, torch.Tensor] = {}
+        for v in range(variants):
+            for lo in range(0, N, batch_size):
+                anchors = np.arange(lo, min(N, lo + batch_size))
+                _, batch = self._images(anchors, v * N + anchors, train, seed)
+                enc = encode(batch)
+                fields = {"clean_latents": enc.clean_latents, "clip_feature": enc.clip_feature, "y": enc.y}
+                if not store:
+                    per_window = sum(t[0].numel() * t.element_size() for t in fields.values() if t is not None)
+                    self._check_encoded_memory(variants * N * per_window, memory_fraction)
+                    store = {k: torch.empty((variants * N, *t.shape[1:]), dtype=t.dtype, device=self.device)
+                             for k, t in fields.items() if t is not None}
+                for key, t in fields.items():
+                    if t is not None:
+                        store[key][v * N + lo:v * N + lo + len(anchors)] = t
+                for j, pid in enumerate(self.prompt_id[anchors].tolist()):  # host ids: no device read
+                    if pid not in context:
+                        context[pid] = enc.context[j].clone()
+                if progress is not None:
+                    progress(len(anchors))
+        store["context"] = torch.stack([context[p] for p in range(len(self.prompts))])
+        self.encoded = store
+
+    def _check_encoded_memory(self, need: int, fraction: float) -> None:
+        if self.device.type != "cuda":
+            return
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if need > fraction * free:
+            raise DataError(f"{self.ds.reader.root}: train.encoded_variants needs {need / 2**30:.1f} GiB on "
+                            f"{self.device} for the encodings, {free / 2**30:.1f} GiB are free: lower "
+                            "train.encoded_variants, or set it to 0 (encode every micro-batch)")
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -239,6 +300,21 @@ class DeviceData:
                                 f"action_dim {max_action_dim}: set train.model_overrides")
         self.max_state_dim, self.max_action_dim = max_state_dim, max_action_dim
         self.train, self.seed = train, seed
+        self.variants = 0  # `encode_variants`
+
+    def encode_variants(self, encode, variants: int, batch_size: int, progress=None) -> None:
+        """Encode `variants` augmented copies of every window once (`DeviceRecording.encode_variants`); from then
+        on a micro-batch carries encodings instead of images, a sample at stream position p taking copy
+        (p // windows) mod `variants`: pass e over the data trains on copy e mod `variants`."""
+        if variants < 1:
+            raise ValueError(f"variants must be >= 1, got {variants}")
+        for rec in self.recordings:
+            rec.encode_variants(encode, variants, self.train, self.seed, batch_size, progress)
+        self.variants = variants
+
+    @property
+    def windows(self) -> int:
+        return sum(len(r) for r in self.recordings)
 
     @property
     def decodes(self) -> int:
@@ -254,8 +330,10 @@ class DeviceData:
         ds_ids, anchors, positions = arr[:, 0], arr[:, 1], arr[:, 2]
         present = np.unique(ds_ids)
         parts = [(d, np.flatnonzero(ds_ids == d)) for d in present]
+        variants = (positions // self.windows) % self.variants if self.variants else None
         outs = [self.recordings[d].gather(anchors[i], positions[i], self.train, self.seed, self.max_state_dim,
-                                          self.max_action_dim) for d, i in parts]
+                                          self.max_action_dim, None if variants is None else variants[i])
+                for d, i in parts]
         if len(outs) == 1:
             out = outs[0]
         else:  # a mixture batch: each dataset's rows back in stream order

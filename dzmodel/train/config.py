@@ -31,6 +31,10 @@ class TrainConfig:
     data_on_device: bool = False            # decode the whole recording once onto the training device; batches are
                                             # gathered and augmented there, no loader workers (docs/training.md)
     augment: bool = True                    # random crop + colour jitter per sample (False: the eval transforms)
+    # data_on_device only. 0: the frozen encoders run on every micro-batch. K >= 1: before training, every window is
+    # augmented K times and encoded once per copy, on the device; pass e over the data trains on copy e mod K. The
+    # encoders then cost K passes instead of one per epoch (docs/training.md)
+    encoded_variants: int = 0
     # optimisation (reference §5.1)
     steps: int = 100
     # when set, the run's length in passes over the training windows (one per anchor frame): steps becomes
@@ -99,6 +103,14 @@ class TrainConfig:
         if self.data_on_device and self.cache:
             raise ValueError("train.data_on_device decodes the recording and encodes every micro-batch live (its "
                              "augmented frames are not in a `dz cache`): unset train.cache or data_on_device")
+        if self.encoded_variants < 0:
+            raise ValueError(f"train.encoded_variants must be >= 0 (0: encode every micro-batch), got {self.encoded_variants}")
+        if self.encoded_variants and not self.data_on_device:
+            raise ValueError("train.encoded_variants needs train.data_on_device: true (the copies are encoded from the "
+                             "frames on the device)")
+        if self.encoded_variants > 1 and not self.augment:
+            raise ValueError(f"train.encoded_variants {self.encoded_variants} with train.augment false would encode "
+                             "identical copies: use 1")
         if self.frame_cache_mib < 0:
             raise ValueError(f"train.frame_cache_mib must be >= 0 (0: off), got {self.frame_cache_mib}")
         if not 0 <= self.warmup_ratio < 1:

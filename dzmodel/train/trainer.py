@@ -286,6 +286,26 @@ class Trainer:
         if cfg.prompt_dropout:
             null = encode_prompts(tokenizer, self.encoders.text_encoder, [NULL_PROMPT], a.text_len, self.info.device)
             self.step.enable_prompt_dropout(cfg.prompt_dropout, null)
+        if cfg.encoded_variants:
+            self._encode_variants()
+
+    def _encode_variants(self) -> None:
+        """`train.encoded_variants`: every window's K augmented copies through the frozen encoders, once."""
+        cfg, data, step = self.cfg, self.device_data, self.step
+        show = self.info.rank == 0
+        progress = Progress(cfg.encoded_variants * data.windows, enabled=cfg.progress and show, desc="encode copies",
+                            unit="window")
+        cast = (torch.autocast(self.info.device.type, dtype=step.autocast) if step.autocast is not None
+                else contextlib.nullcontext())
+        t0 = time.perf_counter()
+        with cast:
+            data.encode_variants(step.encode, cfg.encoded_variants, cfg.micro_batch,
+                                 progress=lambda n: progress.update(n=n))
+        progress.close()
+        if show:
+            held = sum(t.numel() * t.element_size() for r in data.recordings for t in r.encoded.values())
+            print(f"encoded_variants: {cfg.encoded_variants} copies of {data.windows} windows encoded in "
+                  f"{time.perf_counter() - t0:.1f} s ({held / 2**30:.2f} GiB on {self.info.device})", file=sys.stderr)
 
     def _tokenizer(self):
         from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer

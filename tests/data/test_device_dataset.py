@@ -149,3 +149,47 @@ def test_a_recording_larger_than_the_crop_needs_is_kept_smaller(setup):
             frames = _resize_uint8(ds.reader.read_frames(w.episode, key, w.frames.tolist()), (17, 17))
             want = transform_view(frames, (16, 16), False, None, 0.95)
             assert torch.equal(dev["images"][b, :, :, 16 * j:16 * (j + 1)], want)
+
+
+def _fake_encode(calls):
+    """A stand-in for the frozen encoders: latents that identify the images, the text as its context."""
+    from dzmodel.model.conditioning import EncodedBatch
+
+    def encode(batch):
+        calls.append(batch["images"].shape[0])
+        images = batch["images"].float()
+        return EncodedBatch(clean_latents=images.flatten(1)[:, ::97][:, :64].reshape(-1, 4, 1, 4, 4),
+                            context=batch["text"].float()[:, :, None], clip_feature=images.flatten(1)[:, -8:, None],
+                            y=None)
+    return encode
+
+
+def test_encoded_copies_replace_the_images_and_cycle_with_each_pass(setup):
+    tok = setup[3]
+    ds = _windows(setup, "plain", train=True)
+    N = len(ds)
+    live = DeviceData([ds], "cpu", tok, TEXT_LEN, MAX_STATE, MAX_ACTION, train=True, seed=3)
+    encoded = DeviceData([ds], "cpu", tok, TEXT_LEN, MAX_STATE, MAX_ACTION, train=True, seed=3)
+    calls = []
+    encoded.encode_variants(_fake_encode(calls), variants=2, batch_size=5)
+    assert sum(calls) == 2 * N and max(calls) == 5  # every window twice, in batches, and never again
+    stream = SampleStream([N], seed=3)
+    passes = {}
+    for e in range(3):
+        items = [stream.peek(e * N + i) for i in range(4)]
+        batch = encoded.batch(items)
+        assert "images" not in batch and batch["position"].tolist() == [e * N + i for i in range(4)]
+        copy = e % 2
+        for i, (d, anchor, _) in enumerate(items):
+            # copy v of a window is that window augmented as stream position v·N + anchor is
+            one = live.batch([(d, anchor, copy * N + anchor)])
+            expect = _fake_encode([])(one)
+            assert torch.equal(batch["clean_latents"][i], expect.clean_latents[0]), (e, i)
+            assert torch.equal(batch["clip_feature"][i], expect.clip_feature[0])
+            assert torch.equal(batch["context"][i], expect.context[0])
+            for key in ("state", "action", "action_mask", "has_real_action"):
+                assert torch.equal(batch[key][i], live.batch([items[i]])[key][0]), key
+        passes[e] = {a: batch["clean_latents"][i] for i, (_, a, _) in enumerate(items)}
+    shared = set(passes[0]) & set(passes[1])
+    assert shared and all(not torch.equal(passes[0][a], passes[1][a]) for a in shared)  # pass 1: the other copy
+    assert all(torch.equal(passes[0][a], passes[2][a]) for a in set(passes[0]) & set(passes[2]))  # pass 2: copy 0

@@ -73,3 +73,33 @@ def test_the_recording_is_decoded_once_and_the_device_read_once_per_window(data,
 def test_data_on_device_is_refused_with_a_cache():
     with pytest.raises(ValueError, match="data_on_device"):
         TrainConfig(data_on_device=True, cache="data/cache")
+
+
+def test_encoded_copies_run_the_encoders_once_per_copy_and_resume_bit_exact(data, tmp_path, monkeypatch):
+    """train.encoded_variants: the VAE runs K passes over the windows before training and never inside a step;
+    the run stops and resumes to the same losses."""
+    from dzmodel.model.vae import WanVideoVAE38
+
+    encodes = []
+    encode = WanVideoVAE38.encode
+    monkeypatch.setattr(WanVideoVAE38, "encode", lambda self, x, *a, **k: encodes.append(x.shape[0]) or encode(self, x, *a, **k))
+    kw = dict(encoded_variants=2, micro_batch=2, global_batch=2)
+    ref = train(_cfg(data, tmp_path / "ref", **kw))
+    trainer = Trainer(_cfg(data, tmp_path / "probe", **kw))
+    trainer.build_model()
+    trainer.build_data()
+    windows = trainer.device_data.windows
+    assert sum(encodes) == 2 * 2 * windows  # two runs so far (ref, probe), each encoding 2 copies of every window
+    encodes.clear()
+    part = train(_cfg(data, tmp_path / "run", stop_at=3, **kw))
+    rest = train(_cfg(data, tmp_path / "run", **kw))
+    assert sum(encodes) == 2 * 2 * windows  # the two invocations each encoded once, not per step
+    assert [h["loss"] for h in part + rest] == [h["loss"] for h in ref]
+
+
+@pytest.mark.parametrize("kw, match", [(dict(encoded_variants=2, data_on_device=False), "needs train.data_on_device"),
+                                       (dict(encoded_variants=3, augment=False), "identical copies"),
+                                       (dict(encoded_variants=-1), ">= 0")])
+def test_encoded_copies_refuse_what_cannot_work(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**{"data_on_device": True, **kw})
