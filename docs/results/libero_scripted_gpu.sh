@@ -89,7 +89,7 @@ print("out_dir", c["out_dir"], "stop_at", c["stop_at"])' "$run" "${VARIANT:-}" "
   eval)
     steps=$2; shift 2
     dz eval libero "$run/train" --steps "$steps" --device cuda --no-progress --out "$run/eval" "$@"
-    cp "$run/eval/results.csv" "$run/eval/episodes.csv" "$run/eval/summary.json" "$OUT/" ;;
+    cp "$run/eval/results.csv" "$run/eval/episodes.csv" "$run/eval/per_episode.csv" "$run/eval/summary.json" "$OUT/" ;;
   export)
     weights=${3:-raw}
     for step in ${2//,/ }; do
