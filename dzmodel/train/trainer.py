@@ -101,6 +101,11 @@ def resume_position(state: dict, world_size: int) -> int:
     return int(total) // world_size
 
 
+# Windows per encoder call when encoding copies (`encoded_variants`): the VAE's activations at full resolution grow
+# with it (about 9 GiB per 16-channel layer at 512 windows of 17 frames of 128x256), its speed much less.
+ENCODE_BATCH = 128
+
+
 def steps_for_epochs(cfg: TrainConfig, windows: int) -> int:
     """`epochs` passes over `windows` training windows, in optimizer steps of global_batch samples."""
     return max(1, math.ceil(cfg.epochs * windows / cfg.global_batch))
@@ -299,7 +304,7 @@ class Trainer:
                 else contextlib.nullcontext())
         t0 = time.perf_counter()
         with cast:
-            data.encode_variants(step.encode, cfg.encoded_variants, cfg.micro_batch,
+            data.encode_variants(step.encode, cfg.encoded_variants, min(cfg.micro_batch, ENCODE_BATCH),
                                  progress=lambda n: progress.update(n=n))
         progress.close()
         if show:
