@@ -7,6 +7,7 @@ gradients in `reduce_dtype`. `hybrid` shards within a node and replicates across
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -107,10 +108,26 @@ def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool) -> N
         if plan == "elementwise":
             forward = functools.partial(_elementwise_checkpointed, forward)
         if compile:
+            block._dz_eager_forward = forward  # kept for `eager_blocks` (the trainer's compile check)
             forward = torch.compile(forward)
         if plan == "full":
             forward = functools.partial(_checkpointed_forward, forward)
+            if compile:
+                block._dz_eager_forward = functools.partial(_checkpointed_forward, block._dz_eager_forward)
         block.forward = forward
+
+
+@contextlib.contextmanager
+def eager_blocks(model: nn.Module):
+    """Within: the blocks that `apply_recompute_and_compile` compiled run their eager forward (same recompute)."""
+    swapped = [(b, b.forward) for b in model.blocks if hasattr(b, "_dz_eager_forward")]
+    try:
+        for block, _ in swapped:
+            block.forward = block._dz_eager_forward
+        yield len(swapped)
+    finally:
+        for block, forward in swapped:
+            block.forward = forward
 
 
 def apply_fsdp(model: nn.Module, sharding: str = "full", param_dtype: str = "fp32", reduce_dtype: str = "fp32",

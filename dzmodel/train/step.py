@@ -203,6 +203,25 @@ class TrainStep:
             raise ValueError(f"the step wants {self.accumulation} micro-batches, the data gave {count}")
         return sums / self.accumulation
 
+    def probe(self, batch: dict[str, torch.Tensor]) -> tuple[list[float], float]:
+        """One micro-batch's losses [loss, dynamics, action] and gradient norm, read back to the host, with no
+        optimizer step: the gradients are cleared after. The trainer's compile check compares two of these."""
+        cast = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
+                else contextlib.nullcontext())
+        for p in self.params:
+            p.grad = None
+        with cast:
+            losses = self.losses(batch)
+        losses.loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.params, float("inf"))  # an infinite bound: nothing is scaled
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        values = torch.stack([losses.loss.detach().float(), losses.dynamics_loss.detach().float(),
+                              losses.action_loss.detach().float(), norm.float()]).tolist()
+        for p in self.params:
+            p.grad = None
+        return values[:3], values[3]
+
     def __call__(self, batches: Iterable[dict[str, torch.Tensor]], lr: float | None = None) -> StepOutput:
         losses = self.forward_backward(batches)
         if self.optimizer is None:

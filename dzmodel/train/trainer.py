@@ -43,7 +43,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .encoders import frozen_encoders
 from .metrics import JsonlSink, MetricsSink, Progress, peak_flops, peak_memory_gib
-from .parallelize import DTYPES, apply_fsdp, apply_recompute_and_compile, build_adamw
+from .parallelize import DTYPES, apply_fsdp, apply_recompute_and_compile, build_adamw, eager_blocks
 from .step import TrainStep
 
 
@@ -99,6 +99,16 @@ def resume_position(state: dict, world_size: int) -> int:
         raise DataError(f"cannot resume on {world_size} processes: the checkpoint consumed {total} samples, "
                         f"which do not split evenly over them (use a world size that divides the global batch)")
     return int(total) // world_size
+
+
+# How far compiled may be from eager on one micro-batch (`_check_compiled`): bf16 rounding moved the loss by 7e-6
+# (relative) and single gradient tensors by up to 6 % (docs/performance.md); the miscompiled blocks moved the
+# gradient norm 600-fold and the dynamics loss by 60 % within 5 steps.
+COMPILE_LOSS_RTOL, COMPILE_GRAD_RTOL = 2e-3, 0.05
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= rtol * max(abs(a), abs(b), 1e-6)
 
 
 # Windows per encoder call when encoding copies (`encoded_variants`): the VAE's activations at full resolution grow
@@ -294,6 +304,27 @@ class Trainer:
         if cfg.encoded_variants:
             self._encode_variants()
 
+    def _check_compiled(self, batch: dict[str, torch.Tensor]) -> None:
+        """`train.compile`: the compiled blocks must agree with their eager forward on the run's first micro-batch
+        (losses and gradient norm, no optimizer step), or the run stops before it trains. torch 2.11's Inductor
+        miscompiled the small preset's blocks at micro-batch 128 on an H100 (docs/results.md, round 6): the loss
+        looked plausible while the gradient norm was 600x eager's, and the run diverged."""
+        with eager_blocks(self.model):
+            eager_losses, eager_norm = self.step.probe(batch)
+        losses, norm = self.step.probe(batch)
+        names = ("loss", "dynamics loss", "action loss")
+        bad = [f"{n} {c:.5g} compiled vs {e:.5g} eager" for n, c, e in zip(names, losses, eager_losses)
+               if not _close(c, e, COMPILE_LOSS_RTOL)]
+        if not _close(norm, eager_norm, COMPILE_GRAD_RTOL):
+            bad.append(f"gradient norm {norm:.5g} compiled vs {eager_norm:.5g} eager")
+        if bad:
+            raise RuntimeError("train.compile: the compiled model disagrees with the eager one on the first "
+                               f"micro-batch ({'; '.join(bad)}), a compiler bug at this shape: set train.compile: "
+                               "false (nothing was trained)")
+        if self.info.rank == 0 and self.cfg.progress:
+            print(f"compile check: compiled = eager on the first micro-batch (loss {losses[0]:.5g} vs "
+                  f"{eager_losses[0]:.5g}, gradient norm {norm:.4g} vs {eager_norm:.4g})", file=sys.stderr)
+
     def _encode_variants(self) -> None:
         """`train.encoded_variants`: every window's K augmented copies through the frozen encoders, once."""
         cfg, data, step = self.cfg, self.device_data, self.step
@@ -369,9 +400,13 @@ class Trainer:
                 torch.set_rng_state(rng["torch"])
         if start >= cfg.steps:
             return []
+        it = iter(self.loader(consumed))
+        if cfg.compile and start < (cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)):
+            first = next(it)
+            self._check_compiled(first)  # before anything is written
+            it = itertools.chain([first], it)
         sink = self.sink if self.sink is not None else (JsonlSink(self.out / "metrics.jsonl") if info.rank == 0 else None)
         progress = Progress(cfg.steps, start, enabled=cfg.progress and info.rank == 0)
-        it = iter(self.loader(consumed))
         history = []
         dev = info.device
         peak = peak_flops(dev)
