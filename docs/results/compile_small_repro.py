@@ -3,6 +3,8 @@
     python3 docs/results/compile_small_repro.py                 # every variant, each in a fresh process
     python3 docs/results/compile_small_repro.py --only p111_segments_mb32,p111_sdpa_mb32 --without-fix
     python3 docs/results/compile_small_repro.py --variant p111_segments_mb32   # one variant, in this process
+    python3 docs/results/compile_small_repro.py --only p111_segments_mb128,p111_sdpa_mb128 --steps 10
+                                                  # the shape that diverged: do compiled and eager track each other?
 
 Found (H100, torch 2.11): without the fix (`--without-fix`) the `segments` variants fail with
     InductorError: TypeError: CantSplit.__init__() missing 2 required positional arguments: 'expr' and 'remaining'
@@ -38,10 +40,14 @@ VARIANTS = {
     "p111_flex_mb32": ((1, 1, 1), "flex", 32, "none"),
     "p111_sdpa_mb32": ((1, 1, 1), "sdpa", 32, "none"),
     "p111_segments_mb32_ew": ((1, 1, 1), "segments", 32, "elementwise"),
+    # micro-batch 128: the shape at which compiled training diverged in `dz train` (docs/results.md, round 6)
+    "p111_segments_mb128": ((1, 1, 1), "segments", 128, "none"),
+    "p111_sdpa_mb128": ((1, 1, 1), "sdpa", 128, "none"),
+    "p111_flex_mb128": ((1, 1, 1), "flex", 128, "none"),
 }
 
 
-def run_variant(name: str, without_fix: bool = False) -> None:
+def run_variant(name: str, without_fix: bool = False, steps: int = 2) -> None:
     import torch
 
     if without_fix:  # torch's own behaviour: the bare `raise CantSplit` stays a TypeError
@@ -64,9 +70,11 @@ def run_variant(name: str, without_fix: bool = False) -> None:
         trainer.build_model(with_encoders=False)
         batches = synthetic_batches(trainer.args, mb, (8, 16), trainer.info.device, "cache")
         t0 = time.perf_counter()
-        losses[compile] = [trainer.step(batches, 1e-4).read()[0][0] for _ in range(2)]
-        print(f"  {name} compile={compile}: losses {losses[compile]} ({time.perf_counter() - t0:.1f} s)", flush=True)
-    first, second = (abs(a - b) for a, b in zip(losses[True], losses[False]))
+        reads = [trainer.step(batches, 1e-4).read() for _ in range(steps)]
+        losses[compile] = [r[0][0] for r in reads]
+        print(f"  {name} compile={compile}: losses {[round(x, 5) for x in losses[compile]]}, gradient norms "
+              f"{[round(r[1], 3) for r in reads]} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    first, second = (abs(a - b) for a, b in zip(losses[True][:2], losses[False][:2]))
     # step 1 compares the forward (same weights, same noise); step 2 follows one AdamW step, whose first update is
     # +-lr per element, so bf16 rounding flips the elements whose gradient is below it: expect ~0.1 there in bf16
     print(f"RESULT {name}: ok, |compiled - eager| loss: step 1 {first:.2e}, step 2 {second:.2e}", flush=True)
@@ -78,10 +86,12 @@ def main() -> int:
     p.add_argument("--only", help="comma-separated variants to run (default: all)")
     p.add_argument("--timeout", type=int, default=400)
     p.add_argument("--without-fix", action="store_true", help="leave torch's CantSplit as it is (shows the failure)")
+    p.add_argument("--steps", type=int, default=2, help="training steps per arm (each prints its losses and "
+                   "gradient norms: compiled and eager should track each other)")
     ns = p.parse_args()
     if ns.variant:
         try:
-            run_variant(ns.variant, ns.without_fix)
+            run_variant(ns.variant, ns.without_fix, ns.steps)
         except Exception as exc:  # the point: show where Inductor fails
             tb = traceback.format_exc().splitlines()
             print("\n".join(tb[-60:]))
@@ -90,7 +100,7 @@ def main() -> int:
         return 0
     for name in (ns.only.split(",") if ns.only else VARIANTS):
         try:
-            extra = ["--without-fix"] if ns.without_fix else []
+            extra = (["--without-fix"] if ns.without_fix else []) + ["--steps", str(ns.steps)]
             proc = subprocess.run([sys.executable, __file__, "--variant", name, *extra], capture_output=True, text=True,
                                   timeout=ns.timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             out = proc.stdout + proc.stderr

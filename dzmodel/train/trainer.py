@@ -105,6 +105,7 @@ def resume_position(state: dict, world_size: int) -> int:
 # (relative) and single gradient tensors by up to 6 % (docs/performance.md); the miscompiled blocks moved the
 # gradient norm 600-fold and the dynamics loss by 60 % within 5 steps.
 COMPILE_LOSS_RTOL, COMPILE_GRAD_RTOL = 2e-3, 0.05
+COMPILE_RECHECK_AFTER = 20  # steps: the check runs again on the weights of that step
 
 
 def _close(a: float, b: float, rtol: float) -> bool:
@@ -304,9 +305,10 @@ class Trainer:
         if cfg.encoded_variants:
             self._encode_variants()
 
-    def _check_compiled(self, batch: dict[str, torch.Tensor]) -> None:
+    def _check_compiled(self, batch: dict[str, torch.Tensor], step: int | None = None) -> None:
         """`train.compile`: the compiled blocks must agree with their eager forward on the run's first micro-batch
-        (losses and gradient norm, no optimizer step), or the run stops before it trains. torch 2.11's Inductor
+        (losses and gradient norm, no optimizer step), or the run stops before it trains; and again at its
+        `COMPILE_RECHECK_AFTER`-th step (`step`), once the weights have moved. torch 2.11's Inductor
         miscompiled the small preset's blocks at micro-batch 128 on an H100 (docs/results.md, round 6): the loss
         looked plausible while the gradient norm was 600x eager's, and the run diverged."""
         with eager_blocks(self.model):
@@ -317,13 +319,15 @@ class Trainer:
                if not _close(c, e, COMPILE_LOSS_RTOL)]
         if not _close(norm, eager_norm, COMPILE_GRAD_RTOL):
             bad.append(f"gradient norm {norm:.5g} compiled vs {eager_norm:.5g} eager")
+        where = "the first micro-batch" if step is None else f"step {step + 1}'s micro-batch"
         if bad:
-            raise RuntimeError("train.compile: the compiled model disagrees with the eager one on the first "
-                               f"micro-batch ({'; '.join(bad)}), a compiler bug at this shape: set train.compile: "
-                               "false (nothing was trained)")
+            raise RuntimeError(f"train.compile: the compiled model disagrees with the eager one on {where} "
+                               f"({'; '.join(bad)}), a compiler bug at this shape: set train.compile: false "
+                               + ("(nothing was trained)" if step is None else "(the checkpoints so far were trained "
+                                  "compiled: do not resume from them)"))
         if self.info.rank == 0 and self.cfg.progress:
-            print(f"compile check: compiled = eager on the first micro-batch (loss {losses[0]:.5g} vs "
-                  f"{eager_losses[0]:.5g}, gradient norm {norm:.4g} vs {eager_norm:.4g})", file=sys.stderr)
+            print(f"compile check: compiled = eager on {where} (loss {losses[0]:.5g} vs {eager_losses[0]:.5g}, "
+                  f"gradient norm {norm:.4g} vs {eager_norm:.4g})", file=sys.stderr)
 
     def _encode_variants(self) -> None:
         """`train.encoded_variants`: every window's K augmented copies through the frozen encoders, once."""
@@ -418,6 +422,10 @@ class Trainer:
         t0 = time.perf_counter()  # the data's time counts: the loader must keep up
         for step in range(start, end):
             lr = lr_at(step, cfg)
+            if cfg.compile and step == start + COMPILE_RECHECK_AFTER:  # again once the weights have moved
+                first = next(it)
+                self._check_compiled(first, step)
+                it = itertools.chain([first], it)
             out = self.step(itertools.islice(it, self.accum), lr)
             consumed += samples
             pending.append((step, lr, out))

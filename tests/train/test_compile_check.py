@@ -30,9 +30,9 @@ def test_a_faithful_compile_passes_the_check_and_trains(data, tmp_path, monkeypa
 
     original = TrainStep.probe
     monkeypatch.setattr(TrainStep, "probe", lambda self, batch: probes.append(1) or original(self, batch))
-    history = train(_cfg(data, tmp_path / "run", compile=True, save_every=0))
-    assert compiled and len(history) == 6
-    assert len(probes) == 2  # the eager and the compiled pass, once, before the first step
+    history = train(_cfg(data, tmp_path / "run", compile=True, save_every=0, steps=22, log_every=11))
+    assert compiled and len(history) == 22
+    assert len(probes) == 4  # the eager and the compiled pass before the first step, and again at step 21
 
 
 def test_a_miscompiled_model_is_stopped_before_it_trains(data, tmp_path, monkeypatch):
@@ -49,3 +49,19 @@ def test_without_compile_there_is_no_check(data, tmp_path, monkeypatch):
 
     monkeypatch.setattr(TrainStep, "probe", lambda self, batch: pytest.fail("probed without compile"))
     assert len(train(_cfg(data, tmp_path / "run", steps=2, save_every=0))) == 2
+
+
+def test_a_compile_that_goes_wrong_later_is_stopped_at_the_recheck(data, tmp_path, monkeypatch):
+    """Faithful at the first micro-batch, wrong from the 10th call of a compiled block on: the recheck at step 21
+    (after 20 optimizer steps) stops the run."""
+    calls = []
+
+    def compile(fn, *args, **kwargs):
+        def run(*a, **k):
+            calls.append(1)
+            return fn(*a, **k) * (4.0 if len(calls) > 10 * 2 else 1.0)  # 2 blocks per forward
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile)
+    with pytest.raises(RuntimeError, match="step 21's micro-batch.*do not resume"):
+        train(_cfg(data, tmp_path / "run", compile=True, steps=30, save_every=0))
