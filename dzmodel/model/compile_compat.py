@@ -9,8 +9,10 @@ tiling candidate, and the whole compile fails:
 
 It hits the small preset's compiled blocks with the `segments` attention backend (the GPU default), at either patch
 size (`docs/results/compile_small_repro.py`; `sdpa` compiles). Giving the two arguments defaults restores what the
-code means: the candidate tiling is rejected and Inductor picks another. Generated kernels are the fixed release's;
-numerics do not change (the compiled step's gradients equal eager ones: docs/performance.md).
+code means: the candidate tiling is rejected and Inductor picks another. With it the blocks compile and matched eager
+ones at micro-batch 8, but at micro-batch 128 on an H100 they gave wrong gradients (docs/results.md, round 6): whether
+this work-around or another Inductor bug is the cause is not known yet, so `dz train` checks compiled against eager
+before it trains (`Trainer._check_compiled`).
 """
 
 from __future__ import annotations
