@@ -98,6 +98,11 @@ class TrainStep:
         return [random.Random(f"prompt_dropout/{self.noise_seed}/{pos}").random() < self.prompt_dropout
                 for pos in positions.tolist()]
 
+    def compute_dtype(self):
+        """The autocast context of the step's forward (a no-op without `autocast`)."""
+        return (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
+                else contextlib.nullcontext())
+
     # -- per shape -----------------------------------------------------------------------------
 
     def mask(self, latent_shape: torch.Size):
@@ -189,9 +194,7 @@ class TrainStep:
         count = 0
         for batch in itertools.islice(batches, self.accumulation):
             before = torch.cuda.memory_allocated(self.device) if cuda else 0
-            cast = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
-                    else contextlib.nullcontext())
-            with cast:
+            with self.compute_dtype():
                 losses = self.losses(batch)
             if cuda:
                 self.activation_bytes = torch.cuda.memory_allocated(self.device) - before
@@ -206,11 +209,9 @@ class TrainStep:
     def probe(self, batch: dict[str, torch.Tensor]) -> tuple[list[float], float]:
         """One micro-batch's losses [loss, dynamics, action] and gradient norm, read back to the host, with no
         optimizer step: the gradients are cleared after. The trainer's compile check compares two of these."""
-        cast = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
-                else contextlib.nullcontext())
         for p in self.params:
             p.grad = None
-        with cast:
+        with self.compute_dtype():
             losses = self.losses(batch)
         losses.loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.params, float("inf"))  # an infinite bound: nothing is scaled

@@ -335,10 +335,8 @@ class Trainer:
         show = self.info.rank == 0
         progress = Progress(cfg.encoded_variants * data.windows, enabled=cfg.progress and show, desc="encode copies",
                             unit="window")
-        cast = (torch.autocast(self.info.device.type, dtype=step.autocast) if step.autocast is not None
-                else contextlib.nullcontext())
         t0 = time.perf_counter()
-        with cast:
+        with step.compute_dtype():
             data.encode_variants(step.encode, cfg.encoded_variants, min(cfg.micro_batch, ENCODE_BATCH),
                                  progress=lambda n: progress.update(n=n))
         progress.close()
@@ -404,8 +402,9 @@ class Trainer:
                 torch.set_rng_state(rng["torch"])
         if start >= cfg.steps:
             return []
+        end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
         it = iter(self.loader(consumed))
-        if cfg.compile and start < (cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)):
+        if cfg.compile and start < end:
             first = next(it)
             self._check_compiled(first)  # before anything is written
             it = itertools.chain([first], it)
@@ -414,7 +413,6 @@ class Trainer:
         history = []
         dev = info.device
         peak = peak_flops(dev)
-        end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
         samples = self.accum * cfg.micro_batch
         pending: list[tuple[int, float, object]] = []  # (step, lr, StepOutput) not read back yet
         if dev.type == "cuda":
