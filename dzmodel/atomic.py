@@ -16,9 +16,11 @@ def _read_umask() -> int:
     return mask
 
 
-# What open() would give a new file: mkstemp makes its files 0600, which would hide every output from the
-# user's group once renamed into place.
-NEW_FILE_MODE = 0o666 & ~_read_umask()
+# What open() and mkdir() would give: mkstemp makes its files 0600 and mkdtemp its directories 0700, which would
+# hide every output from the user's group once renamed into place.
+_UMASK = _read_umask()
+NEW_FILE_MODE = 0o666 & ~_UMASK
+NEW_DIR_MODE = 0o777 & ~_UMASK
 
 
 def temp_sibling(path: str | os.PathLike) -> Path:

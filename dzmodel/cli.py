@@ -44,6 +44,13 @@ def _deliberate(exc: BaseException) -> bool:
         type(exc) is not ValueError and type(exc).__module__.split(".")[0] in ("dzmodel", "tasks", "flows"))
 
 
+def _claim_out(ns: argparse.Namespace, command: str) -> None:
+    """--out as a directory of this command's (absent, empty, or written by dz; --overwrite: any directory)."""
+    from .outputs import claim_dir
+
+    claim_dir(ns.out, command, overwrite=ns.overwrite)
+
+
 # --- dz model --------------------------------------------------------------------
 
 def cmd_model_parity(ns: argparse.Namespace) -> int:
@@ -148,10 +155,24 @@ def cmd_data_record_libero(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _is_metadata_json(path: Path) -> bool:
+    """A metadata.json that `dz data metadata` wrote: a JSON object of embodiment entries with statistics."""
+    import json
+
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(doc, dict) and bool(doc) and all(isinstance(v, dict) and "statistics" in v for v in doc.values())
+
+
 def cmd_data_metadata(ns: argparse.Namespace) -> int:
     from .data.dataset import embodiment_metadata
     from .data.embodiments import get_embodiment
 
+    from .outputs import check_output_file
+
+    check_output_file(ns.out, _is_metadata_json, overwrite=ns.overwrite or ns.merge, what="a metadata.json")
     emb = get_embodiment(ns.embodiment, _registry(ns))
     doc = embodiment_metadata(ns.dataset, emb, ns.out, merge=ns.merge, max_episodes=ns.max_episodes,
                               heldout_episodes=ns.heldout_episodes)
@@ -167,10 +188,9 @@ def cmd_data_metadata(ns: argparse.Namespace) -> int:
 def cmd_data_check(ns: argparse.Namespace) -> int:
     from .data.dataset import WindowDataset
     from .data.embodiments import get_embodiment
+    from .data.errors import DataError
     from .data.lerobot_format import open_dataset
     from .data.sampling import WindowSpec
-
-    from .data.errors import DataError
 
     reader = open_dataset(ns.dataset)
     print(f"{reader.root}: LeRobot {reader.version}, {len(reader.episodes)} episodes, "
@@ -182,11 +202,11 @@ def cmd_data_check(ns: argparse.Namespace) -> int:
         if not ns.skip_missing:
             raise
         print(f"warning: {exc}")
-    from .data.check import deep_check, file_problems, raise_problems
+    from .data.check import dataset_problems, deep_check, raise_problems
 
-    raise_problems(reader, deep_check(reader) if ns.deep else file_problems(reader), shown=None)
-    print("every data file's footer opens and every video is a video container"
-          + ("; video frame counts and durations match the episode table" if ns.deep else ""))
+    raise_problems(reader, deep_check(reader) if ns.deep else dataset_problems(reader), shown=None)
+    print("every data file's footer opens, every number in it is finite and every video is a video container"
+          + ("; every video frame decodes and frame counts match the episode table" if ns.deep else ""))
     if reader.version == "v3.0":
         from .data.lerobot_format import crosscheck_with_lerobot
 
@@ -250,7 +270,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from .train.trainer import train
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before any CUDA allocation
-    history = train(load_train_config(ns))
+    history = train(load_train_config(ns), overwrite=ns.overwrite)
     if history and int(os.environ.get("RANK", "0")) == 0:
         last = history[-1]
         print(f"step {last['step']}: loss {last['loss']:.4f} (dynamics {last['dynamics_loss']:.4f}, "
@@ -270,7 +290,8 @@ def _int_list(text: str | None, flag: str) -> list[int] | None:
 def cmd_package(ns: argparse.Namespace) -> int:
     from .serve.package import RobotConfig, build_package
 
-    bundle, tarball = build_package(ns.model, ns.out, RobotConfig.load(ns.robot), ns.version, ns.eval_dir, ns.name)
+    bundle, tarball = build_package(ns.model, ns.out, RobotConfig.load(ns.robot), ns.version, ns.eval_dir, ns.name,
+                                    overwrite=ns.overwrite, sign_key=ns.sign)
     print(f"bundle {bundle}\ntarball {tarball}")
     return EXIT_OK
 
@@ -315,11 +336,20 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         if token:
             raise CLIError("--no-auth and a token (DZ_SERVE_TOKEN or --token-file) contradict each other; pick one")
         token = None
+    if ns.trust:
+        from .serve.bundles import TRUST_ENV, BundleError, load_trusted_key
+
+        try:
+            load_trusted_key(ns.trust)
+        except BundleError as exc:
+            raise CLIError(str(exc)) from None
+        os.environ[TRUST_ENV] = str(Path(ns.trust).resolve())  # the bundle loader requires its signature
     elif not token:
         raise CLIError("dz serve needs a token: set DZ_SERVE_TOKEN or pass --token-file FILE "
                        "(or --no-auth for clients that send none, such as RoboArena's evaluator)")
     limits = ServerLimits(max_sessions=ns.max_sessions, sessions_per_connection=ns.sessions_per_connection,
                           max_connections=ns.max_connections, max_frame_bytes=int(ns.max_frame_mib * 2**20),
+                          max_connections_per_client=ns.max_connections_per_client, idle_timeout_s=ns.idle_timeout,
                           request=RequestLimits(max_frames=ns.max_frames))
     try:
         serve_bundle(resolve_bundle_source(ns.bundle), token, ns.host, ns.port, ns.device, limits,
@@ -358,6 +388,7 @@ def cmd_eval_libero(ns: argparse.Namespace) -> int:
     from .eval.libero_eval import EvalConfig, evaluate_run
     from .eval.policy import PolicyLoadError
 
+    _claim_out(ns, "eval libero")
     cfg = EvalConfig(suite=ns.suite, tasks=_int_list(ns.tasks, "--tasks"), episodes_per_task=ns.episodes,
                      max_steps=ns.max_steps, num_workers=ns.workers, camera_size=ns.camera_size,
                      actions_per_chunk=ns.actions_per_chunk, videos=ns.videos, seed=ns.seed,
@@ -380,6 +411,7 @@ def cmd_eval_action_error(ns: argparse.Namespace) -> int:
     from .eval.action_error import ActionErrorError, describe, evaluate_action_error
     from .eval.policy import PolicyLoadError
 
+    _claim_out(ns, "eval action-error")
     try:
         result = evaluate_action_error(ns.source, ns.out, steps=_int_list(ns.steps, "--steps"), stride=ns.stride,
                                        max_windows=ns.max_windows, device=ns.device, seed=ns.seed,
@@ -402,6 +434,7 @@ def cmd_eval_previews(ns: argparse.Namespace) -> int:
     from .eval.policy import PolicyLoadError
     from .eval.previews import describe_errors, write_previews
 
+    _claim_out(ns, "eval previews")
     if ns.windows < 1:
         raise CLIError(f"--windows must be >= 1, got {ns.windows}")
     try:
@@ -420,6 +453,7 @@ def cmd_eval_probe(ns: argparse.Namespace) -> int:
     from .data.embodiments import get_embodiment, load_embodiments
     from .eval.probe import describe, parse_target, run_probe
 
+    _claim_out(ns, "eval probe")
     try:
         targets = [parse_target(t) for t in ns.target] if ns.target else None
     except ValueError as exc:
@@ -437,6 +471,7 @@ def cmd_eval_oracle(ns: argparse.Namespace) -> int:
     from .eval.libero_env import LiberoNotInstalled
     from .eval.oracle import run_oracle
 
+    _claim_out(ns, "eval oracle")
     try:
         summary = run_oracle(ns.dataset, ns.out, metadata=ns.metadata, embodiment=ns.embodiment,
                              max_episodes=ns.max_episodes, workers=ns.workers, camera_size=ns.camera_size,
@@ -454,12 +489,12 @@ def cmd_cache(ns: argparse.Namespace) -> int:
         if ns.synthetic < 1:
             raise CLIError(f"--synthetic wants a number of samples >= 1, got {ns.synthetic}")
         out = synthetic_cache(cfg.preset, ns.cache_out, ns.synthetic, _latent_hw(ns.latent_hw),
-                              seed=cfg.seed, model_overrides=cfg.model_overrides)
+                              seed=cfg.seed, model_overrides=cfg.model_overrides, overwrite=ns.overwrite)
         print(f"wrote a synthetic cache of {ns.synthetic} random {cfg.preset} samples: {out}")
         return EXIT_OK
     if not cfg.tokenizer:
         raise CLIError("dz cache needs the tokenizer directory (train.tokenizer / --set tokenizer=DIR)")
-    out = build_cache(cfg, ns.cache_out, stride=ns.stride, batch_size=ns.batch_size)
+    out = build_cache(cfg, ns.cache_out, stride=ns.stride, batch_size=ns.batch_size, overwrite=ns.overwrite)
     print(f"wrote the encoder cache {out}")
     return EXIT_OK
 
@@ -469,7 +504,7 @@ def cmd_convert(ns: argparse.Namespace) -> int:
 
     ckpt = resolve_checkpoint(ns.checkpoint, ns.step)
     out = convert_checkpoint(ckpt, ns.out, max_shard_bytes=int(ns.max_shard_gib * 2**30),
-                             adapters_only=ns.adapters_only, weights=ns.weights)
+                             adapters_only=ns.adapters_only, weights=ns.weights, overwrite=ns.overwrite)
     print(f"converted {ckpt} -> {out}")
     return EXIT_OK
 
@@ -804,6 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embodiment", required=True)
     p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
     p.add_argument("--out", required=True, help="metadata.json to write (never inside the dataset)")
+    p.add_argument("--overwrite", action="store_true", help="replace an --out file that is not a metadata.json written by dz")
     p.add_argument("--merge", action="store_true", help="merge into an existing metadata.json")
     p.add_argument("--max-episodes", type=int)
     p.add_argument("--heldout-episodes", type=int, default=0,
@@ -817,7 +853,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames-per-block", type=int, default=2)
     p.add_argument("--skip-missing", action="store_true", help="report missing video files, use the other episodes")
     p.add_argument("--deep", action="store_true",
-                   help="also read every video's header: frame counts and durations against the episode table")
+                   help="also decode every frame of every video (strict): the first frame that does not decode, "
+                        "frame counts against the episode table")
     p.set_defaults(func=cmd_data_check)
 
     p = sub.add_parser("train", help="SFT training (one process, or under torchrun with FSDP2)")
@@ -832,6 +869,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-missing", action="store_true", default=None,
                    help="train on the other episodes when some view videos are missing (they are listed)")
     p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s), as the data commands take")
+    p.add_argument("--overwrite", action="store_true",
+                   help="train into an out_dir that dz did not write (by default refused unless empty)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("cache", help="precompute frozen-encoder outputs (VAE, umT5, CLIP) per sample window")
@@ -848,6 +887,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic", type=int, metavar="N",
                    help="no data or encoders: N random samples of the preset's real shapes (to measure dz train)")
     p.add_argument("--latent-hw", default="11,20", help="with --synthetic: latent H,W (5B DROID 11,20)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even if dz did not write it (by default only an earlier dz output is replaced)")
     p.set_defaults(func=cmd_cache, steps=None, out_dir=None)
 
     p = sub.add_parser("package", help="a versioned, checksummed Franka deployment bundle (+ .tar.gz)")
@@ -858,6 +899,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", dest="eval_dir", help="a dz eval libero output directory to ship as evidence")
     p.add_argument("--name", help="bundle name (default dreamzero-<embodiment>)")
     p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true", help="write into an --out folder that dz did not write")
+    p.add_argument("--sign", metavar="KEYFILE", help="sign the MANIFEST (MANIFEST.sig) with this ed25519 private "
+                   "key (PEM: `openssl genpkey -algorithm ed25519 -out lab.key`); `dz serve --trust` checks it")
     p.set_defaults(func=cmd_package)
 
     p = sub.add_parser("serve", help="serve a bundle's policy over WebSocket + msgpack-numpy (openpi and RoboArena "
@@ -871,12 +915,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--certfile", help="TLS certificate (PEM): serve wss:// instead of ws://")
     p.add_argument("--keyfile", help="TLS private key (PEM), if not inside --certfile")
+    p.add_argument("--trust", metavar="PUBKEY", help="refuse any bundle without a valid MANIFEST.sig by this ed25519 "
+                   "public key (PEM: `openssl pkey -in lab.key -pubout -out lab.pub`); default: DZ_TRUST_KEY")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-sessions", type=int, default=64, help="KV-cache sessions across all connections")
     p.add_argument("--sessions-per-connection", type=int, default=4,
                    help="beyond it, a connection's least recently used session ends")
     p.add_argument("--max-connections", type=int, default=64)
-    p.add_argument("--max-frame-mib", type=float, default=32.0, help="largest request frame")
+    p.add_argument("--max-connections-per-client", type=int, default=16,
+                   help="per remote address (loopback, e.g. a reverse proxy, is not capped)")
+    p.add_argument("--idle-timeout", type=float, default=600.0,
+                   help="seconds without a request before a connection is closed (0: never)")
+    p.add_argument("--max-frame-mib", type=float, default=32.0,
+                   help="cap on a request frame; the limit follows the bundle's views and --max-frames")
     p.add_argument("--max-frames", type=int, default=33, help="most camera frames per view in one request")
     p.add_argument("--no-compile", action="store_true", help="on CUDA: skip torch.compile of the DiT block "
                    "(faster start, slower chunks; CUDA graphs stay on)")
@@ -909,6 +960,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = ev.add_parser("libero", help="LIBERO success rate of a converted model, or of a run across its checkpoint steps")
     p.add_argument("source", help="a training run directory (every saved step, converted as needed) or a converted model")
     p.add_argument("--out", required=True, help="results.csv, episodes.csv, summary.json, success_vs_step.png, videos/")
+    p.add_argument("--overwrite", action="store_true", help="write into an --out directory that dz did not write")
     p.add_argument("--suite", default="spatial", help="spatial | object | goal | 10")
     p.add_argument("--tasks", help="task indices, e.g. 0,1 (default: all tasks of the suite)")
     p.add_argument("--episodes", type=int, default=1, help="episodes per task (the standard init states 0..N-1)")
@@ -939,6 +991,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "mean predictor and the untrained model")
     p.add_argument("source", help="a converted model, a `dz stage convert` directory, or a training run")
     p.add_argument("--out", required=True, help="action_error.json, action_error.csv")
+    p.add_argument("--overwrite", action="store_true", help="write into an --out directory that dz did not write")
     p.add_argument("--steps", help="with a run directory: checkpoint steps to evaluate, e.g. 1000,2000 (default: all)")
     p.add_argument("--stride", type=int, default=4, help="frames between held-out window anchors")
     p.add_argument("--max-windows", type=int, help="at most this many windows (evenly spaced)")
@@ -954,6 +1007,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="a converted model directory (held-out windows; a run that held none out shows "
                    "training windows)")
     p.add_argument("--out", required=True, help="ep<E>_t<T>.mp4 per window and grid.png")
+    p.add_argument("--overwrite", action="store_true", help="write into an --out directory that dz did not write")
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--stride", type=int, default=4, help="frames between held-out window anchors")
     add_solver_arguments(p)
@@ -978,12 +1032,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, default=2, help="every stride-th frame")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", required=True, help="probe.json and probe.txt")
+    p.add_argument("--overwrite", action="store_true", help="write into an --out directory that dz did not write")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_eval_probe)
 
     p = ev.add_parser("oracle", help="replay recorded demonstrations through the evaluation path (exit 1 below 95%%)")
     p.add_argument("dataset", help="a dataset recorded by `dz data record libero`")
     p.add_argument("--out", required=True, help="summary.json (oracle_success_rate), results.csv, episodes.csv")
+    p.add_argument("--overwrite", action="store_true", help="write into an --out directory that dz did not write")
     p.add_argument("--metadata", help="the run's metadata.json (q99 statistics); default: computed from the dataset")
     p.add_argument("--embodiment", default="libero_sim", help="libero_sim | libero_sim_tiny")
     p.add_argument("--max-episodes", type=int, help="replay N recorded episodes, evenly spread over the recording")
@@ -1002,6 +1058,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a LoRA run: write only the trainable tensors (adapters.safetensors), not merged weights")
     p.add_argument("--weights", choices=("raw", "ema"), default="raw",
                    help="the optimizer's weights, or the EMA a run with train.ema_decay kept")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even if dz did not write it (by default only an earlier dz output is replaced)")
     p.set_defaults(func=cmd_convert)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="cmd", required=True)
@@ -1110,6 +1168,18 @@ def main(argv: list[str] | None = None) -> int:
         if not _deliberate(exc):  # a ValueError we did not raise on purpose may be a bug
             print(f"dz: ({type(exc).__name__}; `dz --debug ...` shows where it came from)", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as exc:  # a full disk, or a file where a directory should be, deep inside some writer
+        from .outputs import NO_SPACE
+
+        if exc.errno in NO_SPACE:
+            print(f"dz: error: {exc.filename or 'output'}: no space left on the device; a partial output was "
+                  "removed and nothing earlier was replaced", file=sys.stderr)
+        elif isinstance(exc, (NotADirectoryError, FileExistsError, IsADirectoryError)) and exc.filename:
+            print(f"dz: error: {exc.filename}: {exc.strerror} (a file where a directory should be, or the "
+                  "reverse)", file=sys.stderr)
+        else:
+            raise
+        return EXIT_FAIL
     except RuntimeError as exc:
         from .dirlock import DirectoryBusy
         from .pipeline import StageError

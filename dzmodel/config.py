@@ -7,8 +7,11 @@
       libero_5b: {...}
       droid_14b: {...}
 
-`load_params` validates the whole file before anything runs: an unknown key, a wrong type or an out-of-range
-value anywhere is one `ParamsError` naming the file and each bad field. Stage outputs live at fixed places
+`load_params` validates the whole file, `--set` overrides included, before anything runs: an unknown key, a wrong
+type or an out-of-range value anywhere is one `ParamsError` naming the file and each bad field. Every number must be
+finite (YAML's .nan and .inf are refused) and inside its field's range, LIBERO task indices inside their suite, and
+every name that becomes part of a path (package version and name, registered model, alias, experiment, embodiment,
+profile) a plain name: no separators, no '..'. Stage outputs live at fixed places
 under the project root (`StagePaths`), so dvc.yaml can name them.
 """
 
@@ -23,7 +26,17 @@ from typing import Any, Literal
 
 from .schema import SchemaError, build
 
-PROFILE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+PROFILE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+# Tasks per LIBERO suite (LIBERO's benchmarks libero_spatial/object/goal/10 each have 10 tasks), and the standard
+# fixed init states per task: the static bounds of eval.tasks, fetch.record.tasks and the evaluated init states.
+LIBERO_SUITE_TASKS = {"spatial": 10, "object": 10, "goal": 10, "10": 10}
+LIBERO_INIT_STATES = 50
+SEED = {"min": 0, "max": 2**32 - 1}  # numpy's legacy seeding takes 32 bits
+LEARNING_RATE = {"gt": 0, "max": 1.0}
+PLAIN_NAME = {"plain_name": True}
+# MLflow's alias rule, and the forms it reserves for its own version references.
+MLFLOW_ALIAS = re.compile(r"[A-Za-z0-9_-]+")
+MLFLOW_RESERVED_ALIAS = re.compile(r"latest|v[0-9]+", re.IGNORECASE)
 # Train fields the pipeline fills from the upstream stages' outputs; params.yaml must not set them.
 PIPELINE_TRAIN_FIELDS = ("datasets", "metadata", "embodiment", "embodiment_files", "out_dir", "cache", "progress",
                          "stop_at")
@@ -34,11 +47,22 @@ class ParamsError(ValueError):
     """params.yaml (or an override) is invalid; the message names the file and every bad field."""
 
 
+def _check_suite_tasks(tasks: list[int] | None, suite: str, where: str) -> None:
+    """Task indices inside the suite, each once; `where` is the field ("eval.tasks")."""
+    size = LIBERO_SUITE_TASKS[suite]
+    for i, task in enumerate(tasks or []):
+        if not 0 <= task < size:
+            raise ValueError(f"{where}[{i}]: task {task} is not in LIBERO-{suite} (tasks 0..{size - 1})")
+    for task in tasks or []:
+        if tasks.count(task) > 1:
+            raise ValueError(f"{where}: task {task} is listed twice")
+
+
 @dataclass
 class RecordParams:
     """fetch.source "libero": demonstrations recorded in simulation by the scripted expert (`dz data record libero`)."""
     suite: Literal["object", "spatial", "goal", "10"] = "object"
-    tasks: list[int] | None = None  # task indices; null = every task of the suite
+    tasks: list[int] | None = field(default=None, metadata={"min": 0})  # task indices; null = every task of the suite
     episodes: int = field(default=10, metadata={"min": 1})  # expert attempts per task; successes are kept
     # standard: the evaluation's init states; perturbed: shifted by [min_shift_m, max_shift_m]; sampled: fresh draws
     # from the task's init distribution. perturbed and sampled keep min_shift_m from every standard init state.
@@ -47,10 +71,15 @@ class RecordParams:
     # null: max_shift_m / 2 (perturbed), 0.002 (sampled)
     min_shift_m: float | None = field(default=None, metadata={"min": 0, "max": 0.1})
     dart_noise: float = field(default=0.0, metadata={"min": 0, "max": 1})  # DART σ on the executed arm dims
-    image_size: int = field(default=256, metadata={"min": 32})
-    workers: int = field(default=2, metadata={"min": 1})
+    image_size: int = field(default=256, metadata={"min": 32, "max": 1024})
+    workers: int = field(default=2, metadata={"min": 1, "max": 256})
     codec: Literal["libsvtav1", "libx264"] = "libsvtav1"  # libx264 also decodes with OpenCV (the GPU image)
     gop: int = field(default=2, metadata={"min": 1})  # keyframe interval; longer = smaller files, slower seeks
+
+    def __post_init__(self) -> None:
+        _check_suite_tasks(self.tasks, self.suite, "record.tasks")
+        if self.min_shift_m is not None and self.min_shift_m > self.max_shift_m:
+            raise ValueError(f"record.min_shift_m: must be <= max_shift_m ({self.max_shift_m}), got {self.min_shift_m}")
 
 
 @dataclass
@@ -62,9 +91,9 @@ class FetchParams:
     synth_length: int = field(default=96, metadata={"min": 16})
     # walk: random walks (not predictable from a frame); orbit: actions a policy can learn (dzmodel/data/synth.py)
     synth_motion: Literal["walk", "orbit"] = "walk"
-    seed: int = 0
+    seed: int = field(default=0, metadata=SEED)
     retries: int = field(default=3, metadata={"min": 0, "max": 10})  # network fetches are retried with backoff
-    retry_delay_s: float = field(default=10.0, metadata={"min": 0})
+    retry_delay_s: float = field(default=10.0, metadata={"min": 0, "max": 3600})
     skip_missing: bool = False  # accept a source that lacks some video files (set train.skip_missing too)
     record: RecordParams = field(default_factory=RecordParams)  # source "libero" only
 
@@ -75,7 +104,7 @@ class FetchParams:
 
 @dataclass
 class MetadataParams:
-    embodiment: str = "libero_sim"
+    embodiment: str = field(default="libero_sim", metadata=PLAIN_NAME)
     embodiment_files: list[str] = field(default_factory=list)  # extra embodiment YAMLs (project-relative)
     max_episodes: int | None = field(default=None, metadata={"min": 1})
 
@@ -88,13 +117,13 @@ class VisionParams:
     enabled: bool = False
     steps: int = field(default=2000, metadata={"min": 1})
     batch_size: int = field(default=8, metadata={"min": 1})
-    lr: float = field(default=1e-3, metadata={"gt": 0})
+    lr: float = field(default=1e-3, metadata=LEARNING_RATE)
     clip_frames: int = field(default=5, metadata={"min": 1})  # 1 + 4k frames of the SFT windows
-    kl_weight: float = field(default=1e-5, metadata={"min": 0})  # KL to N(0, I); 0: a plain autoencoder
+    kl_weight: float = field(default=1e-5, metadata={"min": 0, "max": 10})  # KL to N(0, I); 0: a plain autoencoder
     # the reconstruction is measured on the last N episodes (never trained on; train.heldout_episodes' too)
     heldout_episodes: int = field(default=1, metadata={"min": 1})
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when there is one
-    num_workers: int = field(default=0, metadata={"min": 0})
+    num_workers: int = field(default=0, metadata={"min": 0, "max": 256})
     frame_cache_mib: int = field(default=0, metadata={"min": 0})  # per loader process (dzmodel/data/dataset.py)
 
     def __post_init__(self) -> None:
@@ -112,7 +141,7 @@ class CacheParams:
 
 @dataclass
 class ConvertParams:
-    max_shard_gib: float = field(default=5.0, metadata={"gt": 0})
+    max_shard_gib: float = field(default=5.0, metadata={"gt": 0, "max": 1024})
     # the optimizer's weights, or the EMA (a run with train.ema_decay > 0); eval and package take what convert wrote
     weights: str = field(default="raw", metadata={"choices": ("raw", "ema")})
 
@@ -121,11 +150,11 @@ class ConvertParams:
 class EvalParams:
     enabled: bool = True
     suite: Literal["spatial", "object", "goal", "10"] = "spatial"
-    tasks: list[int] | None = None  # task indices; null = every task of the suite
+    tasks: list[int] | None = field(default=None, metadata={"min": 0})  # task indices; null = every task of the suite
     episodes: int = field(default=1, metadata={"min": 1})  # per task
     max_steps: int | None = field(default=None, metadata={"min": 1})  # null = the suite's standard limit
-    workers: int = field(default=2, metadata={"min": 1})
-    camera_size: int = field(default=128, metadata={"min": 16})
+    workers: int = field(default=2, metadata={"min": 1, "max": 256})
+    camera_size: int = field(default=128, metadata={"min": 16, "max": 1024})
     actions_per_chunk: int | None = field(default=None, metadata={"min": 1})
     # episode: one KV-cache session per episode fed the frames since the last query; frame: restart every query
     context: Literal["episode", "frame"] = "episode"
@@ -133,12 +162,12 @@ class EvalParams:
     # on init states 0..episodes-1. 0: nothing is picked, the final number pools the last 3 checkpoints.
     select_episodes: int = field(default=0, metadata={"min": 0})
     videos: int = field(default=2, metadata={"min": 0})
-    steps: list[int] | None = None  # checkpoint steps to evaluate; null = every saved one
-    solver_steps: int = field(default=16, metadata={"min": 1})
-    cfg_scale: float = field(default=5.0, metadata={"min": 0})
+    steps: list[int] | None = field(default=None, metadata={"min": 1})  # checkpoint steps; null = every saved one
+    solver_steps: int = field(default=16, metadata={"min": 1, "max": 1000})
+    cfg_scale: float = field(default=5.0, metadata={"min": 0, "max": 100})
     dit_steps: str = ""  # solver steps that run the DiT (T) or reuse its velocity (F); "upstream"; "" = every step
     device: str = "cpu"
-    seed: int = 0
+    seed: int = field(default=0, metadata=SEED)
     # the held-out action error (dzmodel/eval/action_error.py) of every converted step, LIBERO or not (`enabled`
     # is the LIBERO rollouts); it needs train.heldout_episodes >= 1, else it is skipped and the stage says so
     action_error: bool = True
@@ -151,6 +180,11 @@ class EvalParams:
     def __post_init__(self) -> None:
         from .model.inference import SolverConfig
 
+        _check_suite_tasks(self.tasks, self.suite, "eval.tasks")
+        init_states = self.episodes + self.select_episodes
+        if init_states > LIBERO_INIT_STATES:
+            raise ValueError(f"eval: episodes + select_episodes = {init_states} init states per task; LIBERO has "
+                             f"{LIBERO_INIT_STATES} (init states 0..{LIBERO_INIT_STATES - 1})")
         try:
             SolverConfig(num_steps=self.solver_steps, cfg_scale=self.cfg_scale, dit_steps=self.dit_steps)
         except ValueError as exc:
@@ -159,8 +193,8 @@ class EvalParams:
 
 @dataclass
 class PackageParams:
-    version: str = "0.1.0"
-    name: str | None = None  # default dreamzero-<embodiment>
+    version: str = field(default="0.1.0", metadata=PLAIN_NAME)  # the bundle is <name>-<version>
+    name: str | None = field(default=None, metadata=PLAIN_NAME)  # default dreamzero-<embodiment>
     checkpoint: str = field(default="best", metadata={"choices": ("best", "last")})  # best = highest eval success
     robot: dict[str, Any] = field(default_factory=dict)  # dzmodel.serve.package.RobotConfig fields
 
@@ -175,14 +209,18 @@ class PackageParams:
 
 @dataclass
 class PromoteParams:
-    registered_model: str = "dreamzero"
-    alias: str = "production"
+    registered_model: str = field(default="dreamzero", metadata=PLAIN_NAME)
+    alias: str = field(default="production", metadata=PLAIN_NAME)
     # the gate on the packaged step: its LIBERO success (null: no success gate, e.g. no simulator can be passed) and
     # its held-out action error over the mean predictor's (null: not gated); each set check must pass
     min_success: float | None = field(default=0.5, metadata={"min": 0, "max": 1})
-    max_action_error_ratio: float | None = field(default=None, metadata={"gt": 0})
+    max_action_error_ratio: float | None = field(default=None, metadata={"gt": 0, "max": 100})
 
     def __post_init__(self) -> None:
+        if not MLFLOW_ALIAS.fullmatch(self.alias):
+            raise ValueError(f"promote.alias: MLflow aliases take letters, digits, '_' and '-', got {self.alias!r}")
+        if MLFLOW_RESERVED_ALIAS.fullmatch(self.alias):
+            raise ValueError(f"promote.alias: {self.alias!r} is reserved by MLflow (latest, v<N>); pick another")
         if self.min_success is None and self.max_action_error_ratio is None:
             raise ValueError("min_success and max_action_error_ratio are both null: a gate that checks nothing "
                              "cannot refuse; set one")
@@ -193,7 +231,7 @@ class TrackingParams:
     # MLFLOW_TRACKING_URI in the environment wins (a team server); paths are relative to the project root.
     mlflow_uri: str = "sqlite:///mlruns/mlflow.db"
     artifact_root: str = "mlruns/artifacts"
-    experiment: str | None = None  # default dreamzero-<profile>
+    experiment: str | None = field(default=None, metadata=PLAIN_NAME)  # default dreamzero-<profile>
 
 
 @dataclass
@@ -203,7 +241,8 @@ class Profile:
     metadata: MetadataParams = field(default_factory=MetadataParams)
     vision: VisionParams = field(default_factory=VisionParams)
     cache: CacheParams = field(default_factory=CacheParams)
-    train: dict[str, Any] = field(default_factory=dict)  # launch (nproc_per_node, nnodes) + TrainConfig fields
+    # launch (nproc_per_node, nnodes) + TrainConfig fields, checked as a TrainConfig by parse_params
+    train: dict[str, Any] = field(default_factory=dict, metadata={"checked_by": "TrainConfig"})
     convert: ConvertParams = field(default_factory=ConvertParams)
     eval: EvalParams = field(default_factory=EvalParams)
     package: PackageParams = field(default_factory=PackageParams)
@@ -234,9 +273,9 @@ class Params:
     profiles: dict[str, Profile]
 
     def __post_init__(self) -> None:
-        bad = [n for n in self.profiles if not PROFILE_NAME.match(n)]
+        bad = [n for n in self.profiles if not PROFILE_NAME.fullmatch(n)]
         if bad:
-            raise ValueError(f"profiles: names must be lower_snake_case, got {bad}")
+            raise ValueError(f"profiles: names must be lower_snake_case (at most 64 characters), got {bad}")
         if self.profile not in self.profiles:
             raise ValueError(f"profile: {self.profile!r} is not one of the profiles {sorted(self.profiles)}")
 
@@ -309,22 +348,32 @@ def read_yaml(path: str | Path) -> Any:
         raise ParamsError(f"{path}: not valid YAML: {exc}") from None
 
 
-def apply_overrides(raw: dict, overrides: list[str], profile: str) -> dict:
+def apply_overrides(raw: dict, overrides: list[str], profile: str, source: str = "params.yaml") -> dict:
     """`stage.key=value` (or `stage.key.sub=value`) overrides on one profile; values parse as YAML."""
     import yaml
 
     raw = copy.deepcopy(raw)
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ParamsError(f"override {item!r}: expected stage.key=value, e.g. train.steps=20")
-        node = raw.setdefault("profiles", {}).setdefault(profile, {})
         parts = key.split(".")
+        if not sep or not all(parts):
+            raise ParamsError(f"override {item!r}: expected stage.key=value, e.g. train.steps=20")
+        profiles = raw.setdefault("profiles", {})
+        if not isinstance(profiles, dict):
+            raise ParamsError(f"{source}: profiles: expected a mapping of profiles, got {type(profiles).__name__}")
+        node = profiles.setdefault(profile, {})
+        walked = ["profiles", str(profile)]
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ParamsError(f"override {item!r}: {part} is not a mapping")
-        node[parts[-1]] = yaml.load(value, Loader=_yaml_loader())  # noqa: S506
+                break
+            node = node.setdefault(part, {})
+            walked.append(part)
+        if not isinstance(node, dict):
+            raise ParamsError(f"override {item!r}: {source}'s {'.'.join(walked)} is not a mapping")
+        try:
+            node[parts[-1]] = yaml.load(value, Loader=_yaml_loader())  # noqa: S506
+        except yaml.YAMLError as exc:
+            raise ParamsError(f"override {item!r}: the value is not valid YAML ({str(exc).splitlines()[0]})") from None
     return raw
 
 
@@ -379,7 +428,10 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | None = 
     if overrides:
         if not isinstance(raw, dict):
             raise ParamsError(f"{path}: expected a mapping at the top level")
-        raw = apply_overrides(raw, overrides, profile or raw.get("profile", ""))
+        name = profile or raw.get("profile")
+        if not isinstance(name, str):
+            raise ParamsError(f"{path}: profile: expected the name of a profile, got {name!r}")
+        raw = apply_overrides(raw, overrides, name, str(path))
     params = parse_params(raw, str(path))
     params.selected(profile)
     return params
@@ -402,8 +454,8 @@ def _train_config(train: dict, metadata: MetadataParams, cache_enabled: bool, pa
     problems = [f"{where}.{k}: set by the pipeline from the upstream stages; remove it" for k in owned]
     for key in LAUNCH_FIELDS:
         value = train.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{where}.{key}: must be an integer >= 1, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+            problems.append(f"{where}.{key}: must be an integer in [1, 4096], got {value!r}")
     fields = {k: v for k, v in train.items() if k not in LAUNCH_FIELDS and k not in PIPELINE_TRAIN_FIELDS}
     fields.update(datasets=[str(paths.dataset)], metadata=str(paths.metadata), embodiment=metadata.embodiment,
                   embodiment_files=[str(paths.root / f) for f in metadata.embodiment_files],
@@ -434,7 +486,7 @@ def profile_dict(prof: Profile) -> dict[str, Any]:
     """The profile as plain data (for MLflow params and artifacts)."""
     from dataclasses import asdict
 
-    return json.loads(json.dumps(asdict(prof), default=list))
+    return json.loads(json.dumps(asdict(prof), default=list, allow_nan=False))
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:

@@ -29,6 +29,7 @@ from typing import Any
 from .atomic import atomic_write_text
 from .config import Profile, StagePaths, profile_dict, train_config
 from .dirlock import directory_lock
+from .outputs import fresh_stage_dir, publish_dir
 from .proctree import kill_tree
 from .stages import STAGES
 from .stages import stage_params as _params_of
@@ -60,11 +61,14 @@ def _write_csv(path: Path, rows: list[dict]) -> Path:
 
 
 def _fresh_dir(path: Path) -> Path:
-    """An empty directory at `path` (a stage's output is rebuilt whole, as DVC does)."""
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    return path
+    """An empty directory at `path` (a stage's output is rebuilt whole, as DVC does); an earlier one is removed
+    only if dz wrote it."""
+    return fresh_stage_dir(path, "pipeline")
+
+
+def _stage_output(path: Path, stage: str):
+    """Build a stage's whole output in a temporary sibling, renamed over `path` when done (dzmodel/outputs.py)."""
+    return publish_dir(path, stage, flag="stage output", override="")
 
 
 def files_under(root: Path) -> list[tuple[str, Path]]:
@@ -155,14 +159,11 @@ def stage_vision(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     from .train.vision import VAE_FILE, pretrain_vae
 
     assert paths.vision_vae.name == VAE_FILE
-    tmp = _fresh_dir(out.with_name(out.name + ".tmp"))
-    report = pretrain_vae(train_config(prof, paths, vision_vae=False), tmp, steps=v.steps, batch_size=v.batch_size,
-                          lr=v.lr, clip_frames=v.clip_frames, kl_weight=v.kl_weight,
-                          heldout_episodes=v.heldout_episodes, device=v.device, num_workers=v.num_workers,
-                          frame_cache_mib=v.frame_cache_mib, log=log)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.replace(out)
+    with _stage_output(out, "vision") as tmp:
+        report = pretrain_vae(train_config(prof, paths, vision_vae=False), tmp, steps=v.steps, batch_size=v.batch_size,
+                              lr=v.lr, clip_frames=v.clip_frames, kl_weight=v.kl_weight,
+                              heldout_episodes=v.heldout_episodes, device=v.device, num_workers=v.num_workers,
+                              frame_cache_mib=v.frame_cache_mib, log=log)
     headline = {k: report[k] for k in ("steps", "heldout_mse", "heldout_mse_random", "heldout_mse_ratio",
                                        "heldout_mse_mean_colour", "seconds")}
     _write_json(metrics_file, {"pretrained": True, **headline})
@@ -193,8 +194,6 @@ def stage_cache(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
         raise ValueError(f"profiles.{paths.profile}.train.tokenizer: the cache needs the tokenizer directory")
     if cfg.preset in OFFLINE_PRESETS and Path(cfg.tokenizer) == paths.run / "tokenizer":
         build_tiny_tokenizer(paths.run / "tokenizer")  # deterministic bytes: rebuilding changes nothing
-    if out.exists():
-        shutil.rmtree(out)
     build_cache(cfg, out, stride=prof.cache.stride, batch_size=prof.cache.batch_size,
                 device="cuda" if _cuda() else "cpu")
     log(f"cache: wrote {out}")
@@ -459,16 +458,13 @@ def stage_convert(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     if not saved:
         raise FileNotFoundError(f"{paths.stage('train')}: no complete checkpoint to convert (run the train stage)")
     out = paths.stage("converted")
-    tmp = _fresh_dir(out.with_name(out.name + ".tmp"))
-    progress = Progress(len(saved), desc="convert", unit="ckpt")
-    for step, ckpt in saved:
-        convert_checkpoint(ckpt, tmp / f"step_{step:07d}", max_shard_bytes=int(prof.convert.max_shard_gib * 2**30),
-                           weights=prof.convert.weights)
-        progress.update()
-    progress.close()
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.replace(out)
+    with _stage_output(out, "convert") as tmp:
+        progress = Progress(len(saved), desc="convert", unit="ckpt")
+        for step, ckpt in saved:
+            convert_checkpoint(ckpt, tmp / f"step_{step:07d}", max_shard_bytes=int(prof.convert.max_shard_gib * 2**30),
+                               weights=prof.convert.weights)
+            progress.update()
+        progress.close()
     log(f"convert: {len(saved)} checkpoints -> {out}")
     return {"converted": str(out), "steps": [s for s, _ in saved]}
 
@@ -635,14 +631,11 @@ def stage_package(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     step, rate = chosen_step(prof, paths)
     model = paths.stage("converted") / f"step_{step:07d}"
     out = paths.stage("package")
-    tmp = _fresh_dir(out.with_name(out.name + ".tmp"))
     eval_dir = paths.stage("eval")
     has_eval = (eval_dir / "results.csv").is_file()
-    bundle, tarball = build_package(model, tmp, RobotConfig.from_dict(prof.package.robot, "package.robot"),
-                                    prof.package.version, eval_dir if has_eval else None, prof.package.name)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.replace(out)
+    with _stage_output(out, "package") as tmp:
+        bundle, tarball = build_package(model, tmp, RobotConfig.from_dict(prof.package.robot, "package.robot"),
+                                        prof.package.version, eval_dir if has_eval else None, prof.package.name)
     bundle, tarball = out / bundle.relative_to(tmp), out / tarball.relative_to(tmp)
     action = packaged_action_error(paths, step)
     _write_json(out / "PACKAGE.json", {"step": step, "success_rate": rate, "bundle": bundle.name,

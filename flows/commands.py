@@ -23,8 +23,10 @@ def _params_args(p: argparse.ArgumentParser) -> None:
 
 
 def where_to_look(summary: dict, root: Path) -> str:
+    from tasks.tracking import mask_uri
+
     venv = os.path.relpath(Path(sys.executable).parent, Path.cwd())
-    uri = summary["mlflow_uri"]
+    uri = mask_uri(summary["mlflow_uri"])
     lines = [
         "",
         f"Pipeline finished: profile {summary['profile']}, cached stages: {', '.join(summary['cached_stages']) or 'none'}",
@@ -48,7 +50,7 @@ def where_to_look(summary: dict, root: Path) -> str:
         lines.append(f"  MLflow      {uri} (experiment {summary['experiment']}, run {summary['mlflow_run_id']})")
     home = os.environ.get("PREFECT_HOME", "~/.prefect")
     if os.environ.get("PREFECT_API_URL"):
-        lines.append(f"  Prefect UI  {os.environ['PREFECT_API_URL'].removesuffix('/api')}")
+        lines.append(f"  Prefect UI  {mask_uri(os.environ['PREFECT_API_URL'].removesuffix('/api'))}")
     else:
         lines.append(f"  Prefect UI  PREFECT_HOME={home} {venv}/prefect server start   (then http://127.0.0.1:4200)")
     lines.append(f"  DVC         {venv}/dvc dag;  {venv}/dvc metrics show;  {venv}/dvc plots show  (in {root})")

@@ -21,15 +21,15 @@ from dzmodel.pipeline import STAGES, outputs_intact
 from tasks import artifacts
 from dzmodel.stages import STAGE_TABLE
 from tasks.stages import STAGE_TASKS, cache_key, register_and_promote
-from tasks.tracking import Tracker, experiment_name
+from tasks.tracking import Tracker, experiment_name, mask_uri, without_credentials
 
 
 def _mlflow_link(tracker: Tracker) -> str:
-    base = tracker.uri if tracker.uri.startswith("http") else "http://127.0.0.1:5000"
+    base = without_credentials(tracker.uri) if tracker.uri.startswith("http") else "http://127.0.0.1:5000"
     return f"{base.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
 
 
-@flow(name="sft-pipeline", log_prints=True)
+@flow(name="sft-pipeline", log_prints=True, persist_result=False)  # its summary is returned, never read back
 def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", overrides: list[str] | None = None,
                  root: str = ".", promote: bool = True) -> dict:
     """Run every stage of one params.yaml profile; unchanged stages come from the task cache."""
@@ -45,7 +45,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
     link = _mlflow_link(tracker)
     artifacts.mlflow_link_artifact(name, link)
     logger.info(f"profile {name}: MLflow run {tracker.run_id} in experiment {experiment_name(prof, name)} "
-                f"({tracker.uri})")
+                f"({mask_uri(tracker.uri)})")
     results: dict[str, dict] = {}
     try:
         for stage in STAGES:
@@ -75,7 +75,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
     except BaseException:
         tracker.end(status="FAILED")
         raise
-    summary = {"profile": name, "mlflow_run_id": tracker.run_id, "mlflow_uri": tracker.uri,
+    summary = {"profile": name, "mlflow_run_id": tracker.run_id, "mlflow_uri": mask_uri(tracker.uri),
                "experiment": experiment_name(prof, name), "package": results["package"]["tarball"],
                "promotion": decision, "cached_stages": [s for s in STAGES if results[s].get("_cached")],
                "action_error": results["package"].get("action_error")}

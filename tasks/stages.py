@@ -6,22 +6,105 @@ and a hash of the code it runs, all as the stage table declares them (`dzmodel/s
 mirrors), so an unchanged stage is skipped and returns its stored result; the flow forces a rerun
 (refresh_cache) when a stage's outputs are missing or were changed since it recorded them.
 Stages that use the GPU pool carry the `gpu-pool` tag, which a Prefect tag concurrency limit bounds.
+
+Results: a stage's result is a dict of JSON values (paths, numbers, the outputs' fingerprint), persisted as plain
+JSON (`JSONResults`). Prefect takes the deserializer of a stored result from the stored metadata itself, so
+metadata edited to name cloudpickle (or a JSON serializer with an importable object hook) would run code when a
+cached task is reused. Each cached result's metadata therefore lives apart from the result, in `JSONResultKeys`,
+which hands Prefect only metadata that names JSONResults (and, for a local result, whose file holds a stage
+result in JSON);
+anything else counts as no cached result: the stage runs again and replaces both.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 from prefect import get_run_logger, task
+from prefect._internal.compatibility.async_dispatch import async_dispatch
+from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
+from prefect.filesystems import LocalFileSystem
+from prefect.serializers import Serializer
+from prefect.settings import get_current_settings
+from pydantic import Field
 
 from dzmodel.config import Profile, StagePaths
 from dzmodel.pipeline import run_stage, stage_params
 from dzmodel.stages import code_fingerprint
 
 GPU_POOL_TAG = "gpu-pool"
+log = logging.getLogger(__name__)
+
+
+class JSONResults(Serializer):
+    """Plain JSON: no object hooks, nothing imported by name; a result must be JSON values."""
+
+    type: str = Field(default="dz-json", frozen=True)
+
+    def dumps(self, obj: Any) -> bytes:
+        return json.dumps(obj).encode()
+
+    def loads(self, blob: bytes) -> Any:
+        return json.loads(blob)
+
+
+def _stage_result_file(path: Path) -> bool:
+    """A file of this machine's Prefect storage holding a stage's result: a JSON dict with its outputs'
+    fingerprint (what `run_stage` returns)."""
+    storage = Path(get_current_settings().results.local_storage_path).expanduser().resolve()
+    path = path.resolve()
+    if not path.is_relative_to(storage) or not path.is_file():
+        return False
+    try:
+        result = json.loads(path.read_bytes())
+    except ValueError:
+        return False
+    return isinstance(result, dict) and "outputs_fingerprint" in result
+
+
+def _json_results_only(path: str, content: bytes) -> bytes:
+    """`content`, a cached result's metadata, if it names JSONResults; else ValueError, which Prefect takes as
+    no cached result."""
+    try:
+        meta = json.loads(content)
+        serializer = meta["serializer"]
+        plain = serializer == {"type": JSONResults().type}
+        if plain and meta.get("storage_block_id") is None:  # a local result: its path is the storage key
+            plain = _stage_result_file(Path(meta["storage_key"]))
+    except (ValueError, TypeError, KeyError):
+        serializer, plain = None, False
+    if not plain:
+        found = serializer.get("type") if isinstance(serializer, dict) else None
+        log.warning(f"{path}: ignored a cached task result that is not plain JSON (serializer {found!r}); "
+                    "the stage runs again")
+        raise ValueError(f"{path}: not the metadata of a plain JSON result (serializer {found!r}); ignored")
+    return content
+
+
+class JSONResultKeys(LocalFileSystem):
+    """Where Prefect keeps the metadata of each cached result: `basepath`, else a folder of the local storage
+    path (PREFECT_LOCAL_STORAGE_PATH) as it is set when read. Reads back only what `_json_results_only` passes."""
+
+    _block_type_name = "dz JSON result keys"  # its own block type: inheriting LocalFileSystem's would replace it
+
+    def _resolve_path(self, path: str) -> Path:
+        if self.basepath is None:
+            base = Path(get_current_settings().results.local_storage_path) / "dz-result-metadata"
+            return LocalFileSystem(basepath=str(base))._resolve_path(path)
+        return super()._resolve_path(path)
+
+    async def aread_path(self, path: str) -> bytes:
+        return _json_results_only(path, await super().aread_path(path))
+
+    @async_dispatch(aread_path)
+    def read_path(self, path: str) -> bytes:
+        return _json_results_only(path, LocalFileSystem.read_path(self, path, _sync=True))
 
 
 def cache_key(stage: str, prof: Profile, upstream_fingerprints: list[str]) -> str:
@@ -40,7 +123,8 @@ def _run(stage: str, prof: Profile, paths: StagePaths, **kwargs) -> dict:
     return run_stage(stage, prof, paths, log=logger.info, **kwargs)
 
 
-_CACHED = dict(cache_key_fn=_key_from_parameters, persist_result=True, cache_expiration=timedelta(days=90))
+_CACHED = dict(cache_policy=CacheKeyFnPolicy(cache_key_fn=_key_from_parameters).configure(key_storage=JSONResultKeys()),
+               persist_result=True, result_serializer=JSONResults(), cache_expiration=timedelta(days=90))
 
 
 # no Prefect retries: fetch_dataset retries transient hub errors itself (fetch.retries, fetch.retry_delay_s), the
@@ -93,7 +177,7 @@ STAGE_TASKS = {"fetch": fetch, "metadata": metadata, "vision": vision, "cache": 
                "eval": evaluate, "package": package}
 
 
-@task(name="register-and-promote", retries=2, retry_delay_seconds=5)
+@task(name="register-and-promote", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE, persist_result=False)
 def register_and_promote(tracker, prof: Profile, package_result: dict) -> dict:
     """Register the packaged model in MLflow; give it the deployment alias only if it passes the gate."""
     from .tracking import promote

@@ -13,15 +13,18 @@ import os
 import re
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dzmodel.config import Profile, StagePaths, flatten, profile_dict
 from dzmodel.pipeline import files_under
+from dzmodel.serve.bundles import MANIFEST, file_sha256
 
 TRAIN_SERIES = ("loss", "action_loss", "dynamics_loss", "lr", "grad_norm", "samples_per_s_per_gpu", "mfu",
                 "peak_mem_gib")
 MAX_ARTIFACT_MB = float(os.environ.get("DZ_MLFLOW_MAX_ARTIFACT_MB", "2048"))  # bigger files are logged by reference
+MANIFEST_SHA256_TAG = "bundle.manifest_sha256"  # on each model version: the sha256 of its bundle's MANIFEST
+BUNDLE_ROOTS_ENV = "DZ_BUNDLE_ROOTS"  # more folders (os.pathsep-separated) that registry references may point into
 
 
 def _files(path: Path) -> list[Path]:
@@ -41,12 +44,44 @@ def tracking_uri(prof: Profile, root: Path) -> str:
     return uri
 
 
+_SECRET_PARAM = re.compile(r"token|key|secret|passw|pwd|sig|credential|auth", re.IGNORECASE)
+
+
+def mask_uri(uri: str) -> str:
+    """`uri` fit for a log: the password of user:password@ (a lone user, often a token, entirely) and the values
+    of secret-looking query parameters become ***."""
+    scheme, sep, rest = uri.partition("://")
+    if sep:
+        end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+        authority, rest = rest[:end], rest[end:]
+        if "@" in authority:  # the last @: an unescaped one inside the password stays masked
+            userinfo, host = authority.rsplit("@", 1)
+            user, colon, _ = userinfo.partition(":")
+            authority = f"{user}:***@{host}" if colon else f"***@{host}"
+        uri = f"{scheme}://{authority}{rest}"
+    head, question, query = uri.partition("?")
+    if not question:
+        return uri
+    query, hash_, fragment = query.partition("#")
+    query = re.sub(r"(?<![^&])([^=&]+)=([^&]*)",
+                   lambda m: f"{m[1]}=***" if _SECRET_PARAM.search(m[1]) else m[0], query)
+    return f"{head}?{query}{hash_}{fragment}"
+
+
+def without_credentials(uri: str) -> str:
+    """`uri` without user:password@ and query, for a link shown in a UI."""
+    return re.sub(r"^([\w+.-]+://)[^/?#]*@", r"\1", uri).split("?", 1)[0].split("#", 1)[0]
+
+
 def experiment_name(prof: Profile, profile: str) -> str:
     return prof.tracking.experiment or f"dreamzero-{profile}"
 
 
 def _client(uri: str):
     from mlflow.tracking import MlflowClient
+
+    if mask_uri(uri) != uri:  # MLflow prints a link to every run it ends, built from the URI as it is
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
 
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
@@ -62,7 +97,7 @@ def _git_commit(root: Path) -> str | None:
 @dataclass
 class Tracker:
     """The parent run of one pipeline run, and helpers to log each stage into a nested run under it."""
-    uri: str
+    uri: str = field(repr=False)  # may hold credentials
     experiment_id: str
     run_id: str
     profile: str
@@ -270,10 +305,15 @@ class Tracker:
         # `dz serve models:/<name>@<alias>` deploys exactly what was promoted; past the artifact size limit, a
         # reference to the bundle directory (bundle/<name>/<name>.ref.json) stands in for it
         bundle = Path(package["bundle"])
+        if not (bundle / MANIFEST).is_file():
+            raise ValueError(f"{bundle}: no {MANIFEST}; not a bundle to register")
+        manifest_sha256 = file_sha256(bundle / MANIFEST)
         self.artifact(self.run_id, bundle, f"bundle/{bundle.name}")
         source = f"runs:/{self.run_id}/bundle/{bundle.name}"
         action = package.get("action_error") or {}
+        # the MANIFEST's digest pins every file of the bundle: `dz serve models:/...` checks it on each load
         tags = {"step": str(package["step"]), "package.version": package["version"],
+                MANIFEST_SHA256_TAG: manifest_sha256,
                 "package.tarball": package["tarball"], "profile": self.profile,
                 "success_rate": "" if package["success_rate"] is None else str(package["success_rate"]),
                 "action_error": "" if action.get("trained") is None else str(action["trained"]),
@@ -295,7 +335,7 @@ def promote(uri: str, registered_model: str, version: str | None, alias: str, mi
     if version is None:
         versions = client.search_model_versions(f"name='{registered_model}'")
         if not versions:
-            raise ValueError(f"registered model {registered_model!r} has no versions at {uri}")
+            raise ValueError(f"registered model {registered_model!r} has no versions at {mask_uri(uri)}")
         version = str(max(int(v.version) for v in versions))
     mv = client.get_model_version(registered_model, version)
     rate_text = mv.tags.get("success_rate", "")
@@ -341,9 +381,45 @@ def _registry_uri_for(name: str, params_file: Path) -> str:
     raise RegistryError(f"models:/{name}: no profile in {params_file} registers {name!r}; set MLFLOW_TRACKING_URI")
 
 
+def _bundle_roots(name: str, params_file: Path) -> list[Path]:
+    """Where a registered reference may point: the package stage's output folder of each profile of the project
+    that registers `name`, and the folders in DZ_BUNDLE_ROOTS."""
+    roots = [Path(p).expanduser().resolve() for p in os.environ.get(BUNDLE_ROOTS_ENV, "").split(os.pathsep) if p]
+    if params_file.is_file():
+        from dzmodel.config import load_params
+
+        project = params_file.parent.resolve()
+        roots += [StagePaths(project, profile).stage("package").resolve()
+                  for profile, prof in load_params(params_file).profiles.items()
+                  if prof.promote.registered_model == name]
+    return roots
+
+
+def _referenced_bundle(ref_file: Path, roots: list[Path]) -> Path:
+    """The bundle directory a `<name>.ref.json` names, only if it lies inside one of `roots`."""
+    try:
+        target = json.loads(ref_file.read_text())["path"]
+        if not isinstance(target, str):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise RegistryError(f'{ref_file}: not a bundle reference (expected {{"path": "/abs/bundle/dir"}})') from None
+    path = Path(target).resolve()  # symlinks and .. resolved before the check
+    if not Path(target).is_absolute() or not any(path != r and path.is_relative_to(r) for r in roots):
+        raise RegistryError(f"{ref_file}: points at {target!r} ({path}), outside the bundle roots "
+                            f"{[str(r) for r in roots]}; list a shared folder of bundles in {BUNDLE_ROOTS_ENV}")
+    if not (path / MANIFEST).is_file():
+        raise RegistryError(f"{ref_file}: {path} is not a bundle (no {MANIFEST})")
+    return path
+
+
 def resolve_registered_bundle(uri: str, params_file: str | Path = "params.yaml", cache_dir: Path | None = None) -> Path:
     """`models:/<name>@<alias>` or `models:/<name>/<version>` -> a local bundle directory (downloaded into the
-    bundle cache's registry/ folder, once per version), for `dz serve` to verify and serve."""
+    bundle cache's registry/ folder, once per version), for `dz serve` to verify and serve.
+
+    On every call, the bundle's MANIFEST must have the sha256 recorded at registration (so a cached download
+    or a referenced bundle changed since is refused; `load_package` then checks each file against MANIFEST).
+    The version's source must be a runs:/ path of the tracking store, and a reference (`*.ref.json`, for large
+    bundles) must point inside the package folder of a profile that registers the name, or DZ_BUNDLE_ROOTS."""
     import shutil
     import tempfile
 
@@ -355,13 +431,22 @@ def resolve_registered_bundle(uri: str, params_file: str | Path = "params.yaml",
     if m is None:
         raise RegistryError(f"{uri}: expected models:/<name>@<alias> or models:/<name>/<version>")
     name = m["name"]
-    registry = _registry_uri_for(name, Path(params_file))
+    params_file = Path(params_file)
+    registry = _registry_uri_for(name, params_file)
     client = _client(registry)
     try:
         mv = client.get_model_version_by_alias(name, m["alias"]) if m["alias"] else \
             client.get_model_version(name, m["version"])
     except MlflowException as exc:
-        raise RegistryError(f"{uri}: not found at {registry} ({exc.message.splitlines()[0]})") from None
+        raise RegistryError(f"{uri}: not found at {mask_uri(registry)} ({exc.message.splitlines()[0]})") from None
+    expected = mv.tags.get(MANIFEST_SHA256_TAG, "")
+    if not re.fullmatch(r"[0-9a-f]{64}", expected):
+        raise RegistryError(f"{uri}: version {mv.version} has no {MANIFEST_SHA256_TAG} tag, so nothing pins what it "
+                            "serves (registered before versions recorded it): re-run the pipeline to register it again")
+    source = mv.source or ""
+    if not re.fullmatch(r"runs:/[0-9a-f]{32}/\S+", source) or ".." in source.split("/"):
+        raise RegistryError(f"{uri}: version {mv.version}'s source {mask_uri(source)} is not a runs:/<run id>/<path> "
+                            "of this tracking store (what registration writes); refused")
     dest = (cache_dir or default_cache_dir()) / "registry" / name / str(mv.version)
     if not dest.is_dir():
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -369,16 +454,23 @@ def resolve_registered_bundle(uri: str, params_file: str | Path = "params.yaml",
         try:
             import mlflow
 
-            mlflow.artifacts.download_artifacts(artifact_uri=mv.source, tracking_uri=registry, dst_path=str(tmp))
+            mlflow.artifacts.download_artifacts(artifact_uri=source, tracking_uri=registry, dst_path=str(tmp))
             os.replace(tmp, dest)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    found = list(dest.rglob("MANIFEST")) or [Path(json.loads(r.read_text())["path"])
-                                                      for r in dest.rglob("*.ref.json")]
-    if not found:
-        raise RegistryError(f"{uri}: version {mv.version}'s source {mv.source} holds no bundle (no MANIFEST); "
-                            "it was registered before versions pointed at bundles: re-run the package stage")
-    bundle = found[0].parent if found[0].name == "MANIFEST" else found[0]
-    print(f"{uri} -> version {mv.version} ({mv.source})", flush=True)
+    manifests = sorted(dest.rglob(MANIFEST), key=lambda p: len(p.parts))
+    refs = sorted(dest.rglob("*.ref.json"))
+    if manifests:
+        bundle, where = manifests[0].parent, f"the copy downloaded into {dest} (delete it to download again)"
+    elif len(refs) == 1:
+        bundle, where = _referenced_bundle(refs[0], _bundle_roots(name, params_file)), "the referenced bundle"
+    else:
+        raise RegistryError(f"{uri}: version {mv.version}'s source {source} holds no bundle (no {MANIFEST}, or not "
+                            "exactly one reference): re-run the package stage")
+    digest = file_sha256(bundle / MANIFEST)
+    if digest != expected:
+        raise RegistryError(f"{bundle / MANIFEST}: sha256 {digest} does not match {expected}, registered for {uri} "
+                            f"(version {mv.version}): {where} was changed after registration; refused")
+    print(f"{uri} -> version {mv.version} ({source})", flush=True)
     return bundle

@@ -72,17 +72,17 @@ def test_train_config_is_filled_from_the_stage_paths(tmp_path):
      "profiles.demo.fetch.synth_episodes: expected an integer, got str 'two'"),
     (lambda r: r["profiles"]["demo"]["eval"].update(suite="kitchen"), "profiles.demo.eval.suite: must be one of"),
     (lambda r: r["profiles"]["demo"]["train"].update(steps=1.5), "profiles.demo.train.steps: expected an integer"),
-    (lambda r: r["profiles"]["demo"]["train"].update(lr=-1.0), "profiles.demo.train.lr and train.grad_clip must be > 0"),
+    (lambda r: r["profiles"]["demo"]["train"].update(lr=-1.0), "profiles.demo.train.lr: must be in (0, 1], got -1.0"),
     (lambda r: r["profiles"]["demo"]["train"].update(datasets=["x"]), "profiles.demo.train.datasets: set by the pipeline"),
     (lambda r: r["profiles"]["demo"]["train"].update(nproc_per_node=0), "profiles.demo.train.nproc_per_node: must be"),
     (lambda r: r["profiles"]["demo"]["train"].update(global_batch=3), "is not a multiple of micro_batch x world_size"),
     (lambda r: r["profiles"]["demo"]["package"]["robot"].pop("robot_ip"), "package.robot: missing field(s) ['robot_ip']"),
-    (lambda r: r["profiles"]["demo"]["promote"].update(min_success=1.5), "profiles.demo.promote.min_success: must be <= 1"),
+    (lambda r: r["profiles"]["demo"]["promote"].update(min_success=1.5), "profiles.demo.promote.min_success: must be in [0, 1], got 1.5"),
     (lambda r: r["profiles"]["demo"].pop("convert"), "profiles.demo.convert: missing (dvc.yaml's convert stage depends"),
     (lambda r: r["profiles"]["demo"]["train"].pop("seed"),
      "profiles.demo.train.seed: missing (dvc.yaml's vision stage depends on it; write it out, even as the default: 0)"),
     (lambda r: r["profiles"]["demo"]["train"].update(prompt_dropout=1.5),
-     "profiles.demo.train.prompt_dropout must be in [0, 1] (0: off), got 1.5"),
+     "profiles.demo.train.prompt_dropout: must be in [0, 1], got 1.5"),
     (lambda r: r["profiles"]["demo"]["train"].pop("heldout_episodes"),
      "profiles.demo.train.heldout_episodes: missing (dvc.yaml's metadata stage depends on it"),
     (lambda r: r.update(profile="nope"), "profile: 'nope' is not one of the profiles"),
@@ -145,7 +145,7 @@ def test_schema_checks_nested_types():
     with pytest.raises(SchemaError) as exc:
         build(Outer, {"inner": {"ratio": 1, "names": ["a", 2]}, "pair": [1], "maybe": True}, source="f.yaml")
     problems = exc.value.problems
-    assert "inner.ratio: must be < 1, got 1.0" in problems
+    assert "inner.ratio: must be in [0, 1), got 1.0" in problems
     assert "inner.names[1]: expected a string, got int 2" in problems
     assert "pair: expected a list of 2 values, got 1" in problems
     assert "maybe: expected an integer, got bool True" in problems

@@ -2,13 +2,22 @@
 
 `verify_files` (what training runs before its first step, cheap): every data parquet's footer opens (a truncated
 download fails here, not mid-run or never), every video file is a video container by its magic bytes, and a git-LFS
-pointer checked in instead of the video is named as such. `deep_check` (`dz data check --deep`) adds each video's
-header: its frame count and duration against what info.json and the episode table promise.
+pointer checked in instead of the video is named as such.
+
+`dz data check` opens the dataset (the reader checks the meta/info.json fields it parses: a hostile value is one
+DataError naming the file and field, `lerobot_format.info_problems`), then reports `dataset_problems`: the above,
+episode indices 0..N-1 as LeRobot numbers them, and no NaN or infinity in any float column (one line per file,
+episode and column). `deep_check` (`--deep`) adds the videos: every frame of every file is decoded with FFmpeg's
+strict error detection (damage in the middle of a stream stops the decode; the file and frame are named), the decoded
+frame count against the episode table, and the frame rate against info.json.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
 
 from .errors import DataError
 
@@ -60,11 +69,90 @@ def file_problems(reader) -> list[str]:
     return problems
 
 
+def episode_index_problems(reader) -> list[str]:
+    """LeRobot numbers a dataset's N episodes 0..N-1 (its own reader indexes the episode table by them)."""
+    count = len(reader.episodes)
+    outside = [ep.index for ep in reader.episodes if not 0 <= ep.index < count]
+    if not outside:
+        return []
+    more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
+    return [f"{reader.root}: episode index {outside[0]}{more} is outside 0..{count - 1}: LeRobot numbers the "
+            f"dataset's {count} episodes 0..{count - 1} in its episode table"]
+
+
+def _is_float_type(tp) -> bool:
+    """A float type, or a (nested) list of one."""
+    import pyarrow as pa
+
+    while pa.types.is_list(tp) or pa.types.is_large_list(tp) or pa.types.is_fixed_size_list(tp):
+        tp = tp.value_type
+    return pa.types.is_floating(tp)
+
+
+class FloatColumn(NamedTuple):
+    values: np.ndarray  # every value, float64 (a null reads as NaN)
+    rows: np.ndarray    # the row of each value (a row's values are contiguous)
+    nulls: np.ndarray   # which values are null
+    lists: bool         # rows are lists (vectors), not single numbers
+
+
+def _float_column(column) -> FloatColumn:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    rows, lists = np.arange(len(array)), False
+    while not pa.types.is_floating(array.type):
+        rows = rows[np.asarray(pc.list_parent_indices(array))]
+        array, lists = pc.list_flatten(array), True
+    values = np.asarray(array.to_numpy(zero_copy_only=False), dtype=np.float64)
+    return FloatColumn(values, rows, np.asarray(array.is_null(), dtype=bool), lists)
+
+
+def value_problems(reader) -> list[str]:
+    """One line per (data file, episode, float column) holding a NaN, an infinity or a null, with the first one."""
+    import pyarrow.parquet as pq
+
+    episode_of_file = {reader.data_file(ep.index): ep.index for ep in reader.episodes}  # one-episode (v2) files
+    problems = []
+    for path in reader.iter_data_files():
+        if not path.is_file() or _parquet_problem(path):
+            continue  # missing or unreadable: named by reader.check and file_problems
+        schema = pq.read_schema(path)
+        floats = [f.name for f in schema if _is_float_type(f.type)]
+        if not floats:
+            continue
+        table = pq.read_table(path, columns=[*floats, *(c for c in ("episode_index", "frame_index") if c in schema.names)])
+        episodes = (table["episode_index"].to_numpy() if "episode_index" in schema.names
+                    else np.full(table.num_rows, episode_of_file.get(path, -1)))
+        frames = table["frame_index"].to_numpy() if "frame_index" in schema.names else None
+        for name in floats:
+            col = _float_column(table[name])
+            bad = np.flatnonzero(~np.isfinite(col.values))
+            for episode in dict.fromkeys(episodes[col.rows[bad]].tolist()):
+                in_episode = bad[episodes[col.rows[bad]] == episode]
+                first = int(in_episode[0])
+                row = int(col.rows[first])
+                dim = first - int(np.searchsorted(col.rows, row))
+                value = "null" if col.nulls[first] else col.values[first]
+                where = f"frame {int(frames[row])}" if frames is not None else f"row {row}"
+                problems.append(f"{path}: episode {episode}, column {name!r}: {value} at {where}"
+                                f"{f' (dim {dim})' if col.lists else ''}; {len(in_episode)} non-finite value(s) in "
+                                "this episode")
+    return problems
+
+
+def dataset_problems(reader) -> list[str]:
+    """What `dz data check` reports: `file_problems`, episode indices outside 0..N-1, and NaN or infinity anywhere
+    in the data files' float columns."""
+    return file_problems(reader) + episode_index_problems(reader) + value_problems(reader)
+
+
 def raise_problems(reader, problems: list[str], shown: int | None = 10) -> None:
     """One DataError listing the problems (the first `shown`; None: all), or nothing when there are none."""
     if problems:
         more = f"\n  ... and {len(problems) - shown} more" if shown is not None and len(problems) > shown else ""
-        raise DataError(f"{reader.root}: {len(problems)} file(s) cannot be used:\n  "
+        raise DataError(f"{reader.root}: {len(problems)} problem(s) in its files:\n  "
                         + "\n  ".join(problems[:shown]) + more)
 
 
@@ -73,11 +161,21 @@ def verify_files(reader) -> None:
     raise_problems(reader, file_problems(reader))
 
 
-def deep_check(reader) -> list[str]:
-    """`file_problems` plus every video header against the episodes it should hold: enough frames and duration."""
-    from .video import video_info
+def _locate(frame: int, held: list, reader) -> str:
+    """'frame 26 (episode 1, frame 6)': a frame of a video file, and the episode frame it is."""
+    for ep, key in held:
+        start = round(reader.from_timestamp(ep.index, key) * float(reader.fps))
+        if start <= frame < start + ep.length:
+            return f"frame {frame} (episode {ep.index}, frame {frame - start})"
+    return f"frame {frame}"
 
-    problems = file_problems(reader)
+
+def deep_check(reader) -> list[str]:
+    """`dataset_problems` plus every video decoded frame by frame: the first frame that does not decode, fewer frames
+    than the episodes it holds need, a frame rate other than info.json's."""
+    from .video import scan_video, video_info
+
+    problems = dataset_problems(reader)
     bad = {p.split(":")[0] for p in problems}
     fps = float(reader.fps)
     for path, held in _video_files(reader):
@@ -88,12 +186,15 @@ def deep_check(reader) -> list[str]:
         except DataError as exc:
             problems.append(str(exc))
             continue
+        scan = scan_video(path)
+        if scan.error:
+            before = f" (frames 0..{scan.frames - 1} do)" if scan.frames else ""
+            problems.append(f"{path}: {_locate(scan.frames, held, reader)} does not decode{before}: {scan.error}")
+            continue
         end_s = max(reader.from_timestamp(ep.index, key) + ep.length / fps for ep, key in held)
         frames_needed = round(end_s * fps)
-        if info["num_frames"] and info["num_frames"] < frames_needed:
-            problems.append(f"{path}: {info['num_frames']} frames, the episode table needs {frames_needed}")
-        elif info["duration_s"] is not None and info["duration_s"] + 1.5 / fps < end_s:
-            problems.append(f"{path}: {info['duration_s']:.2f} s long, the episode table needs {end_s:.2f} s")
+        if scan.frames < frames_needed:
+            problems.append(f"{path}: {scan.frames} frames decode, the episode table needs {frames_needed}")
         if info["fps"] and abs(info["fps"] - fps) > 0.01 * fps:
             problems.append(f"{path}: {info['fps']:g} fps, info.json says {fps:g}")
     return problems

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from dzmodel.atomic import atomic_write_text
 from dzmodel.dirlock import directory_lock
+from dzmodel.outputs import check_output_dir
 from dzmodel.data.errors import DataError
 
 MARKER_SUFFIX = ".dz_fetch.json"
@@ -216,6 +217,7 @@ def fetch_dataset(
     if kind == "local" and dest.resolve() == Path(resolved):
         raise DataError(f"dest_root: {dest} is the source directory itself")
 
+    check_output_dir(dest, flag="dest", overwrite=True)  # a file in the way; foreign directories: the fetch marker
     dest_root.mkdir(parents=True, exist_ok=True)
     with directory_lock(dest_root):
         if dest.exists():

@@ -181,6 +181,40 @@ def _column_to_numpy(col, where: str) -> np.ndarray:
     raise DataError(f"{where}: unsupported column type {t} for a numeric read")
 
 
+MAX_FPS = 1000
+
+
+def _is_int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def info_problems(info: Any) -> list[str]:
+    """The meta/info.json fields the reader parses, each of the type and range it needs ("field: ...")."""
+    if not isinstance(info, dict):
+        return [f"must hold a JSON object, got {type(info).__name__}"]
+    problems = []
+    fps = info.get("fps")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= MAX_FPS:
+        problems.append(f"fps: must be a number in (0, {MAX_FPS}], got {fps!r:.60}")
+    for key in ("data_path", "video_path"):
+        if key in info and not isinstance(info[key], str) and not (key == "video_path" and info[key] is None):
+            problems.append(f"{key}: must be a path template string, got {info[key]!r:.60}")
+    for key, minimum in (("chunks_size", 1), ("total_episodes", 0), ("total_frames", 0)):
+        if info.get(key) is not None and not _is_int(info[key], minimum):
+            problems.append(f"{key}: must be an integer >= {minimum}, got {info[key]!r:.60}")
+    features = info.get("features")
+    if not isinstance(features, dict):
+        return problems + [f"features: must be an object of features, got {type(features).__name__}"]
+    for key, feature in features.items():
+        if not isinstance(feature, dict) or not isinstance(feature.get("dtype"), str):
+            problems.append(f"features.{key}: must be an object with a string 'dtype', got {feature!r:.60}")
+            continue
+        shape = feature.get("shape")  # LeRobot's own reader needs one on every feature
+        if not (isinstance(shape, list) and all(_is_int(n, 0) for n in shape)):
+            problems.append(f"features.{key}.shape: must be a list of integers >= 0, got {shape!r:.60}")
+    return problems
+
+
 class LeRobotReader:
     """Reads one LeRobot dataset directory. Open with ``open_dataset(root)``.
 
@@ -207,6 +241,10 @@ class LeRobotReader:
         for field in ("fps", "features", "data_path"):
             if field not in info:
                 raise DataError(f"{info_path}: field {field!r} is missing")
+        problems = info_problems(info)
+        if problems:
+            raise DataError(f"{info_path}: {problems[0]}" if len(problems) == 1 else
+                            f"{info_path}: {len(problems)} problems:\n  " + "\n  ".join(problems))
         try:
             self.fps = float(info["fps"])
         except (TypeError, ValueError) as e:

@@ -50,6 +50,9 @@ Held-out episodes. ``heldout_episodes=N`` leaves out the last N episodes by inde
 held-out evaluation use, ``dzmodel.data.dataset.heldout_split``): the statistics come from the training episodes
 only, and the entry says which (``statistics_episodes``: how many were used; ``heldout_episodes``: the indices).
 
+Every number must be finite: a NaN or infinity in a state or action column is a DataError naming the file, episode,
+column and frame, and so are statistics that overflow float64; metadata.json is strict JSON (no NaN, no Infinity).
+
 Nothing is ever written inside the dataset directory: an ``out_path`` there is a DataError.
 """
 
@@ -148,6 +151,15 @@ class _Stats:
             return
         if self.mean is not None and x.shape[1] != self.dim:
             raise DataError(f"key {self.name!r}: width changed from {self.dim} to {x.shape[1]}")
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by name in `result`
+            self._update_moments(x, n_b)
+        if self.buffer is not None:
+            if self.n <= self.exact_threshold:
+                self.buffer.append(x.copy())
+            else:
+                self.buffer = None  # too many rows: quantiles from a histogram in pass 2
+
+    def _update_moments(self, x: np.ndarray, n_b: int) -> None:
         mean_b = x.mean(axis=0)
         m2_b = ((x - mean_b) ** 2).sum(axis=0)
         if self.mean is None:
@@ -161,11 +173,6 @@ class _Stats:
             self.n = n
             self.min = np.minimum(self.min, x.min(axis=0))
             self.max = np.maximum(self.max, x.max(axis=0))
-        if self.buffer is not None:
-            if self.n <= self.exact_threshold:
-                self.buffer.append(x.copy())
-            else:
-                self.buffer = None  # too many rows: quantiles from a histogram in pass 2
 
     @property
     def needs_pass2(self) -> bool:
@@ -213,6 +220,15 @@ class _Stats:
     def result(self) -> dict[str, list[float]]:
         if self.n == 0:
             raise DataError(f"key {self.name!r}: no rows to compute statistics from")
+        out = self._result()
+        overflowed = [name for name, values in out.items() if not all(map(math.isfinite, values))]
+        if overflowed:
+            largest = max(abs(float(self.min.min())), abs(float(self.max.max())))
+            raise DataError(f"{self.name}: the statistics overflow float64 ({', '.join(overflowed)}); the data holds "
+                            f"values as large as {largest:.3g}")
+        return out
+
+    def _result(self) -> dict[str, list[float]]:
         out = {
             "min": self.min,
             "max": self.max,
@@ -236,13 +252,34 @@ class _Stats:
 
 
 def _load_info(root: Path) -> dict:
+    """meta/info.json, with `features` a mapping of feature mappings (what the statistics read from it)."""
     path = root / "meta" / "info.json"
     if not path.is_file():
         raise DataError(f"{path}: not found (is {root} a LeRobot v3.0 dataset?)")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        info = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(info, dict):
+        raise DataError(f"{path}: must hold a JSON object, got {type(info).__name__}")
+    features = info.get("features", {})
+    if not isinstance(features, dict):
+        raise DataError(f"{path}: features: must be an object of features, got {type(features).__name__}")
+    for key, feature in features.items():
+        if not isinstance(feature, dict):
+            raise DataError(f"{path}: features.{key}: must be an object (dtype, shape, ...), got {feature!r:.60}")
+    info["_path"] = str(path)  # for messages; never written out
+    return info
+
+
+def _feature_shape(info: dict, column: str) -> list[int] | None:
+    """features.<column>.shape as positive integers (None when it is absent)."""
+    shape = info["features"].get(column, {}).get("shape")
+    if shape is None:
+        return None
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
+        raise DataError(f"{info['_path']}: features.{column}.shape: must be a list of positive integers, got {shape!r:.60}")
+    return shape
 
 
 def _data_files(root: Path) -> list[Path]:
@@ -252,8 +289,9 @@ def _data_files(root: Path) -> list[Path]:
     return files
 
 
-def _column_to_2d(arr, path: Path, column: str, row0: int) -> np.ndarray:
-    """A pyarrow array (numeric, list or fixed-size list of numbers) -> float64 [n, w]."""
+def _column_to_2d(arr, path: Path, column: str, row0: int, episodes: np.ndarray, frames: np.ndarray | None) -> np.ndarray:
+    """A pyarrow array (numeric, list or fixed-size list of numbers) -> float64 [n, w]; a NaN or infinity is a
+    DataError naming the file, episode, column and frame (`episodes`, `frames`: the batch's rows)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -279,11 +317,13 @@ def _column_to_2d(arr, path: Path, column: str, row0: int) -> np.ndarray:
         out = np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.float64).reshape(n, 1)
     else:
         raise DataError(f"{path}: column {column!r} has type {t}, not numeric or a list of numbers")
-    nan_rows = np.flatnonzero(np.isnan(out).any(axis=1))
-    if nan_rows.size:
-        r = int(nan_rows[0])
-        dims = np.flatnonzero(np.isnan(out[r])).tolist()
-        raise DataError(f"{path}: column {column!r} row {row0 + r} is NaN (dims {dims})")
+    bad = ~np.isfinite(out)
+    if bad.any():
+        r, dim = (int(i) for i in np.argwhere(bad)[0])
+        frame = int(frames[r]) if frames is not None else f"row {row0 + r}"
+        count = int(bad[episodes == episodes[r]].sum())
+        raise DataError(f"{path}: episode {int(episodes[r])}, column {column!r}: {out[r, dim]} at frame {frame} "
+                        f"(dim {dim}); {count} non-finite value(s) in this episode (states and actions must be finite)")
     return out
 
 
@@ -343,12 +383,12 @@ def _iter_batches(
                     break
                 row0 += n
                 continue
-            cols = {c: _column_to_2d(batch.column(c), path, c, row0) for c in columns}
             fi = (
                 np.asarray(batch.column("frame_index").to_numpy(zero_copy_only=False), dtype=np.int64)
                 if "frame_index" in want
                 else None
             )
+            cols = {c: _column_to_2d(batch.column(c), path, c, row0, ep, fi) for c in columns}
             if keep is not None and not keep.all():
                 cols = {c: v[keep] for c, v in cols.items()}
                 ep = ep[keep]
@@ -409,7 +449,7 @@ def _relative_samples(state: np.ndarray, action: np.ndarray, horizon: int) -> It
 
 
 def _video_modalities(info: dict, video_keys: Mapping[str, str] | None) -> dict:
-    feats = info.get("features", {})
+    feats, where = info["features"], info["_path"]
     if video_keys is None:
         cols = [k for k, f in feats.items() if f.get("dtype") == "video"]
         video_keys = {c.split(".")[-1]: c for c in cols}
@@ -417,28 +457,41 @@ def _video_modalities(info: dict, video_keys: Mapping[str, str] | None) -> dict:
     for short, col in video_keys.items():
         ft = feats.get(col)
         if ft is None or ft.get("dtype") not in ("video", "image"):
-            raise DataError(f"meta/info.json: video key {short!r} -> feature {col!r} is not a video/image feature")
-        shape = list(ft.get("shape", []))
+            raise DataError(f"{where}: video key {short!r} -> feature {col!r} is not a video/image feature")
+        shape = _feature_shape(info, col) or []
         names = ft.get("names") or ["height", "width", "channels"]
         if len(shape) != 3:
-            raise DataError(f"meta/info.json: feature {col!r} shape {shape} is not [H, W, C]")
-        dims = dict(zip(names, shape))
-        h = dims.get("height", shape[0])
-        w = dims.get("width", shape[1])
-        c = dims.get("channels", shape[2])
-        vinfo = ft.get("info") or {}
-        fps = float(vinfo.get("video.fps", info.get("fps")))
-        out[short] = {"resolution": [int(h), int(w)], "channels": int(c), "fps": fps}
+            raise DataError(f"{where}: features.{col}.shape: {shape} is not [H, W, C]")
+        dims = dict(zip(names, shape)) if isinstance(names, list) and all(isinstance(n, str) for n in names) else {}
+        h, w, c = (dims.get(n, shape[i]) for i, n in enumerate(("height", "width", "channels")))
+        vinfo = ft.get("info") if isinstance(ft.get("info"), dict) else {}
+        fps = vinfo.get("video.fps", info.get("fps"))
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= 1000:
+            raise DataError(f"{where}: features.{col}: its fps (info.video.fps, else fps) must be a number in (0, 1000], "
+                            f"got {fps!r}")
+        out[short] = {"resolution": [int(h), int(w)], "channels": int(c), "fps": float(fps)}
     return out
 
 
+def _nonfinite_field(value, path: str) -> str | None:
+    """The dotted path of the first NaN or infinity inside decoded JSON (None: there is none)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{path} is {value}"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _nonfinite_field(item, f"{path}[{key}]" if isinstance(value, list) else f"{path}.{key}".lstrip("."))
+        if found:
+            return found
+    return None
+
+
 def _check_declared_width(info: dict, spec: KeySpec, name: str, sl: slice) -> None:
-    ft = info.get("features", {}).get(spec.column)
-    if ft and ft.get("shape"):
-        declared = int(np.prod(ft["shape"]))
+    shape = _feature_shape(info, spec.column)
+    if shape:
+        declared = int(np.prod(shape))
         if sl.stop > declared:
             raise DataError(
-                f"key {name!r}: slice [{sl.start}:{sl.stop}] exceeds column {spec.column!r} shape {ft['shape']} in meta/info.json"
+                f"key {name!r}: slice [{sl.start}:{sl.stop}] exceeds column {spec.column!r} shape {shape} in meta/info.json"
             )
 
 
@@ -574,26 +627,29 @@ def compute_metadata(
         grouper = _EpisodeGrouper() if want_rel else None
         rows = 0
         total = None if max_episodes else info.get("total_frames")
+        total = total if isinstance(total, int) and not isinstance(total, bool) and total >= 0 else None
         bar = Progress(total, desc="statistics" + (" (quantiles)" if hist else ""), unit="row",
                        enabled=progress)
-        for path, ep, fi, cols in _iter_batches(files, columns, batch_rows, max_episodes, heldout):
-            rows += len(ep)
-            used_episodes.update(np.unique(ep).tolist())
-            bar.update(n=len(ep))
-            for g in specs:
-                for k in specs[g]:
-                    st = stats[g][k]
-                    if not hist:
-                        st.update(extract(g, k, cols))
-                    elif st.needs_pass2:
-                        st.update_hist(extract(g, k, cols))
+        try:  # closed on an error too, so the error starts on its own line
+            for path, ep, fi, cols in _iter_batches(files, columns, batch_rows, max_episodes, heldout):
+                rows += len(ep)
+                used_episodes.update(np.unique(ep).tolist())
+                bar.update(n=len(ep))
+                for g in specs:
+                    for k in specs[g]:
+                        st = stats[g][k]
+                        if not hist:
+                            st.update(extract(g, k, cols))
+                        elif st.needs_pass2:
+                            st.update_hist(extract(g, k, cols))
+                if grouper is not None:
+                    for ep_cols in grouper.feed(path, ep, fi, cols):
+                        feed_rel(ep_cols, hist)
             if grouper is not None:
-                for ep_cols in grouper.feed(path, ep, fi, cols):
+                for ep_cols in grouper.close():
                     feed_rel(ep_cols, hist)
-        if grouper is not None:
-            for ep_cols in grouper.close():
-                feed_rel(ep_cols, hist)
-        bar.close()
+        finally:
+            bar.close()
         return rows
 
     if run_pass(hist=False) == 0:
@@ -613,12 +669,15 @@ def compute_metadata(
             for k in specs[group]
         }
 
-    statistics = {
-        "state": {k: s.result() for k, s in stats["state"].items()},
-        "action": {k: s.result() for k, s in stats["action"].items()},
-    }
+    def results(group: dict[str, _Stats]) -> dict:
+        try:
+            return {k: s.result() for k, s in group.items()}
+        except DataError as e:  # name the dataset the statistics come from
+            raise DataError(f"{root}: {e}") from None
+
+    statistics = {"state": results(stats["state"]), "action": results(stats["action"])}
     if rel:
-        statistics["relative_action"] = {k: s.result() for k, s in rel.items()}
+        statistics["relative_action"] = results(rel)
     entry = {
         "statistics": statistics,
         "modalities": {
@@ -639,7 +698,10 @@ def compute_metadata(
                 raise DataError(f"{out}: existing metadata is not valid JSON ({e}); cannot merge") from e
             if not isinstance(existing, dict):
                 raise DataError(f"{out}: existing metadata is not a JSON object; cannot merge")
+            bad = _nonfinite_field(existing, "")
+            if bad:
+                raise DataError(f"{out}: {bad}; metadata must hold finite numbers (fix or remove it), cannot merge")
             existing[embodiment_tag] = entry
             doc = existing
-        atomic_write_text(out, json.dumps(doc, indent=2) + "\n")
+        atomic_write_text(out, json.dumps(doc, indent=2, allow_nan=False) + "\n")
     return doc

@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from dzmodel.atomic import replace_dir
+from dzmodel.outputs import check_output_dir, mark
 from dzmodel.data.errors import DataError
 from dzmodel.data.lerobot_writer import CODECS, LeRobotV3Writer, VectorFeature
 
@@ -352,7 +353,8 @@ def make_synthetic_dataset(
         raise DataError(f"motion: must be one of {list(MOTIONS)}, got {motion!r}")
     if embodiment not in EMBODIMENTS:
         raise DataError(f"embodiment: must be one of {list(EMBODIMENTS)}, got {embodiment!r}")
-    if out_dir.exists() and not overwrite:
+    check_output_dir(out_dir, flag="out_dir", overwrite=overwrite)  # a file, or a directory dz did not write
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise DataError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -360,6 +362,7 @@ def make_synthetic_dataset(
     try:
         _write_dataset(tmp, num_episodes, episode_length, image_size, fps, codec, seed, chunks_size, crf, motion,
                        embodiment)
+        mark(tmp, "data synth")
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -25,6 +25,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
@@ -284,6 +285,66 @@ def video_info(path: str | os.PathLike) -> dict:
             }
     except Exception as e:
         raise DataError(f"{path}: cannot read video header: {type(e).__name__}: {e}") from e
+
+
+# --------------------------------------------------------------------------------------------
+# decoding every frame (`dz data check --deep`)
+
+# FFmpeg's strictest decoding: an error the decoder would conceal is raised instead (err_detect=explode: H.264 and
+# most decoders), and dav1d checks every AV1 bitstream rule (strict), so bytes damaged mid-stream stop the decode.
+STRICT_DECODE = {"err_detect": "explode", "strict": "strict"}
+
+
+@dataclass(frozen=True)
+class VideoScan:
+    """What decoding every frame of a video found."""
+
+    frames: int               # frames decoded, in presentation order: with an error, frame `frames` is the first lost
+    error: str | None = None  # why decoding stopped (None: every frame decoded)
+
+
+def scan_video(path: str | os.PathLike) -> VideoScan:
+    """Decode every frame of the first video stream with FFmpeg's strict error detection (PyAV; OpenCV, which
+    cannot be made strict, where PyAV is missing). A damaged stream that still decodes without a decoder error is
+    not found: an mp4 holds no checksums, so nothing but the original bytes could tell."""
+    path = Path(path)
+    if not _module_available("av") and _module_available("cv2"):
+        return _scan_video_opencv(path)
+    av = _import_av()
+    import av.logging
+
+    decoded = 0
+    with av.logging.Capture() as logs:  # FFmpeg's complaints go into the message, not onto the terminal
+        try:
+            with av.open(str(path)) as container:
+                if not container.streams.video:
+                    return VideoScan(0, "no video stream")
+                stream = container.streams.video[0]
+                stream.codec_context.options = dict(STRICT_DECODE)
+                for packet in container.demux(stream):
+                    decoded += len(packet.decode())
+        except Exception as e:  # FFmpeg errors of any kind: the decode stopped here
+            said = next((m for level, _, m in logs if level <= av.logging.ERROR), None)
+            reason = f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}" + (f" ({said.strip()})" if said else "")
+            return VideoScan(decoded, reason)
+    return VideoScan(decoded)
+
+
+def _scan_video_opencv(path: Path) -> VideoScan:
+    import cv2
+
+    cap = cv2.VideoCapture(str(path))
+    try:
+        if not cap.isOpened():
+            return VideoScan(0, "OpenCV cannot open it")
+        expected, decoded = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), 0
+        while cap.read()[0]:
+            decoded += 1
+    finally:
+        cap.release()
+    if decoded < expected:
+        return VideoScan(decoded, f"OpenCV read {decoded} of the {expected} frames its header counts")
+    return VideoScan(decoded)
 
 
 # --------------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import replace_dir
+from ..outputs import check_output_dir, mark
 from ..data.errors import DataError
 from ..data.lerobot_writer import LeRobotV3Writer, VectorFeature
 from ..progress import Progress
@@ -293,8 +294,8 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
     from .libero_env import (EnvWorkerPool, EpisodeInit, WorkerCrashed, check_libero, env_action,
                              ensure_libero_config, get_suite)
 
-    out = Path(out).expanduser()
-    if out.exists() and not overwrite:
+    out = check_output_dir(Path(out).expanduser(), overwrite=overwrite)  # a file, or a directory dz did not write
+    if out.exists() and any(out.iterdir()) and not overwrite:
         raise DataError(f"--out: {out} already exists (pass --overwrite to replace it)")
     ensure_libero_config()
     check_libero()
@@ -537,6 +538,7 @@ def _publish(tmp: Path, out: Path) -> None:
         os.chmod(d, 0o755)
     for f in (p for p in tmp.rglob("*") if p.is_file()):
         os.chmod(f, 0o644)
+    mark(tmp, "data record")
     replace_dir(tmp, out)
 
 

@@ -8,6 +8,16 @@ arrives: a plain file or directory under one top-level folder, within the size c
 the same size and, once written, the same sha256. Extraction goes to a temporary directory inside the cache;
 a refused tarball leaves nothing behind, and a cached directory that no longer verifies is replaced by a
 fresh extraction rather than blocking the good tarball.
+
+Checksums catch accidents, not someone who rewrites files and MANIFEST together. For that, a bundle may carry
+MANIFEST.sig, a detached ed25519 signature over the MANIFEST bytes by the lab's key; a loader given the public
+key (`dz serve --trust`, or DZ_TRUST_KEY) refuses a bundle without a valid one. Keys are the usual files:
+
+    openssl genpkey -algorithm ed25519 -out lab.key        # private, stays with whoever releases bundles
+    openssl pkey -in lab.key -pubout -out lab.pub          # public, goes to every robot PC
+
+(an unencrypted OpenSSH ed25519 key pair, `ssh-keygen -t ed25519 -N ""`, works too). The signature is the raw
+64 bytes, so `openssl pkeyutl -verify -pubin -inkey lab.pub -rawin -in MANIFEST -sigfile MANIFEST.sig` checks it.
 """
 
 from __future__ import annotations
@@ -21,7 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 MANIFEST = "MANIFEST"
+SIGNATURE = "MANIFEST.sig"      # optional: ed25519 signature over the MANIFEST bytes, not listed in MANIFEST
+TRUST_ENV = "DZ_TRUST_KEY"      # a public key file: when set, every bundle load needs a valid SIGNATURE by it
 COMPLETE = ".complete"          # written last: a cache entry without it is an interrupted extraction
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_SIGNATURE_BYTES = 1024
 
 
 class BundleError(ValueError):
@@ -99,7 +113,10 @@ def _extract_verified(tarball: Path, dest: Path, limits: ExtractLimits) -> Path:
                 if not m.isfile():
                     raise BundleError(f"{tarball}: member {m.name!r} is a link or device; refused")
                 rel = PurePosixPath(*path.parts[1:]).as_posix()
-                if manifest is not None:
+                if rel == SIGNATURE:
+                    if m.size > MAX_SIGNATURE_BYTES:
+                        raise BundleError(f"{tarball}: {SIGNATURE} has {m.size} bytes; a signature has 64")
+                elif manifest is not None:
                     if rel not in manifest:
                         raise BundleError(f"{tarball}: {rel} is not listed in {MANIFEST} (an added file)")
                     if manifest[rel][1] != m.size:
@@ -107,7 +124,7 @@ def _extract_verified(tarball: Path, dest: Path, limits: ExtractLimits) -> Path:
                 if m.size > limits.max_member_bytes or total + m.size > budget:
                     raise BundleError(f"{tarball}: member {m.name!r} ({m.size} bytes) exceeds the extraction cap "
                                       f"({budget} bytes in all, {limits.max_member_bytes} per file); refused")
-                if rel in written or (rel == MANIFEST and target.exists()):
+                if rel in written or (rel in (MANIFEST, SIGNATURE) and target.exists()):
                     raise BundleError(f"{tarball}: {rel} appears twice")
                 total += m.size
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -122,8 +139,8 @@ def _extract_verified(tarball: Path, dest: Path, limits: ExtractLimits) -> Path:
                     # members written before MANIFEST are checked against it now, the rest as they come
                     if sum(size for _, size in manifest.values()) > budget:
                         raise BundleError(f"{tarball}: {MANIFEST} lists more than the extraction cap ({budget} bytes)")
-                    budget = min(budget, total + sum(size for _, size in manifest.values()))
-                else:
+                    budget = min(budget, total + sum(size for _, size in manifest.values()) + MAX_SIGNATURE_BYTES)
+                elif rel != SIGNATURE:
                     written[rel] = (h.hexdigest(), m.size)
         except (tarfile.TarError, EOFError, OSError) as exc:
             raise BundleError(f"{tarball}: corrupt or truncated tarball ({exc})") from None
@@ -146,7 +163,8 @@ def cached_bundle(tarball: str | Path, cache_dir: str | Path | None = None,
     """The bundle directory of `tarball` in the cache, extracting and verifying it if needed.
 
     Returns (bundle directory, fresh): fresh is True when it was extracted (and verified) just now; a cached
-    directory is for the caller to verify (`verify_package`) and to drop with `evict` if it fails."""
+    directory is for the caller to verify, against the tarball's own MANIFEST (`tarball_manifest`), since anyone
+    who can write the cache can rewrite its files and MANIFEST together; drop it with `evict` if it fails."""
     tarball = Path(tarball)
     if not tarball.is_file():
         raise BundleError(f"{tarball}: no such bundle tarball")
@@ -175,3 +193,95 @@ def evict(entry: Path) -> None:
         trash = Path(tempfile.mkdtemp(prefix=f".{entry.name[:16]}.old-", dir=entry.parent))
         os.replace(entry, trash / "old")
         shutil.rmtree(trash, ignore_errors=True)
+
+
+def tarball_manifest(tarball: str | Path) -> bytes:
+    """The MANIFEST inside a tarball, read without extracting anything else (`dz package` writes it first)."""
+    tarball = Path(tarball)
+    try:
+        with tarfile.open(tarball, "r|gz") as tar:
+            for m in tar:
+                parts = PurePosixPath(m.name).parts
+                if len(parts) == 2 and parts[1] == MANIFEST and m.isfile():
+                    if m.size > MAX_MANIFEST_BYTES:
+                        raise BundleError(f"{tarball}: {MANIFEST} has {m.size} bytes; refused")
+                    return tar.extractfile(m).read()
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise BundleError(f"{tarball}: corrupt or truncated tarball ({exc})") from None
+    raise BundleError(f"{tarball}: no {MANIFEST} (not a dz package)")
+
+
+# --- signatures -----------------------------------------------------------------------------------
+
+
+def _read_key_file(path: Path, kind: str) -> bytes:
+    if not path.is_file():
+        raise BundleError(f"{path}: {kind} key file not found")
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        raise BundleError(f"{path}: bundle signatures need the cryptography package (the serve extra)") from None
+    return path.read_bytes()
+
+
+def load_signing_key(path: str | Path):
+    """An unencrypted ed25519 private key: PEM (`openssl genpkey -algorithm ed25519`) or OpenSSH."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    path = Path(path)
+    data = _read_key_file(path, "private")
+    try:
+        if b"-----BEGIN OPENSSH PRIVATE KEY-----" in data:
+            key = serialization.load_ssh_private_key(data, password=None)
+        else:
+            key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise BundleError(f"{path}: not an ed25519 private key in PEM or OpenSSH form, or it is encrypted ({exc}); "
+                          "make one with `openssl genpkey -algorithm ed25519 -out lab.key`") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise BundleError(f"{path}: not an ed25519 private key (a {type(key).__name__})")
+    return key
+
+
+def load_trusted_key(path: str | Path):
+    """An ed25519 public key: PEM (`openssl pkey -in lab.key -pubout`) or an OpenSSH `ssh-ed25519 ...` line."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    path = Path(path)
+    data = _read_key_file(path, "public")
+    try:
+        if data.lstrip().startswith(b"ssh-"):
+            key = serialization.load_ssh_public_key(data.strip())
+        else:
+            key = serialization.load_pem_public_key(data)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise BundleError(f"{path}: not an ed25519 public key in PEM or OpenSSH form ({exc}); "
+                          "make it with `openssl pkey -in lab.key -pubout -out lab.pub`") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise BundleError(f"{path}: not an ed25519 public key (a {type(key).__name__})")
+    return key
+
+
+def sign_manifest(manifest: bytes, key) -> bytes:
+    """The detached signature (raw 64 bytes) of a MANIFEST's exact bytes."""
+    return key.sign(manifest)
+
+
+def check_signature(root: Path, manifest: bytes, trusted_key_file: str | Path) -> None:
+    """Raise BundleError unless root/MANIFEST.sig is a valid signature of `manifest` by the trusted key."""
+    from cryptography.exceptions import InvalidSignature
+
+    key = load_trusted_key(trusted_key_file)
+    sig = root / SIGNATURE
+    if not sig.is_file():
+        raise BundleError(f"{sig}: missing: the bundle is not signed, and bundles must be signed by the key "
+                          f"{trusted_key_file} (--trust or {TRUST_ENV})")
+    try:
+        key.verify(sig.read_bytes()[:MAX_SIGNATURE_BYTES + 1], manifest)
+    except (InvalidSignature, ValueError):
+        raise BundleError(f"{sig}: not a valid signature of {root / MANIFEST} by {trusted_key_file}: the bundle "
+                          "was changed after it was signed, or another key signed it") from None

@@ -10,17 +10,21 @@
         eval/             the evaluation results that justified the release
         MODEL_CARD.md
         MANIFEST          "sha256  size  path" of every other file
+        MANIFEST.sig      with `--sign KEY`: the lab's ed25519 signature over MANIFEST (`bundles.py`)
     <out>/<name>-<version>.tar.gz
 
 Both are built in a temporary place and renamed. Loading verifies every file against MANIFEST and refuses a
 missing, extra or modified file; a tarball is verified while it is extracted into the bundle cache, never
-beside itself (`bundles.py`).
+beside itself, and its cached copy again on every later load (`bundles.py`). Given a trusted public key
+(`trust`, or DZ_TRUST_KEY), loading also refuses a bundle whose MANIFEST.sig is missing or not by that key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
+import logging
 import math
 import os
 import shutil
@@ -29,8 +33,12 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_write_text
-from .bundles import MANIFEST, BundleError, cached_bundle, evict, file_sha256, parse_manifest
+from ..atomic import atomic_write_text, temp_sibling
+from ..outputs import OWNER_MARKER, claim_dir
+from .bundles import (MANIFEST, SIGNATURE, TRUST_ENV, BundleError, cached_bundle, check_signature, evict, file_sha256,
+                      load_signing_key, parse_manifest, sign_manifest, tarball_manifest)
+
+log = logging.getLogger(__name__)
 
 EVAL_FILES = ("results.csv", "episodes.csv", "summary.json", "success_vs_step.png")
 
@@ -114,7 +122,8 @@ class RobotConfig:
 
 
 def _manifest_lines(root: Path) -> list[str]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+    files = sorted(p for p in root.rglob("*")
+                   if p.is_file() and p.relative_to(root).as_posix() not in (MANIFEST, SIGNATURE))
     return [f"{file_sha256(p)}  {p.stat().st_size}  {p.relative_to(root).as_posix()}" for p in files]
 
 
@@ -145,8 +154,10 @@ def _model_card(name: str, version: str, train: dict, emb: dict, robot: RobotCon
 
 
 def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig, version: str,
-                  eval_dir: str | Path | None = None, name: str | None = None) -> tuple[Path, Path]:
-    """Bundle directory and tarball from a converted model directory (`dz convert`)."""
+                  eval_dir: str | Path | None = None, name: str | None = None,
+                  overwrite: bool = False, sign_key: str | Path | None = None) -> tuple[Path, Path]:
+    """Bundle directory and tarball from a converted model directory (`dz convert`); sign_key: an ed25519
+    private key file that signs the MANIFEST (MANIFEST.sig)."""
     import csv
 
     from ..eval.policy import model_embodiment, read_train_config
@@ -157,18 +168,19 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
         raise PackageError(f"{model_dir}: not a converted model directory (no config.json); run `dz convert` first")
     if not version or any(c in version for c in "/\\ ") or version.startswith("."):
         raise PackageError(f"version must be a plain string like 1.0.0, got {version!r}")
+    key = _signing_key(sign_key) if sign_key is not None else None  # a bad key fails before any work
     cfg, step = read_train_config(model_dir)
     emb = model_embodiment(model_dir, cfg)
     name = name or f"dreamzero-{emb.tag}"
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_dir(out, "package", overwrite=overwrite)  # a releases folder of dz's own (or empty, or --overwrite)
     final, tarball = out / f"{name}-{version}", out / f"{name}-{version}.tar.gz"
     if final.exists() or tarball.exists():
         raise PackageError(f"{final} already exists: versions are immutable, pick a new --version")
     tmp = out / f".{name}-{version}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        shutil.copytree(model_dir, tmp / "model")
+        shutil.copytree(model_dir, tmp / "model", ignore=shutil.ignore_patterns(OWNER_MARKER))
         if not (tmp / "model" / "encoders").is_dir():
             save_encoders(frozen_encoders(cfg), tmp / "model" / "encoders")
         shutil.copyfile(model_dir / "config.json", tmp / "config.json")
@@ -196,6 +208,8 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
         atomic_write_text(tmp / "MODEL_CARD.md", _model_card(name, version, {**cfg.to_dict(), "step": step},
                                                              emb_json, robot, rows))
         atomic_write_text(tmp / MANIFEST, "\n".join(_manifest_lines(tmp)) + "\n")
+        if key is not None:
+            sign_bundle(tmp, key)
         tar_tmp = out / f".{name}-{version}.tar.gz.tmp"
         with tarfile.open(tar_tmp, "w:gz") as tar:
             # MANIFEST first, so that loading checks every later member against it as it is extracted
@@ -213,6 +227,33 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
     return final, tarball
 
 
+# --- signing ------------------------------------------------------------------------------------
+
+
+def _signing_key(path: str | Path):
+    try:
+        return load_signing_key(path)
+    except BundleError as exc:
+        raise PackageError(str(exc)) from None
+
+
+def sign_bundle(root: str | Path, key) -> Path:
+    """Write root/MANIFEST.sig: the signature of root/MANIFEST by `key` (a private key file, or a loaded key)."""
+    root = Path(root)
+    if isinstance(key, (str, Path)):
+        key = _signing_key(key)
+    if not (root / MANIFEST).is_file():
+        raise PackageError(f"{root}: no {MANIFEST} to sign")
+    sig, tmp = root / SIGNATURE, temp_sibling(root / SIGNATURE)
+    try:
+        tmp.write_bytes(sign_manifest((root / MANIFEST).read_bytes(), key))
+        os.replace(tmp, sig)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return sig
+
+
 # --- loading ------------------------------------------------------------------------------------
 
 
@@ -228,17 +269,34 @@ class Package:
         return self.root / "model"
 
 
-def verify_package(root: str | Path) -> int:
-    """Check every file against MANIFEST; returns the number of files. Raises PackageError naming the file."""
-    root = Path(root)
+def _authentic_manifest(root: Path, trust: str | Path | None = None,
+                        manifest_sha256: str | None = None) -> dict[str, tuple[str, int]]:
+    """root's MANIFEST, read once: checked against the expected sha256 and the trusted key's signature."""
     manifest = root / MANIFEST
     if not manifest.is_file():
         raise PackageError(f"{root}: no {MANIFEST} (not a dz package)")
+    data = manifest.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if manifest_sha256 is not None and digest != manifest_sha256:
+        raise PackageError(f"{manifest}: sha256 {digest} does not match the expected {manifest_sha256} "
+                           "(the bundle was changed)")
     try:
-        expected = parse_manifest(manifest.read_text(), str(manifest))
+        if trust:
+            check_signature(root, data, trust)
+        return parse_manifest(data.decode("utf-8", errors="replace"), str(manifest))
     except BundleError as exc:
         raise PackageError(str(exc)) from None
-    present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != MANIFEST}
+
+
+def verify_package(root: str | Path, trust: str | Path | None = None, manifest_sha256: str | None = None) -> int:
+    """Check every file against MANIFEST; returns the number of files. Raises PackageError naming the file.
+
+    trust: an ed25519 public key file; MANIFEST.sig must then be its valid signature of MANIFEST.
+    manifest_sha256: the sha256 MANIFEST must have (a registry's record, or the tarball's own MANIFEST)."""
+    root = Path(root)
+    expected = _authentic_manifest(root, trust, manifest_sha256)
+    present = {rel for p in root.rglob("*")
+               if p.is_file() and (rel := p.relative_to(root).as_posix()) not in (MANIFEST, SIGNATURE)}
     for rel in sorted(set(expected) - present):
         raise PackageError(f"{root / rel}: listed in {MANIFEST} but missing")
     for rel in sorted(present - set(expected)):
@@ -250,34 +308,41 @@ def verify_package(root: str | Path) -> int:
     return len(expected)
 
 
-def load_package(path: str | Path, cache_dir: str | Path | None = None) -> Package:
+def load_package(path: str | Path, cache_dir: str | Path | None = None, trust: str | Path | None = None,
+                 manifest_sha256: str | None = None) -> Package:
     """A bundle directory, or its .tar.gz extracted into the bundle cache (`bundles.cached_bundle`); verified
-    against MANIFEST either way. A cached copy that no longer verifies is extracted again."""
+    against MANIFEST either way. A cached copy is checked against the tarball's own MANIFEST on every load;
+    one that no longer matches is logged, dropped and extracted again.
+
+    trust: an ed25519 public key file (default: the DZ_TRUST_KEY variable); the bundle must then carry a valid
+    MANIFEST.sig by that key. manifest_sha256: the sha256 its MANIFEST must have."""
     path = Path(path)
-    files = None
+    trust = trust or os.environ.get(TRUST_ENV) or None
     if path.name.endswith(".tar.gz"):
         try:
-            root, fresh = cached_bundle(path, cache_dir)
-            if not fresh:
-                files = _verify_cached(root)
-                if files is None:
-                    evict(root.parent)
-                    root, fresh = cached_bundle(path, cache_dir)
-            if fresh:
-                files = len(parse_manifest((root / MANIFEST).read_text(), str(root / MANIFEST)))
+            path, files = _cached_package(path, cache_dir)
         except BundleError as exc:
             raise PackageError(str(exc)) from None
-        path = root
-    if not path.is_dir():
+        if trust or manifest_sha256:
+            _authentic_manifest(path, trust, manifest_sha256)
+    elif path.is_dir():
+        files = verify_package(path, trust, manifest_sha256)
+    else:
         raise PackageError(f"{path}: no such bundle directory or .tar.gz")
-    if files is None:
-        files = verify_package(path)
     robot = RobotConfig.from_dict(json.loads((path / "robot.json").read_text()), str(path / "robot.json"))
     return Package(path, robot, json.loads((path / "embodiment.json").read_text()), files)
 
 
-def _verify_cached(root: Path) -> int | None:
-    try:
-        return verify_package(root)
-    except PackageError:
-        return None
+def _cached_package(tarball: Path, cache_dir: str | Path | None) -> tuple[Path, int]:
+    """The tarball's bundle directory in the cache and its number of files. Whoever can write the cache can
+    rewrite a cached file and its MANIFEST together, so a cached copy must match the tarball's own MANIFEST."""
+    root, fresh = cached_bundle(tarball, cache_dir)
+    if not fresh:
+        expected = hashlib.sha256(tarball_manifest(tarball)).hexdigest()
+        try:
+            return root, verify_package(root, manifest_sha256=expected)
+        except PackageError as exc:
+            log.warning(f"refused the cached copy of {tarball}: {exc}; extracting the tarball again")
+            evict(root.parent)
+        root, _ = cached_bundle(tarball, cache_dir)
+    return root, len(parse_manifest((root / MANIFEST).read_text(), str(root / MANIFEST)))

@@ -9,11 +9,20 @@ A request is a map of observation fields named by the embodiment's `serve:` keys
 optional `endpoint` ("infer", the default, as openpi's client sends none; or "reset", RoboArena's end of an
 episode). Images are uint8 (H, W, 3), or (T, H, W, 3) for the frames observed since the previous call
 (upstream DreamZero's client sends 4).
+
+A frame is refused before anything is built from it when it is larger or shaped otherwise than a request of
+the policy can be (`FrameLimits`, from the embodiment's keys and `RequestLimits`): byte size, string and binary
+lengths, map and array lengths, nesting depth and the number of maps and arrays. msgpack itself bounds the
+lengths but not the depth or the count, and one byte of msgpack (an empty map) decodes to a ~60-byte Python
+object, so `check_structure` walks the frame's headers first, skipping string and binary payloads without
+copying them: a few microseconds for a request, and it stops at the first value over a limit, before
+anything has been allocated.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 
@@ -33,6 +42,41 @@ class RequestLimits:
     max_frames: int = 33            # one training window of raw frames, 4 * (local_attn_size - 1) + 1 at most
     max_prompt_chars: int = 2000
     max_abs_state: float = 1e4      # robot units (rad, m); anything larger is a unit or sensor error
+    # the camera frame a frame-size limit is budgeted for (openpi sends 224x224, RoboArena 180x320); larger
+    # images are fine while the whole request stays within the limit
+    budget_image_pixels: int = 240 * 320
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """What one request frame may hold; anything over it is a ProtocolError before it is decoded."""
+
+    max_bytes: int
+    max_str_len: int        # bytes (UTF-8), as msgpack counts them
+    max_bin_len: int
+    max_array_len: int
+    max_map_len: int        # entries
+    max_depth: int          # maps and arrays inside each other
+    max_containers: int     # maps and arrays in the whole frame
+
+
+FRAME_OVERHEAD = 64 << 10   # prompt, state, keys and msgpack headers beside the images
+
+
+def frame_limits(spec: ServeSpec, state_dims: Mapping[str, int], limits: RequestLimits, image_pixels: int,
+                 cap_bytes: int) -> FrameLimits:
+    """The limits that a request of this embodiment fits with room to spare: max_frames camera frames per view
+    (of the policy's own image size, or limits.budget_image_pixels if larger) plus FRAME_OVERHEAD bytes, at
+    most cap_bytes; request maps of the protocol keys plus as many unknown ones (accepted and unused); ndarray
+    maps nested inside them."""
+    views = len(spec.images)
+    images = views * limits.max_frames * max(image_pixels, limits.budget_image_pixels) * 3
+    max_bytes = min(images + FRAME_OVERHEAD, cap_bytes)
+    keys = views + len(spec.state) + len(spec.ignored) + 3  # + prompt, session_id, endpoint
+    max_map_len = max(64, 2 * keys)
+    return FrameLimits(max_bytes=max_bytes, max_str_len=max(1024, 4 * limits.max_prompt_chars),
+                       max_bin_len=max_bytes, max_array_len=max(64, 2 * max(state_dims.values(), default=0)),
+                       max_map_len=max_map_len, max_depth=8, max_containers=4 * max_map_len)
 
 
 def _pack_default(obj):
@@ -53,7 +97,10 @@ def _unpack_hook(obj):
             raise ProtocolError(f"unsupported dtype {dtype}")
         return np.ndarray(buffer=obj[b"data"], dtype=dtype, shape=tuple(obj[b"shape"])).copy()
     if b"__npgeneric__" in obj:
-        return np.dtype(obj[b"dtype"]).type(obj[b"data"])
+        dtype = np.dtype(obj[b"dtype"])
+        if dtype.kind in "VOc":
+            raise ProtocolError(f"unsupported dtype {dtype}")
+        return dtype.type(obj[b"data"])
     return obj
 
 
@@ -63,15 +110,88 @@ def pack(obj) -> bytes:
     return msgpack.packb(obj, default=_pack_default, use_bin_type=True)
 
 
-def unpack(data: bytes):
+# header byte -> bytes that follow it: nil, false, true, float 32/64, uint 8..64, int 8..64, fixext 1..16
+_FIXED_SIZE = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8,
+               0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8, 0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}
+# header byte -> (width of its length field, kind)
+_SIZED = {0xc4: (1, "bin"), 0xc5: (2, "bin"), 0xc6: (4, "bin"), 0xc7: (1, "ext"), 0xc8: (2, "ext"),
+          0xc9: (4, "ext"), 0xd9: (1, "string"), 0xda: (2, "string"), 0xdb: (4, "string"),
+          0xdc: (2, "array"), 0xdd: (4, "array"), 0xde: (2, "map"), 0xdf: (4, "map")}
+
+
+def check_structure(data: bytes, limits: FrameLimits) -> None:
+    """Refuse a frame over `limits` from its msgpack headers alone (see the module docstring)."""
+    if len(data) > limits.max_bytes:
+        raise ProtocolError(f"a frame of {len(data)} bytes (at most {limits.max_bytes})")
+    caps = {"string": limits.max_str_len, "bin": limits.max_bin_len, "ext": limits.max_bin_len,
+            "array": limits.max_array_len, "map": limits.max_map_len}
+    end, pos, containers = len(data), 0, 0
+    unread = [1]  # values still to read: the frame's one, then each open map's or array's
+    while unread:
+        if unread[-1] == 0:
+            unread.pop()
+            continue
+        unread[-1] -= 1
+        if pos >= end:
+            raise ProtocolError("not a msgpack-numpy message: it ends early (truncated)")
+        head = data[pos]
+        pos += 1
+        if head <= 0x7f or head >= 0xe0:  # fixint
+            continue
+        if head in _FIXED_SIZE:
+            pos += _FIXED_SIZE[head]
+            continue
+        if head < 0x90:
+            kind, size = "map", head & 0x0f
+        elif head < 0xa0:
+            kind, size = "array", head & 0x0f
+        elif head < 0xc0:
+            kind, size = "string", head & 0x1f
+        elif head in _SIZED:
+            width, kind = _SIZED[head]
+            size = int.from_bytes(data[pos:pos + width], "big")
+            pos += width + (kind == "ext")  # an ext's type byte
+        else:
+            raise ProtocolError(f"not a msgpack-numpy message: byte 0x{head:02x} at offset {pos - 1} starts no value")
+        if size > caps[kind]:
+            unit = {"map": "entries", "array": "items"}.get(kind, "bytes")
+            raise ProtocolError(f"a{'n' if kind[0] in 'ae' else ''} {kind} of {size} {unit} (at most {caps[kind]})")
+        if kind in ("map", "array"):
+            containers += 1
+            if containers > limits.max_containers:
+                raise ProtocolError(f"more than {limits.max_containers} maps and arrays in one frame")
+            if len(unread) > limits.max_depth:
+                raise ProtocolError(f"maps and arrays nested {len(unread)} deep (at most {limits.max_depth})")
+            unread.append(2 * size if kind == "map" else size)
+        else:
+            pos += size
+    if pos > end:
+        raise ProtocolError("not a msgpack-numpy message: it ends early (truncated)")
+    if pos < end:
+        raise ProtocolError(f"not a msgpack-numpy message: {end - pos} bytes after its end")
+
+
+def unpack(data: bytes, limits: FrameLimits | None = None):
+    """A frame -> Python values with numpy arrays; with `limits` (the server's), a frame over them is refused
+    before it is decoded."""
     import msgpack
 
+    bounds = {}
+    if limits is not None:
+        check_structure(data, limits)
+        bounds = dict(max_str_len=limits.max_str_len, max_bin_len=limits.max_bin_len,
+                      max_ext_len=limits.max_bin_len, max_array_len=limits.max_array_len,
+                      max_map_len=limits.max_map_len)
     try:
-        return msgpack.unpackb(data, object_hook=_unpack_hook, raw=False)
+        return msgpack.unpackb(data, object_hook=_unpack_hook, raw=False, **bounds)
     except ProtocolError:
         raise
     except Exception as exc:  # truncated or not msgpack at all
-        raise ProtocolError(f"not a msgpack-numpy message: {exc}") from None
+        raise ProtocolError(f"not a msgpack-numpy message: {_one_line(exc)}") from None
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())[:300]
 
 
 @dataclass
@@ -83,6 +203,17 @@ class Request:
     prompt: str
 
 
+def _numbers(value) -> np.ndarray | None:
+    """`value` as an array if it is a number, an array or a list of them; None for anything else (a ragged
+    list, a map, a string)."""
+    if not isinstance(value, (list, tuple, np.ndarray, np.generic, int, float)):
+        return None
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError, OverflowError):
+        return None
+
+
 def session_key(raw) -> str | None:
     """A session id as a string: RoboArena and DreamZero send a string (a uuid4), older RoboArena clients an
     int array of shape (1,)."""
@@ -92,7 +223,7 @@ def session_key(raw) -> str | None:
         if not 0 < len(raw) <= 128:
             raise ProtocolError("session_id must be a string of 1..128 characters")
         return raw
-    arr = np.asarray(raw) if isinstance(raw, (list, tuple, np.ndarray, np.generic, int)) else None
+    arr = _numbers(raw) if not isinstance(raw, float) else None
     if arr is None or arr.dtype.kind not in "iu" or not 0 < arr.size <= 16:
         raise ProtocolError(f"session_id must be a string or up to 16 integers, got {type(raw).__name__}")
     return "-".join(str(int(v)) for v in arr.reshape(-1))
@@ -112,7 +243,7 @@ def _image(key: str, img, limits: RequestLimits) -> np.ndarray:
 
 
 def _vector(key: str, value, dim: int, limits: RequestLimits) -> np.ndarray:
-    arr = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray, np.generic, int, float)) else None
+    arr = _numbers(value)
     if arr is None or arr.dtype.kind not in "fiu" or arr.size != dim or (arr.ndim > 1 and max(arr.shape) != dim):
         got = f"{arr.dtype} {arr.shape}" if arr is not None else type(value).__name__
         raise ProtocolError(f"{key} must be {dim} numbers, shape ({dim},), got {got}")
@@ -129,8 +260,9 @@ def parse_request(msg, spec: ServeSpec, state_dims: dict[str, int], limits: Requ
     if not isinstance(msg, dict):
         raise ProtocolError(f"a request must be a map of observation fields, got {type(msg).__name__}")
     endpoint = msg.get("endpoint", "infer")
-    if endpoint not in ENDPOINTS:
-        raise ProtocolError(f"endpoint must be one of {list(ENDPOINTS)}, got {endpoint!r}")
+    if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:
+        got = repr(endpoint[:40]) if isinstance(endpoint, str) else type(endpoint).__name__
+        raise ProtocolError(f"endpoint must be one of {list(ENDPOINTS)}, got {got}")
     sid = session_key(msg.get("session_id"))
     if endpoint == "reset":
         return Request("reset", sid, {}, {}, "")

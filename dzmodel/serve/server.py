@@ -13,7 +13,25 @@
   keeps at most `sessions_per_connection` (the least recently used is ended), the server `max_sessions`.
 - Errors go out as one text frame with the reason, then a close: 1008 for a bad request, 1011 when inference
   failed, 1013 when the server is full (what openpi's and RoboArena's clients raise on).
-- One access-log line per request; a port probe or a failed handshake is one line, never a traceback.
+- Limits (`ServerLimits`), each refusal one log line with its reason:
+  - frame size: max_frames camera frames per view of the policy's image size (at least 240x320) plus 64 KiB,
+    at most `max_frame_bytes`; a larger frame is refused from its header, before it is read: close 1009, and
+    the connection is dropped rather than read to its end;
+  - frame structure: string, binary, map and array lengths, nesting depth and the number of maps and arrays
+    (protocol.FrameLimits), checked before anything is decoded (1008), so a small frame cannot decode into
+    gigabytes; decoding runs on a small thread pool, off the event loop;
+  - two frames queue per connection beyond the one being handled; then reading stops (TCP backpressure);
+  - `max_connections`, and `max_connections_per_client` per remote address (1013). Loopback clients are not
+    capped unless `cap_loopback`: they are this host's own processes, or a reverse proxy or SSH tunnel whose
+    clients all share its address (limit per client there, e.g. nginx's limit_conn);
+  - idle timeout: a connection that sends no request for `idle_timeout_s` is closed (1001). It counts only the
+    time the server waits for the next request, never the time a request spends queued or in inference; the
+    default (10 min) outlasts a pause between episodes, as openpi's client does not reconnect;
+  - keepalive: a ping every `ping_interval_s`; a client that does not answer within `ping_timeout_s` is closed
+    (1011), as is one that does not answer a close. openpi's and RoboArena's clients answer pings from a
+    background thread, even mid-episode.
+- One access-log line per request; a health check is one line (`GET /healthz 200`); a port probe or a failed
+  handshake is one line, never a traceback; a wrong or non-ASCII token is one `HTTP 401` line.
 - Inference runs in a worker thread behind one lock, so the event loop keeps answering health checks and pings.
 """
 
@@ -27,18 +45,22 @@ import sys
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+import weakref
+from collections import Counter, OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from ..data.embodiments import ROBOARENA_ACTION_SPACES, ServeSpec
-from .protocol import ProtocolError, Request, RequestLimits, pack, parse_request, unpack
+from .protocol import ProtocolError, Request, RequestLimits, frame_limits, pack, parse_request, unpack
 
 log = logging.getLogger("dzmodel.serve")
 
-CLOSE_BAD_REQUEST, CLOSE_INTERNAL, CLOSE_TRY_AGAIN = 1008, 1011, 1013
+CLOSE_GOING_AWAY, CLOSE_BAD_REQUEST, CLOSE_TOO_BIG, CLOSE_INTERNAL, CLOSE_TRY_AGAIN = 1001, 1008, 1009, 1011, 1013
+QUEUED_FRAMES = 2     # per connection, beyond the one being handled
+DECODE_THREADS = 2
 
 
 class ServeError(RuntimeError):
@@ -86,6 +108,10 @@ class BundlePolicy:
                                       "ignored": list(self.spec.ignored)},
                          "roboarena": arena}
         self.handshake = dict(arena) if arena is not None else self.metadata
+        # what a camera frame may be expected to have: the model's view, or what RoboArena's clients are told
+        h, w = emb.view_size
+        sent = arena.get("image_resolution") if arena is not None else None
+        self.image_pixels = max(h * w, sent[0] * sent[1] if sent else 0)
 
     def _state(self, request: Request) -> np.ndarray:
         return np.concatenate([request.state[k.name] for k in self.embodied.embodiment.state])
@@ -119,7 +145,11 @@ class TokenAuth:
 
     def accepts(self, header: str | None) -> bool:
         scheme, _, credential = (header or "").strip().partition(" ")
-        ok = hmac.compare_digest(credential.strip().encode(), self._token)
+        try:  # header bytes arrive as surrogate escapes: back to the bytes sent (a non-ASCII token is UTF-8)
+            sent = credential.strip().encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            return False
+        ok = hmac.compare_digest(sent, self._token)
         return ok and scheme.lower() in self.SCHEMES
 
 
@@ -128,7 +158,12 @@ class ServerLimits:
     max_sessions: int = 64                # KV caches across all connections
     sessions_per_connection: int = 4      # beyond it, the connection's least recently used session ends
     max_connections: int = 64
-    max_frame_bytes: int = 32 << 20       # 3 cameras x 33 frames x 320x180 fit with room to spare
+    max_connections_per_client: int = 16  # per remote address
+    cap_loopback: bool = False            # loopback too: by default it may be a proxy for many clients
+    max_frame_bytes: int = 32 << 20       # the cap; the limit itself follows the policy's views (frame_limits)
+    idle_timeout_s: float = 600.0         # no request for this long: closed; 0 never
+    ping_interval_s: float = 20.0         # 0: no keepalive pings
+    ping_timeout_s: float = 20.0          # to answer a ping, or a close
     request: RequestLimits = RequestLimits()
 
 
@@ -149,7 +184,19 @@ class ServerStats:
 
 
 class _OneLine(logging.LoggerAdapter):
-    """websockets' own log (failed handshakes, probes) as single lines: the exception's message, no traceback."""
+    """websockets' own log (failed handshakes, probes) as single lines: the exception's message, no traceback.
+    Its "connection rejected" line is left out for HTTP answers of ours (health, metadata, 401), which log
+    their own line."""
+
+    def __init__(self, logger: logging.Logger, answered: weakref.WeakSet):
+        super().__init__(logger, {})
+        self.answered = answered
+
+    def log(self, level, msg, *args, **kwargs):
+        connection = (kwargs.get("extra") or {}).get("websocket")  # websockets names the connection here
+        if isinstance(msg, str) and msg.startswith("connection rejected") and connection in self.answered:
+            return
+        super().log(level, msg, *args, **kwargs)
 
     def process(self, msg, kwargs):
         exc = kwargs.pop("exc_info", None)
@@ -171,25 +218,37 @@ class _RequestFailed(Exception):
 class PolicyServer:
     def __init__(self, policy: Policy, auth: TokenAuth | None, limits: ServerLimits = ServerLimits()):
         self.policy, self.auth, self.limits = policy, auth, limits
+        self.frame_limits = frame_limits(policy.spec, policy.state_dims, limits.request,
+                                         getattr(policy, "image_pixels", 0), limits.max_frame_bytes)
         self.stats = ServerStats()
         self._lock = threading.Lock()
         self._owner: dict[str, int] = {}     # session -> connection that holds it
+        self._per_client: Counter[str] = Counter()  # remote address -> open connections
+        self._answered = weakref.WeakSet()   # connections answered over HTTP by _process_request
+        self._decoder: ThreadPoolExecutor | None = None
 
     # -- HTTP side: health, metadata, auth --
 
     def _process_request(self, connection, request):
+        peer = _peer(connection)
         if request.path == "/healthz":
             body = {"status": "ok", "connections": self.stats.connections, "sessions": self.stats.sessions,
                     "requests": self.stats.requests, "errors": self.stats.errors,
                     "latency_ms": self.stats.percentiles()}
-            return connection.respond(200, json.dumps(body) + "\n")
+            log.info(f"{peer} GET /healthz 200")
+            return self._answer(connection, 200, json.dumps(body) + "\n")
         if self.auth is not None and not self.auth.accepts(request.headers.get("Authorization")):
-            log.info(f"{_peer(connection)} refused: missing or wrong token (HTTP 401)")
-            return connection.respond(401, "missing or wrong token: send 'Authorization: Api-Key <token>' "
-                                           "or 'Bearer <token>'\n")
+            log.info(f"{peer} refused: missing or wrong token (HTTP 401)")
+            return self._answer(connection, 401, "missing or wrong token: send 'Authorization: Api-Key <token>' "
+                                                 "or 'Bearer <token>'\n")
         if request.path == "/metadata":
-            return connection.respond(200, json.dumps(self.policy.metadata, default=str) + "\n")
+            log.info(f"{peer} GET /metadata 200")
+            return self._answer(connection, 200, json.dumps(self.policy.metadata, default=str) + "\n")
         return None
+
+    def _answer(self, connection, status: int, body: str):
+        self._answered.add(connection)
+        return connection.respond(status, body)
 
     # -- inference --
 
@@ -232,25 +291,79 @@ class PolicyServer:
         await self._open_session(conn_id, sessions, sid)
         return await asyncio.to_thread(self._infer, request, sid)
 
-    async def _handler(self, ws):
-        peer = _peer(ws)
+    # -- decoding, off the event loop --
+
+    def _decode(self, message: bytes) -> Request:
+        try:
+            return parse_request(unpack(message, self.frame_limits), self.policy.spec, self.policy.state_dims,
+                                 self.limits.request)
+        except ProtocolError:
+            raise
+        except Exception as exc:  # a frame the checks missed is still the client's bad request, not our failure
+            raise ProtocolError(f"unreadable request: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}") \
+                from None
+
+    async def _next_frame(self, ws):
+        """The next frame; TimeoutError after idle_timeout_s without one (time spent serving is not counted)."""
+        if not self.limits.idle_timeout_s:
+            return await ws.recv()
+        async with asyncio.timeout(self.limits.idle_timeout_s):
+            return await ws.recv()
+
+    # -- connections --
+
+    def _admit(self, client: str) -> str | None:
+        """None, or why a new connection from `client` is refused."""
         if self.stats.connections >= self.limits.max_connections:
-            await _fail(ws, CLOSE_TRY_AGAIN, f"server full: {self.limits.max_connections} connections")
+            return f"server full: {self.limits.max_connections} connections"
+        per_client = self.limits.max_connections_per_client
+        capped = self.limits.cap_loopback or not _is_loopback(client)
+        if capped and self._per_client[client] >= per_client:
+            return f"too many connections from {client} (at most {per_client} per client address)"
+        return None
+
+    def _log_close(self, peer: str, exc: Exception) -> None:
+        from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
+
+        sent = exc.sent if isinstance(exc, ConnectionClosed) else None
+        if sent is not None and sent.code == CLOSE_TOO_BIG:  # websockets refused it from the frame's header
+            self.stats.errors += 1
+            log.info(f"{peer} refused: frame too big: {sent.reason} ({sent.code})")
+        elif sent is not None and sent.code not in (1000, CLOSE_GOING_AWAY):  # a keepalive timeout, a protocol error
+            log.info(f"{peer} closed: {sent.reason or 'protocol error'} ({sent.code})")
+        elif not isinstance(exc, ConnectionClosedOK):  # the client went away (openpi's never sends a close frame)
+            log.info(f"{peer} disconnected ({type(exc).__name__})")
+
+    async def _handler(self, ws):
+        peer, client = _peer(ws), _client(ws)
+        refusal = self._admit(client)
+        if refusal is not None:
+            log.info(f"{peer} refused: {refusal} ({CLOSE_TRY_AGAIN})")
+            await _fail(ws, CLOSE_TRY_AGAIN, refusal)
             return
         self.stats.connections += 1
+        self._per_client[client] += 1
         conn_id, default_sid = id(ws), uuid.uuid4().hex
         sessions: OrderedDict[str, bool] = OrderedDict()
         prev_total_ms = None
+        loop = asyncio.get_running_loop()
         try:
             await ws.send(pack(self.policy.handshake))
-            async for message in ws:
+            while True:
+                try:
+                    message = await self._next_frame(ws)
+                except TimeoutError:
+                    idle = f"no request for {self.limits.idle_timeout_s:g} s"
+                    log.info(f"{peer} closed: {idle} (idle timeout, {CLOSE_GOING_AWAY})")
+                    await _fail(ws, CLOSE_GOING_AWAY, f"idle: {idle}; reconnect to go on")
+                    return
                 t0 = time.perf_counter()
                 endpoint, sid = "?", None
                 try:
                     if isinstance(message, str):
                         raise ProtocolError("send binary msgpack frames, not text")
-                    request = parse_request(unpack(message), self.policy.spec, self.policy.state_dims,
-                                            self.limits.request)
+                    request = await loop.run_in_executor(self._decoder, self._decode, message)
+                    del message  # the raw frame (up to the frame limit) is not needed during inference
                     endpoint = request.endpoint
                     sid = request.session_id or (default_sid if endpoint == "infer" else "all")
                     result, infer_ms = await self._handle(request, conn_id, sessions, sid)
@@ -275,10 +388,13 @@ class PolicyServer:
                     self.stats.latencies_ms.append(infer_ms)
                 prev_total_ms = (time.perf_counter() - t0) * 1e3
                 self._access(peer, endpoint, sid, "ok", t0)
-        except Exception as exc:  # the client went away (openpi's client never sends a close frame)
-            log.info(f"{peer} disconnected ({type(exc).__name__})")
+        except Exception as exc:
+            self._log_close(peer, exc)
         finally:
             self.stats.connections -= 1
+            self._per_client[client] -= 1
+            if not self._per_client[client]:
+                del self._per_client[client]
             for sid in list(sessions):
                 await asyncio.to_thread(self._end, sid)
 
@@ -293,14 +409,40 @@ class PolicyServer:
                     bound: list | None = None, ssl=None):
         from websockets.asyncio.server import serve
 
-        async with serve(self._handler, host, port, process_request=self._process_request,
-                         max_size=self.limits.max_frame_bytes, compression=None, ping_interval=None, ssl=ssl,
-                         logger=_OneLine(logging.getLogger("dzmodel.serve.ws"), {})) as server:
-            if bound is not None:
-                bound.append(server.sockets[0].getsockname()[1])
-            if ready is not None:
-                ready.set()
-            await (stop.wait() if stop is not None else asyncio.Future())
+        limits = self.limits
+        self._decoder = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="dz-decode")
+        try:
+            async with serve(self._handler, host, port, process_request=self._process_request,
+                             max_size=self.frame_limits.max_bytes, max_queue=QUEUED_FRAMES, compression=None,
+                             ping_interval=limits.ping_interval_s or None, ping_timeout=limits.ping_timeout_s or None,
+                             close_timeout=limits.ping_timeout_s or None, create_connection=_connection_type(),
+                             ssl=ssl, logger=_OneLine(logging.getLogger("dzmodel.serve.ws"), self._answered)) as server:
+                if bound is not None:
+                    bound.append(server.sockets[0].getsockname()[1])
+                if ready is not None:
+                    ready.set()
+                await (stop.wait() if stop is not None else asyncio.Future())
+        finally:
+            self._decoder.shutdown(wait=False, cancel_futures=True)
+
+
+def _connection_type():
+    from websockets.asyncio.server import ServerConnection
+
+    class Connection(ServerConnection):
+        """Drops a client as soon as it is refused a frame over the size limit: websockets would go on reading
+        (and throwing away) the rest of it until the client stops sending. The client still gets the close."""
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            sent = self.protocol.close_sent
+            if sent is not None and sent.code == CLOSE_TOO_BIG and not self.transport.is_closing():
+                if self.transport.get_write_buffer_size():  # a client that reads nothing would keep it open
+                    self.transport.abort()
+                else:
+                    self.transport.close()
+
+    return Connection
 
 
 def _peer(ws) -> str:
@@ -308,11 +450,25 @@ def _peer(ws) -> str:
     return f"{addr[0]}:{addr[1]}" if addr else "?"
 
 
+def _client(ws) -> str:
+    addr = getattr(ws, "remote_address", None)
+    return str(addr[0]) if addr else "?"
+
+
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 async def _fail(ws, code: int, message: str) -> None:
     """The reason as a text frame (openpi's and RoboArena's clients raise it), then the close."""
     try:
         await ws.send(message)
-        await ws.close(code, message[:120])
+        await ws.close(code, message.encode()[:120].decode(errors="ignore"))  # a close reason fits 123 bytes
     except Exception:
         pass
 
@@ -414,7 +570,11 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
              f"health: http{'s' if ssl else ''}://{host}:{port}/healthz")
     log.info(f"clients send {sorted(policy.spec.images)} + {sorted(policy.spec.state)} + prompt"
              + (f"; RoboArena handshake {policy.handshake}" if policy.spec.roboarena else ""))
-    run_server(PolicyServer(policy, auth, limits), host, port, ssl)
+    server = PolicyServer(policy, auth, limits)
+    log.info(f"limits: frames up to {server.frame_limits.max_bytes / 2**20:.1f} MiB, {limits.max_connections} "
+             f"connections ({limits.max_connections_per_client} per client address), idle timeout "
+             f"{f'{limits.idle_timeout_s:g} s' if limits.idle_timeout_s else 'off'}")
+    run_server(server, host, port, ssl)
 
 
 def warm_up(embodied) -> None:

@@ -20,8 +20,8 @@ Built in `<out>.tmp` and renamed.
 from __future__ import annotations
 
 import json
-import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,6 +33,8 @@ from ..data.embodiments import get_embodiment, load_embodiments
 from ..data.sampling import WindowSpec
 from ..model.args import preset
 from ..model.conditioning import NULL_PROMPT, encode_batch, encode_prompts
+from ..atomic import replace_dir
+from ..outputs import check_output_dir, mark, new_temp_dir, no_space_message
 from ..progress import Progress
 from .config import TrainConfig
 from .encoders import frozen_encoders
@@ -41,15 +43,15 @@ CACHE_VERSION = 1
 
 
 class CacheWriter:
-    """Writes a cache directory in `<out>.tmp` (rows in shards, one text row per unique prompt, and the null
-    prompt's row `null_context` [1, text_len, text_dim]) and renames it into place when finished: a failed build
-    never leaves a half cache under the real name."""
+    """Writes a cache directory in a temporary sibling of `out_dir` (rows in shards, one text row per unique
+    prompt, and the null prompt's row `null_context` [1, text_len, text_dim]) and renames it into place when
+    finished: a failed build never leaves a half cache under the real name, and an existing `out_dir` is
+    replaced only if dz wrote it (dzmodel/outputs.py), or with `overwrite`."""
 
-    def __init__(self, out_dir: str | Path, null_context: torch.Tensor, shard_size: int = 256):
-        self.out = Path(out_dir)
-        self.tmp = self.out.with_name(self.out.name + ".tmp")
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
+    def __init__(self, out_dir: str | Path, null_context: torch.Tensor, shard_size: int = 256,
+                 overwrite: bool = False):
+        self.out, self.overwrite = check_output_dir(out_dir, overwrite=overwrite), overwrite
+        self.tmp = new_temp_dir(self.out)
         self.shard_size = shard_size
         self.prompts: dict[str, int] = {}
         self.text_rows: list[torch.Tensor] = []
@@ -86,16 +88,28 @@ class CacheWriter:
         index = {"version": CACHE_VERSION, **index, "prompts": list(self.prompts), "shards": self.shards,
                  "samples": sum(s["samples"] for s in self.shards)}
         (self.tmp / "index.json").write_text(json.dumps(index, indent=1))
-        if self.out.exists():
-            shutil.rmtree(self.out)
-        os.replace(self.tmp, self.out)
+        mark(self.tmp, "cache")
+        check_output_dir(self.out, overwrite=self.overwrite)  # something may have appeared meanwhile
+        replace_dir(self.tmp, self.out)
         return self.out
+
+    @contextmanager
+    def discarded_on_failure(self):
+        """The temporary directory goes on any failure; a full disk is one line naming the cache."""
+        try:
+            with no_space_message(self.out):
+                yield
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
 
 
 def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_size: int = 8, shard_size: int = 256,
-                tokenizer=None, encoders=None, device: str = "cpu", progress: bool = True) -> Path:
+                tokenizer=None, encoders=None, device: str = "cpu", progress: bool = True,
+                overwrite: bool = False) -> Path:
     from .trainer import size_to_embodiment, training_windows
 
+    check_output_dir(out_dir, overwrite=overwrite)  # before the encoders load
     cfg = size_to_embodiment(cfg)  # the same widths the trainer will build
     a = preset(cfg.preset, **cfg.model_overrides)
     emb = get_embodiment(cfg.embodiment, load_embodiments(cfg.embodiment_files))
@@ -110,34 +124,35 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
         tokenizer = load_tokenizer(cfg.tokenizer)
     collate = Collator(tokenizer, a.text_len, a.max_state_dim, a.action_dim)
     writer = CacheWriter(out_dir, encode_prompts(tokenizer, encoders.text_encoder, [NULL_PROMPT], a.text_len, device),
-                         shard_size)
-    items = [(d, i) for d, ds in enumerate(datasets) for i in range(0, len(ds), stride)]
-    bar = Progress(len(items), enabled=progress, desc="cache", unit="sample")
-    with torch.no_grad():
-        for start in range(0, len(items), batch_size):
-            chunk = items[start:start + batch_size]
-            samples = [datasets[d].sample(i, position=i) for d, i in chunk]
-            batch = collate(samples)
-            enc = encode_batch(a, encoders.vae, encoders.text_encoder, encoders.image_encoder,
-                               batch["images"].to(device), batch["text"].to(device), batch["text_attention_mask"].to(device))
-            index = [writer.prompt_index(s["prompt"], enc.context[j]) for j, s in enumerate(samples)]
-            row = {"clean_latents": enc.clean_latents, "clip_feature": enc.clip_feature,
-                   "state": batch["state"], "action": batch["action"], "action_mask": batch["action_mask"],
-                   "prompt_index": torch.tensor(index, dtype=torch.long),
-                   "has_real_action": batch["has_real_action"]}
-            if enc.y is not None:
-                row["y"] = enc.y
-            writer.add(row)
-            bar.update(n=len(chunk))
-    bar.close()
-    return writer.finish(preset=cfg.preset, model_overrides=cfg.model_overrides, embodiment=emb.tag,
-                         datasets=[str(Path(p).resolve()) for p in cfg.datasets], stride=stride,
-                         heldout_episodes=cfg.heldout_episodes, metadata=str(cfg.metadata))
+                         shard_size, overwrite=overwrite)
+    with writer.discarded_on_failure():
+        items = [(d, i) for d, ds in enumerate(datasets) for i in range(0, len(ds), stride)]
+        bar = Progress(len(items), enabled=progress, desc="cache", unit="sample")
+        with torch.no_grad():
+            for start in range(0, len(items), batch_size):
+                chunk = items[start:start + batch_size]
+                samples = [datasets[d].sample(i, position=i) for d, i in chunk]
+                batch = collate(samples)
+                enc = encode_batch(a, encoders.vae, encoders.text_encoder, encoders.image_encoder,
+                                   batch["images"].to(device), batch["text"].to(device), batch["text_attention_mask"].to(device))
+                index = [writer.prompt_index(s["prompt"], enc.context[j]) for j, s in enumerate(samples)]
+                row = {"clean_latents": enc.clean_latents, "clip_feature": enc.clip_feature,
+                       "state": batch["state"], "action": batch["action"], "action_mask": batch["action_mask"],
+                       "prompt_index": torch.tensor(index, dtype=torch.long),
+                       "has_real_action": batch["has_real_action"]}
+                if enc.y is not None:
+                    row["y"] = enc.y
+                writer.add(row)
+                bar.update(n=len(chunk))
+        bar.close()
+        return writer.finish(preset=cfg.preset, model_overrides=cfg.model_overrides, embodiment=emb.tag,
+                             datasets=[str(Path(p).resolve()) for p in cfg.datasets], stride=stride,
+                             heldout_episodes=cfg.heldout_episodes, metadata=str(cfg.metadata))
 
 
 def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_hw: tuple[int, int] = (11, 20),
                     prompts: int = 4, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                    model_overrides: dict | None = None, progress: bool = True) -> Path:
+                    model_overrides: dict | None = None, progress: bool = True, overwrite: bool = False) -> Path:
     """A cache of `samples` random windows with a preset's real shapes (latent grid `latent_hw`, the encoders'
     output widths, `prompts` distinct prompts), stored in `dtype` as a bf16 encoder writes them. For measuring
     `dz train`'s throughput where neither data nor encoder weights are at hand (the numbers do not depend on
@@ -146,27 +161,29 @@ def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_
 
     a = preset(preset_name, **(model_overrides or {}))
     g = torch.Generator().manual_seed(seed)
-    writer = CacheWriter(out_dir, torch.randn(1, a.text_len, a.text_dim, generator=g).to(dtype))  # a synthetic null
-    K, A = a.max_chunk_size, a.num_action_per_block
-    bar = Progress(samples, enabled=progress, desc="cache", unit="sample")
-    for start in range(0, samples, 16):
-        n = min(16, samples - start)
-        x = random_inputs(a, n, latent_hw, "cpu", dtype, g)
-        index = [writer.prompt_index(f"synthetic prompt {(start + j) % prompts}", x["context"][j]) for j in range(n)]
-        action = torch.rand(n, K * A, a.action_dim, generator=g) * 2 - 1
-        row = {"clean_latents": x["clean_latents"], "clip_feature": x["clip_feature"],
-               "state": torch.rand(n, K * a.num_state_per_block, a.max_state_dim, generator=g) * 2 - 1,
-               "action": action, "action_mask": torch.ones_like(action, dtype=torch.bool),
-               "prompt_index": torch.tensor(index, dtype=torch.long),
-               "has_real_action": torch.ones(n, dtype=torch.bool)}
-        if x["y"] is not None:
-            row["y"] = x["y"]
-        writer.add(row)
-        bar.update(n=n)
-    bar.close()
-    return writer.finish(preset=preset_name, model_overrides=model_overrides or {}, embodiment="synthetic",
-                         datasets=[], stride=1, heldout_episodes=0, metadata=None, synthetic=True,
-                         latent_hw=list(latent_hw))
+    writer = CacheWriter(out_dir, torch.randn(1, a.text_len, a.text_dim, generator=g).to(dtype),  # a synthetic null
+                         overwrite=overwrite)
+    with writer.discarded_on_failure():
+        K, A = a.max_chunk_size, a.num_action_per_block
+        bar = Progress(samples, enabled=progress, desc="cache", unit="sample")
+        for start in range(0, samples, 16):
+            n = min(16, samples - start)
+            x = random_inputs(a, n, latent_hw, "cpu", dtype, g)
+            index = [writer.prompt_index(f"synthetic prompt {(start + j) % prompts}", x["context"][j]) for j in range(n)]
+            action = torch.rand(n, K * A, a.action_dim, generator=g) * 2 - 1
+            row = {"clean_latents": x["clean_latents"], "clip_feature": x["clip_feature"],
+                   "state": torch.rand(n, K * a.num_state_per_block, a.max_state_dim, generator=g) * 2 - 1,
+                   "action": action, "action_mask": torch.ones_like(action, dtype=torch.bool),
+                   "prompt_index": torch.tensor(index, dtype=torch.long),
+                   "has_real_action": torch.ones(n, dtype=torch.bool)}
+            if x["y"] is not None:
+                row["y"] = x["y"]
+            writer.add(row)
+            bar.update(n=n)
+        bar.close()
+        return writer.finish(preset=preset_name, model_overrides=model_overrides or {}, embodiment="synthetic",
+                             datasets=[], stride=1, heldout_episodes=0, metadata=None, synthetic=True,
+                             latent_hw=list(latent_hw))
 
 
 class CachedWindows(torch.utils.data.Dataset):

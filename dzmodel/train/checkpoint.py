@@ -8,12 +8,21 @@ Layout: <out>/checkpoints/step_0000010/
 Everything is written into `step_XXXXXXX.tmp/`, which is renamed only after every rank finished and the
 COMPLETE marker exists. A torn write (a crash, `kill -9`) leaves a `.tmp` directory that is never loaded
 and is removed by the next save.
+
+Loading runs no code from the checkpoint. DCP's `.metadata` is a pickle, and its non-tensor items (the
+optimizer's hyperparameters) are `torch.save` pickles that DCP would load with `weights_only=False`: here the
+metadata goes through an unpickler that admits only DCP's own record classes, torch sizes, dtypes and layouts,
+and the items through `torch.load(weights_only=True)`. Anything else is a CheckpointError naming the file.
 """
 
 from __future__ import annotations
 
+import enum
+import io
 import json
 import os
+import pathlib
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -21,13 +30,107 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
 STEP_DIR = re.compile(r"^step_(\d{7})$")
 MARKER = "COMPLETE"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must not be loaded; the message names the file."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata records and the torch values inside them, nothing else: a class or function from any
+    other place (os.system, builtins.eval, a gadget in some installed package) is refused before it is called."""
+
+    def __init__(self, file, source: Path):
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str):
+        found = None
+        if module == dcp_metadata.__name__:
+            found = getattr(dcp_metadata, name, None)
+            # DCP's own records are dataclasses and enums: building them runs no code of the file's choosing
+            ok = isinstance(found, type) and (hasattr(found, "__dataclass_fields__") or issubclass(found, enum.Enum))
+            found = found if ok else None
+        elif (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
+            found = _StorageInfo
+        elif (module, name) == ("torch", "Size"):
+            found = torch.Size
+        elif module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                            torch.memory_format)):
+            found = getattr(torch, name)
+        elif (module, name) == ("torch.serialization", "_get_layout"):  # a layout by name, nothing else
+            found = torch.serialization._get_layout
+        elif (module, name) in (("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+                                ("pathlib", "PureWindowsPath")):  # the checkpoint id DCP records; never opened
+            found = getattr(pathlib, name)
+        if found is None:
+            raise CheckpointError(f"{self.source}: refused {module}.{name}: checkpoint metadata may hold only "
+                                  "DCP's own records (a crafted or foreign file?)")
+        return found
+
+
+def read_metadata_safely(path: Path) -> Metadata:
+    """A DCP metadata file through `_MetadataUnpickler`; CheckpointError if it is crafted, torn or foreign."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+    except (CheckpointError, FileNotFoundError):
+        raise
+    except Exception as exc:  # truncated, or not a pickle at all
+        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: {exc})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """FileSystemReader whose metadata is read by `read_metadata_safely` instead of `pickle.load`."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = read_metadata_safely(Path(self._get_metadata_path(kwargs.get("rank"))))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Non-tensor items (optimizer hyperparameters: floats, tuples, strings) through `weights_only=True`.
+    DCP wraps what a planner raises; `refused` keeps our own message for the caller."""
+
+    def __init__(self, source: Path):
+        super().__init__()
+        self.source = source
+        self.refused: CheckpointError | None = None
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            self.refused = CheckpointError(f"{self.source}: item {read_item.dest_index.fqn} refused by "
+                                           f"torch.load(weights_only=True): {str(exc).splitlines()[0]}")
+            raise self.refused from None
+        super().load_bytes(read_item, _saved(obj))
+
+
+def _saved(obj) -> io.BytesIO:
+    """`obj` as DefaultLoadPlanner.load_bytes expects it (it torch.loads its argument): re-serialised from the
+    already vetted value, so what it unpickles is our own pickle of plain values."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
 
 
 def _dist() -> bool:
@@ -114,7 +217,14 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     if ema is not None:
         state["ema"] = ema
-    dcp.load(state, checkpoint_id=str(path))
+    read_metadata_safely(path / ".metadata")  # refused here, before DCP would wrap the error in its own
+    planner = SafeLoadPlanner(path)
+    try:
+        dcp.load(state, storage_reader=SafeReader(path), planner=planner)
+    except BaseException:  # DCP's CheckpointException is a BaseException
+        if planner.refused is not None:
+            raise planner.refused from None
+        raise
     set_model_state_dict(model, state["model"], options=options)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])

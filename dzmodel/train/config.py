@@ -1,4 +1,6 @@
-"""Training configuration: one typed dataclass, checked before anything runs."""
+"""Training configuration: one typed dataclass, checked before anything runs. Each numeric field's range sits in its
+metadata (dzmodel/schema.py): `from_dict` and params.yaml refuse a value outside it by name, and so does a config
+built in code."""
 
 from __future__ import annotations
 
@@ -6,6 +8,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..model.lora import LoRAConfig
+
+SEED = {"min": 0, "max": 2**32 - 1}  # numpy's legacy seeding takes 32 bits
+UNIT = {"min": 0, "max": 1}          # a probability or a fraction
 
 
 @dataclass
@@ -18,15 +23,17 @@ class TrainConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: adapters on the DiT, base frozen (docs/training.md)
     # data
     datasets: list[str] = field(default_factory=list)
-    dataset_weights: list[float] | None = None
+    dataset_weights: list[float] | None = field(default=None, metadata={"gt": 0, "max": 1e6})  # relative
     embodiment: str = "libero_sim"
     embodiment_files: list[str] = field(default_factory=list)
     metadata: str | None = None             # metadata.json with the embodiment's statistics
     tokenizer: str | None = None            # local HF tokenizer dir (built offline for the tiny preset if missing)
-    num_workers: int = 0
-    frame_cache_mib: int = 0                # per loader process: keep decoded episodes in memory (0: decode per window)
+    num_workers: int = field(default=0, metadata={"min": 0, "max": 256})
+    # per loader process: keep decoded episodes in memory (0: decode per window)
+    frame_cache_mib: int = field(default=0, metadata={"min": 0})
     cache: str | None = None                # a `dz cache` directory: train from precomputed encoder outputs
-    heldout_episodes: int = 0               # the last N episodes of each dataset are never trained on (eval only)
+    # the last N episodes of each dataset are never trained on (eval only)
+    heldout_episodes: int = field(default=0, metadata={"min": 0})
     skip_missing: bool = False              # train on the other episodes when some view videos are missing (listed)
     data_on_device: bool = False            # decode the whole recording once onto the training device; batches are
                                             # gathered and augmented there, no loader workers (docs/training.md)
@@ -34,28 +41,30 @@ class TrainConfig:
     # data_on_device only. 0: the frozen encoders run on every micro-batch. K >= 1: before training, every window is
     # augmented K times and encoded once per copy, on the device; pass e over the data trains on copy e mod K. The
     # encoders then cost K passes instead of one per epoch (docs/training.md)
-    encoded_variants: int = 0
+    encoded_variants: int = field(default=0, metadata={"min": 0})
     # optimisation (reference §5.1)
-    steps: int = 100
+    steps: int = field(default=100, metadata={"min": 1})
     # when set, the run's length in passes over the training windows (one per anchor frame): steps becomes
     # ceil(epochs x windows / global_batch), so a bigger recording trains longer at the same recipe
-    epochs: float | None = None
-    stop_at: int | None = None              # end this invocation after this step (schedule still spans `steps`)
-    micro_batch: int = 2
-    global_batch: int = 2                   # = micro_batch x world_size x accumulation
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.95, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 1e-5
-    warmup_ratio: float = 0.05
-    min_lr: float = 0.0
+    epochs: float | None = field(default=None, metadata={"gt": 0, "max": 1e6})
+    # end this invocation after this step (schedule still spans `steps`)
+    stop_at: int | None = field(default=None, metadata={"min": 1})
+    micro_batch: int = field(default=2, metadata={"min": 1})
+    global_batch: int = field(default=2, metadata={"min": 1})  # = micro_batch x world_size x accumulation
+    lr: float = field(default=1e-5, metadata={"gt": 0, "max": 1.0})
+    betas: tuple[float, float] = field(default=(0.95, 0.999), metadata={"min": 0, "lt": 1})
+    eps: float = field(default=1e-8, metadata={"gt": 0, "max": 1.0})
+    weight_decay: float = field(default=1e-5, metadata=UNIT)
+    warmup_ratio: float = field(default=0.05, metadata={"min": 0, "lt": 1})
+    min_lr: float = field(default=0.0, metadata={"min": 0})  # at most lr
     schedule: str = "cosine"                # cosine | constant
-    grad_clip: float = 1.0
-    ema_decay: float = 0.0                  # > 0: keep an EMA of the trainable weights (e.g. 0.999); 0: off
+    grad_clip: float = field(default=1.0, metadata={"gt": 0})
+    # > 0: keep an EMA of the trainable weights (e.g. 0.999); 0: off
+    ema_decay: float = field(default=0.0, metadata={"min": 0, "lt": 1})
     noise_on: str = "device"                # where each sample's timesteps and noise are drawn: device | cpu
     # a sample's prompt is replaced by the null prompt "" with this probability (decided per sample from the seed
     # and its stream position), so inference's unconditional CFG branch sees a context it was trained on
-    prompt_dropout: float = 0.0
+    prompt_dropout: float = field(default=0.0, metadata=UNIT)
     # systems
     precision: str = "fp32"                 # compute dtype: fp32 | bf16 (master weights and Adam state stay fp32)
     reduce_dtype: str = "fp32"              # gradient reduce-scatter dtype: fp32 | bf16
@@ -65,17 +74,21 @@ class TrainConfig:
     attn_backend: str = "auto"
     # bookkeeping
     out_dir: str = "runs/train"
-    save_every: int = 50                    # 0: never checkpoint (a measurement run; nothing to resume or convert)
-    log_every: int = 1
-    seed: int = 0
+    # 0: never checkpoint (a measurement run; nothing to resume or convert)
+    save_every: int = field(default=50, metadata={"min": 0})
+    log_every: int = field(default=1, metadata={"min": 1})
+    seed: int = field(default=0, metadata=SEED)
     progress: bool = True
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # type: ignore[assignment]
-        if isinstance(self.lora, dict):  # built in code rather than from_dict
-            from ..schema import build
+        from ..schema import build, field_problems
 
+        if isinstance(self.lora, dict):  # built in code rather than from_dict
             self.lora = build(LoRAConfig, self.lora, path="train.lora")
+        problems = field_problems(self, "train")  # the metadata ranges, for configs built in code
+        if problems:
+            raise ValueError(problems[0])
         choices = {"precision": ("fp32", "bf16"), "reduce_dtype": ("fp32", "bf16"), "sharding": ("full", "hybrid", "none"),
                    "schedule": ("cosine", "constant"), "noise_on": ("device", "cpu"),
                    "attn_backend": ("auto", "flex", "segments", "sdpa")}
@@ -91,36 +104,35 @@ class TrainConfig:
         ac = self.activation_checkpointing
         if ac not in AC_MODES and not (ac.startswith("full:") and ac[5:].isdigit()):
             raise ValueError(f"train.activation_checkpointing must be one of {AC_MODES} or full:N, got {ac!r}")
-        for name in ("steps", "micro_batch", "global_batch", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.epochs is not None and self.epochs <= 0:
-            raise ValueError(f"train.epochs must be > 0 (null: train.steps sets the length), got {self.epochs}")
-        if self.save_every < 0:
-            raise ValueError(f"train.save_every must be >= 0 (0: never checkpoint), got {self.save_every}")
-        if self.heldout_episodes < 0:
-            raise ValueError(f"train.heldout_episodes must be >= 0, got {self.heldout_episodes}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr: must be <= train.lr ({self.lr}), got {self.min_lr}")
+        if self.lora.rank > 0 and not self.lora.alpha > 0:
+            raise ValueError(f"train.lora.alpha: must be > 0 with LoRA on (rank {self.lora.rank}), got {self.lora.alpha}")
+        self._check_model()
         if self.data_on_device and self.cache:
             raise ValueError("train.data_on_device decodes the recording and encodes every micro-batch live (its "
                              "augmented frames are not in a `dz cache`): unset train.cache or data_on_device")
-        if self.encoded_variants < 0:
-            raise ValueError(f"train.encoded_variants must be >= 0 (0: encode every micro-batch), got {self.encoded_variants}")
         if self.encoded_variants and not self.data_on_device:
             raise ValueError("train.encoded_variants needs train.data_on_device: true (the copies are encoded from the "
                              "frames on the device)")
         if self.encoded_variants > 1 and not self.augment:
             raise ValueError(f"train.encoded_variants {self.encoded_variants} with train.augment false would encode "
                              "identical copies: use 1")
-        if self.frame_cache_mib < 0:
-            raise ValueError(f"train.frame_cache_mib must be >= 0 (0: off), got {self.frame_cache_mib}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if not 0 <= self.ema_decay < 1:
-            raise ValueError(f"train.ema_decay must be in [0, 1) (0: no EMA), got {self.ema_decay}")
-        if not 0 <= self.prompt_dropout <= 1:
-            raise ValueError(f"train.prompt_dropout must be in [0, 1] (0: off), got {self.prompt_dropout}")
-        if self.lr <= 0 or self.grad_clip <= 0:
-            raise ValueError("train.lr and train.grad_clip must be > 0")
+
+    def _check_model(self) -> None:
+        """A known preset, and overrides that build its args: every numeric model dimension is positive."""
+        from ..model.args import PRESETS, preset
+
+        if self.preset not in PRESETS:
+            raise ValueError(f"train.preset: must be one of {', '.join(repr(p) for p in PRESETS)}, got {self.preset!r}")
+        for key, value in self.model_overrides.items():
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, (int, float)) and not isinstance(v, bool) and not v > 0 for v in values):
+                raise ValueError(f"train.model_overrides.{key}: must be > 0, got {value!r}")
+        try:
+            preset(self.preset, **self.model_overrides)
+        except (ValueError, TypeError, ArithmeticError) as exc:
+            raise ValueError(f"train.model_overrides: {exc}") from None
 
     def accumulation(self, world_size: int) -> int:
         per_step = self.micro_batch * world_size

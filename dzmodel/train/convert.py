@@ -11,13 +11,13 @@ A LoRA run's adapters are merged into the base by default, so the result is a pl
 base's reference in its metadata) plus the same config files instead.
 The frozen encoders are not copied (they are the run's WAN files or seeded weights, rebuilt from the
 config; `dz package` writes them into the bundle).
-Built in `<out>.tmp` and renamed, so a half-written conversion is never picked up.
+Built in a temporary sibling of `<out>` and renamed, so a half-written conversion is never picked up; an
+existing `<out>` is replaced only if dz wrote it (dzmodel/outputs.py), or with `overwrite`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import torch
 from ..model.lora import apply_lora, lora_state, merge_lora
 from ..model.state_dict import save_dreamzero_dir, save_safetensors_atomic
 from ..model.wam import DreamZeroWAM
+from ..outputs import check_output_dir, publish_dir
 from .checkpoint import MARKER, latest_checkpoint, list_checkpoints, load_checkpoint
 from .config import TrainConfig
 
@@ -69,9 +70,11 @@ WEIGHTS = ("raw", "ema")
 
 
 def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes: int = 5 * 2**30,
-                       adapters_only: bool = False, weights: str = "raw") -> Path:
-    """weights: "raw" (the optimizer's) or "ema" (the moving average a run with train.ema_decay kept)."""
+                       adapters_only: bool = False, weights: str = "raw", overwrite: bool = False) -> Path:
+    """weights: "raw" (the optimizer's) or "ema" (the moving average a run with train.ema_decay kept).
+    `out` must be absent, empty or an earlier dz output; `overwrite` replaces any directory."""
     ckpt = Path(checkpoint)
+    out = check_output_dir(out, overwrite=overwrite)  # before the minutes of loading, not after
     state = json.loads((ckpt / "trainer_state.json").read_text())
     cfg = TrainConfig.from_dict(state["config"])
     if adapters_only and not cfg.lora.enabled:
@@ -95,11 +98,14 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes:
             for name, p in model.named_parameters():
                 if name in ema:
                     p.copy_(ema[name])
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    with publish_dir(out, "convert", overwrite=overwrite) as tmp:
+        _write_converted(tmp, model, cfg, state, ckpt, adapters_only, max_shard_bytes, weights)
+    return out
+
+
+def _write_converted(tmp: Path, model: DreamZeroWAM, cfg: TrainConfig, state: dict, ckpt: Path, adapters_only: bool,
+                     max_shard_bytes: int, weights: str) -> None:
     if adapters_only:
-        tmp.mkdir(parents=True)
         save_safetensors_atomic({k: v.contiguous() for k, v in lora_state(model).items()}, tmp / "adapters.safetensors",
                                 {"format": "pt", "base": json.dumps(state["base"]), "lora": json.dumps(cfg.to_dict()["lora"])})
     else:
@@ -107,7 +113,7 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes:
             merge_lora(model)
         save_dreamzero_dir(model, tmp, max_shard_bytes=max_shard_bytes)
     exp = tmp / "experiment_cfg"
-    exp.mkdir()
+    exp.mkdir(exist_ok=True)
     if cfg.metadata and Path(cfg.metadata).is_file():
         shutil.copyfile(cfg.metadata, exp / "metadata.json")
     (exp / "train_config.json").write_text(json.dumps({"step": state["step"], "weights": weights, **cfg.to_dict()},
@@ -119,7 +125,4 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes:
     tokenizer = Path(cfg.tokenizer) if cfg.tokenizer else ckpt.parent.parent / "tokenizer"  # the trainer's default
     if (tokenizer / "tokenizer.json").is_file():
         shutil.copytree(tokenizer, tmp / "tokenizer")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+

@@ -39,7 +39,8 @@ from ..model.lora import apply_lora
 from ..model.state_dict import load_wan_dit
 from ..model.vae import WanVideoVAE38
 from ..model.wam import DreamZeroWAM
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ..outputs import check_output_dir, is_ours, mark
+from .checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .encoders import frozen_encoders
 from .metrics import JsonlSink, MetricsSink, Progress, peak_flops, peak_memory_gib
@@ -199,9 +200,10 @@ def files_sha256(path: str | Path) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, sink: MetricsSink | None = None):
+    def __init__(self, cfg: TrainConfig, sink: MetricsSink | None = None, overwrite: bool = False):
+        """overwrite: train into an `out_dir` that dz did not write (by default refused: dzmodel/outputs.py)."""
         cfg = size_to_embodiment(cfg)
-        self.cfg = cfg
+        self.cfg, self.overwrite = cfg, overwrite
         self.info = init_distributed()
         self.out = Path(cfg.out_dir)
         self.sink = sink
@@ -379,9 +381,13 @@ class Trainer:
     def run(self) -> list[dict]:
         # Rank 0 owns the run directory: a second run on it (or workers orphaned by a killed torchrun) would
         # interleave metrics and overwrite checkpoints.
+        if self.info.rank == 0 and not list_checkpoints(self.out):  # a run with checkpoints is dz's own: it resumes
+            check_output_dir(self.out, flag="out_dir", overwrite=self.overwrite)
         lock = (directory_lock(self.out, wait=False, what="another `dz train`") if self.info.rank == 0
                 else contextlib.nullcontext())
         with lock:
+            if self.info.rank == 0 and not is_ours(self.out):
+                mark(self.out, "train")
             return self._run()
 
     def _run(self) -> list[dict]:
@@ -482,5 +488,5 @@ class Trainer:
         return {str(r): int(c) for r, c in enumerate(out)}
 
 
-def train(cfg: TrainConfig, sink: MetricsSink | None = None) -> list[dict]:
-    return Trainer(cfg, sink).run()
+def train(cfg: TrainConfig, sink: MetricsSink | None = None, overwrite: bool = False) -> list[dict]:
+    return Trainer(cfg, sink, overwrite).run()

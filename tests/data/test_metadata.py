@@ -132,6 +132,18 @@ def test_sliced_sub_keys(tmp_path):
     assert mods["action"]["all"]["shape"] == [7]
 
 
+def test_a_slice_past_the_declared_width_names_the_key_and_the_shape(tmp_path):
+    """info.json declares fewer dims than the data holds: the slice is checked against the declaration."""
+    make_dataset(tmp_path / "ds", [10])
+    info_file = tmp_path / "ds" / "meta" / "info.json"
+    info = json.loads(info_file.read_text())
+    info["features"]["observation.state"]["shape"] = [4]
+    info_file.write_text(json.dumps(info))
+    with pytest.raises(DataError, match=r"key 'joints': slice \[0:6\] exceeds column 'observation.state' shape \[4\]"):
+        compute_metadata(tmp_path / "ds", "droid", state_keys={"joints": "observation.state[0:6]"},
+                         action_keys={"all": "action"})
+
+
 def test_relative_action_stats_brute_force(tmp_path):
     lengths = [5, 17, 3, 11, 1]
     H = 4
@@ -236,12 +248,12 @@ def test_refuses_out_path_inside_dataset(tmp_path):
     assert not (tmp_path / "ds/meta/metadata.json").exists() and not (tmp_path / "ds/metadata.json").exists()
 
 
-def test_nan_names_file_column_row(tmp_path):
-    _, _, _, paths = make_dataset(tmp_path / "ds", [5, 9], nan_at=11)
+def test_nan_names_file_episode_column_frame(tmp_path):
+    _, _, _, paths = make_dataset(tmp_path / "ds", [5, 9], nan_at=11)  # row 11: episode 1, frame 6
     with pytest.raises(DataError) as ei:
         compute_metadata(tmp_path / "ds", "t", {"s": "observation.state"}, {"a": "action"}, batch_rows=4)
     msg = str(ei.value)
-    assert str(paths[0]) in msg and "'observation.state'" in msg and "row 11" in msg and "NaN" in msg
+    assert str(paths[0]) in msg and "episode 1, column 'observation.state': nan at frame 6 (dim 2)" in msg
 
 
 def test_bad_dims_name_the_key(tmp_path):

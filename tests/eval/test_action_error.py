@@ -59,7 +59,7 @@ def test_training_never_samples_the_heldout_episodes(tmp_path):
     held = training_windows(ds, emb, spec, None, TrainConfig(heldout_episodes=1), train=False)
     assert {full.index.window(i).episode for i in range(len(full))} == {0, 1, 2, 3}
     assert {held.index.window(i).episode for i in range(len(held))} == {0, 1, 2}
-    with pytest.raises(ValueError, match="heldout_episodes must be >= 0"):
+    with pytest.raises(ValueError, match="heldout_episodes: must be >= 0"):
         TrainConfig(heldout_episodes=-1)
 
 

@@ -48,7 +48,7 @@ def test_dropout_one_shows_the_null_context_zero_the_own_and_between_per_sample(
     assert torch.equal(seen[-1], batch["context"])
     with pytest.raises(ValueError, match="prompt_dropout must be in"):
         step.enable_prompt_dropout(1.5, null)
-    with pytest.raises(ValueError, match=r"train.prompt_dropout must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"train.prompt_dropout: must be in \[0, 1\]"):
         TrainConfig(prompt_dropout=-0.1)
 
 

@@ -1,0 +1,103 @@
+"""A tracking URI with credentials (http://user:password@host, ?token=...) never reaches a log, a printed
+summary, a Prefect artifact or an error message as it is."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.flows.test_sft_pipeline import _fake_stages, prefect_env  # noqa: F401  (the ephemeral Prefect fixture)
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = "s3cr3t-pw"
+SECRET_URI = f"https://lab:{SECRET}@mlflow.example.org:5000/?token={SECRET}&workspace=robots"
+
+
+@pytest.mark.parametrize("uri, masked", [
+    ("http://user:pass@host:5000", "http://user:***@host:5000"),
+    ("https://user:p@ss@host/path?x=1", "https://user:***@host/path?x=1"),
+    ("https://ghp_abc123@host/api", "https://***@host/api"),
+    ("https://host/api?access_token=abc&run=1&X-Amz-Signature=ff#frag",
+     "https://host/api?access_token=***&run=1&X-Amz-Signature=***#frag"),
+    ("postgresql://mlflow:pw@db:5432/mlflow", "postgresql://mlflow:***@db:5432/mlflow"),
+    ("sqlite:////work/mlruns/mlflow.db", "sqlite:////work/mlruns/mlflow.db"),
+    ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
+    ("databricks", "databricks"),
+])
+def test_mask_uri(uri, masked):
+    from tasks.tracking import mask_uri
+
+    assert mask_uri(uri) == masked
+
+
+def test_the_pipeline_summary_masks_the_tracking_and_prefect_uris(tmp_path, monkeypatch):
+    from flows.commands import where_to_look
+
+    monkeypatch.setenv("PREFECT_API_URL", f"https://ops:{SECRET}@prefect.example.org/api")
+    summary = {"profile": "demo", "cached_stages": [], "package": "p.tar.gz", "mlflow_uri": SECRET_URI,
+               "experiment": "dreamzero-demo", "mlflow_run_id": "abc", "promotion": None, "action_error": None}
+    text = where_to_look(summary, tmp_path)
+    assert SECRET not in text
+    assert "https://lab:***@mlflow.example.org:5000/?token=***&workspace=robots" in text
+    assert "https://ops:***@prefect.example.org" in text
+
+
+def test_ending_a_run_prints_no_credentials(monkeypatch, capsys):
+    """MLflow prints a link to each run it ends, built from the tracking URI."""
+    from mlflow.entities import Run, RunData, RunInfo
+    from mlflow.store.tracking.rest_store import RestStore
+
+    from tasks.tracking import Tracker
+
+    info = RunInfo(run_id="r1", experiment_id="1", user_id="u", status="RUNNING", start_time=0, end_time=None,
+                   lifecycle_stage="active", run_name="fetch")
+    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)
+    monkeypatch.setattr(RestStore, "get_run", lambda self, run_id: Run(info, RunData()))
+    monkeypatch.setattr(RestStore, "update_run_info", lambda self, *a, **k: info)
+    Tracker(SECRET_URI, "1", "r1", "demo").end()
+    out = capsys.readouterr()
+    assert SECRET not in out.out + out.err
+
+
+def test_a_registry_error_masks_the_tracking_uri(monkeypatch, tmp_path):
+    from mlflow.exceptions import MlflowException
+
+    from tasks import tracking
+
+    class Unreachable:
+        def get_model_version(self, name, version):
+            raise MlflowException("RESOURCE_DOES_NOT_EXIST: no such version")
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", SECRET_URI)
+    monkeypatch.setattr(tracking, "_client", lambda uri: Unreachable())
+    with pytest.raises(tracking.RegistryError) as err:
+        tracking.resolve_registered_bundle("models:/dreamzero-demo/7", tmp_path / "params.yaml", tmp_path)
+    assert SECRET not in str(err.value) and "lab:***@mlflow.example.org" in str(err.value)
+
+
+def test_the_flow_logs_and_artifacts_hold_no_credentials(prefect_env, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """The whole flow against a tracking server with a password in its URI (MLflow itself stubbed out)."""
+    from prefect.client.orchestration import get_client
+
+    from dzmodel import pipeline
+    from flows.sft_pipeline import sft_pipeline
+    from tasks.tracking import Tracker
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", SECRET_URI)
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", _fake_stages([]))
+    monkeypatch.setattr(Tracker, "start", classmethod(lambda cls, prof, profile, paths, **kw: cls(
+        SECRET_URI, "1", "run0", profile)))
+    for method in ("log_stage", "end", "train_rows"):
+        monkeypatch.setattr(Tracker, method, lambda self, *a, **k: None)
+
+    summary = sft_pipeline("demo", root=str(tmp_path), promote=False)
+    with get_client(sync_client=True) as client:
+        logs = [log.message for log in client.read_logs()]
+        artifacts = [str(a.data) + str(a.description) for a in client.read_artifacts()]
+    out = capsys.readouterr()
+    assert any("lab:***@mlflow.example.org" in m for m in logs)  # the run's tracking URI is logged, masked
+    for text in [*logs, *artifacts, str(summary), out.out, out.err]:
+        assert SECRET not in text
