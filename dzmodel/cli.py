@@ -328,6 +328,7 @@ def resolve_bundle_source(source: str) -> str:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from .serve.bundles import TRUST_ENV, BundleError, load_trusted_key
     from .serve.protocol import RequestLimits
     from .serve.server import ServeError, ServerLimits, serve_bundle
 
@@ -336,24 +337,22 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         if token:
             raise CLIError("--no-auth and a token (DZ_SERVE_TOKEN or --token-file) contradict each other; pick one")
         token = None
-    if ns.trust:
-        from .serve.bundles import TRUST_ENV, BundleError, load_trusted_key
-
-        try:
-            load_trusted_key(ns.trust)
-        except BundleError as exc:
-            raise CLIError(str(exc)) from None
-        os.environ[TRUST_ENV] = str(Path(ns.trust).resolve())  # the bundle loader requires its signature
     elif not token:
         raise CLIError("dz serve needs a token: set DZ_SERVE_TOKEN or pass --token-file FILE "
                        "(or --no-auth for clients that send none, such as RoboArena's evaluator)")
+    trust = ns.trust or os.environ.get(TRUST_ENV) or None
+    if trust:
+        try:
+            load_trusted_key(trust)  # a bad key file is refused before the model loads
+        except BundleError as exc:
+            raise CLIError(str(exc)) from None
     limits = ServerLimits(max_sessions=ns.max_sessions, sessions_per_connection=ns.sessions_per_connection,
                           max_connections=ns.max_connections, max_frame_bytes=int(ns.max_frame_mib * 2**20),
                           max_connections_per_client=ns.max_connections_per_client, idle_timeout_s=ns.idle_timeout,
                           request=RequestLimits(max_frames=ns.max_frames))
     try:
         serve_bundle(resolve_bundle_source(ns.bundle), token, ns.host, ns.port, ns.device, limits,
-                     solver_from(ns), ns.certfile, ns.keyfile, compile=False if ns.no_compile else None)
+                     solver_from(ns), ns.certfile, ns.keyfile, compile=False if ns.no_compile else None, trust=trust)
     except ServeError as exc:
         raise CLIError(str(exc)) from None
     return EXIT_OK

@@ -545,9 +545,10 @@ def configure_logging() -> None:
 
 def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu",
                  limits: ServerLimits = ServerLimits(), solver=None, certfile: str | None = None,
-                 keyfile: str | None = None, compile: bool | None = None) -> None:
+                 keyfile: str | None = None, compile: bool | None = None, trust: str | None = None) -> None:
     """Load, verify and serve a bundle; token None means no auth (the caller asked for it explicitly).
-    compile: torch.compile the DiT block (default on CUDA); the GPU path is warmed up before the port opens."""
+    compile: torch.compile the DiT block (default on CUDA); the GPU path is warmed up before the port opens.
+    trust: an ed25519 public key file; the bundle must carry its valid MANIFEST.sig (default: DZ_TRUST_KEY)."""
     import torch
 
     from ..eval.policy import load_policy
@@ -555,7 +556,7 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
 
     ssl = tls_context(certfile, keyfile)
     auth = TokenAuth(token) if token is not None else None
-    pkg = load_package(bundle)
+    pkg = load_package(bundle, trust=trust)
     policy = BundlePolicy(load_policy(pkg.model_dir, device=device, solver=solver))
     configure_logging()
     if torch.device(device).type == "cuda":

@@ -163,3 +163,16 @@ def test_dz_package_sign_and_dz_serve_trust(model, tmp_path, monkeypatch, capsys
                  "--out", str(tmp_path / "out")]) == 2
     assert f"{pub}: not an ed25519 private key" in capsys.readouterr().err
     assert not (tmp_path / "out" / "dreamzero-tabletop_pusher-1.0.2").exists()
+
+
+def test_dz_serve_trust_never_turns_auth_off_and_no_auth_still_serves(tmp_path, monkeypatch, capsys):
+    """--trust is about the bundle, not the clients: a token is still required, and --no-auth still works."""
+    _, pub = keypair(tmp_path)
+    monkeypatch.delenv("DZ_SERVE_TOKEN", raising=False)
+    monkeypatch.delenv("DZ_TRUST_KEY", raising=False)
+    missing = tmp_path / "missing.tar.gz"
+    assert main(["serve", "--trust", str(pub), str(missing)]) == 2
+    assert "dz serve needs a token" in capsys.readouterr().err
+    assert main(["serve", "--no-auth", str(missing)]) == 2  # gets as far as the bundle
+    err = capsys.readouterr().err
+    assert "needs a token" not in err and str(missing) in err
