@@ -59,5 +59,11 @@ def replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> None:
         return
     trash = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
     os.replace(dest, trash / "old")
-    os.replace(tmp, dest)
+    try:
+        os.replace(tmp, dest)
+    except BaseException:  # the old tree goes back: `dest` is never left absent by a failed swap
+        if not dest.exists():
+            os.replace(trash / "old", dest)
+            trash.rmdir()
+        raise
     shutil.rmtree(trash, ignore_errors=True)

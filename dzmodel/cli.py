@@ -309,20 +309,23 @@ def read_token(token_file: str | None) -> str | None:
     return os.environ.get("DZ_SERVE_TOKEN") or None
 
 
-def resolve_bundle_source(source: str) -> str:
+def resolve_bundle_source(source: str) -> tuple[str, str | None]:
     """A bundle path as given, or a URI (models:/<name>@<alias>) resolved by a `dz.bundle_resolvers` entry point
-    (the pipeline package resolves models:/ through MLflow; the library itself imports no MLflow)."""
+    (the pipeline package resolves models:/ through MLflow; the library itself imports no MLflow). Returns
+    (path, the MANIFEST sha256 the registry pinned, or None)."""
     from importlib.metadata import entry_points
 
     scheme = source.split(":/", 1)[0] if ":/" in source else None
     if scheme is None or (len(scheme) == 1 and sys.platform == "win32"):
-        return source
+        return source, None
     found = [ep for ep in entry_points(group="dz.bundle_resolvers") if ep.name == scheme]
     if not found:
         raise CLIError(f"{source}: nothing resolves {scheme}:/ URIs here (models:/ needs the pipeline extras, "
                        "i.e. MLflow: `make setup`)")
     try:
-        return str(found[0].load()(source))
+        resolved = found[0].load()(source)
+        path, digest = resolved if isinstance(resolved, tuple) else (resolved, None)
+        return str(path), digest
     except ImportError as exc:
         raise CLIError(f"{source}: {scheme}:/ URIs need {exc.name} (the pipeline extras: `make setup`)") from None
 
@@ -346,13 +349,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             load_trusted_key(trust)  # a bad key file is refused before the model loads
         except BundleError as exc:
             raise CLIError(str(exc)) from None
-    limits = ServerLimits(max_sessions=ns.max_sessions, sessions_per_connection=ns.sessions_per_connection,
-                          max_connections=ns.max_connections, max_frame_bytes=int(ns.max_frame_mib * 2**20),
-                          max_connections_per_client=ns.max_connections_per_client, idle_timeout_s=ns.idle_timeout,
-                          request=RequestLimits(max_frames=ns.max_frames))
     try:
-        serve_bundle(resolve_bundle_source(ns.bundle), token, ns.host, ns.port, ns.device, limits,
-                     solver_from(ns), ns.certfile, ns.keyfile, compile=False if ns.no_compile else None, trust=trust)
+        limits = ServerLimits(max_sessions=ns.max_sessions, sessions_per_connection=ns.sessions_per_connection,
+                              max_connections=ns.max_connections, max_frame_bytes=int(ns.max_frame_mib * 2**20),
+                              max_connections_per_client=ns.max_connections_per_client, idle_timeout_s=ns.idle_timeout,
+                              request=RequestLimits(max_frames=ns.max_frames))
+        bundle, manifest_sha256 = resolve_bundle_source(ns.bundle)
+        serve_bundle(bundle, token, ns.host, ns.port, ns.device, limits, solver_from(ns), ns.certfile, ns.keyfile,
+                     compile=False if ns.no_compile else None, trust=trust, manifest_sha256=manifest_sha256)
     except ServeError as exc:
         raise CLIError(str(exc)) from None
     return EXIT_OK

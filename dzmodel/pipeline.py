@@ -29,7 +29,7 @@ from typing import Any
 from .atomic import atomic_write_text
 from .config import Profile, StagePaths, profile_dict, train_config
 from .dirlock import directory_lock
-from .outputs import fresh_stage_dir, publish_dir
+from .outputs import OWNER_MARKER, fresh_stage_dir, mark, owner, publish_dir
 from .proctree import kill_tree
 from .stages import STAGES
 from .stages import stage_params as _params_of
@@ -66,9 +66,9 @@ def _fresh_dir(path: Path) -> Path:
     return fresh_stage_dir(path, "pipeline")
 
 
-def _stage_output(path: Path, stage: str):
+def _stage_output(path: Path):
     """Build a stage's whole output in a temporary sibling, renamed over `path` when done (dzmodel/outputs.py)."""
-    return publish_dir(path, stage, flag="stage output", override="")
+    return publish_dir(path, "pipeline", flag="stage output", override="")
 
 
 def files_under(root: Path) -> list[tuple[str, Path]]:
@@ -76,7 +76,8 @@ def files_under(root: Path) -> list[tuple[str, Path]]:
     root = Path(root)
     if root.is_file():
         return [(root.name, root)]
-    return [(str(p.relative_to(root)), p) for p in sorted(root.rglob("*")) if p.is_file()] if root.exists() else []
+    return [(str(p.relative_to(root)), p) for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != OWNER_MARKER] if root.exists() else []  # the marker is not an output
 
 
 def fingerprint(*paths: Path) -> str:
@@ -159,7 +160,7 @@ def stage_vision(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     from .train.vision import VAE_FILE, pretrain_vae
 
     assert paths.vision_vae.name == VAE_FILE
-    with _stage_output(out, "vision") as tmp:
+    with _stage_output(out) as tmp:
         report = pretrain_vae(train_config(prof, paths, vision_vae=False), tmp, steps=v.steps, batch_size=v.batch_size,
                               lr=v.lr, clip_frames=v.clip_frames, kl_weight=v.kl_weight,
                               heldout_episodes=v.heldout_episodes, device=v.device, num_workers=v.num_workers,
@@ -195,7 +196,7 @@ def stage_cache(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     if cfg.preset in OFFLINE_PRESETS and Path(cfg.tokenizer) == paths.run / "tokenizer":
         build_tiny_tokenizer(paths.run / "tokenizer")  # deterministic bytes: rebuilding changes nothing
     build_cache(cfg, out, stride=prof.cache.stride, batch_size=prof.cache.batch_size,
-                device="cuda" if _cuda() else "cpu")
+                device="cuda" if _cuda() else "cpu", command="pipeline")
     log(f"cache: wrote {out}")
     return {"cache": str(out)}
 
@@ -458,7 +459,7 @@ def stage_convert(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     if not saved:
         raise FileNotFoundError(f"{paths.stage('train')}: no complete checkpoint to convert (run the train stage)")
     out = paths.stage("converted")
-    with _stage_output(out, "convert") as tmp:
+    with _stage_output(out) as tmp:
         progress = Progress(len(saved), desc="convert", unit="ckpt")
         for step, ckpt in saved:
             convert_checkpoint(ckpt, tmp / f"step_{step:07d}", max_shard_bytes=int(prof.convert.max_shard_gib * 2**30),
@@ -633,7 +634,7 @@ def stage_package(prof: Profile, paths: StagePaths, log: Log = _print) -> dict:
     out = paths.stage("package")
     eval_dir = paths.stage("eval")
     has_eval = (eval_dir / "results.csv").is_file()
-    with _stage_output(out, "package") as tmp:
+    with _stage_output(out) as tmp:
         bundle, tarball = build_package(model, tmp, RobotConfig.from_dict(prof.package.robot, "package.robot"),
                                         prof.package.version, eval_dir if has_eval else None, prof.package.name)
     bundle, tarball = out / bundle.relative_to(tmp), out / tarball.relative_to(tmp)
@@ -675,11 +676,25 @@ def _record(name: str, paths: StagePaths) -> Path:
     return paths.run / "stages" / f"{name}.json"
 
 
+# stages whose outputs are rebuilt whole (fetch has its own marker; train's run directory is resumed, never rebuilt)
+REBUILT_STAGES = ("metadata", "vision", "cache", "convert", "eval", "package")
+
+
+def _adopt_earlier_outputs(name: str, paths: StagePaths) -> None:
+    """Outputs that this stage wrote before directories carried the ownership marker: its record says so."""
+    if name not in REBUILT_STAGES or not _record(name, paths).is_file():
+        return
+    for out in stage_outputs(name, paths):
+        if out.is_dir() and owner(out) is None:
+            mark(out, "pipeline")
+
+
 def run_stage(name: str, prof: Profile, paths: StagePaths, log: Log = _print, **kwargs) -> dict:
     """Run one stage; record its result, with its outputs' fingerprint, in runs/<profile>/stages/<name>.json."""
     if name not in STAGE_FUNCTIONS:
         raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     started = time.time()
+    _adopt_earlier_outputs(name, paths)
     _record(name, paths).unlink(missing_ok=True)  # no record while its outputs are being rewritten
     result = STAGE_FUNCTIONS[name](prof, paths, log=log, **kwargs)
     result["stage"] = name

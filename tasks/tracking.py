@@ -124,7 +124,7 @@ class Tracker:
             all_tags["mlflow.source.git.commit"] = commit
         run = client.create_run(exp_id, run_name=run_name or f"sft-{profile}-{time.strftime('%Y%m%d-%H%M%S')}",
                                 tags=all_tags)
-        params = [Param(k, json.dumps(v) if not isinstance(v, str) else v)
+        params = [Param(k, mask_uri(json.dumps(v) if not isinstance(v, str) else v))  # tracking.mlflow_uri, ...
                   for k, v in flatten(profile_dict(prof)).items()]
         params = [Param(p.key[:250], p.value[:6000]) for p in params]
         for i in range(0, len(params), 100):
@@ -413,6 +413,11 @@ def _referenced_bundle(ref_file: Path, roots: list[Path]) -> Path:
 
 
 def resolve_registered_bundle(uri: str, params_file: str | Path = "params.yaml", cache_dir: Path | None = None) -> Path:
+    return pinned_registered_bundle(uri, params_file, cache_dir)[0]
+
+
+def pinned_registered_bundle(uri: str, params_file: str | Path = "params.yaml",
+                             cache_dir: Path | None = None) -> tuple[Path, str]:
     """`models:/<name>@<alias>` or `models:/<name>/<version>` -> a local bundle directory (downloaded into the
     bundle cache's registry/ folder, once per version), for `dz serve` to verify and serve.
 
@@ -473,4 +478,4 @@ def resolve_registered_bundle(uri: str, params_file: str | Path = "params.yaml",
         raise RegistryError(f"{bundle / MANIFEST}: sha256 {digest} does not match {expected}, registered for {uri} "
                             f"(version {mv.version}): {where} was changed after registration; refused")
     print(f"{uri} -> version {mv.version} ({source})", flush=True)
-    return bundle
+    return bundle, expected  # the loader checks the MANIFEST against it again as it reads the files

@@ -217,7 +217,7 @@ def fetch_dataset(
     if kind == "local" and dest.resolve() == Path(resolved):
         raise DataError(f"dest_root: {dest} is the source directory itself")
 
-    check_output_dir(dest, flag="dest", overwrite=True)  # a file in the way; foreign directories: the fetch marker
+    check_output_dir(dest, flag="dest")  # a file in the way (foreign directories: the fetch marker, below)
     dest_root.mkdir(parents=True, exist_ok=True)
     with directory_lock(dest_root):
         if dest.exists():

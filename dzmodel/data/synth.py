@@ -353,7 +353,7 @@ def make_synthetic_dataset(
         raise DataError(f"motion: must be one of {list(MOTIONS)}, got {motion!r}")
     if embodiment not in EMBODIMENTS:
         raise DataError(f"embodiment: must be one of {list(EMBODIMENTS)}, got {embodiment!r}")
-    check_output_dir(out_dir, flag="out_dir", overwrite=overwrite)  # a file, or a directory dz did not write
+    check_output_dir(out_dir, flag="out_dir", overwrite=overwrite, command="data synth")  # a file, or not ours
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise DataError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
 
@@ -363,6 +363,7 @@ def make_synthetic_dataset(
         _write_dataset(tmp, num_episodes, episode_length, image_size, fps, codec, seed, chunks_size, crf, motion,
                        embodiment)
         mark(tmp, "data synth")
+        check_output_dir(out_dir, flag="out_dir", overwrite=overwrite, command="data synth")  # appeared meanwhile?
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

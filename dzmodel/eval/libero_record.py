@@ -294,7 +294,7 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
     from .libero_env import (EnvWorkerPool, EpisodeInit, WorkerCrashed, check_libero, env_action,
                              ensure_libero_config, get_suite)
 
-    out = check_output_dir(Path(out).expanduser(), overwrite=overwrite)  # a file, or a directory dz did not write
+    out = check_output_dir(Path(out).expanduser(), overwrite=overwrite, command="data record")  # a file, or not ours
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise DataError(f"--out: {out} already exists (pass --overwrite to replace it)")
     ensure_libero_config()
@@ -471,7 +471,7 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
                             f"{[t.index for t in tasks]}); nothing was written")
         writer.finish(extra_info={"dz_recording": options})
         (tmp / RECORDING_FILE).write_text(json.dumps(summary, indent=1) + "\n")
-        _publish(tmp, out)
+        _publish(tmp, out, overwrite)
     except BaseException:
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -531,7 +531,7 @@ def _per_task(tasks, results: list[_Attempt], kept: list[dict], object_xy_index:
     return rows
 
 
-def _publish(tmp: Path, out: Path) -> None:
+def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
     """Rename the finished dataset into place (replacing an old one only now that the new one is whole);
     directories group-readable, as the rest of the pipeline's outputs."""
     for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
@@ -539,6 +539,7 @@ def _publish(tmp: Path, out: Path) -> None:
     for f in (p for p in tmp.rglob("*") if p.is_file()):
         os.chmod(f, 0o644)
     mark(tmp, "data record")
+    check_output_dir(out, overwrite=overwrite, command="data record")  # a user's files that appeared meanwhile
     replace_dir(tmp, out)
 
 

@@ -166,6 +166,16 @@ class ServerLimits:
     ping_timeout_s: float = 20.0          # to answer a ping, or a close
     request: RequestLimits = RequestLimits()
 
+    def __post_init__(self):
+        for name in ("max_sessions", "sessions_per_connection", "max_connections", "max_connections_per_client",
+                     "max_frame_bytes"):
+            if not getattr(self, name) >= 1:
+                raise ServeError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("idle_timeout_s", "ping_interval_s", "ping_timeout_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and value != float("inf")):  # NaN fails both
+                raise ServeError(f"{name} must be a finite number of seconds >= 0 (0: off), got {value}")
+
 
 @dataclass
 class ServerStats:
@@ -545,10 +555,12 @@ def configure_logging() -> None:
 
 def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu",
                  limits: ServerLimits = ServerLimits(), solver=None, certfile: str | None = None,
-                 keyfile: str | None = None, compile: bool | None = None, trust: str | None = None) -> None:
+                 keyfile: str | None = None, compile: bool | None = None, trust: str | None = None,
+                 manifest_sha256: str | None = None) -> None:
     """Load, verify and serve a bundle; token None means no auth (the caller asked for it explicitly).
     compile: torch.compile the DiT block (default on CUDA); the GPU path is warmed up before the port opens.
-    trust: an ed25519 public key file; the bundle must carry its valid MANIFEST.sig (default: DZ_TRUST_KEY)."""
+    trust: an ed25519 public key file; the bundle must carry its valid MANIFEST.sig (default: DZ_TRUST_KEY).
+    manifest_sha256: the MANIFEST's digest a registry pinned (checked again as the files are read)."""
     import torch
 
     from ..eval.policy import load_policy
@@ -556,7 +568,7 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
 
     ssl = tls_context(certfile, keyfile)
     auth = TokenAuth(token) if token is not None else None
-    pkg = load_package(bundle, trust=trust)
+    pkg = load_package(bundle, trust=trust, manifest_sha256=manifest_sha256)
     policy = BundlePolicy(load_policy(pkg.model_dir, device=device, solver=solver))
     configure_logging()
     if torch.device(device).type == "cuda":

@@ -49,8 +49,9 @@ class CacheWriter:
     replaced only if dz wrote it (dzmodel/outputs.py), or with `overwrite`."""
 
     def __init__(self, out_dir: str | Path, null_context: torch.Tensor, shard_size: int = 256,
-                 overwrite: bool = False):
-        self.out, self.overwrite = check_output_dir(out_dir, overwrite=overwrite), overwrite
+                 overwrite: bool = False, command: str = "cache"):
+        self.overwrite, self.command = overwrite, command
+        self.out = check_output_dir(out_dir, overwrite=overwrite, command=command)
         self.tmp = new_temp_dir(self.out)
         self.shard_size = shard_size
         self.prompts: dict[str, int] = {}
@@ -88,8 +89,8 @@ class CacheWriter:
         index = {"version": CACHE_VERSION, **index, "prompts": list(self.prompts), "shards": self.shards,
                  "samples": sum(s["samples"] for s in self.shards)}
         (self.tmp / "index.json").write_text(json.dumps(index, indent=1))
-        mark(self.tmp, "cache")
-        check_output_dir(self.out, overwrite=self.overwrite)  # something may have appeared meanwhile
+        mark(self.tmp, self.command)
+        check_output_dir(self.out, overwrite=self.overwrite, command=self.command)  # something may have appeared
         replace_dir(self.tmp, self.out)
         return self.out
 
@@ -106,10 +107,11 @@ class CacheWriter:
 
 def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_size: int = 8, shard_size: int = 256,
                 tokenizer=None, encoders=None, device: str = "cpu", progress: bool = True,
-                overwrite: bool = False) -> Path:
+                overwrite: bool = False, command: str = "cache") -> Path:
+    """command: whose output the cache directory is (the pipeline builds its stage's as "pipeline")."""
     from .trainer import size_to_embodiment, training_windows
 
-    check_output_dir(out_dir, overwrite=overwrite)  # before the encoders load
+    check_output_dir(out_dir, overwrite=overwrite, command=command)  # before the encoders load
     cfg = size_to_embodiment(cfg)  # the same widths the trainer will build
     a = preset(cfg.preset, **cfg.model_overrides)
     emb = get_embodiment(cfg.embodiment, load_embodiments(cfg.embodiment_files))
@@ -124,7 +126,7 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
         tokenizer = load_tokenizer(cfg.tokenizer)
     collate = Collator(tokenizer, a.text_len, a.max_state_dim, a.action_dim)
     writer = CacheWriter(out_dir, encode_prompts(tokenizer, encoders.text_encoder, [NULL_PROMPT], a.text_len, device),
-                         shard_size, overwrite=overwrite)
+                         shard_size, overwrite=overwrite, command=command)
     with writer.discarded_on_failure():
         items = [(d, i) for d, ds in enumerate(datasets) for i in range(0, len(ds), stride)]
         bar = Progress(len(items), enabled=progress, desc="cache", unit="sample")

@@ -91,6 +91,10 @@ def read_metadata_safely(path: Path) -> Metadata:
         raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: {exc})") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+    for info in (metadata.storage_data or {}).values():  # shard files sit beside .metadata, nowhere else
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or rel in ("", ".", "..") or Path(rel).name != rel or "\\" in rel:
+            raise CheckpointError(f"{path}: refers to a shard file {rel!r} outside the checkpoint directory")
     return metadata
 
 

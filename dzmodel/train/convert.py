@@ -74,7 +74,7 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes:
     """weights: "raw" (the optimizer's) or "ema" (the moving average a run with train.ema_decay kept).
     `out` must be absent, empty or an earlier dz output; `overwrite` replaces any directory."""
     ckpt = Path(checkpoint)
-    out = check_output_dir(out, overwrite=overwrite)  # before the minutes of loading, not after
+    out = check_output_dir(out, overwrite=overwrite, command="convert")  # before the minutes of loading
     state = json.loads((ckpt / "trainer_state.json").read_text())
     cfg = TrainConfig.from_dict(state["config"])
     if adapters_only and not cfg.lora.enabled:

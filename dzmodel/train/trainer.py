@@ -382,11 +382,11 @@ class Trainer:
         # Rank 0 owns the run directory: a second run on it (or workers orphaned by a killed torchrun) would
         # interleave metrics and overwrite checkpoints.
         if self.info.rank == 0 and not list_checkpoints(self.out):  # a run with checkpoints is dz's own: it resumes
-            check_output_dir(self.out, flag="out_dir", overwrite=self.overwrite)
+            check_output_dir(self.out, flag="out_dir", overwrite=self.overwrite, command="train")
         lock = (directory_lock(self.out, wait=False, what="another `dz train`") if self.info.rank == 0
                 else contextlib.nullcontext())
         with lock:
-            if self.info.rank == 0 and not is_ours(self.out):
+            if self.info.rank == 0 and not is_ours(self.out, "train"):
                 mark(self.out, "train")
             return self._run()
 

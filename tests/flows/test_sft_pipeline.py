@@ -4,6 +4,7 @@ rerun; MLflow gets a parent run with nested stage runs, and the registry gate de
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -195,8 +196,10 @@ def test_models_uris_resolve_to_the_promoted_bundle(prefect_env, tmp_path, monke
     monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", _fake_stages([]))
     sft_pipeline("demo", root=str(tmp_path))  # version 1, promoted by the demo's action-error gate
     monkeypatch.chdir(tmp_path)
-    bundle = Path(resolve_bundle_source("models:/dreamzero-demo@production"))
+    path, pinned = resolve_bundle_source("models:/dreamzero-demo@production")
+    bundle = Path(path)
     assert bundle.name == "dreamzero-demo-3" and (bundle / "MANIFEST").read_text() == "stand-in manifest\n"
+    assert pinned == hashlib.sha256(b"stand-in manifest\n").hexdigest()  # passed on to the loader
     assert bundle.is_relative_to(tmp_path / "cache" / "registry" / "dreamzero-demo" / "1")
     assert resolve_registered_bundle("models:/dreamzero-demo/1") == bundle  # by version, cached
     with pytest.raises(RegistryError, match="not found"):

@@ -89,3 +89,16 @@ def test_truncated_metadata_is_one_clear_error(tmp_path):
     meta = ckpt / ".metadata"
     meta.write_bytes(meta.read_bytes()[:40])
     _refused(ckpt, tmp_path / "nothing", r"\.metadata: unreadable checkpoint metadata")
+
+
+def test_metadata_naming_a_shard_outside_the_checkpoint_is_refused(tmp_path):
+    """The vetted metadata still chooses which files are read: only files beside it."""
+    from dzmodel.train.checkpoint import read_metadata_safely
+
+    model, opt = _model()
+    ckpt = save_checkpoint(tmp_path / "run", 1, model, opt, {"step": 1}, {})
+    meta = read_metadata_safely(ckpt / ".metadata")
+    for info in meta.storage_data.values():
+        info.relative_path = "../../../../etc/passwd"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+    _refused(ckpt, tmp_path / "nothing", r"shard file '\.\./\.\./\.\./\.\./etc/passwd' outside")

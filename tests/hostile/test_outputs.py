@@ -212,3 +212,86 @@ def test_outputs_are_readable_by_the_group(tmp_path):
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) & 0o050 == 0o050
     claim_dir(tmp_path / "claimed", "test")
     assert stat.S_IMODE((tmp_path / "claimed").stat().st_mode) & 0o050 == 0o050
+
+
+def test_another_commands_output_is_never_replaced(made, tmp_path, capsys):
+    """A run directory or a releases folder is dz's, but not convert's or cache's to replace."""
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", *_data(made), "--steps", "1", "--out", str(run)]) == 0
+    releases = tmp_path / "releases"
+    assert main(["package", str(made / "hf"), "--robot", str(made / "robot.json"), "--version", "1.0.0",
+                 "--out", str(releases)]) == 0
+    capsys.readouterr()
+    for target in (run, releases):
+        before = _snapshot(target)
+        for argv in (COMMANDS["convert"](made, target), COMMANDS["cache"](made, target),
+                     COMMANDS["data synth"](made, target), COMMANDS["eval probe"](made, target)):
+            assert main(argv) != 0
+            err = _one_line_error(capsys)
+            assert str(target) in err and "another command's output" in err, err
+        assert _snapshot(target) == before
+
+
+def test_data_synth_keeps_files_that_appear_in_out_while_it_builds(tmp_path, monkeypatch, capsys):
+    import dzmodel.data.synth as synth
+
+    out = tmp_path / "ds"
+    real = synth._write_dataset
+
+    def meanwhile(root, *args):
+        real(root, *args)
+        out.mkdir(exist_ok=True)
+        (out / "users_notes.txt").write_text("mine")
+
+    monkeypatch.setattr(synth, "_write_dataset", meanwhile)
+    assert main(COMMANDS["data synth"](None, out)) != 0
+    assert "did not write" in _one_line_error(capsys)
+    assert (out / "users_notes.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["users_notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+
+def test_the_pipeline_adopts_its_own_earlier_stage_outputs_and_nothing_else(tmp_path):
+    """Stage outputs written before directories carried the marker are the pipeline's when its stage record
+    says so; a directory in a stage's place without that record is refused, untouched."""
+    from dzmodel.config import StagePaths
+    from dzmodel.outputs import OutputError
+    from dzmodel.pipeline import _adopt_earlier_outputs, _fresh_dir, content_fingerprint
+
+    paths = StagePaths(tmp_path, "demo")
+    legacy = paths.stage("eval")
+    legacy.mkdir(parents=True)
+    (legacy / "results.csv").write_text("step,rate\n")
+    with pytest.raises(OutputError, match="Its place is fixed"):
+        _fresh_dir(legacy)
+    assert (legacy / "results.csv").is_file()
+    before = content_fingerprint(legacy)
+    (paths.run / "stages").mkdir()
+    (paths.run / "stages" / "eval.json").write_text("{}")
+    _adopt_earlier_outputs("eval", paths)
+    assert content_fingerprint(legacy) == before  # the marker is not part of an output
+    assert _fresh_dir(legacy) == legacy and sorted(p.name for p in legacy.iterdir()) == [".dz-output"]
+
+
+def test_a_failed_swap_puts_the_old_output_back(tmp_path, monkeypatch):
+    import os
+
+    from dzmodel.atomic import replace_dir
+
+    dest, tmp = tmp_path / "out", tmp_path / "new"
+    dest.mkdir()
+    (dest / "v").write_text("old")
+    tmp.mkdir()
+    real, calls = os.replace, []
+
+    def second_fails(a, b):
+        calls.append((a, b))
+        if len(calls) == 2:
+            raise OSError("the rename failed")
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", second_fails)
+    with pytest.raises(OSError, match="rename failed"):
+        replace_dir(tmp, dest)
+    monkeypatch.undo()
+    assert (dest / "v").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "out"]

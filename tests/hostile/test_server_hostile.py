@@ -444,3 +444,13 @@ def test_every_refusal_leaves_one_log_line_with_its_reason(serve_log):
     assert counts == dict.fromkeys(expected, 1) | {expected[-1]: 2}, _lines(serve_log, ".")
     records = [r for r in serve_log.records if r.name.startswith("dzmodel.serve")]
     assert all(r.exc_info is None and "\n" not in r.getMessage() for r in records)
+
+
+@pytest.mark.parametrize("field, value", [("idle_timeout_s", -1.0), ("idle_timeout_s", float("nan")),
+                                          ("ping_timeout_s", float("inf")), ("max_connections_per_client", 0),
+                                          ("max_connections", 0), ("max_frame_bytes", 0)])
+def test_limits_that_would_refuse_every_client_are_one_clear_error(field, value):
+    from dzmodel.serve.server import ServeError
+
+    with pytest.raises(ServeError, match=field):
+        ServerLimits(**{field: value})
