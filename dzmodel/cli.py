@@ -172,7 +172,7 @@ def cmd_data_metadata(ns: argparse.Namespace) -> int:
 
     from .outputs import check_output_file
 
-    check_output_file(ns.out, _is_metadata_json, overwrite=ns.overwrite or ns.merge, what="a metadata.json")
+    check_output_file(ns.out, _is_metadata_json, overwrite=ns.overwrite, what="a metadata.json")  # --merge too
     emb = get_embodiment(ns.embodiment, _registry(ns))
     doc = embodiment_metadata(ns.dataset, emb, ns.out, merge=ns.merge, max_episodes=ns.max_episodes,
                               heldout_episodes=ns.heldout_episodes)

@@ -111,6 +111,8 @@ def test_data_metadata_refuses_a_file_it_did_not_write(made, tmp_path, capsys):
     assert main(argv) != 0
     err = _one_line_error(capsys)
     assert str(out) in err and "--overwrite" in err
+    assert main(argv + ["--merge"]) != 0  # merging into a user's JSON would rewrite it too
+    assert str(out) in _one_line_error(capsys)
     assert out.read_text() == '{"budget": 12}\n'
     out.unlink()
     assert main(argv) == 0 and main(argv) == 0  # its own earlier output is replaced
