@@ -5,6 +5,8 @@
     python3 docs/results/compile_small_repro.py --variant p111_segments_mb32   # one variant, in this process
     python3 docs/results/compile_small_repro.py --only p111_segments_mb128,p111_sdpa_mb128 --steps 10
                                                   # the shape that diverged: do compiled and eager track each other?
+    python3 docs/results/compile_small_repro.py --only p111_segments_mb128 --steps 4 --inductor triton.max_tiles=1
+                                                  # the same under an Inductor setting (torch._inductor.config)
 
 Found (H100, torch 2.11): without the fix (`--without-fix`) the `segments` variants fail with
     InductorError: TypeError: CantSplit.__init__() missing 2 required positional arguments: 'expr' and 'remaining'
@@ -47,8 +49,26 @@ VARIANTS = {
 }
 
 
-def run_variant(name: str, without_fix: bool = False, steps: int = 2) -> None:
+def set_inductor(settings: list[str]) -> None:
+    """`key=value` pairs onto torch._inductor.config (dotted keys: triton.max_tiles=1); values parsed as Python."""
+    import ast
+
+    import torch._inductor.config as config
+
+    for item in settings:
+        key, value = item.split("=", 1)
+        *path, leaf = key.split(".")
+        target = config
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, leaf, ast.literal_eval(value))
+        print(f"  inductor {key} = {getattr(target, leaf)!r}", flush=True)
+
+
+def run_variant(name: str, without_fix: bool = False, steps: int = 2, inductor: list[str] = ()) -> None:
     import torch
+
+    set_inductor(list(inductor))
 
     if without_fix:  # torch's own behaviour: the bare `raise CantSplit` stays a TypeError
         import dzmodel.model.compile_compat as compat
@@ -88,10 +108,12 @@ def main() -> int:
     p.add_argument("--without-fix", action="store_true", help="leave torch's CantSplit as it is (shows the failure)")
     p.add_argument("--steps", type=int, default=2, help="training steps per arm (each prints its losses and "
                    "gradient norms: compiled and eager should track each other)")
+    p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                   help="a torch._inductor.config setting for the compiled arm's process (repeatable)")
     ns = p.parse_args()
     if ns.variant:
         try:
-            run_variant(ns.variant, ns.without_fix, ns.steps)
+            run_variant(ns.variant, ns.without_fix, ns.steps, ns.inductor)
         except Exception as exc:  # the point: show where Inductor fails
             tb = traceback.format_exc().splitlines()
             print("\n".join(tb[-60:]))
@@ -101,6 +123,7 @@ def main() -> int:
     for name in (ns.only.split(",") if ns.only else VARIANTS):
         try:
             extra = (["--without-fix"] if ns.without_fix else []) + ["--steps", str(ns.steps)]
+            extra += [a for setting in ns.inductor for a in ("--inductor", setting)]
             proc = subprocess.run([sys.executable, __file__, "--variant", name, *extra], capture_output=True, text=True,
                                   timeout=ns.timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             out = proc.stdout + proc.stderr

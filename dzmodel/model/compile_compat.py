@@ -9,10 +9,14 @@ tiling candidate, and the whole compile fails:
 
 It hits the small preset's compiled blocks with the `segments` attention backend (the GPU default), at either patch
 size (`docs/results/compile_small_repro.py`; `sdpa` compiles). Giving the two arguments defaults restores what the
-code means: the candidate tiling is rejected and Inductor picks another. With it the blocks compile and matched eager
-ones at micro-batch 8, but at micro-batch 128 on an H100 they gave wrong gradients (docs/results.md, round 6): whether
-this work-around or another Inductor bug is the cause is not known yet, so `dz train` checks compiled against eager
-before it trains (`Trainer._check_compiled`).
+code means: the candidate tiling is rejected and Inductor picks another.
+
+`single_tile_dimension`: with that, the blocks compile and matched eager ones at micro-batch 8, but at micro-batch
+128 their backward computed wrong gradients (docs/results.md, round 6: norm 1,357 against eager's 4.3 at the first
+step on an H200, the forward's loss equal). Both come from Inductor's multi-dimensional tiling of the pointwise and
+reduction kernels: limited to one tiled dimension (`triton.max_tiles = 1`), the compiled gradients match eager
+ones (4.347, 1.249, 1.903, 2.061 against eager's 4.347, 1.249, 1.903, 2.062 over four steps). `dz train` still checks
+compiled against eager before it trains (`Trainer._check_compiled`), whatever the torch version.
 """
 
 from __future__ import annotations
@@ -41,3 +45,13 @@ def allow_bare_cantsplit() -> bool:
     cls.__init__ = __init__
     cls._dz_bare_ok = True
     return True
+
+
+def single_tile_dimension() -> None:
+    """Inductor tiles each generated kernel along one dimension only (see the module docstring). Process-wide: it
+    applies to every compile after it, which in training are only the model's blocks."""
+    try:
+        import torch._inductor.config as inductor
+    except Exception:  # pragma: no cover - a torch without Inductor
+        return
+    inductor.triton.max_tiles = 1

@@ -100,9 +100,10 @@ def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool) -> N
     graph-breaks and silently runs eager.
     """
     if compile:
-        from ..model.compile_compat import allow_bare_cantsplit
+        from ..model.compile_compat import allow_bare_cantsplit, single_tile_dimension
 
         allow_bare_cantsplit()  # torch 2.11: the small preset's blocks fail to compile without it
+        single_tile_dimension()  # ... and their backward computes wrong gradients at micro-batch 128 without this
     for block, plan in zip(model.blocks, block_recompute_plan(mode, len(model.blocks))):
         forward = block.forward
         if plan == "elementwise":

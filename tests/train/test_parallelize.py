@@ -149,3 +149,19 @@ def test_lora_under_elementwise_recompute_gives_the_plain_gradients():
     assert any(".lora_a" in n for n in grads["none"])
     for n, g in grads["none"].items():
         torch.testing.assert_close(grads["elementwise"][n], g, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_compiling_the_blocks_limits_inductor_to_one_tiled_dimension(monkeypatch):
+    """Inductor's multi-dimensional tiling miscompiled the blocks' backward (docs/results.md, round 7)."""
+    import torch._inductor.config as inductor
+
+    from dzmodel.model.args import preset
+    from dzmodel.model.wam import DreamZeroWAM
+    from dzmodel.train.parallelize import apply_recompute_and_compile
+
+    monkeypatch.setattr(inductor.triton, "max_tiles", 2)
+    model = DreamZeroWAM(preset("tiny"))
+    apply_recompute_and_compile(model, "none", compile=False)
+    assert inductor.triton.max_tiles == 2  # eager training leaves Inductor as it is
+    apply_recompute_and_compile(model, "none", compile=True)  # torch.compile is lazy: nothing compiles here
+    assert inductor.triton.max_tiles == 1
