@@ -295,7 +295,7 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
                              ensure_libero_config, get_suite)
 
     out = check_output_dir(Path(out).expanduser(), overwrite=overwrite, command="data record")  # a file, or not ours
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    if out.exists() and not overwrite:
         raise DataError(f"--out: {out} already exists (pass --overwrite to replace it)")
     ensure_libero_config()
     check_libero()

@@ -80,6 +80,7 @@ def test_a_registry_error_masks_the_tracking_uri(monkeypatch, tmp_path):
 def test_the_flow_logs_and_artifacts_hold_no_credentials(prefect_env, tmp_path, monkeypatch, capsys):  # noqa: F811
     """The whole flow against a tracking server with a password in its URI (MLflow itself stubbed out)."""
     from prefect.client.orchestration import get_client
+    from prefect.logging.handlers import APILogHandler
 
     from dzmodel import pipeline
     from flows.sft_pipeline import sft_pipeline
@@ -94,6 +95,7 @@ def test_the_flow_logs_and_artifacts_hold_no_credentials(prefect_env, tmp_path, 
         monkeypatch.setattr(Tracker, method, lambda self, *a, **k: None)
 
     summary = sft_pipeline("demo", root=str(tmp_path), promote=False)
+    APILogHandler().flush()  # logs reach the Prefect API in batches, in the background
     with get_client(sync_client=True) as client:
         logs = [log.message for log in client.read_logs()]
         artifacts = [str(a.data) + str(a.description) for a in client.read_artifacts()]

@@ -289,7 +289,10 @@ def test_an_oversized_frame_is_refused_with_1009():
     with ServerThread(FakePolicy(), TOKEN, limits=ServerLimits(max_frame_bytes=1 << 20)) as srv:
         ws = connect(srv.url, additional_headers={"Authorization": f"Api-Key {TOKEN}"}, max_size=None)
         ws.recv(timeout=10)
-        ws.send(pack(libero_obs(frames=8)))  # 8 x 2 views x 224 x 224 x 3 = 2.4 MB
+        try:  # refused from its header: the server may close before the client has sent the rest
+            ws.send(pack(libero_obs(frames=8)))  # 8 x 2 views x 224 x 224 x 3 = 2.4 MB
+        except (ConnectionClosed, OSError):
+            pass
         with pytest.raises(ConnectionClosed) as info:
             ws.recv(timeout=10)
         assert info.value.rcvd.code == 1009  # message too big

@@ -130,9 +130,10 @@ def test_a_run_with_dropout_resumes_bit_exact(data, tmp_path):
 
 def test_dropout_trains_the_unconditional_branch():
     """Two samples alike but for their prompt and their actions (+0.9 / -0.9): with dropout the model learns to
-    predict from the null context without the prompt, so its action loss there stays near where it began; without,
-    the null context is never trained and its prediction drifts with the conditional one (its loss rises)."""
-    def null_context_action_loss_after(p: float, steps: int = 20) -> tuple[float, float, float]:
+    predict from the null context without the prompt, so its action loss there falls; without, the null context is
+    never trained and its prediction drifts with the conditional one (its loss rises). 60 steps: at 20 the two
+    were within CPU-thread-count noise of each other."""
+    def null_context_action_loss_after(p: float, steps: int = 60) -> tuple[float, float, float]:
         trainer = build_trainer("tiny", None, 2, False, "none", "sdpa", "cache")
         a = trainer.args
         g = torch.Generator().manual_seed(5)
@@ -157,6 +158,7 @@ def test_dropout_trains_the_unconditional_branch():
 
     before, without, conditional = null_context_action_loss_after(0.0)
     before_d, with_dropout, _ = null_context_action_loss_after(0.5)
-    assert before == before_d and conditional < before  # the same start; the conditional branch learns
-    assert without > 1.2 * before  # measured 1.73 -> 2.40
-    assert with_dropout < 1.05 * before_d and with_dropout < 0.8 * without  # measured 1.73 -> 1.73
+    assert before == before_d and conditional < 0.8 * before  # the same start; the conditional branch learns
+    # measured with 1 and 2 CPU threads: without 1.73 -> 1.96 / 1.95, with dropout 1.73 -> 1.48 / 1.44
+    assert without > 1.05 * before
+    assert with_dropout < 0.9 * before_d and with_dropout < 0.8 * without
