@@ -43,14 +43,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from dzmodel.atomic import replace_dir
-from dzmodel.outputs import check_output_dir, mark
+from dzmodel.outputs import check_output_dir, publish_dir
 from dzmodel.data.errors import DataError
 from dzmodel.data.lerobot_writer import CODECS, LeRobotV3Writer, VectorFeature
 
@@ -357,17 +354,9 @@ def make_synthetic_dataset(
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise DataError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with publish_dir(out_dir, "data synth", flag="out_dir", overwrite=overwrite) as tmp:  # checked again at the end
         _write_dataset(tmp, num_episodes, episode_length, image_size, fps, codec, seed, chunks_size, crf, motion,
                        embodiment)
-        mark(tmp, "data synth")
-        check_output_dir(out_dir, flag="out_dir", overwrite=overwrite, command="data synth")  # appeared meanwhile?
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -20,8 +20,6 @@ Built in `<out>.tmp` and renamed.
 from __future__ import annotations
 
 import json
-import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,8 +31,7 @@ from ..data.embodiments import get_embodiment, load_embodiments
 from ..data.sampling import WindowSpec
 from ..model.args import preset
 from ..model.conditioning import NULL_PROMPT, encode_batch, encode_prompts
-from ..atomic import replace_dir
-from ..outputs import check_output_dir, mark, new_temp_dir, no_space_message
+from ..outputs import check_output_dir, publish_dir
 from ..progress import Progress
 from .config import TrainConfig
 from .encoders import frozen_encoders
@@ -43,16 +40,13 @@ CACHE_VERSION = 1
 
 
 class CacheWriter:
-    """Writes a cache directory in a temporary sibling of `out_dir` (rows in shards, one text row per unique
-    prompt, and the null prompt's row `null_context` [1, text_len, text_dim]) and renames it into place when
-    finished: a failed build never leaves a half cache under the real name, and an existing `out_dir` is
-    replaced only if dz wrote it (dzmodel/outputs.py), or with `overwrite`."""
+    """Writes a cache's files into `directory` (rows in shards, one text row per unique prompt, and the null
+    prompt's row `null_context` [1, text_len, text_dim]). Callers write into `outputs.publish_dir`'s temporary
+    sibling, so a failed build never leaves a half cache under the real name and an existing cache is replaced
+    only if dz wrote it, or with `overwrite`."""
 
-    def __init__(self, out_dir: str | Path, null_context: torch.Tensor, shard_size: int = 256,
-                 overwrite: bool = False, command: str = "cache"):
-        self.overwrite, self.command = overwrite, command
-        self.out = check_output_dir(out_dir, overwrite=overwrite, command=command)
-        self.tmp = new_temp_dir(self.out)
+    def __init__(self, directory: Path, null_context: torch.Tensor, shard_size: int = 256):
+        self.tmp = Path(directory)
         self.shard_size = shard_size
         self.prompts: dict[str, int] = {}
         self.text_rows: list[torch.Tensor] = []
@@ -82,27 +76,13 @@ class CacheWriter:
         self.shards.append({"file": name, "samples": int(tensors["prompt_index"].shape[0])})
         self.pending.clear()
 
-    def finish(self, **index) -> Path:
+    def finish(self, **index) -> None:
         self._flush()
         save_file({"context": torch.cat(self.text_rows), "null_context": self.null_context},
                   str(self.tmp / "text.safetensors"))
         index = {"version": CACHE_VERSION, **index, "prompts": list(self.prompts), "shards": self.shards,
                  "samples": sum(s["samples"] for s in self.shards)}
         (self.tmp / "index.json").write_text(json.dumps(index, indent=1))
-        mark(self.tmp, self.command)
-        check_output_dir(self.out, overwrite=self.overwrite, command=self.command)  # something may have appeared
-        replace_dir(self.tmp, self.out)
-        return self.out
-
-    @contextmanager
-    def discarded_on_failure(self):
-        """The temporary directory goes on any failure; a full disk is one line naming the cache."""
-        try:
-            with no_space_message(self.out):
-                yield
-        except BaseException:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise
 
 
 def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_size: int = 8, shard_size: int = 256,
@@ -125,9 +105,9 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
 
         tokenizer = load_tokenizer(cfg.tokenizer)
     collate = Collator(tokenizer, a.text_len, a.max_state_dim, a.action_dim)
-    writer = CacheWriter(out_dir, encode_prompts(tokenizer, encoders.text_encoder, [NULL_PROMPT], a.text_len, device),
-                         shard_size, overwrite=overwrite, command=command)
-    with writer.discarded_on_failure():
+    with publish_dir(out_dir, command, overwrite=overwrite) as tmp:
+        writer = CacheWriter(tmp, encode_prompts(tokenizer, encoders.text_encoder, [NULL_PROMPT], a.text_len, device),
+                             shard_size)
         items = [(d, i) for d, ds in enumerate(datasets) for i in range(0, len(ds), stride)]
         bar = Progress(len(items), enabled=progress, desc="cache", unit="sample")
         with torch.no_grad():
@@ -147,9 +127,10 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
                 writer.add(row)
                 bar.update(n=len(chunk))
         bar.close()
-        return writer.finish(preset=cfg.preset, model_overrides=cfg.model_overrides, embodiment=emb.tag,
-                             datasets=[str(Path(p).resolve()) for p in cfg.datasets], stride=stride,
-                             heldout_episodes=cfg.heldout_episodes, metadata=str(cfg.metadata))
+        writer.finish(preset=cfg.preset, model_overrides=cfg.model_overrides, embodiment=emb.tag,
+                      datasets=[str(Path(p).resolve()) for p in cfg.datasets], stride=stride,
+                      heldout_episodes=cfg.heldout_episodes, metadata=str(cfg.metadata))
+    return Path(out_dir)
 
 
 def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_hw: tuple[int, int] = (11, 20),
@@ -163,9 +144,8 @@ def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_
 
     a = preset(preset_name, **(model_overrides or {}))
     g = torch.Generator().manual_seed(seed)
-    writer = CacheWriter(out_dir, torch.randn(1, a.text_len, a.text_dim, generator=g).to(dtype),  # a synthetic null
-                         overwrite=overwrite)
-    with writer.discarded_on_failure():
+    with publish_dir(out_dir, "cache", overwrite=overwrite) as tmp:
+        writer = CacheWriter(tmp, torch.randn(1, a.text_len, a.text_dim, generator=g).to(dtype))  # a synthetic null
         K, A = a.max_chunk_size, a.num_action_per_block
         bar = Progress(samples, enabled=progress, desc="cache", unit="sample")
         for start in range(0, samples, 16):
@@ -183,9 +163,10 @@ def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_
             writer.add(row)
             bar.update(n=n)
         bar.close()
-        return writer.finish(preset=preset_name, model_overrides=model_overrides or {}, embodiment="synthetic",
-                             datasets=[], stride=1, heldout_episodes=0, metadata=None, synthetic=True,
-                             latent_hw=list(latent_hw))
+        writer.finish(preset=preset_name, model_overrides=model_overrides or {}, embodiment="synthetic",
+                      datasets=[], stride=1, heldout_episodes=0, metadata=None, synthetic=True,
+                      latent_hw=list(latent_hw))
+    return Path(out_dir)
 
 
 class CachedWindows(torch.utils.data.Dataset):
