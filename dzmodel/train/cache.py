@@ -14,7 +14,7 @@ Layout (a DVC stage can track the directory):
                                [1, text_len, text_dim]: the null prompt's (train.prompt_dropout substitutes it)
     shard_00000.safetensors    clean_latents [n, z, F, h, w], clip_feature [n, T, D], state, action,
                                action_mask, prompt_index [n] (and y for first-frame models)
-Built in `<out>.tmp` and renamed.
+Built in a temporary sibling of the cache directory and renamed into place (`outputs.publish_dir`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class CacheWriter:
     only if dz wrote it, or with `overwrite`."""
 
     def __init__(self, directory: Path, null_context: torch.Tensor, shard_size: int = 256):
-        self.tmp = Path(directory)
+        self.root = Path(directory)
         self.shard_size = shard_size
         self.prompts: dict[str, int] = {}
         self.text_rows: list[torch.Tensor] = []
@@ -72,17 +72,17 @@ class CacheWriter:
             return
         tensors = {k: torch.cat([p[k] for p in self.pending]) for k in self.pending[0]}
         name = f"shard_{len(self.shards):05d}.safetensors"
-        save_file(tensors, str(self.tmp / name))
+        save_file(tensors, str(self.root / name))
         self.shards.append({"file": name, "samples": int(tensors["prompt_index"].shape[0])})
         self.pending.clear()
 
     def finish(self, **index) -> None:
         self._flush()
         save_file({"context": torch.cat(self.text_rows), "null_context": self.null_context},
-                  str(self.tmp / "text.safetensors"))
+                  str(self.root / "text.safetensors"))
         index = {"version": CACHE_VERSION, **index, "prompts": list(self.prompts), "shards": self.shards,
                  "samples": sum(s["samples"] for s in self.shards)}
-        (self.tmp / "index.json").write_text(json.dumps(index, indent=1))
+        (self.root / "index.json").write_text(json.dumps(index, indent=1))
 
 
 def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_size: int = 8, shard_size: int = 256,
