@@ -225,6 +225,9 @@ def test_a_bomb_that_fits_the_frame_limit_is_refused_before_it_is_decoded(serve_
         bomb = _bomb_frame(srv.server.frame_limits.max_bytes)
         probe = _Probe(srv.url)
         try:
+            # one frame of this size first: glibc serves the first few large buffers with fresh mmaps and raises
+            # its mmap threshold as they are freed, so a cold process counts that one-off step as growth
+            _bombard(srv.port, bomb, 1, pause_s=0.05)
             time.sleep(0.2)
             baseline_kib = _kib("VmRSS")
             _reset_peak_rss()
@@ -243,7 +246,7 @@ def test_a_bomb_that_fits_the_frame_limit_is_refused_before_it_is_decoded(serve_
         assert max(refusals_ms) < 250, refusals_ms  # mostly moving 14.6 MiB through loopback
         assert growth_mib < 100
         assert slowest_ms < 500  # never stalled for seconds
-    assert len(_lines(serve_log, r"error 1008 .*an array of \d+ items \(at most 64\)")) == bombs
+    assert len(_lines(serve_log, r"error 1008 .*an array of \d+ items \(at most 64\)")) == bombs + 1
 
 
 def _send_quietly(sock: socket.socket, data: bytes) -> bool:
