@@ -67,3 +67,14 @@ def replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> None:
             trash.rmdir()
         raise
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """A matplotlib figure as a PNG, renamed into place whole (a reader never sees half an image)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
+    return path

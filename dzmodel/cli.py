@@ -267,14 +267,9 @@ def load_train_config(ns: argparse.Namespace):
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from .train.trainer import train
+    from .train.launch import run
 
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before any CUDA allocation
-    history = train(load_train_config(ns), overwrite=ns.overwrite)
-    if history and int(os.environ.get("RANK", "0")) == 0:
-        last = history[-1]
-        print(f"step {last['step']}: loss {last['loss']:.4f} (dynamics {last['dynamics_loss']:.4f}, "
-              f"action {last['action_loss']:.4f}), {last['samples_per_s_per_gpu']:.2f} samples/s/GPU")
+    run(load_train_config(ns), overwrite=ns.overwrite)
     return EXIT_OK
 
 
@@ -693,6 +688,27 @@ def cmd_params_train_config(ns: argparse.Namespace) -> int:
     cfg = train_config(params.selected(name), StagePaths(Path(ns.root), name))
     atomic_write_text(ns.out, json.dumps(cfg.to_dict(), indent=1))
     print(f"wrote {ns.out} (profile {name}: {cfg.preset}, {cfg.steps} steps, out_dir {cfg.out_dir})")
+    return EXIT_OK
+
+
+def cmd_params_dvc(ns: argparse.Namespace) -> int:
+    from .atomic import atomic_write_text
+    from .pipeline import dvc_yaml_with_computed_deps
+
+    path = Path(ns.dvc_yaml)
+    if not path.is_file():
+        raise CLIError(f"{path}: no such file")
+    text = path.read_text()
+    wanted = dvc_yaml_with_computed_deps(text)
+    if wanted == text:
+        print(f"{path}: every stage's deps match the stage table")
+        return EXIT_OK
+    if not ns.write:
+        print(f"{path}: stage deps differ from the stage table (the code each stage imports); "
+              "`dz params dvc --write` rewrites them", file=sys.stderr)
+        return EXIT_FAIL
+    atomic_write_text(path, wanted)
+    print(f"{path}: rewrote the stages' deps from the stage table")
     return EXIT_OK
 
 
@@ -1144,6 +1160,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--root", default=".", help="the project root the stage paths are under")
     p.set_defaults(func=cmd_params_train_config)
+    p = params.add_parser("dvc", help="check dvc.yaml's stage deps against the stage table (the code each stage "
+                                      "imports); --write rewrites them")
+    p.add_argument("--dvc-yaml", default="dvc.yaml")
+    p.add_argument("--write", action="store_true")
+    p.set_defaults(func=cmd_params_dvc)
 
     from .pipeline import STAGES
 

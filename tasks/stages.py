@@ -2,7 +2,7 @@
 and dvc.yaml run too).
 
 Caching: the flow computes each stage's key from the params it reads, its upstream stages' output fingerprints
-and a hash of the code it runs, all as the stage table declares them (`dzmodel/stages.py`, which dvc.yaml
+and a hash of the code it runs, all as the stage table declares them (`dzmodel/stages/`, which dvc.yaml
 mirrors), so an unchanged stage is skipped and returns its stored result; the flow forces a rerun
 (refresh_cache) when a stage's outputs are missing or were changed since it recorded them.
 Stages that use the GPU pool carry the `gpu-pool` tag, which a Prefect tag concurrency limit bounds.

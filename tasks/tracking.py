@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dzmodel.config import Profile, StagePaths, flatten, profile_dict
-from dzmodel.pipeline import files_under
+from dzmodel.stages.common import files_under
 from dzmodel.serve.bundles import MANIFEST, file_sha256
 
 TRAIN_SERIES = ("loss", "action_loss", "dynamics_loss", "lr", "grad_norm", "samples_per_s_per_gpu", "mfu",
@@ -223,7 +223,7 @@ class Tracker:
                    "train.samples_per_s_per_gpu": s["samples_per_s_per_gpu"], "train.mfu": s.get("mfu"),
                    "train.peak_mem_gib": s["peak_mem_gib"], "train.steps": s["steps"]}
         self.metrics(rid, {k: v for k, v in summary.items() if v is not None})  # no MFU on a CPU
-        from dzmodel.pipeline import read_metrics
+        from dzmodel.stages.train import read_metrics
 
         rows = read_metrics(Path(result["train_dir"]) / "metrics.jsonl")
         self.train_rows(rows, [rid] if result.get("_live_logged") else [rid, self.run_id])

@@ -9,9 +9,10 @@ import yaml
 
 from dzmodel.config import StagePaths, load_params
 from dzmodel.dirlock import DirectoryBusy, directory_lock
-from dzmodel.stages import STAGE_TABLE, dvc_deps, dvc_params
-from dzmodel.pipeline import (STAGES, MetricsFollower, chosen_step, outputs_intact, promotion_decision, read_metrics,
-                              run_stage, run_streaming, stage_outputs, summarize_training, torchrun_command)
+from dzmodel.stages import dvc_deps, dvc_params
+from dzmodel.pipeline import STAGES, outputs_intact, promotion_decision, run_stage, stage_outputs
+from dzmodel.stages.package import chosen_step
+from dzmodel.stages.train import MetricsFollower, read_metrics, run_streaming, summarize_training, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,14 +35,12 @@ def test_dvc_yaml_runs_each_stage_through_dz_and_names_its_outputs():
 
 
 def test_dvc_yaml_deps_and_params_are_the_stage_tables():
-    """One declaration (dzmodel/stages.py): dvc.yaml must list exactly the deps and params the Prefect keys use."""
+    """One declaration (dzmodel/stages/): dvc.yaml must list exactly the deps and params the Prefect keys use."""
     dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     as_dvc = StagePaths(Path("."), "${profile}")
     for name in STAGES:
         assert dvc[name]["params"] == dvc_params(name), name
         assert dvc[name]["deps"] == dvc_deps(name, lambda up: [str(p) for p in stage_outputs(up, as_dvc)]), name
-        for path in STAGE_TABLE[name].code:
-            assert (ROOT / path).exists(), f"{name}: code path {path} does not exist"
     # the cache depends on what changes the encodings, not on the learning rate
     assert "profiles.${profile}.train.heldout_episodes" in dvc["metadata"]["params"]  # its statistics leave them out
     assert "profiles.${profile}.train" not in dvc["cache"]["params"]
@@ -64,23 +63,75 @@ def test_prefect_keys_follow_the_params_each_stage_reads(tmp_path):
     assert _key("convert", seed) == _key("convert", base)
 
 
-def test_the_code_fingerprint_changes_with_the_code_a_stage_runs(tmp_path):
+def _copy_of_the_library(tmp_path) -> Path:
     import shutil
 
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "dzmodel", root / "dzmodel", ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def test_the_code_fingerprint_changes_with_any_module_a_stage_imports(tmp_path):
     from dzmodel.stages import code_fingerprint
 
-    root = tmp_path / "repo"
-    for path in {p for spec in STAGE_TABLE.values() for p in spec.code}:
-        src, dst = ROOT / path, root / path
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        (shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True) if src.is_dir()
-         else shutil.copyfile(src, dst))
+    root = _copy_of_the_library(tmp_path)
     before = {s: code_fingerprint(s, root) for s in STAGES}
     assert before["train"] == code_fingerprint("train", ROOT)
-    with open(root / "dzmodel/train/convert.py", "a") as f:
+    with open(root / "dzmodel/model/lora.py", "a") as f:  # convert imports it only through train/convert.py
         f.write("# changed\n")
     after = {s: code_fingerprint(s, root) for s in STAGES}
-    assert [s for s in STAGES if after[s] != before[s]] == ["train", "convert"]
+    assert after["convert"] != before["convert"] and after["train"] != before["train"]
+    with open(root / "dzmodel/serve/server.py", "a") as f:  # the policy server: no stage runs it
+        f.write("# changed\n")
+    assert {s: code_fingerprint(s, root) for s in STAGES} == after
+
+
+def test_a_new_import_joins_the_stage_code(tmp_path):
+    from dzmodel.stages import code_files
+
+    root = _copy_of_the_library(tmp_path)
+    assert root / "dzmodel/serve/server.py" not in code_files("convert", root)
+    with open(root / "dzmodel/stages/convert.py", "a") as f:
+        f.write("\n\ndef _later():\n    from ..serve import server  # noqa: F401\n")
+    files = code_files("convert", root)
+    assert root / "dzmodel/serve/server.py" in files and root / "dzmodel/serve/__init__.py" in files
+
+
+def test_the_stage_code_holds_every_module_a_stage_loads(tmp_path):
+    """Run fetch and metadata in a fresh interpreter: every dzmodel file it loaded is in the stages' computed code,
+    and the data file that names the embodiments is too."""
+    import subprocess
+
+    from dzmodel.stages import code_files
+
+    script = f"""
+import json, sys
+from pathlib import Path
+from dzmodel.config import StagePaths, load_params
+from dzmodel.pipeline import run_stage
+prof = load_params({str(ROOT / "params.yaml")!r}, ["fetch.synth_episodes=3", "fetch.synth_length=24"], "demo").selected()
+run_stage(sys.argv[1], prof, StagePaths(Path({str(tmp_path)!r}), "demo"), log=lambda s: None)
+print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items() if n.startswith("dzmodel") and m.__file__)))
+"""
+    for stage in ("fetch", "metadata"):  # one interpreter each: what one stage loads, nothing left by another
+        out = subprocess.run([sys.executable, "-c", script, stage], capture_output=True, text=True, cwd=tmp_path,
+                             check=True)
+        loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+        code = {str(p) for p in code_files(stage)}
+        assert len(loaded) > 10 and not sorted(loaded - code), f"{stage} loaded what its code lacks: {loaded - code}"
+        assert str(ROOT / "dzmodel/data/embodiments.yaml") in code
+
+
+def test_dz_params_dvc_fails_when_dvc_yaml_deps_are_stale(tmp_path):
+    import subprocess
+
+    stale = (ROOT / "dvc.yaml").read_text().replace("      - dzmodel/model/lora.py\n", "", 1)
+    (tmp_path / "dvc.yaml").write_text(stale)
+    cmd = [sys.executable, "-m", "dzmodel.cli", "params", "dvc", "--dvc-yaml", str(tmp_path / "dvc.yaml")]
+    check = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert check.returncode == 1 and "differ from the stage table" in check.stderr
+    assert subprocess.run([*cmd, "--write"], capture_output=True, cwd=ROOT).returncode == 0
+    assert (tmp_path / "dvc.yaml").read_text() == (ROOT / "dvc.yaml").read_text()
 
 
 def test_fetch_and_metadata_record_results_and_detect_changed_outputs(tmp_path):
@@ -146,7 +197,7 @@ def test_an_interrupted_command_is_killed_with_everything_it_started(monkeypatch
     grace period the whole tree goes, the worker included."""
     import textwrap
 
-    import dzmodel.pipeline as pipeline
+    import dzmodel.stages.train as train_stage
     from dzmodel.proctree import alive
 
     launcher = textwrap.dedent("""
@@ -162,7 +213,7 @@ def test_an_interrupted_command_is_killed_with_everything_it_started(monkeypatch
         workers.append(int(line))
         raise KeyboardInterrupt  # as Ctrl-C or a cancelled flow run would
 
-    monkeypatch.setattr(pipeline, "TERM_GRACE_S", 1.0)
+    monkeypatch.setattr(train_stage, "TERM_GRACE_S", 1.0)
     with pytest.raises(KeyboardInterrupt):
         run_streaming([sys.executable, "-c", launcher], log)
     assert workers and not alive(workers[0])
@@ -170,8 +221,8 @@ def test_an_interrupted_command_is_killed_with_everything_it_started(monkeypatch
 
 def test_torchrun_command():
     one = torchrun_command(Path("cfg.json"), 2)
-    assert one[1:] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "dzmodel.cli",
-                       "train", "--config", "cfg.json"]
+    assert one[1:] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m",
+                       "dzmodel.train.launch", "--config", "cfg.json"]
     many = torchrun_command(Path("cfg.json"), 8, nnodes=4)
     assert "--nnodes=4" in many and "--rdzv_backend=c10d" in many and "--standalone" not in many
 
@@ -198,7 +249,7 @@ def test_the_gates_number_is_never_the_one_that_picked_the_checkpoint(tmp_path, 
     without, nothing is picked and the final number pools the last 3 checkpoints."""
     import dzmodel.eval.libero_eval as libero_eval
     from dzmodel.eval.libero_eval import _row
-    from dzmodel.pipeline import stage_eval
+    from dzmodel.stages.eval import stage_eval
 
     prof, paths = _demo(tmp_path, "eval.episodes=4", f"eval.select_episodes={select}", "eval.action_error=false",
                         "eval.previews=0")
@@ -239,7 +290,7 @@ def test_promotion_gate():
 
 def test_train_restarts_when_its_config_or_data_change_and_keeps_the_old_run(tmp_path):
     from dzmodel.config import train_config
-    from dzmodel.pipeline import _start_fresh_if_changed
+    from dzmodel.stages.train import _start_fresh_if_changed
 
     prof, paths = _demo(tmp_path)
     run_stage("fetch", prof, paths, log=lambda s: None)
@@ -269,7 +320,7 @@ def test_train_restarts_when_its_config_or_data_change_and_keeps_the_old_run(tmp
 
 def test_a_run_started_outside_the_pipeline_is_adopted_only_under_the_same_config(tmp_path):
     from dzmodel.config import train_config
-    from dzmodel.pipeline import _start_fresh_if_changed
+    from dzmodel.stages.train import _start_fresh_if_changed
     from dzmodel.train.checkpoint import MARKER
 
     prof, paths = _demo(tmp_path)
@@ -293,7 +344,7 @@ def test_fetch_passes_the_recorder_only_the_options_that_change_its_data(tmp_pat
     """Options added to fetch.record later (min_shift_m, dart_noise) are left out where they change nothing, so the
     fetch markers of existing standard-start recordings stay valid; a perturbed or noised recording names them."""
     import dzmodel.data.fetch as fetch
-    from dzmodel.pipeline import stage_fetch
+    from dzmodel.stages.fetch import stage_fetch
 
     seen = []
 

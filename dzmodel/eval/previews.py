@@ -98,9 +98,9 @@ def write_grid(windows: list[tuple[str, np.ndarray]], path: Path, columns: int =
                 ax.imshow(panel[i])
                 ax.set_title(f"{label} t+{i + 1}", fontsize=7)
     fig.tight_layout()
-    from ..pipeline import _save
+    from ..atomic import save_figure
 
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 ERRORS = ("latent_mse", "still_latent_mse")  # per window (None when its episode ended too soon), and their means

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def _demo_action_error(root: Path, overrides: list[str]) -> dict:
-    from dzmodel.pipeline import stage_action_error
+    from dzmodel.stages.eval import stage_action_error
 
     shutil.copy(ROOT / "params.yaml", root / "params.yaml")
     prof = load_params(root / "params.yaml", overrides, profile="demo").selected("demo")

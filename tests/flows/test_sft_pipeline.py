@@ -13,6 +13,8 @@ import pytest
 
 from dzmodel import pipeline
 from dzmodel.config import StagePaths
+from dzmodel.stages.package import chosen_step
+from dzmodel.stages.train import summarize_training
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,7 +54,7 @@ def _fake_stages(calls: list[str]):
         write(paths.stage("train") / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         if on_metrics:
             on_metrics(rows)
-        return pipeline.summarize_training(paths, paths.stage("train"), 1.0, prof)
+        return summarize_training(paths, paths.stage("train"), 1.0, prof)
 
     def convert(prof, paths, log):
         calls.append("convert")
@@ -71,7 +73,7 @@ def _fake_stages(calls: list[str]):
 
     def package(prof, paths, log):
         calls.append("package")
-        step, rate = pipeline.chosen_step(prof, paths)
+        step, rate = chosen_step(prof, paths)
         bundle = paths.stage("package") / f"dreamzero-demo-{step}"
         write(bundle / "robot.json", "{}")
         write(bundle / "MANIFEST", "stand-in manifest\n")

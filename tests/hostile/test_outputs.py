@@ -257,21 +257,22 @@ def test_the_pipeline_adopts_its_own_earlier_stage_outputs_and_nothing_else(tmp_
     says so; a directory in a stage's place without that record is refused, untouched."""
     from dzmodel.config import StagePaths
     from dzmodel.outputs import OutputError
-    from dzmodel.pipeline import _adopt_earlier_outputs, _fresh_dir, content_fingerprint
+    from dzmodel.pipeline import _adopt_earlier_outputs
+    from dzmodel.stages.common import content_fingerprint, fresh_dir
 
     paths = StagePaths(tmp_path, "demo")
     legacy = paths.stage("eval")
     legacy.mkdir(parents=True)
     (legacy / "results.csv").write_text("step,rate\n")
     with pytest.raises(OutputError, match="Its place is fixed"):
-        _fresh_dir(legacy)
+        fresh_dir(legacy)
     assert (legacy / "results.csv").is_file()
     before = content_fingerprint(legacy)
     (paths.run / "stages").mkdir()
     (paths.run / "stages" / "eval.json").write_text("{}")
     _adopt_earlier_outputs("eval", paths)
     assert content_fingerprint(legacy) == before  # the marker is not part of an output
-    assert _fresh_dir(legacy) == legacy and sorted(p.name for p in legacy.iterdir()) == [".dz-output"]
+    assert fresh_dir(legacy) == legacy and sorted(p.name for p in legacy.iterdir()) == [".dz-output"]
 
 
 def test_a_failed_swap_puts_the_old_output_back(tmp_path, monkeypatch):

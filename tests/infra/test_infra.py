@@ -31,7 +31,7 @@ PYTORCHJOB = INFRA / "k8s" / "pytorchjob.yaml"
 SCHEMA = INFRA / "k8s" / "schema" / "pytorchjob-v1.schema.json"
 COMPOSE = INFRA / "mlflow" / "docker-compose.yaml"
 SBATCH = INFRA / "slurm" / "train.sbatch"
-TRAIN_TAIL = ["-m", "dzmodel.cli", "train", "--config"]
+TRAIN_TAIL = ["-m", "dzmodel.train.launch", "--config"]
 QUIET = {"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
          "DVC_NO_ANALYTICS": "1"}
 
@@ -250,7 +250,7 @@ def test_pytorchjob_launches_dz_train_through_torchrun():
         seen += 1
         script = " ".join(container["command"])
         env = {e["name"]: e.get("value") for e in container["env"]}
-        assert re.search(r"\btorchrun\b[^\n]*-m dzmodel\.cli train --config /tmp/train\.json", script), role
+        assert re.search(r"\btorchrun\b[^\n]*-m dzmodel\.train\.launch --config /tmp/train\.json", script), role
         assert "dz params train-config" in script and "--out /tmp/train.json" in script, role
         assert env["NCCL_NVLS_ENABLE"] == "0" and env["OMP_NUM_THREADS"] == "1", role
         assert env["DZ_PROFILE"] in ("libero_5b", "droid_14b"), role
@@ -310,8 +310,8 @@ def test_pytorchjob_container_dry_run(tmp_path, monkeypatch):
     args = torchrun_args(tr["argv"], monkeypatch, {k: v for k, v in tr["env"].items() if k.startswith("PET_")})
     assert (args.nnodes, args.nproc_per_node, args.rdzv_backend, args.rdzv_endpoint) == \
         ("2:2", "8", "c10d", "dz-sft-worker-0:23456")
-    assert args.module and args.training_script == "dzmodel.cli"
-    assert args.training_script_args == ["train", "--config", "/tmp/train.json"]
+    assert args.module and args.training_script == "dzmodel.train.launch"
+    assert args.training_script_args == ["--config", "/tmp/train.json"]
 
 
 def test_kubernetes_objects_match_the_api_schemas():
@@ -350,7 +350,7 @@ def slurm_env(stubs: Stubs, root: Path, **extra: str) -> dict:
 def test_sbatch_sets_the_launch_environment():
     text = SBATCH.read_text()
     assert re.search(r"^export OMP_NUM_THREADS=1 NCCL_NVLS_ENABLE=0$", text, re.M)
-    assert re.search(r"exec torchrun \\\n(.*\\\n)*\s*-m dzmodel\.cli train --config \"\$DZ_TRAIN_CONFIG\"", text)
+    assert re.search(r"exec torchrun \\\n(.*\\\n)*\s*-m dzmodel\.train\.launch --config \"\$DZ_TRAIN_CONFIG\"", text)
     assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --gpus-per-node=8" in text
 
 
@@ -374,7 +374,7 @@ def test_sbatch_dry_run(tmp_path, monkeypatch):
     assert tr["env"]["NCCL_NVLS_ENABLE"] == "0" and tr["env"]["OMP_NUM_THREADS"] == "1"
     args = torchrun_args(tr["argv"], monkeypatch)
     assert (args.nnodes, args.nproc_per_node, args.rdzv_endpoint, args.training_script) == \
-        ("2", "8", "gpu-07:29400", "dzmodel.cli")
+        ("2", "8", "gpu-07:29400", "dzmodel.train.launch")
     cfg = json.loads(config.read_text())        # what every node trains on: the shared checkout's paths
     assert cfg["preset"] == "dreamzero_14b"
     assert cfg["out_dir"] == str(root / "runs" / "droid_14b" / "train")

@@ -1,0 +1,145 @@
+"""The eval stage: held-out action error, world-model previews and LIBERO success of every converted step."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+from ..atomic import atomic_write_text
+from ..config import Profile, StagePaths
+from .common import Log, fresh_dir, print_line, write_csv, write_json
+
+
+def action_error_metrics(action: dict | None) -> dict:
+    """The held-out action error's headline numbers (the last step) for metrics/eval.json."""
+    if not action or not action.get("measured"):
+        return {"action_error_measured": False}
+    last = action["last"]
+    return {"action_error_measured": True, "action_error": last["trained"], "action_error_ratio": last["ratio"],
+            "action_error_step": last["step"], "action_error_mean_predictor": action["mean_predictor"],
+            "action_error_untrained": action["untrained"], "action_error_windows": action["windows"]}
+
+
+def converted_models(paths: StagePaths) -> list[Path]:
+    """The converted steps' model directories, oldest first."""
+    return sorted(p for p in paths.stage("converted").glob("step_*") if (p / "config.json").is_file())
+
+
+def eval_solver(e):
+    """The flow solver the eval section sets (steps, CFG scale, DiT schedule)."""
+    from ..model.inference import SolverConfig
+
+    return SolverConfig(num_steps=e.solver_steps, cfg_scale=e.cfg_scale, dit_steps=e.dit_steps)
+
+
+def stage_action_error(prof: Profile, paths: StagePaths, out: Path, log: Log = print_line) -> dict:
+    """The held-out action error of every converted step (part of the eval stage); skipped, saying why, when the
+    run held no episode out."""
+    from ..eval.action_error import describe, evaluate_action_error
+    from ..eval.policy import read_train_config
+
+    e = prof.eval
+    converted = converted_models(paths)
+    if not converted:
+        raise FileNotFoundError(f"{paths.stage('converted')}: no converted model (run the convert stage)")
+    if not read_train_config(converted[-1])[0].heldout_episodes:
+        reason = "train.heldout_episodes is 0: no held-out episodes to measure the action error on"
+        log(f"eval: action error skipped ({reason})")
+        return {"measured": False, "reason": reason}
+    result = evaluate_action_error(paths.stage("converted"), out, steps=e.steps, stride=e.action_error_stride,
+                                   max_windows=e.action_error_windows, device=e.device, seed=e.seed,
+                                   solver=eval_solver(e))
+    write_csv(paths.run / "plots" / "action_error_vs_step.csv",
+               [{"step": r["step"], "action_error": r["trained"], "mean_predictor": result["mean_predictor"],
+                 "untrained": result["untrained"]} for r in result["steps"]])
+    log("eval: " + describe(result))
+    return {"measured": True, **result}
+
+
+def stage_previews(prof: Profile, paths: StagePaths, out: Path, log: Log = print_line) -> list[dict] | None:
+    """World-model previews of every converted step (part of the eval stage); skipped, saying why, when the run
+    held no episode out."""
+    from ..eval.policy import read_train_config
+    from ..eval.previews import describe_errors, write_previews
+
+    e = prof.eval
+    converted = converted_models(paths)
+    if not converted or not read_train_config(converted[-1])[0].heldout_episodes:
+        log("eval: previews skipped (no converted model with held-out episodes)")
+        return None
+    solver = eval_solver(e)
+    done = [write_previews(m, out / m.name, windows=e.previews, stride=e.action_error_stride, device=e.device,
+                           solver=solver, seed=e.seed) for m in converted]
+    log(f"eval: world-model previews of {len(converted)} steps -> {out}: "
+        + ", ".join(f"step {d['step']}: {describe_errors(d) or 'no latent error'}" for d in done))
+    return done
+
+
+def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
+    e = prof.eval
+    out = fresh_dir(paths.stage("eval"))
+    metrics_file = paths.run / "metrics" / "eval.json"
+    plots = paths.run / "plots"
+    action = stage_action_error(prof, paths, out / "action_error", log) if e.action_error else None
+    previews = stage_previews(prof, paths, out / "previews", log) if e.previews else None
+    if action is None or not action["measured"]:
+        write_csv(plots / "action_error_vs_step.csv", [])
+    if not e.enabled:
+        atomic_write_text(out / "DISABLED", "eval.enabled is false (LIBERO rollouts)\n")
+        write_json(metrics_file, {"evaluated": False, **action_error_metrics(action)})
+        write_csv(plots / "success_vs_step.csv", [])
+        log("eval: LIBERO disabled (eval.enabled: false)")
+        return {"eval_dir": str(out), "evaluated": False, "rows": [], "best": None, "action_error": action,
+                "previews": previews}
+    from ..eval.libero_eval import EvalConfig, evaluate_run
+
+    from ..eval.libero_eval import pooled
+
+    cfg = EvalConfig(suite=e.suite, tasks=e.tasks, episodes_per_task=e.episodes, max_steps=e.max_steps,
+                     num_workers=e.workers, camera_size=e.camera_size, actions_per_chunk=e.actions_per_chunk,
+                     videos=e.videos, seed=e.seed, context=e.context)
+
+    def evaluate(config: EvalConfig, where: Path, steps: list[int] | None) -> list[dict]:
+        return evaluate_run(paths.stage("converted"), config, where, steps=steps, device=e.device,
+                            solver=eval_solver(e), embodiment=prof.metadata.embodiment)
+
+    picked = None
+    if e.select_episodes:  # pick on init states the reported number never sees
+        selection = evaluate(dataclasses.replace(cfg, first_init_state=e.episodes, episodes_per_task=e.select_episodes,
+                                                 videos=0), out / "selection", e.steps)
+        picked = max((r for r in selection if r["task"] == "all"), key=lambda r: (r["rate"], r["step"] or 0))
+        log(f"eval: step {picked['step']} picked on init states {e.episodes}..{e.episodes + e.select_episodes - 1} "
+            f"({picked['rate']:.0%})")
+        rows = evaluate(cfg, out, [picked["step"]] if picked["step"] is not None else None)
+    else:
+        rows = evaluate(cfg, out, e.steps)
+    overall = [r for r in rows if r["task"] == "all"]
+    best = max(overall, key=lambda r: (r["rate"], r["step"] or 0)) if overall else None
+    if picked is not None:
+        final = overall[-1]
+        rule = (f"step {picked['step']}, picked on init states {e.episodes}..{e.episodes + e.select_episodes - 1}, "
+                f"reported on 0..{e.episodes - 1}")
+    else:
+        last = [r["step"] for r in overall][-3:]
+        final = pooled(overall, last) if overall else None
+        rule = f"the last {len(last)} checkpoints pooled (none picked)"
+    write_json(metrics_file, {"evaluated": True, "suite": e.suite, "best_step": best["step"] if best else None,
+                               "best_success_rate": best["rate"] if best else None,
+                               "last_success_rate": overall[-1]["rate"] if overall else None,
+                               "episodes_per_step": overall[-1]["episodes"] if overall else 0,
+                               "picked_step": picked["step"] if picked else None,
+                               "final_success_rate": final["rate"] if final else None,
+                               "final_ci_low": final["ci_low"] if final else None,
+                               "final_ci_high": final["ci_high"] if final else None,
+                               "final_rule": rule,
+                               **action_error_metrics(action)})
+    write_csv(plots / "success_vs_step.csv", [{"step": r["step"], "success_rate": r["rate"]} for r in overall])
+    if (out / "success_vs_step.png").is_file():
+        shutil.copyfile(out / "success_vs_step.png", plots / "success_vs_step.png")
+    log("eval: " + ", ".join(f"step {r['step']}: {r['rate']:.0%}" for r in overall)
+        + (f"; final {final['rate']:.1%} (95 % {final['ci_low']:.0%}-{final['ci_high']:.0%}): {rule}" if final else ""))
+    return {"eval_dir": str(out), "evaluated": True, "rows": rows, "best": best, "action_error": action,
+            "previews": previews,
+            "plot": str(plots / "success_vs_step.png") if (plots / "success_vs_step.png").is_file() else None}
+

@@ -1,0 +1,67 @@
+"""The package stage: the chosen converted step as a versioned deployment bundle."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+from ..config import Profile, StagePaths
+from .common import Log, print_line, stage_output, write_json
+
+
+def chosen_step(prof: Profile, paths: StagePaths) -> tuple[int, float | None]:
+    """The converted step to package (`package.checkpoint`: best = the step picked on the selection init states,
+    else the best by eval success, ties to the later step; or the last one) and the success rate the promotion
+    gate reads: the eval's final number (picked on other init states, or the last 3 checkpoints pooled)."""
+    converted = sorted(int(p.name.split("_")[1]) for p in paths.stage("converted").glob("step_*")
+                       if (p / "config.json").is_file())
+    if not converted:
+        raise FileNotFoundError(f"{paths.stage('converted')}: no converted model (run the convert stage)")
+    metrics = paths.run / "metrics" / "eval.json"
+    summary = json.loads(metrics.read_text()) if metrics.is_file() else {}
+    results = paths.stage("eval") / "results.csv"
+    rates = {}
+    if results.is_file():
+        rates = {int(r["step"]): float(r["rate"]) for r in csv.DictReader(results.open()) if r["task"] == "all"}
+    final = summary.get("final_success_rate")  # the gate's number: picked on other init states, or pooled
+    if prof.package.checkpoint == "best" and summary.get("picked_step") in converted:
+        return int(summary["picked_step"]), final
+    if prof.package.checkpoint == "best" and summary.get("evaluated") and summary.get("best_step") in converted:
+        step = int(summary["best_step"])
+        return step, final if final is not None else rates.get(step)
+    return converted[-1], final if final is not None else rates.get(converted[-1])
+
+
+def stage_package(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
+    from ..serve.package import RobotConfig, build_package
+
+    step, rate = chosen_step(prof, paths)
+    model = paths.stage("converted") / f"step_{step:07d}"
+    out = paths.stage("package")
+    eval_dir = paths.stage("eval")
+    has_eval = (eval_dir / "results.csv").is_file()
+    with stage_output(out) as tmp:
+        bundle, tarball = build_package(model, tmp, RobotConfig.from_dict(prof.package.robot, "package.robot"),
+                                        prof.package.version, eval_dir if has_eval else None, prof.package.name)
+    bundle, tarball = out / bundle.relative_to(tmp), out / tarball.relative_to(tmp)
+    action = packaged_action_error(paths, step)
+    write_json(out / "PACKAGE.json", {"step": step, "success_rate": rate, "bundle": bundle.name,
+                                       "tarball": tarball.name, "version": prof.package.version,
+                                       "action_error": action})
+    log(f"package: step {step} -> {tarball}")
+    return {"bundle": str(bundle), "tarball": str(tarball), "step": step, "success_rate": rate,
+            "model": str(model), "version": prof.package.version, "action_error": action}
+
+
+def packaged_action_error(paths: StagePaths, step: int) -> dict | None:
+    """The held-out action error of one converted step (with the run's references), None if not measured."""
+    path = paths.stage("eval") / "action_error" / "action_error.json"
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    row = next((r for r in result["steps"] if r["step"] == step), None)
+    if row is None:
+        return None
+    return {"step": step, "trained": row["trained"], "ratio": row["ratio"],
+            "mean_predictor": result["mean_predictor"], "untrained": result["untrained"]}
+
