@@ -286,34 +286,86 @@ class Params:
         return self.profiles[name]
 
 
+STAGE_OF_OUTPUT = {"converted": "convert"}  # output folders named otherwise than the stage that writes them
+UNKEYED = "UNKEYED"  # a keyed run's folder of a stage that has no key yet (nothing may be written there)
+
+
 @dataclass(frozen=True)
 class StagePaths:
-    """Where each stage writes, for one profile, relative to the project root (dvc.yaml names the same paths)."""
+    """Where each stage writes, for one profile, relative to the project root.
+
+    Unkeyed (`dz stage`, dvc.yaml): every stage writes at fixed places under runs/<profile>/ (data/<profile>/ for
+    fetch), the paths dvc.yaml names. Keyed (the Prefect flow): each stage writes under its own folder for its
+    cache key, runs/<profile>/store/<stage>/<key>/ (data/<profile>/store/fetch/<key>/), with the same layout
+    inside, so two runs with different inputs never write over each other's outputs and a cached result always
+    points at the outputs it describes."""
     root: Path
     profile: str
+    keyed: bool = False
+    keys: tuple[tuple[str, str], ...] = ()
+
+    def with_key(self, stage: str, key: str) -> "StagePaths":
+        """These paths with `stage`'s outputs addressed by its cache key."""
+        import dataclasses
+
+        keys = tuple((s, k) for s, k in self.keys if s != stage) + ((stage, key),)
+        return dataclasses.replace(self, keyed=True, keys=keys)
+
+    def key(self, stage: str) -> str | None:
+        return dict(self.keys).get(stage)
+
+    @property
+    def run(self) -> Path:
+        """The profile's folder under runs/."""
+        return self.root / "runs" / self.profile
+
+    @property
+    def profile_data(self) -> Path:
+        return self.root / "data" / self.profile
+
+    def store(self, stage: str) -> Path:
+        """Where a keyed run keeps a stage's outputs, one folder per cache key."""
+        return (self.profile_data if stage == "fetch" else self.run) / "store" / stage
+
+    def home(self, stage: str) -> Path:
+        """The folder a stage writes under: the profile's, or, keyed, the one for the stage's cache key."""
+        if not self.keyed:
+            return self.profile_data if stage == "fetch" else self.run
+        return self.store(stage) / (self.key(stage) or UNKEYED)
 
     @property
     def data(self) -> Path:
-        return self.root / "data" / self.profile
+        return self.home("fetch")
 
     @property
     def dataset(self) -> Path:
         return self.data / "dataset"
 
-    @property
-    def run(self) -> Path:
-        return self.root / "runs" / self.profile
-
     def stage(self, name: str) -> Path:
-        return self.run / name
+        return self.home(STAGE_OF_OUTPUT.get(name, name)) / name
 
     @property
     def metadata(self) -> Path:
-        return self.run / "metadata" / "metadata.json"
+        return self.home("metadata") / "metadata" / "metadata.json"
 
     @property
     def train_config(self) -> Path:
-        return self.run / "train_config.json"
+        return self.home("train") / "train_config.json"
+
+    @property
+    def tokenizer(self) -> Path:
+        """The offline presets' tokenizer, which the cache stage builds."""
+        return self.home("cache") / "tokenizer"
+
+    def metrics(self, stage: str) -> Path:
+        return self.home(stage) / "metrics" / f"{stage}.json"
+
+    def plots(self, stage: str) -> Path:
+        return self.home(stage) / "plots"
+
+    def record(self, stage: str) -> Path:
+        """The stage's result as its last run recorded it, with its outputs' fingerprint."""
+        return self.home(stage) / "stages" / f"{stage}.json"
 
     @property
     def vision_vae(self) -> Path:
@@ -467,7 +519,7 @@ def _train_config(train: dict, metadata: MetadataParams, cache_enabled: bool, pa
         if not fields.get("tokenizer") and fields.get("preset", "tiny") in OFFLINE_PRESETS:
             # the offline tokenizer the cache stage built: training from the cache never builds one, and
             # `dz convert` must copy it beside the weights
-            fields["tokenizer"] = str(paths.run / "tokenizer")
+            fields["tokenizer"] = str(paths.tokenizer)
     try:
         cfg = build(TrainConfig, fields, path=where)
     except SchemaError as exc:

@@ -49,7 +49,7 @@ def stage_outputs(name: str, paths: StagePaths) -> list[Path]:
 
 
 def _record(name: str, paths: StagePaths) -> Path:
-    return paths.run / "stages" / f"{name}.json"
+    return paths.record(name)
 
 
 # stages whose outputs are rebuilt whole (fetch has its own marker; train's run directory is resumed, never rebuilt)

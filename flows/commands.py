@@ -53,8 +53,9 @@ def where_to_look(summary: dict, root: Path) -> str:
         lines.append(f"  Prefect UI  {mask_uri(os.environ['PREFECT_API_URL'].removesuffix('/api'))}")
     else:
         lines.append(f"  Prefect UI  PREFECT_HOME={home} {venv}/prefect server start   (then http://127.0.0.1:4200)")
-    lines.append(f"  DVC         {venv}/dvc dag;  {venv}/dvc metrics show;  {venv}/dvc plots show  (in {root})")
-    lines.append(f"  plots       {root}/runs/{summary['profile']}/plots/")
+    if summary.get("run_dir"):
+        lines.append(f"  run         {summary['run_name']}: {summary['run_dir']}  (outputs, metrics/, plots/)")
+    lines.append(f"  DVC         make repro: the same stages through `dvc repro`, into {root}/runs/{summary['profile']}/")
     return "\n".join(lines)
 
 
@@ -62,7 +63,7 @@ def cmd_pipeline_run(ns: argparse.Namespace) -> int:
     from flows.sft_pipeline import sft_pipeline
 
     root = Path(ns.root).resolve()
-    summary = sft_pipeline(ns.profile, ns.params, ns.set, str(root), promote=not ns.no_promote)
+    summary = sft_pipeline(ns.profile, ns.params, ns.set, str(root), promote=not ns.no_promote, run_name=ns.run_name)
     if ns.summary_json:
         Path(ns.summary_json).write_text(json.dumps(summary, indent=1, default=str))
     print(where_to_look(summary, root))
@@ -132,6 +133,8 @@ def register(sub) -> None:
     _params_args(p)
     p.add_argument("--no-promote", action="store_true", help="register nothing, set no alias")
     p.add_argument("--summary-json", help="also write the run's summary here")
+    p.add_argument("--run-name", help="default: <profile>-<params digest>-<n>; names the Prefect flow run, the MLflow "
+                                      "run and runs/<profile>/<name>/")
     p.set_defaults(func=cmd_pipeline_run)
 
     p = sub.add_parser("promote", help="set the deployment alias on a registered version if it passes the gate")

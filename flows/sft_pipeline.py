@@ -16,8 +16,9 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 
-from dzmodel.config import StagePaths, load_params
+from dzmodel.config import StagePaths, load_params, profile_dict
 from dzmodel.pipeline import STAGES, outputs_intact
+from dzmodel.runs import check_run_name, link_stage, next_run_name, params_digest, start_view
 from tasks import artifacts
 from dzmodel.stages import STAGE_TABLE
 from tasks.stages import STAGE_TASKS, cache_key, register_and_promote
@@ -29,27 +30,46 @@ def _mlflow_link(tracker: Tracker) -> str:
     return f"{base.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
 
 
+def _name_flow_run(flow_run_id, name: str) -> None:
+    """Give the Prefect flow run the pipeline run's name (Prefect's own is random)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(flow_run_id, name=name)
+
+
 @flow(name="sft-pipeline", log_prints=True, persist_result=False)  # its summary is returned, never read back
 def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", overrides: list[str] | None = None,
-                 root: str = ".", promote: bool = True) -> dict:
-    """Run every stage of one params.yaml profile; unchanged stages come from the task cache."""
+                 root: str = ".", promote: bool = True, run_name: str | None = None) -> dict:
+    """Run every stage of one params.yaml profile; unchanged stages come from the task cache.
+
+    Each stage writes under its cache key (runs/<profile>/store/<stage>/<key>/), so a cached result always
+    points at the outputs it describes; the run's own view is runs/<profile>/<run name>/."""
     logger = get_run_logger()
     root_dir = Path(root).resolve()
     params = load_params(root_dir / params_path, overrides or [], profile)  # refuses bad params before any work
     name = profile or params.profile
     prof = params.selected(name)
-    paths = StagePaths(root_dir, name)
+    paths = StagePaths(root_dir, name, keyed=True)
+    resolved = profile_dict(prof)
+    run = check_run_name(run_name, paths) if run_name else next_run_name(paths, resolved)
     ctx = get_run_context()
-    tracker = Tracker.start(prof, name, paths, tags={"prefect.flow_run_id": str(ctx.flow_run.id),
-                                                     "prefect.flow_run_name": ctx.flow_run.name})
+    _name_flow_run(ctx.flow_run.id, run)
+    tracker = Tracker.start(prof, name, paths, run_name=run, tags={"prefect.flow_run_id": str(ctx.flow_run.id),
+                                                                  "prefect.flow_run_name": run, "dz.run_name": run,
+                                                                  "dz.params_digest": params_digest(resolved)})
+    view = start_view(paths, run, {"profile": name, "params_digest": params_digest(resolved),
+                                   "overrides": list(overrides or []), "mlflow_run_id": tracker.run_id,
+                                   "prefect_flow_run_id": str(ctx.flow_run.id)})
     link = _mlflow_link(tracker)
     artifacts.mlflow_link_artifact(name, link)
-    logger.info(f"profile {name}: MLflow run {tracker.run_id} in experiment {experiment_name(prof, name)} "
-                f"({mask_uri(tracker.uri)})")
+    logger.info(f"run {run} (profile {name}): {view}; MLflow run {tracker.run_id} in experiment "
+                f"{experiment_name(prof, name)} ({mask_uri(tracker.uri)})")
     results: dict[str, dict] = {}
     try:
         for stage in STAGES:
             key = cache_key(stage, prof, [results[u]["outputs_fingerprint"] for u in STAGE_TABLE[stage].upstream])
+            paths = paths.with_key(stage, key)
             task = STAGE_TASKS[stage].with_options(refresh_cache=not outputs_intact(stage, paths))
             kwargs = {}
             if stage == "train":  # per-step metrics reach MLflow while training runs
@@ -61,6 +81,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
             if cached:
                 result["_live_logged"] = False
                 logger.info(f"{stage}: unchanged inputs and params, skipped (cached result)")
+            link_stage(paths, run, stage)
             tracker.log_stage(stage, result, cached, paths)
             results[stage] = result
             if stage == "metadata":
@@ -69,15 +90,17 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
                 artifacts.train_artifact(name, result, link)
             elif stage == "eval":
                 artifacts.eval_artifact(name, result)
-        decision = register_and_promote(tracker, prof, results["package"]) if promote else None
+        provenance = {"run_name": run, "params_digest": params_digest(resolved), "keys": dict(paths.keys)}
+        decision = register_and_promote(tracker, prof, results["package"], provenance) if promote else None
         artifacts.package_artifact(name, results["package"], decision)
         tracker.end()
     except BaseException:
         tracker.end(status="FAILED")
         raise
-    summary = {"profile": name, "mlflow_run_id": tracker.run_id, "mlflow_uri": mask_uri(tracker.uri),
-               "experiment": experiment_name(prof, name), "package": results["package"]["tarball"],
-               "promotion": decision, "cached_stages": [s for s in STAGES if results[s].get("_cached")],
+    summary = {"profile": name, "run_name": run, "run_dir": str(view), "mlflow_run_id": tracker.run_id,
+               "mlflow_uri": mask_uri(tracker.uri), "experiment": experiment_name(prof, name),
+               "package": results["package"]["tarball"], "promotion": decision,
+               "cached_stages": [s for s in STAGES if results[s].get("_cached")],
                "action_error": results["package"].get("action_error")}
     return summary
 
@@ -87,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--run-name")
     ns = ap.parse_args(argv)
-    print(sft_pipeline(ns.profile, ns.params, ns.set))
+    print(sft_pipeline(ns.profile, ns.params, ns.set, run_name=ns.run_name))
     return 0
 
 

@@ -178,13 +178,16 @@ STAGE_TASKS = {"fetch": fetch, "metadata": metadata, "vision": vision, "cache": 
 
 
 @task(name="register-and-promote", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE, persist_result=False)
-def register_and_promote(tracker, prof: Profile, package_result: dict) -> dict:
-    """Register the packaged model in MLflow; give it the deployment alias only if it passes the gate."""
+def register_and_promote(tracker, prof: Profile, package_result: dict, provenance: dict | None = None) -> dict:
+    """Register the packaged model in MLflow (an unchanged bundle: the version that holds it already); give it
+    the deployment alias only if it passes the gate."""
     from .tracking import promote
 
-    version = tracker.register(prof, package_result)
+    version, created = tracker.register(prof, package_result, provenance)
     p = prof.promote
     decision = promote(tracker.uri, p.registered_model, version, p.alias, p.min_success, run_id=tracker.run_id,
                        max_action_error_ratio=p.max_action_error_ratio)
-    get_run_logger().info(f"registry: {p.registered_model} v{version}: {decision['reason']}")
+    decision["registered"] = "new version" if created else "unchanged: the same bundle as this existing version"
+    get_run_logger().info(f"registry: {p.registered_model} v{version} ({decision['registered']}): "
+                          f"{decision['reason']}")
     return decision

@@ -289,9 +289,12 @@ class Tracker:
 
     # -- registry -------------------------------------------------------------------------------------
 
-    def register(self, prof: Profile, package: dict) -> str:
-        """A new version of the profile's registered model: the packaged bundle (logged as an artifact of the
-        parent run, or referenced when large), tagged with its step, eval success and held-out action error."""
+    def register(self, prof: Profile, package: dict, provenance: dict | None = None) -> tuple[str, bool]:
+        """(version, created): the packaged bundle as a version of the profile's registered model (logged as an
+        artifact of the parent run, or referenced when large), tagged with its step, eval success, held-out action
+        error, the weights' and the MANIFEST's sha256 and the run's provenance (name, params digest, every
+        stage's cache key). A bundle that an earlier version already holds (same MANIFEST sha256: an unchanged
+        rerun) registers nothing: that version is returned, with created False."""
         from mlflow.exceptions import MlflowException
 
         client = self.client
@@ -308,20 +311,31 @@ class Tracker:
         if not (bundle / MANIFEST).is_file():
             raise ValueError(f"{bundle}: no {MANIFEST}; not a bundle to register")
         manifest_sha256 = file_sha256(bundle / MANIFEST)
+        same = sorted((int(v.version) for v in client.search_model_versions(f"name='{name}'")
+                       if v.tags.get(MANIFEST_SHA256_TAG) == manifest_sha256))
+        if same:
+            client.set_tag(self.run_id, "registered_model_version", f"{name}/{same[0]} (unchanged)")
+            return str(same[0]), False
         self.artifact(self.run_id, bundle, f"bundle/{bundle.name}")
         source = f"runs:/{self.run_id}/bundle/{bundle.name}"
         action = package.get("action_error") or {}
+        provenance = provenance or {}
         # the MANIFEST's digest pins every file of the bundle: `dz serve models:/...` checks it on each load
         tags = {"step": str(package["step"]), "package.version": package["version"],
-                MANIFEST_SHA256_TAG: manifest_sha256,
+                MANIFEST_SHA256_TAG: manifest_sha256, "weights.sha256": package.get("weights_sha256") or "",
                 "package.tarball": package["tarball"], "profile": self.profile,
                 "success_rate": "" if package["success_rate"] is None else str(package["success_rate"]),
                 "action_error": "" if action.get("trained") is None else str(action["trained"]),
                 "action_error_ratio": "" if action.get("ratio") is None else str(action["ratio"])}
+        if provenance.get("run_name"):
+            tags["run_name"] = provenance["run_name"]
+        if provenance.get("params_digest"):
+            tags["params_digest"] = provenance["params_digest"]
+        tags.update({f"key.{stage}": key for stage, key in (provenance.get("keys") or {}).items()})
         mv = client.create_model_version(name, source, run_id=self.run_id, tags=tags,
                                          description=f"step {package['step']}, package {package['version']}")
         client.set_tag(self.run_id, "registered_model_version", f"{name}/{mv.version}")
-        return str(mv.version)
+        return str(mv.version), True
 
 
 def promote(uri: str, registered_model: str, version: str | None, alias: str, min_success: float | None,
@@ -382,16 +396,17 @@ def _registry_uri_for(name: str, params_file: Path) -> str:
 
 
 def _bundle_roots(name: str, params_file: Path) -> list[Path]:
-    """Where a registered reference may point: the package stage's output folder of each profile of the project
-    that registers `name`, and the folders in DZ_BUNDLE_ROOTS."""
+    """Where a registered reference may point: the package stage's output folders (unkeyed, and the flow's keyed
+    store) of each profile of the project that registers `name`, and the folders in DZ_BUNDLE_ROOTS."""
     roots = [Path(p).expanduser().resolve() for p in os.environ.get(BUNDLE_ROOTS_ENV, "").split(os.pathsep) if p]
     if params_file.is_file():
         from dzmodel.config import load_params
 
         project = params_file.parent.resolve()
-        roots += [StagePaths(project, profile).stage("package").resolve()
-                  for profile, prof in load_params(params_file).profiles.items()
-                  if prof.promote.registered_model == name]
+        for profile, prof in load_params(params_file).profiles.items():
+            if prof.promote.registered_model == name:  # `dz stage package`'s folder, and the flow's keyed ones
+                paths = StagePaths(project, profile)
+                roots += [paths.stage("package").resolve(), paths.store("package").resolve()]
     return roots
 
 

@@ -26,8 +26,8 @@ def stage_cache(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict
     cfg.cache = None
     if not cfg.tokenizer:
         raise ValueError(f"profiles.{paths.profile}.train.tokenizer: the cache needs the tokenizer directory")
-    if cfg.preset in OFFLINE_PRESETS and Path(cfg.tokenizer) == paths.run / "tokenizer":
-        build_tiny_tokenizer(paths.run / "tokenizer")  # deterministic bytes: rebuilding changes nothing
+    if cfg.preset in OFFLINE_PRESETS and Path(cfg.tokenizer) == paths.tokenizer:
+        build_tiny_tokenizer(paths.tokenizer)  # deterministic bytes: rebuilding changes nothing
     build_cache(cfg, out, stride=prof.cache.stride, batch_size=prof.cache.batch_size,
                 device="cuda" if cuda_available() else "cpu", command="pipeline")
     log(f"cache: wrote {out}")

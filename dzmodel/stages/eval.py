@@ -50,7 +50,7 @@ def stage_action_error(prof: Profile, paths: StagePaths, out: Path, log: Log = p
     result = evaluate_action_error(paths.stage("converted"), out, steps=e.steps, stride=e.action_error_stride,
                                    max_windows=e.action_error_windows, device=e.device, seed=e.seed,
                                    solver=eval_solver(e))
-    write_csv(paths.run / "plots" / "action_error_vs_step.csv",
+    write_csv(paths.plots("eval") / "action_error_vs_step.csv",
                [{"step": r["step"], "action_error": r["trained"], "mean_predictor": result["mean_predictor"],
                  "untrained": result["untrained"]} for r in result["steps"]])
     log("eval: " + describe(result))
@@ -79,8 +79,8 @@ def stage_previews(prof: Profile, paths: StagePaths, out: Path, log: Log = print
 def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
     e = prof.eval
     out = fresh_dir(paths.stage("eval"))
-    metrics_file = paths.run / "metrics" / "eval.json"
-    plots = paths.run / "plots"
+    metrics_file = paths.metrics("eval")
+    plots = paths.plots("eval")
     action = stage_action_error(prof, paths, out / "action_error", log) if e.action_error else None
     previews = stage_previews(prof, paths, out / "previews", log) if e.previews else None
     if action is None or not action["measured"]:

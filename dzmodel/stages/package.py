@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+from pathlib import Path
 
 from ..config import Profile, StagePaths
 from .common import Log, print_line, stage_output, write_json
@@ -17,7 +19,7 @@ def chosen_step(prof: Profile, paths: StagePaths) -> tuple[int, float | None]:
                        if (p / "config.json").is_file())
     if not converted:
         raise FileNotFoundError(f"{paths.stage('converted')}: no converted model (run the convert stage)")
-    metrics = paths.run / "metrics" / "eval.json"
+    metrics = paths.metrics("eval")
     summary = json.loads(metrics.read_text()) if metrics.is_file() else {}
     results = paths.stage("eval") / "results.csv"
     rates = {}
@@ -40,17 +42,29 @@ def stage_package(prof: Profile, paths: StagePaths, log: Log = print_line) -> di
     out = paths.stage("package")
     eval_dir = paths.stage("eval")
     has_eval = (eval_dir / "results.csv").is_file()
+    weights = weights_sha256(model)
+    version = f"{prof.package.version}+{weights[:8]}"  # build metadata: other weights, another version
     with stage_output(out) as tmp:
         bundle, tarball = build_package(model, tmp, RobotConfig.from_dict(prof.package.robot, "package.robot"),
-                                        prof.package.version, eval_dir if has_eval else None, prof.package.name)
+                                        version, eval_dir if has_eval else None, prof.package.name)
     bundle, tarball = out / bundle.relative_to(tmp), out / tarball.relative_to(tmp)
     action = packaged_action_error(paths, step)
     write_json(out / "PACKAGE.json", {"step": step, "success_rate": rate, "bundle": bundle.name,
-                                       "tarball": tarball.name, "version": prof.package.version,
+                                       "tarball": tarball.name, "version": version, "weights_sha256": weights,
                                        "action_error": action})
     log(f"package: step {step} -> {tarball}")
     return {"bundle": str(bundle), "tarball": str(tarball), "step": step, "success_rate": rate,
-            "model": str(model), "version": prof.package.version, "action_error": action}
+            "model": str(model), "version": version, "weights_sha256": weights, "action_error": action}
+
+
+def weights_sha256(model: Path) -> str:
+    """One sha256 over a converted model's weight files (*.safetensors, by relative path and content)."""
+    from ..serve.bundles import file_sha256
+
+    h = hashlib.sha256()
+    for path in sorted(model.rglob("*.safetensors")):
+        h.update(f"{path.relative_to(model)}\0{file_sha256(path)}\n".encode())
+    return h.hexdigest()
 
 
 def packaged_action_error(paths: StagePaths, step: int) -> dict | None:

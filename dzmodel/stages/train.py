@@ -149,7 +149,7 @@ def _start_fresh_if_changed(cfg, paths: StagePaths, log: Log) -> None:
     if cfg.encoder_weights.get("vae") == str(paths.vision_vae) and paths.vision_vae.is_file():
         # a retrained VAE keeps its path: its bytes say whether the checkpoints were trained on it
         inputs["vision_vae"] = hashlib.sha256(paths.vision_vae.read_bytes()).hexdigest()[:16]
-    record = paths.run / "train_inputs.json"
+    record = paths.home("train") / "train_inputs.json"
     if out.exists() and any(out.iterdir()):
         old = json.loads(record.read_text()) if record.is_file() else None
         if old is None:
@@ -165,9 +165,9 @@ def _start_fresh_if_changed(cfg, paths: StagePaths, log: Log) -> None:
             write_json(record, inputs)
             return
         stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
-        aside, n = paths.run / "superseded" / f"train-{stamp}", 1
+        aside, n = paths.home("train") / "superseded" / f"train-{stamp}", 1
         while aside.exists():
-            aside, n = paths.run / "superseded" / f"train-{stamp}-{n}", n + 1
+            aside, n = paths.home("train") / "superseded" / f"train-{stamp}-{n}", n + 1
         aside.parent.mkdir(parents=True, exist_ok=True)
         with directory_lock(out, wait=False, what="a running `dz train`"):  # never move a live run's directory
             out.replace(aside)
@@ -204,14 +204,14 @@ def summarize_training(paths: StagePaths, out_dir: str | Path, wall_s: float | N
         summary["wall_s"] = round(wall_s, 1)
     if prof is not None:
         summary["world_size"] = prof.launch["nproc_per_node"] * prof.launch["nnodes"]
-    write_json(paths.run / "metrics" / "train.json", summary)
-    plots = paths.run / "plots"
+    write_json(paths.metrics("train"), summary)
+    plots = paths.plots("train")
     write_csv(plots / "train_losses.csv", [{"step": r["step"], "loss": r["loss"], "action_loss": r["action_loss"],
                                               "dynamics_loss": r["dynamics_loss"]} for r in rows])
     write_csv(plots / "train_throughput.csv", [{"step": r["step"], "samples_per_s_per_gpu": r["samples_per_s_per_gpu"],
                                                   "mfu": r.get("mfu"), "peak_mem_gib": r["peak_mem_gib"]} for r in rows])
     images = plot_training(rows, plots)
-    return {"train_dir": str(out_dir), "summary": summary, "metrics_file": str(paths.run / "metrics" / "train.json"),
+    return {"train_dir": str(out_dir), "summary": summary, "metrics_file": str(paths.metrics("train")),
             "plots": [str(p) for p in images]}
 
 

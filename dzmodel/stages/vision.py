@@ -11,7 +11,7 @@ def stage_vision(prof: Profile, paths: StagePaths, log: Log = print_line) -> dic
     """The offline presets' VAE pretrained on the dataset's frames (dzmodel/train/vision.py): cache and train load
     it through train.encoder_weights.vae (`train_config`). Disabled: an empty marker, and they keep their VAE."""
     out, v = paths.stage("vision"), prof.vision
-    metrics_file = paths.run / "metrics" / "vision.json"
+    metrics_file = paths.metrics("vision")
     if not v.enabled:
         fresh_dir(out)
         atomic_write_text(out / "DISABLED", "vision.enabled is false: cache and train use the preset's seeded random "

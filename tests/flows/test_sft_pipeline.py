@@ -52,14 +52,17 @@ def _fake_stages(calls: list[str]):
         rows = [{"step": s, "loss": lr * 100 / s, "action_loss": 0.1, "dynamics_loss": 0.2, "lr": lr, "grad_norm": 1.0,
                  "samples_per_s_per_gpu": 3.0, "mfu": 0.01, "peak_mem_gib": 0.5} for s in (1, 2, 3)]
         write(paths.stage("train") / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        write(paths.stage("train") / "weights.bin", f"trained at lr {lr}")  # what a retrain with these params gives
         if on_metrics:
             on_metrics(rows)
         return summarize_training(paths, paths.stage("train"), 1.0, prof)
 
     def convert(prof, paths, log):
         calls.append("convert")
+        weights = (paths.stage("train") / "weights.bin").read_text()
         for s in (2, 3):
             write(paths.stage("converted") / f"step_{s:07d}" / "config.json", "{}")
+            write(paths.stage("converted") / f"step_{s:07d}" / "model.safetensors", f"{weights}, step {s}")
         return {"converted": str(paths.stage("converted")), "steps": [2, 3]}
 
     def evaluate(prof, paths, log):
@@ -68,7 +71,7 @@ def _fake_stages(calls: list[str]):
                  "rate": 0.5 if s == 3 else 0.0} for s in (2, 3)]
         write(paths.stage("eval") / "results.csv", "step,task,task_name,episodes,successes,rate\n" +
               "".join(f"{r['step']},all,,{r['episodes']},1,{r['rate']}\n" for r in rows))
-        write(paths.run / "metrics" / "eval.json", json.dumps({"evaluated": True, "best_step": 3}))
+        write(paths.metrics("eval"), json.dumps({"evaluated": True, "best_step": 3}))
         return {"eval_dir": str(paths.stage("eval")), "evaluated": True, "rows": rows, "best": rows[1], "plot": None}
 
     def package(prof, paths, log):
@@ -76,13 +79,15 @@ def _fake_stages(calls: list[str]):
         step, rate = chosen_step(prof, paths)
         bundle = paths.stage("package") / f"dreamzero-demo-{step}"
         write(bundle / "robot.json", "{}")
-        write(bundle / "MANIFEST", "stand-in manifest\n")
+        weights = (paths.stage("converted") / f"step_{step:07d}" / "model.safetensors").read_text()
+        write(bundle / "MANIFEST", f"stand-in manifest: {weights}, {prof.eval.episodes} eval episodes\n")
         write(paths.stage("package") / f"dreamzero-demo-{step}.tar.gz")
         # a stand-in held-out action error: the demo's gate reads its ratio
         action = {"step": step, "trained": 0.1, "ratio": 0.25, "mean_predictor": 0.4, "untrained": 0.9}
         return {"bundle": str(bundle), "tarball": str(paths.stage("package") / f"dreamzero-demo-{step}.tar.gz"),
                 "step": step, "success_rate": rate, "model": str(paths.stage("converted") / f"step_{step:07d}"),
-                "version": prof.package.version, "action_error": action}
+                "version": prof.package.version, "action_error": action,
+                "weights_sha256": hashlib.sha256(weights.encode()).hexdigest()}
 
     return {"fetch": fetch, "metadata": metadata, "vision": vision, "cache": cache, "train": train, "convert": convert,
             "eval": evaluate, "package": package}
@@ -115,13 +120,16 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     calls.clear()
     second = sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.4"])
     assert calls == [] and second["cached_stages"] == list(pipeline.STAGES)  # nothing changed: all skipped
+    assert second["promotion"]["version"] == "1" and second["promotion"]["registered"].startswith("unchanged")
+    assert first["run_name"] != second["run_name"] and first["run_name"].startswith("demo-")
+    assert second["run_name"].endswith("-2") and first["run_name"][:-2] == second["run_name"][:-2]
 
     calls.clear()
     sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.4", "eval.episodes=3"])
     assert calls == ["eval", "package"]  # only the eval section changed
 
     calls.clear()
-    (tmp_path / "runs" / "demo" / "package" / "dreamzero-demo-3.tar.gz").unlink()  # an output went missing
+    (tmp_path / "runs" / "demo" / "latest" / "package" / "dreamzero-demo-3.tar.gz").unlink()  # an output went missing
     sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.4", "eval.episodes=3"])
     assert calls == ["package"]
 
@@ -142,11 +150,16 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     assert {r.info.run_name: r.data.tags["cached"] for r in children} == {
         "fetch": "true", "metadata": "true", "vision": "true", "cache": "true", "train": "false", "convert": "false",
         "eval": "false", "package": "false"}
-    # the registry: every run registered a version; the alias stayed on the last one that passed the gate
-    assert str(client.get_model_version_by_alias("dreamzero-demo", "production").version) == "4"
-    v5 = client.get_model_version("dreamzero-demo", "5")
-    assert v5.tags["promotion"] == "refused" and v5.tags["success_rate"] == "0.5"
-    assert v5.source == f"runs:/{last.info.run_id}/bundle/dreamzero-demo-3"  # the servable bundle
+    assert {r.info.run_name for r in parents} == {first["run_name"], second["run_name"], refused["run_name"],
+                                                   *(r.data.tags["dz.run_name"] for r in parents)}
+    # the registry: a new version only for a new bundle (runs 1, 3 and 5); the alias stayed on the last one that
+    # passed the gate
+    assert str(client.get_model_version_by_alias("dreamzero-demo", "production").version) == "2"
+    assert len(client.search_model_versions("name='dreamzero-demo'")) == 3
+    v3 = client.get_model_version("dreamzero-demo", "3")
+    assert v3.tags["promotion"] == "refused" and v3.tags["success_rate"] == "0.5"
+    assert v3.tags["run_name"] == refused["run_name"] and set(v3.tags) >= {f"key.{s}" for s in pipeline.STAGES}
+    assert v3.source == f"runs:/{last.info.run_id}/bundle/dreamzero-demo-3"  # the servable bundle
     assert [a.path for a in client.list_artifacts(last.info.run_id, "bundle/dreamzero-demo-3")] == [
         "bundle/dreamzero-demo-3/MANIFEST", "bundle/dreamzero-demo-3/robot.json"]
     artifacts = {a.path for a in client.list_artifacts(last.info.run_id)}
@@ -161,6 +174,45 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     assert "| 3 | all |" in latest["demo-eval"].data  # the success table, one row per step
     assert "refused: LIBERO success 50.0% < gate 90.0%" in latest["demo-package"].data
     assert f"/runs/{last.info.run_id})" in latest["demo-mlflow-run"].data
+
+
+def test_a_b_a_registers_what_each_run_trained(prefect_env, tmp_path, monkeypatch):
+    """lr A, then B, then A again: every registered version holds the weights that a retrain with its own params
+    gives, and the third run, which changes nothing against the first, registers nothing new. (Before stage
+    outputs were addressed by cache key, the third run reused the first run's cached results, which pointed at
+    folders the second run had overwritten: version 3 was tagged lr A and held lr B's weights.)"""
+    from mlflow.tracking import MlflowClient
+
+    from flows.sft_pipeline import sft_pipeline
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    calls: list[str] = []
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", _fake_stages(calls))
+    gate = "promote.max_action_error_ratio=0.5"
+    runs = [sft_pipeline("demo", root=str(tmp_path), overrides=[gate, f"train.lr={lr}"])
+            for lr in ("2.0e-3", "3.0e-3", "2.0e-3")]
+    assert calls.count("train") == 2  # the third run trained nothing: its inputs are the first's
+    client = MlflowClient(tracking_uri=runs[0]["mlflow_uri"], registry_uri=runs[0]["mlflow_uri"])
+    versions = {v.version: v for v in client.search_model_versions("name='dreamzero-demo'")}
+    assert sorted(int(v) for v in versions) == [1, 2]
+    assert [r["promotion"]["version"] for r in runs] == ["1", "2", "1"]
+    assert runs[2]["promotion"]["registered"].startswith("unchanged")
+    for run, lr in zip(runs, ("0.002", "0.003", "0.002")):
+        version = versions[int(run["promotion"]["version"])]
+        params = client.get_run(run["mlflow_run_id"]).data.params
+        assert params["train.lr"] == lr
+        retrained = f"trained at lr {float(lr)}, step 3"  # what the fake train + convert write for these params
+        assert version.tags["weights.sha256"] == hashlib.sha256(retrained.encode()).hexdigest(), (lr, version.version)
+        bundle = Path(run["package"]).with_suffix("").with_suffix("")
+        assert lr in (bundle / "MANIFEST").read_text() or str(float(lr)) in (bundle / "MANIFEST").read_text()
+    # the run views: three names, each linking to the outputs its own keys address
+    views = [tmp_path / "runs" / "demo" / r["run_name"] for r in runs]
+    assert len({r["run_name"] for r in runs}) == 3 and all((v / "run.json").is_file() for v in views)
+    keys = [json.loads((v / "run.json").read_text())["stages"] for v in views]
+    assert keys[0] == keys[2] and keys[0]["train"] != keys[1]["train"] and keys[0]["fetch"] == keys[1]["fetch"]
+    assert (views[0] / "train").resolve() == (views[2] / "train").resolve() != (views[1] / "train").resolve()
+    assert not list(tmp_path.rglob("UNKEYED"))  # no stage wrote where a later stage's key was not known yet
 
 
 def test_dz_promote_applies_the_gate_to_a_registered_version(prefect_env, tmp_path, monkeypatch, capsys):
@@ -200,8 +252,9 @@ def test_models_uris_resolve_to_the_promoted_bundle(prefect_env, tmp_path, monke
     monkeypatch.chdir(tmp_path)
     path, pinned = resolve_bundle_source("models:/dreamzero-demo@production")
     bundle = Path(path)
-    assert bundle.name == "dreamzero-demo-3" and (bundle / "MANIFEST").read_text() == "stand-in manifest\n"
-    assert pinned == hashlib.sha256(b"stand-in manifest\n").hexdigest()  # passed on to the loader
+    manifest = (bundle / "MANIFEST").read_bytes()
+    assert bundle.name == "dreamzero-demo-3" and manifest.startswith(b"stand-in manifest: trained at lr")
+    assert pinned == hashlib.sha256(manifest).hexdigest()  # passed on to the loader
     assert bundle.is_relative_to(tmp_path / "cache" / "registry" / "dreamzero-demo" / "1")
     assert resolve_registered_bundle("models:/dreamzero-demo/1") == bundle  # by version, cached
     with pytest.raises(RegistryError, match="not found"):

@@ -50,9 +50,10 @@ def env(project, tmp_path, monkeypatch):
 def register(project, bundle_name: str) -> tuple[str, Path]:
     """What the pipeline's register step does with a freshly packaged bundle."""
     _, prof, paths, tracker = project
-    bundle = make_bundle(paths.stage("package") / bundle_name)
-    version = tracker.register(prof, {"bundle": str(bundle), "tarball": f"{bundle}.tar.gz", "step": 3,
-                                      "version": "1.0.0", "success_rate": 0.5, "action_error": None})
+    # its own content: the registry gives an identical bundle the version that holds it already
+    bundle = make_bundle(paths.stage("package") / bundle_name, {**FILES, "model/name.txt": bundle_name.encode()})
+    version, _ = tracker.register(prof, {"bundle": str(bundle), "tarball": f"{bundle}.tar.gz", "step": 3,
+                                         "version": "1.0.0", "success_rate": 0.5, "action_error": None})
     return version, bundle
 
 
@@ -81,7 +82,7 @@ def test_a_poisoned_registry_download_is_refused_on_every_load(env):
 
     version, _ = register(env, "dreamzero-demo-4")
     cached = resolve_registered_bundle(f"models:/{NAME}/{version}")
-    assert load_package(cached).files == len(FILES)
+    assert load_package(cached).files == len(FILES) + 1  # with model/name.txt
     (cached / "model" / "w.bin").write_bytes(EVIL)  # someone rewrites the cached copy and its MANIFEST
     regenerate_manifest(cached)
     with pytest.raises(RegistryError, match=rf"{cached}/MANIFEST: sha256 \w+ does not match"):
