@@ -39,7 +39,8 @@ def where_to_look(summary: dict, root: Path) -> str:
                      f"ratio {a['ratio']:.2f} at step {a['step']}")
     if summary.get("promotion"):
         p = summary["promotion"]
-        lines.append(f"  registry    {p['registered_model']} v{p['version']}: {p['reason']}")
+        again = " (already registered: the same bundle)" if str(p.get("registered", "")).startswith("unchanged") else ""
+        lines.append(f"  registry    {p['registered_model']} v{p['version']}{again}: {p['reason']}")
         if p.get("promoted"):
             lines.append(f"  serve       DZ_SERVE_TOKEN=<secret> {venv}/dz serve models:/{p['registered_model']}@{p['alias']}"
                          "   (docs/deploy.md)")

@@ -30,15 +30,25 @@ def _mlflow_link(tracker: Tracker) -> str:
     return f"{base.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
 
 
-def _name_flow_run(flow_run_id, name: str) -> None:
-    """Give the Prefect flow run the pipeline run's name (Prefect's own is random)."""
-    from prefect.client.orchestration import get_client
+def _run_name() -> str:
+    """The flow run's name, as Prefect asks for it when the run starts: --run-name, else
+    <profile>-<params digest>-<n> (the flow refuses bad params itself, with the full message)."""
+    from prefect.runtime import flow_run
 
-    with get_client(sync_client=True) as client:
-        client.update_flow_run(flow_run_id, name=name)
+    given = flow_run.parameters
+    if given.get("run_name"):
+        return given["run_name"]
+    try:
+        root = Path(given.get("root") or ".").resolve()
+        params = load_params(root / given.get("params_path", "params.yaml"), given.get("overrides") or [],
+                             given.get("profile"))
+        name = given.get("profile") or params.profile
+        return next_run_name(StagePaths(root, name, keyed=True), profile_dict(params.selected(name)))
+    except (ValueError, OSError):
+        return "sft-pipeline-bad-params"
 
 
-@flow(name="sft-pipeline", log_prints=True, persist_result=False)  # its summary is returned, never read back
+@flow(name="sft-pipeline", log_prints=True, persist_result=False, flow_run_name=_run_name)  # its summary is returned, never read back
 def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", overrides: list[str] | None = None,
                  root: str = ".", promote: bool = True, run_name: str | None = None) -> dict:
     """Run every stage of one params.yaml profile; unchanged stages come from the task cache.
@@ -52,9 +62,8 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
     prof = params.selected(name)
     paths = StagePaths(root_dir, name, keyed=True)
     resolved = profile_dict(prof)
-    run = check_run_name(run_name, paths) if run_name else next_run_name(paths, resolved)
     ctx = get_run_context()
-    _name_flow_run(ctx.flow_run.id, run)
+    run = check_run_name(ctx.flow_run.name, paths)  # _run_name's: also the MLflow run's and the view's name
     tracker = Tracker.start(prof, name, paths, run_name=run, tags={"prefect.flow_run_id": str(ctx.flow_run.id),
                                                                   "prefect.flow_run_name": run, "dz.run_name": run,
                                                                   "dz.params_digest": params_digest(resolved)})
