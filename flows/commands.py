@@ -60,8 +60,21 @@ def where_to_look(summary: dict, root: Path) -> str:
     return "\n".join(lines)
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (a scheduler stopping the job, `kill`) unwinds like Ctrl-C: the stage's subprocess is stopped and
+    the MLflow run ends KILLED instead of staying RUNNING."""
+    import signal
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def cmd_pipeline_run(ns: argparse.Namespace) -> int:
     from flows.sft_pipeline import sft_pipeline
+
+    _exit_on_sigterm()
 
     root = Path(ns.root).resolve()
     summary = sft_pipeline(ns.profile, ns.params, ns.set, str(root), promote=not ns.no_promote, run_name=ns.run_name)

@@ -10,7 +10,9 @@ It composes the tasks in `tasks/` and holds no stage logic of its own. One MLflo
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from asyncio import CancelledError
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -18,7 +20,7 @@ from prefect.context import get_run_context
 
 from dzmodel.config import StagePaths, load_params, profile_dict
 from dzmodel.pipeline import STAGES, outputs_intact
-from dzmodel.runs import check_run_name, link_stage, next_run_name, params_digest, start_view
+from dzmodel.runs import check_run_name, link_stage, next_run_name, params_digest, run_view, start_view
 from tasks import artifacts
 from dzmodel.stages import STAGE_TABLE
 from tasks.stages import STAGE_TASKS, cache_key, register_and_promote
@@ -28,6 +30,17 @@ from tasks.tracking import Tracker, experiment_name, mask_uri, without_credentia
 def _mlflow_link(tracker: Tracker) -> str:
     base = without_credentials(tracker.uri) if tracker.uri.startswith("http") else "http://127.0.0.1:5000"
     return f"{base.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
+
+
+def _description(run: str, profile: str, digest: str, flow_run_id, view: Path) -> str:
+    """The MLflow run's description (markdown): what it is, and where its Prefect run and outputs are."""
+    from prefect.settings import get_current_settings
+
+    ui = get_current_settings().ui_url
+    prefect = (f"[{run}]({ui.rstrip('/')}/runs/flow-run/{flow_run_id})" if ui and os.environ.get("PREFECT_API_URL")
+               else f"{run} (id {flow_run_id}, on a temporary Prefect server)")
+    return (f"Pipeline run **{run}** of profile `{profile}` (params digest `{digest}`).\n\n"
+            f"- Prefect flow run: {prefect}\n- Outputs: `{view}` (links to each stage's outputs by cache key)\n")
 
 
 def _run_name() -> str:
@@ -64,10 +77,12 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
     resolved = profile_dict(prof)
     ctx = get_run_context()
     run = check_run_name(ctx.flow_run.name, paths)  # _run_name's: also the MLflow run's and the view's name
+    digest = params_digest(resolved)
     tracker = Tracker.start(prof, name, paths, run_name=run, tags={"prefect.flow_run_id": str(ctx.flow_run.id),
                                                                   "prefect.flow_run_name": run, "dz.run_name": run,
-                                                                  "dz.params_digest": params_digest(resolved)})
-    view = start_view(paths, run, {"profile": name, "params_digest": params_digest(resolved),
+                                                                  "dz.params_digest": digest},
+                            description=_description(run, name, digest, ctx.flow_run.id, run_view(paths, run)))
+    view = start_view(paths, run, {"profile": name, "params_digest": digest,
                                    "overrides": list(overrides or []), "mlflow_run_id": tracker.run_id,
                                    "prefect_flow_run_id": str(ctx.flow_run.id)})
     link = _mlflow_link(tracker)
@@ -99,10 +114,13 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
                 artifacts.train_artifact(name, result, link)
             elif stage == "eval":
                 artifacts.eval_artifact(name, result)
-        provenance = {"run_name": run, "params_digest": params_digest(resolved), "keys": dict(paths.keys)}
+        provenance = {"run_name": run, "params_digest": digest, "keys": dict(paths.keys)}
         decision = register_and_promote(tracker, prof, results["package"], provenance) if promote else None
         artifacts.package_artifact(name, results["package"], decision)
         tracker.end()
+    except (KeyboardInterrupt, SystemExit, CancelledError):  # Ctrl-C, SIGTERM (dz pipeline run), a cancelled run
+        tracker.end(status="KILLED")
+        raise
     except BaseException:
         tracker.end(status="FAILED")
         raise

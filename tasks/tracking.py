@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -94,6 +95,41 @@ def _git_commit(root: Path) -> str | None:
         return None
 
 
+# MLflow 3 opens an experiment without this tag in its GenAI (traces) view; ours trains models
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = {EXPERIMENT_KIND_TAG: "custom_model_development"}
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def end_stale_runs(client, experiment_id: str) -> list[str]:
+    """Mark FAILED the pipeline runs of this experiment left RUNNING by a process of this host that is gone
+    (killed with SIGKILL, or the machine rebooted), with their nested stage runs; runs of other hosts are left
+    alone, since their processes cannot be checked from here. Returns the run ids it ended."""
+    host = socket.gethostname()
+    ended = []
+    for run in client.search_runs([experiment_id], "tags.pipeline = 'sft_pipeline' and attributes.status = 'RUNNING'"):
+        tags = run.data.tags
+        pid = tags.get("dz.pid", "")
+        if tags.get("dz.host") != host or not pid.isdigit() or _process_alive(int(pid)):
+            continue
+        children = client.search_runs([experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}' "
+                                                       "and attributes.status = 'RUNNING'")
+        for stale in [*children, run]:
+            client.set_tag(stale.info.run_id, "dz.ended", f"stale: its process {pid} on {host} is gone")
+            client.set_terminated(stale.info.run_id, status="FAILED")
+            ended.append(stale.info.run_id)
+    return ended
+
+
 @dataclass
 class Tracker:
     """The parent run of one pipeline run, and helpers to log each stage into a nested run under it."""
@@ -104,7 +140,7 @@ class Tracker:
 
     @classmethod
     def start(cls, prof: Profile, profile: str, paths: StagePaths, run_name: str | None = None,
-              tags: dict[str, str] | None = None) -> "Tracker":
+              tags: dict[str, str] | None = None, description: str | None = None) -> "Tracker":
         from mlflow.entities import Param
 
         uri = tracking_uri(prof, paths.root)
@@ -115,13 +151,20 @@ class Tracker:
             artifacts = None
             if uri.startswith("sqlite:"):  # local default: a file artifact store beside the database
                 artifacts = (paths.root / prof.tracking.artifact_root).resolve().as_uri()
-            exp_id = client.create_experiment(name, artifact_location=artifacts, tags={"profile": profile})
+            exp_id = client.create_experiment(name, artifact_location=artifacts,
+                                              tags={"profile": profile, **EXPERIMENT_KIND})
         else:
             exp_id = exp.experiment_id
-        all_tags = {"profile": profile, "pipeline": "sft_pipeline", **(tags or {})}
+            if exp.tags.get(EXPERIMENT_KIND_TAG) is None:  # made before the kind was set: MLflow's GenAI view
+                client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND[EXPERIMENT_KIND_TAG])
+        end_stale_runs(client, exp_id)
+        all_tags = {"profile": profile, "pipeline": "sft_pipeline", "dz.host": socket.gethostname(),
+                    "dz.pid": str(os.getpid()), **(tags or {})}
         commit = _git_commit(paths.root)
         if commit:
             all_tags["mlflow.source.git.commit"] = commit
+        if description:
+            all_tags["mlflow.note.content"] = description
         run = client.create_run(exp_id, run_name=run_name or f"sft-{profile}-{time.strftime('%Y%m%d-%H%M%S')}",
                                 tags=all_tags)
         params = [Param(k, mask_uri(json.dumps(v) if not isinstance(v, str) else v))  # tracking.mlflow_uri, ...

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -266,3 +267,56 @@ def test_models_uris_resolve_to_the_promoted_bundle(prefect_env, tmp_path, monke
     # the served bundle is verified like any other: this stand-in's MANIFEST is refused, in one line
     monkeypatch.setenv("DZ_SERVE_TOKEN", "a-long-enough-token")
     assert main(["serve", "models:/dreamzero-demo@production"]) == 2
+
+
+def test_an_interrupted_run_ends_killed_and_a_dead_ones_run_is_ended(prefect_env, tmp_path, monkeypatch):
+    """SIGTERM (raised as SystemExit by `dz pipeline run`) or Ctrl-C mid-stage: the MLflow parent run ends KILLED.
+    A run left RUNNING by a process of this host that no longer exists is marked FAILED by the next run."""
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from flows.sft_pipeline import sft_pipeline
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    stages = _fake_stages([])
+
+    def killed(prof, paths, log, on_metrics=None):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", {**stages, "train": killed})
+    with pytest.raises(SystemExit):
+        sft_pipeline("demo", root=str(tmp_path))
+    uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("dreamzero-demo")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the classic view, not GenAI
+    (parent,) = client.search_runs([exp.experiment_id], "tags.pipeline = 'sft_pipeline'")
+    assert parent.info.status == "KILLED"
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    import socket
+
+    orphan = client.create_run(exp.experiment_id, tags={"pipeline": "sft_pipeline", "dz.host": socket.gethostname(),
+                                                        "dz.pid": gone.stdout.strip()})
+    alive = client.create_run(exp.experiment_id, tags={"pipeline": "sft_pipeline", "dz.host": socket.gethostname(),
+                                                       "dz.pid": str(os.getpid())})
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", stages)
+    summary = sft_pipeline("demo", root=str(tmp_path))
+    assert client.get_run(orphan.info.run_id).info.status == "FAILED"
+    assert "is gone" in client.get_run(orphan.info.run_id).data.tags["dz.ended"]
+    assert client.get_run(alive.info.run_id).info.status == "RUNNING"  # its process (this one) still runs
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.run_name == summary["run_name"] and summary["run_name"] in run.data.tags["mlflow.note.content"]
+
+
+def test_dz_pipeline_run_turns_sigterm_into_an_orderly_exit():
+    import subprocess
+    import sys
+
+    code = ("import os, signal\nfrom flows.commands import _exit_on_sigterm\n_exit_on_sigterm()\n"
+            "try:\n    os.kill(os.getpid(), signal.SIGTERM)\nexcept SystemExit as exc:\n    print('exit', exc.code)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.stdout.strip() == "exit 143", out.stderr
