@@ -17,6 +17,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
+from prefect.utilities.annotations import quote
 
 from dzmodel.config import StagePaths, load_params, profile_dict
 from dzmodel.pipeline import STAGES, outputs_intact
@@ -90,6 +91,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
     logger.info(f"run {run} (profile {name}): {view}; MLflow run {tracker.run_id} in experiment "
                 f"{experiment_name(prof, name)} ({mask_uri(tracker.uri)})")
     results: dict[str, dict] = {}
+    states: dict = {}  # each stage's final state: passed on as wait_for, the Prefect graph's edges
     try:
         for stage in STAGES:
             key = cache_key(stage, prof, [results[u]["outputs_fingerprint"] for u in STAGE_TABLE[stage].upstream])
@@ -98,7 +100,10 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
             kwargs = {}
             if stage == "train":  # per-step metrics reach MLflow while training runs
                 kwargs["on_metrics"] = lambda rows: tracker.train_rows(rows, [tracker.run_id])
-            state = task(prof, paths, cache_key=key, return_state=True, **kwargs)
+            # quote: no edges guessed from the values passed in; the edges are the upstream stages (wait_for)
+            state = task(quote(prof), quote(paths), cache_key=key, return_state=True,
+                         wait_for=[states[u] for u in STAGE_TABLE[stage].upstream], **kwargs)
+            states[stage] = state
             result = state.result()
             cached = state.name == "Cached"
             result["_cached"] = cached
@@ -115,7 +120,8 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
             elif stage == "eval":
                 artifacts.eval_artifact(name, result)
         provenance = {"run_name": run, "params_digest": digest, "keys": dict(paths.keys)}
-        decision = register_and_promote(tracker, prof, results["package"], provenance) if promote else None
+        decision = (register_and_promote(quote(tracker), quote(prof), quote(results["package"]), quote(provenance),
+                                         wait_for=[states["package"]]) if promote else None)
         artifacts.package_artifact(name, results["package"], decision)
         tracker.end()
     except (KeyboardInterrupt, SystemExit, CancelledError):  # Ctrl-C, SIGTERM (dz pipeline run), a cancelled run

@@ -14,6 +14,7 @@ import pytest
 
 from dzmodel import pipeline
 from dzmodel.config import StagePaths
+from dzmodel.stages import STAGE_TABLE
 from dzmodel.stages.package import chosen_step
 from dzmodel.stages.train import summarize_training
 
@@ -175,6 +176,23 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     assert "| 3 | all |" in latest["demo-eval"].data  # the success table, one row per step
     assert "refused: LIBERO success 50.0% < gate 90.0%" in latest["demo-package"].data
     assert f"/runs/{last.info.run_id})" in latest["demo-mlflow-run"].data
+
+    # the task graph: each stage waits for the stages whose outputs it reads (the edges of Prefect's graph)
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as prefect_client:
+        (flow_run,) = prefect_client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[refused["run_name"]])))
+        task_runs = prefect_client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run.id]}))
+    by_id = {t.id: t.name.rsplit("-", 1)[0] for t in task_runs}
+    edges = {by_id[t.id]: {by_id[i.id] for i in t.task_inputs.get("wait_for", [])} for t in task_runs}
+
+    def ancestors(stage):
+        return {u for up in STAGE_TABLE[stage].upstream for u in {up, *ancestors(up)}}
+
+    for stage in pipeline.STAGES:  # its upstream stages, at least; never a stage that does not come before it
+        assert set(STAGE_TABLE[stage].upstream) <= edges[stage] <= ancestors(stage), stage
+    assert edges["register-and-promote"] == {"package"} and edges["fetch"] == set()
 
 
 def test_a_b_a_registers_what_each_run_trained(prefect_env, tmp_path, monkeypatch):
