@@ -22,6 +22,22 @@ def _params_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", default=".", help="the project root (data/, runs/, mlruns/ go under it)")
 
 
+QUIET = {"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+
+
+def project_environment(root: Path) -> dict[str, str]:
+    """The defaults `make demo` sets, set here too (unless already set), so that `dz pipeline run` from the README
+    behaves as the Makefile's: Prefect's database and task cache in the project (.prefect), the LIBERO config
+    that `make setup` wrote, software rendering, no telemetry. Returns what it set."""
+    defaults = {"PREFECT_HOME": str(root / ".prefect"), "MUJOCO_GL": "egl", **QUIET}
+    libero = Path(sys.prefix) / "libero_config"
+    if (libero / "config.yaml").is_file():
+        defaults["LIBERO_CONFIG_PATH"] = str(libero)
+    set_here = {k: v for k, v in defaults.items() if k not in os.environ}
+    os.environ.update(set_here)
+    return set_here
+
+
 def where_to_look(summary: dict, root: Path) -> str:
     from tasks.tracking import mask_uri
 
@@ -72,11 +88,11 @@ def _exit_on_sigterm() -> None:
 
 
 def cmd_pipeline_run(ns: argparse.Namespace) -> int:
+    root = Path(ns.root).resolve()
+    project_environment(root)  # before Prefect is imported: it reads PREFECT_HOME once
     from flows.sft_pipeline import sft_pipeline
 
     _exit_on_sigterm()
-
-    root = Path(ns.root).resolve()
     summary = sft_pipeline(ns.profile, ns.params, ns.set, str(root), promote=not ns.no_promote, run_name=ns.run_name)
     if ns.summary_json:
         Path(ns.summary_json).write_text(json.dumps(summary, indent=1, default=str))
@@ -116,6 +132,12 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         print("dz deploy: set PREFECT_API_URL to your Prefect server (e.g. http://127.0.0.1:4200/api); "
               "a deployment needs a server that outlives this command", file=sys.stderr)
         return 2
+    project = Path(os.environ.get("DZ_PROJECT_DIR") or PROJECT).resolve()
+    missing = [f for f in ("params.yaml", "prefect.yaml", "flows/sft_pipeline.py") if not (project / f).is_file()]
+    if missing:
+        print(f"dz deploy: {project} (DZ_PROJECT_DIR) is not the project's checkout: it has no {', '.join(missing)}. "
+              "Set DZ_PROJECT_DIR to the checkout the worker runs the flow from", file=sys.stderr)
+        return 2
     if _prefect("work-pool", "inspect", ns.pool, check=False).returncode != 0:
         _prefect("work-pool", "create", ns.pool, "--type", "process")
         print(f"created work pool {ns.pool} (process)")
@@ -127,8 +149,11 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         args += ["--cron", ns.cron]
     for item in ns.param or []:
         args += ["--param", item]
+    # the worker's flow-run process reads the checkout from here (prefect.yaml's pull step), set or not on its machine
+    args += ["--job-variable", json.dumps({"env": {"DZ_PROJECT_DIR": str(project), **QUIET}})]
     out = _prefect(*args)
     print(out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "deployed")
+    print(f"the worker runs it from {project} (DZ_PROJECT_DIR, recorded in the deployment's job variables)")
     print(f"deployment sft-pipeline/{ns.name} on work pool {ns.pool}; start a worker: "
           f"prefect worker start --pool {ns.pool}")
     return 0

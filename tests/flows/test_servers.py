@@ -59,7 +59,9 @@ def test_scheduled_deployment_run_is_created_and_completes(servers):
     assert any(c["tag"] == "gpu-pool" and c["concurrency_limit"] == 1 for c in limits)
 
     worker_log = servers["base"] / "worker.log"
-    with background([str(BIN / "prefect"), "worker", "start", "--pool", "gpu-pool"], env, worker_log):
+    assert deployment["job_variables"]["env"]["DZ_PROJECT_DIR"] == str(ROOT)  # `dz deploy` records the checkout
+    worker_env = {k: v for k, v in env.items() if k != "DZ_PROJECT_DIR"}  # the worker's machine need not set it
+    with background([str(BIN / "prefect"), "worker", "start", "--pool", "gpu-pool"], worker_env, worker_log):
         deadline, done = time.time() + 540, None
         while time.time() < deadline and done is None:
             try:

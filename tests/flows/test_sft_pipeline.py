@@ -338,3 +338,27 @@ def test_dz_pipeline_run_turns_sigterm_into_an_orderly_exit():
             "try:\n    os.kill(os.getpid(), signal.SIGTERM)\nexcept SystemExit as exc:\n    print('exit', exc.code)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.strip() == "exit 143", out.stderr
+
+
+def test_dz_deploy_says_what_is_missing(tmp_path, monkeypatch, capsys):
+    from flows.commands import cmd_deploy
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    ns = type("Args", (), {"pool": "gpu-pool", "gpu_slots": 1, "prefect_file": "prefect.yaml", "name": "nightly",
+                           "cron": None, "param": []})()
+    assert cmd_deploy(ns) == 2 and "set PREFECT_API_URL" in capsys.readouterr().err
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    monkeypatch.setenv("DZ_PROJECT_DIR", str(tmp_path))
+    assert cmd_deploy(ns) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path} (DZ_PROJECT_DIR) is not the project's checkout" in err and "params.yaml" in err
+
+
+def test_dz_pipeline_run_sets_the_makefiles_defaults(tmp_path, monkeypatch):
+    from flows.commands import project_environment
+
+    monkeypatch.delenv("PREFECT_HOME", raising=False)
+    monkeypatch.setenv("DO_NOT_TRACK", "false")  # what the user set stays
+    set_here = project_environment(tmp_path)
+    assert os.environ["PREFECT_HOME"] == str(tmp_path / ".prefect") == set_here["PREFECT_HOME"]
+    assert os.environ["DO_NOT_TRACK"] == "false" and "DO_NOT_TRACK" not in set_here

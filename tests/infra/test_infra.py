@@ -532,7 +532,7 @@ def test_prefect_cli_knows_the_options_used():
         "concurrency-limit inspect": [],
         "worker start": ["--pool", "--type", "--name"],
         "server start": ["--host", "--port", "--analytics-off"],
-        "deploy": ["--prefect-file", "--name", "--pool", "--param"],
+        "deploy": ["--prefect-file", "--name", "--pool", "--param", "--job-variable"],  # the last: dz deploy
     }
     pytest.importorskip("prefect")
     env = dict(os.environ, **QUIET, COLUMNS="200", PREFECT_API_URL="http://127.0.0.1:9/api")
