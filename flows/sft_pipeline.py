@@ -118,7 +118,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
             elif stage == "train":
                 artifacts.train_artifact(name, result, link)
             elif stage == "eval":
-                artifacts.eval_artifact(name, result)
+                artifacts.eval_artifact(name, result, paths.plots("eval"))
         provenance = {"run_name": run, "params_digest": digest, "keys": dict(paths.keys)}
         decision = (register_and_promote(quote(tracker), quote(prof), quote(results["package"]), quote(provenance),
                                          wait_for=[states["package"]]) if promote else None)

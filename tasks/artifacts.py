@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 
 def _key(profile: str, name: str) -> str:
@@ -53,14 +53,31 @@ def train_artifact(profile: str, result: dict, mlflow_link: str | None) -> None:
     create_markdown_artifact(md, key=_key(profile, "train"), description="losses, throughput, MFU")
 
 
-def eval_artifact(profile: str, result: dict) -> None:
+def eval_artifact(profile: str, result: dict, plots: Path | None = None) -> None:
+    """Tables (Prefect table artifacts: success per task and step, held-out action error per step) and a markdown
+    summary with the plots."""
+    action = result.get("action_error") or {}
+    md = ""
+    if action.get("measured"):
+        rows = [{"step": r["step"], "action_error": r["trained"], "ratio_vs_mean_predictor": r["ratio"]}
+                for r in action["steps"]]
+        references = (f"mean predictor {action['mean_predictor']:.4g}"
+                      + (f", untrained {action['untrained']:.4g}" if action.get("untrained") is not None else ""))
+        create_table_artifact(rows, key=_key(profile, "action-error"),
+                              description=f"held-out action error per step ({action['windows']} windows; {references})")
+        md += (f"### Held-out action error per checkpoint step\n\n{action['windows']} windows; {references}\n\n"
+               + _table(rows, ["step", "action_error", "ratio_vs_mean_predictor"]))
+        md += _image(plots / "action_error_vs_step.png" if plots else None, "action error vs step")
     if not result.get("evaluated"):
-        create_markdown_artifact("### LIBERO evaluation\n\ndisabled in this profile", key=_key(profile, "eval"))
+        md = "### LIBERO evaluation\n\ndisabled in this profile\n\n" + md
+        create_markdown_artifact(md, key=_key(profile, "eval"), description="LIBERO disabled; held-out action error")
         return
     rows = [r for r in result["rows"]]
-    md = "### LIBERO success rate per checkpoint step\n\n" + _table(rows, ["step", "task", "task_name", "episodes",
-                                                                          "successes", "rate"])
-    md += _image(result.get("plot"), "success vs step")
+    columns = ["step", "task", "task_name", "episodes", "successes", "rate", "ci_low", "ci_high"]
+    create_table_artifact([{c: r.get(c) for c in columns} for r in rows], key=_key(profile, "eval-success"),
+                          description="LIBERO success per task and checkpoint step, with 95 % Wilson intervals")
+    md = "### LIBERO success rate per checkpoint step\n\n" + _table(rows, columns) + _image(
+        result.get("plot"), "success vs step") + ("\n" + md if md else "")
     create_markdown_artifact(md, key=_key(profile, "eval"), description="success rate across checkpoint steps")
 
 

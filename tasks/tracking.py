@@ -285,6 +285,10 @@ class Tracker:
 
     def _log_eval(self, rid, result, paths):
         self._log_action_error(rid, result.get("action_error"), Path(result["eval_dir"]) / "action_error")
+        action_plot = paths.plots("eval") / "action_error_vs_step.png"
+        if action_plot.is_file() and (result.get("action_error") or {}).get("measured"):
+            self.artifact(rid, action_plot, "plots")
+            self.artifact(self.run_id, action_plot, "plots")
         if result.get("previews"):  # decoded predicted video beside the real frames, per converted step
             self.artifact(rid, Path(result["eval_dir"]) / "previews", "eval/previews")
             for preview in result["previews"]:  # latent errors per step (None or absent: `metrics` drops them)

@@ -240,3 +240,37 @@ def describe(result: dict) -> str:
 
 def _g(x: float) -> str:
     return f"{x:.2g}" if math.isfinite(x) and abs(x) < 10 else f"{x:.3g}"
+
+
+def plot_action_error(result: dict, path: str | Path) -> Path | None:
+    """The held-out action error of each converted step, against the two references a learning run must beat:
+    the mean predictor and the untrained model. PNG (saying why, when it was not measured); None without
+    matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    from ..atomic import save_figure
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if not result.get("measured", True) or not result.get("steps"):
+        ax.axis("off")
+        ax.text(0.5, 0.5, f"held-out action error not measured:\n{result.get('reason', 'no converted step')}",
+                ha="center", va="center", wrap=True)
+        path = save_figure(fig, Path(path))
+        plt.close(fig)
+        return path
+    rows = sorted((r for r in result["steps"] if r["step"] is not None), key=lambda r: r["step"])
+    ax.plot([r["step"] for r in rows], [r["trained"] for r in rows], marker="o", linewidth=2, label="trained")
+    ax.axhline(result["mean_predictor"], color="tab:red", linestyle="--", label="mean predictor")
+    if result.get("untrained") is not None:
+        ax.axhline(result["untrained"], color="gray", linestyle=":", label="untrained")
+    ax.set_xlabel("training step"), ax.set_ylabel("action error (normalised units)")
+    ax.set_title(f"held-out action error, {result['windows']} windows (lower is better)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3), ax.legend()
+    path = save_figure(fig, Path(path))
+    plt.close(fig)
+    return path

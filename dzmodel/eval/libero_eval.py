@@ -326,8 +326,15 @@ def plot_success(rows: list[dict], path: str | Path, title: str) -> Path | None:
     for task in sorted({r["task"] for r in rows if r["task"] != "all"}):
         pts = [(r["step"], r["rate"]) for r in rows if r["task"] == task]
         ax.plot(*zip(*sorted(pts)), marker=".", alpha=0.4, linewidth=1, label=f"task {task}")
-    pts = [(r["step"], r["rate"]) for r in rows if r["task"] == "all"]
-    ax.plot(*zip(*sorted(pts)), marker="o", color="black", linewidth=2.5, label="all tasks")
+    overall = sorted((r for r in rows if r["task"] == "all"), key=lambda r: r["step"])
+    rates = [r["rate"] for r in overall]
+    bounds = [wilson_interval(int(r["successes"]), int(r["episodes"])) for r in overall]
+    ax.errorbar([r["step"] for r in overall], rates, yerr=[[p - lo for p, (lo, _) in zip(rates, bounds)],
+                                                           [hi - p for p, (_, hi) in zip(rates, bounds)]],
+                marker="o", color="black", linewidth=2.5, capsize=4, label="all tasks (95 % Wilson interval)")
+    for r in overall:  # N beside each point: a rate from 1 episode and one from 500 do not look alike
+        ax.annotate(f"n={r['episodes']}", (r["step"], r["rate"]), textcoords="offset points", xytext=(5, 5),
+                    fontsize=7)
     ax.set_xlabel("training step")
     ax.set_ylabel("success rate (success_once)")
     ax.set_ylim(-0.02, 1.02)

@@ -75,9 +75,13 @@ def write_mp4(frames: np.ndarray, path: Path, fps: int = 8) -> Path:
 ROWS = ("predicted", "real via VAE", "real")  # the strips' panels after the context, a grid row each
 
 
-def write_grid(windows: list[tuple[str, np.ndarray]], path: Path, columns: int = 4) -> Path:
+RANDOM_VAE_NOTE = ("VAE: seeded random weights (no pretrained VAE, vision stage off): decoded frames look like noise "
+                   "by construction, not from a fault")
+
+
+def write_grid(windows: list[tuple[str, np.ndarray]], path: Path, columns: int = 4, note: str | None = None) -> Path:
     """A PNG: per window (title, strip), the context and `columns` frames of each panel in `ROWS`, one over the
-    other at the same times."""
+    other at the same times; `note` goes above them all."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,6 +101,8 @@ def write_grid(windows: list[tuple[str, np.ndarray]], path: Path, columns: int =
             for ax, i in zip(axes[n * r + row, 1:], picks):
                 ax.imshow(panel[i])
                 ax.set_title(f"{label} t+{i + 1}", fontsize=7)
+    if note:
+        fig.suptitle(note, fontsize=8, color="darkred", wrap=True)
     fig.tight_layout()
     from ..atomic import save_figure
 
@@ -153,9 +159,12 @@ def write_previews(model_dir: str | Path, out_dir: str | Path, windows: int = 2,
         errors.append({"episode": int(w.episode), "anchor": int(w.anchor), **{k: getattr(check, k, None) for k in ERRORS}})
         seen = " (trained on)" if training else ""
         rows.append((f"episode {w.episode}{seen}, frame {w.anchor}\n{describe_errors(errors[-1])}".rstrip(), strip))
-    grid = write_grid(rows, out / "grid.png")
+    random_vae = not (cfg.encoder_weights or {}).get("vae")  # the preset's seeded VAE: decodes are not images
+    grid = write_grid(rows, out / "grid.png", note=RANDOM_VAE_NOTE if random_vae else None)
     means = {k: _mean([e[k] for e in errors]) for k in ERRORS}
     atomic_write_text(out / "previews.json", json.dumps({"step": step, "seen_in_training": training,
+                                                         "random_vae": random_vae,
                                                          "windows": errors, **means}, indent=1))
     return {"step": step, "videos": files, "grid": str(grid), "windows": len(chosen), "seen_in_training": training,
+            "random_vae": random_vae,
             "window_errors": errors, **means}

@@ -36,7 +36,7 @@ def eval_solver(e):
 def stage_action_error(prof: Profile, paths: StagePaths, out: Path, log: Log = print_line) -> dict:
     """The held-out action error of every converted step (part of the eval stage); skipped, saying why, when the
     run held no episode out."""
-    from ..eval.action_error import describe, evaluate_action_error
+    from ..eval.action_error import describe, evaluate_action_error, plot_action_error
     from ..eval.policy import read_train_config
 
     e = prof.eval
@@ -53,6 +53,7 @@ def stage_action_error(prof: Profile, paths: StagePaths, out: Path, log: Log = p
     write_csv(paths.plots("eval") / "action_error_vs_step.csv",
                [{"step": r["step"], "action_error": r["trained"], "mean_predictor": result["mean_predictor"],
                  "untrained": result["untrained"]} for r in result["steps"]])
+    plot_action_error(result, paths.plots("eval") / "action_error_vs_step.png")
     log("eval: " + describe(result))
     return {"measured": True, **result}
 
@@ -84,7 +85,11 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
     action = stage_action_error(prof, paths, out / "action_error", log) if e.action_error else None
     previews = stage_previews(prof, paths, out / "previews", log) if e.previews else None
     if action is None or not action["measured"]:
+        from ..eval.action_error import plot_action_error
+
         write_csv(plots / "action_error_vs_step.csv", [])
+        plot_action_error(action or {"measured": False, "reason": "eval.action_error is false"},
+                          plots / "action_error_vs_step.png")
     if not e.enabled:
         atomic_write_text(out / "DISABLED", "eval.enabled is false (LIBERO rollouts)\n")
         write_json(metrics_file, {"evaluated": False, **action_error_metrics(action)})

@@ -18,7 +18,8 @@ from ..config import Profile, StagePaths, train_config
 from ..dirlock import directory_lock
 from ..proctree import kill_tree
 from ..train import launch
-from .common import Log, StageError, print_line, require_vision, write_csv, write_json, content_fingerprint
+from .common import (Log, StageError, content_fingerprint, cuda_available, print_line, require_vision, write_csv,
+                     write_json)
 
 
 def torchrun_command(config: Path, nproc_per_node: int, nnodes: int = 1) -> list[str]:
@@ -200,6 +201,7 @@ def summarize_training(paths: StagePaths, out_dir: str | Path, wall_s: float | N
         "peak_mem_gib": round(max(r["peak_mem_gib"] for r in rows), 3),
         "checkpoints": [s for s, _ in list_checkpoints(out_dir)],
     }
+    summary["throughput_unit"] = throughput_unit(cuda_available())  # train ran on this machine's devices
     if wall_s is not None:
         summary["wall_s"] = round(wall_s, 1)
     if prof is not None:
@@ -210,13 +212,29 @@ def summarize_training(paths: StagePaths, out_dir: str | Path, wall_s: float | N
                                               "dynamics_loss": r["dynamics_loss"]} for r in rows])
     write_csv(plots / "train_throughput.csv", [{"step": r["step"], "samples_per_s_per_gpu": r["samples_per_s_per_gpu"],
                                                   "mfu": r.get("mfu"), "peak_mem_gib": r["peak_mem_gib"]} for r in rows])
-    images = plot_training(rows, plots)
+    images = plot_training(rows, plots, summary["throughput_unit"])
     return {"train_dir": str(out_dir), "summary": summary, "metrics_file": str(paths.metrics("train")),
             "plots": [str(p) for p in images]}
 
 
-def plot_training(rows: list[dict], out: Path) -> list[Path]:
-    """losses.png (loss, action, dynamics vs step) and throughput.png (samples/s/GPU and MFU vs step)."""
+def smoothed(values: list[float], span: int | None = None) -> list[float]:
+    """An exponential moving average (span: a tenth of the series), started at the first value."""
+    span = span or max(1, len(values) // 10)
+    alpha, out, mean = 2 / (span + 1), [], None
+    for v in values:
+        mean = v if mean is None else alpha * v + (1 - alpha) * mean
+        out.append(mean)
+    return out
+
+
+def throughput_unit(on_gpu: bool) -> str:
+    """What samples_per_s_per_gpu counts: per GPU on a GPU run, per process (each torchrun worker) on a CPU."""
+    return "samples/s per GPU" if on_gpu else "samples/s per process (CPU)"
+
+
+def plot_training(rows: list[dict], out: Path, unit: str = "samples/s per GPU") -> list[Path]:
+    """losses.png (loss, action, dynamics vs step: smoothed, the raw values faint behind) and throughput.png
+    (samples/s per GPU, or per process on a CPU, and MFU vs step)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -226,14 +244,17 @@ def plot_training(rows: list[dict], out: Path) -> list[Path]:
     steps = [r["step"] for r in rows]
     written = []
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, style in (("loss", "-"), ("action_loss", "--"), ("dynamics_loss", ":")):
-        ax.plot(steps, [r[key] for r in rows], style, marker=".", label=key)
-    ax.set_xlabel("step"), ax.set_ylabel("flow-matching loss"), ax.set_title("training losses")
+    for key, color in (("loss", "tab:blue"), ("action_loss", "tab:orange"), ("dynamics_loss", "tab:green")):
+        raw = [r[key] for r in rows]
+        ax.plot(steps, raw, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(steps, smoothed(raw), color=color, linewidth=2, label=f"{key} (smoothed)")
+    ax.set_xlabel("step"), ax.set_ylabel("flow-matching loss")
+    ax.set_title("training losses (faint: each logged step)")
     ax.grid(alpha=0.3), ax.legend()
     written.append(save_figure(fig, out / "losses.png"))
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["samples_per_s_per_gpu"] for r in rows], marker=".", color="tab:blue")
-    ax.set_xlabel("step"), ax.set_ylabel("samples/s/GPU", color="tab:blue"), ax.set_title("throughput")
+    ax.set_xlabel("step"), ax.set_ylabel(unit, color="tab:blue"), ax.set_title(f"throughput ({unit})")
     if all("mfu" in r for r in rows):
         ax2 = ax.twinx()
         ax2.plot(steps, [100 * r["mfu"] for r in rows], marker=".", color="tab:orange")
