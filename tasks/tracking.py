@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from dzmodel.serve.bundles import MANIFEST, file_sha256
 TRAIN_SERIES = ("loss", "action_loss", "dynamics_loss", "lr", "grad_norm", "samples_per_s_per_gpu", "mfu",
                 "peak_mem_gib")
 MAX_ARTIFACT_MB = float(os.environ.get("DZ_MLFLOW_MAX_ARTIFACT_MB", "2048"))  # bigger files are logged by reference
+POLICY_MODEL_PATH = "policy"  # the parent run's artifact path of the registered pyfunc model
 MANIFEST_SHA256_TAG = "bundle.manifest_sha256"  # on each model version: the sha256 of its bundle's MANIFEST
 BUNDLE_ROOTS_ENV = "DZ_BUNDLE_ROOTS"  # more folders (os.pathsep-separated) that registry references may point into
 
@@ -98,6 +100,20 @@ def _git_commit(root: Path) -> str | None:
 # MLflow 3 opens an experiment without this tag in its GenAI (traces) view; ours trains models
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = {EXPERIMENT_KIND_TAG: "custom_model_development"}
+
+
+@contextmanager
+def _environment(values: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _process_alive(pid: int) -> bool:
@@ -336,6 +352,30 @@ class Tracker:
 
     # -- registry -------------------------------------------------------------------------------------
 
+    def log_policy_model(self, bundle: Path, artifact_path: str | None = None) -> str:
+        """The bundle as an MLflow pyfunc model (tasks/mlflow_policy.py, models-from-code) under the parent run's
+        `artifact_path` (default policy/<bundle name>); returns its runs:/ URI. `mlflow.pyfunc.load_model` on it (or on the registered version)
+        gives a policy whose predict(obs) returns an action chunk; `dz serve` finds the bundle inside it."""
+        import tempfile
+        import warnings
+        from importlib.metadata import PackageNotFoundError, requires
+
+        import mlflow.pyfunc
+
+        try:  # the project's own runtime needs (the loading environment must have the project installed)
+            needs = [r.split(";")[0].strip() for r in requires("dzmodel") or [] if "extra ==" not in r]
+        except PackageNotFoundError:
+            needs = ["torch", "numpy", "safetensors"]
+        artifact_path = artifact_path or f"{POLICY_MODEL_PATH}/{bundle.name}"
+        quiet = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}  # no bar per copied file in the flow's log
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _environment(quiet):
+            warnings.simplefilter("ignore")  # MLflow asks for type hints on predict; its input is a plain dict
+            model = Path(tmp) / "policy"
+            mlflow.pyfunc.save_model(path=str(model), python_model=str(Path(__file__).with_name("mlflow_policy.py")),
+                                     artifacts={"bundle": str(bundle)}, pip_requirements=needs)
+            self.client.log_artifacts(self.run_id, str(model), artifact_path)
+        return f"runs:/{self.run_id}/{artifact_path}"
+
     def register(self, prof: Profile, package: dict, provenance: dict | None = None) -> tuple[str, bool]:
         """(version, created): the packaged bundle as a version of the profile's registered model (logged as an
         artifact of the parent run, or referenced when large), tagged with its step, eval success, held-out action
@@ -363,8 +403,11 @@ class Tracker:
         if same:
             client.set_tag(self.run_id, "registered_model_version", f"{name}/{same[0]} (unchanged)")
             return str(same[0]), False
-        self.artifact(self.run_id, bundle, f"bundle/{bundle.name}")
-        source = f"runs:/{self.run_id}/bundle/{bundle.name}"
+        if _bytes(_files(bundle)) <= MAX_ARTIFACT_MB * 2**20:  # an MLflow pyfunc model holding the bundle
+            source, pyfunc = self.log_policy_model(bundle), "yes"
+        else:  # too large to copy into the artifact store: a reference to the bundle, and no pyfunc
+            self.reference(self.run_id, bundle, f"bundle/{bundle.name}")
+            source, pyfunc = f"runs:/{self.run_id}/bundle/{bundle.name}", "no: the bundle is logged by reference"
         action = package.get("action_error") or {}
         provenance = provenance or {}
         # the MANIFEST's digest pins every file of the bundle: `dz serve models:/...` checks it on each load
@@ -374,6 +417,7 @@ class Tracker:
                 "success_rate": "" if package["success_rate"] is None else str(package["success_rate"]),
                 "action_error": "" if action.get("trained") is None else str(action["trained"]),
                 "action_error_ratio": "" if action.get("ratio") is None else str(action["ratio"])}
+        tags["pyfunc"] = pyfunc
         if provenance.get("run_name"):
             tags["run_name"] = provenance["run_name"]
         if provenance.get("params_digest"):
@@ -474,6 +518,26 @@ def _referenced_bundle(ref_file: Path, roots: list[Path]) -> Path:
     return path
 
 
+def _pyfunc_bundle(model: Path) -> Path | None:
+    """The bundle a downloaded pyfunc model (`log_policy_model`) holds, as its MLmodel names it; None when
+    `model` is not one. The named folder must lie inside the download."""
+    import yaml
+
+    spec = model / "MLmodel"
+    if not spec.is_file():
+        return None
+    try:
+        rel = yaml.safe_load(spec.read_text())["flavors"]["python_function"]["artifacts"]["bundle"]["path"]
+        if not isinstance(rel, str):
+            raise TypeError
+    except (yaml.YAMLError, KeyError, TypeError):
+        raise RegistryError(f"{spec}: not a DreamZero policy model (no python_function artifact 'bundle')") from None
+    bundle = (model / rel).resolve()
+    if not bundle.is_relative_to(model.resolve()) or not (bundle / MANIFEST).is_file():
+        raise RegistryError(f"{spec}: its bundle {rel!r} is not a bundle inside the downloaded model; refused")
+    return bundle
+
+
 def resolve_registered_bundle(uri: str, params_file: str | Path = "params.yaml", cache_dir: Path | None = None) -> Path:
     return pinned_registered_bundle(uri, params_file, cache_dir)[0]
 
@@ -528,7 +592,10 @@ def pinned_registered_bundle(uri: str, params_file: str | Path = "params.yaml",
             raise
     manifests = sorted(dest.rglob(MANIFEST), key=lambda p: len(p.parts))
     refs = sorted(dest.rglob("*.ref.json"))
-    if manifests:
+    model_bundle = _pyfunc_bundle(dest)
+    if model_bundle is not None:
+        bundle, where = model_bundle, f"the copy downloaded into {dest} (delete it to download again)"
+    elif manifests:
         bundle, where = manifests[0].parent, f"the copy downloaded into {dest} (delete it to download again)"
     elif len(refs) == 1:
         bundle, where = _referenced_bundle(refs[0], _bundle_roots(name, params_file)), "the referenced bundle"

@@ -161,11 +161,14 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     v3 = client.get_model_version("dreamzero-demo", "3")
     assert v3.tags["promotion"] == "refused" and v3.tags["success_rate"] == "0.5"
     assert v3.tags["run_name"] == refused["run_name"] and set(v3.tags) >= {f"key.{s}" for s in pipeline.STAGES}
-    assert v3.source == f"runs:/{last.info.run_id}/bundle/dreamzero-demo-3"  # the servable bundle
-    assert [a.path for a in client.list_artifacts(last.info.run_id, "bundle/dreamzero-demo-3")] == [
-        "bundle/dreamzero-demo-3/MANIFEST", "bundle/dreamzero-demo-3/robot.json"]
+    model = "policy/dreamzero-demo-3"
+    assert v3.source == f"runs:/{last.info.run_id}/{model}" and v3.tags["pyfunc"] == "yes"  # an MLflow model
+    logged = {a.path for a in client.list_artifacts(last.info.run_id, model)}
+    assert {f"{model}/MLmodel", f"{model}/mlflow_policy.py", f"{model}/artifacts"} <= logged  # models-from-code
+    assert [a.path for a in client.list_artifacts(last.info.run_id, f"{model}/artifacts/dreamzero-demo-3")] == [
+        f"{model}/artifacts/dreamzero-demo-3/MANIFEST", f"{model}/artifacts/dreamzero-demo-3/robot.json"]
     artifacts = {a.path for a in client.list_artifacts(last.info.run_id)}
-    assert {"bundle", "plots", "promotion.json"} <= artifacts
+    assert {"policy", "plots", "promotion.json"} <= artifacts
 
     from prefect.client.orchestration import get_client
 
