@@ -64,3 +64,41 @@ def test_dz_serve_finds_the_bundle_inside_the_registered_model(registered, tmp_p
                                             cache_dir=tmp_path / "cache")
     assert path.name == bundle.name and digest == file_sha256(bundle / MANIFEST)
     assert path.is_relative_to(tmp_path / "cache" / "registry" / "dreamzero-demo" / version)
+
+
+@pytest.mark.slow
+def test_mlflow_models_serve_answers_with_an_action_chunk(registered, tmp_path):
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    uri, _, _ = registered
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bin_dir = str(Path(sys.executable).parent)
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen([f"{bin_dir}/mlflow", "models", "serve", "-m", "models:/dreamzero-demo@production",
+                               "--env-manager", "local", "-p", str(port)], env=env, stdout=log, stderr=log,
+                              start_new_session=True)
+    try:
+        obs = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in OBS.items()}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", json.dumps({"inputs": obs}).encode(),
+                                         {"Content-Type": "application/json"})
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+                time.sleep(1)
+        assert np.asarray(reply["predictions"]).shape == (HORIZON["libero_sim_tiny"], 7)
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
