@@ -116,6 +116,24 @@ def _environment(values: dict[str, str]):
                 os.environ[k] = v
 
 
+SYSTEM_METRICS_INTERVAL_S = float(os.environ.get("DZ_SYSTEM_METRICS_INTERVAL_S", "10"))
+
+
+def _system_metrics(uri: str, run_id: str):
+    """MLflow's system metrics (CPU, memory, disk, network; GPU utilisation and memory where pynvml is installed)
+    sampled into the pipeline run every DZ_SYSTEM_METRICS_INTERVAL_S seconds (0: off)."""
+    if SYSTEM_METRICS_INTERVAL_S <= 0:
+        return None
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=uri)
+        monitor.start()
+        return monitor
+    except ImportError:  # psutil missing
+        return None
+
+
 def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -153,6 +171,7 @@ class Tracker:
     experiment_id: str
     run_id: str
     profile: str
+    monitor: object = field(default=None, repr=False, compare=False)  # MLflow's system metrics sampler
 
     @classmethod
     def start(cls, prof: Profile, profile: str, paths: StagePaths, run_name: str | None = None,
@@ -188,7 +207,7 @@ class Tracker:
         params = [Param(p.key[:250], p.value[:6000]) for p in params]
         for i in range(0, len(params), 100):
             client.log_batch(run.info.run_id, params=params[i:i + 100])
-        return cls(uri, exp_id, run.info.run_id, profile)
+        return cls(uri, exp_id, run.info.run_id, profile, monitor=_system_metrics(uri, run.info.run_id))
 
     @property
     def client(self):
@@ -200,6 +219,9 @@ class Tracker:
         return run.info.run_id
 
     def end(self, run_id: str | None = None, status: str = "FINISHED") -> None:
+        if run_id in (None, self.run_id) and self.monitor is not None:
+            self.monitor.finish()  # its last samples, before the run ends
+            self.monitor = None
         self.client.set_terminated(run_id or self.run_id, status=status)
 
     # -- logging helpers --------------------------------------------------------------------------------
@@ -259,9 +281,31 @@ class Tracker:
 
     def _log_fetch(self, rid, result, paths):
         self.metrics(rid, {"dataset.episodes": result["episodes"], "dataset.frames": result["frames"]})
+        self.log_dataset([rid, self.run_id], result, paths)
         marker = paths.data / "dataset.dz_fetch.json"
         if marker.is_file():
             self.artifact(rid, marker, "dataset")
+
+    def log_dataset(self, run_ids: list[str], result: dict, paths: StagePaths) -> None:
+        """The training dataset as an MLflow dataset input (name, source, content digest, episodes and frames)."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        from dzmodel.stages.common import content_fingerprint
+
+        marker = paths.data / "dataset.dz_fetch.json"
+        fetched = json.loads(marker.read_text()) if marker.is_file() else {}
+        source = str(fetched.get("source") or result.get("dataset"))
+        revision = fetched.get("revision")
+        dataset = Dataset(name=Path(source).name if "/" in source else source,
+                          digest=content_fingerprint(Path(result["dataset"])),
+                          source_type="huggingface" if fetched.get("kind") == "hub" else "local",
+                          source=json.dumps({"uri": f"{source}@{revision}" if revision else source,
+                                             "path": result["dataset"]}),
+                          profile=json.dumps({"episodes": result["episodes"], "frames": result["frames"],
+                                              "fps": result["fps"], "views": result.get("views", [])}))
+        inputs = [DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "training")])]
+        for rid in run_ids:
+            self.client.log_inputs(rid, datasets=inputs)
 
     def _log_metadata(self, rid, result, paths):
         self.artifact(rid, paths.metadata, "metadata")

@@ -365,3 +365,31 @@ def test_dz_pipeline_run_sets_the_makefiles_defaults(tmp_path, monkeypatch):
     set_here = project_environment(tmp_path)
     assert os.environ["PREFECT_HOME"] == str(tmp_path / ".prefect") == set_here["PREFECT_HOME"]
     assert os.environ["DO_NOT_TRACK"] == "false" and "DO_NOT_TRACK" not in set_here
+
+
+def test_the_run_records_its_dataset_and_system_metrics(prefect_env, tmp_path, monkeypatch):
+    import time as _time
+
+    from mlflow.tracking import MlflowClient
+
+    from flows.sft_pipeline import sft_pipeline
+    from tasks import tracking
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(tracking, "SYSTEM_METRICS_INTERVAL_S", 0.2)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    stages = _fake_stages([])
+
+    def slow_train(prof, paths, log, on_metrics=None):
+        _time.sleep(1.5)  # a few samples of CPU and memory while it runs
+        return stages["train"](prof, paths, log, on_metrics)
+
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", {**stages, "train": slow_train})
+    summary = sft_pipeline("demo", root=str(tmp_path))
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    run = client.get_run(summary["mlflow_run_id"])
+    (dataset,) = [d.dataset for d in run.inputs.dataset_inputs]
+    assert json.loads(dataset.profile)["episodes"] == 20 and len(dataset.digest) == 16
+    assert json.loads(dataset.source)["path"].endswith("/dataset")
+    assert "system/cpu_utilization_percentage" in run.data.metrics
+    assert len(client.get_metric_history(run.info.run_id, "system/system_memory_usage_megabytes")) >= 2
