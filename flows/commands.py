@@ -61,8 +61,10 @@ def where_to_look(summary: dict, root: Path) -> str:
             lines.append(f"  serve       DZ_SERVE_TOKEN=<secret> {venv}/dz serve models:/{p['registered_model']}@{p['alias']}"
                          "   (docs/deploy.md)")
     if uri.startswith("sqlite:"):
+        page = (f"http://127.0.0.1:5000/#/experiments/{summary['mlflow_experiment_id']}/runs?workflowType=machine_learning"
+                if summary.get("mlflow_experiment_id") else "http://127.0.0.1:5000")
         lines.append(f"  MLflow UI   {venv}/mlflow ui --backend-store-uri {uri} --port 5000   "
-                     f"(then http://127.0.0.1:5000, experiment {summary['experiment']})")
+                     f"(then {page}, experiment {summary['experiment']})")
     else:
         lines.append(f"  MLflow      {uri} (experiment {summary['experiment']}, run {summary['mlflow_run_id']})")
     home = os.environ.get("PREFECT_HOME", "~/.prefect")

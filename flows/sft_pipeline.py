@@ -30,7 +30,8 @@ from tasks.tracking import Tracker, experiment_name, mask_uri, without_credentia
 
 def _mlflow_link(tracker: Tracker) -> str:
     base = without_credentials(tracker.uri) if tracker.uri.startswith("http") else "http://127.0.0.1:5000"
-    return f"{base.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
+    # workflowType: MLflow 3's UI opens in its GenAI mode unless told; the experiment's kind tag alone does not
+    return f"{base.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}?workflowType=machine_learning"
 
 
 def _description(run: str, profile: str, digest: str, flow_run_id, view: Path) -> str:
@@ -131,6 +132,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
         tracker.end(status="FAILED")
         raise
     summary = {"profile": name, "run_name": run, "run_dir": str(view), "mlflow_run_id": tracker.run_id,
+               "mlflow_experiment_id": tracker.experiment_id,
                "mlflow_uri": mask_uri(tracker.uri), "experiment": experiment_name(prof, name),
                "package": results["package"]["tarball"], "promotion": decision,
                "cached_stages": [s for s in STAGES if results[s].get("_cached")],

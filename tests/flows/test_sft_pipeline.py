@@ -178,7 +178,7 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     assert "samples_per_s_per_gpu" in latest["demo-train"].data and "data:image/png;base64," in latest["demo-train"].data
     assert "| 3 | all |" in latest["demo-eval"].data  # the success table, one row per step
     assert "refused: LIBERO success 50.0% < gate 90.0%" in latest["demo-package"].data
-    assert f"/runs/{last.info.run_id})" in latest["demo-mlflow-run"].data
+    assert f"/runs/{last.info.run_id}?workflowType=machine_learning)" in latest["demo-mlflow-run"].data
 
     # the task graph: each stage waits for the stages whose outputs it reads (the edges of Prefect's graph)
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
