@@ -89,3 +89,63 @@ def _relink(link: Path, target: Path) -> None:
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(target)
     os.replace(tmp, link)  # never a moment without the link
+
+
+KEY = re.compile(r"^dz-(?P<stage>[a-z]+)-[0-9a-f]{24}$")
+
+
+def run_views(paths: StagePaths) -> list[Path]:
+    """The profile's run views (folders with a run.json naming them), oldest first."""
+    views = []
+    for child in paths.run.iterdir() if paths.run.is_dir() else []:
+        record = child / "run.json"
+        if child.is_dir() and not child.is_symlink() and record.is_file():
+            try:
+                if json.loads(record.read_text()).get("name") == child.name:
+                    views.append(child)
+            except ValueError:
+                continue
+    return sorted(views, key=lambda v: (v / "run.json").stat().st_mtime_ns)
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _newest_write(path: Path) -> float:
+    return max([path.stat().st_mtime, *(f.lstat().st_mtime for f in path.rglob("*"))])
+
+
+def collect_garbage(paths: StagePaths, keep: int = 10, dry_run: bool = False,
+                    min_age_s: float = 3600.0) -> dict[str, Any]:
+    """Remove all but the newest `keep` run views (and the one `latest` names), then every keyed stage output
+    that no remaining view uses and that nothing wrote to for `min_age_s` (a running flow's stage has no view
+    entry yet). Only what the flow made is touched: run views (a run.json naming the folder, links inside) and
+    store folders named by a stage's cache key. Prefect's cached results for removed keys find their outputs
+    gone and rerun. Returns what went (or would go) and the bytes freed."""
+    import shutil
+    import time
+
+    if keep < 1:
+        raise ValueError(f"--keep must be at least 1, got {keep}")
+    views = run_views(paths)
+    latest = (paths.run / "latest").resolve() if (paths.run / "latest").is_symlink() else None
+    kept = [v for v in views[-keep:]] + [v for v in views[:-keep] if latest is not None and v.resolve() == latest]
+    dropped = [v for v in views if v not in kept]
+    used = {(stage, key) for v in kept for stage, key in json.loads((v / "run.json").read_text())["stages"].items()}
+    stale = []
+    for stage_store in [*(paths.run / "store").glob("*"), *(paths.profile_data / "store").glob("*")]:
+        for folder in sorted(stage_store.iterdir()) if stage_store.is_dir() else []:
+            match = KEY.match(folder.name)
+            if match and match["stage"] == stage_store.name and (stage_store.name, folder.name) not in used \
+                    and time.time() - _newest_write(folder) >= min_age_s:
+                stale.append(folder)
+    freed = sum(_size(f) for f in stale)
+    if not dry_run:
+        for view in dropped:
+            shutil.rmtree(view)
+        for folder in stale:
+            shutil.rmtree(folder)
+    return {"views_removed": [v.name for v in dropped], "views_kept": [v.name for v in kept],
+            "outputs_removed": [str(f.relative_to(paths.root)) for f in stale], "bytes_freed": freed,
+            "dry_run": dry_run}

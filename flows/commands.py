@@ -102,6 +102,24 @@ def cmd_pipeline_run(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pipeline_gc(ns: argparse.Namespace) -> int:
+    from dzmodel.config import StagePaths, load_params
+    from dzmodel.runs import collect_garbage
+
+    root = Path(ns.root).resolve()
+    params = load_params(root / ns.params, [], ns.profile)
+    name = ns.profile or params.profile
+    report = collect_garbage(StagePaths(root, name, keyed=True), keep=ns.keep, dry_run=ns.dry_run)
+    verb = "would remove" if ns.dry_run else "removed"
+    for view in report["views_removed"]:
+        print(f"{verb} run view runs/{name}/{view}")
+    for folder in report["outputs_removed"]:
+        print(f"{verb} {folder}")
+    print(f"{verb} {len(report['views_removed'])} run views and {len(report['outputs_removed'])} stage outputs "
+          f"({report['bytes_freed'] / 2**20:.1f} MiB); kept {len(report['views_kept'])} runs")
+    return 0
+
+
 def cmd_promote(ns: argparse.Namespace) -> int:
     from dzmodel.config import StagePaths, load_params
     from tasks.tracking import promote, tracking_uri
@@ -177,6 +195,14 @@ def register(sub) -> None:
     p.add_argument("--run-name", help="default: <profile>-<params digest>-<n>; names the Prefect flow run, the MLflow "
                                       "run and runs/<profile>/<name>/")
     p.set_defaults(func=cmd_pipeline_run)
+
+    p = pipe.add_parser("gc", help="remove old run views and the stage outputs (by cache key) no kept run uses")
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--profile", help="default: params.yaml's `profile`")
+    p.add_argument("--root", default=".", help="the project root")
+    p.add_argument("--keep", type=int, default=10, help="the newest run views to keep (and `latest`)")
+    p.add_argument("--dry-run", action="store_true", help="list what would go; remove nothing")
+    p.set_defaults(func=cmd_pipeline_gc)
 
     p = sub.add_parser("promote", help="set the deployment alias on a registered version if it passes the gate")
     _params_args(p)

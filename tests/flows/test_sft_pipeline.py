@@ -393,3 +393,29 @@ def test_the_run_records_its_dataset_and_system_metrics(prefect_env, tmp_path, m
     assert json.loads(dataset.source)["path"].endswith("/dataset")
     assert "system/cpu_utilization_percentage" in run.data.metrics
     assert len(client.get_metric_history(run.info.run_id, "system/system_memory_usage_megabytes")) >= 2
+
+
+def test_gc_removes_old_runs_and_the_outputs_only_they_used(prefect_env, tmp_path, monkeypatch, capsys):
+    from dzmodel.runs import collect_garbage
+    from flows.sft_pipeline import sft_pipeline
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    calls: list[str] = []
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", _fake_stages(calls))
+    a, b = (sft_pipeline("demo", root=str(tmp_path), overrides=[f"train.lr={lr}"]) for lr in ("2.0e-3", "3.0e-3"))
+    paths = StagePaths(tmp_path, "demo", keyed=True)
+    before = sorted(p.name for p in (tmp_path / "runs/demo/store/train").iterdir())
+    fresh = collect_garbage(paths, keep=1)  # everything was just written: nothing old enough to go
+    assert fresh["views_removed"] == [a["run_name"]] and fresh["outputs_removed"] == []
+    assert not (tmp_path / "runs/demo" / a["run_name"]).exists()
+    dry = collect_garbage(paths, keep=1, dry_run=True, min_age_s=0)
+    assert sorted(p.name for p in (tmp_path / "runs/demo/store/train").iterdir()) == before  # nothing removed
+    gone = collect_garbage(paths, keep=1, min_age_s=0)
+    assert gone["outputs_removed"] == dry["outputs_removed"] and gone["bytes_freed"] > 0
+    assert {f.split("/")[3] for f in gone["outputs_removed"]} == {"train", "convert", "eval", "package"}
+    assert len(list((tmp_path / "runs/demo/store/train").iterdir())) == 1  # run b's
+    assert all(p.exists() for p in (tmp_path / "runs/demo" / b["run_name"]).iterdir())  # b's links resolve
+    calls.clear()
+    sft_pipeline("demo", root=str(tmp_path), overrides=["train.lr=2.0e-3"])
+    assert calls == ["train", "convert", "eval", "package"]  # a's outputs are gone: its cached results are not used
