@@ -75,7 +75,8 @@ def module_closure(entries: tuple[str, ...] | list[str], root: Path, packages: t
         package = _package_of(module, file)
         for name in names:
             todo.extend(_with_parents(_absolute(name, package)))
-        for path in file.parent.rglob("*"):  # the data files it names, beside it or below
-            if path.suffix in DATA_SUFFIXES and path.name in strings and "__pycache__" not in path.parts:
+        named = {s for s in strings if s.endswith(DATA_SUFFIXES)}
+        for path in file.parent.rglob("*") if named else ():  # the data files it names, beside it or below
+            if path.suffix in DATA_SUFFIXES and path.name in named and "__pycache__" not in path.parts:
                 data.add(path)
     return sorted(set(seen.values()) | data)

@@ -28,7 +28,7 @@ def params_digest(profile: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(profile, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
-def check_run_name(name: str, paths: StagePaths) -> str:
+def check_run_name(name: str) -> str:
     from .stages import STAGE_TABLE
 
     if not RUN_NAME.match(name) or name in RESERVED or name in STAGE_TABLE or name in ("converted",):
@@ -50,7 +50,7 @@ def run_view(paths: StagePaths, name: str) -> Path:
 
 def start_view(paths: StagePaths, name: str, record: dict[str, Any]) -> Path:
     """Create the run's folder (refusing a name already taken) with its run.json, and point `latest` at it."""
-    view = run_view(paths, check_run_name(name, paths))
+    view = run_view(paths, check_run_name(name))
     view.parent.mkdir(parents=True, exist_ok=True)
     try:
         view.mkdir()

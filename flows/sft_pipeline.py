@@ -78,7 +78,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
     paths = StagePaths(root_dir, name, keyed=True)
     resolved = profile_dict(prof)
     ctx = get_run_context()
-    run = check_run_name(ctx.flow_run.name, paths)  # _run_name's: also the MLflow run's and the view's name
+    run = check_run_name(ctx.flow_run.name)  # _run_name's: also the MLflow run's and the view's name
     digest = params_digest(resolved)
     tracker = Tracker.start(prof, name, paths, run_name=run, tags={"prefect.flow_run_id": str(ctx.flow_run.id),
                                                                   "prefect.flow_run_name": run, "dz.run_name": run,
