@@ -125,6 +125,8 @@ class VisionParams:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when there is one
     num_workers: int = field(default=0, metadata={"min": 0, "max": 256})
     frame_cache_mib: int = field(default=0, metadata={"min": 0})  # per loader process (dzmodel/data/dataset.py)
+    # the recording decoded once onto the device, clips gathered and augmented there (no loader workers)
+    data_on_device: bool = False
 
     def __post_init__(self) -> None:
         if (self.clip_frames - 1) % 4:

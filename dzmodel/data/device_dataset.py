@@ -75,9 +75,11 @@ class DeviceRecording:
         self.prompt_id = np.array([prompts.setdefault(emb.prompt(tasks[w.episode][int(w.start)]), len(prompts))
                                    for w in windows], dtype=np.int64)
         self.prompts = list(prompts)
-        ids, mask = tokenizer(self.prompts, max_length=text_len)
-        self.text = ids.long().to(self.device)
-        self.text_mask = mask.long().to(self.device)
+        self.text = self.text_mask = None  # no tokenizer: batches carry images and vectors only (vision pretraining)
+        if tokenizer is not None:
+            ids, mask = tokenizer(self.prompts, max_length=text_len)
+            self.text = ids.long().to(self.device)
+            self.text_mask = mask.long().to(self.device)
         H = spec.action_horizon
         self.video_offsets = torch.as_tensor(spec.video_offsets(), device=self.device)
         self.action_offsets = torch.arange(spec.span, device=self.device)
@@ -200,8 +202,10 @@ class DeviceRecording:
         for j, short in enumerate(self.views):
             views[short] = augment_view(self.frames[short], index, self.views[short], top[:, j], left[:, j],
                                         None if matrix is None else matrix[:, j], None if coef is None else coef[:, j])
-        return start, {"images": compose_layout(self.emb, views), "text": self.text[prompt],
-                       "text_attention_mask": self.text_mask[prompt]}
+        out = {"images": compose_layout(self.emb, views)}
+        if self.text is not None:
+            out.update(text=self.text[prompt], text_attention_mask=self.text_mask[prompt])
+        return start, out
 
     def _vectors(self, start: torch.Tensor, B: int, max_state_dim: int, max_action_dim: int) -> dict[str, torch.Tensor]:
         """State and action chunks of the windows starting at rows `start`, normalised and padded, with masks."""

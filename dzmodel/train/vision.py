@@ -130,6 +130,22 @@ def spread_items(datasets: list[WindowDataset], count: int) -> list[tuple[int, i
     return [items[int(i)] for i in np.linspace(0, len(items) - 1, count).round()]
 
 
+def device_clips(cfg: TrainConfig, datasets: list[WindowDataset], items, batch_size: int, clip_frames: int,
+                 device: torch.device, log=print):
+    """The clips of `items`, `batch_size` at a time, as uint8 [B, clip_frames, H, W, 3] on `device`: the windows
+    decoded once (`DeviceData`; training windows augmented per position there), no loader workers."""
+    from ..data.device_dataset import DeviceData
+
+    args = preset(cfg.preset, **cfg.model_overrides)
+    t0 = time.perf_counter()
+    data = DeviceData(datasets, device, None, 0, args.max_state_dim, args.action_dim,
+                      train=all(d.train for d in datasets), seed=cfg.seed)
+    log(f"vision: {data.decodes} episode videos decoded to {data.nbytes / 2**30:.2f} GiB on {device} in "
+        f"{time.perf_counter() - t0:.1f} s")
+    for i in range(0, len(items), batch_size):
+        yield data.batch(items[i:i + batch_size])["images"][:, :clip_frames]
+
+
 def load_clips(datasets: list[WindowDataset], items, clip_frames: int) -> torch.Tensor:
     """uint8 [N, clip_frames, H, W, 3]."""
     clips = ClipDataset(datasets, items, clip_frames)
@@ -228,9 +244,11 @@ def _lr_at(step: int, steps: int, lr: float) -> float:
 def pretrain_vae(cfg: TrainConfig, out_dir: str | Path, *, steps: int, batch_size: int, lr: float,
                  clip_frames: int, kl_weight: float = 1e-5, heldout_episodes: int = 1, device: str = "auto",
                  num_workers: int = 0, frame_cache_mib: int = 0, eval_clips: int = 16, norm_clips: int = 64,
-                 progress: bool = True, log=print) -> dict:
+                 data_on_device: bool = False, progress: bool = True, log=print) -> dict:
     """Train cfg.preset's seeded VAE on cfg.datasets' frames; write <out_dir>/vae.safetensors and report.json
-    (returned). `cfg` is the SFT run's train config with its seeded random VAE (no encoder_weights.vae)."""
+    (returned). `cfg` is the SFT run's train config with its seeded random VAE (no encoder_weights.vae).
+    data_on_device: the training recording decoded once onto the device and each step's clips gathered and augmented
+    there (`data.device_dataset`, as `train.data_on_device`), instead of loader workers decoding every clip."""
     started = time.time()
     if cfg.preset not in OFFLINE_PRESETS:
         raise VisionError(f"vision: preset {cfg.preset!r} runs with the WAN VAE; vision pretraining replaces the "
@@ -251,10 +269,14 @@ def pretrain_vae(cfg: TrainConfig, out_dir: str | Path, *, steps: int, batch_siz
         f"{len(heldout)} held-out clips of {clip_frames} frames {tuple(heldout.shape[2:4])}, {dev}; "
         f"random VAE held-out MSE {random_mse:.4f}")
 
-    clips = ClipDataset(train_sets, random_items(train_sets, steps * batch_size, cfg.seed), clip_frames)
-    loader = torch.utils.data.DataLoader(clips, batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                                         worker_init_fn=worker_init_fn if num_workers else None,
-                                         pin_memory=dev.type == "cuda")
+    items = random_items(train_sets, steps * batch_size, cfg.seed)
+    if data_on_device:
+        loader = device_clips(cfg, train_sets, items, batch_size, clip_frames, dev, log)
+    else:
+        loader = torch.utils.data.DataLoader(ClipDataset(train_sets, items, clip_frames), batch_size=batch_size,
+                                             shuffle=False, num_workers=num_workers,
+                                             worker_init_fn=worker_init_fn if num_workers else None,
+                                             pin_memory=dev.type == "cuda")
     optimizer = torch.optim.AdamW(vae.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=1e-4)
     noise = torch.Generator(device=dev).manual_seed(cfg.seed)
     bar = Progress(steps, enabled=progress, desc="vision")

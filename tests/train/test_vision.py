@@ -151,3 +151,25 @@ def test_params_refuse_vision_where_it_cannot_run():
     del bad["profiles"]["demo"]["vision"]
     with pytest.raises(ParamsError, match="profiles.demo.vision: missing \\(dvc.yaml's vision stage"):
         parse_params(bad)
+
+
+def test_device_clips_equal_the_loader_clips_without_augmentation(data):
+    """`vision.data_on_device` gathers the same frames as the loader path (held-out windows: no augmentation)."""
+    from dzmodel.train.vision import device_clips
+
+    cfg = _cfg(data)
+    _, heldout = vision_windows(cfg, 5, 1)
+    items = spread_items(heldout, 5)
+    expected = load_clips(heldout, items, 5)
+    got = torch.cat(list(device_clips(cfg, heldout, items, 2, 5, torch.device("cpu"), log=lambda line: None)))
+    assert got.dtype == torch.uint8 and got.shape == expected.shape
+    assert torch.equal(got, expected)
+
+
+def test_vision_pretraining_on_device_data_learns(data, tmp_path):
+    lines = []
+    report = pretrain_vae(_cfg(data), tmp_path / "v", steps=8, batch_size=2, lr=3e-3, clip_frames=5,
+                          heldout_episodes=1, device="cpu", eval_clips=6, norm_clips=8, data_on_device=True,
+                          progress=False, log=lines.append)
+    assert any("episode videos decoded to" in line for line in lines), lines
+    assert report["heldout_mse"] < 0.5 * report["heldout_mse_random"], report
