@@ -217,6 +217,9 @@ class PromoteParams:
     # its held-out action error over the mean predictor's (null: not gated); each set check must pass
     min_success: float | None = field(default=0.5, metadata={"min": 0, "max": 1})
     max_action_error_ratio: float | None = field(default=None, metadata={"gt": 0, "max": 100})
+    # head to head: the candidate and the model holding the alias, on the candidate's held-out episodes; the
+    # candidate's action error may exceed the current one's by at most this fraction (null: not compared)
+    max_regression: float | None = field(default=0.05, metadata={"min": 0, "max": 10})
 
     def __post_init__(self) -> None:
         if not MLFLOW_ALIAS.fullmatch(self.alias):

@@ -129,6 +129,25 @@ def promotion_decision(success_rate: float | None, min_success: float | None,
     return True, "passed: " + "; ".join(passed)
 
 
+def head_to_head_decision(comparison: dict | None, max_regression: float | None) -> tuple[bool, str]:
+    """The candidate against the model that holds the alias, on the same held-out windows
+    (`eval.action_error.compare_action_error`): it may not be worse by more than `max_regression` (a fraction of
+    the current model's error). Without a comparison (`{"compared": False, "reason": ...}`, or None) it passes,
+    saying why, and the absolute gate alone decides."""
+    if max_regression is None:
+        return True, "not compared with the current model (promote.max_regression is null)"
+    if not comparison or not comparison.get("compared"):
+        why = (comparison or {}).get("reason", "no current model")
+        return True, f"not compared with the current model ({why})"
+    cand, cur, version = comparison["candidate"], comparison["current"], comparison["current_version"]
+    limit = cur * (1 + max_regression)
+    text = (f"held-out action error {cand:.4g} vs {cur:.4g} for the current v{version}, on the same "
+            f"{comparison['windows']} windows")
+    if cand <= limit:
+        return True, f"{text} (<= {limit:.4g}, {max_regression:.0%} over it)"
+    return False, f"{text}: worse by more than {max_regression:.0%}"
+
+
 def dvc_yaml_with_computed_deps(text: str) -> str:
     """dvc.yaml's text with each stage's `deps:` list replaced by the stage table's (upstream outputs, other files
     read, then the computed code files); everything else, comments included, is kept."""

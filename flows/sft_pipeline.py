@@ -122,7 +122,8 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
                 artifacts.eval_artifact(name, result, paths.plots("eval"))
         provenance = {"run_name": run, "params_digest": digest, "keys": dict(paths.keys)}
         decision = (register_and_promote(quote(tracker), quote(prof), quote(results["package"]), quote(provenance),
-                                         wait_for=[states["package"]]) if promote else None)
+                                         str(root_dir / params_path), wait_for=[states["package"]])
+                    if promote else None)
         artifacts.package_artifact(name, results["package"], decision)
         tracker.end()
     except (KeyboardInterrupt, SystemExit, CancelledError):  # Ctrl-C, SIGTERM (dz pipeline run), a cancelled run

@@ -178,15 +178,19 @@ STAGE_TASKS = {"fetch": fetch, "metadata": metadata, "vision": vision, "cache": 
 
 
 @task(name="register-and-promote", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE, persist_result=False)
-def register_and_promote(tracker, prof: Profile, package_result: dict, provenance: dict | None = None) -> dict:
+def register_and_promote(tracker, prof: Profile, package_result: dict, provenance: dict | None = None,
+                         params_file: str = "params.yaml") -> dict:
     """Register the packaged model in MLflow (an unchanged bundle: the version that holds it already); give it
-    the deployment alias only if it passes the gate."""
+    the deployment alias only if it passes the gate and is no worse than the model holding the alias, both
+    measured on the candidate's held-out episodes."""
     from .tracking import promote
 
     version, created = tracker.register(prof, package_result, provenance)
     p = prof.promote
+    comparison = tracker.head_to_head(prof, version, package_result, params_file)
     decision = promote(tracker.uri, p.registered_model, version, p.alias, p.min_success, run_id=tracker.run_id,
-                       max_action_error_ratio=p.max_action_error_ratio)
+                       max_action_error_ratio=p.max_action_error_ratio, comparison=comparison,
+                       max_regression=p.max_regression)
     decision["registered"] = "new version" if created else "unchanged: the same bundle as this existing version"
     get_run_logger().info(f"registry: {p.registered_model} v{version} ({decision['registered']}): "
                           f"{decision['reason']}")

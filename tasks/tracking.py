@@ -213,6 +213,9 @@ class Tracker:
     def client(self):
         return _client(self.uri)
 
+    def head_to_head(self, prof: Profile, version: str, package: dict, params_file: str) -> dict | None:
+        return _head_to_head(self, prof, version, package, params_file)
+
     def stage_run(self, stage: str, cached: bool) -> str:
         run = self.client.create_run(self.experiment_id, run_name=stage, tags={
             "mlflow.parentRunId": self.run_id, "stage": stage, "cached": str(cached).lower(), "profile": self.profile})
@@ -473,12 +476,52 @@ class Tracker:
         return str(mv.version), True
 
 
+def _head_to_head(tracker, prof: Profile, version: str, package: dict, params_file: str) -> dict | None:
+    """The candidate bundle against the version holding the alias, on the candidate's held-out episodes
+    (`compare_action_error`, with the eval section's solver, stride, windows, device and seed); {"compared": False,
+    "reason"} where there is nothing to compare with or the two cannot be compared."""
+    from mlflow.exceptions import MlflowException
+
+    from dzmodel.data.errors import DataError
+    from dzmodel.eval.action_error import ActionErrorError, compare_action_error
+    from dzmodel.eval.policy import PolicyLoadError
+    from dzmodel.serve.package import PackageError, load_package
+    from dzmodel.stages.eval import eval_solver
+
+    p, e = prof.promote, prof.eval
+    if p.max_regression is None:
+        return None
+    try:
+        current = tracker.client.get_model_version_by_alias(p.registered_model, p.alias)
+    except MlflowException:
+        return {"compared": False, "reason": f"no version holds @{p.alias} yet"}
+    if str(current.version) == str(version):
+        return {"compared": False, "reason": f"v{version} holds @{p.alias} already"}
+    weights = package.get("weights_sha256") or ""
+    if weights and current.tags.get("weights.sha256") == weights:
+        return {"compared": False, "reason": f"v{current.version} has the same weights"}
+    try:
+        with _environment({"MLFLOW_TRACKING_URI": tracker.uri}):
+            bundle, manifest = pinned_registered_bundle(f"models:/{p.registered_model}/{current.version}", params_file)
+        other = load_package(bundle, manifest_sha256=manifest).model_dir
+        candidate = load_package(package["bundle"]).model_dir
+        result = compare_action_error(candidate, other, stride=e.action_error_stride, max_windows=e.action_error_windows,
+                                      device=e.device, solver=eval_solver(e), seed=e.seed)
+    except (RegistryError, PackageError, PolicyLoadError, ActionErrorError, DataError, OSError, MlflowException) as exc:
+        return {"compared": False, "current_version": str(current.version),
+                "reason": f"v{current.version} could not be compared: {str(exc).splitlines()[0]}"}
+    return {"compared": True, "current_version": str(current.version), "candidate": result["candidate"],
+            "current": result["other"], "windows": result["windows"], "episodes": result["episodes"]}
+
+
 def promote(uri: str, registered_model: str, version: str | None, alias: str, min_success: float | None,
-            run_id: str | None = None, max_action_error_ratio: float | None = None) -> dict:
+            run_id: str | None = None, max_action_error_ratio: float | None = None,
+            comparison: dict | None = None, max_regression: float | None = None) -> dict:
     """Set `alias` on a model version only if it passes the gate (its LIBERO success, its held-out action error
-    ratio: `promotion_decision`); record the decision and why on the version (tags) and, when given, on the
-    pipeline run."""
-    from dzmodel.pipeline import promotion_decision
+    ratio: `promotion_decision`) and is no worse than the model holding the alias on the same held-out windows
+    (`comparison`, `head_to_head_decision`); record the decision and why on the version (tags) and, when given, on
+    the pipeline run."""
+    from dzmodel.pipeline import head_to_head_decision, promotion_decision
 
     client = _client(uri)
     if version is None:
@@ -492,9 +535,13 @@ def promote(uri: str, registered_model: str, version: str | None, alias: str, mi
     ratio_text = mv.tags.get("action_error_ratio", "")
     ratio = float(ratio_text) if ratio_text not in ("", None) else None
     ok, reason = promotion_decision(rate, min_success, ratio, max_action_error_ratio)
+    if ok:
+        ok, versus = head_to_head_decision(comparison, max_regression)
+        reason = ("passed" if ok else "refused") + reason[len("passed"):] + "; " + versus
     decision = {"registered_model": registered_model, "version": version, "alias": alias, "promoted": ok,
                 "reason": reason, "success_rate": rate, "min_success": min_success,
                 "action_error_ratio": ratio, "max_action_error_ratio": max_action_error_ratio,
+                "head_to_head": comparison, "max_regression": max_regression,
                 "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if ok:
         client.set_registered_model_alias(registered_model, alias, version)

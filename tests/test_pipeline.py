@@ -280,6 +280,21 @@ def test_the_gates_number_is_never_the_one_that_picked_the_checkpoint(tmp_path, 
     assert chosen_step(prof, paths)[1] == summary["final_success_rate"]
 
 
+def test_the_head_to_head_refuses_a_candidate_worse_than_the_current_model():
+    from dzmodel.pipeline import head_to_head_decision
+
+    same = {"compared": True, "candidate": 0.10, "current": 0.10, "current_version": "3", "windows": 12}
+    ok, why = head_to_head_decision(same, 0.05)
+    assert ok and "0.1 vs 0.1 for the current v3, on the same 12 windows" in why
+    ok, why = head_to_head_decision({**same, "candidate": 0.104}, 0.05)  # within 5 %
+    assert ok
+    ok, why = head_to_head_decision({**same, "candidate": 0.106}, 0.05)
+    assert not ok and "0.106 vs 0.1" in why and "worse by more than 5%" in why
+    ok, why = head_to_head_decision({"compared": False, "reason": "no version holds @production yet"}, 0.05)
+    assert ok and "not compared" in why and "@production" in why
+    assert head_to_head_decision({**same, "candidate": 9.0}, None)[0]  # comparison turned off
+
+
 def test_promotion_gate():
     assert promotion_decision(0.8, 0.8) == (True, "passed: LIBERO success 80.0% >= gate 80.0%")
     ok, why = promotion_decision(0.5, 0.8)

@@ -136,14 +136,18 @@ def heldout_windows(cfg, emb, stats: NormStats, pairs: list, stride: int, max_wi
     return windows
 
 
-def predict_errors(policy, windows: list[Window], progress=None) -> np.ndarray:
-    """Per-window normalised MSE of the policy's chunks (one fresh session per window, as a rollout's start)."""
+def predict_errors(policy, windows: list[Window], progress=None, stats: NormStats | None = None,
+                   pairs: list | None = None) -> np.ndarray:
+    """Per-window normalised MSE of the policy's chunks (one fresh session per window, as a rollout's start).
+    stats, pairs: the statistics the windows' targets were normalised with, when not the policy's own."""
     errors = []
+    stats = policy.policy.action_stats if stats is None else stats
+    pairs = policy.relative_pairs if pairs is None else pairs
     for i, w in enumerate(windows):
         session = f"action-error-{i}"
         chunk = policy.predict(session, w.views, w.state, w.instruction)
         policy.end_session(session)
-        pred = normalise_chunk(chunk, w.state, policy.policy.action_stats, policy.relative_pairs)
+        pred = normalise_chunk(chunk, w.state, stats, pairs)
         errors.append(normalised_mse(pred, w.target))
         if progress is not None:
             progress.update()
@@ -218,6 +222,34 @@ def evaluate_action_error(run_or_model: str | Path, out_dir: str | Path | None =
     if out is not None:
         write_action_error(out, result)
     return result
+
+
+def compare_action_error(candidate: str | Path, other: str | Path, stride: int = 4, max_windows: int | None = None,
+                         device: str = "cpu", solver=None, seed: int = 0, progress: bool = False) -> dict:
+    """Two converted models (e.g. a candidate and the model in production) on the same windows: the candidate's
+    held-out episodes, targets and both models' chunks normalised with the candidate's statistics, the same solver
+    and seed. Returns {"windows", "episodes", "candidate", "other"} (mean normalised MSE each). Models of another
+    embodiment or action width cannot be compared: ActionErrorError says why."""
+    from ..train.metrics import Progress
+    from .policy import load_policy, read_train_config
+
+    first = load_policy(candidate, device=device, solver=solver, seed=seed)
+    second = load_policy(other, device=device, solver=solver, seed=seed)
+    if (first.embodiment.tag, first.action_dim, first.action_horizon) != (
+            second.embodiment.tag, second.action_dim, second.action_horizon):
+        raise ActionErrorError(
+            f"{other}: embodiment {second.embodiment.tag!r} ({second.action_horizon} x {second.action_dim} actions) "
+            f"is not the candidate's {first.embodiment.tag!r} ({first.action_horizon} x {first.action_dim}); "
+            "their action errors are not comparable")
+    cfg, _ = read_train_config(Path(candidate))
+    stats, pairs = first.policy.action_stats, first.relative_pairs
+    where = str(Path(candidate) / "experiment_cfg" / "train_config.json")
+    windows = heldout_windows(cfg, first.embodiment, stats, pairs, stride, max_windows, where)
+    bar = Progress(2 * len(windows), enabled=progress, desc="action error, head to head", unit="chunk")
+    errors = [_summary(predict_errors(p, windows, bar, stats, pairs)) for p in (first, second)]
+    bar.close()
+    return {"windows": len(windows), "episodes": sorted({w.episode for w in windows}), "stride": stride,
+            "seed": seed, "candidate": errors[0], "other": errors[1]}
 
 
 def write_action_error(out: Path, result: dict) -> None:

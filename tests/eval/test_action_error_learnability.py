@@ -24,7 +24,8 @@ def _demo_action_error(root: Path, overrides: list[str]) -> dict:
     paths = StagePaths(root, "demo")
     for stage in ("fetch", "metadata", "cache", "train", "convert"):
         run_stage(stage, prof, paths, log=lambda line: None)
-    return stage_action_error(prof, paths, root / "action_error", log=print)
+    result = stage_action_error(prof, paths, root / "action_error", log=print)
+    return {**result, "model": paths.stage("converted") / "step_0001000", "eval": prof.eval}
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +59,19 @@ def test_a_lora_run_learns_too(lora_action_error, action_error):
     assert last["trained"] < 0.5 * lora_action_error["untrained"], lora_action_error
     print(f"held-out action error at step {last['step']}: LoRA {last['trained']:.4f}, "
           f"full {action_error['steps'][-1]['trained']:.4f}, mean predictor {action_error['mean_predictor']:.4f}")
+
+
+def test_the_head_to_head_scores_two_runs_on_the_same_windows(action_error, lora_action_error):
+    """Promotion's comparison (`compare_action_error`): the full and the LoRA run trained on the same episodes, so
+    on the candidate's held-out windows each model scores what its own evaluation measured, and the better one
+    shows as better."""
+    from dzmodel.eval.action_error import compare_action_error
+    from dzmodel.stages.eval import eval_solver
+
+    e = action_error["eval"]
+    both = compare_action_error(action_error["model"], lora_action_error["model"], stride=e.action_error_stride,
+                                max_windows=e.action_error_windows, device=e.device, solver=eval_solver(e), seed=e.seed)
+    assert both["windows"] == action_error["windows"] and both["episodes"] == [18, 19]
+    assert both["candidate"] == pytest.approx(action_error["steps"][-1]["trained"], rel=1e-4), both
+    assert both["other"] == pytest.approx(lora_action_error["steps"][-1]["trained"], rel=1e-4), both
+    assert both["candidate"] < both["other"]

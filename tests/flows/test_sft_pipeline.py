@@ -118,6 +118,7 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     first = sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.4"])
     assert calls == list(pipeline.STAGES) and first["cached_stages"] == []
     assert first["promotion"]["promoted"] and first["promotion"]["version"] == "1"
+    assert "not compared with the current model (no version holds @production yet)" in first["promotion"]["reason"]
 
     calls.clear()
     second = sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.4"])
@@ -127,8 +128,10 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     assert second["run_name"].endswith("-2") and first["run_name"][:-2] == second["run_name"][:-2]
 
     calls.clear()
-    sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.4", "eval.episodes=3"])
+    third = sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.4", "eval.episodes=3"])
     assert calls == ["eval", "package"]  # only the eval section changed
+    # the stand-in stages write no loadable model: the head to head says so, and the absolute gate decides
+    assert third["promotion"]["promoted"] and "v1 could not be compared" in third["promotion"]["reason"], third
 
     calls.clear()
     (tmp_path / "runs" / "demo" / "latest" / "package" / "dreamzero-demo-3.tar.gz").unlink()  # an output went missing
