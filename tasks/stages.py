@@ -187,10 +187,9 @@ def register_and_promote(tracker, prof: Profile, package_result: dict, provenanc
 
     version, created = tracker.register(prof, package_result, provenance)
     p = prof.promote
-    comparison = tracker.head_to_head(prof, version, package_result, params_file)
     decision = promote(tracker.uri, p.registered_model, version, p.alias, p.min_success, run_id=tracker.run_id,
-                       max_action_error_ratio=p.max_action_error_ratio, comparison=comparison,
-                       max_regression=p.max_regression)
+                       max_action_error_ratio=p.max_action_error_ratio, max_regression=p.max_regression,
+                       comparison=lambda: tracker.head_to_head(prof, version, package_result, params_file))
     decision["registered"] = "new version" if created else "unchanged: the same bundle as this existing version"
     get_run_logger().info(f"registry: {p.registered_model} v{version} ({decision['registered']}): "
                           f"{decision['reason']}")

@@ -516,11 +516,11 @@ def _head_to_head(tracker, prof: Profile, version: str, package: dict, params_fi
 
 def promote(uri: str, registered_model: str, version: str | None, alias: str, min_success: float | None,
             run_id: str | None = None, max_action_error_ratio: float | None = None,
-            comparison: dict | None = None, max_regression: float | None = None) -> dict:
+            comparison=None, max_regression: float | None = None) -> dict:
     """Set `alias` on a model version only if it passes the gate (its LIBERO success, its held-out action error
     ratio: `promotion_decision`) and is no worse than the model holding the alias on the same held-out windows
-    (`comparison`, `head_to_head_decision`); record the decision and why on the version (tags) and, when given, on
-    the pipeline run."""
+    (`comparison`: a dict, or a function giving one, called only once the other gates pass: `head_to_head_decision`);
+    record the decision and why on the version (tags) and, when given, on the pipeline run."""
     from dzmodel.pipeline import head_to_head_decision, promotion_decision
 
     client = _client(uri)
@@ -536,12 +536,14 @@ def promote(uri: str, registered_model: str, version: str | None, alias: str, mi
     ratio = float(ratio_text) if ratio_text not in ("", None) else None
     ok, reason = promotion_decision(rate, min_success, ratio, max_action_error_ratio)
     if ok:
+        if callable(comparison):
+            comparison = comparison()
         ok, versus = head_to_head_decision(comparison, max_regression)
         reason = ("passed" if ok else "refused") + reason[len("passed"):] + "; " + versus
     decision = {"registered_model": registered_model, "version": version, "alias": alias, "promoted": ok,
                 "reason": reason, "success_rate": rate, "min_success": min_success,
                 "action_error_ratio": ratio, "max_action_error_ratio": max_action_error_ratio,
-                "head_to_head": comparison, "max_regression": max_regression,
+                "head_to_head": None if callable(comparison) else comparison, "max_regression": max_regression,
                 "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if ok:
         client.set_registered_model_alias(registered_model, alias, version)

@@ -130,8 +130,9 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     calls.clear()
     third = sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.4", "eval.episodes=3"])
     assert calls == ["eval", "package"]  # only the eval section changed
-    # the stand-in stages write no loadable model: the head to head says so, and the absolute gate decides
-    assert third["promotion"]["promoted"] and "v1 could not be compared" in third["promotion"]["reason"], third
+    # a new bundle (another eval) around the same weights: nothing to compare, and the absolute gate decides
+    assert third["promotion"]["promoted"], third
+    assert "not compared with the current model (v1 has the same weights)" in third["promotion"]["reason"]
 
     calls.clear()
     (tmp_path / "runs" / "demo" / "latest" / "package" / "dreamzero-demo-3.tar.gz").unlink()  # an output went missing
@@ -142,6 +143,7 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     refused = sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.9", "train.lr=2.0e-3"])
     assert calls == ["train", "convert", "eval", "package"]
     assert not refused["promotion"]["promoted"] and "50.0% < gate 90.0%" in refused["promotion"]["reason"]
+    assert "compared" not in refused["promotion"]["reason"]  # refused by the gate: no head to head is run
 
     client = MlflowClient(tracking_uri=first["mlflow_uri"], registry_uri=first["mlflow_uri"])
     exp = client.get_experiment_by_name("dreamzero-demo")
@@ -223,6 +225,9 @@ def test_a_b_a_registers_what_each_run_trained(prefect_env, tmp_path, monkeypatc
     assert sorted(int(v) for v in versions) == [1, 2]
     assert [r["promotion"]["version"] for r in runs] == ["1", "2", "1"]
     assert runs[2]["promotion"]["registered"].startswith("unchanged")
+    # other weights than the alias holder's: the head to head runs; the stand-in stages' bundles hold no model, so it
+    # says that it could not compare them, and the absolute gate decides
+    assert "not compared with the current model (v1 could not be compared: " in runs[1]["promotion"]["reason"], runs[1]
     for run, lr in zip(runs, ("0.002", "0.003", "0.002")):
         version = versions[int(run["promotion"]["version"])]
         params = client.get_run(run["mlflow_run_id"]).data.params
