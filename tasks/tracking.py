@@ -214,7 +214,44 @@ class Tracker:
         return _client(self.uri)
 
     def head_to_head(self, prof: Profile, version: str, package: dict, params_file: str) -> dict | None:
-        return _head_to_head(self, prof, version, package, params_file)
+        """The candidate bundle against the version holding the alias, on the candidate's held-out episodes
+        (`compare_action_error`, with the eval section's solver, stride, windows, device and seed); {"compared": False,
+        "reason"} where there is nothing to compare with or the two cannot be compared."""
+        from mlflow.exceptions import MlflowException
+
+        from dzmodel.data.errors import DataError
+        from dzmodel.eval.action_error import ActionErrorError, compare_action_error
+        from dzmodel.eval.policy import PolicyLoadError
+        from dzmodel.serve.package import PackageError, load_package
+        from dzmodel.stages.eval import eval_solver
+
+        p, e = prof.promote, prof.eval
+        if p.max_regression is None:
+            return None
+        try:
+            current = self.client.get_model_version_by_alias(p.registered_model, p.alias)
+        except MlflowException:
+            return {"compared": False, "reason": f"no version holds @{p.alias} yet"}
+        if str(current.version) == str(version):
+            return {"compared": False, "reason": f"v{version} holds @{p.alias} already"}
+        weights = package.get("weights_sha256") or ""
+        if weights and current.tags.get("weights.sha256") == weights:
+            return {"compared": False, "reason": f"v{current.version} has the same weights"}
+        try:
+            with _environment({"MLFLOW_TRACKING_URI": self.uri}):
+                uri = f"models:/{p.registered_model}/{current.version}"
+                bundle, manifest = pinned_registered_bundle(uri, params_file)
+            other = load_package(bundle, manifest_sha256=manifest).model_dir
+            candidate = load_package(package["bundle"]).model_dir
+            result = compare_action_error(candidate, other, stride=e.action_error_stride,
+                                          max_windows=e.action_error_windows, device=e.device,
+                                          solver=eval_solver(e), seed=e.seed)
+        except (RegistryError, PackageError, PolicyLoadError, ActionErrorError, DataError, OSError,
+                MlflowException) as exc:
+            return {"compared": False, "current_version": str(current.version),
+                    "reason": f"v{current.version} could not be compared: {str(exc).splitlines()[0]}"}
+        return {"compared": True, "current_version": str(current.version), "candidate": result["candidate"],
+                "current": result["other"], "windows": result["windows"], "episodes": result["episodes"]}
 
     def stage_run(self, stage: str, cached: bool) -> str:
         run = self.client.create_run(self.experiment_id, run_name=stage, tags={
@@ -474,44 +511,6 @@ class Tracker:
                                          description=f"step {package['step']}, package {package['version']}")
         client.set_tag(self.run_id, "registered_model_version", f"{name}/{mv.version}")
         return str(mv.version), True
-
-
-def _head_to_head(tracker, prof: Profile, version: str, package: dict, params_file: str) -> dict | None:
-    """The candidate bundle against the version holding the alias, on the candidate's held-out episodes
-    (`compare_action_error`, with the eval section's solver, stride, windows, device and seed); {"compared": False,
-    "reason"} where there is nothing to compare with or the two cannot be compared."""
-    from mlflow.exceptions import MlflowException
-
-    from dzmodel.data.errors import DataError
-    from dzmodel.eval.action_error import ActionErrorError, compare_action_error
-    from dzmodel.eval.policy import PolicyLoadError
-    from dzmodel.serve.package import PackageError, load_package
-    from dzmodel.stages.eval import eval_solver
-
-    p, e = prof.promote, prof.eval
-    if p.max_regression is None:
-        return None
-    try:
-        current = tracker.client.get_model_version_by_alias(p.registered_model, p.alias)
-    except MlflowException:
-        return {"compared": False, "reason": f"no version holds @{p.alias} yet"}
-    if str(current.version) == str(version):
-        return {"compared": False, "reason": f"v{version} holds @{p.alias} already"}
-    weights = package.get("weights_sha256") or ""
-    if weights and current.tags.get("weights.sha256") == weights:
-        return {"compared": False, "reason": f"v{current.version} has the same weights"}
-    try:
-        with _environment({"MLFLOW_TRACKING_URI": tracker.uri}):
-            bundle, manifest = pinned_registered_bundle(f"models:/{p.registered_model}/{current.version}", params_file)
-        other = load_package(bundle, manifest_sha256=manifest).model_dir
-        candidate = load_package(package["bundle"]).model_dir
-        result = compare_action_error(candidate, other, stride=e.action_error_stride, max_windows=e.action_error_windows,
-                                      device=e.device, solver=eval_solver(e), seed=e.seed)
-    except (RegistryError, PackageError, PolicyLoadError, ActionErrorError, DataError, OSError, MlflowException) as exc:
-        return {"compared": False, "current_version": str(current.version),
-                "reason": f"v{current.version} could not be compared: {str(exc).splitlines()[0]}"}
-    return {"compared": True, "current_version": str(current.version), "candidate": result["candidate"],
-            "current": result["other"], "windows": result["windows"], "episodes": result["episodes"]}
 
 
 def promote(uri: str, registered_model: str, version: str | None, alias: str, min_success: float | None,
