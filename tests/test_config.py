@@ -41,7 +41,7 @@ def test_shipped_params_are_valid_with_seven_profiles():
     obj = params.selected("libero_object")
     rec = obj.fetch.record
     assert rec.tasks == list(range(10)) and rec.episodes == 50 and rec.init == "perturbed"
-    assert 0 < rec.min_shift_m <= rec.max_shift_m and rec.dart_noise == 0
+    assert 0 < rec.min_shift_m <= rec.max_shift_m and rec.dart_noise > 0  # DART: the recovery data closed loop needs
     assert obj.eval.tasks == list(range(10)) and obj.eval.episodes == 50
     # the anchors' recipe: 50 epochs counted in samples, EMA, prompt dropout; the gate's number is never a pick
     assert obj.train["epochs"] == 50 and obj.train["ema_decay"] > 0 and obj.train["prompt_dropout"] == 0.1

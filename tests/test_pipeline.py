@@ -368,7 +368,7 @@ def test_fetch_passes_the_recorder_only_the_options_that_change_its_data(tmp_pat
         raise RuntimeError("stop")
 
     monkeypatch.setattr(fetch, "fetch_dataset", fake_fetch)
-    for overrides in (["fetch.record.init=standard"], ["fetch.record.dart_noise=0.1"]):
+    for overrides in (["fetch.record.init=standard", "fetch.record.dart_noise=0"], ["fetch.record.dart_noise=0.1"]):
         prof = load_params(ROOT / "params.yaml", overrides, "libero_object").selected("libero_object")
         with pytest.raises(RuntimeError, match="stop"):
             stage_fetch(prof, StagePaths(tmp_path, "libero_object"), log=lambda s: None)

@@ -56,6 +56,8 @@ case "$1" in
     # same LR schedule (the trainer's stop_at, which the pipeline leaves unset)
     python3 -c 'import json, sys; run, variant, stop_at = sys.argv[1:]; p = run + "/train_config.json"
 c = json.load(open(p)); c["out_dir"] = run + "/train" if variant else c["out_dir"]
+if variant and c.get("metadata"):  # its own copy, which a later variant leaves alone
+    import shutil; shutil.copyfile(c["metadata"], run + "/metadata.json"); c["metadata"] = run + "/metadata.json"
 c["stop_at"] = int(stop_at) if stop_at else c.get("stop_at"); json.dump(c, open(p, "w"), indent=1)
 print("out_dir", c["out_dir"], "stop_at", c["stop_at"])' "$run" "${VARIANT:-}" "${STOP_AT:-}" ;;
   train-bg)

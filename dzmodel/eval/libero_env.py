@@ -423,6 +423,8 @@ def _worker_main(conn, camera_size: int, keep_raw: bool, privileged: bool = Fals
                         noise_rng = np.random.default_rng(int(opts.get("noise_seed", 0)))
                     label = np.asarray(expert.act(last_raw), dtype=np.float64)
                     valid = expert.label_valid
+                    if not np.all(np.isfinite(label)):  # neither executed nor recorded: the attempt ends here
+                        label, valid = np.zeros(ACTION_DIM), False
                     noise = noise_rng.normal(0.0, sigma, ARM_DIMS) if sigma > 0 else None
                     if opts.get("execute") is not None:
                         executed = np.asarray(opts["execute"], dtype=np.float64).reshape(ACTION_DIM).copy()

@@ -406,7 +406,10 @@ def matrix_to_rotvec(m: np.ndarray) -> np.ndarray:
         axis = np.sqrt(np.clip((np.diag(m) + 1) / 2, 0, None))
         k = int(np.argmax(axis))
         axis = m[:, k] + np.eye(3)[k]
-    return axis / np.linalg.norm(axis) * angle
+    norm = float(np.linalg.norm(axis))
+    if norm < 1e-12:  # arccos near 1 is coarse: a tiny angle can come with an axis that rounds to zero
+        return np.zeros(3)
+    return axis / norm * angle
 
 
 # --- init states: perturbation, distance, privileged goal positions ---------------------------------------------

@@ -362,3 +362,14 @@ def test_orientation_helpers_agree_with_the_state_convention():
         np.testing.assert_allclose(matrix_to_rotvec(m), quat_to_axis_angle(q), atol=1e-9)
     flip = quat_to_matrix([1.0, 0.0, 0.0, 0.0])  # pi about x: the gripper's reset orientation
     np.testing.assert_allclose(np.abs(matrix_to_rotvec(flip)), [np.pi, 0, 0], atol=1e-9)
+
+
+def test_rotvec_of_a_tiny_rotation_is_finite():
+    # arccos near 1 is coarse: a trace a few ulps below 3 gives an angle of ~2e-8 with an axis that rounds to zero
+    # (DART noise hit this: NaN labels, and NaN executed into the simulator)
+    from dzmodel.eval.libero_expert import matrix_to_rotvec
+
+    m = np.eye(3)
+    m[0, 0] = 1 - 4e-16
+    v = matrix_to_rotvec(m)
+    assert np.all(np.isfinite(v)) and np.linalg.norm(v) < 1e-6
