@@ -17,7 +17,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DVC_NO_ANALYTICS := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup libero test test-slow test-all demo repro clean
+.PHONY: setup libero test test-slow test-all browser demo repro clean
 
 # LIBERO (simulation for `dz eval libero`): hf-libero 0.1.4 + the 5 asset wheels, a project-local config.yaml
 # (LIBERO otherwise asks on stdin and writes ~/.libero) and software rendering through EGL (llvmpipe on CPU).
@@ -81,11 +81,16 @@ $(LIBERO_STAMP): $(STAMP)
 test: setup libero
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# End-to-end tests marked `slow`; CI runs them after `make test`. Exit 5 = none collected.
-test-slow: setup libero
+# End-to-end tests marked `slow`; CI runs them after `make test`. Exit 5 = none collected. Debian's Chromium
+# renders the offline `dvc plots show` page headless (tests/test_dvc.py).
+test-slow: setup libero browser
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-all: test test-slow
+
+browser:
+	@command -v chromium >/dev/null 2>&1 || { echo "installing Debian's chromium (headless rendering checks)"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium; }
 
 # The whole pipeline on the embedded default (profile demo: generated data, tiny preset, 2 CPU processes):
 # the Prefect flow runs every stage (unchanged ones come from its cache), logs to MLflow (./mlruns), registers

@@ -71,6 +71,8 @@ class RecordParams:
     # null: max_shift_m / 2 (perturbed), 0.002 (sampled)
     min_shift_m: float | None = field(default=None, metadata={"min": 0, "max": 0.1})
     dart_noise: float = field(default=0.0, metadata={"min": 0, "max": 1})  # DART σ on the executed arm dims
+    # steps per attempt; null: the suite's standard limit (noise slows the expert: at σ 0.6 its successes take ~2x)
+    max_steps: int | None = field(default=None, metadata={"min": 1, "max": 5000})
     image_size: int = field(default=256, metadata={"min": 32, "max": 1024})
     workers: int = field(default=2, metadata={"min": 1, "max": 256})
     codec: Literal["libsvtav1", "libx264"] = "libsvtav1"  # libx264 also decodes with OpenCV (the GPU image)

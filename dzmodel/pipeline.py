@@ -151,7 +151,7 @@ def head_to_head_decision(comparison: dict | None, max_regression: float | None)
 def dvc_yaml_with_computed_deps(text: str) -> str:
     """dvc.yaml's text with each stage's `deps:` list replaced by the stage table's (upstream outputs, other files
     read, then the computed code files); everything else, comments included, is kept."""
-    from .stages import dvc_deps
+    from .stages import TRACK_STAGE, dvc_deps, dvc_track_deps
 
     as_dvc = StagePaths(Path("."), "${profile}")
     lines = text.splitlines(keepends=True)
@@ -165,9 +165,11 @@ def dvc_yaml_with_computed_deps(text: str) -> str:
             stage = header[1]
         out.append(line)
         i += 1
-        if line.rstrip() == "    deps:" and stage in STAGE_TABLE:
+        if line.rstrip() == "    deps:" and (stage in STAGE_TABLE or stage == TRACK_STAGE):
             while i < len(lines) and lines[i].startswith("      - "):
                 i += 1  # the old list
-            deps = dvc_deps(stage, lambda up: [str(p) for p in stage_outputs(up, as_dvc)])
+            outputs = lambda up: [str(p) for p in stage_outputs(up, as_dvc)]  # noqa: E731
+            deps = (dvc_deps(stage, outputs) if stage in STAGE_TABLE
+                    else dvc_track_deps(outputs, lambda s: str(as_dvc.record(s))))
             out.extend(f"      - {d}\n" for d in deps)
     return "".join(out)

@@ -136,6 +136,22 @@ def cmd_promote(ns: argparse.Namespace) -> int:
     return 0 if decision["promoted"] else 1
 
 
+def cmd_track(ns: argparse.Namespace) -> int:
+    from flows.dvc_tracking import TrackError, track
+
+    root = Path(ns.root).resolve()
+    project_environment(root)
+    _exit_on_sigterm()
+    try:
+        summary = track(root, ns.params, ns.set, ns.profile, promote=not ns.no_promote)
+    except TrackError as exc:
+        print(f"dz track: {exc}", file=sys.stderr)
+        return 2
+    print(f"MLflow run {summary['run_name']} ({summary['mlflow_run_id']}) in experiment {summary['experiment']} "
+          f"({summary['mlflow_uri']})" + ("; the registry's decision is above" if summary["promotion"] else ""))
+    return 0
+
+
 def _prefect(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     exe = shutil.which("prefect", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     if exe is None:
@@ -212,6 +228,12 @@ def register(sub) -> None:
     p.add_argument("--max-action-error-ratio", type=float,
                    help="held-out action error / the mean predictor's; default: promote.max_action_error_ratio")
     p.set_defaults(func=cmd_promote)
+
+    p = sub.add_parser("track", help="log the stage records of `dvc repro` as an MLflow run, register and promote "
+                                     "(dvc.yaml's last stage)")
+    _params_args(p)
+    p.add_argument("--no-promote", action="store_true", help="register nothing, set no alias")
+    p.set_defaults(func=cmd_track)
 
     p = sub.add_parser("deploy", help="register the scheduled deployment of prefect.yaml on a Prefect server")
     p.add_argument("--prefect-file", default=str(PROJECT / "prefect.yaml"))

@@ -183,14 +183,6 @@ def register_and_promote(tracker, prof: Profile, package_result: dict, provenanc
     """Register the packaged model in MLflow (an unchanged bundle: the version that holds it already); give it
     the deployment alias only if it passes the gate and is no worse than the model holding the alias, both
     measured on the candidate's held-out episodes."""
-    from .tracking import promote
+    from .tracking import register_and_promote as now
 
-    version, created = tracker.register(prof, package_result, provenance)
-    p = prof.promote
-    decision = promote(tracker.uri, p.registered_model, version, p.alias, p.min_success, run_id=tracker.run_id,
-                       max_action_error_ratio=p.max_action_error_ratio, max_regression=p.max_regression,
-                       comparison=lambda: tracker.head_to_head(prof, version, package_result, params_file))
-    decision["registered"] = "new version" if created else "unchanged: the same bundle as this existing version"
-    get_run_logger().info(f"registry: {p.registered_model} v{version} ({decision['registered']}): "
-                          f"{decision['reason']}")
-    return decision
+    return now(tracker, prof, package_result, provenance, params_file, log=get_run_logger().info)

@@ -563,6 +563,21 @@ class RegistryError(ValueError):
     """A models:/ URI that does not resolve to a servable bundle; the message says what to set."""
 
 
+def register_and_promote(tracker: Tracker, prof: Profile, package_result: dict, provenance: dict | None = None,
+                         params_file: str = "params.yaml", log=print) -> dict:
+    """Register the packaged model (an unchanged bundle: the version that holds it already), then give it the
+    deployment alias only if it passes the gate and is no worse than the model holding the alias, both measured
+    on the candidate's held-out episodes. What the flow's task and `dz track` (the DVC path) both call."""
+    version, created = tracker.register(prof, package_result, provenance)
+    p = prof.promote
+    decision = promote(tracker.uri, p.registered_model, version, p.alias, p.min_success, run_id=tracker.run_id,
+                       max_action_error_ratio=p.max_action_error_ratio, max_regression=p.max_regression,
+                       comparison=lambda: tracker.head_to_head(prof, version, package_result, params_file))
+    decision["registered"] = "new version" if created else "unchanged: the same bundle as this existing version"
+    log(f"registry: {p.registered_model} v{version} ({decision['registered']}): {decision['reason']}")
+    return decision
+
+
 def _registry_uri_for(name: str, params_file: Path) -> str:
     """MLFLOW_TRACKING_URI, else the tracking URI of the params.yaml profile that registers `name`."""
     if os.environ.get("MLFLOW_TRACKING_URI"):

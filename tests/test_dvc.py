@@ -1,9 +1,11 @@
-"""DVC end to end on a fresh copy of the project: `dvc repro` reproduces the demo, a changed parameter reruns only
-the stages that depend on it, and the data goes to and comes back from the local remote and an S3 remote
-(a local moto S3 server)."""
+"""DVC end to end on a fresh copy of the project: `dvc repro` reproduces the demo and logs it to MLflow as a flow
+run would, a changed parameter (in params.yaml or through `dvc exp run --set-param`) reruns only the stages that
+depend on it, and the data goes to and comes back from the local remote and an S3 remote (a local moto S3
+server)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -56,9 +58,19 @@ def project(tmp_path_factory):
     return dest, log
 
 
+def _mlflow(dest: Path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(f"sqlite:///{dest / 'mlruns' / 'mlflow.db'}")
+
+
+def _tracked(dest: Path) -> dict:
+    return json.loads((dest / "runs" / "demo" / "tracking.json").read_text())
+
+
 def test_repro_on_a_fresh_clone_reproduces_the_demo(project):
     dest, log = project
-    assert _ran(log) == ["fetch", "metadata", "vision", "cache", "train", "convert", "eval", "package"]
+    assert _ran(log) == ["fetch", "metadata", "vision", "cache", "train", "convert", "eval", "package", "track"]
     assert list((dest / "runs" / "demo" / "package").glob("*.tar.gz"))
     assert (dest / "runs" / "demo" / "eval" / "results.csv").is_file()
     assert "Data and pipelines are up to date" in _run(["dvc", "status"], dest)
@@ -67,18 +79,49 @@ def test_repro_on_a_fresh_clone_reproduces_the_demo(project):
     assert (dest / "dvc.lock").is_file()
 
 
+def test_repro_logs_to_mlflow_as_a_flow_run_does(project):
+    dest, _ = project
+    tracked = _tracked(dest)
+    assert re.fullmatch(r"demo-[0-9a-f]{8}-dvc-1", tracked["run_name"]), tracked["run_name"]
+    client = _mlflow(dest)
+    run = client.get_run(tracked["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.info.run_name == tracked["run_name"]
+    assert run.data.tags["dz.source"] == "dvc" and run.data.params["train.lr"]  # the params as columns
+    assert "train.samples_per_s_per_gpu" in run.data.metrics and "loss" in run.data.metrics  # also per step
+    children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+    assert {c.info.run_name for c in children} >= {"fetch", "train", "eval", "package"}
+    assert run.inputs.dataset_inputs  # the dataset, as a flow run logs it
+    versions = client.search_model_versions("name='dreamzero-demo'")
+    assert [v.version for v in versions] == [tracked["promotion"]["version"]] == ["1"]
+    assert versions[0].tags["run_name"] == tracked["run_name"]
+
+
 def test_a_changed_parameter_reruns_only_the_stages_that_depend_on_it(project):
     dest, _ = project
     _set_param(dest, "version: 0.1.0-demo", "version: 0.1.1-demo")
     log = _run(["dvc", "repro"], dest)
-    assert _ran(log) == ["package"]
+    assert _ran(log) == ["package", "track"]
     assert all(f"Stage '{s}' didn't change, skipping" in log for s in ("fetch", "metadata", "train", "eval"))
     assert list((dest / "runs" / "demo" / "package").glob("*0.1.1-demo+*.tar.gz"))
+    tracked = _tracked(dest)
+    assert tracked["run_name"].endswith("-dvc-1")  # another params digest: its first run
+    assert tracked["promotion"]["registered"] == "new version"  # another package version: another bundle
+    assert _ran(_run(["dvc", "repro"], dest)) == []  # nothing changed: no stage, no MLflow run, no version
 
     _set_param(dest, "videos: 1", "videos: 0")  # an eval parameter: eval reruns, and package after it
     log = _run(["dvc", "repro"], dest)
-    assert _ran(log) == ["eval", "package"]
+    assert _ran(log) == ["eval", "package", "track"]
     assert not list((dest / "runs" / "demo" / "eval" / "videos").glob("*.mp4"))
+
+
+def test_exp_run_set_param_overrides_reach_the_stages_and_mlflow(project):
+    dest, _ = project
+    log = _run(["dvc", "exp", "run", "--set-param", "profiles.demo.package.version=0.2.0-demo"], dest)
+    assert _ran(log) == ["package", "track"]
+    assert list((dest / "runs" / "demo" / "package").glob("*0.2.0-demo+*.tar.gz"))
+    run = _mlflow(dest).get_run(_tracked(dest)["mlflow_run_id"])
+    assert run.data.params["package.version"] == "0.2.0-demo"
+    assert "0.2.0-demo" in _run(["dvc", "exp", "show", "--no-pager", "--csv"], dest)
 
 
 def test_local_remote_push_and_pull(project):
@@ -113,3 +156,33 @@ def test_s3_remote_on_a_local_s3_server(project, tmp_path):
         _run(["dvc", "pull", "-r", "pool"], dest, **creds)
         assert list((dest / "runs" / "demo" / "converted").glob("step_*/model.safetensors"))
         assert "Data and pipelines are up to date" in _run(["dvc", "status"], dest)
+
+
+def _charts_drawn(page: Path, tmp_path: Path) -> int:
+    """Vega charts that headless Chromium draws on `page` with the network off (a proxy nobody listens on)."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.fail("chromium is not installed (make test-slow installs Debian's chromium)")
+    out = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          f"--user-data-dir={tmp_path / 'chromium'}", "--proxy-server=http://127.0.0.1:9",
+                          "--proxy-bypass-list=<-loopback>", "--virtual-time-budget=20000", "--dump-dom",
+                          page.as_uri()], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return len(re.findall(r'class="marks"', out.stdout))
+
+
+def test_plots_show_renders_offline(project, tmp_path):
+    dest, _ = project
+    _run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], dest)
+    page = tmp_path / "plots" / "index.html"
+    assert "cdn.jsdelivr" not in page.read_text()
+    vega_plots = 4  # dvc.yaml's top-level plots: losses, throughput, success rate, action error
+    assert _charts_drawn(page, tmp_path) == vega_plots
+    # the check can fail: DVC's own page (Vega from a CDN) draws nothing offline
+    from dvc_render.html import PAGE_HTML
+
+    cdn = tmp_path / "cdn_template.html"
+    cdn.write_text(PAGE_HTML)
+    _run(["dvc", "plots", "show", "--html-template", str(cdn), "-o", str(tmp_path / "cdn")], dest)
+    assert "cdn.jsdelivr" in (tmp_path / "cdn" / "index.html").read_text()
+    assert _charts_drawn(tmp_path / "cdn" / "index.html", tmp_path) == 0

@@ -9,7 +9,7 @@ import yaml
 
 from dzmodel.config import StagePaths, load_params
 from dzmodel.dirlock import DirectoryBusy, directory_lock
-from dzmodel.stages import dvc_deps, dvc_params
+from dzmodel.stages import TRACK_PARAMS, TRACK_STAGE, dvc_deps, dvc_params, dvc_track_deps
 from dzmodel.pipeline import STAGES, outputs_intact, promotion_decision, run_stage, stage_outputs
 from dzmodel.stages.package import chosen_step
 from dzmodel.stages.train import MetricsFollower, read_metrics, run_streaming, summarize_training, torchrun_command
@@ -25,7 +25,8 @@ def _demo(tmp_path, *overrides):
 
 def test_dvc_yaml_runs_each_stage_through_dz_and_names_its_outputs():
     dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
-    assert list(dvc["stages"]) == list(STAGES)
+    assert list(dvc["stages"]) == [*STAGES, TRACK_STAGE]  # then the MLflow run of the reproduction
+    assert dvc["stages"].pop(TRACK_STAGE)["cmd"] == "dz track"
     paths = StagePaths(Path("."), "demo")
     for name, stage in dvc["stages"].items():
         assert stage["cmd"] == f"dz stage {name}"
@@ -41,6 +42,12 @@ def test_dvc_yaml_deps_and_params_are_the_stage_tables():
     for name in STAGES:
         assert dvc[name]["params"] == dvc_params(name), name
         assert dvc[name]["deps"] == dvc_deps(name, lambda up: [str(p) for p in stage_outputs(up, as_dvc)]), name
+    track = dvc[TRACK_STAGE]
+    assert track["params"] == [f"profiles.${{profile}}.{p}" for p in TRACK_PARAMS]
+    assert track["deps"] == dvc_track_deps(lambda up: [str(p) for p in stage_outputs(up, as_dvc)],
+                                           lambda s: str(as_dvc.record(s)))
+    # it reruns after any stage: every stage's record is a dep, and so is the MLflow code it runs
+    assert {str(as_dvc.record(s)) for s in STAGES} <= set(track["deps"]) and "tasks/tracking.py" in track["deps"]
     # the cache depends on what changes the encodings, not on the learning rate
     assert "profiles.${profile}.train.heldout_episodes" in dvc["metadata"]["params"]  # its statistics leave them out
     assert "profiles.${profile}.train" not in dvc["cache"]["params"]
@@ -368,13 +375,29 @@ def test_fetch_passes_the_recorder_only_the_options_that_change_its_data(tmp_pat
         raise RuntimeError("stop")
 
     monkeypatch.setattr(fetch, "fetch_dataset", fake_fetch)
-    for overrides in (["fetch.record.init=standard", "fetch.record.dart_noise=0"], ["fetch.record.dart_noise=0.1"]):
+    for overrides in (["fetch.record.init=standard", "fetch.record.dart_noise=0"], ["fetch.record.dart_noise=0.1", "fetch.record.max_steps=500"]):
         prof = load_params(ROOT / "params.yaml", overrides, "libero_object").selected("libero_object")
         with pytest.raises(RuntimeError, match="stop"):
             stage_fetch(prof, StagePaths(tmp_path, "libero_object"), log=lambda s: None)
     standard, noised = seen
-    assert "min_shift_m" not in standard and "dart_noise" not in standard and standard["init"] == "standard"
-    assert noised["dart_noise"] == 0.1 and noised["min_shift_m"] == 0.015 and noised["tasks"] == list(range(10))
+    assert {"min_shift_m", "dart_noise", "max_steps"}.isdisjoint(standard) and standard["init"] == "standard"
+    assert noised["dart_noise"] == 0.1 and noised["max_steps"] == 500 and noised["min_shift_m"] == 0.015 and noised["tasks"] == list(range(10))
     from dzmodel.eval.libero_record import RecordConfig
 
     assert RecordConfig(**noised).min_shift == 0.015  # what the recorder is handed, it takes
+
+
+def test_dvc_lock_is_tracked_and_records_the_stages_of_dvc_yaml():
+    """dvc.lock is the committed reproduction's record (`dvc status` compares with it): it must list dvc.yaml's
+    stages with the same deps, so a dvc.yaml change without a new `dvc repro` (or `dvc commit`) fails here."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "dvc.lock"], cwd=ROOT, capture_output=True)
+    assert tracked.returncode == 0, "dvc.lock is not tracked by git"
+    lock = yaml.safe_load((ROOT / "dvc.lock").read_text())["stages"]
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    profile = yaml.safe_load((ROOT / "params.yaml").read_text())["profile"]
+    assert set(lock) == set(dvc)
+    for name, stage in dvc.items():
+        wanted = sorted(d.replace("${profile}", profile) for d in stage["deps"])
+        assert sorted(d["path"] for d in lock[name]["deps"]) == wanted, name

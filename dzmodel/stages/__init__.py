@@ -117,3 +117,20 @@ def dvc_deps(name: str, outputs) -> list[str]:
     spec = STAGE_TABLE[name]
     return [*(o for u in spec.upstream for o in outputs(u)), *spec.reads,
             *(str(f.relative_to(REPO_ROOT)) for f in code_files(name))]
+
+
+# dvc.yaml's last stage, outside the table (the library runs no MLflow): `dz track` (flows/dvc_tracking.py) logs
+# the stage records of `dvc repro` as an MLflow run, registers the package and runs the promotion gate
+TRACK_STAGE = "track"
+TRACK_MODULE = "flows.dvc_tracking"
+TRACK_PARAMS = ("promote",)
+
+
+def dvc_track_deps(outputs, records) -> list[str]:
+    """The track stage's deps: the package's outputs, every stage's record (`records(stage)` as dvc paths), then
+    its code (the import closure of flows/dvc_tracking.py across dzmodel, tasks and flows)."""
+    from ..code_deps import module_closure
+
+    code = module_closure((TRACK_MODULE,), REPO_ROOT, packages=("dzmodel", "tasks", "flows"))
+    return [*outputs("package"), *(records(s) for s in STAGE_TABLE),
+            *(str(f.relative_to(REPO_ROOT)) for f in code)]

@@ -22,6 +22,8 @@ def stage_fetch(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict
     if record is not None:  # options added later, absent where they change nothing: those fetch markers stay valid
         if record.get("dart_noise") == 0:
             record.pop("dart_noise")
+        if record.get("max_steps") is None:
+            record.pop("max_steps")
         if record.get("init") == "standard":
             record.pop("min_shift_m", None)
     dest = fetch_dataset(source, paths.data, revision=f.revision, allow_patterns=f.allow or None,
