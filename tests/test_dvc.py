@@ -92,7 +92,7 @@ def test_repro_logs_to_mlflow_as_a_flow_run_does(project):
     assert {c.info.run_name for c in children} >= {"fetch", "train", "eval", "package"}
     assert run.inputs.dataset_inputs  # the dataset, as a flow run logs it
     versions = client.search_model_versions("name='dreamzero-demo'")
-    assert [v.version for v in versions] == [tracked["promotion"]["version"]] == ["1"]
+    assert [str(v.version) for v in versions] == [tracked["promotion"]["version"]] == ["1"]
     assert versions[0].tags["run_name"] == tracked["run_name"]
 
 
