@@ -51,8 +51,9 @@ def project(tmp_path_factory):
         if (ROOT / rel).is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, dest / rel)
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "clone"]):
+    # an identity of its own: `dvc exp run` commits experiments, also where git has no global identity
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "t@t"], ["git", "config", "user.name", "t"],
+                ["git", "add", "-A"], ["git", "commit", "-qm", "clone"]):
         _run(cmd, dest)
     log = _run(["dvc", "repro"], dest)
     return dest, log
