@@ -62,7 +62,8 @@ def project(tmp_path_factory):
 def _mlflow(dest: Path):
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(f"sqlite:///{dest / 'mlruns' / 'mlflow.db'}")
+    uri = f"sqlite:///{dest / 'mlruns' / 'mlflow.db'}"
+    return MlflowClient(uri, registry_uri=uri)  # not a registry another test set process-wide
 
 
 def _tracked(dest: Path) -> dict:
@@ -94,7 +95,7 @@ def test_repro_logs_to_mlflow_as_a_flow_run_does(project):
     assert run.inputs.dataset_inputs  # the dataset, as a flow run logs it
     versions = client.search_model_versions("name='dreamzero-demo'")
     assert [str(v.version) for v in versions] == [tracked["promotion"]["version"]] == ["1"]
-    version = client.get_model_version("dreamzero-demo", "1")  # a search's versions may come without their tags
+    version = client.get_model_version("dreamzero-demo", "1")
     assert version.tags["run_name"] == tracked["run_name"] and version.tags["params_digest"] in tracked["run_name"]
 
 
