@@ -478,9 +478,14 @@ class _Worker:
 
 class EnvWorkerPool:
     """`num_workers` processes, each owning one LIBERO `OffScreenRenderEnv` (cameras agentview and
-    robot0_eye_in_hand, `camera_size` square). Commands go to all addressed workers first, then the replies are
-    collected, so the workers run in parallel. Each reply has `timeout_s`; a worker that dies, hangs, or raises
+    robot0_eye_in_hand, `camera_size` square). Each reply has `timeout_s`; a worker that dies, hangs, or raises
     is killed and replaced by a fresh process, and its entry in the result is a `WorkerCrashed`.
+
+    Two ways to drive it. `reset`, `step` and `expert_step` send to every addressed worker, then wait for all of
+    their replies (the workers run in parallel, in lockstep). `submit_reset`, `submit_step` and
+    `submit_expert_step` only send; `wait()` returns the replies of whichever workers have answered. A loop on
+    those never stalls the other workers while one of them rebuilds its env for a new episode (a LIBERO reset
+    reloads the MuJoCo model: seconds), so recording and evaluation keep every worker busy.
     Use as a context manager, or call `close()`."""
 
     def __init__(self, num_workers: int = 2, camera_size: int = 128, timeout_s: float = 120.0, seed: int = 0,
@@ -497,6 +502,8 @@ class EnvWorkerPool:
         self.privileged = privileged  # observations also carry `objects` (libero_expert.goal_positions)
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker | None] = [None] * num_workers
+        self._in_flight: dict[int, tuple[str, float, str | None]] = {}  # worker -> (command, deadline, bddl file)
+        self._answered: dict = {}  # replies known before any wait (a send that failed)
         self._closed = False
         try:
             for w in range(num_workers):
@@ -511,36 +518,19 @@ class EnvWorkerPool:
     def pids(self) -> dict[int, int]:
         return {w: wk.process.pid for w, wk in enumerate(self._workers) if wk is not None}
 
+    @property
+    def busy(self) -> set[int]:
+        """The workers whose command has not been answered by `wait()` yet."""
+        return set(self._in_flight) | set(self._answered)
+
     def reset(self, assignments, inits: dict | None = None) -> dict[int, dict | WorkerCrashed]:
         """assignments: [(worker_id, TaskSpec, episode_index)]. Each addressed worker (re)builds its env if the task
         changed, seeds it (pool seed + episode index), resets, sets the episode's fixed init state, runs the
         SETTLE_STEPS no-op steps, and returns its observation (`to_policy_obs`, plus `init_state`: the MuJoCo
         state the episode started from). `inits` {worker_id: EpisodeInit} replaces a worker's standard init state
         (a recorded one) or perturbs it (seeded), and may set the env seed."""
-        cmds = {}
-        inits = inits or {}
-        for w, task, episode in assignments:
-            self._check_worker(w)
-            if w in cmds:
-                raise ValueError(f"worker {w} assigned twice in one reset")
-            spec = inits.get(w) or EpisodeInit()
-            state = init_state(task, episode) if spec.state is None else np.asarray(spec.state, dtype=np.float64)
-            seed = self.seed + episode if spec.env_seed is None else spec.env_seed
-            perturb = None if spec.perturb_seed is None else (spec.perturb_seed, spec.max_shift_m)
-            extra = {}
-            if spec.sample or spec.min_shift_m > 0 or spec.describe:
-                extra = {"sample": spec.sample, "min_shift_m": spec.min_shift_m, "describe": spec.describe,
-                         "avoid": _init_states(task.suite, task.index) if spec.min_shift_m > 0 else None}
-            cmds[w] = ("reset", task.bddl_file, state, seed, perturb, extra) if extra else \
-                ("reset", task.bddl_file, state, seed, perturb)
-        for w in cmds:
-            self._workers[w].active = False
-        out = self._request(cmds)
-        for w, r in out.items():
-            if not isinstance(r, WorkerCrashed):
-                self._workers[w].active = True
-                self._workers[w].bddl_file = cmds[w][1]
-        return out
+        self._check_idle()
+        return self._lockstep(self._reset_commands(assignments, inits))
 
     def expert_step(self, seeds: dict[int, int],
                     options: dict[int, dict] | None = None) -> dict[int, ExpertStep | WorkerCrashed]:
@@ -550,32 +540,40 @@ class EnvWorkerPool:
         `noise` σ: execute the label plus N(0, σ²) on the 6 arm dims, clipped to [-1, 1] (DART; `noise_seed` seeds it
         per episode), `recover` / `hold_orientation`: the expert's modes (read when it is built).
         Returns {worker_id: ExpertStep} (or WorkerCrashed)."""
-        cmds = {}
-        options = options or {}
-        for w, seed in seeds.items():
-            self._check_worker(w)
-            if not self._workers[w].active:
-                raise ValueError(f"env worker {w} has no running episode: reset it first")
-            opts = options.get(w)
-            if opts and opts.get("execute") is not None:
-                a = np.asarray(opts["execute"], dtype=np.float64).reshape(-1)
-                if a.shape != (ACTION_DIM,) or not np.all(np.isfinite(a)):
-                    raise ValueError(f"worker {w}: an action must be {ACTION_DIM} finite numbers, got {a}")
-            cmds[w] = ("expert_step", int(seed), opts) if opts else ("expert_step", int(seed))
-        return self._request(cmds)
+        self._check_idle()
+        return self._lockstep(self._expert_commands(seeds, options))
 
     def step(self, actions: dict) -> dict[int, tuple[dict, bool] | WorkerCrashed]:
         """actions: {worker_id: (7,) action}. Returns {worker_id: (obs, success)} (or WorkerCrashed)."""
-        cmds = {}
-        for w, a in actions.items():
-            self._check_worker(w)
-            if not self._workers[w].active:
-                raise ValueError(f"env worker {w} has no running episode: reset it first")
-            a = np.asarray(a, dtype=np.float64).reshape(-1)
-            if a.shape != (ACTION_DIM,) or not np.all(np.isfinite(a)):
-                raise ValueError(f"worker {w}: an action must be {ACTION_DIM} finite numbers, got {a}")
-            cmds[w] = ("step", a)
-        return self._request(cmds)
+        self._check_idle()
+        return self._lockstep(self._step_commands(actions))
+
+    def submit_reset(self, assignments, inits: dict | None = None) -> None:
+        """`reset` without waiting: its replies come from `wait()`."""
+        self._submit(self._reset_commands(assignments, inits))
+
+    def submit_expert_step(self, seeds: dict[int, int], options: dict[int, dict] | None = None) -> None:
+        """`expert_step` without waiting: its replies come from `wait()`."""
+        self._submit(self._expert_commands(seeds, options))
+
+    def submit_step(self, actions: dict) -> None:
+        """`step` without waiting: its replies come from `wait()`."""
+        self._submit(self._step_commands(actions))
+
+    def wait(self) -> dict:
+        """The replies of the busy workers that have answered ({worker_id: reply or WorkerCrashed}): blocks until
+        at least one has, or its reply is overdue (then it is a WorkerCrashed). {} when no worker is busy."""
+        out, self._answered = self._answered, {}
+        while self._in_flight and not out:
+            wait = max(0.0, min(d for _, d, _ in self._in_flight.values()) - time.monotonic())
+            out.update(self._receive(wait))
+            now = time.monotonic()
+            for w, (_, deadline, _) in list(self._in_flight.items()):
+                if now >= deadline:
+                    del self._in_flight[w]
+                    out[w] = self._crash(w, f"no reply within {self.timeout_s:g} s")
+        out.update(self._receive(0.0))  # whatever else is ready: one batch for the caller
+        return out
 
     def close(self) -> None:
         if self._closed:
@@ -610,6 +608,8 @@ class EnvWorkerPool:
             raise RuntimeError("the env worker pool is closed")
         if not isinstance(w, (int, np.integer)) or not 0 <= w < self.num_workers:
             raise ValueError(f"worker ids are 0..{self.num_workers - 1}; got {w!r}")
+        if w in self.busy:
+            raise ValueError(f"env worker {w} is busy: wait() for its reply first")
 
     def _start(self, w: int) -> None:
         parent, child = self._ctx.Pipe(duplex=True)
@@ -635,29 +635,98 @@ class EnvWorkerPool:
         self._start(w)
         return WorkerCrashed(w, f"{reason} (pid {wk.process.pid}, exit {code})")
 
-    def _request(self, cmds: dict) -> dict:
-        out: dict = {}
-        deadline: dict = {}
+    def _reset_commands(self, assignments, inits: dict | None) -> dict:
+        cmds = {}
+        inits = inits or {}
+        for w, task, episode in assignments:
+            self._check_worker(w)
+            if w in cmds:
+                raise ValueError(f"worker {w} assigned twice in one reset")
+            spec = inits.get(w) or EpisodeInit()
+            state = init_state(task, episode) if spec.state is None else np.asarray(spec.state, dtype=np.float64)
+            seed = self.seed + episode if spec.env_seed is None else spec.env_seed
+            perturb = None if spec.perturb_seed is None else (spec.perturb_seed, spec.max_shift_m)
+            extra = {}
+            if spec.sample or spec.min_shift_m > 0 or spec.describe:
+                extra = {"sample": spec.sample, "min_shift_m": spec.min_shift_m, "describe": spec.describe,
+                         "avoid": _init_states(task.suite, task.index) if spec.min_shift_m > 0 else None}
+            cmds[w] = ("reset", task.bddl_file, state, seed, perturb, extra) if extra else \
+                ("reset", task.bddl_file, state, seed, perturb)
+        return cmds
+
+    def _expert_commands(self, seeds: dict, options: dict | None) -> dict:
+        cmds = {}
+        options = options or {}
+        for w, seed in seeds.items():
+            self._check_running(w)
+            opts = options.get(w)
+            if opts and opts.get("execute") is not None:
+                a = np.asarray(opts["execute"], dtype=np.float64).reshape(-1)
+                if a.shape != (ACTION_DIM,) or not np.all(np.isfinite(a)):
+                    raise ValueError(f"worker {w}: an action must be {ACTION_DIM} finite numbers, got {a}")
+            cmds[w] = ("expert_step", int(seed), opts) if opts else ("expert_step", int(seed))
+        return cmds
+
+    def _step_commands(self, actions: dict) -> dict:
+        cmds = {}
+        for w, a in actions.items():
+            self._check_running(w)
+            a = np.asarray(a, dtype=np.float64).reshape(-1)
+            if a.shape != (ACTION_DIM,) or not np.all(np.isfinite(a)):
+                raise ValueError(f"worker {w}: an action must be {ACTION_DIM} finite numbers, got {a}")
+            cmds[w] = ("step", a)
+        return cmds
+
+    def _check_running(self, w) -> None:
+        self._check_worker(w)
+        if not self._workers[w].active:
+            raise ValueError(f"env worker {w} has no running episode: reset it first")
+
+    def _submit(self, cmds: dict) -> set[int]:
+        """Send each worker its command; a worker may have one command in flight. Returns the workers addressed."""
         for w, msg in cmds.items():
+            if msg[0] == "reset":
+                self._workers[w].active = False
             try:
                 self._workers[w].conn.send(msg)
-                deadline[w] = time.monotonic() + self.timeout_s
+                self._in_flight[w] = (msg[0], time.monotonic() + self.timeout_s,
+                                      msg[1] if msg[0] == "reset" else None)
             except (OSError, ValueError) as exc:  # a dead worker's pipe
-                out[w] = self._crash(w, f"send failed: {type(exc).__name__}: {exc}")
-        pending = {self._workers[w].conn: w for w in deadline}
-        while pending:
-            wait = max(0.0, min(deadline[w] for w in pending.values()) - time.monotonic())
-            for conn in mp.connection.wait(list(pending), timeout=wait):
-                w = pending.pop(conn)
-                try:
-                    kind, payload = conn.recv()
-                except (EOFError, OSError):
-                    out[w] = self._crash(w, "the worker process died")
-                    continue
-                out[w] = payload if kind == "ok" else self._crash(w, f"error in the worker:\n{payload}")
-            now = time.monotonic()
-            for conn, w in list(pending.items()):
-                if now >= deadline[w]:
-                    del pending[conn]
-                    out[w] = self._crash(w, f"no reply within {self.timeout_s:g} s")
+                self._answered[w] = self._crash(w, f"send failed: {type(exc).__name__}: {exc}")
+        return set(cmds)
+
+    def _check_idle(self) -> None:
+        if self.busy:
+            raise RuntimeError(f"env workers {sorted(self.busy)} have replies pending: a lockstep call would take "
+                               "them; wait() for them first")
+
+    def _lockstep(self, cmds: dict) -> dict:
+        """Send, then wait until every addressed worker has answered."""
+        workers = self._submit(cmds)
+        out: dict = {}
+        while workers - set(out):
+            got = self.wait()
+            if not got:  # nothing in flight: cannot happen for submitted workers
+                raise RuntimeError(f"env workers {sorted(workers - set(out))} have no command in flight")
+            out.update(got)
+        return out
+
+    def _receive(self, timeout: float) -> dict:
+        out: dict = {}
+        conns = {self._workers[w].conn: w for w in self._in_flight}
+        for conn in mp.connection.wait(list(conns), timeout=timeout):
+            w = conns[conn]
+            command, _, bddl_file = self._in_flight.pop(w)
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):
+                out[w] = self._crash(w, "the worker process died")
+                continue
+            if kind != "ok":
+                out[w] = self._crash(w, f"error in the worker:\n{payload}")
+                continue
+            if command == "reset":
+                self._workers[w].active = True
+                self._workers[w].bddl_file = bddl_file
+            out[w] = payload
         return out

@@ -132,23 +132,34 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
     for key in ("policy_s", "env_s", "chunks", "forwards"):
         clock.setdefault(key, 0)
     with pool_factory(min(cfg.num_workers, total)) as pool:
+        # Each worker runs its episode at its own pace: a reset (seconds: LIBERO reloads the model) or a slow step
+        # holds up no other worker, and the episodes that need a chunk when the policy is free share its forward.
         running: dict[int, _Running] = {}
+        starting: dict[int, tuple] = {}  # worker -> (task, episode, attempt, init) whose reset is in flight
         free = list(range(pool.num_workers))
 
-        def start(assign):
-            nonlocal videos_left
+        def start():
+            assign = {}
+            while todo and free:
+                assign[free.pop(0)] = todo.pop(0)
+            if not assign:
+                return
             inits = {w: init for w, (_, _, _, init) in assign.items() if init is not None}
             resets = [(w, t, e) for w, (t, e, _, _) in assign.items()]
-            replies = pool.reset(resets, inits) if inits else pool.reset(resets)
-            for w, (t, e, attempt, init) in assign.items():
-                r = replies.get(w)
-                if isinstance(r, WorkerCrashed) or r is None:
-                    finish_crash(w, t, e, attempt, f"reset: {getattr(r, 'reason', 'no reply')}", init)
-                    continue
-                record = videos_left > 0
-                videos_left -= int(record)
-                running[w] = _Running(t, e, attempt, r, time.perf_counter(), frames=[r["image"]] if record else None,
-                                      init=init)
+            pool.submit_reset(resets, inits) if inits else pool.submit_reset(resets)
+            starting.update(assign)
+
+        def started(w, r) -> bool:
+            nonlocal videos_left
+            t, e, attempt, init = starting.pop(w)
+            if isinstance(r, WorkerCrashed) or r is None:
+                finish_crash(w, t, e, attempt, f"reset: {getattr(r, 'reason', 'no reply')}", init)
+                return False
+            record = videos_left > 0
+            videos_left -= int(record)
+            running[w] = _Running(t, e, attempt, r, time.perf_counter(), frames=[r["image"]] if record else None,
+                                  init=init)
+            return True
 
         def finish(w, run: _Running, note=""):
             video = ""
@@ -174,17 +185,36 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
                                              f"failed: env worker crashed twice ({reason})"))
                 bar.update()
 
-        while todo or running:
-            if todo and free:
-                assign = {}
-                while todo and free:
-                    assign[free.pop(0)] = todo.pop(0)
-                start(assign)
-                continue
-            need = [w for w, run in running.items() if not run.queue]
+        def stepped(w, r) -> bool:
+            """An env step's reply; False when the episode ended."""
+            run = running[w]
+            if isinstance(r, WorkerCrashed) or r is None:
+                finish_crash(w, run.task, run.episode, run.attempt, getattr(r, "reason", "no reply"), run.init)
+                return False
+            obs, success = r
+            run.obs, run.steps = obs, run.steps + 1
+            if stride is not None and run.steps % stride == 0:
+                run.new_frames.append(_views(obs))
+            run.success = run.success or bool(success)
+            if run.frames is not None:
+                run.frames.append(obs["image"])
+            if run.success or run.steps >= max_steps:
+                finish(w, run, "retried after a worker crash" if run.attempt > 1 else "")
+                return False
+            return True
+
+        while todo or running or starting:
+            start()
+            t0 = time.perf_counter()
+            replies = pool.wait()
+            clock["env_s"] += time.perf_counter() - t0
+            if not replies:
+                raise RuntimeError("the env worker pool has no command in flight, yet episodes are running")
+            idle = [w for w, r in replies.items() if (started(w, r) if w in starting else stepped(w, r))]
+            need = [w for w in idle if not running[w].queue]
             requests = [_request(running[w], stride) for w in need]
             t0 = time.perf_counter()
-            if cfg.batch_policy:  # every episode that needs a chunk, in one policy forward
+            if cfg.batch_policy:  # every episode that needs a chunk now, in one policy forward
                 chunks = policy.predict_batch(requests) if requests else []
             else:
                 chunks = [policy.predict(*r) for r in requests]
@@ -193,26 +223,8 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
             clock["forwards"] += (1 if cfg.batch_policy else len(requests)) if requests else 0
             for w, chunk in zip(need, chunks):
                 running[w].queue = list(chunk[:per_chunk])
-            actions = {w: env_action(run.queue.pop(0), cfg.binarize_gripper) for w, run in running.items()}
-            if not actions:
-                continue
-            t0 = time.perf_counter()
-            replies = pool.step(actions)
-            clock["env_s"] += time.perf_counter() - t0
-            for w in list(actions):
-                run, r = running[w], replies.get(w)
-                if isinstance(r, WorkerCrashed) or r is None:
-                    finish_crash(w, run.task, run.episode, run.attempt, getattr(r, "reason", "no reply"), run.init)
-                    continue
-                obs, success = r
-                run.obs, run.steps = obs, run.steps + 1
-                if stride is not None and run.steps % stride == 0:
-                    run.new_frames.append(_views(obs))
-                run.success = run.success or bool(success)
-                if run.frames is not None:
-                    run.frames.append(obs["image"])
-                if run.success or run.steps >= max_steps:
-                    finish(w, run, "retried after a worker crash" if run.attempt > 1 else "")
+            if idle:
+                pool.submit_step({w: env_action(running[w].queue.pop(0), cfg.binarize_gripper) for w in idle})
     bar.close()
     return sorted(results, key=lambda r: (r.task, r.episode))
 

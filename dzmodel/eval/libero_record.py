@@ -57,6 +57,7 @@ import re
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -188,6 +189,7 @@ class _Attempt:
     chunk_left: int = 0
     actors: list = field(default_factory=list)     # DAgger: "E" (expert) or "P" (policy) per chunk
     policy_steps: int = 0
+    steps: int = 0                                 # rows written (set when it is queued for writing)
 
     def drop_frames(self) -> None:
         self.images, self.wrists, self.states, self.actions, self.executed, self.objects = [], [], [], [], [], []
@@ -314,13 +316,14 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
     _clear_stale(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.rec-{os.getpid()}-", dir=out.parent))
     os.chmod(tmp, 0o755)
-    started = time.perf_counter()
+    began = time.perf_counter()
     bar = Progress(total, enabled=progress, desc=f"record LIBERO-{cfg.suite}", unit="episode")
     vectors = {STATE_KEY: VectorFeature(8, STATE_NAMES), ACTION_KEY: VectorFeature(7, ACTION_NAMES),
                OBJECTS_KEY: VectorFeature(6, OBJECTS_NAMES)}
     if extra:
         vectors[EXECUTED_KEY] = VectorFeature(7, ACTION_NAMES)
     options = recording_options(cfg, dagger)
+    writes = None
     try:
         writer = LeRobotV3Writer(tmp, FPS, ROBOT_TYPE, {IMAGE_KEY: (cfg.image_size,) * 2, WRIST_KEY: (cfg.image_size,) * 2},
                                  vectors, codec=cfg.codec, episodes_per_video_file=1,
@@ -330,36 +333,47 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
         object_xy_index: dict[int, list] = {}
         next_to_write = 0
 
+        # episodes are encoded and written on one thread beside the loop, in (task, attempt) order, so the
+        # workers are not left idle while the videos of a finished attempt compress
+        writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-writer")
+        written: list = []
+
+        def write(a: _Attempt) -> None:
+            columns = {STATE_KEY: np.stack(a.states), ACTION_KEY: np.stack(a.actions),
+                       OBJECTS_KEY: np.stack(a.objects)}
+            if extra:
+                columns[EXECUTED_KEY] = np.stack(a.executed)
+            ep = writer.add_episode(a.task.language, {IMAGE_KEY: np.stack(a.images), WRIST_KEY: np.stack(a.wrists)},
+                                    columns)
+            a.drop_frames()
+            info = dict(a.init_info or {})
+            object_xy_index.setdefault(a.task.index, info.pop("object_xy_index", None))
+            row = {"episode_index": ep, "task": a.task.index, "task_name": a.task.name,
+                   "attempt": a.number, "init_index": a.init_index, "perturbed": a.perturb_seed is not None,
+                   "env_seed": a.env_seed, "expert_seed": a.expert_seed, "steps": a.steps,
+                   "success": a.success,
+                   "init": {"mode": cfg.init, "base_index": None if cfg.init == "sampled" else a.init_index,
+                            "perturb_seed": a.perturb_seed, **info},
+                   "init_state": [float(x) for x in a.init_state]}
+            if cfg.dart_noise > 0:
+                row["noise_seed"] = a.noise_seed
+            if dagger:
+                row.update(policy_steps=a.policy_steps, chunk_actors="".join(a.actors))
+            if a.note:
+                row["note"] = a.note
+            kept.append(row)
+
         def flush():
-            """Write finished attempts in (task, attempt) order: the dataset does not depend on timing."""
+            """Queue finished attempts for writing in (task, attempt) order: the dataset does not depend on timing."""
             nonlocal next_to_write
             while next_to_write in finished:
                 a = finished.pop(next_to_write)
                 next_to_write += 1
-                if not a.actions or not (a.success or keep_all):
-                    continue
-                columns = {STATE_KEY: np.stack(a.states), ACTION_KEY: np.stack(a.actions),
-                           OBJECTS_KEY: np.stack(a.objects)}
-                if extra:
-                    columns[EXECUTED_KEY] = np.stack(a.executed)
-                ep = writer.add_episode(a.task.language, {IMAGE_KEY: np.stack(a.images), WRIST_KEY: np.stack(a.wrists)},
-                                        columns)
-                info = dict(a.init_info or {})
-                object_xy_index.setdefault(a.task.index, info.pop("object_xy_index", None))
-                row = {"episode_index": ep, "task": a.task.index, "task_name": a.task.name,
-                       "attempt": a.number, "init_index": a.init_index, "perturbed": a.perturb_seed is not None,
-                       "env_seed": a.env_seed, "expert_seed": a.expert_seed, "steps": len(a.actions),
-                       "success": a.success,
-                       "init": {"mode": cfg.init, "base_index": None if cfg.init == "sampled" else a.init_index,
-                                "perturb_seed": a.perturb_seed, **info},
-                       "init_state": [float(x) for x in a.init_state]}
-                if cfg.dart_noise > 0:
-                    row["noise_seed"] = a.noise_seed
-                if dagger:
-                    row.update(policy_steps=a.policy_steps, chunk_actors="".join(a.actors))
-                if a.note:
-                    row["note"] = a.note
-                kept.append(row)
+                if a.actions and (a.success or keep_all):
+                    a.steps = len(a.actions)
+                    written.append(writes.submit(write, a))
+            while written and written[0].done():
+                written.pop(0).result()  # a failed write stops the recording here
 
         results: list[_Attempt] = []
         pool_factory = pool_factory or (lambda n: EnvWorkerPool(n, camera_size=cfg.image_size, privileged=True,
@@ -367,7 +381,10 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
         order = {id(a): i for i, a in enumerate(todo)}
         queue = list(todo)
         with pool_factory(min(cfg.workers, total)) as pool:
+            # every worker runs its attempt at its own pace: one worker's reset (seconds) holds up no other
             running: dict[int, _Attempt] = {}
+            starting: dict[int, _Attempt] = {}  # worker -> attempt whose reset is in flight
+            counts = {"env_steps": 0}         # steps with a valid label, every attempt's
             free = list(range(pool.num_workers))
 
             def done(w, a: _Attempt, note=""):
@@ -387,7 +404,47 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
                     bar.bar.set_postfix(success=f"{ok}/{len(results)}", refresh=False)
                 bar.update()
 
-            while queue or running:
+            def started(w, r) -> bool:
+                a = starting.pop(w)
+                if isinstance(r, WorkerCrashed) or r is None:
+                    done(w, a, f"reset failed: {getattr(r, 'reason', 'no reply')}".splitlines()[0])
+                    return False
+                a.obs, a.init_state = r, np.asarray(r["init_state"], dtype=np.float64)
+                a.init_info = r.get("init_info")
+                if dagger:
+                    a.mix_rng = np.random.default_rng(a.mix_seed)
+                running[w] = a
+                return True
+
+            def stepped(w, r) -> bool:
+                """An expert step's reply; False when the attempt ended."""
+                a = running[w]
+                if isinstance(r, WorkerCrashed) or r is None:
+                    reason = getattr(r, "reason", "no reply").strip().splitlines()
+                    done(w, a, f"env worker crashed: {reason[-1] if reason else ''}")
+                    return False
+                if not r.label_valid:  # the rows end before the first step without a valid label
+                    done(w, a, "the expert gave up (no valid label from here)")
+                    return False
+                a.images.append(a.obs["image"])
+                a.wrists.append(a.obs["wrist_image"])
+                a.states.append(a.obs["state"])
+                a.objects.append(np.asarray(a.obs["objects"], dtype=np.float32))
+                counts["env_steps"] += 1
+                a.actions.append(np.asarray(r.label, dtype=np.float32))
+                a.executed.append(np.asarray(r.executed, dtype=np.float32))
+                a.obs = r.obs
+                if r.success:
+                    a.success = True
+                    done(w, a)
+                    return False
+                if len(a.actions) >= max_steps:
+                    done(w, a, f"no success within the suite's {max_steps} steps" if cfg.max_steps is None
+                         else f"no success within {max_steps} steps (--max-steps)")
+                    return False
+                return True
+
+            while queue or running or starting:
                 if queue and free:
                     assign = {}
                     while queue and free:
@@ -395,23 +452,19 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
                     inits = {w: EpisodeInit(env_seed=a.env_seed, perturb_seed=a.perturb_seed,
                                             max_shift_m=cfg.max_shift_m, sample=cfg.init == "sampled",
                                             min_shift_m=cfg.min_shift, describe=True) for w, a in assign.items()}
-                    replies = pool.reset([(w, a.task, a.init_index) for w, a in assign.items()], inits)
-                    for w, a in assign.items():
-                        r = replies.get(w)
-                        if isinstance(r, WorkerCrashed) or r is None:
-                            done(w, a, f"reset failed: {getattr(r, 'reason', 'no reply')}".splitlines()[0])
-                            continue
-                        a.obs, a.init_state = r, np.asarray(r["init_state"], dtype=np.float64)
-                        a.init_info = r.get("init_info")
-                        if dagger:
-                            a.mix_rng = np.random.default_rng(a.mix_seed)
-                        running[w] = a
+                    pool.submit_reset([(w, a.task, a.init_index) for w, a in assign.items()], inits)
+                    starting.update(assign)
+                replies = pool.wait()
+                if not replies:
+                    raise RuntimeError("the env worker pool has no command in flight, yet attempts are running")
+                idle = [w for w, r in replies.items() if (started(w, r) if w in starting else stepped(w, r))]
+                if not idle:
                     continue
                 if dagger:
-                    _dagger_chunks(cfg, policy, running, per_chunk, env_action)
+                    _dagger_chunks(cfg, policy, {w: running[w] for w in idle}, per_chunk, env_action)
                 opts = {}
-                for w, a in running.items():
-                    o = {}
+                for w in idle:
+                    a, o = running[w], {}
                     if cfg.dart_noise > 0:
                         o.update(noise=cfg.dart_noise, noise_seed=a.noise_seed)
                     if dagger:
@@ -422,31 +475,12 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
                         a.chunk_left -= 1
                     if o:
                         opts[w] = o
-                seeds = {w: a.expert_seed for w, a in running.items()}
-                replies = pool.expert_step(seeds, opts) if opts else pool.expert_step(seeds)
-                for w, a in list(running.items()):
-                    r = replies.get(w)
-                    if isinstance(r, WorkerCrashed) or r is None:
-                        reason = getattr(r, "reason", "no reply").strip().splitlines()
-                        done(w, a, f"env worker crashed: {reason[-1] if reason else ''}")
-                        continue
-                    if not r.label_valid:  # the rows end before the first step without a valid label
-                        done(w, a, "the expert gave up (no valid label from here)")
-                        continue
-                    a.images.append(a.obs["image"])
-                    a.wrists.append(a.obs["wrist_image"])
-                    a.states.append(a.obs["state"])
-                    a.objects.append(np.asarray(a.obs["objects"], dtype=np.float32))
-                    a.actions.append(np.asarray(r.label, dtype=np.float32))
-                    a.executed.append(np.asarray(r.executed, dtype=np.float32))
-                    a.obs = r.obs
-                    if r.success:
-                        a.success = True
-                        done(w, a)
-                    elif len(a.actions) >= max_steps:
-                        done(w, a, f"no success within the suite's {max_steps} steps" if cfg.max_steps is None
-                             else f"no success within {max_steps} steps (--max-steps)")
+                seeds = {w: running[w].expert_seed for w in idle}
+                pool.submit_expert_step(seeds, opts) if opts else pool.submit_expert_step(seeds)
         bar.close()
+        writes.shutdown(wait=True)
+        for f in written:
+            f.result()
         per_task = _per_task(tasks, results, kept, object_xy_index)
         successes = sum(a.success for a in results)
         summary = {
@@ -463,7 +497,8 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
             "failures": [{"task": a.task.index, "attempt": a.number, "init_index": a.init_index, "note": a.note}
                          for a in sorted(results, key=lambda a: order[id(a)]) if not a.success],
             "episodes": kept,
-            "seconds": round(time.perf_counter() - started, 1),
+            "seconds": round(time.perf_counter() - began, 1),
+            "env_steps": counts["env_steps"],
         }
         if not kept:
             what = "no attempt succeeded" if not keep_all else "no attempt recorded a step"
@@ -474,6 +509,8 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
         _publish(tmp, out, overwrite)
     except BaseException:
         bar.close()
+        if writes is not None:
+            writes.shutdown(wait=True, cancel_futures=True)  # before its files are removed
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log(summary_line(summary, out))
@@ -552,7 +589,8 @@ def summary_line(summary: dict, out: Path | str) -> str:
         who += f" with DART noise {opts['dart_noise']:g}"
     return (f"record: LIBERO-{summary['suite']} {who} {summary['successes']}/{summary['attempts']} successes "
             f"({tasks}); kept {len(summary['episodes'])} episodes, {frames} frames -> {out} "
-            f"({summary['seconds']:.0f} s)")
+            f"({summary['seconds']:.0f} s" + (f", {summary['env_steps'] / max(summary['seconds'], 1e-9):.0f} env steps/s)"
+                                               if summary.get("env_steps") else ")"))
 
 
 def read_recording(dataset: str | Path) -> dict:

@@ -214,6 +214,34 @@ def test_pool_rejects_bad_requests(pool, spatial):
         pool.reset([(0, spatial[0], 0), (0, spatial[1], 0)])
 
 
+def test_pool_steps_one_worker_while_another_resets(pool, spatial):
+    """submit/wait: worker 1 rebuilds its env for another task (seconds) while worker 0 keeps stepping; a busy
+    worker takes no second command, and a lockstep call waits until nothing is in flight."""
+    pool.submit_reset([(1, spatial[2], 0)])
+    pool.submit_step({0: zero_action()})
+    with pytest.raises(ValueError, match="worker 1 is busy"):
+        pool.submit_step({1: zero_action()})
+    with pytest.raises(RuntimeError, match=r"replies pending.*wait\(\) for them first"):
+        pool.step({0: zero_action()})
+    steps_during_reset, reset_reply = 0, None
+    while reset_reply is None:
+        got = pool.wait()
+        assert got and pool.busy.isdisjoint(got)
+        if 0 in got:
+            assert not isinstance(got[0], WorkerCrashed), got[0]
+            if 1 not in got:
+                steps_during_reset += 1
+                pool.submit_step({0: zero_action()})
+        reset_reply = got.get(1)
+    if 0 in pool.busy:
+        assert 0 in pool.wait()
+    assert not pool.busy and pool.wait() == {}
+    assert not isinstance(reset_reply, WorkerCrashed), reset_reply
+    assert steps_during_reset >= 2  # a step is ~10x faster than building a new task's env
+    assert not np.array_equal(reset_reply["image"], pool.first[1]["image"])  # the other task's scene
+    pool.reset([(1, spatial[1], 0)])  # back to the fixture's scene for the tests below
+
+
 def test_pool_survives_a_killed_worker(pool, spatial):
     pid = pool.pids[0]
     os.kill(pid, signal.SIGKILL)

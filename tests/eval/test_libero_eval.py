@@ -10,6 +10,8 @@ import pytest
 from dzmodel.eval.libero_env import TaskSpec, WorkerCrashed
 from dzmodel.eval.libero_eval import EvalConfig, evaluate_policy, plot_success, summarize, write_results
 
+from .lockstep_pool import Lockstep, Staggered, overlapping
+
 
 @dataclass
 class FakePolicy:
@@ -32,7 +34,7 @@ class FakePolicy:
         self.ended = (self.ended or []) + [session_id]
 
 
-class ScriptedPool:
+class ScriptedPool(Lockstep):
     """success_at[(task, episode)] = the step that succeeds; crash[(task, episode)] = crashes per attempt."""
 
     def __init__(self, n, success_at, crashes):
@@ -112,6 +114,25 @@ def test_episodes_needing_a_chunk_share_one_policy_forward():
     assert max(bp.batches) == 2 and sp.batches is None
     assert bt["forwards"] < bt["chunks"] and st["forwards"] == st["chunks"]
     assert bt["policy_s"] >= 0 and bt["env_s"] >= 0
+
+
+def test_episodes_step_while_another_resets_with_the_same_results():
+    """A LIBERO reset takes seconds: the other episodes keep stepping (and querying the policy) meanwhile, and the
+    results do not depend on the order in which replies come."""
+    class OutOfOrder(Staggered, ScriptedPool):
+        pass
+
+    pools, results = [], {}
+    for name, factory in (("lockstep", ScriptedPool), ("staggered", OutOfOrder)):
+        def make(n, factory=factory):
+            pools.append(factory(n, {(0, 0): 3, (1, 1): 7, (2, 0): 5}, {(2, 1): 1}))
+            return pools[-1]
+
+        config = EvalConfig(episodes_per_task=2, max_steps=10, num_workers=3, videos=0, actions_per_chunk=2)
+        out = evaluate_policy(FakePolicy(), config, progress=False, tasks=_tasks(), pool_factory=make)
+        results[name] = [(r.task, r.episode, r.success, r.steps, r.attempts) for r in out]
+    assert results["staggered"] == results["lockstep"] and len(results["lockstep"]) == 6
+    assert overlapping(pools[1].log) > 0
 
 
 def test_tables_and_plot(tmp_path):

@@ -12,12 +12,14 @@ from dzmodel.data.errors import DataError
 from dzmodel.eval.libero_env import ExpertStep, WorkerCrashed
 from dzmodel.eval.libero_record import RECORDING_FILE, RecordConfig, goal_predicates, read_recording, record_libero
 
+from .lockstep_pool import Lockstep, Staggered, overlapping
+
 pytest.importorskip("libero")  # the task list and BDDL files come from LIBERO's package (no simulator needed)
 
 SIZE = 32
 
 
-class ExpertPool:
+class ExpertPool(Lockstep):
     """success_at[(task, init_index)] = the step at which the expert succeeds (absent: never); obs and actions
     are functions of (task, init_index, step), so a dataset does not depend on which worker ran what."""
 
@@ -83,6 +85,7 @@ def test_keeps_successes_in_order_with_metadata(tmp_path):
     assert [(e["task"], e["init_index"], e["steps"]) for e in rec["episodes"]] == [(0, 0, 4), (0, 2, 6), (3, 1, 3), (3, 2, 5)]
     assert rec["episodes"][1]["init_state"] == [2.0, 3.0, 4.0, 5.0, 6.0]
     assert {f["note"] for f in rec["failures"]} == {"no success within the suite's 280 steps"}
+    assert rec["env_steps"] == 4 + 6 + 3 + 5 + 2 * 280  # the successes' steps and the failures' (throughput)
     reader = open_dataset(out)
     reader.check()
     assert [e.length for e in reader.episodes] == [4, 6, 3, 5]
@@ -105,6 +108,26 @@ def test_same_dataset_whatever_the_worker_count(tmp_path):
         assert (tmp_path / "one" / rel).read_bytes() == (tmp_path / "three" / rel).read_bytes(), rel
     one, three = (json.loads((tmp_path / n / RECORDING_FILE).read_text()) for n in ("one", "three"))
     assert one["episodes"] == three["episodes"]
+
+
+def test_workers_step_while_another_resets_and_the_dataset_is_unchanged(tmp_path):
+    """A LIBERO reset takes seconds (it reloads the model): the other workers keep stepping meanwhile, and the
+    dataset does not depend on the order in which replies come."""
+    class OutOfOrder(Staggered, ExpertPool):
+        pass
+
+    pools = []
+
+    def factory(n):
+        pools.append(OutOfOrder(n, {(0, 0): 4, (0, 2): 6, (3, 1): 3, (3, 2): 5}))
+        return pools[-1]
+
+    cfg = RecordConfig(suite="object", tasks=[0, 3], episodes=3, image_size=SIZE, workers=3, codec="libx264")
+    record_libero(cfg, tmp_path / "staggered", progress=False, log=lambda s: None, pool_factory=factory)
+    _record(tmp_path, workers=3, name="lockstep")
+    assert overlapping(pools[0].log) > 0
+    for rel in ("data/chunk-000/file-000.parquet", "meta/episodes/chunk-000/file-000.parquet", "meta/stats.json"):
+        assert (tmp_path / "staggered" / rel).read_bytes() == (tmp_path / "lockstep" / rel).read_bytes(), rel
 
 
 def test_a_crashed_worker_fails_its_attempt(tmp_path):
