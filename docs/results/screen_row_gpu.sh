@@ -8,7 +8,8 @@
 # carried or recorded. Log: runs/screen_VARIANT.log; results: runs/compare/VARIANT{ema8,raw8}/, runs/compare/probe/.
 #
 #   PROFILE=libero_object VARIANT=v4 TRAIN_SET="--set ..." [RECORD_SET="--set ..."] bash docs/results/screen_row_gpu.sh STEP
-# STEP: the checkpoint to evaluate, or `last` (the newest once training has ended).
+# STEP: the checkpoint to evaluate, or `last` (the newest once training has ended). WEIGHTS: which to evaluate
+# (default "ema raw"); TASKS and EPISODES: compare_queue.sh's.
 set -uo pipefail
 export PYTHONPATH=/tmp/libero/site:$PWD PYTHONUNBUFFERED=1
 S=docs/results/libero_scripted_gpu.sh
@@ -37,8 +38,9 @@ if [[ $step == last ]]; then
   echo "last checkpoint: $step"
 fi
 echo "[$(date +%T)] evaluate"
-bash docs/results/compare_queue.sh "eval:${VARIANT}ema8:$run/train:$step:ema:fast:--actions-per-chunk 8" \
-  "eval:${VARIANT}raw8:$run/train:$step:raw:fast:--actions-per-chunk 8"
+jobs=()
+for weights in ${WEIGHTS:-ema raw}; do jobs+=("eval:${VARIANT}${weights}8:$run/train:$step:$weights:fast:--actions-per-chunk 8"); done
+bash docs/results/compare_queue.sh "${jobs[@]}"
 if [[ -f "runs/$PROFILE/vision/vae.safetensors" && ! -d runs/compare/probe ]]; then
   echo "[$(date +%T)] probe"
   python3 -m dzmodel.cli eval probe "data/$PROFILE/dataset" --embodiment libero_sim_small --vae random \

@@ -203,6 +203,7 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
                 return False
             return True
 
+        ready: set[int] = set()  # running episodes with no env command in flight
         while todo or running or starting:
             start()
             t0 = time.perf_counter()
@@ -210,21 +211,28 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
             clock["env_s"] += time.perf_counter() - t0
             if not replies:
                 raise RuntimeError("the env worker pool has no command in flight, yet episodes are running")
-            idle = [w for w, r in replies.items() if (started(w, r) if w in starting else stepped(w, r))]
-            need = [w for w in idle if not running[w].queue]
-            requests = [_request(running[w], stride) for w in need]
-            t0 = time.perf_counter()
-            if cfg.batch_policy:  # every episode that needs a chunk now, in one policy forward
-                chunks = policy.predict_batch(requests) if requests else []
-            else:
-                chunks = [policy.predict(*r) for r in requests]
-            clock["policy_s"] += time.perf_counter() - t0
-            clock["chunks"] += len(requests)
-            clock["forwards"] += (1 if cfg.batch_policy else len(requests)) if requests else 0
-            for w, chunk in zip(need, chunks):
-                running[w].queue = list(chunk[:per_chunk])
-            if idle:
-                pool.submit_step({w: env_action(running[w].queue.pop(0), cfg.binarize_gripper) for w in idle})
+            ready |= {w for w, r in replies.items() if (started(w, r) if w in starting else stepped(w, r))}
+            ready &= set(running)
+            need = [w for w in sorted(ready) if not running[w].queue]
+            # an episode whose step is in flight with its chunk used up needs one at its reply (one env step
+            # away): wait for it, so that both share the forward (a forward costs about the same at any batch)
+            due = [w for w in running if w not in ready and not running[w].queue]
+            if need and not due:
+                requests = [_request(running[w], stride) for w in need]
+                t0 = time.perf_counter()
+                if cfg.batch_policy:  # every episode that needs a chunk now, in one policy forward
+                    chunks = policy.predict_batch(requests)
+                else:
+                    chunks = [policy.predict(*r) for r in requests]
+                clock["policy_s"] += time.perf_counter() - t0
+                clock["chunks"] += len(requests)
+                clock["forwards"] += 1 if cfg.batch_policy else len(requests)
+                for w, chunk in zip(need, chunks):
+                    running[w].queue = list(chunk[:per_chunk])
+            go = [w for w in sorted(ready) if running[w].queue]
+            if go:
+                pool.submit_step({w: env_action(running[w].queue.pop(0), cfg.binarize_gripper) for w in go})
+                ready -= set(go)
     bar.close()
     return sorted(results, key=lambda r: (r.task, r.episode))
 

@@ -29,10 +29,13 @@ class Lockstep:
 
 class Staggered(Lockstep):
     """Replies out of order, as from real workers: a reset's reply comes `reset_waits` calls of `wait()` after it
-    was submitted, a step's at the next `wait()`; each `wait()` returns only the replies due by then.
-    `log` lists (wait number, worker, call) per reply."""
+    was submitted, a step's `step_waits(worker)` calls later (1: at the next `wait()`); each `wait()` returns only
+    the replies due by then. `log` lists (wait number, worker, call) per reply."""
 
     reset_waits = 4
+
+    def step_waits(self, worker: int) -> int:
+        return 1
 
     def wait(self) -> dict:
         """Like the real pool's: blocks (here: lets time pass) until some reply is due."""
@@ -40,8 +43,8 @@ class Staggered(Lockstep):
         self.log = getattr(self, "log", [])
         pending = getattr(self, "_due", [])
         for call, args in self._submitted():
-            delay = self.reset_waits if call == "reset" else 1
-            pending += [(self.tick - 1 + delay, w, call, one) for w, one in _per_worker(call, args)]
+            pending += [(self.tick - 1 + (self.reset_waits if call == "reset" else self.step_waits(w)), w, call, one)
+                        for w, one in _per_worker(call, args)]
         self._queued = []
         while pending and min(p[0] for p in pending) > self.tick:
             self.tick += 1

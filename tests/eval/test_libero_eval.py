@@ -120,19 +120,26 @@ def test_episodes_step_while_another_resets_with_the_same_results():
     """A LIBERO reset takes seconds: the other episodes keep stepping (and querying the policy) meanwhile, and the
     results do not depend on the order in which replies come."""
     class OutOfOrder(Staggered, ScriptedPool):
-        pass
+        def step_waits(self, worker):
+            return 1 + worker % 2  # odd workers step at half the speed
 
-    pools, results = [], {}
+    pools, results, timings = [], {}, {}
     for name, factory in (("lockstep", ScriptedPool), ("staggered", OutOfOrder)):
         def make(n, factory=factory):
             pools.append(factory(n, {(0, 0): 3, (1, 1): 7, (2, 0): 5}, {(2, 1): 1}))
             return pools[-1]
 
-        config = EvalConfig(episodes_per_task=2, max_steps=10, num_workers=3, videos=0, actions_per_chunk=2)
-        out = evaluate_policy(FakePolicy(), config, progress=False, tasks=_tasks(), pool_factory=make)
+        config = EvalConfig(episodes_per_task=4, max_steps=10, num_workers=3, videos=0, actions_per_chunk=2)
+        timings[name] = {}
+        out = evaluate_policy(FakePolicy(), config, progress=False, tasks=_tasks(), pool_factory=make,
+                              timing=timings[name])
         results[name] = [(r.task, r.episode, r.success, r.steps, r.attempts) for r in out]
-    assert results["staggered"] == results["lockstep"] and len(results["lockstep"]) == 6
+    assert results["staggered"] == results["lockstep"] and len(results["lockstep"]) == 12
     assert overlapping(pools[1].log) > 0
+    # episodes out of phase still share forwards: one that needs a chunk waits for those whose reply will need one
+    # (32 forwards for 55 chunks here; 42 if each asked as soon as it could)
+    staggered = timings["staggered"]
+    assert staggered["chunks"] == timings["lockstep"]["chunks"] == 55 and staggered["forwards"] <= 0.6 * 55
 
 
 def test_tables_and_plot(tmp_path):
