@@ -122,7 +122,7 @@ def cmd_pipeline_gc(ns: argparse.Namespace) -> int:
 
 def cmd_promote(ns: argparse.Namespace) -> int:
     from dzmodel.config import StagePaths, load_params
-    from tasks.tracking import promote, tracking_uri
+    from tasks.tracking import promote, registered_head_to_head, tracking_uri
 
     params = load_params(Path(ns.root) / ns.params, ns.set, ns.profile)
     name = ns.profile or params.profile
@@ -130,8 +130,13 @@ def cmd_promote(ns: argparse.Namespace) -> int:
     p = prof.promote
     gate = p.min_success if ns.min_success is None else ns.min_success
     ratio = p.max_action_error_ratio if ns.max_action_error_ratio is None else ns.max_action_error_ratio
-    decision = promote(tracking_uri(prof, StagePaths(Path(ns.root).resolve(), name).root), p.registered_model,
-                       ns.version, ns.alias or p.alias, gate, max_action_error_ratio=ratio)
+    uri = tracking_uri(prof, StagePaths(Path(ns.root).resolve(), name).root)
+    params_file = str(Path(ns.root) / ns.params)
+    # like the flow: no worse than the model holding the alias, on the candidate's held-out windows
+    alias = ns.alias or p.alias
+    decision = promote(uri, p.registered_model, ns.version, alias, gate, max_action_error_ratio=ratio,
+                       max_regression=p.max_regression,
+                       comparison=lambda version: registered_head_to_head(uri, prof, version, params_file, alias))
     print(f"{decision['registered_model']} v{decision['version']} -> alias {decision['alias']}: {decision['reason']}")
     return 0 if decision["promoted"] else 1
 

@@ -8,6 +8,7 @@ MLFLOW_TRACKING_URI when set (a team server), else the profile's `tracking.mlflo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -214,44 +215,9 @@ class Tracker:
         return _client(self.uri)
 
     def head_to_head(self, prof: Profile, version: str, package: dict, params_file: str) -> dict | None:
-        """The candidate bundle against the version holding the alias, on the candidate's held-out episodes
-        (`compare_action_error`, with the eval section's solver, stride, windows, device and seed); {"compared": False,
-        "reason"} where there is nothing to compare with or the two cannot be compared."""
-        from mlflow.exceptions import MlflowException
-
-        from dzmodel.data.errors import DataError
-        from dzmodel.eval.action_error import ActionErrorError, compare_action_error
-        from dzmodel.eval.policy import PolicyLoadError
-        from dzmodel.serve.package import PackageError, load_package
-        from dzmodel.stages.eval import eval_solver
-
-        p, e = prof.promote, prof.eval
-        if p.max_regression is None:
-            return None
-        try:
-            current = self.client.get_model_version_by_alias(p.registered_model, p.alias)
-        except MlflowException:
-            return {"compared": False, "reason": f"no version holds @{p.alias} yet"}
-        if str(current.version) == str(version):
-            return {"compared": False, "reason": f"v{version} holds @{p.alias} already"}
-        weights = package.get("weights_sha256") or ""
-        if weights and current.tags.get("weights.sha256") == weights:
-            return {"compared": False, "reason": f"v{current.version} has the same weights"}
-        try:
-            with _environment({"MLFLOW_TRACKING_URI": self.uri}):
-                uri = f"models:/{p.registered_model}/{current.version}"
-                bundle, manifest = pinned_registered_bundle(uri, params_file)
-            other = load_package(bundle, manifest_sha256=manifest).model_dir
-            candidate = load_package(package["bundle"]).model_dir
-            result = compare_action_error(candidate, other, stride=e.action_error_stride,
-                                          max_windows=e.action_error_windows, device=e.device,
-                                          solver=eval_solver(e), seed=e.seed)
-        except (RegistryError, PackageError, PolicyLoadError, ActionErrorError, DataError, OSError,
-                MlflowException) as exc:
-            return {"compared": False, "current_version": str(current.version),
-                    "reason": f"v{current.version} could not be compared: {str(exc).splitlines()[0]}"}
-        return {"compared": True, "current_version": str(current.version), "candidate": result["candidate"],
-                "current": result["other"], "windows": result["windows"], "episodes": result["episodes"]}
+        """The packaged candidate against the version holding the alias (`head_to_head`)."""
+        return head_to_head(self.uri, prof, version, Path(package["bundle"]), package.get("weights_sha256") or "",
+                            params_file)
 
     def stage_run(self, stage: str, cached: bool) -> str:
         run = self.client.create_run(self.experiment_id, run_name=stage, tags={
@@ -513,12 +479,72 @@ class Tracker:
         return str(mv.version), True
 
 
+def head_to_head(uri: str, prof: Profile, version: str, candidate: Path, weights_sha256: str,
+                 params_file: str, alias: str | None = None) -> dict | None:
+    """The candidate bundle against the version holding the alias, on the candidate's held-out episodes
+    (`compare_action_error`, with the eval section's solver, stride, windows, device and seed); {"compared": False,
+    "reason"} where there is nothing to compare with or the two cannot be compared; None when
+    promote.max_regression is null."""
+    from mlflow.exceptions import MlflowException
+
+    from dzmodel.data.errors import DataError
+    from dzmodel.eval.action_error import ActionErrorError, compare_action_error
+    from dzmodel.eval.policy import PolicyLoadError
+    from dzmodel.serve.package import PackageError, load_package
+    from dzmodel.stages.eval import eval_solver
+
+    p, e = prof.promote, prof.eval
+    if p.max_regression is None:
+        return None
+    alias = alias or p.alias
+    client = _client(uri)
+    try:
+        current = client.get_model_version_by_alias(p.registered_model, alias)
+    except MlflowException:
+        return {"compared": False, "reason": f"no version holds @{alias} yet"}
+    if str(current.version) == str(version):
+        return {"compared": False, "reason": f"v{version} holds @{alias} already"}
+    if weights_sha256 and current.tags.get("weights.sha256") == weights_sha256:
+        return {"compared": False, "reason": f"v{current.version} has the same weights"}
+    try:
+        with _environment({"MLFLOW_TRACKING_URI": uri}):
+            bundle, manifest = pinned_registered_bundle(f"models:/{p.registered_model}/{current.version}", params_file)
+        other = load_package(bundle, manifest_sha256=manifest).model_dir
+        result = compare_action_error(load_package(candidate).model_dir, other, stride=e.action_error_stride,
+                                      max_windows=e.action_error_windows, device=e.device,
+                                      solver=eval_solver(e), seed=e.seed)
+    except (RegistryError, PackageError, PolicyLoadError, ActionErrorError, DataError, OSError,
+            MlflowException) as exc:
+        return {"compared": False, "current_version": str(current.version),
+                "reason": f"v{current.version} could not be compared: {str(exc).splitlines()[0]}"}
+    return {"compared": True, "current_version": str(current.version), "candidate": result["candidate"],
+            "current": result["other"], "windows": result["windows"], "episodes": result["episodes"]}
+
+
+def registered_head_to_head(uri: str, prof: Profile, version: str, params_file: str,
+                            alias: str | None = None) -> dict | None:
+    """`head_to_head` for a version already in the registry (`dz promote`): its bundle comes from there."""
+    from mlflow.exceptions import MlflowException
+
+    if prof.promote.max_regression is None:
+        return None
+    name = prof.promote.registered_model
+    try:
+        with _environment({"MLFLOW_TRACKING_URI": uri}):
+            bundle, _ = pinned_registered_bundle(f"models:/{name}/{version}", params_file)
+        weights = _client(uri).get_model_version(name, version).tags.get("weights.sha256", "")
+    except (RegistryError, OSError, MlflowException) as exc:
+        return {"compared": False, "reason": f"v{version}'s bundle could not be fetched: {str(exc).splitlines()[0]}"}
+    return head_to_head(uri, prof, version, bundle, weights, params_file, alias)
+
+
 def promote(uri: str, registered_model: str, version: str | None, alias: str, min_success: float | None,
             run_id: str | None = None, max_action_error_ratio: float | None = None,
             comparison=None, max_regression: float | None = None) -> dict:
     """Set `alias` on a model version only if it passes the gate (its LIBERO success, its held-out action error
     ratio: `promotion_decision`) and is no worse than the model holding the alias on the same held-out windows
-    (`comparison`: a dict, or a function giving one, called only once the other gates pass: `head_to_head_decision`);
+    (`comparison`: a dict, or a function of the version giving one, called only once the other gates pass:
+    `head_to_head_decision`);
     record the decision and why on the version (tags) and, when given, on the pipeline run."""
     from dzmodel.pipeline import head_to_head_decision, promotion_decision
 
@@ -536,7 +562,7 @@ def promote(uri: str, registered_model: str, version: str | None, alias: str, mi
     ok, reason = promotion_decision(rate, min_success, ratio, max_action_error_ratio)
     if ok:
         if callable(comparison):
-            comparison = comparison()
+            comparison = comparison(version)
         ok, versus = head_to_head_decision(comparison, max_regression)
         reason = ("passed" if ok else "refused") + reason[len("passed"):] + "; " + versus
     decision = {"registered_model": registered_model, "version": version, "alias": alias, "promoted": ok,
@@ -572,7 +598,7 @@ def register_and_promote(tracker: Tracker, prof: Profile, package_result: dict, 
     p = prof.promote
     decision = promote(tracker.uri, p.registered_model, version, p.alias, p.min_success, run_id=tracker.run_id,
                        max_action_error_ratio=p.max_action_error_ratio, max_regression=p.max_regression,
-                       comparison=lambda: tracker.head_to_head(prof, version, package_result, params_file))
+                       comparison=lambda v: tracker.head_to_head(prof, v, package_result, params_file))
     decision["registered"] = "new version" if created else "unchanged: the same bundle as this existing version"
     log(f"registry: {p.registered_model} v{version} ({decision['registered']}): {decision['reason']}")
     return decision
@@ -685,7 +711,9 @@ def pinned_registered_bundle(uri: str, params_file: str | Path = "params.yaml",
     if not re.fullmatch(r"runs:/[0-9a-f]{32}/\S+", source) or ".." in source.split("/"):
         raise RegistryError(f"{uri}: version {mv.version}'s source {mask_uri(source)} is not a runs:/<run id>/<path> "
                             "of this tracking store (what registration writes); refused")
-    dest = (cache_dir or default_cache_dir()) / "registry" / name / str(mv.version)
+    # per tracking store: another project's registry may hold a different version under the same name and number
+    store = hashlib.sha256(registry.encode()).hexdigest()[:12]
+    dest = (cache_dir or default_cache_dir()) / "registry" / store / name / str(mv.version)
     if not dest.is_dir():
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{mv.version}.", suffix=".tmp", dir=dest.parent))

@@ -63,7 +63,7 @@ def test_dz_serve_finds_the_bundle_inside_the_registered_model(registered, tmp_p
     path, digest = pinned_registered_bundle("models:/dreamzero-demo@production", ROOT / "params.yaml",
                                             cache_dir=tmp_path / "cache")
     assert path.name == bundle.name and digest == file_sha256(bundle / MANIFEST)
-    assert path.is_relative_to(tmp_path / "cache" / "registry" / "dreamzero-demo" / version)
+    assert path.is_relative_to(next((tmp_path / "cache" / "registry").iterdir()) / "dreamzero-demo" / version)  # per store
 
 
 @pytest.mark.slow
