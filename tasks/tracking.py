@@ -26,7 +26,7 @@ from dzmodel.serve.bundles import MANIFEST, file_sha256
 TRAIN_SERIES = ("loss", "action_loss", "dynamics_loss", "lr", "grad_norm", "samples_per_s_per_gpu", "mfu",
                 "peak_mem_gib")
 MAX_ARTIFACT_MB = float(os.environ.get("DZ_MLFLOW_MAX_ARTIFACT_MB", "2048"))  # bigger files are logged by reference
-POLICY_MODEL_PATH = "policy"  # the parent run's artifact path of the registered pyfunc model
+POLICY_MODEL_TYPE = "dreamzero-policy"  # the logged pyfunc model's type (its name is the bundle's)
 MANIFEST_SHA256_TAG = "bundle.manifest_sha256"  # on each model version: the sha256 of its bundle's MANIFEST
 BUNDLE_ROOTS_ENV = "DZ_BUNDLE_ROOTS"  # more folders (os.pathsep-separated) that registry references may point into
 
@@ -402,29 +402,43 @@ class Tracker:
 
     # -- registry -------------------------------------------------------------------------------------
 
-    def log_policy_model(self, bundle: Path, artifact_path: str | None = None) -> str:
-        """The bundle as an MLflow pyfunc model (tasks/mlflow_policy.py, models-from-code) under the parent run's
-        `artifact_path` (default policy/<bundle name>); returns its runs:/ URI. `mlflow.pyfunc.load_model` on it (or on the registered version)
+    def log_policy_model(self, bundle: Path) -> tuple[str, str]:
+        """The bundle as an MLflow pyfunc model (tasks/mlflow_policy.py, models-from-code), logged as an MLflow 3
+        model of the parent run (the run's output: the runs table's Models column lists it); returns its
+        (artifact location, model id). `mlflow.pyfunc.load_model` on it (or on the registered version)
         gives a policy whose predict(obs) returns an action chunk; `dz serve` finds the bundle inside it."""
         import tempfile
         import warnings
         from importlib.metadata import PackageNotFoundError, requires
 
         import mlflow.pyfunc
+        from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+        from mlflow.models import Model
 
         try:  # the project's own runtime needs (the loading environment must have the project installed)
             needs = [r.split(";")[0].strip() for r in requires("dzmodel") or [] if "extra ==" not in r]
         except PackageNotFoundError:
             needs = ["torch", "numpy", "safetensors"]
-        artifact_path = artifact_path or f"{POLICY_MODEL_PATH}/{bundle.name}"
+        name = re.sub(r"[/:.%\"']", "-", bundle.name)  # characters a logged model's name may not hold
+        logged = self.client.create_logged_model(self.experiment_id, name=name, source_run_id=self.run_id,
+                                                 model_type=POLICY_MODEL_TYPE, tags={"bundle": bundle.name})
         quiet = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}  # no bar per copied file in the flow's log
-        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _environment(quiet):
-            warnings.simplefilter("ignore")  # MLflow asks for type hints on predict; its input is a plain dict
-            model = Path(tmp) / "policy"
-            mlflow.pyfunc.save_model(path=str(model), python_model=str(Path(__file__).with_name("mlflow_policy.py")),
-                                     artifacts={"bundle": str(bundle)}, pip_requirements=needs)
-            self.client.log_artifacts(self.run_id, str(model), artifact_path)
-        return f"runs:/{self.run_id}/{artifact_path}"
+        try:
+            with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _environment(quiet):
+                warnings.simplefilter("ignore")  # MLflow asks for type hints on predict; its input is a plain dict
+                model = Path(tmp) / "policy"
+                mlflow.pyfunc.save_model(path=str(model), python_model=str(Path(__file__).with_name("mlflow_policy.py")),
+                                         artifacts={"bundle": str(bundle)}, pip_requirements=needs,
+                                         mlflow_model=Model(model_id=logged.model_id, run_id=self.run_id))
+                self.client.log_model_artifacts(logged.model_id, str(model))
+        except BaseException:
+            self.client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
+            raise
+        self.client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
+        self.client.log_outputs(self.run_id, [LoggedModelOutput(logged.model_id, step=0)])
+        # the registry's source is the logged model's own location: a models:/<id> source would be resolved
+        # through MLflow's process-wide tracking URI, not this store's
+        return self.client.get_logged_model(logged.model_id).artifact_location, logged.model_id
 
     def register(self, prof: Profile, package: dict, provenance: dict | None = None) -> tuple[str, bool]:
         """(version, created): the packaged bundle as a version of the profile's registered model (logged as an
@@ -454,10 +468,11 @@ class Tracker:
             client.set_tag(self.run_id, "registered_model_version", f"{name}/{same[0]} (unchanged)")
             return str(same[0]), False
         if _bytes(_files(bundle)) <= MAX_ARTIFACT_MB * 2**20:  # an MLflow pyfunc model holding the bundle
-            source, pyfunc = self.log_policy_model(bundle), "yes"
+            (source, model_id), pyfunc = self.log_policy_model(bundle), "yes"
         else:  # too large to copy into the artifact store: a reference to the bundle, and no pyfunc
             self.reference(self.run_id, bundle, f"bundle/{bundle.name}")
             source, pyfunc = f"runs:/{self.run_id}/bundle/{bundle.name}", "no: the bundle is logged by reference"
+            model_id = None
         action = package.get("action_error") or {}
         provenance = provenance or {}
         # the MANIFEST's digest pins every file of the bundle: `dz serve models:/...` checks it on each load
@@ -468,12 +483,14 @@ class Tracker:
                 "action_error": "" if action.get("trained") is None else str(action["trained"]),
                 "action_error_ratio": "" if action.get("ratio") is None else str(action["ratio"])}
         tags["pyfunc"] = pyfunc
+        if model_id:
+            tags["logged_model_id"] = model_id  # the MLflow model the version was made from (the registry keeps no link)
         if provenance.get("run_name"):
             tags["run_name"] = provenance["run_name"]
         if provenance.get("params_digest"):
             tags["params_digest"] = provenance["params_digest"]
         tags.update({f"key.{stage}": key for stage, key in (provenance.get("keys") or {}).items()})
-        mv = client.create_model_version(name, source, run_id=self.run_id, tags=tags,
+        mv = client.create_model_version(name, source, run_id=self.run_id, tags=tags, model_id=model_id,
                                          description=f"step {package['step']}, package {package['version']}")
         client.set_tag(self.run_id, "registered_model_version", f"{name}/{mv.version}")
         return str(mv.version), True
@@ -682,8 +699,9 @@ def pinned_registered_bundle(uri: str, params_file: str | Path = "params.yaml",
 
     On every call, the bundle's MANIFEST must have the sha256 recorded at registration (so a cached download
     or a referenced bundle changed since is refused; `load_package` then checks each file against MANIFEST).
-    The version's source must be a runs:/ path of the tracking store, and a reference (`*.ref.json`, for large
-    bundles) must point inside the package folder of a profile that registers the name, or DZ_BUNDLE_ROOTS."""
+    The version's source must be a logged model's location or a runs:/ path of the tracking store, and a
+    reference (`*.ref.json`, for large bundles) must point inside the package folder of a profile that registers the
+    name, or DZ_BUNDLE_ROOTS."""
     import shutil
     import tempfile
 
@@ -708,9 +726,15 @@ def pinned_registered_bundle(uri: str, params_file: str | Path = "params.yaml",
         raise RegistryError(f"{uri}: version {mv.version} has no {MANIFEST_SHA256_TAG} tag, so nothing pins what it "
                             "serves (registered before versions recorded it): re-run the pipeline to register it again")
     source = mv.source or ""
-    if not re.fullmatch(r"runs:/[0-9a-f]{32}/\S+", source) or ".." in source.split("/"):
-        raise RegistryError(f"{uri}: version {mv.version}'s source {mask_uri(source)} is not a runs:/<run id>/<path> "
-                            "of this tracking store (what registration writes); refused")
+    logged = re.search(r"/models/(m-[0-9a-f]{32})/artifacts$", source)
+    if logged:  # the artifact location of a model logged in this store, exactly
+        try:
+            logged = client.get_logged_model(logged.group(1)).artifact_location == source
+        except MlflowException:
+            logged = False
+    if not (logged or re.fullmatch(r"runs:/[0-9a-f]{32}/\S+", source)) or ".." in source.split("/"):
+        raise RegistryError(f"{uri}: version {mv.version}'s source {mask_uri(source)} is neither a model logged in "
+                            "this tracking store nor a runs:/<run id>/<path> of it (what registration writes); refused")
     # per tracking store: another project's registry may hold a different version under the same name and number
     store = hashlib.sha256(registry.encode()).hexdigest()[:12]
     dest = (cache_dir or default_cache_dir()) / "registry" / store / name / str(mv.version)

@@ -166,14 +166,20 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     v3 = client.get_model_version("dreamzero-demo", "3")
     assert v3.tags["promotion"] == "refused" and v3.tags["success_rate"] == "0.5"
     assert v3.tags["run_name"] == refused["run_name"] and set(v3.tags) >= {f"key.{s}" for s in pipeline.STAGES}
-    model = "policy/dreamzero-demo-3"
-    assert v3.source == f"runs:/{last.info.run_id}/{model}" and v3.tags["pyfunc"] == "yes"  # an MLflow model
-    logged = {a.path for a in client.list_artifacts(last.info.run_id, model)}
-    assert {f"{model}/MLmodel", f"{model}/mlflow_policy.py", f"{model}/artifacts"} <= logged  # models-from-code
-    assert [a.path for a in client.list_artifacts(last.info.run_id, f"{model}/artifacts/dreamzero-demo-3")] == [
-        f"{model}/artifacts/dreamzero-demo-3/MANIFEST", f"{model}/artifacts/dreamzero-demo-3/robot.json"]
+    # an MLflow 3 model logged by the run (its output: the runs table's Models column), registered from it
+    model_id = v3.tags["logged_model_id"]
+    logged = client.get_logged_model(model_id)
+    assert v3.tags["pyfunc"] == "yes" and v3.source == logged.artifact_location
+    assert (logged.source_run_id, logged.experiment_id, logged.name) == (last.info.run_id, last.info.experiment_id,
+                                                                          "dreamzero-demo-3")
+    assert str(logged.status) in ("READY", "LoggedModelStatus.READY")
+    assert [o.model_id for o in client.get_run(last.info.run_id).outputs.model_outputs] == [model_id]
+    files = {a.path for a in client.list_logged_model_artifacts(model_id)}
+    assert {"MLmodel", "mlflow_policy.py", "artifacts"} <= files  # models-from-code
+    assert [a.path for a in client.list_logged_model_artifacts(model_id, "artifacts/dreamzero-demo-3")] == [
+        "artifacts/dreamzero-demo-3/MANIFEST", "artifacts/dreamzero-demo-3/robot.json"]
     artifacts = {a.path for a in client.list_artifacts(last.info.run_id)}
-    assert {"policy", "plots", "promotion.json"} <= artifacts
+    assert {"plots", "promotion.json"} <= artifacts
 
     from prefect.client.orchestration import get_client
 

@@ -121,9 +121,14 @@ def test_a_version_source_outside_the_tracking_store_is_refused(env, tmp_path):
 
     outside = make_bundle(tmp_path / "elsewhere" / "b-1.0")
     version = forged_version(env, outside.as_uri(), sha256(outside / "MANIFEST"))
-    with pytest.raises(RegistryError, match=rf"version {version}'s source {outside.as_uri()} is not a runs:/"):
+    with pytest.raises(RegistryError, match=rf"version {version}'s source {outside.as_uri()} is neither a model logged"):
         resolve_registered_bundle(f"models:/{NAME}/{version}")
     assert not list((tmp_path / "cache").glob(f"registry/*/{NAME}/{version}"))
+    # a path shaped like a logged model's, but not the location of any model of the store
+    lookalike = make_bundle(tmp_path / "elsewhere" / "models" / f"m-{'0' * 32}" / "artifacts")
+    version = forged_version(env, lookalike.as_uri(), sha256(lookalike / "MANIFEST"))
+    with pytest.raises(RegistryError, match="is neither a model logged in this tracking store"):
+        resolve_registered_bundle(f"models:/{NAME}/{version}")
 
 
 def test_a_version_without_a_recorded_digest_is_refused(env):
