@@ -726,12 +726,12 @@ def pinned_registered_bundle(uri: str, params_file: str | Path = "params.yaml",
         raise RegistryError(f"{uri}: version {mv.version} has no {MANIFEST_SHA256_TAG} tag, so nothing pins what it "
                             "serves (registered before versions recorded it): re-run the pipeline to register it again")
     source = mv.source or ""
-    logged = re.search(r"/models/(m-[0-9a-f]{32})/artifacts$", source)
-    if logged:  # the artifact location of a model logged in this store, exactly
+    logged, model = False, re.search(r"/models/(m-[0-9a-f]{32})/artifacts$", source)
+    if model:  # the artifact location of a model logged in this store, exactly
         try:
-            logged = client.get_logged_model(logged.group(1)).artifact_location == source
+            logged = client.get_logged_model(model.group(1)).artifact_location == source
         except MlflowException:
-            logged = False
+            pass
     if not (logged or re.fullmatch(r"runs:/[0-9a-f]{32}/\S+", source)) or ".." in source.split("/"):
         raise RegistryError(f"{uri}: version {mv.version}'s source {mask_uri(source)} is neither a model logged in "
                             "this tracking store nor a runs:/<run id>/<path> of it (what registration writes); refused")

@@ -215,7 +215,7 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
             ready &= set(running)
             need = [w for w in sorted(ready) if not running[w].queue]
             # an episode whose step is in flight with its chunk used up needs one at its reply (one env step
-            # away): wait for it, so that both share the forward (a forward costs about the same at any batch)
+            # away): wait for it, so that both share the forward (fewer, larger forwards take less policy time)
             due = [w for w in running if w not in ready and not running[w].queue]
             if need and not due:
                 requests = [_request(running[w], stride) for w in need]

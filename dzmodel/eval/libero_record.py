@@ -189,7 +189,6 @@ class _Attempt:
     chunk_left: int = 0
     actors: list = field(default_factory=list)     # DAgger: "E" (expert) or "P" (policy) per chunk
     policy_steps: int = 0
-    steps: int = 0                                 # rows written (set when it is queued for writing)
 
     def drop_frames(self) -> None:
         self.images, self.wrists, self.states, self.actions, self.executed, self.objects = [], [], [], [], [], []
@@ -339,6 +338,7 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
         written: list = []
 
         def write(a: _Attempt) -> None:
+            steps = len(a.actions)
             columns = {STATE_KEY: np.stack(a.states), ACTION_KEY: np.stack(a.actions),
                        OBJECTS_KEY: np.stack(a.objects)}
             if extra:
@@ -350,7 +350,7 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
             object_xy_index.setdefault(a.task.index, info.pop("object_xy_index", None))
             row = {"episode_index": ep, "task": a.task.index, "task_name": a.task.name,
                    "attempt": a.number, "init_index": a.init_index, "perturbed": a.perturb_seed is not None,
-                   "env_seed": a.env_seed, "expert_seed": a.expert_seed, "steps": a.steps,
+                   "env_seed": a.env_seed, "expert_seed": a.expert_seed, "steps": steps,
                    "success": a.success,
                    "init": {"mode": cfg.init, "base_index": None if cfg.init == "sampled" else a.init_index,
                             "perturb_seed": a.perturb_seed, **info},
@@ -370,7 +370,6 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
                 a = finished.pop(next_to_write)
                 next_to_write += 1
                 if a.actions and (a.success or keep_all):
-                    a.steps = len(a.actions)
                     written.append(writes.submit(write, a))
             while written and written[0].done():
                 written.pop(0).result()  # a failed write stops the recording here
