@@ -165,6 +165,9 @@ class EvalParams:
     # init states per task, after the `episodes` reported ones, that pick the checkpoint; the pick is then reported
     # on init states 0..episodes-1. 0: nothing is picked, the final number pools the last 3 checkpoints.
     select_episodes: int = field(default=0, metadata={"min": 0})
+    # all: every converted step (or `steps`); last: only the newest, fixed before any evaluation, and the final number
+    # is its own (nothing picked; a third of pooling's episodes)
+    checkpoints: Literal["all", "last"] = "all"
     videos: int = field(default=2, metadata={"min": 0})
     steps: list[int] | None = field(default=None, metadata={"min": 1})  # checkpoint steps; null = every saved one
     solver_steps: int = field(default=16, metadata={"min": 1, "max": 1000})
@@ -189,6 +192,9 @@ class EvalParams:
         if init_states > LIBERO_INIT_STATES:
             raise ValueError(f"eval: episodes + select_episodes = {init_states} init states per task; LIBERO has "
                              f"{LIBERO_INIT_STATES} (init states 0..{LIBERO_INIT_STATES - 1})")
+        if self.checkpoints == "last" and (self.select_episodes or self.steps):
+            raise ValueError("eval.checkpoints: last evaluates the newest checkpoint only; it picks nothing, so "
+                             "eval.select_episodes must be 0 and eval.steps null")
         try:
             SolverConfig(num_steps=self.solver_steps, cfg_scale=self.cfg_scale, dit_steps=self.dit_steps)
         except ValueError as exc:

@@ -43,8 +43,10 @@ def test_shipped_params_are_valid_with_seven_profiles():
     assert rec.tasks == list(range(10)) and rec.episodes == 50 and rec.init == "perturbed"
     assert 0 < rec.min_shift_m <= rec.max_shift_m and rec.dart_noise > 0  # DART: the recovery data closed loop needs
     assert obj.eval.tasks == list(range(10)) and obj.eval.episodes == 50
-    # the anchors' recipe: 50 epochs counted in samples, EMA, prompt dropout; the gate's number is never a pick
-    assert obj.train["epochs"] == 50 and obj.train["ema_decay"] > 0 and obj.train["prompt_dropout"] == 0.1
+    # the measured recipe: 30 epochs counted in samples, EMA weights converted, prompt dropout; the gate's number is
+    # the last checkpoint's, fixed in advance, never a pick
+    assert obj.train["epochs"] == 30 and obj.train["ema_decay"] > 0 and obj.train["prompt_dropout"] == 0.1
+    assert obj.convert.weights == "ema" and obj.eval.checkpoints == "last" and obj.package.checkpoint == "last"
     assert obj.eval.context == "episode" and obj.eval.select_episodes == 0 and obj.promote.min_success == 0.8
     demo = params.selected()
     assert demo.train["preset"] == "tiny" and demo.launch == {"nproc_per_node": 2, "nnodes": 1}

@@ -250,16 +250,17 @@ def test_package_takes_the_best_evaluated_step_else_the_last(tmp_path):
     assert chosen_step(prof, paths) == (30, 0.5)
 
 
-@pytest.mark.parametrize("select", [0, 2])
-def test_the_gates_number_is_never_the_one_that_picked_the_checkpoint(tmp_path, monkeypatch, select):
+@pytest.mark.parametrize("select,checkpoints", [(0, "all"), (2, "all"), (0, "last")])
+def test_the_gates_number_is_never_the_one_that_picked_the_checkpoint(tmp_path, monkeypatch, select, checkpoints):
     """With selection init states the checkpoint is picked there and reported on init states it never saw;
-    without, nothing is picked and the final number pools the last 3 checkpoints."""
+    without, nothing is picked and the final number pools the last 3 checkpoints; with `checkpoints: last` only the
+    newest checkpoint is evaluated, and the final number is its own."""
     import dzmodel.eval.libero_eval as libero_eval
     from dzmodel.eval.libero_eval import _row
     from dzmodel.stages.eval import stage_eval
 
     prof, paths = _demo(tmp_path, "eval.episodes=4", f"eval.select_episodes={select}", "eval.action_error=false",
-                        "eval.previews=0")
+                        "eval.previews=0", f"eval.checkpoints={checkpoints}")
     for step in (10, 20, 30, 40):
         (paths.stage("converted") / f"step_{step:07d}").mkdir(parents=True)
         (paths.stage("converted") / f"step_{step:07d}" / "config.json").write_text("{}")
@@ -279,6 +280,10 @@ def test_the_gates_number_is_never_the_one_that_picked_the_checkpoint(tmp_path, 
         assert calls == [("select", 4, 2, None), ("report", 0, 4, [20])]
         assert summary["picked_step"] == 20 and summary["final_success_rate"] == 0.25
         assert "picked on init states 4..5, reported on 0..3" in summary["final_rule"]
+    elif checkpoints == "last":
+        assert calls == [("report", 0, 4, [40])]
+        assert summary["picked_step"] is None and summary["final_success_rate"] == 0.5
+        assert summary["final_rule"] == "the last checkpoint (step 40), fixed in advance (none picked)"
     else:
         assert calls == [("report", 0, 4, None)]
         assert summary["picked_step"] is None and summary["best_step"] == 30

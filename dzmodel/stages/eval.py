@@ -117,6 +117,11 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
         log(f"eval: step {picked['step']} picked on init states {e.episodes}..{e.episodes + e.select_episodes - 1} "
             f"({picked['rate']:.0%})")
         rows = evaluate(cfg, out, [picked["step"]] if picked["step"] is not None else None)
+    elif e.checkpoints == "last":
+        converted = converted_models(paths)
+        if not converted:
+            raise FileNotFoundError(f"{paths.stage('converted')}: no converted checkpoint to evaluate")
+        rows = evaluate(cfg, out, [int(converted[-1].name.removeprefix("step_"))])
     else:
         rows = evaluate(cfg, out, e.steps)
     overall = [r for r in rows if r["task"] == "all"]
@@ -125,6 +130,9 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
         final = overall[-1]
         rule = (f"step {picked['step']}, picked on init states {e.episodes}..{e.episodes + e.select_episodes - 1}, "
                 f"reported on 0..{e.episodes - 1}")
+    elif e.checkpoints == "last":
+        final = overall[-1] if overall else None
+        rule = f"the last checkpoint (step {final['step'] if final else None}), fixed in advance (none picked)"
     else:
         last = [r["step"] for r in overall][-3:]
         final = pooled(overall, last) if overall else None
