@@ -74,7 +74,7 @@ class RecordParams:
     # steps per attempt; null: the suite's standard limit (noise slows the expert: at σ 0.6 its successes take ~2x)
     max_steps: int | None = field(default=None, metadata={"min": 1, "max": 5000})
     image_size: int = field(default=256, metadata={"min": 32, "max": 1024})
-    workers: int = field(default=2, metadata={"min": 1, "max": 256})
+    workers: int = field(default=2, metadata={"min": 0, "max": 256})  # env processes; 0: one per CPU core
     codec: Literal["libsvtav1", "libx264"] = "libsvtav1"  # libx264 also decodes with OpenCV (the GPU image)
     gop: int = field(default=2, metadata={"min": 1})  # keyframe interval; longer = smaller files, slower seeks
 
@@ -157,7 +157,7 @@ class EvalParams:
     tasks: list[int] | None = field(default=None, metadata={"min": 0})  # task indices; null = every task of the suite
     episodes: int = field(default=1, metadata={"min": 1})  # per task
     max_steps: int | None = field(default=None, metadata={"min": 1})  # null = the suite's standard limit
-    workers: int = field(default=2, metadata={"min": 1, "max": 256})
+    workers: int = field(default=2, metadata={"min": 0, "max": 256})  # env processes; 0: one per CPU core
     camera_size: int = field(default=128, metadata={"min": 16, "max": 1024})
     actions_per_chunk: int | None = field(default=None, metadata={"min": 1})
     # episode: one KV-cache session per episode fed the frames since the last query; frame: restart every query

@@ -92,6 +92,14 @@ ACTION_DIM = 7
 CAMERAS = ("agentview", "robot0_eye_in_hand")
 
 
+def auto_env_workers(requested: int) -> int:
+    """Env worker processes for `requested` (0: one per CPU core this process may use; the main process mostly
+    waits on them, or on the GPU)."""
+    if requested:
+        return requested
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def zero_action() -> np.ndarray:
     """The no-op action (no motion, gripper open), as used for the settle steps."""
     return np.array(SETTLE_ACTION, dtype=np.float64)

@@ -48,6 +48,10 @@ class EvalConfig:
     batch_policy: bool = True               # one batched policy forward for all episodes that need a chunk
 
     def __post_init__(self) -> None:
+        from .libero_env import auto_env_workers
+
+        if self.num_workers == 0:
+            self.num_workers = auto_env_workers(0)
         for name in ("episodes_per_task", "num_workers", "camera_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"eval.{name} must be >= 1, got {getattr(self, name)}")
@@ -396,6 +400,8 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
         started, timing = time.perf_counter(), {}
         results = evaluate_policy(policy, cfg, out, progress=progress, tag=f"step{step}", timing=timing)
         wall = time.perf_counter() - started
+        graphs = policy.policy.graphs  # a capture costs a few forwards: many per step means the shapes thrash
+        timing.update(graph_captures=graphs.captures, graph_replays=graphs.replays)
         timings.append({"step": step, "wall_s": round(wall, 1), "episodes_per_min": round(len(results) * 60 / wall, 2),
                         "batch_policy": cfg.batch_policy,
                         **{k: round(v, 2) if isinstance(v, float) else v for k, v in timing.items()}})

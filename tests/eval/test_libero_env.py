@@ -279,3 +279,16 @@ def test_pool_survives_a_hung_worker(pool, spatial):
 def test_taskspec_is_plain_data(spatial):
     t = spatial[3]
     assert isinstance(t, TaskSpec) and TaskSpec(**t.__dict__) == t
+
+
+def test_zero_env_workers_means_one_per_core(monkeypatch):
+    import os
+
+    from dzmodel.eval.libero_eval import EvalConfig
+    from dzmodel.eval.libero_env import auto_env_workers
+    from dzmodel.eval.libero_record import RecordConfig
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert auto_env_workers(0) == 16 and auto_env_workers(4) == 4
+    assert EvalConfig(num_workers=0).num_workers == 16 and EvalConfig(num_workers=3).num_workers == 3
+    assert RecordConfig(workers=0).workers == 16

@@ -44,6 +44,9 @@ def test_smoke_eval_across_checkpoint_steps(run, capsys):
     assert len(list((out / "videos").glob("*.mp4"))) == 2  # one per step
     assert json.loads((out / "summary.json").read_text())["best"]["task"] == "all"
     assert (out / "converted" / "step_0000001" / "model.safetensors").is_file()
+    timing = json.loads((out / "timing.json").read_text())
+    assert [t["step"] for t in timing] == [1, 2] and all(t["chunks"] >= t["forwards"] >= 1 for t in timing)
+    assert all(t["graph_captures"] == 0 for t in timing)  # CUDA graphs only on CUDA
 
 
 def test_eval_errors_are_one_clear_line(run, tmp_path, capsys):
