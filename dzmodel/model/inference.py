@@ -607,14 +607,24 @@ class DreamZeroPolicy:
         return history[:, :, history.shape[2] - 1 - fpb * blocks:]
 
     def _reset(self, items: list[tuple[str, str, torch.Tensor, int]]) -> None:
-        """(Re)start sessions (id, prompt, history, frames seen) as one batch: each from the context that
-        ends at its newest frame (`_context`): its first frame is prefilled as frame 0, then its whole blocks."""
+        """(Re)start sessions (id, prompt, history, frames seen): each from the context that ends at its newest frame
+        (`_context`): its first frame is prefilled as frame 0, then its whole blocks. Sessions whose contexts are
+        equally long are one batch: one VAE call and one prefill per block for all of them."""
         contexts = [self._context(history) for _, _, history, _ in items]
+        by_length: dict[int, list[int]] = {}
+        for i, c in enumerate(contexts):
+            by_length.setdefault(c.shape[2], []).append(i)
+        for idx in by_length.values():
+            self._reset_batch([items[i] for i in idx], [contexts[i] for i in idx])
+
+    def _reset_batch(self, items: list[tuple[str, str, torch.Tensor, int]], contexts: list[torch.Tensor]) -> None:
         first = torch.cat([c[:, :, :1] for c in contexts])  # [B, 3, 1, H, W]
+        rest = torch.cat([c[:, :, 1:] for c in contexts])   # the whole blocks after frame 0, equally many
         prompts = [p for _, p, _, _ in items]
         pad = self._padding(len(items))
         if pad:  # a captured shape per power of two, not per batch size (the extra rows are dropped below)
             first, prompts = torch.cat([first, first[-1:].expand(pad, -1, -1, -1, -1)]), prompts + prompts[-1:] * pad
+            rest = torch.cat([rest, rest[-1:].expand(pad, -1, -1, -1, -1)])
         cond, y_state = self._conditioning(prompts, first[:, :, 0])
         with self._stage("vae"):
             vae_state = StreamState()
@@ -622,16 +632,23 @@ class DreamZeroPolicy:
         cache = KVCache()
         with self._stage("prefill"):
             self._prefill(cache, latent0, cond)
+        batch = _Session(prompt="", cache=cache, cond=cond, latent_hw=tuple(latent0.shape[-2:]), vae_state=vae_state,
+                         pending=first[:, :, :0], latents=None, y_state=y_state)
+        # the 14B's first-frame condition grows per session (its zeros are encoded at batch 1)
+        if rest.shape[2] and y_state is None and not self._extend(batch, rest):
+            raise AssertionError("a context of whole blocks always fits the window")  # _context's invariant
         pair = 2 if self.guided else 1
-        for i, (sid, prompt, history, seen), c, d in zip(range(len(items)), items, cache.split(pair), cond.split(pair)):
-            session = _Session(prompt=prompt, cache=c, cond=d, latent_hw=tuple(latent0.shape[-2:]),
+        for i, (sid, prompt, history, seen), c, d in zip(range(len(items)), items, batch.cache.split(pair),
+                                                         batch.cond.split(pair)):
+            session = _Session(prompt=prompt, cache=c, cond=d, latent_hw=batch.latent_hw,
                                first_latent=latent0[i:i + 1] if self.keep_video else None,
-                               vae_state=vae_state.select(i), pending=first[i:i + 1, :, :0], latents=None,
+                               vae_state=batch.vae_state.select(i), pending=batch.pending[i:i + 1],
+                               latents=None if batch.latents is None else batch.latents[i:i + 1],
                                y_state=None if y_state is None else y_state.select(i),
                                history=history[:, :, -self._history_len:], raw_frames=seen, context_end=seen)
             self.sessions[sid] = session
-            if contexts[i].shape[2] > 1 and not self._extend(session, contexts[i][:, :, 1:]):
-                raise AssertionError("a context of whole blocks always fits the window")  # _context's invariant
+            if rest.shape[2] and y_state is not None and not self._extend(session, rest[i:i + 1]):
+                raise AssertionError("a context of whole blocks always fits the window")
             session.raw_frames = session.context_end = seen
 
     def _continue(self, session: _Session, frames: torch.Tensor) -> bool:

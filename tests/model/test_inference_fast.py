@@ -170,3 +170,36 @@ def test_cross_attention_kv_computed_once_equals_per_step():
         reused = denoise_velocity(model, cache, *args, cond, model.cross_kv(cond.text, cond.image))
     for x, y in zip(fresh, reused):
         torch.testing.assert_close(x, y)
+
+
+@pytest.mark.parametrize("sessions,graphs", [(4, False), (3, True)])
+def test_sessions_restarted_together_share_their_vae_and_prefill_calls(tmp_path, sessions, graphs):
+    """Restarting sessions from a context of frame 0 and whole blocks (every query once the window slides, as in
+    LIBERO evaluation) encodes and prefills the whole batch at once: 2 VAE calls and 2 prefills for 4 sessions,
+    not 1 + 4 each. The chunks equal one call per session, also through the graph code path (3 sessions padded
+    to 4)."""
+    solver = SolverConfig(num_steps=2, cfg_scale=1.0)
+    singles, batched = (build_tiny_policy(tmp_path, solver=solver) for _ in range(2))
+    if graphs:
+        batched.graphs = GraphCache(enabled=True, capture=False)
+    obs = [dict(_obs(i, frames=9, session=f"s{i}"), reset=True) for i in range(sessions)]
+    calls = {"vae": 0, "prefill": 0}
+    encode, prefill_ = batched._encode, batched._prefill
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    batched._encode, batched._prefill = counted("vae", encode), counted("prefill", prefill_)
+    got = batched.predict_batch(obs)
+    assert calls == {"vae": 2, "prefill": 2}
+    assert set(batched.sessions) == {f"s{i}" for i in range(sessions)}  # a padding row is no session
+    assert {s.cache.num_frames for s in batched.sessions.values()} == {1 + batched.model.args.num_frame_per_block}
+    for o, g in zip(obs, got):
+        np.testing.assert_allclose(g, singles.predict_actions(o), rtol=1e-4, atol=1e-5)
+    # a later frame extends each session from its own stream state, as it would have alone
+    more = [dict(_obs(10 + i, frames=4, session=f"s{i}")) for i in range(sessions)]
+    for o, g in zip(more, batched.predict_batch(more)):
+        np.testing.assert_allclose(g, singles.predict_actions(o), rtol=1e-4, atol=1e-5)
