@@ -250,6 +250,26 @@ def test_package_takes_the_best_evaluated_step_else_the_last(tmp_path):
     assert chosen_step(prof, paths) == (30, 0.5)
 
 
+def test_a_package_version_names_the_weights_and_the_evaluation_it_carries(tmp_path):
+    """Another evaluation of the same weights is another bundle and so another package version (a registered
+    version is the only one with its package version); the same files give the same version."""
+    from dzmodel.stages.package import package_version
+
+    evaluated = tmp_path / "eval"
+    evaluated.mkdir()
+    (evaluated / "results.csv").write_text("step,task,rate\n3,all,0.5\n")
+    weights = "ab" * 32
+    first = package_version("0.1.0-demo", weights, evaluated, {"robot_ip": "127.0.0.1"}, 3)
+    assert first.startswith("0.1.0-demo+abababab.") and first == package_version(
+        "0.1.0-demo", weights, evaluated, {"robot_ip": "127.0.0.1"}, 3)
+    (evaluated / "results.csv").write_text("step,task,rate\n3,all,0.6\n")
+    others = {package_version("0.1.0-demo", weights, evaluated, {"robot_ip": "127.0.0.1"}, 3),
+              package_version("0.1.0-demo", weights, None, {"robot_ip": "127.0.0.1"}, 3),
+              package_version("0.1.0-demo", weights, evaluated, {"robot_ip": "10.0.0.2"}, 3),
+              package_version("0.1.0-demo", "cd" * 32, evaluated, {"robot_ip": "127.0.0.1"}, 3)}
+    assert first not in others and len(others) == 4
+
+
 @pytest.mark.parametrize("select,checkpoints", [(0, "all"), (2, "all"), (0, "last")])
 def test_the_gates_number_is_never_the_one_that_picked_the_checkpoint(tmp_path, monkeypatch, select, checkpoints):
     """With selection init states the checkpoint is picked there and reported on init states it never saw;

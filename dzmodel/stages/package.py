@@ -43,7 +43,7 @@ def stage_package(prof: Profile, paths: StagePaths, log: Log = print_line) -> di
     eval_dir = paths.stage("eval")
     has_eval = (eval_dir / "results.csv").is_file()
     weights = weights_sha256(model)
-    version = f"{prof.package.version}+{weights[:8]}"  # build metadata: other weights, another version
+    version = package_version(prof.package.version, weights, eval_dir if has_eval else None, prof.package.robot, step)
     with stage_output(out) as tmp:
         bundle, tarball = build_package(model, tmp, RobotConfig.from_dict(prof.package.robot, "package.robot"),
                                         version, eval_dir if has_eval else None, prof.package.name)
@@ -55,6 +55,20 @@ def stage_package(prof: Profile, paths: StagePaths, log: Log = print_line) -> di
     log(f"package: step {step} -> {tarball}")
     return {"bundle": str(bundle), "tarball": str(tarball), "step": step, "success_rate": rate,
             "model": str(model), "version": version, "weights_sha256": weights, "action_error": action}
+
+
+def package_version(base: str, weights_sha256: str, eval_dir: Path | None, robot: dict, step: int) -> str:
+    """`base` with build metadata naming what the bundle holds: the weights' digest, then one over the evaluation
+    files it carries, its robot config and step. Other weights or another evaluation of the same weights give
+    another version string, so a registered version is the only one with its package version."""
+    from ..serve.bundles import file_sha256
+    from ..serve.package import EVAL_FILES
+
+    h = hashlib.sha256(json.dumps({"robot": robot, "step": step}, sort_keys=True).encode())
+    for name in EVAL_FILES if eval_dir is not None else ():
+        if (eval_dir / name).is_file():
+            h.update(f"{name}\0{file_sha256(eval_dir / name)}\n".encode())
+    return f"{base}+{weights_sha256[:8]}.{h.hexdigest()[:6]}"
 
 
 def weights_sha256(model: Path) -> str:
