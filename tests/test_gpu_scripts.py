@@ -39,3 +39,19 @@ def test_the_runs_plot_reads_every_recorded_result(tmp_path):
     low, high = plot_runs.wilson(4, 40)  # 10 %: about 4-24 %
     assert 0.03 < low < 0.05 and 0.22 < high < 0.25 and plot_runs.wilson(0, 40)[0] == 0
     assert plot_runs.main(tmp_path / "runs.png").stat().st_size > 10_000
+
+
+def test_the_final_csvs_are_the_evaluations_own_episodes(tmp_path):
+    """docs/results/final/seed<N>.csv are rebuilt from the evaluations' per-episode files (10 tasks x 50 init
+    states per seed, one checkpoint each) and hold the numbers docs/results.md reports."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("final_tables", RESULTS / "final_tables.py")
+    final_tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(final_tables)
+    counts = final_tables.main(tmp_path)
+    assert counts == {0: (439, 500), 1: (400, 500), 2: (443, 500)}
+    for seed in counts:
+        name = f"seed{seed}.csv"
+        assert (tmp_path / name).read_text() == (RESULTS / "final" / name).read_text(), name
+        assert (tmp_path / name).read_text().splitlines()[0] == "seed,task,init_state,checkpoint_step,success"

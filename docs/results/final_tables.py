@@ -47,9 +47,10 @@ def line(label: str, wins: int, n: int) -> str:
     return f"{label}: {wins}/{n} = {100 * wins / n:.1f} % (95 % interval {100 * low:.1f}-{100 * high:.1f} %)"
 
 
-def main() -> None:
-    out = RESULTS / "final"
+def main(out: Path = RESULTS / "final") -> dict[int, tuple[int, int]]:
+    """Writes out/seed<N>.csv; returns {seed: (successes, episodes)}."""
     out.mkdir(exist_ok=True)
+    counts = {}
     total = [0, 0]
     per_task = defaultdict(list)
     for seed, files in SOURCES.items():
@@ -63,11 +64,13 @@ def main() -> None:
         total[1] += len(rows)
         for t in TASKS:
             per_task[t].append(sum(int(r["success"]) for r in rows if int(r["task"]) == t))
+        counts[seed] = (wins, len(rows))
         print(line(f"seed {seed} (step {rows[0]['checkpoint_step']})", wins, len(rows)))
     print(line("all seeds", *total))
     print("per task, successes of 50 for seeds " + ", ".join(map(str, SOURCES)) + ":")
     for t, wins in per_task.items():
         print(f"  task {t}: " + " ".join(f"{w:2d}" for w in wins) + f"   ({100 * sum(wins) / (50 * len(wins)):.0f} %)")
+    return counts
 
 
 if __name__ == "__main__":
