@@ -1206,7 +1206,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAIL
     except RuntimeError as exc:
         from .dirlock import DirectoryBusy
-        from .pipeline import StageError
+        from .stages.common import StageError
 
         if not isinstance(exc, (StageError, DirectoryBusy)):
             raise

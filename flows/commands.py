@@ -28,8 +28,10 @@ QUIET = {"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SE
 def project_environment(root: Path) -> dict[str, str]:
     """The defaults `make demo` sets, set here too (unless already set), so that `dz pipeline run` from the README
     behaves as the Makefile's: Prefect's database and task cache in the project (.prefect), the LIBERO config
-    that `make setup` wrote, software rendering, no telemetry. Returns what it set."""
-    defaults = {"PREFECT_HOME": str(root / ".prefect"), "MUJOCO_GL": "egl", **QUIET}
+    that `make setup` wrote, software rendering, no telemetry, and time for Prefect's temporary server to start
+    on a busy 2-core machine (its default, 20 s, was seen to run out). Returns what it set."""
+    defaults = {"PREFECT_HOME": str(root / ".prefect"), "MUJOCO_GL": "egl",
+                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120", **QUIET}
     libero = Path(sys.prefix) / "libero_config"
     if (libero / "config.yaml").is_file():
         defaults["LIBERO_CONFIG_PATH"] = str(libero)

@@ -162,6 +162,29 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, mon
         cli.main(["--debug", "params", "check"])
 
 
+def test_a_failed_stage_is_one_line_and_another_runtime_error_is_not_hidden(monkeypatch, capsys):
+    """A stage's own failure (StageError) is one line and exit 1; any other RuntimeError (e.g. Prefect's server
+    not starting) propagates as itself, not as an error of the error handler."""
+    import pytest
+
+    from dzmodel import cli
+    from dzmodel.stages.common import StageError
+
+    def failed(ns):
+        raise StageError("train: torchrun exited with code 1")
+
+    monkeypatch.setattr(cli, "cmd_params_check", failed)
+    assert cli.main(["params", "check"]) == cli.EXIT_FAIL
+    assert capsys.readouterr().err.strip() == "dz: error: train: torchrun exited with code 1"
+
+    def timed_out(ns):
+        raise RuntimeError("Timed out while attempting to connect to ephemeral Prefect API server.")
+
+    monkeypatch.setattr(cli, "cmd_params_check", timed_out)
+    with pytest.raises(RuntimeError, match="ephemeral Prefect API server"):
+        cli.main(["params", "check"])
+
+
 def test_a_broken_plugin_command_says_what_is_missing(monkeypatch, capsys):
     import importlib.metadata
 

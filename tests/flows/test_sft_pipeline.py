@@ -384,6 +384,11 @@ def test_dz_pipeline_run_sets_the_makefiles_defaults(tmp_path, monkeypatch):
     set_here = project_environment(tmp_path)
     assert os.environ["PREFECT_HOME"] == str(tmp_path / ".prefect") == set_here["PREFECT_HOME"]
     assert os.environ["DO_NOT_TRACK"] == "false" and "DO_NOT_TRACK" not in set_here
+    monkeypatch.delenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", raising=False)
+    project_environment(tmp_path)
+    from prefect.settings import get_current_settings  # Prefect reads the variable: the name is its setting's
+
+    assert get_current_settings().server.ephemeral.startup_timeout_seconds == 120
 
 
 def test_the_run_records_its_dataset_and_system_metrics(prefect_env, tmp_path, monkeypatch):
