@@ -1,1 +1,3 @@
-"""Filled by the pipeline issue: Prefect tasks that call dzmodel."""
+"""Thin Prefect tasks over dzmodel: one task per pipeline stage (stages), the MLflow run, registry and promotion
+(tracking), the registered policy as an MLflow pyfunc model (mlflow_policy), and the flow run's artifacts
+(artifacts)."""

@@ -49,7 +49,7 @@ class TrainStep:
     (None when every batch is encoded); autocast: the compute dtype, or None; encode_per_sample: run the
     encoders one sample at a time, as upstream does (the benchmark's baseline); noise_on: "device" draws each
     sample's timesteps and noise with the device's generator (no host work), "cpu" with the CPU's and copies them
-    (the same numbers on any device, as before issue 15: docs/results.md, section 7)."""
+    (the same numbers on any device, as the earlier host-side draws: docs/results.md, section 7)."""
 
     def __init__(self, model: DreamZeroWAM, optimizer: torch.optim.Optimizer | None = None, *,
                  accumulation: int = 1, grad_clip: float = 1.0, encoders=None, autocast: torch.dtype | None = None,
