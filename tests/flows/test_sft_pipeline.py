@@ -386,9 +386,9 @@ def test_dz_pipeline_run_sets_the_makefiles_defaults(tmp_path, monkeypatch):
     assert os.environ["DO_NOT_TRACK"] == "false" and "DO_NOT_TRACK" not in set_here
     monkeypatch.delenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", raising=False)
     project_environment(tmp_path)
-    from prefect.settings import get_current_settings  # Prefect reads the variable: the name is its setting's
+    from prefect.settings import Settings  # settings read from the environment now: the name is Prefect's own
 
-    assert get_current_settings().server.ephemeral.startup_timeout_seconds == 120
+    assert Settings().server.ephemeral.startup_timeout_seconds == 120
 
 
 def test_the_run_records_its_dataset_and_system_metrics(prefect_env, tmp_path, monkeypatch):
