@@ -93,8 +93,8 @@ CAMERAS = ("agentview", "robot0_eye_in_hand")
 
 
 def auto_env_workers(requested: int) -> int:
-    """Env worker processes for `requested` (0: one per CPU core this process may use; the main process mostly
-    waits on them, or on the GPU)."""
+    """Env worker processes for `requested`: itself, or for 0 one per CPU core this process may use (the main
+    process mostly waits on them, or on the GPU)."""
     if requested:
         return requested
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -50,8 +50,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         from .libero_env import auto_env_workers
 
-        if self.num_workers == 0:
-            self.num_workers = auto_env_workers(0)
+        self.num_workers = auto_env_workers(self.num_workers)
         for name in ("episodes_per_task", "num_workers", "camera_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"eval.{name} must be >= 1, got {getattr(self, name)}")

@@ -122,10 +122,9 @@ class RecordConfig:
             raise DataError(f"--suite: {exc}") from None
         if self.init not in INIT_MODES:
             raise DataError(f"--init: must be one of {', '.join(INIT_MODES)}, got {self.init!r}")
-        if self.workers == 0:
-            from .libero_env import auto_env_workers
+        from .libero_env import auto_env_workers
 
-            self.workers = auto_env_workers(0)
+        self.workers = auto_env_workers(self.workers)
         for name in ("episodes", "workers"):
             if getattr(self, name) < 1:
                 raise DataError(f"--{name}: must be >= 1, got {getattr(self, name)}")
