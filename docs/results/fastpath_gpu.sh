@@ -31,6 +31,40 @@ OUT=${OUT:-/tmp}
 run=runs/fastpath/${VARIANT:-default}
 synth=data/fastpath_synth
 dz() { python3 -m dzmodel.cli "$@"; }
+# PRELUDE=NAME: `measure` runs `dz train` after one of these patches (experiments; the product has no such switch)
+prelude_code() {  # PRELUDE: names, comma-separated
+  local name
+  for name in ${PRELUDE//,/ }; do PRELUDE_ONE=$name prelude_one || return 2; done
+}
+prelude_one() {
+  case "$PRELUDE_ONE" in
+    whole) echo "import functools, dzmodel.model.wam as w, dzmodel.train.step as s, dzmodel.model.args as a, dzmodel.model.attention as m
+f = functools.partial(m.latent_layout, keep_last_clean_block=True)
+w.latent_layout = s.latent_layout = f" ;;
+    tiles2) echo "import dzmodel.model.compile_compat as c; c.single_tile_dimension = lambda: None
+import dzmodel.train.parallelize" ;;
+    cdt) echo "import torch._inductor.config as i; i.coordinate_descent_tuning = True" ;;
+    flash) echo "import torch; torch.backends.cuda.enable_cudnn_sdp(False)" ;;
+    autotune) echo "import torch._inductor.config as i; i.max_autotune = True; i.max_autotune_gemm_backends = 'ATEN,TRITON'" ;;
+    graphs) echo "import torch
+_compile = torch.compile
+def _graphed(model=None, **kwargs):  # the blocks as CUDA graphs (cudagraph trees)
+    kwargs.setdefault('mode', 'reduce-overhead')
+    return _compile(model, **kwargs) if model is not None else _compile(**kwargs)
+torch.compile = _graphed" ;;
+    *) echo "unknown PRELUDE $PRELUDE_ONE" >&2; return 2 ;;
+  esac
+}
+train_with_prelude() {  # CONFIG
+  local code
+  code=$(prelude_code) || exit 2
+  python3 - "$1" <<PY
+$code
+import sys
+from dzmodel.cli import main
+sys.exit(main(["train", "--config", sys.argv[1]]))
+PY
+}
 
 configure() {  # DATASET STEPS [K=V ..]: $run/metadata.json and $run/train_config.json
   local dataset=$1 steps=$2
@@ -86,7 +120,7 @@ case "${1:-}" in
     configure "$dataset" "${STEPS:-300}" "$@"
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
     python3 -c 'import torch; print("torch", torch.__version__)'
-    dz train --config "$run/train_config.json" 2>&1 | { grep -v -i warn || true; } | tee "$run/train.log"
+    train_with_prelude "$run/train_config.json" 2>&1 | { grep -v -i warn || true; } | tee "$run/train.log"
     summary | tee "$run/summary.txt"
     cp "$run/train/metrics.jsonl" "$OUT/fastpath_${VARIANT:-default}_metrics.jsonl"
     cp "$run/train.log" "$run/summary.txt" "$run/train_config.json" "$OUT/" 2>/dev/null || true ;;
@@ -194,6 +228,23 @@ if p is not None:
     print(f"kernel launches per step: {launches / 3:.0f}")
     print(p.key_averages().table(sort_by="self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
                                  row_limit=25, max_name_column_width=70))
+    # every kernel, and the device time per step by kind of kernel
+    rows = sorted(((e.key, e.self_device_time_total, e.count) for e in kernels if e.self_device_time_total > 0),
+                  key=lambda r: -r[1])
+    kinds = collections.Counter()
+    for name, us, _ in rows:
+        low = name.lower()
+        kind = ("attention" if ("sdpa" in low or "cudnn" in low or "flash" in low or "attention" in low) else
+                "matmul" if ("nvjet" in low or "gemm" in low or "cutlass" in low or "sm90_xmma" in low) else
+                "triton" if low.startswith("triton_") else "other")
+        kinds[kind] += us / 3000
+    print("device ms per step by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in kinds.most_common()))
+    import csv, os
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "phases_kernels.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["kernel", "ms_per_step", "calls_per_step"])
+        for name, us, count in rows:
+            w.writerow([name, round(us / 3000, 4), count / 3])
 sys.exit(rc)
 PY
     ;;

@@ -38,7 +38,7 @@ def allowed_pairs(layout: TeacherForcingLayout) -> int:
     fs, nfpb, K = layout.frame_seqlen, layout.num_frame_per_block, layout.num_blocks
     A, S = layout.num_action_per_block, layout.num_state_per_block
     bs = nfpb * fs  # tokens per block
-    clean = fs * fs + sum(bs * (fs + (i + 1) * bs) for i in range(K))
+    clean = fs * fs + sum(bs * (fs + (i + 1) * bs) for i in range(layout.num_clean_blocks))
     noisy0 = fs * fs
     cur = bs + A + S
     noisy_action = sum((bs + A) * (fs + i * bs + cur) for i in range(K))
@@ -54,7 +54,7 @@ def wam_forward_flops(args: DreamZeroArgs, layout: TeacherForcingLayout) -> Flop
     linear = n * (2 * L * (4 * d * d + 2 * d * d + 2 * d * ffn) + 2 * C * 2 * d * d)
     self_attn = n * 4 * d * P
     cross_attn = n * 4 * d * L * C
-    patch = 2 * 2 * layout.video_len * args.in_dim * 4 * d * 1  # both copies; kernel (1,2,2) = 4 taps per channel
+    patch = 2 * (layout.clean_len + layout.video_len) * args.in_dim * 4 * d * 1  # both copies; kernel (1,2,2)
     head = 2 * layout.video_len * d * 4 * args.out_dim
     # the time MLP runs once per group of tokens that share a timestep: the clean copy (one), each noisy latent
     # frame, and each action and state token; not once per token

@@ -221,7 +221,7 @@ def run_wam(tensors, meta, path) -> dict[str, float]:
     }
     if "output.attention_mask" in tensors:
         F_, H, W = t["noisy_latents"].shape[2:]
-        layout = latent_layout(args, (H, W), F_)
+        layout = latent_layout(args, (H, W), F_, keep_last_clean_block=True)  # upstream's whole sequence
         mask = teacher_forcing_mask(layout)
         ref = tensors["output.attention_mask"]
         if mask.shape != ref.shape:

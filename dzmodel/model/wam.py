@@ -7,6 +7,7 @@ checkpoints load whole.
 
 Differences from upstream, all deliberate:
 - one attention call per layer with the §1.6 mask (FlexAttention or SDPA), not ~18 dense calls;
+- the clean copy leaves out its last block, which only clean tokens attend (no output or gradient changes);
 - time embeddings are computed once per frame / action / state and broadcast to tokens,
   which is the same arithmetic as upstream's per-token MLP without its L-fold repeat;
 - `embodiment_id` is accepted and ignored, as upstream forces it to 0 (one projector table).
@@ -148,13 +149,16 @@ class DreamZeroWAM(WanModel):
         noisy_actions: [B, K·A, action_dim]; timestep_action: [B, K·A]; state: [B, K·S, max_state_dim];
         context: [B, L_txt, text_dim] (zero beyond each sample's length); clip_feature: [B, 257, clip_dim].
         """
+        if clean_latents.shape != noisy_latents.shape:
+            raise ValueError(f"clean and noisy latents differ in shape: {tuple(clean_latents.shape)} vs "
+                             f"{tuple(noisy_latents.shape)}")
+        layout = latent_layout(self.args, tuple(noisy_latents.shape[-2:]), noisy_latents.shape[2])
         noisy, grid = self.embed_video(self._with_first_frame(noisy_latents, y))
-        clean, clean_grid = self.embed_video(self._with_first_frame(clean_latents, y))
-        if clean_grid != grid:
-            raise ValueError(f"clean and noisy latents differ in shape: {clean_grid} vs {grid}")
+        # the clean copy's frames that the layout keeps (the last block's are attended by nothing that is trained)
+        kept = layout.clean_frames * self.args.patch_size[0]
+        clean, clean_grid = self.embed_video(self._with_first_frame(clean_latents, y)[:, :, :kept])
         B = noisy.shape[0]
         F_, fs = grid[0], grid[1] * grid[2]
-        layout = latent_layout(self.args, tuple(noisy_latents.shape[-2:]), noisy_latents.shape[2])
         if timestep.shape != (B, F_):
             raise ValueError(f"timestep must be [B, F] = [{B}, {F_}], got {tuple(timestep.shape)}")
         if noisy_actions.shape[1] != layout.action_len or timestep_action.shape != (B, layout.action_len):
@@ -173,20 +177,19 @@ class DreamZeroWAM(WanModel):
         t_register = torch.cat([timestep_action, self.state_timesteps(timestep_action)], dim=1)
         _, e0_register = self.embed_time(t_register)
         e0 = GroupedModulation(torch.cat([e0_clean, e0_noisy, e0_register], dim=1),
-                               runs=((1, layout.video_len), (F_, fs), (t_register.shape[1], 1)))
+                               runs=((1, layout.clean_len), (F_, fs), (t_register.shape[1], 1)))
 
         text, image = self.embed_context(context, clip_feature)
-        video_rope = self.video_rope(grid)
-        rope = Rope.cat([video_rope, video_rope, self.register_rope(0, layout.num_blocks)])
+        rope = Rope.cat([self.video_rope(clean_grid), self.video_rope(grid), self.register_rope(0, layout.num_blocks)])
         if mask is None:
             mask = self.make_mask(layout, attn_backend, x.device)
 
         for block in self.blocks:
             x = block(x, e0, rope, text, image, mask)
 
-        n = layout.video_len
-        video = self.head(x[:, n:2 * n], e_noisy.repeat_interleave(fs, dim=1))
-        action_pred = self.action_decoder(x[:, 2 * n:2 * n + layout.action_len])
+        c, n = layout.clean_len, layout.video_len
+        video = self.head(x[:, c:c + n], e_noisy.repeat_interleave(fs, dim=1))
+        action_pred = self.action_decoder(x[:, c + n:c + n + layout.action_len])
         return WAMOutput(video_pred=self.unpatchify(video, grid), action_pred=action_pred)
 
     # -- cached inference --------------------------------------------------------

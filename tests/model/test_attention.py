@@ -44,6 +44,8 @@ def test_mask_rows_follow_the_table():
     TeacherForcingLayout(4, 50, 2, 24, 1),
     TeacherForcingLayout(3, 7, 2, 5, 2),
     TeacherForcingLayout(2, 4, 1, 3, 1),
+    TeacherForcingLayout(4, 50, 2, 24, 1, clean_blocks=3),  # the training sequence: no last clean block
+    TeacherForcingLayout(2, 4, 1, 3, 1, clean_blocks=1),
 ])
 def test_closed_form_pair_count_matches_the_dense_mask(layout):
     assert allowed_pairs(layout) == count_allowed_pairs(layout)
@@ -88,7 +90,29 @@ def test_flex_attention_and_sdpa_agree_with_each_other_and_the_mask():
 
 SEGMENT_LAYOUTS = [FIXTURE_LAYOUT, TeacherForcingLayout(4, 5, 2, 3, 1), TeacherForcingLayout(3, 7, 1, 4, 2),
                    TeacherForcingLayout(1, 3, 2, 2, 1), TeacherForcingLayout(2, 4, 2, 6, 3),
-                   TeacherForcingLayout(2, 4, 1, 3, 0)]  # no state tokens
+                   TeacherForcingLayout(2, 4, 1, 3, 0),  # no state tokens
+                   TeacherForcingLayout(2, 6, 2, 4, 1, clean_blocks=1), TeacherForcingLayout(3, 7, 1, 4, 2, clean_blocks=2),
+                   TeacherForcingLayout(1, 3, 2, 2, 1, clean_blocks=0)]
+
+
+@pytest.mark.parametrize("layout", [FIXTURE_LAYOUT, TeacherForcingLayout(3, 7, 1, 4, 2), TeacherForcingLayout(1, 3, 2, 2, 1)])
+def test_training_mask_is_the_whole_mask_without_the_last_clean_block(layout):
+    """Nothing outside the last clean block attends it: removing its rows and columns leaves the rest as is."""
+    trimmed = TeacherForcingLayout(layout.num_blocks, layout.frame_seqlen, layout.num_frame_per_block,
+                                   layout.num_action_per_block, layout.num_state_per_block,
+                                   clean_blocks=layout.num_blocks - 1)
+    block = layout.num_frame_per_block * layout.frame_seqlen
+    whole = teacher_forcing_mask(layout)
+    last = torch.zeros(layout.seq_len, dtype=torch.bool)
+    last[layout.clean_len - block:layout.clean_len] = True
+    assert not whole[~last][:, last].any()
+    assert trimmed.seq_len == layout.seq_len - block
+    assert torch.equal(teacher_forcing_mask(trimmed), whole[~last][:, ~last])
+
+
+def test_layout_refuses_more_clean_blocks_than_blocks():
+    with pytest.raises(ValueError, match="clean_blocks"):
+        TeacherForcingLayout(2, 4, 1, 3, 1, clean_blocks=3)
 
 
 @pytest.mark.parametrize("layout", SEGMENT_LAYOUTS)

@@ -1,11 +1,13 @@
 """The DreamZero WAM: fixture parity, presets, training step, mask and causality properties."""
 
+import contextlib
 import time
 
 import pytest
 import torch
 
 from dzmodel.model.args import preset
+from dzmodel.model.attention import latent_layout
 from dzmodel.model.objective import FlowMatchSchedule, flow_matching_losses, sample_timestep_ids
 from dzmodel.model.parity import run_parity
 from dzmodel.model.wam import DreamZeroWAM
@@ -88,6 +90,40 @@ def test_last_clean_block_cannot_change_outputs():
     out2 = model(**b2, attn_backend="sdpa")
     torch.testing.assert_close(out.video_pred, out2.video_pred)
     torch.testing.assert_close(out.action_pred, out2.action_pred)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "segments", "flex"])
+def test_training_sequence_without_the_last_clean_block_gives_upstreams_outputs_and_gradients(monkeypatch, backend):
+    """Training leaves out the last clean block; upstream's whole sequence must give the same outputs and
+    gradients, and the sequence must be shorter by that block."""
+    import dzmodel.model.wam as wam
+
+    model = tiny_model().double()
+    b = {k: v.double() if v.is_floating_point() else v for k, v in tiny_batch(model.args).items()}
+    tokens, results = {}, {}
+    for whole in (False, True):
+        def layout(*args, **kwargs):
+            result = latent_layout(*args, **kwargs, keep_last_clean_block=whole)
+            tokens[whole] = result.seq_len
+            return result
+
+        monkeypatch.setattr(wam, "latent_layout", layout)
+        model.zero_grad()
+        with torch.no_grad() if backend == "flex" else contextlib.nullcontext():
+            out = model(**b, attn_backend=backend)
+        if backend != "flex":
+            (out.video_pred.square().mean() + out.action_pred.square().mean()).backward()
+        results[whole] = (out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    a = model.args
+    block_tokens = a.num_frame_per_block * 4 * 6 // (a.patch_size[1] * a.patch_size[2])
+    assert tokens[True] - tokens[False] == block_tokens
+    (trimmed, g_trimmed), (whole, g_whole) = results[False], results[True]
+    tol = dict(atol=1e-5, rtol=1e-5) if backend == "flex" else dict(atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(trimmed.video_pred, whole.video_pred, **tol)
+    torch.testing.assert_close(trimmed.action_pred, whole.action_pred, **tol)
+    assert g_trimmed.keys() == g_whole.keys() and (backend == "flex" or len(g_whole) > 10)
+    for n in g_whole:
+        torch.testing.assert_close(g_trimmed[n], g_whole[n], atol=1e-12, rtol=1e-9, msg=n)
 
 
 def test_block_causality_future_blocks_do_not_leak_backwards():

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The training-speed experiments of docs/performance.md at the libero_object shape (micro-batch 128, compiled
+# blocks, the recording on the GPU), on the synthetic recording of that shape (`fastpath_gpu.sh synth`):
+# `fastpath_gpu.sh phases` once (where the step's device time goes, every kernel in phases_kernels.csv), then
+# `fastpath_gpu.sh measure` (STEPS steps, default 150) for each variant:
+#   base    the code as it is
+#   whole   upstream's whole sequence: the last clean block kept (PRELUDE=whole)
+#   tiles2  Inductor's default tiling, not one tiled dimension (PRELUDE=tiles2; `dz train` checks compiled
+#           against eager before it trains and stops if they differ)
+#   cdt     Inductor's coordinate-descent tuning of its kernels (PRELUDE=cdt)
+#   flash   SDPA's flash kernels instead of cuDNN's (PRELUDE=flash)
+#   autotune  Inductor's max-autotune: Triton matmul templates, which can take the GELU and other elementwise work
+#           into the matmul (PRELUDE=autotune; compiling takes minutes)
+#   graphs  the compiled blocks as CUDA graphs (torch.compile's reduce-overhead mode, PRELUDE=graphs)
+#   mb256   micro-batch 256; and combinations: graphsflash, mb256flash, mb256graphsflash
+# Detached, so it outlives one command:
+#   start [VARIANT ..]  returns at once; default: phases base whole tiles2 cdt mb256. Finished ones are skipped.
+#   run [VARIANT ..]    the same in the foreground
+#   collect             the summaries so far, and copies the logs and metrics to $OUT
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+dir=runs/speed_sweep
+synth=data/fastpath_synth
+common=(micro_batch=128 encoded_variants=1 compile=true)
+
+# variant: PRELUDE (comma-separated, see fastpath_gpu.sh) | train fields
+declare -A VARIANTS=(
+  [base]="|" [whole]="whole|" [tiles2]="tiles2|" [cdt]="cdt|" [flash]="flash|" [autotune]="autotune|"
+  [graphs]="graphs|" [graphsflash]="graphs,flash|"
+  [mb256]="|micro_batch=256" [mb256flash]="flash|micro_batch=256" [mb256graphsflash]="graphs,flash|micro_batch=256"
+)
+
+one() {  # VARIANT
+  local v=$1
+  [[ -s $dir/$v.done ]] && return 0
+  if [[ $v == phases ]]; then
+    OUT=$dir bash "$here/fastpath_gpu.sh" phases "$synth" "${common[@]}" > "$dir/phases.log" 2>&1
+  elif [[ -n ${VARIANTS[$v]+set} ]]; then
+    local spec=${VARIANTS[$v]}
+    PRELUDE=${spec%%|*} VARIANT=$v OUT=$dir bash "$here/fastpath_gpu.sh" measure "$synth" "${common[@]}" \
+      ${spec#*|} > "$dir/$v.log" 2>&1
+  else
+    echo "unknown variant $v (known: phases ${!VARIANTS[*]})" >&2; return 2
+  fi
+  local rc=$?
+  echo "rc $rc $(date -u +%FT%TZ)" > "$dir/$v.done"
+}
+
+case "${1:-}" in
+  start)
+    shift
+    variants=("$@")
+    [[ ${#variants[@]} -gt 0 ]] || variants=(phases base whole tiles2 cdt mb256)
+    mkdir -p "$dir"
+    export STEPS=${STEPS:-150}
+    (
+      [[ -d $synth ]] || bash "$here/fastpath_gpu.sh" synth > "$dir/synth.log" 2>&1
+      for v in "${variants[@]}"; do one "$v"; done
+      echo finished > "$dir/all.done"
+    ) > /dev/null 2>&1 < /dev/null &
+    disown
+    echo "started: ${variants[*]} (logs in $dir)" ;;
+  run)
+    shift
+    mkdir -p "$dir"
+    export STEPS=${STEPS:-150}
+    [[ -d $synth ]] || bash "$here/fastpath_gpu.sh" synth > "$dir/synth.log" 2>&1
+    for v in "$@"; do one "$v"; echo "$v: $(cat "$dir/$v.done")"; done ;;
+  collect)
+    for f in "$dir"/*.log; do
+      [[ -f $f ]] || continue
+      echo "== $(basename "$f") $(cat "${f%.log}.done" 2>/dev/null || echo running)"
+      grep -E "median|samples/s/GPU, step|device ms per step|kernel launches|whole step|encoders \+|Error|error:" "$f" | tail -6
+    done
+    tar -czf "${OUT:-/tmp}/speed_sweep.tar.gz" -C "$dir" $(cd "$dir" && ls *.log *.jsonl *.csv 2>/dev/null) ;;
+  *) echo "usage: $0 start [VARIANT ..] | run [VARIANT ..] | collect" >&2; exit 2 ;;
+esac
