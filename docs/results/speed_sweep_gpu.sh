@@ -26,7 +26,7 @@ common=(micro_batch=128 encoded_variants=1 compile=true)
 # variant: PRELUDE (comma-separated, see fastpath_gpu.sh) | train fields
 declare -A VARIANTS=(
   [base]="|" [whole]="whole|" [tiles2]="tiles2|" [cdt]="cdt|" [flash]="flash|" [autotune]="autotune|"
-  [graphs]="graphs|" [graphsflash]="graphs,flash|"
+  [graphs]="graphs|" [graphsflash]="graphs,flash|" [graphscdt]="graphs,cdt|" [graphsautotune]="graphs,autotune|"
   [mb256]="|micro_batch=256" [mb256flash]="flash|micro_batch=256" [mb256graphsflash]="graphs,flash|micro_batch=256"
 )
 

@@ -71,6 +71,10 @@ class TrainConfig:
     sharding: str = "full"                  # full | hybrid | none (FSDP2 when world_size > 1)
     activation_checkpointing: str = "none"  # none | elementwise | selective | full | full:N
     compile: bool = False
+    # the compiled blocks as CUDA graphs (torch.compile's reduce-overhead mode): one replay per block and pass
+    # instead of ~130 kernel launches from Python, for steps whose host side is slower than the GPU's work
+    # (docs/performance.md); one process on CUDA only (FSDP2 gathers the weights anew every step)
+    cuda_graphs: bool = False
     attn_backend: str = "auto"
     # bookkeeping
     out_dir: str = "runs/train"
@@ -104,6 +108,11 @@ class TrainConfig:
         ac = self.activation_checkpointing
         if ac not in AC_MODES and not (ac.startswith("full:") and ac[5:].isdigit()):
             raise ValueError(f"train.activation_checkpointing must be one of {AC_MODES} or full:N, got {ac!r}")
+        if self.cuda_graphs and not self.compile:
+            raise ValueError("train.cuda_graphs captures the compiled blocks: it needs train.compile: true")
+        if self.cuda_graphs and ac not in ("none", "elementwise"):
+            raise ValueError(f"train.cuda_graphs with train.activation_checkpointing {ac!r}: a whole-block "
+                             "checkpoint reruns the captured forward inside the backward; use none or elementwise")
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr: must be <= train.lr ({self.lr}), got {self.min_lr}")
         if self.lora.rank > 0 and not self.lora.alpha > 0:

@@ -91,14 +91,17 @@ def block_recompute_plan(mode: str, num_blocks: int) -> list[str]:
     return [mode] * num_blocks
 
 
-def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool) -> None:
+def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool, cuda_graphs: bool = False) -> None:
     """Activation recompute per block (see `block_recompute_plan`), and optionally `torch.compile` of each
-    block's forward. The forward is replaced in place, so module names and state-dict keys do not change.
+    block's forward, with `cuda_graphs` in reduce-overhead mode (each compiled forward and backward replayed as a
+    CUDA graph; on CUDA only). The forward is replaced in place, so module names and state-dict keys do not change.
 
     Order matters. The elementwise policy must sit inside the compiled region, so the compiler sees it.
     A whole-block checkpoint must wrap the compiled forward: compiling a checkpoint-wrapped forward
     graph-breaks and silently runs eager.
     """
+    if cuda_graphs and not compile:
+        raise ValueError("CUDA graphs capture the compiled blocks: they need compile")
     if compile:
         from ..model.compile_compat import allow_bare_cantsplit, single_tile_dimension
 
@@ -110,7 +113,7 @@ def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool) -> N
             forward = functools.partial(_elementwise_checkpointed, forward)
         if compile:
             block._dz_eager_forward = forward  # kept for `eager_blocks` (the trainer's compile check)
-            forward = torch.compile(forward)
+            forward = torch.compile(forward, mode="reduce-overhead") if cuda_graphs else torch.compile(forward)
         if plan == "full":
             forward = functools.partial(_checkpointed_forward, forward)
             if compile:

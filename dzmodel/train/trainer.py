@@ -223,8 +223,13 @@ class Trainer:
             self.base = base_reference(cfg, dev)
             apply_lora(model, cfg.lora, base_dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None)
         model.to(dev).train()
-        apply_recompute_and_compile(model, cfg.activation_checkpointing, cfg.compile)
         self.sharded = cfg.sharding != "none" and (self.info.world_size > 1 or shard_one_process)
+        if cfg.cuda_graphs and self.sharded:
+            raise ValueError("train.cuda_graphs runs in one process only: FSDP2 gathers the weights into new "
+                             "memory every step, which a captured graph cannot follow")
+        # CUDA graphs exist on CUDA only; elsewhere the compiled blocks run as they are
+        apply_recompute_and_compile(model, cfg.activation_checkpointing, cfg.compile,
+                                    cuda_graphs=cfg.cuda_graphs and dev.type == "cuda")
         if self.sharded:
             apply_fsdp(model, cfg.sharding, cfg.precision, cfg.reduce_dtype, dev.type)
         elif self.info.world_size > 1:

@@ -165,3 +165,27 @@ def test_compiling_the_blocks_limits_inductor_to_one_tiled_dimension(monkeypatch
     assert inductor.triton.max_tiles == 2  # eager training leaves Inductor as it is
     apply_recompute_and_compile(model, "none", compile=True)  # torch.compile is lazy: nothing compiles here
     assert inductor.triton.max_tiles == 1
+
+
+def test_cuda_graphs_compile_every_block_in_reduce_overhead_mode_and_need_compile(monkeypatch):
+    modes = []
+
+    def fake_compile(fn, **kwargs):
+        modes.append(kwargs.get("mode"))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    model = tiny_model()
+    apply_recompute_and_compile(model, "none", compile=True, cuda_graphs=True)
+    assert modes == ["reduce-overhead"] * len(model.blocks)
+    modes.clear()
+    apply_recompute_and_compile(tiny_model(), "none", compile=True)
+    assert modes == [None] * len(model.blocks)
+    with pytest.raises(ValueError, match="need compile"):
+        apply_recompute_and_compile(tiny_model(), "none", compile=False, cuda_graphs=True)
+    from dzmodel.train.config import TrainConfig
+    with pytest.raises(ValueError, match="train.cuda_graphs .*needs train.compile"):
+        TrainConfig(cuda_graphs=True)
+    with pytest.raises(ValueError, match="train.cuda_graphs with train.activation_checkpointing 'full'"):
+        TrainConfig(cuda_graphs=True, compile=True, activation_checkpointing="full")
+    TrainConfig(cuda_graphs=True, compile=True, activation_checkpointing="elementwise")
