@@ -118,11 +118,12 @@ def _registry(ns: argparse.Namespace):
 def cmd_data_fetch(ns: argparse.Namespace) -> int:
 
     from .data.fetch import fetch_dataset
+    from .eval.libero_record import record_into
 
     synth = {"num_episodes": ns.synth_episodes, "seed": ns.seed} if ns.source == "synthetic" else None
     path = fetch_dataset(ns.source, Path(ns.dest), revision=ns.revision, allow_patterns=ns.allow or None,
                          synth_kwargs=synth, name=ns.name, retries=ns.retries, retry_delay_s=ns.retry_delay,
-                         skip_missing=ns.skip_missing)
+                         skip_missing=ns.skip_missing, recorder=record_into)
     print(f"dataset ready: {path}")
     return EXIT_OK
 

@@ -469,7 +469,7 @@ def parse_params(raw: Any, source: str = "params.yaml") -> Params:
     profiles = raw.get("profiles") if isinstance(raw, dict) else None
     for name, prof in (profiles.items() if isinstance(profiles, dict) else ()):
         if isinstance(prof, dict):  # DVC refuses a stage whose params are missing: each must be written out
-            from .stages import missing_params
+            from .stage_table import missing_params
 
             problems.extend(f"profiles.{name}.{path}: missing (dvc.yaml's {stage} stage depends on it; write it "
                             f"out, even as the default{_default_text(path)})" for path, stage in missing_params(prof))

@@ -75,7 +75,7 @@ def run_variant(name: str, without_fix: bool = False, steps: int = 2, inductor: 
 
         compat.allow_bare_cantsplit = lambda: False
 
-    from dzmodel.bench.train_bench import synthetic_batches
+    from dzmodel.train.synthetic import synthetic_batches
     from dzmodel.train.config import TrainConfig
     from dzmodel.train.trainer import Trainer
 

@@ -17,8 +17,10 @@ import torch
 
 from ..model.args import preset
 from ..model.attention import latent_layout
+from ..model.synthetic import random_inputs
 from ..model.wam import DreamZeroWAM
 from ..train.metrics import peak_flops
+from ..train.synthetic import synthetic_batches
 
 
 @dataclass
@@ -65,31 +67,10 @@ def time_steps(step, steps: int, warmup: int, device: str) -> list[float]:
     return times
 
 
-def random_inputs(a, batch: int, latent_hw: tuple[int, int], device, dtype, generator):
-    """The model's forward inputs for `batch` samples of args `a` on a latent grid, drawn from `generator`."""
-    F_ = a.num_frames
-    K = a.max_chunk_size
-    z = a.in_dim - (20 if a.concat_first_frame_latent else 0)
-
-    def rn(*shape):
-        return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
-
-    return dict(
-        noisy_latents=rn(batch, z, F_, *latent_hw), clean_latents=rn(batch, z, F_, *latent_hw),
-        timestep=torch.rand(batch, F_, generator=generator, device=device) * 1000,
-        noisy_actions=rn(batch, K * a.num_action_per_block, a.action_dim),
-        timestep_action=torch.rand(batch, K * a.num_action_per_block, generator=generator, device=device) * 1000,
-        state=rn(batch, K * a.num_state_per_block, a.max_state_dim),
-        context=rn(batch, a.text_len, a.text_dim), clip_feature=rn(batch, a.clip_tokens, a.clip_dim),
-        y=rn(batch, 20, F_, *latent_hw) if a.concat_first_frame_latent else None,
-    )
-
-
 def bench_step(preset_name: str = "dreamzero_5b", num_layers: int | None = 4, batch: int = 1,
                latent_hw: tuple[int, int] = (11, 20), backend: str = "flex", warmup: int = 3, steps: int = 10,
                dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> StepResult:
     from ..train.step import TrainStep
-    from .train_bench import synthetic_batches
 
     overrides = {"num_layers": num_layers} if num_layers else {}
     args = preset(preset_name, **overrides)

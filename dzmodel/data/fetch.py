@@ -19,6 +19,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 from dzmodel.atomic import atomic_write_text
 from dzmodel.dirlock import directory_lock
@@ -164,13 +165,15 @@ def fetch_dataset(
     retries: int = 3,
     retry_delay_s: float = 10.0,
     skip_missing: bool = False,
+    recorder: Callable[[dict, Path], None] | None = None,
 ) -> Path:
     """Fetch ``source`` into ``dest_root/<name>`` and return that path.
 
     ``source``: a hub dataset repo id (``revision`` required: a commit sha, tag or branch), a
     local dataset directory (hardlinked where possible, else copied), or ``"synthetic"``
     (``dzmodel.data.synth.make_synthetic_dataset(out_dir, **synth_kwargs)``), or ``"libero"``
-    (``dzmodel.eval.libero_record.record_libero(RecordConfig(**record_kwargs), out_dir)``). ``name`` defaults
+    (``recorder(record_kwargs, out_dir)``: the caller's LIBERO recorder, which lives above the data layer, e.g.
+    ``dzmodel.eval.libero_record.record_into``). ``name`` defaults
     to the repo/directory basename, or "synthetic". ``allow_patterns`` filters files (hub
     semantics) for hub and local sources. ``verify_files=False`` only checks that info.json and
     the episode table open (for deliberately partial downloads, e.g. meta/ only). Hub downloads retry transient
@@ -187,6 +190,9 @@ def fetch_dataset(
         raise DataError(f"synth_kwargs: only used with source 'synthetic', not {source!r}")
     if kind != "libero" and record_kwargs:
         raise DataError(f"record_kwargs: only used with source 'libero', not {source!r}")
+    if kind == "libero" and recorder is None:
+        raise DataError("source 'libero' is recorded, not downloaded: give a recorder (the fetch stage and "
+                        "`dz data fetch libero` do), or run `dz data record libero`")
     if allow_patterns is not None:
         if isinstance(allow_patterns, str):
             allow_patterns = [allow_patterns]
@@ -246,9 +252,7 @@ def fetch_dataset(
             elif kind == "local":
                 _copy_local(Path(resolved), tmp, allow_patterns)
             elif kind == "libero":
-                from dzmodel.eval.libero_record import RecordConfig, record_libero  # lazy: needs LIBERO
-
-                record_libero(RecordConfig(**(record_kwargs or {})), tmp)
+                recorder(record_kwargs or {}, tmp)
             else:
                 from dzmodel.data.synth import make_synthetic_dataset  # lazy: another module's job
 

@@ -289,6 +289,11 @@ def _session(a: _Attempt) -> str:
     return f"record-task{a.task.index}-attempt{a.number}"  # one policy session per DAgger episode
 
 
+def record_into(record_kwargs: dict, out: str | Path) -> None:
+    """`fetch_dataset`'s recorder for source 'libero': `RecordConfig(**record_kwargs)` recorded into `out`."""
+    record_libero(RecordConfig(**record_kwargs), out)
+
+
 def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, progress: bool = True,
                   log=print, pool_factory=None, policy=None) -> dict:
     """Record `cfg.episodes` expert attempts per task into a LeRobot v3.0 dataset at `out` (module docstring).

@@ -13,8 +13,8 @@ Training model FLOPs = 3 × forward (backward = 2 × forward). Activation recomp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from .args import DreamZeroArgs
 from .attention import TeacherForcingLayout
 
 
@@ -46,7 +46,8 @@ def allowed_pairs(layout: TeacherForcingLayout) -> int:
     return clean + noisy0 + noisy_action + state
 
 
-def wam_forward_flops(args: DreamZeroArgs, layout: TeacherForcingLayout) -> FlopsBreakdown:
+def wam_forward_flops(args: Any, layout: TeacherForcingLayout) -> FlopsBreakdown:
+    """args: a DreamZeroArgs (not imported: `DreamZeroArgs.flops` calls this, so this module sits below args.py)."""
     d, ffn, n = args.dim, args.ffn_dim, args.num_layers
     L = layout.seq_len
     C = args.text_len + args.clip_tokens

@@ -13,81 +13,17 @@ and the runner (`dzmodel/pipeline.py`) import, transitively, with the data files
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from ..stage_table import (EMBODIMENT_FIELDS, ENCODING_TRAIN_FIELDS, RUNNER, STAGE_TABLE, STAGES,
+                           VISION_TRAIN_FIELDS, StageSpec, missing_params, param_value, stage_params)
+
+__all__ = ["EMBODIMENT_FIELDS", "ENCODING_TRAIN_FIELDS", "RUNNER", "STAGE_TABLE", "STAGES", "VISION_TRAIN_FIELDS",
+           "StageSpec", "missing_params", "param_value", "stage_params", "REPO_ROOT", "code_files",
+           "code_fingerprint", "dvc_params", "dvc_deps", "TRACK_STAGE", "TRACK_MODULE", "TRACK_PARAMS",
+           "dvc_track_deps"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-RUNNER = "dzmodel.pipeline"  # runs every stage: records its result and fingerprints its outputs
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    entry: str                      # module:function that runs it; its imports are the stage's code
-    upstream: tuple[str, ...] = ()  # stages whose outputs it reads
-    params: tuple[str, ...] = ()    # profile parameters it reads: a section, or section.field
-    reads: tuple[str, ...] = ()     # other files it reads, as dvc.yaml names them
-
-    @property
-    def module(self) -> str:
-        return self.entry.partition(":")[0]
-
-
-# What the frozen encoders' outputs over the training windows depend on: the model's shapes, the encoder weights
-# (or their seed, when random), the tokenizer, and which episodes are cached.
-ENCODING_TRAIN_FIELDS = ("preset", "model_overrides", "encoder_weights", "tokenizer", "heldout_episodes",
-                         "skip_missing", "seed")
-EMBODIMENT_FIELDS = ("metadata.embodiment", "metadata.embodiment_files")
-# What the vision stage's VAE depends on besides its own section: the seeded random VAE it starts from (preset,
-# seed), the windows its clips come from (model_overrides: their frame spacing) and the episodes it may train on.
-VISION_TRAIN_FIELDS = ("preset", "model_overrides", "seed", "heldout_episodes", "skip_missing")
-
-STAGE_TABLE: dict[str, StageSpec] = {
-    "fetch": StageSpec("dzmodel.stages.fetch:stage_fetch", params=("fetch",)),
-    # the statistics leave out the episodes training holds out
-    "metadata": StageSpec("dzmodel.stages.metadata:stage_metadata", upstream=("fetch",),
-                          params=("metadata", "train.heldout_episodes")),
-    # the offline presets' VAE pretrained on the dataset's frames (dzmodel/train/vision.py); a no-op when disabled
-    "vision": StageSpec("dzmodel.stages.vision:stage_vision", upstream=("fetch", "metadata"),
-                        params=("vision", *EMBODIMENT_FIELDS, *(f"train.{f}" for f in VISION_TRAIN_FIELDS))),
-    "cache": StageSpec("dzmodel.stages.cache:stage_cache", upstream=("fetch", "metadata", "vision"),
-                       params=("cache", *EMBODIMENT_FIELDS, *(f"train.{f}" for f in ENCODING_TRAIN_FIELDS))),
-    "train": StageSpec("dzmodel.stages.train:stage_train", upstream=("fetch", "metadata", "vision", "cache"),
-                       params=("train", "cache.enabled", *EMBODIMENT_FIELDS)),
-    "convert": StageSpec("dzmodel.stages.convert:stage_convert", upstream=("train",), params=("convert",)),
-    "eval": StageSpec("dzmodel.stages.eval:stage_eval", upstream=("convert", "fetch"),
-                      params=("eval", "metadata.embodiment")),
-    "package": StageSpec("dzmodel.stages.package:stage_package", upstream=("convert", "eval"), params=("package",),
-                         reads=("runs/${profile}/metrics/eval.json",)),
-}
-STAGES = tuple(STAGE_TABLE)
-
-
-def param_value(profile: dict[str, Any], path: str) -> tuple[bool, Any]:
-    """(present, value) of a parameter path inside a profile's plain data."""
-    node: Any = profile
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
-
-
-def stage_params(profile: dict[str, Any], name: str) -> dict[str, Any]:
-    """The values of the parameters a stage reads, by path (part of its Prefect cache key)."""
-    return {path: param_value(profile, path)[1] for path in STAGE_TABLE[name].params}
-
-
-def missing_params(profile: dict[str, Any]) -> list[tuple[str, str]]:
-    """(path, first stage that reads it) for each table parameter a raw profile does not write out."""
-    out: dict[str, str] = {}
-    for name, spec in STAGE_TABLE.items():
-        for path in spec.params:
-            if path not in out and not param_value(profile, path)[0]:
-                out[path] = name
-    return sorted(out.items())
 
 
 def code_files(name: str, root: Path = REPO_ROOT) -> list[Path]:

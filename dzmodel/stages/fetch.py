@@ -9,6 +9,7 @@ from .common import Log, print_line
 def stage_fetch(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
     from ..data.fetch import fetch_dataset
     from ..data.lerobot_format import open_dataset
+    from ..eval.libero_record import record_into
 
     f = prof.fetch
     synth = ({"num_episodes": f.synth_episodes, "episode_length": f.synth_length, "seed": f.seed}
@@ -28,7 +29,7 @@ def stage_fetch(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict
             record.pop("min_shift_m", None)
     dest = fetch_dataset(source, paths.data, revision=f.revision, allow_patterns=f.allow or None,
                          synth_kwargs=synth, name="dataset", record_kwargs=record, retries=f.retries,
-                         retry_delay_s=f.retry_delay_s, skip_missing=f.skip_missing)
+                         retry_delay_s=f.retry_delay_s, skip_missing=f.skip_missing, recorder=record_into)
     reader = open_dataset(dest)
     frames = sum(e.length for e in reader.episodes)
     log(f"fetch: {len(reader.episodes)} episodes, {frames} frames at {reader.fps:g} fps, views {reader.video_keys}")

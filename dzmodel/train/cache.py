@@ -89,7 +89,7 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
                 tokenizer=None, encoders=None, device: str = "cpu", progress: bool = True,
                 overwrite: bool = False, command: str = "cache") -> Path:
     """command: whose output the cache directory is (the pipeline builds its stage's as "pipeline")."""
-    from .trainer import size_to_embodiment, training_windows
+    from .windows import size_to_embodiment, training_windows
 
     check_output_dir(out_dir, overwrite=overwrite, command=command)  # before the encoders load
     cfg = size_to_embodiment(cfg)  # the same widths the trainer will build
@@ -140,7 +140,7 @@ def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_
     output widths, `prompts` distinct prompts), stored in `dtype` as a bf16 encoder writes them. For measuring
     `dz train`'s throughput where neither data nor encoder weights are at hand (the numbers do not depend on
     the values); its index says it is synthetic. Drawn in batches of 16, so memory stays small."""
-    from ..bench.model_step import random_inputs
+    from ..model.synthetic import random_inputs
 
     a = preset(preset_name, **(model_overrides or {}))
     g = torch.Generator().manual_seed(seed)

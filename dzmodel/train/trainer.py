@@ -17,20 +17,17 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..data.check import verify_files
 from ..data.collate import Collator
-from ..data.dataset import MixtureDataset, StreamSampler, WindowDataset, heldout_split, load_statistics
+from ..data.dataset import MixtureDataset, StreamSampler, load_statistics
 from ..data.embodiments import get_embodiment, load_embodiments
 from ..data.errors import DataError
-from ..data.lerobot_format import open_dataset
 from ..data.sampling import SampleStream, WindowSpec
-from ..data.transforms import NormStats
 from ..data.video import worker_init_fn
 from ..dirlock import directory_lock
 from ..model.args import OFFLINE_PRESETS, preset
@@ -46,6 +43,7 @@ from .encoders import frozen_encoders
 from .metrics import JsonlSink, MetricsSink, Progress, peak_flops, peak_memory_gib
 from .parallelize import DTYPES, apply_fsdp, apply_recompute_and_compile, build_adamw, eager_blocks
 from .step import TrainStep
+from .windows import size_to_embodiment, training_windows
 
 
 @dataclass
@@ -68,25 +66,6 @@ def init_distributed() -> DistInfo:
     if cuda:
         torch.cuda.set_device(device)
     return DistInfo(rank, world, local, device)
-
-
-def training_windows(path, emb, spec: WindowSpec, stats: dict, cfg: TrainConfig, train: bool = True) -> WindowDataset:
-    """A dataset's windows without its held-out episodes (`heldout_episodes`): training never samples them.
-    Every data and video file is verified first (footers, containers, LFS pointers): a corrupt file stops the run
-    here with one error, not mid-run or never."""
-    reader = open_dataset(path)
-    verify_files(reader)
-    episodes = None
-    if cfg.heldout_episodes:
-        episodes, _ = heldout_split([e.index for e in reader.episodes], cfg.heldout_episodes,
-                                    f"train.heldout_episodes ({path})")
-    ds = WindowDataset(reader, emb, spec, stats, train=train and cfg.augment, seed=cfg.seed, episodes=episodes,
-                       skip_missing=cfg.skip_missing,
-                       frame_cache_mib=0 if cfg.data_on_device else cfg.frame_cache_mib)
-    if ds.missing and int(os.environ.get("RANK", "0")) == 0:
-        eps = sorted({ep for ep, _ in ds.missing})
-        print(f"{path}: skip_missing: {len(ds.missing)} video files missing; skipping episodes {eps}", file=sys.stderr)
-    return ds
 
 
 def resume_position(state: dict, world_size: int) -> int:
@@ -131,28 +110,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr
     progress = (step - warmup) / max(1, cfg.steps - warmup)
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def size_to_embodiment(cfg: TrainConfig) -> TrainConfig:
-    """The small offline presets (tiny, small) train from scratch: their state and action widths follow the
-    embodiment (from its metadata) when it needs more than the preset has, unless model_overrides sets them. The
-    result goes into the saved config, so convert and serve build the same model."""
-    if cfg.preset not in OFFLINE_PRESETS or not cfg.metadata or not Path(cfg.metadata).is_file():
-        return cfg
-    args = preset(cfg.preset, **cfg.model_overrides)
-    emb = get_embodiment(cfg.embodiment, load_embodiments(cfg.embodiment_files))
-    stats = load_statistics(cfg.metadata, emb.tag)
-    widths = {group: len(NormStats.from_metadata(stats, [k.name for k in keys], group, cfg.metadata).q01)
-              for group, keys in (("state", emb.state), ("action", emb.action))}
-    sized = {}
-    for field_name, group in (("max_state_dim", "state"), ("action_dim", "action")):
-        if field_name not in cfg.model_overrides and widths[group] > getattr(args, field_name):
-            sized[field_name] = widths[group]
-    if not sized:
-        return cfg
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"preset {cfg.preset!r} sized to embodiment {emb.tag!r}: {sized} (model_overrides)", file=sys.stderr)
-    return replace(cfg, model_overrides={**cfg.model_overrides, **sized})
 
 
 def init_device(cfg: TrainConfig, device: torch.device | str) -> str:

@@ -278,3 +278,23 @@ def test_fetch_synthetic_real(tmp_path):
     assert [e.length for e in r.episodes] == [6, 6]
     frames = r.read_frames(1, r.video_keys[0], [5, 0])
     assert frames.shape == (2, 32, 32, 3)
+
+
+# ------------------------------------------------------------------------------------ libero
+
+
+def test_libero_source_is_recorded_by_the_callers_recorder(src, tmp_path):
+    """The data layer does not import the LIBERO recorder (it lives above it): the caller passes one."""
+    with pytest.raises(DataError, match="source 'libero' is recorded"):
+        fetch_dataset("libero", tmp_path / "none", record_kwargs={"tasks": [0]})
+    assert not (tmp_path / "none").exists() or not any((tmp_path / "none").iterdir())
+    seen = []
+
+    def recorder(kwargs, out):
+        seen.append(kwargs)
+        shutil.copytree(src, out)
+
+    out = fetch_dataset("libero", tmp_path / "datasets", name="rec", record_kwargs={"tasks": [0]}, recorder=recorder)
+    assert seen == [{"tasks": [0]}] and len(open_dataset(out).episodes) == 2
+    assert fetch_dataset("libero", tmp_path / "datasets", name="rec", record_kwargs={"tasks": [0]},
+                         recorder=recorder) == out and len(seen) == 1  # the marker matches: not recorded again

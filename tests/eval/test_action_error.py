@@ -50,7 +50,7 @@ def test_training_never_samples_the_heldout_episodes(tmp_path):
     from dzmodel.data.sampling import WindowSpec
     from dzmodel.data.synth import make_synthetic_dataset
     from dzmodel.train.config import TrainConfig
-    from dzmodel.train.trainer import training_windows
+    from dzmodel.train.windows import training_windows
 
     ds = make_synthetic_dataset(tmp_path / "ds", num_episodes=4, episode_length=40, codec="libx264", motion="orbit")
     emb = get_embodiment("libero_sim_tiny")

@@ -39,7 +39,7 @@ def test_compiling_applies_the_work_around(monkeypatch):
 def test_small_preset_with_1x1_patches_compiles_and_matches_eager():
     """The libero_scripted model (small, patch_size [1, 1, 1], 8 x 16 latents, 2 blocks): compiled blocks give the
     eager losses and gradients (fp32, CPU, micro-batch 1)."""
-    from dzmodel.bench.train_bench import synthetic_batches
+    from dzmodel.train.synthetic import synthetic_batches
     from dzmodel.model.args import preset
     from dzmodel.model.wam import DreamZeroWAM
     from dzmodel.train.parallelize import apply_recompute_and_compile

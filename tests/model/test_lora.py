@@ -4,7 +4,7 @@ model whose outputs equal the adapted one's and which loads with the strict load
 import pytest
 import torch
 
-from dzmodel.bench.model_step import random_inputs
+from dzmodel.model.synthetic import random_inputs
 from dzmodel.model.args import preset
 from dzmodel.model.lora import LORA_TARGETS, LoRAConfig, LoRALinear, apply_lora, merge_lora
 from dzmodel.model.state_dict import load_strict

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from dzmodel.bench.model_step import random_inputs
+from dzmodel.model.synthetic import random_inputs
 from dzmodel.model.lora import LoRALinear, apply_lora
 from dzmodel.model.state_dict import load_dreamzero_dir
 from dzmodel.train.checkpoint import latest_checkpoint, load_checkpoint

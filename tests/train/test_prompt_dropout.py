@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dzmodel.bench.train_bench import build_trainer, synthetic_batches
+from dzmodel.bench.train_bench import build_trainer
+from dzmodel.train.synthetic import synthetic_batches
 from dzmodel.data.collate import Collator
 from dzmodel.data.errors import DataError
 from dzmodel.model.components import build_tiny_policy

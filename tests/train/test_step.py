@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dzmodel.bench.train_bench import build_train_step, build_trainer, synthetic_batches
+from dzmodel.bench.train_bench import build_train_step, build_trainer
+from dzmodel.train.synthetic import synthetic_batches
 from dzmodel.train.step import TrainStep
 
 

@@ -326,7 +326,7 @@ def test_a_tiny_model_sizes_its_state_and_action_to_the_embodiment(data, tmp_pat
     """A robot with more state/action dims than the tiny preset's 8: the widths follow the embodiment's metadata,
     are saved in the run's config (so convert builds the same model), and an explicit override still wins."""
     from dzmodel.data.dataset import embodiment_metadata
-    from dzmodel.train.trainer import size_to_embodiment
+    from dzmodel.train.windows import size_to_embodiment
 
     wide = (data / "emb.yaml").read_text().replace("tabletop_pusher:", "wide_pusher:").replace(
         "state: {state: {column: observation.state}}",
