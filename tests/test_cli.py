@@ -133,7 +133,8 @@ def test_serve_deploys_upstreams_dit_schedule_at_16_steps_only():
 
     import pytest
 
-    from dzmodel.cli import CLIError, solver_from
+    from dzmodel.clitools import CLIError
+    from dzmodel.model.cli import solver_from
 
     ns = argparse.Namespace(solver_steps=16, cfg_scale=5.0, dit_steps="auto")
     assert solver_from(ns).dit_forwards == 8
@@ -147,6 +148,7 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, mon
     import pytest
 
     from dzmodel import cli
+    from dzmodel import pipeline_cli
 
     assert cli.main(["eval", "oracle", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == cli.EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
@@ -155,7 +157,7 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, mon
     def buggy(ns):
         raise ValueError("shapes do not match")
 
-    monkeypatch.setattr(cli, "cmd_params_check", buggy)  # the parser is built inside main, after this
+    monkeypatch.setattr(pipeline_cli, "cmd_params_check", buggy)  # the parser is built inside main, after this
     assert cli.main(["params", "check"]) == cli.EXIT_USAGE
     assert "--debug" in capsys.readouterr().err
     with pytest.raises(ValueError, match="shapes do not match"):
@@ -168,19 +170,20 @@ def test_a_failed_stage_is_one_line_and_another_runtime_error_is_not_hidden(monk
     import pytest
 
     from dzmodel import cli
+    from dzmodel import pipeline_cli
     from dzmodel.stages.common import StageError
 
     def failed(ns):
         raise StageError("train: torchrun exited with code 1")
 
-    monkeypatch.setattr(cli, "cmd_params_check", failed)
+    monkeypatch.setattr(pipeline_cli, "cmd_params_check", failed)
     assert cli.main(["params", "check"]) == cli.EXIT_FAIL
     assert capsys.readouterr().err.strip() == "dz: error: train: torchrun exited with code 1"
 
     def timed_out(ns):
         raise RuntimeError("Timed out while attempting to connect to ephemeral Prefect API server.")
 
-    monkeypatch.setattr(cli, "cmd_params_check", timed_out)
+    monkeypatch.setattr(pipeline_cli, "cmd_params_check", timed_out)
     with pytest.raises(RuntimeError, match="ephemeral Prefect API server"):
         cli.main(["params", "check"])
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from dzmodel.bench.train_bench import build_train_step
-from dzmodel.cli import CLIError, parse_variant
+from dzmodel.bench.cli import parse_variant
+from dzmodel.clitools import CLIError
 
 
 def test_variant_parsing_defaults_and_errors():

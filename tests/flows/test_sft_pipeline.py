@@ -281,7 +281,8 @@ def test_dz_promote_applies_the_gate_to_a_registered_version(prefect_env, tmp_pa
 def test_models_uris_resolve_to_the_promoted_bundle(prefect_env, tmp_path, monkeypatch):
     """`dz serve models:/dreamzero-demo@production` serves what the alias points at: the registry resolves
     through the profile that registers the name (or MLFLOW_TRACKING_URI) into the bundle cache."""
-    from dzmodel.cli import main, resolve_bundle_source
+    from dzmodel.cli import main
+    from dzmodel.serve.cli import resolve_bundle_source
     from flows.sft_pipeline import sft_pipeline
     from tasks.tracking import RegistryError, resolve_registered_bundle
 

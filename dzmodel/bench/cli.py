@@ -1,0 +1,208 @@
+"""`dz bench ...`: model, data, training and policy benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..clitools import EXIT_OK, CLIError, latent_hw_arg
+from ..model.cli import add_solver_arguments
+
+
+def cmd_bench_model(ns: argparse.Namespace) -> int:
+    import torch
+
+    from ..bench.model_step import run
+
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    hw = latent_hw_arg(ns.latent_hw)
+    if ns.check:
+        from ..bench.model_step import check_flex_vs_sdpa
+
+        for name, layers, dt, chw in (("tiny", None, torch.float32, "4,6"), (ns.preset, 2, torch.bfloat16, ns.latent_hw)):
+            errs = check_flex_vs_sdpa(name, layers, tuple(int(x) for x in chw.split(",")), dt, device)
+            print(f"flex vs sdpa, {name} ({dt}): " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+    run(ns.preset, ns.layers, [int(b) for b in ns.batch.split(",")], ns.backend.split(","), hw,
+        ns.steps, ns.warmup, device, ns.out)
+    return EXIT_OK
+
+
+
+
+# The best measured 5B configuration on one H200 (docs/performance.md).
+OPTIMISED_VARIANT = {"name": "optimised", "micro_batch": 21, "accumulation": 1, "compile": True, "ac": "elementwise",
+                     "attention": "segments", "encoders": "cache"}
+
+
+def parse_variant(text: str) -> dict:
+    """'name=opt,mbs=32,compile=1,ac=full,attn=flex,encoders=cache,lora=64,ema=0.999' -> run_config kwargs."""
+    keys = {"name": "name", "mbs": "micro_batch", "accum": "accumulation", "compile": "compile", "ac": "ac",
+            "attn": "attention", "encoders": "encoders", "lora": "lora_rank", "ema": "ema_decay"}
+    out = dict(OPTIMISED_VARIANT)
+    for part in text.split(","):
+        if "=" not in part:
+            raise CLIError(f"variant field {part!r} is not key=value")
+        k, v = part.split("=", 1)
+        if k not in keys:
+            raise CLIError(f"variant key {k!r} is not one of {sorted(keys)}")
+        try:
+            out[keys[k]] = (int(v) if k in ("mbs", "accum", "lora") else float(v) if k == "ema"
+                            else (v in ("1", "true", "yes")) if k == "compile" else v)
+        except ValueError:
+            raise CLIError(f"variant field {part!r}: {v!r} is not a number") from None
+    return out
+
+
+def cmd_bench_train(ns: argparse.Namespace) -> int:
+    from ..bench.train_bench import run
+
+    configs = [parse_variant(v) for v in (ns.variant or ["name=optimised"])]
+    if not ns.no_baseline:  # last, so its encoders never share the GPU with an optimised configuration
+        configs.append({"name": "baseline", "micro_batch": 1, "compile": False, "ac": "none", "attention": "sdpa",
+                        "encoders": "online_per_sample"})
+    # Before the first CUDA allocation: large, varying activation sets fragment the default allocator.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    run(ns.preset, ns.layers or None, configs, latent_hw_arg(ns.latent_hw), ns.steps, ns.warmup, ns.out, fsdp=ns.fsdp,
+        against_run=ns.against_run)
+    return EXIT_OK
+
+
+def cmd_bench_profile(ns: argparse.Namespace) -> int:
+    import json
+
+    from ..bench.train_profile import block_parts, print_parts, print_summary, profile_step
+
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    hw = latent_hw_arg(ns.latent_hw)
+    v = parse_variant(ns.variant)
+    result = {}
+    if ns.parts or ns.parts_only:
+        rows = block_parts(ns.preset, hw, v["micro_batch"])
+        print(f"one block's pieces alone ({ns.preset}, latent {hw}, micro-batch {v['micro_batch']}):")
+        print_parts(rows)
+        result["parts"] = rows
+    if not ns.parts_only:
+        s = profile_step(ns.preset, ns.layers or None, v["micro_batch"], v["compile"], v["ac"], v["attention"], hw,
+                         ns.trace, fsdp=ns.fsdp)
+        if s is None:  # not rank 0
+            return EXIT_OK
+        print(f"one training step, {ns.preset} {ns.layers or 'all'} layers, {ns.variant}:")
+        print_summary(s)
+        result["step"] = {"step_ms": s.step_ms, "compute_busy_ms": s.compute_busy_ms, "exposed_comm_ms": s.exposed_comm_ms, "by_category": s.by_category, "top": s.top}
+    if ns.out:
+        with open(ns.out, "a") as f:
+            f.write(json.dumps({"preset": ns.preset, "layers": ns.layers, "variant": ns.variant, **result}) + "\n")
+    return EXIT_OK
+
+
+def cmd_bench_policy(ns: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from ..bench.policy_bench import PolicySetting, ladder, run_policy_bench
+
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        batches = tuple(int(b) for b in ns.batch.split(","))
+    except ValueError:
+        raise CLIError(f"--batch takes comma-separated integers, got {ns.batch!r}") from None
+    if ns.ladder:
+        settings = ladder()
+    else:
+        settings = [PolicySetting(name=ns.name, weights=ns.weights or ("bf16" if device.startswith("cuda") else "fp32"),
+                                  solver_steps=ns.solver_steps, cfg_scale=ns.cfg_scale, batch_cfg=not ns.no_batch_cfg,
+                                  dit_steps=ns.dit_steps, text_cache=not ns.no_text_cache,
+                                  cuda_graphs=not ns.no_cuda_graphs, compile=ns.compile)]
+
+    def emit(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        if ns.out:
+            with open(ns.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    run_policy_bench(ns.preset, device, settings, batches, ns.calls, ns.warmup, ns.breakdown_calls, progress=emit)
+    return EXIT_OK
+
+
+def cmd_bench_data(ns: argparse.Namespace) -> int:
+    import json
+
+    from ..bench.data_bench import run_data_bench
+
+    result = run_data_bench(ns.workdir, workers=tuple(int(w) for w in ns.workers.split(",")),
+                            decode_samples=ns.samples, loader_samples=ns.loader_samples)
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return EXIT_OK
+
+
+def add_commands(sub) -> None:
+    """`dz bench ...`."""
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="cmd", required=True)
+    p = bench.add_parser("model", help="bf16 forward+backward of the WAM on the DROID token layout")
+    p.add_argument("--preset", default="dreamzero_5b")
+    p.add_argument("--layers", type=int, default=4, help="cut the preset to this many layers (0 = all)")
+    p.add_argument("--batch", default="1", help="comma-separated micro-batch sizes")
+    p.add_argument("--backend", default="flex", help="comma-separated: flex, segments, sdpa")
+    p.add_argument("--latent-hw", default="11,20", help="latent H,W before patching (5B DROID: 11,20)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device")
+    p.add_argument("--out", help="append JSON lines here")
+    p.add_argument("--check", action="store_true", help="first compare FlexAttention with SDPA (outputs, grads)")
+    p.set_defaults(func=cmd_bench_model)
+    p = bench.add_parser("train", help="baseline vs optimised training steps, side by side (GPU)")
+    p.add_argument("--preset", default="dreamzero_5b")
+    p.add_argument("--layers", type=int, default=0, help="cut the preset to this many layers (0 = all)")
+    p.add_argument("--latent-hw", default="11,20", help="latent H,W (5B DROID 11,20; 14B DROID 44,80)")
+    p.add_argument("--variant", action="append",
+                   help="an optimised config: name=..,mbs=..,accum=..,compile=0/1,ac=none|elementwise|selective|full|full:N,attn=segments|flex|sdpa,"
+                        "encoders=cache|online_batched|online_per_sample,lora=RANK,ema=DECAY (repeatable)")
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 even with one process (its overhead without communication)")
+    p.add_argument("--against-run", metavar="RUN_DIR",
+                   help="a dz train run at the first variant's settings: compare its logged samples/s/GPU")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", help="append JSON lines here")
+    p.set_defaults(func=cmd_bench_train)
+    p = bench.add_parser("profile", help="where one training step's GPU time goes; --parts: each block piece alone")
+    p.add_argument("--preset", default="dreamzero_5b")
+    p.add_argument("--layers", type=int, default=2, help="cut the preset to this many layers (0 = all)")
+    p.add_argument("--latent-hw", default="11,20", help="latent H,W (5B DROID 11,20; 14B DROID 44,80)")
+    p.add_argument("--variant", default="name=optimised", help="one configuration, as in `dz bench train --variant`")
+    p.add_argument("--parts", action="store_true", help="also time one block's GEMMs and attention kernels alone")
+    p.add_argument("--parts-only", action="store_true", help="only the pieces, no profiled step")
+    p.add_argument("--trace", help="keep the Chrome trace here")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 even with one process")
+    p.add_argument("--out", help="append a JSON line here")
+    p.set_defaults(func=cmd_bench_profile)
+    p = bench.add_parser("policy", help="latency of one action chunk on the serving path (p50/p95, per-stage breakdown)")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--device", default=None)
+    p.add_argument("--name", default="custom", help="label of this setting in the JSON")
+    p.add_argument("--weights", choices=["bf16", "fp32", "autocast"], default=None,
+                   help="bf16 weights (GPU default), fp32 (CPU default), or fp32 under bf16 autocast (the old GPU path)")
+    add_solver_arguments(p)
+    p.add_argument("--no-batch-cfg", action="store_true",
+                   help="run CFG's conditional and unconditional passes one after the other (the old path)")
+    p.add_argument("--no-text-cache", action="store_true", help="encode the prompt with umT5 at every call")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="launch every kernel from Python (eager)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the DiT block (inside the CUDA graphs)")
+    p.add_argument("--batch", default="1", help="sessions per call, comma-separated (e.g. 1,8,32): chunks/s per batch")
+    p.add_argument("--ladder", action="store_true", help="each optimisation in turn, then the fast settings, one model")
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--breakdown-calls", type=int, default=3, help="extra calls timed per stage (synchronised)")
+    p.add_argument("--out", help="append one JSON line per measurement here")
+    p.set_defaults(func=cmd_bench_policy)
+    p = bench.add_parser("data", help="video decode (torchcodec batched vs PyAV) and loader samples/s, DROID-like")
+    p.add_argument("--workdir", default="build/bench_data", help="where the generated source videos are cached")
+    p.add_argument("--workers", default="1,2,4")
+    p.add_argument("--samples", type=int, default=5, help="decode samples to time (median)")
+    p.add_argument("--loader-samples", type=int, default=16)
+    p.add_argument("--out", help="write the numbers as JSON")
+    p.set_defaults(func=cmd_bench_data)

@@ -1,0 +1,39 @@
+"""What the `dz` subcommands of every package share: exit codes, the one-line user error, claiming --out, and
+parsers of list arguments."""
+
+from __future__ import annotations
+
+import argparse
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def claim_out(ns: argparse.Namespace, command: str) -> None:
+    """--out as a directory of this command's (absent, empty, or written by dz; --overwrite: any directory)."""
+    from .outputs import claim_dir
+
+    claim_dir(ns.out, command, overwrite=ns.overwrite)
+
+
+def int_list(text: str | None, flag: str) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CLIError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+
+def latent_hw_arg(text: str) -> tuple[int, int]:
+    try:
+        hw = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        hw = ()
+    if len(hw) != 2 or min(hw) < 1:
+        raise CLIError(f"--latent-hw must be H,W (e.g. 11,20), got {text!r}")
+    return hw

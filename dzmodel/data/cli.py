@@ -1,0 +1,166 @@
+"""`dz data ...`: fetch, synth, metadata and check (`dz data record` is the evaluation package's: it needs
+LIBERO)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..clitools import EXIT_OK
+
+
+def registry_of(ns: argparse.Namespace):
+    from ..data.embodiments import load_embodiments
+
+    return load_embodiments(ns.embodiments or ())
+
+
+def cmd_data_fetch(ns: argparse.Namespace) -> int:
+
+    from ..data.fetch import fetch_dataset
+
+    synth = {"num_episodes": ns.synth_episodes, "seed": ns.seed} if ns.source == "synthetic" else None
+    path = fetch_dataset(ns.source, Path(ns.dest), revision=ns.revision, allow_patterns=ns.allow or None,
+                         synth_kwargs=synth, name=ns.name, retries=ns.retries, retry_delay_s=ns.retry_delay,
+                         skip_missing=ns.skip_missing, recorder=ns.recorder)
+    print(f"dataset ready: {path}")
+    return EXIT_OK
+
+
+def cmd_data_synth(ns: argparse.Namespace) -> int:
+    from ..data.synth import make_synthetic_dataset, summarize
+
+    codec = {"av1": "libsvtav1", "h264": "libx264"}[ns.codec]
+    path = make_synthetic_dataset(ns.out, num_episodes=ns.episodes, episode_length=ns.length,
+                                  image_size=ns.image_size, codec=codec, seed=ns.seed, overwrite=ns.overwrite,
+                                  motion=ns.motion, embodiment=ns.embodiment)
+    print(summarize(path))
+    return EXIT_OK
+
+
+def _is_metadata_json(path: Path) -> bool:
+    """A metadata.json that `dz data metadata` wrote: a JSON object of embodiment entries with statistics."""
+    import json
+
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(doc, dict) and bool(doc) and all(isinstance(v, dict) and "statistics" in v for v in doc.values())
+
+
+def cmd_data_metadata(ns: argparse.Namespace) -> int:
+    from ..data.dataset import embodiment_metadata
+    from ..data.embodiments import get_embodiment
+
+    from ..outputs import check_output_file
+
+    check_output_file(ns.out, _is_metadata_json, overwrite=ns.overwrite, what="a metadata.json")  # --merge too
+    emb = get_embodiment(ns.embodiment, registry_of(ns))
+    doc = embodiment_metadata(ns.dataset, emb, ns.out, merge=ns.merge, max_episodes=ns.max_episodes,
+                              heldout_episodes=ns.heldout_episodes)
+    stats = doc[emb.tag]["statistics"]
+    print(f"wrote {ns.out} [{emb.tag}], statistics from {doc[emb.tag]['statistics_episodes']} episodes")
+    for group, entries in stats.items():
+        for key, st in entries.items():
+            print(f"  {group}.{key}: {len(st['mean'])} dims, q01 {[round(v, 3) for v in st['q01'][:4]]}..., "
+                  f"q99 {[round(v, 3) for v in st['q99'][:4]]}...")
+    return EXIT_OK
+
+
+def cmd_data_check(ns: argparse.Namespace) -> int:
+    from ..data.dataset import WindowDataset
+    from ..data.embodiments import get_embodiment
+    from ..data.errors import DataError
+    from ..data.lerobot_format import open_dataset
+    from ..data.sampling import WindowSpec
+
+    reader = open_dataset(ns.dataset)
+    print(f"{reader.root}: LeRobot {reader.version}, {len(reader.episodes)} episodes, "
+          f"{sum(e.length for e in reader.episodes)} frames at {reader.fps:g} fps, views {reader.video_keys}")
+    try:
+        reader.check()
+        print("all promised data and video files are present")
+    except DataError as exc:
+        if not ns.skip_missing:
+            raise
+        print(f"warning: {exc}")
+    from ..data.check import dataset_problems, deep_check, raise_problems
+
+    raise_problems(reader, deep_check(reader) if ns.deep else dataset_problems(reader), shown=None)
+    print("every data file's footer opens, every number in it is finite and every video is a video container"
+          + ("; every video frame decodes and frame counts match the episode table" if ns.deep else ""))
+    if reader.version == "v3.0":
+        from ..data.lerobot_format import crosscheck_with_lerobot
+
+        print(crosscheck_with_lerobot(reader))
+    if ns.embodiment:
+        emb = get_embodiment(ns.embodiment, registry_of(ns))
+        spec = WindowSpec(ns.chunks, emb.action_horizon, 4 * ns.frames_per_block, emb.sampling)
+        ds = WindowDataset(reader, emb, spec, statistics=None, train=False, skip_missing=ns.skip_missing)
+        if ds.missing:
+            print(f"skipping {len({ep for ep, _ in ds.missing})} episodes with missing video files")
+        sample = ds.sample(0)
+        print(f"embodiment {emb.tag}: {len(ds)} anchors ({len(ds.index.skipped)} segments too short), "
+              f"state {ds.keys.state_dim} dims, action {ds.keys.action_dim} dims, "
+              f"frames {tuple(sample['images'].shape)}")
+        print(f"prompt: {sample['prompt']}")
+    return EXIT_OK
+
+
+def add_commands(sub, recorder=None):
+    """`dz data ...`. recorder: how `dz data fetch libero` records (`fetch_dataset`'s; LIBERO lives above this
+    layer). Returns the group's subparsers, to which other packages add (`dz data record`)."""
+
+    data = sub.add_parser("data", help="datasets: fetch, synth, metadata, check").add_subparsers(dest="cmd", required=True)
+    p = data.add_parser("fetch", help="fetch a dataset (hub id at a revision, a local path, or 'synthetic')")
+    p.add_argument("source")
+    p.add_argument("--dest", default="data/datasets", help="the project's data directory (DVC-tracked)")
+    p.add_argument("--revision", help="required for hub ids: a commit sha or tag")
+    p.add_argument("--allow", action="append", help="allow-pattern (repeatable), e.g. 'meta/*' 'data/*'")
+    p.add_argument("--name", help="directory name under --dest")
+    p.add_argument("--retries", type=int, default=3, help="hub downloads: retries of transient errors (network, 5xx)")
+    p.add_argument("--retry-delay", type=float, default=10.0, help="seconds before the first retry (doubles each time)")
+    p.add_argument("--skip-missing", action="store_true",
+                   help="accept a dataset that lacks some video files (train with --skip-missing to skip their episodes)")
+    p.add_argument("--synth-episodes", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_data_fetch, recorder=recorder)
+    p = data.add_parser("synth", help="generate the embedded LIBERO-like (or DROID-like) LeRobot v3.0 dataset")
+    p.add_argument("out")
+    p.add_argument("--episodes", type=int, default=8)
+    p.add_argument("--length", type=int, default=96)
+    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--codec", choices=["av1", "h264"], default="av1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--motion", choices=["walk", "orbit"], default="walk",
+                   help="orbit: actions predictable from one frame (the demo's); walk: random walks")
+    p.add_argument("--embodiment", choices=["libero_sim", "oxe_droid"], default="libero_sim",
+                   help="oxe_droid: DROID's three views, 14-dim state and 21-dim action columns")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_data_synth)
+
+    p = data.add_parser("metadata", help="normalisation stats (metadata.json) for a dataset + embodiment")
+    p.add_argument("dataset")
+    p.add_argument("--embodiment", required=True)
+    p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
+    p.add_argument("--out", required=True, help="metadata.json to write (never inside the dataset)")
+    p.add_argument("--overwrite", action="store_true", help="replace an --out file that is not a metadata.json written by dz")
+    p.add_argument("--merge", action="store_true", help="merge into an existing metadata.json")
+    p.add_argument("--max-episodes", type=int)
+    p.add_argument("--heldout-episodes", type=int, default=0,
+                   help="leave out the last N episodes (train.heldout_episodes): statistics of the training episodes")
+    p.set_defaults(func=cmd_data_metadata)
+    p = data.add_parser("check", help="verify a dataset's files and, with --embodiment, its keys and one sample")
+    p.add_argument("dataset")
+    p.add_argument("--embodiment")
+    p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
+    p.add_argument("--chunks", type=int, default=4, help="action chunks per window (the model's max_chunk_size)")
+    p.add_argument("--frames-per-block", type=int, default=2)
+    p.add_argument("--skip-missing", action="store_true", help="report missing video files, use the other episodes")
+    p.add_argument("--deep", action="store_true",
+                   help="also decode every frame of every video (strict): the first frame that does not decode, "
+                        "frame counts against the episode table")
+    p.set_defaults(func=cmd_data_check)
+
+    return data

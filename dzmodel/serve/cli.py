@@ -1,0 +1,180 @@
+"""`dz package`, `dz serve` and `dz client`: the Franka bundle, the policy server and its LIBERO client."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from ..clitools import EXIT_OK, CLIError
+from ..model.cli import add_solver_arguments, solver_from
+
+
+def cmd_package(ns: argparse.Namespace) -> int:
+    from ..serve.package import RobotConfig, build_package
+
+    bundle, tarball = build_package(ns.model, ns.out, RobotConfig.load(ns.robot), ns.version, ns.eval_dir, ns.name,
+                                    overwrite=ns.overwrite, sign_key=ns.sign)
+    print(f"bundle {bundle}\ntarball {tarball}")
+    return EXIT_OK
+
+
+
+def read_token(token_file: str | None) -> str | None:
+    """The shared secret from --token-file or DZ_SERVE_TOKEN (never the command line, which `ps` shows)."""
+    if token_file:
+        path = Path(token_file)
+        if not path.is_file():
+            raise CLIError(f"{path}: token file not found")
+        token = path.read_text().strip()
+        if not token:
+            raise CLIError(f"{path}: the token file is empty")
+        return token
+    return os.environ.get("DZ_SERVE_TOKEN") or None
+
+
+def resolve_bundle_source(source: str) -> tuple[str, str | None]:
+    """A bundle path as given, or a URI (models:/<name>@<alias>) resolved by a `dz.bundle_resolvers` entry point
+    (the pipeline package resolves models:/ through MLflow; the library itself imports no MLflow). Returns
+    (path, the MANIFEST sha256 the registry pinned, or None)."""
+    from importlib.metadata import entry_points
+
+    scheme = source.split(":/", 1)[0] if ":/" in source else None
+    if scheme is None or (len(scheme) == 1 and sys.platform == "win32"):
+        return source, None
+    found = [ep for ep in entry_points(group="dz.bundle_resolvers") if ep.name == scheme]
+    if not found:
+        raise CLIError(f"{source}: nothing resolves {scheme}:/ URIs here (models:/ needs the pipeline extras, "
+                       "i.e. MLflow: `make setup`)")
+    try:
+        resolved = found[0].load()(source)
+        path, digest = resolved if isinstance(resolved, tuple) else (resolved, None)
+        return str(path), digest
+    except ImportError as exc:
+        raise CLIError(f"{source}: {scheme}:/ URIs need {exc.name} (the pipeline extras: `make setup`)") from None
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from ..serve.bundles import TRUST_ENV, BundleError, load_trusted_key
+    from ..serve.protocol import RequestLimits
+    from ..serve.server import ServeError, ServerLimits, serve_bundle
+
+    token = read_token(ns.token_file)
+    if ns.no_auth:
+        if token:
+            raise CLIError("--no-auth and a token (DZ_SERVE_TOKEN or --token-file) contradict each other; pick one")
+        token = None
+    elif not token:
+        raise CLIError("dz serve needs a token: set DZ_SERVE_TOKEN or pass --token-file FILE "
+                       "(or --no-auth for clients that send none, such as RoboArena's evaluator)")
+    trust = ns.trust or os.environ.get(TRUST_ENV) or None
+    if trust:
+        try:
+            load_trusted_key(trust)  # a bad key file is refused before the model loads
+        except BundleError as exc:
+            raise CLIError(str(exc)) from None
+    try:
+        limits = ServerLimits(max_sessions=ns.max_sessions, sessions_per_connection=ns.sessions_per_connection,
+                              max_connections=ns.max_connections, max_frame_bytes=int(ns.max_frame_mib * 2**20),
+                              max_connections_per_client=ns.max_connections_per_client, idle_timeout_s=ns.idle_timeout,
+                              request=RequestLimits(max_frames=ns.max_frames))
+        bundle, manifest_sha256 = resolve_bundle_source(ns.bundle)
+        serve_bundle(bundle, token, ns.host, ns.port, ns.device, limits, solver_from(ns), ns.certfile, ns.keyfile,
+                     compile=False if ns.no_compile else None, trust=trust, manifest_sha256=manifest_sha256)
+    except ServeError as exc:
+        raise CLIError(str(exc)) from None
+    return EXIT_OK
+
+
+def cmd_client(ns: argparse.Namespace) -> int:
+    import json
+
+    from ..serve.client import DryRunRobot, ServerError, load_test, run_client
+
+    token = read_token(ns.token_file)
+    try:
+        if ns.load_test:
+            print(json.dumps(load_test(ns.url, token, ns.load_test, ns.requests)))
+            return EXIT_OK
+        if ns.dry_run:
+            run_client(ns.url, token, DryRunRobot(ns.prompt), ns.chunks)
+            return EXIT_OK
+        from ..serve.libero_client import run_libero_client
+
+        summary = run_libero_client(ns.url, token, suite=ns.suite, task=ns.task, episodes=ns.episodes,
+                                    control_hz=ns.control_hz, max_steps=ns.max_steps, seed=ns.seed,
+                                    camera_size=ns.camera_size, out=ns.out, overlap=not ns.sync)
+        print(json.dumps(summary))
+    except (ServerError, OSError) as exc:
+        raise CLIError(str(exc)) from None
+    return EXIT_OK
+
+
+def add_commands(sub) -> None:
+    """`dz package`, `dz serve` and `dz client`."""
+
+    p = sub.add_parser("package", help="a versioned, checksummed Franka deployment bundle (+ .tar.gz)")
+    p.add_argument("model", help="a converted model directory (dz convert)")
+    p.add_argument("--robot", required=True, help="robot config (YAML or JSON): robot_ip, camera_serials, "
+                   "target_ee_pose, workspace_min, workspace_max, control_rate_hz, gripper_threshold")
+    p.add_argument("--version", required=True)
+    p.add_argument("--eval", dest="eval_dir", help="a dz eval libero output directory to ship as evidence")
+    p.add_argument("--name", help="bundle name (default dreamzero-<embodiment>)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true", help="write into an --out folder that dz did not write")
+    p.add_argument("--sign", metavar="KEYFILE", help="sign the MANIFEST (MANIFEST.sig) with this ed25519 private "
+                   "key (PEM: `openssl genpkey -algorithm ed25519 -out lab.key`); `dz serve --trust` checks it")
+    p.set_defaults(func=cmd_package)
+
+    p = sub.add_parser("serve", help="serve a bundle's policy over WebSocket + msgpack-numpy (openpi and RoboArena "
+                                     "clients; docs/deploy.md)")
+    p.add_argument("bundle", help="a dz package directory or .tar.gz (verified against its MANIFEST), or "
+                                  "models:/<name>@<alias> (the MLflow registry)")
+    p.add_argument("--token-file", help="a file holding the shared token (default: the DZ_SERVE_TOKEN variable)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="accept clients without a token (RoboArena's evaluator sends none); prints a warning")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default localhost only; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--certfile", help="TLS certificate (PEM): serve wss:// instead of ws://")
+    p.add_argument("--keyfile", help="TLS private key (PEM), if not inside --certfile")
+    p.add_argument("--trust", metavar="PUBKEY", help="refuse any bundle without a valid MANIFEST.sig by this ed25519 "
+                   "public key (PEM: `openssl pkey -in lab.key -pubout -out lab.pub`); default: DZ_TRUST_KEY")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-sessions", type=int, default=64, help="KV-cache sessions across all connections")
+    p.add_argument("--sessions-per-connection", type=int, default=4,
+                   help="beyond it, a connection's least recently used session ends")
+    p.add_argument("--max-connections", type=int, default=64)
+    p.add_argument("--max-connections-per-client", type=int, default=16,
+                   help="per remote address (loopback, e.g. a reverse proxy, is not capped)")
+    p.add_argument("--idle-timeout", type=float, default=600.0,
+                   help="seconds without a request before a connection is closed (0: never)")
+    p.add_argument("--max-frame-mib", type=float, default=32.0,
+                   help="cap on a request frame; the limit follows the bundle's views and --max-frames")
+    p.add_argument("--max-frames", type=int, default=33, help="most camera frames per view in one request")
+    p.add_argument("--no-compile", action="store_true", help="on CUDA: skip torch.compile of the DiT block "
+                   "(faster start, slower chunks; CUDA graphs stay on)")
+    add_solver_arguments(p, dit_steps="auto")  # the deployed setting: upstream's 8 of 16 DiT steps
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("client", help="drive the LIBERO Panda (the sim Franka) through a policy server; "
+                                      "--dry-run prints the actions without a robot")
+    p.add_argument("url", help="e.g. ws://127.0.0.1:8000 (wss:// behind TLS)")
+    p.add_argument("--token-file", help="a file holding the server's token (default: DZ_SERVE_TOKEN; none sent if unset)")
+    p.add_argument("--dry-run", action="store_true", help="synthetic observations; print the chunks, move nothing")
+    p.add_argument("--chunks", type=int, default=3, help="--dry-run: chunks to request")
+    p.add_argument("--prompt", default="pick up the cube and place it in the bowl", help="--dry-run: the instruction")
+    p.add_argument("--suite", default="object", help="LIBERO suite (spatial, object, goal, 10, 90)")
+    p.add_argument("--task", type=int, default=0, help="task index within the suite")
+    p.add_argument("--episodes", type=int, default=1)
+    p.add_argument("--control-hz", type=float, default=20.0, help="the rate actions are executed at")
+    p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--camera-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sync", action="store_true",
+                   help="wait for each chunk and execute all of it (as dz eval libero), instead of inferring the next "
+                        "chunk while one executes")
+    p.add_argument("--out", help="write summary.json and episodes.csv here")
+    p.add_argument("--load-test", type=int, metavar="SESSIONS", help="instead: this many concurrent sessions")
+    p.add_argument("--requests", type=int, default=4, help="requests per session in the load test")
+    p.set_defaults(func=cmd_client)
