@@ -185,7 +185,7 @@ class EvalParams:
     previews: int = field(default=2, metadata={"min": 0})
 
     def __post_init__(self) -> None:
-        from .model.inference import SolverConfig
+        from .model.sampler import SolverConfig
 
         _check_suite_tasks(self.tasks, self.suite, "eval.tasks")
         init_states = self.episodes + self.select_episodes

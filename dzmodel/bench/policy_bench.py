@@ -24,7 +24,8 @@ import torch
 from ..model.args import preset
 from ..model.components import build_encoders, build_policy
 from ..model.cuda_graphs import GraphCache
-from ..model.inference import STAGES, NormStats, SolverConfig, StageTimer
+from ..model.inference import STAGES, NormStats, StageTimer
+from ..model.sampler import SolverConfig
 from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer
 from ..model.wam import DreamZeroWAM
 

@@ -271,7 +271,7 @@ def _clear_stale(out: Path) -> None:
 
 
 def _load_dagger_policy(cfg: RecordConfig):
-    from ..model.inference import SolverConfig
+    from ..model.sampler import SolverConfig
     from .policy import PolicyLoadError, load_policy
 
     try:

@@ -19,7 +19,8 @@ from ..data.dataset import load_statistics
 from ..data.embodiments import Embodiment, get_embodiment, load_embodiments
 from ..data.transforms import NormStats, compose_layout, from_relative, relative_action_dims, transform_view
 from ..model.components import build_policy
-from ..model.inference import DreamZeroPolicy, SolverConfig
+from ..model.inference import DreamZeroPolicy
+from ..model.sampler import SolverConfig
 from ..model.state_dict import load_dreamzero_dir
 from ..model.tokenizer import load_tokenizer
 from ..train.config import TrainConfig

@@ -73,7 +73,7 @@ def add_solver_arguments(p: argparse.ArgumentParser, dit_steps: str = "") -> Non
 
 
 def solver_from(ns: argparse.Namespace):
-    from ..model.inference import SolverConfig
+    from ..model.sampler import SolverConfig
 
     dit_steps = ns.dit_steps
     if dit_steps == "auto":  # dz serve: upstream's schedule at its 16 steps, every step otherwise

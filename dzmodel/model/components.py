@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from .args import DreamZeroArgs, preset
 from .clip import CLIP_TINY, CLIP_VIT_H_14, CLIPVisionConfig, WanCLIPVisual, visual_state_dict
-from .inference import DreamZeroPolicy, NormStats, SolverConfig
+from .inference import DreamZeroPolicy, NormStats
+from .sampler import SolverConfig
 from .state_dict import LoadReport, load_strict, read_weights
 from .t5 import UMT5_TINY, UMT5_XXL, UMT5Config, UMT5Encoder
 from .vae import WanVAE38Config, WanVAEConfig, WanVideoVAE, WanVideoVAE38

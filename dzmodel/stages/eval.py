@@ -28,7 +28,7 @@ def converted_models(paths: StagePaths) -> list[Path]:
 
 def eval_solver(e):
     """The flow solver the eval section sets (steps, CFG scale, DiT schedule)."""
-    from ..model.inference import SolverConfig
+    from ..model.sampler import SolverConfig
 
     return SolverConfig(num_steps=e.solver_steps, cfg_scale=e.cfg_scale, dit_steps=e.dit_steps)
 

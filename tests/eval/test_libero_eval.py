@@ -185,7 +185,7 @@ def tiny_embodied(tmp_path_factory):
     import dzmodel.model.components as components
     from dzmodel.data.embodiments import get_embodiment
     from dzmodel.eval.policy import EmbodiedPolicy
-    from dzmodel.model.inference import SolverConfig
+    from dzmodel.model.sampler import SolverConfig
 
     real = components.preset
     components.preset = lambda name: dataclasses.replace(real(name), num_action_per_block=16)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dzmodel.eval.policy import PolicyLoadError, load_policy
-from dzmodel.model.inference import SolverConfig
+from dzmodel.model.sampler import SolverConfig
 from dzmodel.train.config import TrainConfig
 from dzmodel.train.convert import convert_checkpoint, resolve_checkpoint
 from dzmodel.train.encoders import frozen_encoders

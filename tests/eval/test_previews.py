@@ -11,7 +11,7 @@ from dzmodel.data.dataset import embodiment_metadata
 from dzmodel.data.embodiments import get_embodiment
 from dzmodel.data.synth import make_synthetic_dataset
 from dzmodel.eval.previews import GAP, side_by_side, split_panels, write_previews
-from dzmodel.model.inference import SolverConfig
+from dzmodel.model.sampler import SolverConfig
 from dzmodel.train.config import TrainConfig
 from dzmodel.train.convert import convert_checkpoint, resolve_checkpoint
 from dzmodel.train.trainer import train

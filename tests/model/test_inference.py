@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from dzmodel.model.inference import (Conditioning, KVCache, NormStats, SolverConfig, denoise_velocity, prefill,
-                                     sample_block)
+from dzmodel.model.inference import NormStats
+from dzmodel.model.sampler import Conditioning, KVCache, SolverConfig, denoise_velocity, prefill, sample_block
 
 from .helpers import tiny_batch, tiny_model
 

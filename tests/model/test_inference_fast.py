@@ -9,8 +9,7 @@ import torch
 
 from dzmodel.model.components import build_tiny_policy
 from dzmodel.model.cuda_graphs import GraphCache
-from dzmodel.model.inference import (Conditioning, KVCache, SolverConfig, draw_noise, interleave_cfg, prefill, solve,
-                                     split_cfg)
+from dzmodel.model.sampler import Conditioning, KVCache, SolverConfig, draw_noise, interleave_cfg, prefill, solve, split_cfg
 
 from .helpers import tiny_batch, tiny_model
 
@@ -156,7 +155,7 @@ def test_first_frame_condition_is_encoded_only_as_far_as_needed(tmp_path):
 def test_cross_attention_kv_computed_once_equals_per_step():
     """The solver computes every layer's text/image K/V once per chunk; a step given them equals one that
     computes them itself."""
-    from dzmodel.model.inference import denoise_velocity
+    from dzmodel.model.sampler import denoise_velocity
 
     torch.manual_seed(0)
     model = tiny_model()

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from dzmodel.model import inference
+from dzmodel.model import inference, sampler
 from dzmodel.model.components import build_tiny_policy
-from dzmodel.model.inference import SolverConfig
+from dzmodel.model.sampler import SolverConfig
 
 # cfg_scale -> calls in a session's first chunk, and the FLOPs torch's FlopCounterMode counts for it.
 # CFG: one batch-2 forward per solver step and one batch-2 prefill; CLIP runs once for both branches; the
@@ -37,7 +37,7 @@ def _count_one_chunk(policy, monkeypatch, prompt="pick up the bowl and place it 
 
         monkeypatch.setattr(module, name, wrapper)
 
-    counted(inference, "denoise_velocity", "denoise_velocity")
+    counted(sampler, "denoise_velocity", "denoise_velocity")  # the solver calls it; the policy calls prefill
     counted(inference, "prefill", "prefill")
     counted(F, "scaled_dot_product_attention", "sdpa")
     counted(type(policy.text_encoder), "forward", "text_encoder")
@@ -84,13 +84,13 @@ def test_dit_caching_runs_the_denoiser_on_the_scheduled_steps(tmp_path, monkeypa
 def test_the_guard_fails_on_a_slow_path(tmp_path, monkeypatch):
     """A denoiser that runs twice per solver step (what a regression would look like) is caught."""
     policy = build_tiny_policy(tmp_path, solver=SolverConfig(num_steps=16, cfg_scale=1.0))
-    original = inference.denoise_velocity
+    original = sampler.denoise_velocity
 
     def twice(*args, **kwargs):
         original(*args, **kwargs)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(inference, "denoise_velocity", twice)
+    monkeypatch.setattr(sampler, "denoise_velocity", twice)
     counts, flops = _count_one_chunk(policy, monkeypatch)
     assert counts["sdpa"] > EXPECTED[1.0]["sdpa"] and flops > GUARD_FLOPS[1.0]
 

@@ -8,7 +8,7 @@ import pytest
 
 from dzmodel.cli import main
 from dzmodel.eval.policy import load_policy
-from dzmodel.model.inference import SolverConfig
+from dzmodel.model.sampler import SolverConfig
 from dzmodel.serve.package import PackageError, RobotConfig, build_package, load_package, verify_package
 from dzmodel.train.config import TrainConfig
 from dzmodel.train.convert import convert_checkpoint, resolve_checkpoint

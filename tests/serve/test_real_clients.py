@@ -20,7 +20,7 @@ import websockets
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from dzmodel.eval.policy import load_policy
-from dzmodel.model.inference import SolverConfig
+from dzmodel.model.sampler import SolverConfig
 from dzmodel.serve.package import load_package
 from dzmodel.serve.server import BundlePolicy, ServerThread
 
