@@ -74,15 +74,6 @@ def _goal_of(env) -> tuple[str, str, str]:
     return pred, obj, target
 
 
-def expert_supports(env) -> str | None:
-    """None if `ScriptedExpert` can attempt the env's task, else a one-line reason."""
-    try:
-        _goal_of(env)
-    except ExpertUnsupported as exc:
-        return str(exc)
-    return None
-
-
 # --- geometry ----------------------------------------------------------------------------------------------------
 
 

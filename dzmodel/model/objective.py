@@ -65,15 +65,6 @@ class FlowMatchSchedule:
         return (self.shift * s / (1 + (self.shift - 1) * s)).float()
 
 
-def sample_timestep_ids(batch: int, num_frames: int, num_frame_per_block: int, num_action_per_block: int,
-                        num_train_timesteps: int = 1000, generator: torch.Generator | None = None,
-                        device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (raw ids [B, F], tied ids [B, F], action ids [B, K·A]) in STANDARD mode."""
-    raw = torch.randint(0, num_train_timesteps, (batch, num_frames), generator=generator, device=device)
-    tied = tie_timestep_ids(raw, num_frame_per_block)
-    return raw, tied, action_timestep_ids(tied, num_frame_per_block, num_action_per_block)
-
-
 def tie_timestep_ids(raw: torch.Tensor, num_frame_per_block: int) -> torch.Tensor:
     """Every frame of a block takes the block's first id; frame 0 keeps its own."""
     B, F_ = raw.shape

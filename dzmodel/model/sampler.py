@@ -299,21 +299,3 @@ def draw_noise(model: DreamZeroWAM, batch: int, latent_hw: tuple[int, int], devi
     video = torch.randn(batch, a.out_dim, a.num_frame_per_block, *latent_hw, generator=generator, device=device)
     actions = torch.randn(batch, a.num_action_per_block, a.action_dim, generator=generator, device=device)
     return video, torch.where(real_action_dims(actions, action_dims), actions, 0.0)
-
-
-@torch.no_grad()
-def sample_block(model: DreamZeroWAM, caches: tuple[KVCache, KVCache | None], conds: tuple[Conditioning, Conditioning | None],
-                 state: torch.Tensor, latent_hw: tuple[int, int], solver: SolverConfig,
-                 generator: torch.Generator | None = None, action_dims: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The next block from separate conditional and unconditional caches: noise, then the Euler solver.
-    CFG (scale != 1 with an unconditional cache) on video only. action_dims: the robot's own (None: all)."""
-    video, actions = draw_noise(model, state.shape[0], latent_hw, state.device, generator, action_dims)
-    guided = solver.cfg_scale != 1.0 and caches[1] is not None and conds[1] is not None
-    if guided and not solver.batch_cfg:
-        return solve_two_passes(model, caches, conds, state, video, actions, solver,  # type: ignore[arg-type]
-                                action_dims)
-    if guided:
-        cache, cond = interleave_cfg(caches, conds)  # type: ignore[arg-type]
-        return solve(model, cache, cond, state, video, actions, solver, guided=True, action_dims=action_dims)
-    return solve(model, caches[0], conds[0], state, video, actions, solver, guided=False, action_dims=action_dims)

@@ -8,7 +8,8 @@ import torch
 
 from dzmodel.model.components import build_tiny_policy
 from dzmodel.model.cuda_graphs import GraphCache
-from dzmodel.model.sampler import Conditioning, KVCache, SolverConfig, draw_noise, prefill, sample_block
+from dzmodel.model.sampler import Conditioning, KVCache, SolverConfig, draw_noise, prefill
+from tests.model.helpers import sample_block
 
 from .helpers import tiny_batch, tiny_model
 

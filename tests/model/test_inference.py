@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dzmodel.model.inference import NormStats
-from dzmodel.model.sampler import Conditioning, KVCache, SolverConfig, denoise_velocity, prefill, sample_block
+from dzmodel.model.sampler import Conditioning, KVCache, SolverConfig, denoise_velocity, prefill
+from tests.model.helpers import sample_block
 
 from .helpers import tiny_batch, tiny_model
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from dzmodel.model.objective import (FlowMatchSchedule, action_timestep_ids, flow_matching_losses,
-                                     sample_timestep_ids, tie_timestep_ids)
+from dzmodel.model.objective import FlowMatchSchedule, action_timestep_ids, flow_matching_losses, tie_timestep_ids
+from tests.model.helpers import sample_timestep_ids
 
 
 def test_grid_shift_and_range():

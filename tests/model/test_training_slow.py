@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from dzmodel.model.objective import FlowMatchSchedule, flow_matching_losses, sample_timestep_ids
+from dzmodel.model.objective import FlowMatchSchedule, flow_matching_losses
+from tests.model.helpers import sample_timestep_ids
 
 from .helpers import tiny_batch, tiny_model
 

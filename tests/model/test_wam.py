@@ -8,7 +8,8 @@ import torch
 
 from dzmodel.model.args import preset
 from dzmodel.model.attention import latent_layout
-from dzmodel.model.objective import FlowMatchSchedule, flow_matching_losses, sample_timestep_ids
+from dzmodel.model.objective import FlowMatchSchedule, flow_matching_losses
+from tests.model.helpers import sample_timestep_ids
 from dzmodel.model.parity import run_parity
 from dzmodel.model.wam import DreamZeroWAM
 
