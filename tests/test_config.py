@@ -161,3 +161,17 @@ def test_train_config_from_dict_checks_types():
     with pytest.raises(ValueError, match="train.sharding"):
         TrainConfig.from_dict({"sharding": "zero3"})
     assert TrainConfig.from_dict({"betas": [0.9, 0.99]}).betas == (0.9, 0.99)
+
+
+def test_the_readme_lists_every_profile_with_its_model_preset():
+    """README's profile table names each profile of params.yaml once (a profile added without it fails here)."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("| profile | model | machine | what |", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \| ([^|]+) \|", table, re.M)
+    params = load_params(ROOT / "params.yaml")
+    assert [name for name, _ in rows] == list(params.profiles)
+    names = {"tiny": "tiny", "small": "small", "dreamzero_5b": "DreamZero-5B", "dreamzero_14b": "DreamZero-14B"}
+    for name, model in rows:
+        assert model.startswith(names[params.selected(name).train["preset"]]), (name, model)
