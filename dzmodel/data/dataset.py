@@ -26,7 +26,7 @@ import torch
 from .embodiments import Embodiment
 from .errors import DataError
 from .sampling import AnchorIndex, SampleStream, WindowSpec, heldout_split, task_segments  # noqa: F401 (re-exported)
-from .transforms import NormStats, compose_layout, relative_action_dims, to_relative, transform_view
+from .transforms import compose_layout, embodiment_stats, relative_action_dims, to_relative, transform_view
 
 
 def load_statistics(metadata_path: str | Path, tag: str) -> dict:
@@ -140,12 +140,7 @@ class WindowDataset:
         self.index = AnchorIndex(segments, spec)
         self.state_stats = self.action_stats = None
         if statistics is not None:
-            self.state_stats = NormStats.from_metadata(statistics, [k.name for k in embodiment.state], "state")
-            rel = set(embodiment.relative_action_keys)
-            parts = [NormStats.from_metadata(statistics, [k.name], "relative_action" if k.name in rel else "action")
-                     for k in embodiment.action]
-            self.action_stats = NormStats(q01=np.concatenate([p.q01 for p in parts]),
-                                          q99=np.concatenate([p.q99 for p in parts]))
+            self.state_stats, self.action_stats = embodiment_stats(statistics, embodiment)
 
     def _missing_files(self) -> list[tuple[int, Path]]:
         """(episode, path) of every mp4 of the views in use that is not on disk (image views have none)."""

@@ -17,7 +17,8 @@ import torch
 
 from ..data.dataset import load_statistics
 from ..data.embodiments import Embodiment, get_embodiment, load_embodiments
-from ..data.transforms import NormStats, compose_layout, from_relative, relative_action_dims, transform_view
+from ..data.transforms import (NormStats, compose_layout, embodiment_stats, from_relative, relative_action_dims,
+                               transform_view)
 from ..model.components import build_policy
 from ..model.inference import DreamZeroPolicy
 from ..model.sampler import SolverConfig
@@ -116,13 +117,11 @@ def policy_statistics(emb: Embodiment, metadata: Path) -> tuple[NormStats, NormS
     """The state and action q99 statistics a policy normalises with, its relative-action dims and the width of
     each state key, from a run's metadata.json (the eval oracle uses the same ones)."""
     stats = load_statistics(metadata, emb.tag)
-    state_stats = NormStats.from_metadata(stats, [k.name for k in emb.state], "state", str(metadata))
-    rel = set(emb.relative_action_keys)
-    parts = [NormStats.from_metadata(stats, [k.name], "relative_action" if k.name in rel else "action", str(metadata))
-             for k in emb.action]
-    action_stats = NormStats(q01=np.concatenate([p.q01 for p in parts]), q99=np.concatenate([p.q99 for p in parts]))
+    state_stats, action_stats = embodiment_stats(stats, emb, str(metadata))
     state_dims = {k.name: len(stats["state"][k.name]["q01"]) for k in emb.state}
-    pairs = relative_action_dims(emb, state_dims, {k.name: len(p.q01) for k, p in zip(emb.action, parts)}) if rel else []
+    rel = set(emb.relative_action_keys)
+    action_dims = {k.name: len(stats["relative_action" if k.name in rel else "action"][k.name]["q01"]) for k in emb.action}
+    pairs = relative_action_dims(emb, state_dims, action_dims) if rel else []
     return state_stats, action_stats, pairs, state_dims
 
 

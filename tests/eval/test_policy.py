@@ -69,3 +69,36 @@ def test_offline_encoders_are_drawn_on_the_cpu_whatever_the_device(monkeypatch):
     assert built_on == ["cpu", "cpu"]
     assert all(p.is_meta for m in moved.modules() for p in m.parameters())
     assert cpu.spec.image_size == (128, 256)
+
+
+def test_a_dataset_sample_and_the_same_observation_sent_to_the_policy_give_identical_pixels_and_state(converted):
+    """Training and serving share their IO rules (dzmodel/data/transforms.py): the raw camera frames and state of
+    one recorded step, sent to the policy as a robot would, become exactly the pixels and normalised state that
+    training's sample of that step holds."""
+    from dzmodel.data.dataset import load_statistics
+    from dzmodel.data.sampling import WindowSpec
+    from dzmodel.model.args import preset
+    from dzmodel.train.windows import training_windows
+
+    hf, cfg = converted
+    pol = load_policy(hf, solver=SolverConfig(num_steps=2, cfg_scale=1.0), seed=1)
+    emb = pol.embodiment
+    args = preset(cfg.preset, **cfg.model_overrides)
+    spec = WindowSpec(args.max_chunk_size, emb.action_horizon, 4 * args.num_frame_per_block, emb.sampling)
+    ds = training_windows(cfg.datasets[0], emb, spec, load_statistics(cfg.metadata, emb.tag), cfg, train=False)
+    checked = 0
+    for anchor in (0, len(ds) // 2, len(ds) - 1):
+        sample = ds.sample(anchor)
+        w = ds.index.window(anchor)
+        frame = int(w.frames[0])
+        views = {short: ds.reader.read_frames(w.episode, key, [frame])[0] for short, key in emb.views.items()}
+        columns = sorted({k.column for k in emb.state})
+        raw_state = ds._vectors(ds.reader.read_columns(w.episode, columns), emb.state, w.state_rows[:1], w.episode)[0]
+        pixels = pol.frame(views)
+        assert pixels.dtype == np.uint8 and sample["images"].dtype == torch.uint8
+        np.testing.assert_array_equal(pixels[0], sample["images"][0].numpy())
+        _, _, _, state = pol.policy._parse({"images": pixels, "state": raw_state, "prompt": "x"})
+        width = sample["state"].shape[1]
+        np.testing.assert_array_equal(state[0, 0, :width].cpu().numpy(), sample["state"][0].numpy())
+        checked += 1
+    assert checked == 3
