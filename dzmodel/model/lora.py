@@ -127,6 +127,12 @@ def merge_lora(model: nn.Module) -> int:
     return merged
 
 
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of what training updates: every parameter, or with LoRA the adapters and the fully
+    trained modules (the frozen base has requires_grad off). The optimizer, the EMA and checkpoints all use it."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
 def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The trainable tensors (adapters and fully trained modules) by name."""
-    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    return {n: p.detach() for n, p in trainable_parameters(model)}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.lora import apply_lora, lora_state, merge_lora
+from ..model.lora import apply_lora, lora_state, merge_lora, trainable_parameters
 from ..model.state_dict import save_dreamzero_dir, save_safetensors_atomic
 from ..model.wam import DreamZeroWAM
 from ..outputs import check_output_dir, publish_dir
@@ -90,7 +90,7 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes:
         from ..model.args import preset
 
         model = DreamZeroWAM(preset(cfg.preset, **cfg.model_overrides))
-    ema = ({n: torch.empty_like(p) for n, p in model.named_parameters() if p.requires_grad}
+    ema = ({n: torch.empty_like(p) for n, p in trainable_parameters(model)}
            if weights == "ema" else None)
     load_checkpoint(ckpt, model, None, ema)
     if ema is not None:

@@ -22,6 +22,7 @@ import torch
 
 from ..model.attention import latent_layout
 from ..model.conditioning import EncodedBatch, encode_batch
+from ..model.lora import trainable_parameters
 from ..model.objective import (FlowMatchSchedule, Losses, action_timestep_ids, flow_matching_losses,
                                tie_timestep_ids)
 from ..model.wam import DreamZeroWAM
@@ -62,7 +63,7 @@ class TrainStep:
         self.noise_seed, self.encode_per_sample = noise_seed, encode_per_sample
         self.device = model.patch_embedding.weight.device
         # LoRA: only the adapters and the robot modules train
-        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.named_params = trainable_parameters(model)
         self.params = [p for _, p in self.named_params]
         self.ema: dict[str, torch.Tensor] | None = None  # `enable_ema`
         self.prompt_dropout, self.null_context = 0.0, None  # `enable_prompt_dropout`

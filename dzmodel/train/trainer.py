@@ -32,7 +32,7 @@ from ..data.video import worker_init_fn
 from ..dirlock import directory_lock
 from ..model.args import OFFLINE_PRESETS, preset
 from ..model.conditioning import NULL_PROMPT, encode_prompts
-from ..model.lora import apply_lora
+from ..model.lora import apply_lora, trainable_parameters
 from ..model.state_dict import load_wan_dit
 from ..model.vae import WanVideoVAE38
 from ..model.wam import DreamZeroWAM
@@ -192,7 +192,8 @@ class Trainer:
         elif self.info.world_size > 1:
             raise ValueError("sharding 'none' with several processes is not supported: use full or hybrid")
         self.model = model
-        self.optimizer = build_adamw([p for p in model.parameters() if p.requires_grad], cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay, dev.type)
+        self.optimizer = build_adamw([p for _, p in trainable_parameters(model)], cfg.lr, cfg.betas, cfg.eps,
+                                     cfg.weight_decay, dev.type)
         # frozen, replicated, batched per micro-batch; not needed when training from the cache
         if with_encoders is None:
             with_encoders = not cfg.cache
