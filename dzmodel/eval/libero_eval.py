@@ -101,7 +101,8 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
     `episodes` [(TaskSpec, episode id, EpisodeInit)] replaces the grid of tasks x standard init states
     (the oracle replays recorded episodes from their recorded init states this way).
     `timing`, if given, receives the seconds spent in the policy and in env steps, the chunks and the forwards."""
-    from .libero_env import EnvWorkerPool, WorkerCrashed, env_action, get_suite, list_tasks
+    from .libero_env import WorkerCrashed, env_action, get_suite, list_tasks
+    from .libero_workers import EnvWorkerPool
 
     tasks = list_tasks(cfg.suite) if tasks is None else tasks
     if cfg.tasks is not None:

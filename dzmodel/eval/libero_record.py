@@ -300,8 +300,8 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
     Returns the recording summary (also in meta/dz_recording.json). DataError for bad arguments or when no
     episode is kept (nothing is written then). `policy` (an `EmbodiedPolicy`-like object with `predict_batch`,
     `end_session` and `action_horizon`) replaces loading `cfg.dagger`."""
-    from .libero_env import (EnvWorkerPool, EpisodeInit, WorkerCrashed, check_libero, env_action,
-                             ensure_libero_config, get_suite)
+    from .libero_env import WorkerCrashed, check_libero, env_action, ensure_libero_config, get_suite
+    from .libero_workers import EnvWorkerPool, EpisodeInit
 
     out = check_output_dir(Path(out).expanduser(), overwrite=overwrite, command="data record")  # a file, or not ours
     if out.exists() and not overwrite:

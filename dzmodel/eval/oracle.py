@@ -83,7 +83,8 @@ def run_oracle(dataset: str | Path, out: str | Path, metadata: str | Path | None
     summary.json (with `oracle_success_rate`) to `out` and returns the summary."""
     from ..data.embodiments import get_embodiment, load_embodiments
     from ..data.lerobot_format import open_dataset
-    from .libero_env import EpisodeInit, list_tasks, zero_action
+    from .libero_env import list_tasks, zero_action
+    from .libero_workers import EpisodeInit
     from .libero_eval import EvalConfig, evaluate_policy, summarize, write_results
     from .libero_record import read_recording
     from .policy import EmbodiedPolicy, policy_statistics

@@ -47,7 +47,8 @@ def run_libero_client(url: str, token: str | None, suite: str = "object", task: 
                       control_hz: float = 20.0, max_steps: int = 300, seed: int = 0, camera_size: int = 256,
                       actions_per_chunk: int | None = None, out: str | Path | None = None,
                       progress: bool = True, overlap: bool = True) -> dict:
-    from ..eval.libero_env import EnvWorkerPool, WorkerCrashed, env_action, list_tasks
+    from ..eval.libero_env import WorkerCrashed, env_action, list_tasks
+    from ..eval.libero_workers import EnvWorkerPool
 
     tasks = list_tasks(suite)
     if not 0 <= task < len(tasks):

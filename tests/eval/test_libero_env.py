@@ -13,10 +13,8 @@ import numpy as np
 import pytest
 
 from dzmodel.eval import libero_env as le
-from dzmodel.eval.libero_env import (
-    SETTLE_ACTION, SETTLE_STEPS, SUITES, EnvWorkerPool, LiberoNotInstalled, TaskSpec, WorkerCrashed,
-    check_libero, ensure_libero_config, list_tasks, quat_to_axis_angle, to_policy_obs, zero_action,
-)
+from dzmodel.eval.libero_env import SETTLE_ACTION, SETTLE_STEPS, SUITES, LiberoNotInstalled, TaskSpec, WorkerCrashed, check_libero, ensure_libero_config, list_tasks, quat_to_axis_angle, to_policy_obs, zero_action
+from dzmodel.eval.libero_workers import EnvWorkerPool
 
 CAM = 128
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from dzmodel.data.errors import DataError
-from dzmodel.eval.libero_env import ExpertStep, WorkerCrashed
+from dzmodel.eval.libero_env import WorkerCrashed
+from dzmodel.eval.libero_workers import ExpertStep
 from dzmodel.eval.libero_record import RECORDING_FILE, RecordConfig, goal_predicates, read_recording, record_libero
 
 from .lockstep_pool import Lockstep, Staggered, overlapping
