@@ -1,1 +1,1 @@
-"""Model code: WAN DiT, VAEs, umT5, CLIP, the DreamZero WAM, its objective and inference."""
+"""Model code: WAN DiT, VAEs, umT5, CLIP, the DreamZero WAM, its objective, the sampler and the policy."""

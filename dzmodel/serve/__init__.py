@@ -1,1 +1,2 @@
-"""Deployment: the versioned Franka bundle (`dz package`), and later the policy server and client."""
+"""Deployment: the versioned Franka bundle (`dz package`), the policy server (`dz serve`, openpi and RoboArena
+protocols) and its clients (`dz client`)."""

@@ -1,7 +1,8 @@
-"""The pipeline's stage table, declared once. dvc.yaml's `deps` and `params` and the Prefect flow's cache keys
-both derive from it (tests/test_pipeline.py fails when dvc.yaml disagrees; `dz params dvc --write` rewrites
-its deps), and `dz params check` requires every parameter named here to be written out in each profile, because
-DVC refuses a stage whose params are missing.
+"""The pipeline's stages: one module per stage, and what derives from the stage table (declared in
+dzmodel/stage_table.py): each stage's code files and fingerprint, and dvc.yaml's deps. dvc.yaml's `deps` and
+`params` and the Prefect flow's cache keys all derive from the table (tests/test_pipeline.py fails when dvc.yaml
+disagrees; `dz params dvc --write` rewrites its deps), and `dz params check` requires every parameter it names to be
+written out in each profile, because DVC refuses a stage whose params are missing.
 
 A stage reruns, under either runner, when a parameter it reads, an upstream stage's outputs, or the code it runs
 change. Parameters are paths inside a profile: a whole section ("fetch") or one field ("train.seed"), so that an lr
