@@ -52,13 +52,18 @@ class NormStats:
         return cls(q01=np.concatenate(q01), q99=np.concatenate(q99))
 
 
-def embodiment_stats(stats: dict, emb: Embodiment, source: str = "metadata.json") -> tuple[NormStats, NormStats]:
-    """An embodiment's state and action q99 statistics, keys in its order (relative-action keys take their own
-    group): the one rule by which training normalises and the policy normalises states and un-normalises actions."""
-    state = NormStats.from_metadata(stats, [k.name for k in emb.state], "state", source)
+def action_key_stats(stats: dict, emb: Embodiment, source: str = "metadata.json") -> dict[str, NormStats]:
+    """Each action key's q99 statistics, in the embodiment's order (relative-action keys take their own group)."""
     rel = set(emb.relative_action_keys)
-    parts = [NormStats.from_metadata(stats, [k.name], "relative_action" if k.name in rel else "action", source)
-             for k in emb.action]
+    return {k.name: NormStats.from_metadata(stats, [k.name], "relative_action" if k.name in rel else "action", source)
+            for k in emb.action}
+
+
+def embodiment_stats(stats: dict, emb: Embodiment, source: str = "metadata.json") -> tuple[NormStats, NormStats]:
+    """An embodiment's state and action q99 statistics, keys in its order: the one rule by which training
+    normalises and the policy normalises states and un-normalises actions."""
+    state = NormStats.from_metadata(stats, [k.name for k in emb.state], "state", source)
+    parts = action_key_stats(stats, emb, source).values()
     return state, NormStats(q01=np.concatenate([p.q01 for p in parts]), q99=np.concatenate([p.q99 for p in parts]))
 
 

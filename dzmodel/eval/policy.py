@@ -17,8 +17,8 @@ import torch
 
 from ..data.dataset import load_statistics
 from ..data.embodiments import Embodiment, get_embodiment, load_embodiments
-from ..data.transforms import (NormStats, compose_layout, embodiment_stats, from_relative, relative_action_dims,
-                               transform_view)
+from ..data.transforms import (NormStats, action_key_stats, compose_layout, embodiment_stats, from_relative,
+                               relative_action_dims, transform_view)
 from ..model.components import build_policy
 from ..model.inference import DreamZeroPolicy
 from ..model.sampler import SolverConfig
@@ -119,9 +119,8 @@ def policy_statistics(emb: Embodiment, metadata: Path) -> tuple[NormStats, NormS
     stats = load_statistics(metadata, emb.tag)
     state_stats, action_stats = embodiment_stats(stats, emb, str(metadata))
     state_dims = {k.name: len(stats["state"][k.name]["q01"]) for k in emb.state}
-    rel = set(emb.relative_action_keys)
-    action_dims = {k.name: len(stats["relative_action" if k.name in rel else "action"][k.name]["q01"]) for k in emb.action}
-    pairs = relative_action_dims(emb, state_dims, action_dims) if rel else []
+    action_dims = {name: len(p.q01) for name, p in action_key_stats(stats, emb, str(metadata)).items()}
+    pairs = relative_action_dims(emb, state_dims, action_dims) if emb.relative_action_keys else []
     return state_stats, action_stats, pairs, state_dims
 
 

@@ -139,11 +139,11 @@ def latent_layout(args, latent_hw: tuple[int, int], num_frames: int | None = Non
     num_frames = 1 + nfpb * args.max_chunk_size if num_frames is None else num_frames // p[0]
     if (num_frames - 1) % nfpb or num_frames < 1 + nfpb:
         raise ValueError(f"latent frames must be 1 + k·{nfpb} (k >= 1), got {num_frames}")
-    return TeacherForcingLayout(num_blocks=(num_frames - 1) // nfpb,
-                                frame_seqlen=(latent_hw[0] // p[1]) * (latent_hw[1] // p[2]),
+    blocks = (num_frames - 1) // nfpb
+    return TeacherForcingLayout(num_blocks=blocks, frame_seqlen=(latent_hw[0] // p[1]) * (latent_hw[1] // p[2]),
                                 num_frame_per_block=nfpb, num_action_per_block=args.num_action_per_block,
                                 num_state_per_block=args.num_state_per_block,
-                                clean_blocks=None if keep_last_clean_block else (num_frames - 1) // nfpb - 1)
+                                clean_blocks=None if keep_last_clean_block else blocks - 1)
 
 
 def teacher_forcing_mask(layout: TeacherForcingLayout, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -156,7 +156,7 @@ class DreamZeroWAM(WanModel):
         noisy, grid = self.embed_video(self._with_first_frame(noisy_latents, y))
         # the clean copy's frames that the layout keeps (the last block's are attended by nothing that is trained)
         kept = layout.clean_frames * self.args.patch_size[0]
-        clean, clean_grid = self.embed_video(self._with_first_frame(clean_latents, y)[:, :, :kept])
+        clean, _ = self.embed_video(self._with_first_frame(clean_latents, y)[:, :, :kept])
         B = noisy.shape[0]
         F_, fs = grid[0], grid[1] * grid[2]
         if timestep.shape != (B, F_):
@@ -180,7 +180,8 @@ class DreamZeroWAM(WanModel):
                                runs=((1, layout.clean_len), (F_, fs), (t_register.shape[1], 1)))
 
         text, image = self.embed_context(context, clip_feature)
-        rope = Rope.cat([self.video_rope(clean_grid), self.video_rope(grid), self.register_rope(0, layout.num_blocks)])
+        video_rope = self.video_rope(grid)  # the clean copy's frames are the first ones: its table is a prefix
+        rope = Rope.cat([video_rope.first(layout.clean_len), video_rope, self.register_rope(0, layout.num_blocks)])
         if mask is None:
             mask = self.make_mask(layout, attn_backend, x.device)
 

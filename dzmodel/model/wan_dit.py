@@ -104,6 +104,12 @@ class Rope:
         r.sin = torch.cat([x.sin for x in ropes])
         return r
 
+    def first(self, n: int) -> "Rope":
+        """The tables of the first n tokens (views)."""
+        r = Rope.__new__(Rope)
+        r.cos, r.sin = self.cos[:n], self.sin[:n]
+        return r
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, L, H, D] -> rotated, same dtype."""
         B, L, H, D = x.shape

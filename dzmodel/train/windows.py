@@ -13,7 +13,7 @@ from ..data.dataset import WindowDataset, heldout_split, load_statistics
 from ..data.embodiments import get_embodiment, load_embodiments
 from ..data.lerobot_format import open_dataset
 from ..data.sampling import WindowSpec
-from ..data.transforms import NormStats
+from ..data.transforms import embodiment_stats
 from ..model.args import OFFLINE_PRESETS, preset
 from .config import TrainConfig
 
@@ -46,8 +46,8 @@ def size_to_embodiment(cfg: TrainConfig) -> TrainConfig:
     args = preset(cfg.preset, **cfg.model_overrides)
     emb = get_embodiment(cfg.embodiment, load_embodiments(cfg.embodiment_files))
     stats = load_statistics(cfg.metadata, emb.tag)
-    widths = {group: len(NormStats.from_metadata(stats, [k.name for k in keys], group, cfg.metadata).q01)
-              for group, keys in (("state", emb.state), ("action", emb.action))}
+    state_stats, action_stats = embodiment_stats(stats, emb, cfg.metadata)
+    widths = {"state": len(state_stats.q01), "action": len(action_stats.q01)}
     sized = {}
     for field_name, group in (("max_state_dim", "state"), ("action_dim", "action")):
         if field_name not in cfg.model_overrides and widths[group] > getattr(args, field_name):
