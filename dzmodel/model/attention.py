@@ -172,13 +172,14 @@ class SegmentedMask:
     so each group is one plain SDPA call (cuDNN / FlashAttention kernels, nothing computed and then masked).
 
     groups: ((query ranges), (key ranges)) per call, ranges as (start, end) token positions; a group's queries
-    are concatenated in the order given, and so are its keys. `state_ranges`: the state blocks, which attend
-    only themselves and are done in one batched call.
+    are concatenated in the order given, and so are its keys. `self_ranges`: ranges that attend only themselves
+    (clean and noisy frame 0, the state blocks); those of one length share one call, batched, and a range of one
+    token is its own value (a softmax over one key is exactly 1), with no call at all.
     """
 
     seq_len: int
     groups: tuple
-    state_ranges: tuple
+    self_ranges: tuple
 
     @staticmethod
     def from_layout(layout: TeacherForcingLayout) -> "SegmentedMask":
@@ -186,17 +187,16 @@ class SegmentedMask:
         A, S, V = layout.num_action_per_block, layout.num_state_per_block, layout.video_len
         C = layout.clean_len  # the noisy copy starts here
         R = C + V             # ... and the actions, then the states, here
-        groups = [(((0, fs),), ((0, fs),))]                                   # clean frame 0
-        groups += [(((fs + i * bs, fs + (i + 1) * bs),), ((0, fs + (i + 1) * bs),))  # clean block i
-                   for i in range(layout.num_clean_blocks)]
-        groups.append((((C, C + fs),), ((C, C + fs),)))                       # noisy frame 0
+        groups = [(((fs + i * bs, fs + (i + 1) * bs),), ((0, fs + (i + 1) * bs),))  # clean block i
+                  for i in range(layout.num_clean_blocks)]
         for i in range(K):                                                    # noisy + action block i
             noisy = (C + fs + i * bs, C + fs + (i + 1) * bs)
             action = (R + i * A, R + (i + 1) * A)
             state = (R + K * A + i * S, R + K * A + (i + 1) * S)
             groups.append(((noisy, action), ((0, fs + i * bs), noisy, action, state)))
+        frame0 = ((0, fs), (C, C + fs))                                       # clean and noisy frame 0
         states = tuple((R + K * A + i * S, R + K * A + (i + 1) * S) for i in range(K)) if S else ()
-        return SegmentedMask(layout.seq_len, tuple(groups), states)
+        return SegmentedMask(layout.seq_len, tuple(groups), frame0 + states)
 
     def dense(self) -> torch.Tensor:
         """The same mask as a dense [L, L] bool tensor (tests compare it with `teacher_forcing_mask`)."""
@@ -205,15 +205,37 @@ class SegmentedMask:
             for qs, qe in q_ranges:
                 for ks, ke in k_ranges:
                     m[qs:qe, ks:ke] = True
-        for s, e in self.state_ranges:
+        for s, e in self.self_ranges:
             m[s:e, s:e] = True
         return m
+
+    def self_calls(self) -> dict[int, tuple]:
+        """The self-attending ranges by length: {length: ranges}, one batched call per length above 1."""
+        by_length: dict[int, list] = {}
+        for s, e in self.self_ranges:
+            if e > s:
+                by_length.setdefault(e - s, []).append((s, e))
+        return {n: tuple(r) for n, r in by_length.items()}
 
 
 def _take(x: torch.Tensor, ranges) -> torch.Tensor:
     """x [B, H, L, D]: the rows of `ranges` along L, concatenated (a view when there is one range)."""
     parts = [x[:, :, s:e] for s, e in ranges if e > s]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def _self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges) -> list[tuple[int, torch.Tensor]]:
+    """Ranges of one length that each attend only themselves, as one call with the ranges stacked on the batch
+    dim ([B, H, n, D] each -> [R·B, H, n, D]); one-token ranges return their values (the softmax is exactly 1)."""
+    n = ranges[0][1] - ranges[0][0]
+    if n == 1:
+        return [(s, v[:, :, s:e]) for s, e in ranges]
+    if len(ranges) == 1:
+        (s, e), = ranges
+        return [(s, F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]))]
+    stack = lambda x: torch.cat([x[:, :, s:e] for s, e in ranges], dim=0)  # noqa: E731
+    out = F.scaled_dot_product_attention(stack(q), stack(k), stack(v)).chunk(len(ranges), dim=0)
+    return [(s, o) for (s, _), o in zip(ranges, out)]
 
 
 def segmented_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentedMask) -> torch.Tensor:
@@ -228,16 +250,8 @@ def segmented_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
         for s, e in q_ranges:
             pieces.append((s, out[:, :, offset:offset + e - s]))
             offset += e - s
-    if plan.state_ranges:
-        B, H, _, D = q.shape
-        K, S = len(plan.state_ranges), plan.state_ranges[0][1] - plan.state_ranges[0][0]
-        first = plan.state_ranges[0][0]
-
-        def blocks(x):  # the state rows [B, H, K·S, D] -> [B·K, H, S, D]: each block attends itself
-            return x[:, :, first:first + K * S].reshape(B, H, K, S, D).transpose(1, 2).reshape(B * K, H, S, D)
-
-        out = F.scaled_dot_product_attention(blocks(q), blocks(k), blocks(v))
-        pieces.append((first, out.reshape(B, K, H, S, D).transpose(1, 2).reshape(B, H, K * S, D)))
+    for ranges in plan.self_calls().values():
+        pieces += _self_attention(q, k, v, ranges)
     pieces.sort(key=lambda p: p[0])
     return torch.cat([p[1] for p in pieces], dim=2)
 

@@ -51,7 +51,8 @@ def wam_forward_flops(args: Any, layout: TeacherForcingLayout) -> FlopsBreakdown
     d, ffn, n = args.dim, args.ffn_dim, args.num_layers
     L = layout.seq_len
     C = args.text_len + args.clip_tokens
-    P = allowed_pairs(layout)
+    # a one-token state block attends only itself: its output is its value, and no attention is computed for it
+    P = allowed_pairs(layout) - (layout.num_blocks if layout.num_state_per_block == 1 else 0)
     linear = n * (2 * L * (4 * d * d + 2 * d * d + 2 * d * ffn) + 2 * C * 2 * d * d)
     self_attn = n * 4 * d * P
     cross_attn = n * 4 * d * L * C

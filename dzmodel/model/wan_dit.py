@@ -145,10 +145,20 @@ class WanSelfAttention(AttentionProjections):
         """Roped q, k and v as [B, L, H, D]."""
         b, s = x.shape[:2]
         n, d = self.num_heads, self.head_dim
-        q = rope.apply(self.norm_q(self.q(x)).view(b, s, n, d))
-        k = rope.apply(self.norm_k(self.k(x)).view(b, s, n, d))
-        v = self.v(x).view(b, s, n, d)
-        return q, k, v
+        q, k, v = self.project_qkv(x)
+        q = rope.apply(self.norm_q(q).view(b, s, n, d))
+        k = rope.apply(self.norm_k(k).view(b, s, n, d))
+        return q, k, v.view(b, s, n, d)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q(x), k(x), v(x). Plain Linears run as one matmul over their stacked weights: x is read once, and its
+        gradient is one matmul instead of three summed in the compute dtype. The weights keep WAN's names; adapted
+        layers (LoRA) run one by one."""
+        if not all(type(m) is nn.Linear and m.bias is not None for m in (self.q, self.k, self.v)):
+            return self.q(x), self.k(x), self.v(x)
+        weight = torch.cat([self.q.weight, self.k.weight, self.v.weight])
+        bias = torch.cat([self.q.bias, self.k.bias, self.v.bias])
+        return F.linear(x, weight, bias).chunk(3, dim=-1)
 
     def forward(self, x: torch.Tensor, rope: Rope, mask: AttnMask = None,
                 past_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

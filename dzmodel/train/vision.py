@@ -44,7 +44,7 @@ from ..data.video import worker_init_fn
 from ..model.args import OFFLINE_PRESETS, preset
 from ..model.conditioning import video_to_unit_range
 from ..model.state_dict import save_safetensors_atomic
-from ..model.vae import FRAMES_PER_LATENT
+from ..model.vae import FRAMES_PER_LATENT, cudnn_autotuned
 from .config import TrainConfig
 from .encoders import frozen_encoders
 from .metrics import Progress
@@ -241,6 +241,39 @@ def _lr_at(step: int, steps: int, lr: float) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))  # cosine to a tenth
 
 
+def _train_steps(vae, loader, optimizer, steps: int, lr: float, kl_weight: float, dev: torch.device, bar,
+                 seed: int) -> list[dict]:
+    """The VAE's training loop: reconstruction MSE + kl_weight · KL, one row of losses per step."""
+    noise = torch.Generator(device=dev).manual_seed(seed)
+    history = []
+    for step, batch in enumerate(loader):
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, steps, lr)
+        video = video_to_unit_range(batch).to(dev, non_blocking=True)
+        with _autocast(dev):
+            mu, log_var = vae.encode_moments(video)
+            log_var = log_var.float().clamp(-30.0, 20.0)
+            if kl_weight > 0:  # sample the posterior (the preset's latent statistics are the identity)
+                eps = torch.randn(mu.shape, generator=noise, device=dev)
+                z = mu.float() + (0.5 * log_var).exp() * eps
+            else:
+                z = mu
+            recon = vae.decode(z)
+        mse = F.mse_loss(recon.float(), video)
+        kl = 0.5 * (mu.float().pow(2) + log_var.exp() - 1 - log_var).mean()
+        loss = mse + kl_weight * kl
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        optimizer.step()
+        values = torch.stack([loss, mse, kl]).detach().tolist()  # the step's one device read
+        row = {"step": step + 1, "loss": values[0], "mse": values[1], "kl": values[2]}
+        history.append(row)
+        bar.update({"loss": row["mse"], "samples_per_s_per_gpu": len(batch) / (time.perf_counter() - t0)})
+    return history
+
+
 def pretrain_vae(cfg: TrainConfig, out_dir: str | Path, *, steps: int, batch_size: int, lr: float,
                  clip_frames: int, kl_weight: float = 1e-5, heldout_episodes: int = 1, device: str = "auto",
                  num_workers: int = 0, frame_cache_mib: int = 0, eval_clips: int = 16, norm_clips: int = 64,
@@ -278,35 +311,10 @@ def pretrain_vae(cfg: TrainConfig, out_dir: str | Path, *, steps: int, batch_siz
                                              worker_init_fn=worker_init_fn if num_workers else None,
                                              pin_memory=dev.type == "cuda")
     optimizer = torch.optim.AdamW(vae.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=1e-4)
-    noise = torch.Generator(device=dev).manual_seed(cfg.seed)
     bar = Progress(steps, enabled=progress, desc="vision")
     vae.train()
-    history = []
-    for step, batch in enumerate(loader):
-        t0 = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, steps, lr)
-        video = video_to_unit_range(batch).to(dev, non_blocking=True)
-        with _autocast(dev):
-            mu, log_var = vae.encode_moments(video)
-            log_var = log_var.float().clamp(-30.0, 20.0)
-            if kl_weight > 0:  # sample the posterior (the preset's latent statistics are the identity)
-                eps = torch.randn(mu.shape, generator=noise, device=dev)
-                z = mu.float() + (0.5 * log_var).exp() * eps
-            else:
-                z = mu
-            recon = vae.decode(z)
-        mse = F.mse_loss(recon.float(), video)
-        kl = 0.5 * (mu.float().pow(2) + log_var.exp() - 1 - log_var).mean()
-        loss = mse + kl_weight * kl
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        values = torch.stack([loss, mse, kl]).detach().tolist()  # the step's one device read
-        row = {"step": step + 1, "loss": values[0], "mse": values[1], "kl": values[2]}
-        history.append(row)
-        bar.update({"loss": row["mse"], "samples_per_s_per_gpu": len(batch) / (time.perf_counter() - t0)})
+    with cudnn_autotuned():
+        history = _train_steps(vae, loader, optimizer, steps, lr, kl_weight, dev, bar, seed=cfg.seed)
     bar.close()
 
     norm_set = load_clips(train_sets, random_items(train_sets, norm_clips, cfg.seed + 1, steps * batch_size),

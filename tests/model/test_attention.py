@@ -124,7 +124,7 @@ def test_segmented_mask_covers_exactly_the_allowed_pairs(layout):
     for q_ranges, _ in plan.groups:
         for s, e in q_ranges:
             rows[s:e] += 1
-    for s, e in plan.state_ranges:
+    for s, e in plan.self_ranges:
         rows[s:e] += 1
     assert torch.equal(rows, torch.ones_like(rows))
 
@@ -142,6 +142,23 @@ def test_segmented_attention_equals_the_masked_reference_with_gradients(layout):
     g_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
     for a, b in zip(g_seg, g_ref):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_segmented_attention_calls_sdpa_once_per_key_set(monkeypatch):
+    """The small preset's training layout (2 blocks, the last clean one left out, 1 state token per block): one
+    call per clean or noisy block, one for both frame-0 copies together, none for the one-token state blocks."""
+    import torch.nn.functional as F_
+
+    import dzmodel.model.attention as attention_module
+    calls = []
+    real = F_.scaled_dot_product_attention
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: calls.append(tuple(q.shape)) or real(q, k, v, **kw))
+    layout = TeacherForcingLayout(2, 8, 2, 4, 1, clean_blocks=1)
+    q = torch.randn(3, layout.seq_len, 2, 4)
+    attention(q, q, q, SegmentedMask.from_layout(layout))
+    assert len(calls) == 4, calls  # clean block 0, noisy blocks 0 and 1, frame 0 (clean + noisy, batch 2·3)
+    assert (6, 2, 8, 4) in calls
 
 
 def test_segmented_attention_refuses_another_length():

@@ -10,8 +10,8 @@ from dzmodel.model.manifest import compare_shapes, compare_to_manifest, manifest
 from dzmodel.model.parity import run_parity
 from dzmodel.model.state_dict import DREAMZERO_ONLY, IMAGE_BRANCH
 from dzmodel.model.wam import DreamZeroWAM
-from dzmodel.model.wan_dit import (Rope, WanLayerNorm, WanModel, WanRMSNorm, rope_angles, rope_split,
-                                   sinusoidal_embedding_1d, video_rope_angles)
+from dzmodel.model.wan_dit import (Rope, WanLayerNorm, WanModel, WanRMSNorm, WanSelfAttention, rope_angles,
+                                   rope_split, sinusoidal_embedding_1d, video_rope_angles)
 
 
 @pytest.mark.parametrize("name,entry", [("wan2.2_ti2v_5b", "wan2.2_ti2v_5b_dit"), ("wan2.1_i2v_14b", "wan2.1_i2v_14b_dit")])
@@ -196,3 +196,40 @@ def test_grouped_modulation_rejects_runs_that_do_not_fit():
         GroupedModulation(torch.zeros(1, 3, 6, 8), ((1, 5), (3, 2)))
     with pytest.raises(ValueError, match="covers 11 tokens, the sequence has 12"):
         per_run(lambda x, m: x * m, ((1, 5), (3, 2)), (torch.zeros(1, 12, 8),), (torch.zeros(1, 4, 8),))
+
+
+def _matmuls(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_self_attention_projects_q_k_v_in_one_matmul_forward_and_backward():
+    """q, k and v of plain Linears are one matmul (x read once; its gradient one matmul, not three summed), with
+    the same values as the three Linears; LoRA layers still run one by one."""
+    from dzmodel.model.lora import LoRAConfig, apply_lora
+
+    torch.manual_seed(0)
+    attn = WanSelfAttention(16, 2).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    fused = attn.project_qkv(x)
+    for got, linear in zip(fused, (attn.q, attn.k, attn.v)):
+        torch.testing.assert_close(got, linear(x), atol=1e-12, rtol=0)
+    assert _matmuls(lambda: attn.project_qkv(x)) == 1
+    assert _matmuls(lambda: torch.cat(attn.project_qkv(x), -1).sum().backward()) == 3  # forward, dx, dW
+
+    holder = torch.nn.Module()
+    holder.blocks = torch.nn.ModuleList([torch.nn.Module()])
+    holder.blocks[0].self_attn = attn
+    apply_lora(holder, LoRAConfig(rank=2, targets=("self_attn.q", "self_attn.k", "self_attn.v")))
+    assert _matmuls(lambda: attn.project_qkv(x)) > 1
