@@ -18,8 +18,7 @@ Latents are normalised per channel: encode returns (mu - mean_c) / std_c; decode
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -196,19 +195,6 @@ class WanVAE38Config(WanVAEConfig):
 
 
 # --- the VAEs ------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def cudnn_autotuned() -> Iterator[None]:
-    """cuDNN times its algorithms on the first call of each conv shape and keeps the fastest. For loops that run
-    the VAE's few 3D-conv shapes thousands of times (vision pretraining, encoding the training copies); the
-    setting is restored after."""
-    previous = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = True
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = previous
 
 
 class _CausalVideoVAE(nn.Module):

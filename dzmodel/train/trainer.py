@@ -34,7 +34,7 @@ from ..model.args import OFFLINE_PRESETS, preset
 from ..model.conditioning import NULL_PROMPT, encode_prompts
 from ..model.lora import apply_lora, trainable_parameters
 from ..model.state_dict import load_wan_dit
-from ..model.vae import WanVideoVAE38, cudnn_autotuned
+from ..model.vae import WanVideoVAE38
 from ..model.wam import DreamZeroWAM
 from ..outputs import check_output_dir, is_ours, mark
 from .checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
@@ -301,7 +301,7 @@ class Trainer:
         progress = Progress(cfg.encoded_variants * data.windows, enabled=cfg.progress and show, desc="encode copies",
                             unit="window")
         t0 = time.perf_counter()
-        with step.compute_dtype(), cudnn_autotuned():
+        with step.compute_dtype():
             data.encode_variants(step.encode, cfg.encoded_variants, min(cfg.micro_batch, ENCODE_BATCH),
                                  progress=lambda n: progress.update(n=n))
         progress.close()

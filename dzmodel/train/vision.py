@@ -44,7 +44,7 @@ from ..data.video import worker_init_fn
 from ..model.args import OFFLINE_PRESETS, preset
 from ..model.conditioning import video_to_unit_range
 from ..model.state_dict import save_safetensors_atomic
-from ..model.vae import FRAMES_PER_LATENT, cudnn_autotuned
+from ..model.vae import FRAMES_PER_LATENT
 from .config import TrainConfig
 from .encoders import frozen_encoders
 from .metrics import Progress
@@ -313,8 +313,7 @@ def pretrain_vae(cfg: TrainConfig, out_dir: str | Path, *, steps: int, batch_siz
     optimizer = torch.optim.AdamW(vae.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=1e-4)
     bar = Progress(steps, enabled=progress, desc="vision")
     vae.train()
-    with cudnn_autotuned():
-        history = _train_steps(vae, loader, optimizer, steps, lr, kl_weight, dev, bar, seed=cfg.seed)
+    history = _train_steps(vae, loader, optimizer, steps, lr, kl_weight, dev, bar, seed=cfg.seed)
     bar.close()
 
     norm_set = load_clips(train_sets, random_items(train_sets, norm_clips, cfg.seed + 1, steps * batch_size),
