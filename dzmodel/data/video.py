@@ -192,8 +192,22 @@ def _decode_torchcodec(path: Path, ts: np.ndarray, seek_mode: str) -> tuple[np.n
     return _rgb_check(path, frames), pts
 
 
+# Past this gap to the next wanted timestamp, PyAV seeks (decoding from the keyframe before it) instead of decoding on.
+PYAV_SEEK_AHEAD_S = 2.0
+
+
+def _pyav_frames(container, stream):
+    """(frame, time) in decode order from the container's current position; frames without a time skipped."""
+    for frame in container.decode(stream):
+        if frame.time is not None:
+            yield frame, frame.time
+
+
 def _decode_pyav(path: Path, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Seek to the keyframe before each timestamp and decode forward to the nearest frame."""
+    """The frame nearest each of the sorted, unique timestamps `ts`. Decodes on through the stream, and seeks to the
+    keyframe before a timestamp only to start and to jump more than PYAV_SEEK_AHEAD_S ahead: a whole episode is
+    decoded once, not once per frame from its keyframe. The frame chosen is the one a seek to each timestamp finds:
+    the first at or after it, or the one before when that is nearer (the last frame past the end)."""
     av = _import_av()
     frames, pts = [], []
     with av.open(str(path)) as container:
@@ -201,26 +215,24 @@ def _decode_pyav(path: Path, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             raise DataError(f"{path}: no video stream")
         stream = container.streams.video[0]
         tb = stream.time_base
+        decoded, prev, cur, ended = None, None, None, False  # prev, cur: the last two (frame, time) decoded
         for t in ts:
-            container.seek(int(max(t, 0.0) / tb), stream=stream, backward=True, any_frame=False)
-            best, best_t, prev, prev_t = None, None, None, None
-            for frame in container.decode(stream):
-                ft = frame.time
-                if ft is None:
-                    continue
-                if ft >= t - 1e-9:
-                    if prev is not None and abs(prev_t - t) < abs(ft - t):
-                        best, best_t = prev, prev_t
-                    else:
-                        best, best_t = frame, ft
-                    break
-                prev, prev_t = frame, ft
-            if best is None:  # past the end: the last frame decoded
-                best, best_t = prev, prev_t
-            if best is None:
+            if decoded is None or (not ended and cur is not None and t - cur[1] > PYAV_SEEK_AHEAD_S):
+                container.seek(int(max(t, 0.0) / tb), stream=stream, backward=True, any_frame=False)
+                decoded, prev, cur, ended = _pyav_frames(container, stream), None, None, False
+            while not ended and (cur is None or cur[1] < t - 1e-9):
+                nxt = next(decoded, None)
+                if nxt is None:
+                    ended = True
+                else:
+                    prev, cur = cur, nxt
+            if cur is None:
                 raise DataError(f"{path}: no frame could be decoded near {t:.6f}s")
-            frames.append(best.to_ndarray(format="rgb24"))
-            pts.append(best_t)
+            best = cur
+            if cur[1] >= t - 1e-9 and prev is not None and abs(prev[1] - t) < abs(cur[1] - t):
+                best = prev
+            frames.append(best[0].to_ndarray(format="rgb24"))
+            pts.append(best[1])
     return _rgb_check(path, np.stack(frames)), np.asarray(pts, dtype=np.float64)
 
 

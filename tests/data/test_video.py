@@ -232,3 +232,27 @@ def test_opencv_encodes_where_pyav_is_missing(tmp_path, monkeypatch):
                                              codec="libx264"))
     assert ds.features["observation.images.image"].dtype == "video"
     assert ds.read_frames(1, "observation.images.wrist_image", range(20), backend="opencv").shape == (20, 32, 32, 3)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_pyav_decodes_a_whole_episode_once_with_the_frames_a_seek_per_frame_finds(tmp_path, codec, monkeypatch):
+    """Reading every frame decodes each once (it decoded from the keyframe before every frame: gop/2 times the work
+    at gop 16), and gives what one seek per timestamp gives, also across a jump past PYAV_SEEK_AHEAD_S."""
+    n = 48
+    path = V.encode_video(tmp_path / "v.mp4", np.stack([frame_rgb(2, i) for i in range(n)]), FPS, codec=codec, gop=16)
+    counted = []
+    real = V._pyav_frames
+
+    def counting(container, stream):
+        for item in real(container, stream):
+            counted.append(item[1])
+            yield item
+
+    monkeypatch.setattr(V, "_pyav_frames", counting)
+    whole = V.decode_frames(path, [i / FPS for i in range(n)], backend="pyav")
+    assert [frame_id(f) for f in whole] == [(2, i % 23) for i in range(n)]  # frame ids wrap at 23
+    assert len(counted) <= n + 1, len(counted)  # a decoder may hand over one frame beyond the last wanted
+    one_by_one = np.stack([V.decode_frames(path, [i / FPS], backend="pyav")[0] for i in range(n)])
+    assert np.array_equal(whole, one_by_one)
+    jump = [0.0, 0.1, 4.5, 4.6]  # 4.4 s ahead: a seek
+    assert np.array_equal(V.decode_frames(path, jump, backend="pyav"), one_by_one[[0, 1, 45, 46]])
