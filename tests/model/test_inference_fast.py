@@ -202,3 +202,36 @@ def test_sessions_restarted_together_share_their_vae_and_prefill_calls(tmp_path,
     more = [dict(_obs(10 + i, frames=4, session=f"s{i}")) for i in range(sessions)]
     for o, g in zip(more, batched.predict_batch(more)):
         np.testing.assert_allclose(g, singles.predict_actions(o), rtol=1e-4, atol=1e-5)
+
+
+def _libero_like_captures(tmp_path, max_graphs: int) -> tuple[int, int]:
+    """Captures and calls of a LIBERO-like evaluation through the graph code path (CPU: counted, not captured): 16
+    episodes at a time, each starting from one frame and then sending 4 frames a query, batches of 1-16 sessions,
+    episodes ending and new ones starting; as `dz eval libero` with batched policy calls sends them."""
+    policy = build_tiny_policy(tmp_path, solver=SolverConfig(num_steps=1, cfg_scale=1.0))
+    policy.graphs = GraphCache(enabled=True, capture=False, max_graphs=max_graphs)
+    rng = np.random.default_rng(0)
+    episode = list(range(16))  # the episode each of 16 env workers runs
+    started = [False] * 16
+    for call in range(40):
+        workers = sorted(rng.choice(16, size=int(rng.choice([1, 2, 3, 5, 8, 11, 16])), replace=False))
+        obs = []
+        for w in workers:
+            if started[w] and rng.random() < 0.1:  # the episode ended: the worker starts the next one
+                episode[w], started[w] = episode[w] + 16, False
+            o = _obs(100 * call + w, frames=1 if not started[w] else 4, session=f"ep{episode[w]}")
+            obs.append(dict(o, reset=not started[w]))
+            started[w] = True
+        policy.predict_batch(obs)
+    return policy.graphs.captures, policy.graphs.replays
+
+
+def test_an_evaluation_captures_each_shape_once(tmp_path):
+    """The graphs an evaluation needs fit the cache: each (work, cache length, padded batch) is captured once. With
+    the earlier cap of 16 the least recently used were dropped and captured again and again."""
+    from dzmodel.model.cuda_graphs import MAX_GRAPHS
+
+    unbounded, calls = _libero_like_captures(tmp_path / "a", max_graphs=10**6)
+    assert _libero_like_captures(tmp_path / "b", max_graphs=MAX_GRAPHS) == (unbounded, calls)
+    assert unbounded >= 12 and calls > 4 * unbounded  # the schedule meets many shapes, and mostly replays
+    assert _libero_like_captures(tmp_path / "c", max_graphs=unbounded // 2)[0] > unbounded
