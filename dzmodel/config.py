@@ -129,6 +129,8 @@ class VisionParams:
     frame_cache_mib: int = field(default=0, metadata={"min": 0})  # per loader process (dzmodel/data/dataset.py)
     # the recording decoded once onto the device, clips gathered and augmented there (no loader workers)
     data_on_device: bool = False
+    # on CUDA, each step's forward and backward replay as CUDA graphs (the same kernels, launched at once)
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if (self.clip_frames - 1) % 4:

@@ -214,9 +214,14 @@ class _CausalVideoVAE(nn.Module):
     # --- latent normalisation (per channel; tensors made on the fly so meta/assign loads work)
 
     def _stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mean = torch.tensor(self.config.latents_mean, dtype=like.dtype, device=like.device)
-        inv_std = 1.0 / torch.tensor(self.config.latents_std, dtype=like.dtype, device=like.device)
-        return mean.view(1, -1, 1, 1, 1), inv_std.view(1, -1, 1, 1, 1)
+        # kept per (dtype, device, statistics): a CUDA graph cannot copy them from the host while it captures
+        key = (like.dtype, like.device, self.config.latents_mean, self.config.latents_std)
+        cache = self.__dict__.setdefault("_stats_cache", {})
+        if key not in cache:
+            mean = torch.tensor(self.config.latents_mean, dtype=like.dtype, device=like.device)
+            inv_std = 1.0 / torch.tensor(self.config.latents_std, dtype=like.dtype, device=like.device)
+            cache[key] = (mean.view(1, -1, 1, 1, 1), inv_std.view(1, -1, 1, 1, 1))
+        return cache[key]
 
     def normalize_latents(self, mu: torch.Tensor) -> torch.Tensor:
         mean, inv_std = self._stats(mu)

@@ -27,7 +27,7 @@ def stage_vision(prof: Profile, paths: StagePaths, log: Log = print_line) -> dic
                               lr=v.lr, clip_frames=v.clip_frames, kl_weight=v.kl_weight,
                               heldout_episodes=v.heldout_episodes, device=v.device, num_workers=v.num_workers,
                               frame_cache_mib=v.frame_cache_mib, data_on_device=v.data_on_device,
-                              log=log)
+                              cuda_graphs=v.cuda_graphs, log=log)
     headline = {k: report[k] for k in ("steps", "heldout_mse", "heldout_mse_random", "heldout_mse_ratio",
                                        "heldout_mse_mean_colour", "seconds")}
     write_json(metrics_file, {"pretrained": True, **headline})

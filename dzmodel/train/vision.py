@@ -155,7 +155,9 @@ def load_clips(datasets: list[WindowDataset], items, clip_frames: int) -> torch.
 # --- measures ---------------------------------------------------------------------------------------------------
 
 def _autocast(device: torch.device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    # no cast cache: CUDA graphs cannot hold one (the casts are recomputed, the same numbers)
+    return (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False) if device.type == "cuda"
+            else contextlib.nullcontext())
 
 
 @torch.no_grad()
@@ -241,28 +243,53 @@ def _lr_at(step: int, steps: int, lr: float) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))  # cosine to a tenth
 
 
+class VAELoss(torch.nn.Module):
+    """The VAE's training loss on clips [B, 3, T, H, W] in [-1, 1] and the posterior's noise `eps` (drawn by the
+    caller, the shape of the latents): (reconstruction MSE + kl_weight · KL, MSE, KL), in fp32. One module, so that
+    on CUDA its forward and backward replay as two CUDA graphs: the small VAE's step is ~7,700 small kernels, more
+    host time to launch than GPU time to run."""
+
+    def __init__(self, vae, kl_weight: float):
+        super().__init__()
+        self.vae, self.kl_weight = vae, kl_weight
+
+    def forward(self, video: torch.Tensor, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with _autocast(video.device):
+            mu, log_var = self.vae.encode_moments(video)
+            log_var = log_var.float().clamp(-30.0, 20.0)
+            # sample the posterior (the preset's latent statistics are the identity)
+            z = mu.float() + (0.5 * log_var).exp() * eps if self.kl_weight > 0 else mu
+            recon = self.vae.decode(z)
+        mse = F.mse_loss(recon.float(), video)
+        kl = 0.5 * (mu.float().pow(2) + log_var.exp() - 1 - log_var).mean()
+        return mse + self.kl_weight * kl, mse.detach(), kl.detach()
+
+    def latent_shape(self, video: torch.Tensor) -> tuple[int, ...]:
+        b, _, t, h, w = video.shape
+        f = self.vae.config.spatial_factor
+        return b, self.vae.config.z_dim, 1 + (t - 1) // FRAMES_PER_LATENT, h // f, w // f
+
+
 def _train_steps(vae, loader, optimizer, steps: int, lr: float, kl_weight: float, dev: torch.device, bar,
-                 seed: int) -> list[dict]:
-    """The VAE's training loop: reconstruction MSE + kl_weight · KL, one row of losses per step."""
+                 seed: int, cuda_graphs: bool = True) -> list[dict]:
+    """The VAE's training loop: reconstruction MSE + kl_weight · KL, one row of losses per step. cuda_graphs (CUDA
+    only): the loss's forward and backward captured at the first batch's shape and replayed (the same kernels;
+    a batch of another shape runs eagerly)."""
     noise = torch.Generator(device=dev).manual_seed(seed)
+    loss_fn = VAELoss(vae, kl_weight)
+    graphed, graphed_shape = None, None
     history = []
     for step, batch in enumerate(loader):
         t0 = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, steps, lr)
         video = video_to_unit_range(batch).to(dev, non_blocking=True)
-        with _autocast(dev):
-            mu, log_var = vae.encode_moments(video)
-            log_var = log_var.float().clamp(-30.0, 20.0)
-            if kl_weight > 0:  # sample the posterior (the preset's latent statistics are the identity)
-                eps = torch.randn(mu.shape, generator=noise, device=dev)
-                z = mu.float() + (0.5 * log_var).exp() * eps
-            else:
-                z = mu
-            recon = vae.decode(z)
-        mse = F.mse_loss(recon.float(), video)
-        kl = 0.5 * (mu.float().pow(2) + log_var.exp() - 1 - log_var).mean()
-        loss = mse + kl_weight * kl
+        shape = loss_fn.latent_shape(video)
+        eps = torch.randn(shape, generator=noise, device=dev) if kl_weight > 0 else torch.zeros(shape, device=dev)
+        if cuda_graphs and dev.type == "cuda" and graphed is None:
+            graphed, graphed_shape = torch.cuda.make_graphed_callables(loss_fn, (video, eps)), video.shape
+        run = graphed if graphed is not None and video.shape == graphed_shape else loss_fn
+        loss, mse, kl = run(video, eps)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -277,11 +304,12 @@ def _train_steps(vae, loader, optimizer, steps: int, lr: float, kl_weight: float
 def pretrain_vae(cfg: TrainConfig, out_dir: str | Path, *, steps: int, batch_size: int, lr: float,
                  clip_frames: int, kl_weight: float = 1e-5, heldout_episodes: int = 1, device: str = "auto",
                  num_workers: int = 0, frame_cache_mib: int = 0, eval_clips: int = 16, norm_clips: int = 64,
-                 data_on_device: bool = False, progress: bool = True, log=print) -> dict:
+                 data_on_device: bool = False, cuda_graphs: bool = True, progress: bool = True, log=print) -> dict:
     """Train cfg.preset's seeded VAE on cfg.datasets' frames; write <out_dir>/vae.safetensors and report.json
     (returned). `cfg` is the SFT run's train config with its seeded random VAE (no encoder_weights.vae).
     data_on_device: the training recording decoded once onto the device and each step's clips gathered and augmented
-    there (`data.device_dataset`, as `train.data_on_device`), instead of loader workers decoding every clip."""
+    there (`data.device_dataset`, as `train.data_on_device`), instead of loader workers decoding every clip.
+    cuda_graphs: on CUDA, each step's loss replays as CUDA graphs (`VAELoss`)."""
     started = time.time()
     if cfg.preset not in OFFLINE_PRESETS:
         raise VisionError(f"vision: preset {cfg.preset!r} runs with the WAN VAE; vision pretraining replaces the "
@@ -313,7 +341,8 @@ def pretrain_vae(cfg: TrainConfig, out_dir: str | Path, *, steps: int, batch_siz
     optimizer = torch.optim.AdamW(vae.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=1e-4)
     bar = Progress(steps, enabled=progress, desc="vision")
     vae.train()
-    history = _train_steps(vae, loader, optimizer, steps, lr, kl_weight, dev, bar, seed=cfg.seed)
+    history = _train_steps(vae, loader, optimizer, steps, lr, kl_weight, dev, bar, seed=cfg.seed,
+                           cuda_graphs=cuda_graphs)
     bar.close()
 
     norm_set = load_clips(train_sets, random_items(train_sets, norm_clips, cfg.seed + 1, steps * batch_size),

@@ -173,3 +173,30 @@ def test_vision_pretraining_on_device_data_learns(data, tmp_path):
                           progress=False, log=lines.append)
     assert any("episode videos decoded to" in line for line in lines), lines
     assert report["heldout_mse"] < 0.5 * report["heldout_mse_random"], report
+
+
+def test_the_vae_loss_is_one_graphable_call_with_the_noise_given():
+    """`VAELoss` (what each vision step runs, and what CUDA graphs capture): MSE + kl_weight · KL of the posterior
+    sampled with the given noise, gradients into the VAE, no noise drawn inside; the latent statistics come from a
+    per-device cache (a graph cannot copy them from the host while capturing)."""
+    from dzmodel.model.conditioning import video_to_unit_range
+    from dzmodel.train.vision import VAELoss
+
+    vae = frozen_encoders(TrainConfig(preset="tiny", datasets=[]), "cpu").vae.float().requires_grad_(True)
+    video = video_to_unit_range(torch.randint(0, 256, (2, 5, 32, 64, 3), dtype=torch.uint8))
+    loss_fn = VAELoss(vae, kl_weight=0.5)
+    eps = torch.randn(loss_fn.latent_shape(video))
+    loss, mse, kl = loss_fn(video, eps)
+    mu, log_var = vae.encode_moments(video)
+    log_var = log_var.clamp(-30.0, 20.0)
+    recon = vae.decode(mu + (0.5 * log_var).exp() * eps)
+    want_mse = torch.nn.functional.mse_loss(recon, video)
+    want_kl = 0.5 * (mu.pow(2) + log_var.exp() - 1 - log_var).mean()
+    torch.testing.assert_close(mse, want_mse.detach())
+    torch.testing.assert_close(loss, want_mse + 0.5 * want_kl)
+    assert not mse.requires_grad and not kl.requires_grad and loss.requires_grad
+    loss.backward()
+    assert all(p.grad is not None for p in vae.parameters())
+    assert not torch.equal(loss_fn(video, torch.zeros_like(eps))[1], mse)  # the noise given is the noise used
+    assert VAELoss(vae, 0.0)(video, eps)[1] == VAELoss(vae, 0.0)(video, torch.zeros_like(eps))[1]  # kl 0: mu
+    assert vae._stats(mu)[0] is vae._stats(mu)[0]
