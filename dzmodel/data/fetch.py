@@ -182,28 +182,15 @@ def fetch_dataset(
     """
     dest_root = Path(dest_root).expanduser()
     kind = _source_kind(source)
-    if kind == "hub" and not revision:
-        raise DataError(
-            f"revision: fetching hub dataset {source!r} needs a pinned revision (commit sha or tag), got none"
-        )
-    if kind != "synthetic" and synth_kwargs:
-        raise DataError(f"synth_kwargs: only used with source 'synthetic', not {source!r}")
-    if kind != "libero" and record_kwargs:
-        raise DataError(f"record_kwargs: only used with source 'libero', not {source!r}")
-    if kind == "libero" and recorder is None:
-        raise DataError("source 'libero' is recorded, not downloaded: give a recorder (the fetch stage and "
-                        "`dz data fetch libero` do), or run `dz data record libero`")
-    if allow_patterns is not None:
-        if isinstance(allow_patterns, str):
-            allow_patterns = [allow_patterns]
-        allow_patterns = [str(p) for p in allow_patterns]
+    _check_fetch_arguments(source, kind, revision, synth_kwargs, record_kwargs, recorder)
+    if isinstance(allow_patterns, str):
+        allow_patterns = [allow_patterns]
+    allow_patterns = None if allow_patterns is None else [str(p) for p in allow_patterns]
     if kind == "local":
-        src = Path(source).expanduser().resolve()
-        resolved = str(src)
-        default_name = src.name
+        resolved = str(Path(source).expanduser().resolve())
+        default_name = Path(resolved).name
     elif kind == "hub":
-        resolved = source
-        default_name = source.split("/")[-1]
+        resolved, default_name = source, source.split("/")[-1]
     else:
         resolved = default_name = kind
     name = name or default_name
@@ -226,25 +213,8 @@ def fetch_dataset(
     check_output_dir(dest, flag="dest")  # a file in the way (foreign directories: the fetch marker, below)
     dest_root.mkdir(parents=True, exist_ok=True)
     with directory_lock(dest_root):
-        if dest.exists():
-            old = _read_marker(marker)
-            if old is None:
-                raise DataError(
-                    f"{dest}: exists but has no fetch marker {marker.name} (not written by fetch_dataset); "
-                    "remove it or choose another name/dest_root"
-                )
-            if old.get("source") != resolved or old.get("kind") != kind:
-                raise DataError(
-                    f"{dest}: holds {old.get('kind')} source {old.get('source')!r}, not {resolved!r}; "
-                    "pass another name= or dest_root, or remove it"
-                )
-            if {k: old.get(k) for k in record} == record:
-                try:
-                    _verify(dest, verify_files, skip_missing)
-                    return dest
-                except DataError:
-                    pass  # damaged copy: fetch again below
-
+        if dest.exists() and _fetched_already(dest, marker, record, verify_files, skip_missing):
+            return dest
         tmp = dest_root / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             if kind == "hub":
@@ -263,18 +233,60 @@ def fetch_dataset(
                 _verify(tmp, verify_files, skip_missing)
             except DataError as e:
                 raise DataError(f"fetched dataset from {source!r} failed verification: {e}".replace(str(tmp), str(dest))) from e
-            # swap into place: drop the old marker first (a dest without marker is never trusted as complete)
-            marker.unlink(missing_ok=True)
-            trash = None
-            if dest.exists():
-                trash = dest_root / f".{name}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(dest, trash)
-            os.replace(tmp, dest)
-            if trash is not None:
-                shutil.rmtree(trash, ignore_errors=True)
-            atomic_write_text(marker, json.dumps({**record, "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-                                                 indent=2, sort_keys=True, default=str))
+            _swap_into_place(tmp, dest, marker, record)
             return dest
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_fetch_arguments(source: str, kind: str, revision, synth_kwargs, record_kwargs, recorder) -> None:
+    if kind == "hub" and not revision:
+        raise DataError(
+            f"revision: fetching hub dataset {source!r} needs a pinned revision (commit sha or tag), got none"
+        )
+    if kind != "synthetic" and synth_kwargs:
+        raise DataError(f"synth_kwargs: only used with source 'synthetic', not {source!r}")
+    if kind != "libero" and record_kwargs:
+        raise DataError(f"record_kwargs: only used with source 'libero', not {source!r}")
+    if kind == "libero" and recorder is None:
+        raise DataError("source 'libero' is recorded, not downloaded: give a recorder (the fetch stage and "
+                        "`dz data fetch libero` do), or run `dz data record libero`")
+
+
+def _fetched_already(dest: Path, marker: Path, record: dict, verify_files: bool, skip_missing: bool) -> bool:
+    """True when `dest` holds an intact fetch of `record`; False when it must be fetched again (another record, or
+    damaged). A directory fetch did not write, or one of another source, is an error: it is never replaced."""
+    old = _read_marker(marker)
+    if old is None:
+        raise DataError(
+            f"{dest}: exists but has no fetch marker {marker.name} (not written by fetch_dataset); "
+            "remove it or choose another name/dest_root"
+        )
+    if old.get("source") != record["source"] or old.get("kind") != record["kind"]:
+        raise DataError(
+            f"{dest}: holds {old.get('kind')} source {old.get('source')!r}, not {record['source']!r}; "
+            "pass another name= or dest_root, or remove it"
+        )
+    if {k: old.get(k) for k in record} != record:
+        return False
+    try:
+        _verify(dest, verify_files, skip_missing)
+        return True
+    except DataError:
+        return False  # damaged copy: fetch again
+
+
+def _swap_into_place(tmp: Path, dest: Path, marker: Path, record: dict) -> None:
+    """Replace `dest` (a fetch of ours, or nothing) by the verified `tmp`, then write the marker that says it is
+    complete (the old marker goes first: a dest without one is never trusted as complete)."""
+    marker.unlink(missing_ok=True)
+    trash = None
+    if dest.exists():
+        trash = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(dest, trash)
+    os.replace(tmp, dest)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+    atomic_write_text(marker, json.dumps({**record, "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                                         indent=2, sort_keys=True, default=str))

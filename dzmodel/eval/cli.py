@@ -127,8 +127,12 @@ def cmd_data_record_libero(ns: argparse.Namespace) -> int:
 
 def add_commands(sub) -> None:
     """`dz eval ...`."""
-
     ev = sub.add_parser("eval", help="evaluation").add_subparsers(dest="cmd", required=True)
+    for add in (_add_libero, _add_action_error, _add_previews, _add_probe, _add_oracle):
+        add(ev)
+
+
+def _add_libero(ev) -> None:
     p = ev.add_parser("libero", help="LIBERO success rate of a converted model, or of a run across its checkpoint steps")
     p.add_argument("source", help="a training run directory (every saved step, converted as needed) or a converted model")
     p.add_argument("--out", required=True, help="results.csv, episodes.csv, summary.json, success_vs_step.png, videos/")
@@ -159,6 +163,8 @@ def add_commands(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_eval_libero)
 
+
+def _add_action_error(ev) -> None:
     p = ev.add_parser("action-error", help="held-out action error of a converted model or of a run's steps, vs the "
                       "mean predictor and the untrained model")
     p.add_argument("source", help="a converted model, a `dz stage convert` directory, or a training run")
@@ -174,6 +180,8 @@ def add_commands(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_eval_action_error)
 
+
+def _add_previews(ev) -> None:
     p = ev.add_parser("previews", help="a converted model's predicted video of held-out windows, decoded, beside the "
                       "real frames (mp4s and a PNG grid)")
     p.add_argument("model", help="a converted model directory (held-out windows; a run that held none out shows "
@@ -187,6 +195,8 @@ def add_commands(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_eval_previews)
 
+
+def _add_probe(ev) -> None:
     p = ev.add_parser("probe", help="linear probes from VAE latents to the scene state (eef position, objects) on "
                       "held-out episodes: a random VAE vs a pretrained one")
     p.add_argument("dataset", help="a LeRobot dataset (the frames and the state to predict)")
@@ -208,6 +218,8 @@ def add_commands(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_eval_probe)
 
+
+def _add_oracle(ev) -> None:
     p = ev.add_parser("oracle", help="replay recorded demonstrations through the evaluation path (exit 1 below 95%%)")
     p.add_argument("dataset", help="a dataset recorded by `dz data record libero`")
     p.add_argument("--out", required=True, help="summary.json (oracle_success_rate), results.csv, episodes.csv")

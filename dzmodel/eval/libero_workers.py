@@ -76,24 +76,117 @@ def _init_info(env, state, base, avoid) -> dict:
     return info
 
 
+class _EnvWorker:
+    """The env of one worker process and its running episode: the latest raw observation, the scripted expert and
+    its DART noise generator. Each command is a method; `_worker_main` carries them over the pipe."""
+
+    def __init__(self, camera_size: int, keep_raw: bool, privileged: bool):
+        self.camera_size, self.keep_raw, self.privileged = camera_size, keep_raw, privileged
+        self.env, self.env_bddl = None, None
+        self.last_raw, self.expert, self.noise_rng = None, None, None
+
+    def convert(self, raw) -> dict:
+        obs = to_policy_obs(raw)
+        if self.keep_raw:
+            obs["raw"] = {k: np.array(raw[k]) for k in _RAW_KEYS}
+        if self.privileged:
+            from .libero_expert import goal_positions
+
+            obs["objects"] = goal_positions(self.env).astype(np.float32)
+        return obs
+
+    def _open(self, bddl_file: str) -> None:
+        if self.env is not None and self.env_bddl == bddl_file:
+            return
+        self.close()
+        ensure_libero_config()  # normally written by the parent already
+        with contextlib.redirect_stdout(sys.stderr):
+            from libero.libero.envs import OffScreenRenderEnv
+        self.env = OffScreenRenderEnv(bddl_file_name=bddl_file, camera_heights=self.camera_size,
+                                      camera_widths=self.camera_size, camera_names=list(CAMERAS))
+        self.env_bddl = bddl_file
+
+    def reset(self, bddl_file: str, state, seed: int, perturb, extra: dict) -> dict:
+        self._open(bddl_file)
+        env = self.env
+        env.seed(seed)
+        env.reset()
+        self.expert, self.noise_rng = None, None
+        avoid, min_shift = extra.get("avoid"), float(extra.get("min_shift_m", 0.0))
+        base = None
+        if extra.get("sample"):
+            state = _sampled_state(env, avoid, min_shift)
+        elif perturb is not None:
+            from .libero_expert import perturb_init_state
+
+            base = np.asarray(state, dtype=np.float64)
+            state = perturb_init_state(env, base, np.random.default_rng(perturb[0]), perturb[1], min_shift, avoid)
+        raw = env.set_init_state(state)
+        for _ in range(SETTLE_STEPS):
+            raw, _, _, _ = env.step(list(SETTLE_ACTION))
+        self.last_raw = raw
+        reply = self.convert(raw)
+        reply["init_state"] = np.array(state, dtype=np.float64)
+        if extra.get("describe"):
+            reply["init_info"] = _init_info(env, reply["init_state"], base, avoid)
+        return reply
+
+    def step(self, action) -> tuple[dict, bool]:
+        if self.env is None:
+            raise RuntimeError("step before reset")
+        raw, _, done, _ = self.env.step(action)
+        self.last_raw = raw
+        return self.convert(raw), bool(done)  # LIBERO's done is its success check
+
+    def expert_step(self, seed: int, opts: dict) -> "ExpertStep":
+        """The scripted expert acts from privileged simulator state, so it runs here beside the env; its action is
+        the label, the executed one may be noised (DART) or the caller's (DAgger)."""
+        if self.env is None:
+            raise RuntimeError("expert_step before reset")
+        sigma = float(opts.get("noise", 0.0))
+        if self.expert is None:
+            from .libero_expert import ScriptedExpert
+
+            self.expert = ScriptedExpert(self.env, seed=seed, recover=bool(opts.get("recover")),
+                                         hold_orientation=bool(opts.get("hold_orientation", sigma > 0)))
+            self.noise_rng = np.random.default_rng(int(opts.get("noise_seed", 0)))
+        label = np.asarray(self.expert.act(self.last_raw), dtype=np.float64)
+        valid = self.expert.label_valid
+        if not np.all(np.isfinite(label)):  # neither executed nor recorded: the attempt ends here
+            label, valid = np.zeros(ACTION_DIM), False
+        noise = self.noise_rng.normal(0.0, sigma, ARM_DIMS) if sigma > 0 else None
+        if opts.get("execute") is not None:
+            executed = np.asarray(opts["execute"], dtype=np.float64).reshape(ACTION_DIM).copy()
+        else:
+            executed = label.copy()
+            if noise is not None:  # DART: the expert's action plus noise on the arm dims, clipped
+                executed[:ARM_DIMS] = np.clip(executed[:ARM_DIMS] + noise, -1.0, 1.0)
+        raw, _, done, _ = self.env.step(executed)
+        self.last_raw = raw
+        return ExpertStep(self.convert(raw), bool(done), label, executed, bool(valid))
+
+    def handle(self, msg: tuple):
+        if msg[0] == "reset":
+            _, bddl_file, state, seed, perturb, *rest = msg
+            return self.reset(bddl_file, state, seed, perturb, rest[0] if rest else {})
+        if msg[0] == "step":
+            return self.step(msg[1])
+        if msg[0] == "expert_step":
+            return self.expert_step(msg[1], msg[2] if len(msg) > 2 and msg[2] else {})
+        raise ValueError(f"unknown command {msg[0]!r}")
+
+    def close(self) -> None:
+        if self.env is not None:
+            with contextlib.suppress(Exception):
+                self.env.close()  # releases the EGL context (else noise at exit)
+        self.env, self.env_bddl = None, None
+
+
 def _worker_main(conn, camera_size: int, keep_raw: bool, privileged: bool = False) -> None:
     """One env worker: commands in, ("ok", payload) or ("error", traceback) out, until "close" or EOF."""
     os.environ.setdefault("MUJOCO_GL", "egl")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes us
-    env, env_bddl = None, None
-    last_raw, expert = None, None  # the latest raw observation; the scripted expert of the running episode
-    noise_rng = None               # the running episode's DART noise generator
-
-    def convert(raw):
-        obs = to_policy_obs(raw)
-        if keep_raw:
-            obs["raw"] = {k: np.array(raw[k]) for k in _RAW_KEYS}
-        if privileged:
-            from .libero_expert import goal_positions
-
-            obs["objects"] = goal_positions(env).astype(np.float32)
-        return obs
-
+    worker = _EnvWorker(camera_size, keep_raw, privileged)
     try:
         while True:
             try:
@@ -103,76 +196,7 @@ def _worker_main(conn, camera_size: int, keep_raw: bool, privileged: bool = Fals
             if msg[0] == "close":
                 break
             try:
-                if msg[0] == "reset":
-                    _, bddl_file, state, seed, perturb, *rest = msg
-                    extra = rest[0] if rest else {}
-                    if env is None or env_bddl != bddl_file:
-                        if env is not None:
-                            env.close()
-                            env, env_bddl = None, None
-                        ensure_libero_config()  # normally written by the parent already
-                        with contextlib.redirect_stdout(sys.stderr):
-                            from libero.libero.envs import OffScreenRenderEnv
-                        env = OffScreenRenderEnv(bddl_file_name=bddl_file, camera_heights=camera_size,
-                                                 camera_widths=camera_size, camera_names=list(CAMERAS))
-                        env_bddl = bddl_file
-                    env.seed(seed)
-                    env.reset()
-                    expert, noise_rng = None, None
-                    avoid, min_shift = extra.get("avoid"), float(extra.get("min_shift_m", 0.0))
-                    base = None
-                    if extra.get("sample"):
-                        state = _sampled_state(env, avoid, min_shift)
-                    elif perturb is not None:
-                        from .libero_expert import perturb_init_state
-
-                        base = np.asarray(state, dtype=np.float64)
-                        state = perturb_init_state(env, base, np.random.default_rng(perturb[0]), perturb[1],
-                                                   min_shift, avoid)
-                    raw = env.set_init_state(state)
-                    for _ in range(SETTLE_STEPS):
-                        raw, _, _, _ = env.step(list(SETTLE_ACTION))
-                    last_raw = raw
-                    reply = convert(raw)
-                    reply["init_state"] = np.array(state, dtype=np.float64)
-                    if extra.get("describe"):
-                        reply["init_info"] = _init_info(env, reply["init_state"], base, avoid)
-                elif msg[0] == "step":
-                    if env is None:
-                        raise RuntimeError("step before reset")
-                    raw, _, done, _ = env.step(msg[1])
-                    last_raw = raw
-                    reply = (convert(raw), bool(done))  # LIBERO's done is its success check
-                elif msg[0] == "expert_step":
-                    # the scripted expert acts from privileged simulator state, so it runs here beside the env;
-                    # its action is the label, the executed one may be noised (DART) or the caller's (DAgger)
-                    if env is None:
-                        raise RuntimeError("expert_step before reset")
-                    opts = msg[2] if len(msg) > 2 and msg[2] else {}
-                    sigma = float(opts.get("noise", 0.0))
-                    if expert is None:
-                        from .libero_expert import ScriptedExpert
-
-                        expert = ScriptedExpert(env, seed=msg[1], recover=bool(opts.get("recover")),
-                                                hold_orientation=bool(opts.get("hold_orientation", sigma > 0)))
-                        noise_rng = np.random.default_rng(int(opts.get("noise_seed", 0)))
-                    label = np.asarray(expert.act(last_raw), dtype=np.float64)
-                    valid = expert.label_valid
-                    if not np.all(np.isfinite(label)):  # neither executed nor recorded: the attempt ends here
-                        label, valid = np.zeros(ACTION_DIM), False
-                    noise = noise_rng.normal(0.0, sigma, ARM_DIMS) if sigma > 0 else None
-                    if opts.get("execute") is not None:
-                        executed = np.asarray(opts["execute"], dtype=np.float64).reshape(ACTION_DIM).copy()
-                    else:
-                        executed = label.copy()
-                        if noise is not None:  # DART: the expert's action plus noise on the arm dims, clipped
-                            executed[:ARM_DIMS] = np.clip(executed[:ARM_DIMS] + noise, -1.0, 1.0)
-                    raw, _, done, _ = env.step(executed)
-                    last_raw = raw
-                    reply = ExpertStep(convert(raw), bool(done), label, executed, bool(valid))
-                else:
-                    raise ValueError(f"unknown command {msg[0]!r}")
-                out = ("ok", reply)
+                out = ("ok", worker.handle(msg))
             except Exception:
                 out = ("error", traceback.format_exc(limit=8))
             try:
@@ -180,9 +204,7 @@ def _worker_main(conn, camera_size: int, keep_raw: bool, privileged: bool = Fals
             except (OSError, ValueError):  # the parent is gone
                 break
     finally:
-        if env is not None:
-            with contextlib.suppress(Exception):
-                env.close()  # releases the EGL context (else noise at exit)
+        worker.close()
         conn.close()
 
 

@@ -301,6 +301,19 @@ def _train_steps(vae, loader, optimizer, steps: int, lr: float, kl_weight: float
     return history
 
 
+def _normalise_latents(vae, clips: torch.Tensor, dev: torch.device):
+    """Fold the latents' per-channel statistics on `clips` into the VAE (`fold_latent_normalisation`), each std
+    floored at STD_FLOOR × the median (a channel the VAE left unused is not blown up). Returns the statistics
+    folded, how many stds were floored, and the latents' mean and std after."""
+    mean, std = latent_statistics(vae, clips, dev)
+    floor = STD_FLOOR * float(std.median())
+    floored = int((std < floor).sum())
+    std = std.clamp_min(max(floor, 1e-8))
+    fold_latent_normalisation(vae, mean, std)
+    after_mean, after_std = latent_statistics(vae, clips, dev)
+    return mean, std, floored, after_mean, after_std
+
+
 def pretrain_vae(cfg: TrainConfig, out_dir: str | Path, *, steps: int, batch_size: int, lr: float,
                  clip_frames: int, kl_weight: float = 1e-5, heldout_episodes: int = 1, device: str = "auto",
                  num_workers: int = 0, frame_cache_mib: int = 0, eval_clips: int = 16, norm_clips: int = 64,
@@ -347,13 +360,8 @@ def pretrain_vae(cfg: TrainConfig, out_dir: str | Path, *, steps: int, batch_siz
 
     norm_set = load_clips(train_sets, random_items(train_sets, norm_clips, cfg.seed + 1, steps * batch_size),
                           clip_frames)
-    mean, std = latent_statistics(vae, norm_set, dev)
-    floor = STD_FLOOR * float(std.median())
-    floored = int((std < floor).sum())
-    std = std.clamp_min(max(floor, 1e-8))
-    fold_latent_normalisation(vae, mean, std)
+    mean, std, floored, after_mean, after_std = _normalise_latents(vae, norm_set, dev)
     trained_mse = reconstruction_mse(vae, heldout, dev)
-    after_mean, after_std = latent_statistics(vae, norm_set, dev)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
