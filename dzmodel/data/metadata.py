@@ -228,8 +228,58 @@ def compute_metadata(
     that does not fit its column (naming the key), or an out_path inside the dataset.
     """
     root = Path(dataset_root).resolve()
+    out = _check_metadata_arguments(root, out_path, embodiment_tag, action_horizon, quantile_bins, max_episodes,
+                                    heldout_episodes, state_keys, action_keys)
+    specs = {
+        "state": {k: KeySpec.parse(v, k) for k, v in state_keys.items()},
+        "action": {k: KeySpec.parse(v, k) for k, v in action_keys.items()},
+    }
+    for k in relative_action_keys:
+        if k not in specs["state"] or k not in specs["action"]:
+            raise DataError(f"relative action key {k!r}: must be both a state key and an action key")
+
+    acc = _Statistics(root, specs, relative_action_keys, action_horizon, heldout_episodes, max_episodes, batch_rows,
+                      exact_threshold, quantile_bins, progress)
+    if acc.run_pass(hist=False) == 0:
+        raise DataError(f"{root}: no data rows")
+    for (group, key), want in (declared_dims or {}).items():
+        got = acc.stats[group][key].dim if key in acc.stats.get(group, {}) else None
+        if got is not None and got != want:
+            raise DataError(f"{group} key {key!r}: the data has {got} dims (column {specs[group][key].column!r}), "
+                            f"the embodiment declares dim {want}; fix the YAML's dim or slice")
+    if acc.needs_pass2():
+        acc.run_pass(hist=True)
+
+    def modality(group: str) -> dict:
+        return {
+            k: {"absolute": True, "rotation_type": None, "shape": [acc.stats[group][k].dim], "continuous": True}
+            for k in specs[group]
+        }
+
+    entry = {
+        "statistics": acc.results(),
+        "modalities": {
+            "video": _video_modalities(acc.info, video_keys),
+            "state": modality("state"),
+            "action": modality("action"),
+        },
+        "embodiment_tag": embodiment_tag,
+        "statistics_episodes": len(acc.used_episodes),
+        "heldout_episodes": acc.heldout,
+    }
+    doc = {embodiment_tag: entry}
+    if out is not None:
+        doc = _merged(out, embodiment_tag, entry) if merge and out.exists() else doc
+        atomic_write_text(out, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+    return doc
+
+
+def _check_metadata_arguments(root: Path, out_path, embodiment_tag, action_horizon: int, quantile_bins: int,
+                              max_episodes, heldout_episodes: int, state_keys, action_keys) -> Path | None:
+    """compute_metadata's argument checks; returns the resolved out_path (None: compute only)."""
     if not root.is_dir():
         raise DataError(f"{root}: dataset directory not found")
+    out = None
     if out_path is not None:
         out = Path(out_path).resolve()
         if out == root or out.is_relative_to(root):
@@ -248,141 +298,125 @@ def compute_metadata(
         raise DataError(f"heldout_episodes: must be >= 0, got {heldout_episodes}")
     if not state_keys and not action_keys:
         raise DataError("state_keys / action_keys: none configured")
+    return out
 
-    specs = {
-        "state": {k: KeySpec.parse(v, k) for k, v in state_keys.items()},
-        "action": {k: KeySpec.parse(v, k) for k, v in action_keys.items()},
-    }
-    for k in relative_action_keys:
-        if k not in specs["state"] or k not in specs["action"]:
-            raise DataError(f"relative action key {k!r}: must be both a state key and an action key")
 
-    info = load_info(root)
-    files = data_files(root)
-    columns = sorted({s.column for group in specs.values() for s in group.values()})
-    heldout: list[int] = []
-    if heldout_episodes:
-        from .sampling import heldout_split
+def _merged(out: Path, embodiment_tag: str, entry: dict) -> dict:
+    """The metadata document at `out` with `embodiment_tag`'s entry replaced (merge=True)."""
+    try:
+        existing = json.loads(out.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{out}: existing metadata is not valid JSON ({e}); cannot merge") from e
+    if not isinstance(existing, dict):
+        raise DataError(f"{out}: existing metadata is not a JSON object; cannot merge")
+    bad = _nonfinite_field(existing, "")
+    if bad:
+        raise DataError(f"{out}: {bad}; metadata must hold finite numbers (fix or remove it), cannot merge")
+    existing[embodiment_tag] = entry
+    return existing
 
-        _, heldout = heldout_split(episode_indices(files), heldout_episodes, "train.heldout_episodes")
-    used_episodes: set[int] = set()
 
-    stats = {g: {k: RunningStats(f"{g}.{k}", exact_threshold, quantile_bins) for k in specs[g]} for g in specs}
-    rel = {k: RunningStats(f"relative_action.{k}", exact_threshold, quantile_bins) for k in relative_action_keys}
-    slices: dict[tuple[str, str], slice] = {}
+class _Statistics:
+    """The running statistics of every state and action key (and relative action) over a dataset's data files:
+    a first pass of exact statistics, and a second one of histograms where a key has too many rows for exact
+    quantiles (`RunningStats`)."""
 
-    def extract(group: str, key: str, cols: dict[str, np.ndarray]) -> np.ndarray:
-        spec = specs[group][key]
+    def __init__(self, root: Path, specs: dict, relative_action_keys, action_horizon: int, heldout_episodes: int,
+                 max_episodes, batch_rows: int, exact_threshold: int, quantile_bins: int, progress: bool):
+        self.root, self.specs = root, specs
+        self.relative_action_keys, self.action_horizon = tuple(relative_action_keys), action_horizon
+        self.max_episodes, self.batch_rows, self.progress = max_episodes, batch_rows, progress
+        self.info = load_info(root)
+        self.files = data_files(root)
+        self.columns = sorted({s.column for group in specs.values() for s in group.values()})
+        self.heldout: list[int] = []
+        if heldout_episodes:
+            from .sampling import heldout_split
+
+            _, self.heldout = heldout_split(episode_indices(self.files), heldout_episodes, "train.heldout_episodes")
+        self.used_episodes: set[int] = set()
+        self.stats = {g: {k: RunningStats(f"{g}.{k}", exact_threshold, quantile_bins) for k in specs[g]}
+                      for g in specs}
+        self.rel = {k: RunningStats(f"relative_action.{k}", exact_threshold, quantile_bins)
+                    for k in self.relative_action_keys}
+        self.slices: dict[tuple[str, str], slice] = {}
+
+    def extract(self, group: str, key: str, cols: dict[str, np.ndarray]) -> np.ndarray:
+        spec = self.specs[group][key]
         x = cols[spec.column]
-        sl = slices.get((group, key))
+        sl = self.slices.get((group, key))
         if sl is None:
             sl = spec.resolve(x.shape[1], key)
-            _check_declared_width(info, spec, key, sl)
-            slices[(group, key)] = sl
+            _check_declared_width(self.info, spec, key, sl)
+            self.slices[(group, key)] = sl
         elif x.shape[1] < sl.stop:
             raise DataError(f"key {key!r}: column {spec.column!r} has width {x.shape[1]}, slice needs {sl.stop}")
         return x[:, sl]
 
-    def episodes_rel(cols: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
-        for k in relative_action_keys:
-            s = extract("state", k, cols)
-            a = extract("action", k, cols)
+    def _relative(self, cols: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+        for k in self.relative_action_keys:
+            s = self.extract("state", k, cols)
+            a = self.extract("action", k, cols)
             if s.shape[1] != a.shape[1]:
                 raise DataError(
                     f"relative action key {k!r}: state width {s.shape[1]} != action width {a.shape[1]}"
                 )
-            for r in relative_samples(s, a, action_horizon):
+            for r in relative_samples(s, a, self.action_horizon):
                 yield k, r
 
-    def feed_rel(ep_cols: dict[str, np.ndarray], hist: bool) -> None:
-        for k, r in episodes_rel(ep_cols):
+    def _feed_relative(self, ep_cols: dict[str, np.ndarray], hist: bool) -> None:
+        for k, r in self._relative(ep_cols):
             if not hist:
-                rel[k].update(r)
-            elif rel[k].needs_pass2:
-                rel[k].update_hist(r)
+                self.rel[k].update(r)
+            elif self.rel[k].needs_pass2:
+                self.rel[k].update_hist(r)
 
-    def run_pass(hist: bool) -> int:
+    def needs_pass2(self) -> bool:
+        return any(s.needs_pass2 for g in self.stats.values() for s in g.values()) or \
+            any(s.needs_pass2 for s in self.rel.values())
+
+    def run_pass(self, hist: bool) -> int:
+        """One pass over the data files (the histogram pass with `hist`); returns the rows read."""
         from ..progress import Progress
 
-        want_rel = bool(rel) and (not hist or any(s.needs_pass2 for s in rel.values()))
+        want_rel = bool(self.rel) and (not hist or any(s.needs_pass2 for s in self.rel.values()))
         grouper = EpisodeGrouper() if want_rel else None
         rows = 0
-        total = None if max_episodes else info.get("total_frames")
+        total = None if self.max_episodes else self.info.get("total_frames")
         total = total if isinstance(total, int) and not isinstance(total, bool) and total >= 0 else None
-        bar = Progress(total, desc="statistics" + (" (quantiles)" if hist else ""), unit="row",
-                       enabled=progress)
+        bar = Progress(total, desc="statistics" + (" (quantiles)" if hist else ""), unit="row", enabled=self.progress)
         try:  # closed on an error too, so the error starts on its own line
-            for path, ep, fi, cols in iter_batches(files, columns, batch_rows, max_episodes, heldout):
+            for path, ep, fi, cols in iter_batches(self.files, self.columns, self.batch_rows, self.max_episodes,
+                                                   self.heldout):
                 rows += len(ep)
-                used_episodes.update(np.unique(ep).tolist())
+                self.used_episodes.update(np.unique(ep).tolist())
                 bar.update(n=len(ep))
-                for g in specs:
-                    for k in specs[g]:
-                        st = stats[g][k]
+                for g in self.specs:
+                    for k in self.specs[g]:
+                        st = self.stats[g][k]
                         if not hist:
-                            st.update(extract(g, k, cols))
+                            st.update(self.extract(g, k, cols))
                         elif st.needs_pass2:
-                            st.update_hist(extract(g, k, cols))
+                            st.update_hist(self.extract(g, k, cols))
                 if grouper is not None:
                     for ep_cols in grouper.feed(path, ep, fi, cols):
-                        feed_rel(ep_cols, hist)
+                        self._feed_relative(ep_cols, hist)
             if grouper is not None:
                 for ep_cols in grouper.close():
-                    feed_rel(ep_cols, hist)
+                    self._feed_relative(ep_cols, hist)
         finally:
             bar.close()
         return rows
 
-    if run_pass(hist=False) == 0:
-        raise DataError(f"{root}: no data rows")
-    all_stats = [*stats["state"].values(), *stats["action"].values(), *rel.values()]
-    for (group, key), want in (declared_dims or {}).items():
-        got = stats[group][key].dim if key in stats.get(group, {}) else None
-        if got is not None and got != want:
-            raise DataError(f"{group} key {key!r}: the data has {got} dims (column {specs[group][key].column!r}), "
-                            f"the embodiment declares dim {want}; fix the YAML's dim or slice")
-    if any(s.needs_pass2 for s in all_stats):
-        run_pass(hist=True)
-
-    def modality(group: str) -> dict:
-        return {
-            k: {"absolute": True, "rotation_type": None, "shape": [stats[group][k].dim], "continuous": True}
-            for k in specs[group]
-        }
-
-    def results(group: dict[str, RunningStats]) -> dict:
-        try:
-            return {k: s.result() for k, s in group.items()}
-        except DataError as e:  # name the dataset the statistics come from
-            raise DataError(f"{root}: {e}") from None
-
-    statistics = {"state": results(stats["state"]), "action": results(stats["action"])}
-    if rel:
-        statistics["relative_action"] = results(rel)
-    entry = {
-        "statistics": statistics,
-        "modalities": {
-            "video": _video_modalities(info, video_keys),
-            "state": modality("state"),
-            "action": modality("action"),
-        },
-        "embodiment_tag": embodiment_tag,
-        "statistics_episodes": len(used_episodes),
-        "heldout_episodes": heldout,
-    }
-    doc = {embodiment_tag: entry}
-    if out_path is not None:
-        if merge and out.exists():
+    def results(self) -> dict:
+        """The statistics entry: {"state": .., "action": .. [, "relative_action": ..]}."""
+        def of(group: dict[str, RunningStats]) -> dict:
             try:
-                existing = json.loads(out.read_text())
-            except json.JSONDecodeError as e:
-                raise DataError(f"{out}: existing metadata is not valid JSON ({e}); cannot merge") from e
-            if not isinstance(existing, dict):
-                raise DataError(f"{out}: existing metadata is not a JSON object; cannot merge")
-            bad = _nonfinite_field(existing, "")
-            if bad:
-                raise DataError(f"{out}: {bad}; metadata must hold finite numbers (fix or remove it), cannot merge")
-            existing[embodiment_tag] = entry
-            doc = existing
-        atomic_write_text(out, json.dumps(doc, indent=2, allow_nan=False) + "\n")
-    return doc
+                return {k: s.result() for k, s in group.items()}
+            except DataError as e:  # name the dataset the statistics come from
+                raise DataError(f"{self.root}: {e}") from None
+
+        statistics = {"state": of(self.stats["state"]), "action": of(self.stats["action"])}
+        if self.rel:
+            statistics["relative_action"] = of(self.rel)
+        return statistics
