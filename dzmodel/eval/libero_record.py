@@ -300,8 +300,8 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
     Returns the recording summary (also in meta/dz_recording.json). DataError for bad arguments or when no
     episode is kept (nothing is written then). `policy` (an `EmbodiedPolicy`-like object with `predict_batch`,
     `end_session` and `action_horizon`) replaces loading `cfg.dagger`."""
-    from .libero_env import WorkerCrashed, check_libero, env_action, ensure_libero_config, get_suite
-    from .libero_workers import EnvWorkerPool, EpisodeInit
+    from .libero_env import check_libero, ensure_libero_config, get_suite
+    from .libero_workers import EnvWorkerPool
 
     out = check_output_dir(Path(out).expanduser(), overwrite=overwrite, command="data record")  # a file, or not ours
     if out.exists() and not overwrite:
@@ -313,215 +313,247 @@ def record_libero(cfg: RecordConfig, out: str | Path, overwrite: bool = False, p
     max_steps = cfg.max_steps or get_suite(cfg.suite).max_steps
     if cfg.dagger and policy is None:
         policy = _load_dagger_policy(cfg)
-    dagger = policy is not None
-    per_chunk = min(cfg.actions_per_chunk or policy.action_horizon, policy.action_horizon) if dagger else 0
-    keep_all = cfg.keep_mode == "all"
-    extra = dagger or cfg.dart_noise > 0  # the executed actions differ from the labels: written beside them
     todo = _attempts(cfg, tasks)
-    total = len(todo)
     out.parent.mkdir(parents=True, exist_ok=True)
     _clear_stale(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.rec-{os.getpid()}-", dir=out.parent))
     os.chmod(tmp, 0o755)
     began = time.perf_counter()
-    bar = Progress(total, enabled=progress, desc=f"record LIBERO-{cfg.suite}", unit="episode")
-    vectors = {STATE_KEY: VectorFeature(8, STATE_NAMES), ACTION_KEY: VectorFeature(7, ACTION_NAMES),
-               OBJECTS_KEY: VectorFeature(6, OBJECTS_NAMES)}
-    if extra:
-        vectors[EXECUTED_KEY] = VectorFeature(7, ACTION_NAMES)
-    options = recording_options(cfg, dagger)
-    writes = None
+    bar = Progress(len(todo), enabled=progress, desc=f"record LIBERO-{cfg.suite}", unit="episode")
+    recording = None
     try:
-        writer = LeRobotV3Writer(tmp, FPS, ROBOT_TYPE, {IMAGE_KEY: (cfg.image_size,) * 2, WRIST_KEY: (cfg.image_size,) * 2},
-                                 vectors, codec=cfg.codec, episodes_per_video_file=1,
-                                 image_names=("height", "width", "rgb"), gop=cfg.gop)
-        finished: dict[int, _Attempt] = {}
-        kept: list[dict] = []
-        object_xy_index: dict[int, list] = {}
-        next_to_write = 0
-
-        # episodes are encoded and written on one thread beside the loop, in (task, attempt) order, so the
-        # workers are not left idle while the videos of a finished attempt compress
-        writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-writer")
-        written: list = []
-
-        def write(a: _Attempt) -> None:
-            steps = len(a.actions)
-            columns = {STATE_KEY: np.stack(a.states), ACTION_KEY: np.stack(a.actions),
-                       OBJECTS_KEY: np.stack(a.objects)}
-            if extra:
-                columns[EXECUTED_KEY] = np.stack(a.executed)
-            ep = writer.add_episode(a.task.language, {IMAGE_KEY: np.stack(a.images), WRIST_KEY: np.stack(a.wrists)},
-                                    columns)
-            a.drop_frames()
-            info = dict(a.init_info or {})
-            object_xy_index.setdefault(a.task.index, info.pop("object_xy_index", None))
-            row = {"episode_index": ep, "task": a.task.index, "task_name": a.task.name,
-                   "attempt": a.number, "init_index": a.init_index, "perturbed": a.perturb_seed is not None,
-                   "env_seed": a.env_seed, "expert_seed": a.expert_seed, "steps": steps,
-                   "success": a.success,
-                   "init": {"mode": cfg.init, "base_index": None if cfg.init == "sampled" else a.init_index,
-                            "perturb_seed": a.perturb_seed, **info},
-                   "init_state": [float(x) for x in a.init_state]}
-            if cfg.dart_noise > 0:
-                row["noise_seed"] = a.noise_seed
-            if dagger:
-                row.update(policy_steps=a.policy_steps, chunk_actors="".join(a.actors))
-            if a.note:
-                row["note"] = a.note
-            kept.append(row)
-
-        def flush():
-            """Queue finished attempts for writing in (task, attempt) order: the dataset does not depend on timing."""
-            nonlocal next_to_write
-            while next_to_write in finished:
-                a = finished.pop(next_to_write)
-                next_to_write += 1
-                if a.actions and (a.success or keep_all):
-                    written.append(writes.submit(write, a))
-            while written and written[0].done():
-                written.pop(0).result()  # a failed write stops the recording here
-
-        results: list[_Attempt] = []
+        recording = _Recording(cfg, tmp, todo, max_steps, policy, bar)
         pool_factory = pool_factory or (lambda n: EnvWorkerPool(n, camera_size=cfg.image_size, privileged=True,
                                                                 timeout_s=cfg.worker_timeout_s, seed=cfg.seed))
-        order = {id(a): i for i, a in enumerate(todo)}
-        queue = list(todo)
-        with pool_factory(min(cfg.workers, total)) as pool:
-            # every worker runs its attempt at its own pace: one worker's reset (seconds) holds up no other
-            running: dict[int, _Attempt] = {}
-            starting: dict[int, _Attempt] = {}  # worker -> attempt whose reset is in flight
-            counts = {"env_steps": 0}         # steps with a valid label, every attempt's
-            free = list(range(pool.num_workers))
-
-            def done(w, a: _Attempt, note=""):
-                a.note = note
-                running.pop(w, None)
-                if w not in free:
-                    free.append(w)
-                if dagger:
-                    policy.end_session(_session(a))
-                results.append(a)
-                finished[order[id(a)]] = a
-                if not (a.success or keep_all):  # free the frames now; a failure is never written
-                    a.drop_frames()
-                flush()
-                ok = sum(r.success for r in results)
-                if bar.bar is not None:
-                    bar.bar.set_postfix(success=f"{ok}/{len(results)}", refresh=False)
-                bar.update()
-
-            def started(w, r) -> bool:
-                a = starting.pop(w)
-                if isinstance(r, WorkerCrashed) or r is None:
-                    done(w, a, f"reset failed: {getattr(r, 'reason', 'no reply')}".splitlines()[0])
-                    return False
-                a.obs, a.init_state = r, np.asarray(r["init_state"], dtype=np.float64)
-                a.init_info = r.get("init_info")
-                if dagger:
-                    a.mix_rng = np.random.default_rng(a.mix_seed)
-                running[w] = a
-                return True
-
-            def stepped(w, r) -> bool:
-                """An expert step's reply; False when the attempt ended."""
-                a = running[w]
-                if isinstance(r, WorkerCrashed) or r is None:
-                    reason = getattr(r, "reason", "no reply").strip().splitlines()
-                    done(w, a, f"env worker crashed: {reason[-1] if reason else ''}")
-                    return False
-                if not r.label_valid:  # the rows end before the first step without a valid label
-                    done(w, a, "the expert gave up (no valid label from here)")
-                    return False
-                a.images.append(a.obs["image"])
-                a.wrists.append(a.obs["wrist_image"])
-                a.states.append(a.obs["state"])
-                a.objects.append(np.asarray(a.obs["objects"], dtype=np.float32))
-                counts["env_steps"] += 1
-                a.actions.append(np.asarray(r.label, dtype=np.float32))
-                a.executed.append(np.asarray(r.executed, dtype=np.float32))
-                a.obs = r.obs
-                if r.success:
-                    a.success = True
-                    done(w, a)
-                    return False
-                if len(a.actions) >= max_steps:
-                    done(w, a, f"no success within the suite's {max_steps} steps" if cfg.max_steps is None
-                         else f"no success within {max_steps} steps (--max-steps)")
-                    return False
-                return True
-
-            while queue or running or starting:
-                if queue and free:
-                    assign = {}
-                    while queue and free:
-                        assign[free.pop(0)] = queue.pop(0)
-                    inits = {w: EpisodeInit(env_seed=a.env_seed, perturb_seed=a.perturb_seed,
-                                            max_shift_m=cfg.max_shift_m, sample=cfg.init == "sampled",
-                                            min_shift_m=cfg.min_shift, describe=True) for w, a in assign.items()}
-                    pool.submit_reset([(w, a.task, a.init_index) for w, a in assign.items()], inits)
-                    starting.update(assign)
-                replies = pool.wait()
-                if not replies:
-                    raise RuntimeError("the env worker pool has no command in flight, yet attempts are running")
-                idle = [w for w, r in replies.items() if (started(w, r) if w in starting else stepped(w, r))]
-                if not idle:
-                    continue
-                if dagger:
-                    _dagger_chunks(cfg, policy, {w: running[w] for w in idle}, per_chunk, env_action)
-                opts = {}
-                for w in idle:
-                    a, o = running[w], {}
-                    if cfg.dart_noise > 0:
-                        o.update(noise=cfg.dart_noise, noise_seed=a.noise_seed)
-                    if dagger:
-                        o.update(recover=True, hold_orientation=True)
-                        if a.queue:
-                            o["execute"] = a.queue.pop(0)
-                            a.policy_steps += 1
-                        a.chunk_left -= 1
-                    if o:
-                        opts[w] = o
-                seeds = {w: running[w].expert_seed for w in idle}
-                pool.submit_expert_step(seeds, opts) if opts else pool.submit_expert_step(seeds)
+        with pool_factory(min(cfg.workers, len(todo))) as pool:
+            recording.run(pool)
         bar.close()
-        writes.shutdown(wait=True)
-        for f in written:
-            f.result()
-        per_task = _per_task(tasks, results, kept, object_xy_index)
-        successes = sum(a.success for a in results)
-        summary = {
-            "generator": "dz data record libero",
-            "expert": "dzmodel.eval.libero_expert.ScriptedExpert",
-            "suite": cfg.suite,
-            "max_steps": max_steps,
-            "config": asdict(cfg),
-            "options": options,
-            "per_task": per_task,
-            "attempts": total,
-            "successes": successes,
-            "kept": len(kept),
-            "failures": [{"task": a.task.index, "attempt": a.number, "init_index": a.init_index, "note": a.note}
-                         for a in sorted(results, key=lambda a: order[id(a)]) if not a.success],
-            "episodes": kept,
-            "seconds": round(time.perf_counter() - began, 1),
-            "env_steps": counts["env_steps"],
-        }
-        if not kept:
-            what = "no attempt succeeded" if not keep_all else "no attempt recorded a step"
-            raise DataError(f"{what} ({total} tried on {cfg.suite!r} tasks "
+        recording.finish_writes()
+        summary = recording.summary(tasks, round(time.perf_counter() - began, 1))
+        if not recording.kept:
+            what = "no attempt succeeded" if not recording.keep_all else "no attempt recorded a step"
+            raise DataError(f"{what} ({len(todo)} tried on {cfg.suite!r} tasks "
                             f"{[t.index for t in tasks]}); nothing was written")
-        writer.finish(extra_info={"dz_recording": options})
+        recording.writer.finish(extra_info={"dz_recording": summary["options"]})
         (tmp / RECORDING_FILE).write_text(json.dumps(summary, indent=1) + "\n")
         _publish(tmp, out, overwrite)
     except BaseException:
         bar.close()
-        if writes is not None:
-            writes.shutdown(wait=True, cancel_futures=True)  # before its files are removed
+        if recording is not None:
+            recording.writes.shutdown(wait=True, cancel_futures=True)  # before its files are removed
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log(summary_line(summary, out))
     return summary
+
+
+class _Recording:
+    """One recording's attempts run over a pool of env workers, and the episodes kept, written to a LeRobot writer
+    in (task, attempt) order on one thread beside the loop (the dataset does not depend on timing, and the workers
+    are not left idle while a finished attempt's videos compress)."""
+
+    def __init__(self, cfg: RecordConfig, tmp: Path, todo: list, max_steps: int, policy, bar):
+        self.cfg, self.todo, self.max_steps, self.policy, self.bar = cfg, todo, max_steps, policy, bar
+        self.dagger = policy is not None
+        self.per_chunk = min(cfg.actions_per_chunk or policy.action_horizon, policy.action_horizon) \
+            if self.dagger else 0
+        self.keep_all = cfg.keep_mode == "all"
+        self.extra = self.dagger or cfg.dart_noise > 0  # the executed actions differ from the labels: both written
+        vectors = {STATE_KEY: VectorFeature(8, STATE_NAMES), ACTION_KEY: VectorFeature(7, ACTION_NAMES),
+                   OBJECTS_KEY: VectorFeature(6, OBJECTS_NAMES)}
+        if self.extra:
+            vectors[EXECUTED_KEY] = VectorFeature(7, ACTION_NAMES)
+        self.options = recording_options(cfg, self.dagger)
+        self.writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-writer")
+        self.writer = LeRobotV3Writer(tmp, FPS, ROBOT_TYPE,
+                                      {IMAGE_KEY: (cfg.image_size,) * 2, WRIST_KEY: (cfg.image_size,) * 2},
+                                      vectors, codec=cfg.codec, episodes_per_video_file=1,
+                                      image_names=("height", "width", "rgb"), gop=cfg.gop)
+        self.order = {id(a): i for i, a in enumerate(todo)}
+        self.finished: dict[int, _Attempt] = {}
+        self.next_to_write = 0
+        self.written: list = []
+        self.kept: list[dict] = []
+        self.object_xy_index: dict[int, list] = {}
+        self.results: list[_Attempt] = []
+        self.env_steps = 0  # steps with a valid label, every attempt's
+        self.running: dict[int, _Attempt] = {}
+        self.starting: dict[int, _Attempt] = {}  # worker -> attempt whose reset is in flight
+        self.free: list[int] = []
+
+    # -- writing --
+
+    def _write(self, a: _Attempt) -> None:
+        cfg = self.cfg
+        columns = {STATE_KEY: np.stack(a.states), ACTION_KEY: np.stack(a.actions), OBJECTS_KEY: np.stack(a.objects)}
+        if self.extra:
+            columns[EXECUTED_KEY] = np.stack(a.executed)
+        steps = len(a.actions)
+        ep = self.writer.add_episode(a.task.language, {IMAGE_KEY: np.stack(a.images), WRIST_KEY: np.stack(a.wrists)},
+                                     columns)
+        a.drop_frames()
+        info = dict(a.init_info or {})
+        self.object_xy_index.setdefault(a.task.index, info.pop("object_xy_index", None))
+        row = {"episode_index": ep, "task": a.task.index, "task_name": a.task.name,
+               "attempt": a.number, "init_index": a.init_index, "perturbed": a.perturb_seed is not None,
+               "env_seed": a.env_seed, "expert_seed": a.expert_seed, "steps": steps,
+               "success": a.success,
+               "init": {"mode": cfg.init, "base_index": None if cfg.init == "sampled" else a.init_index,
+                        "perturb_seed": a.perturb_seed, **info},
+               "init_state": [float(x) for x in a.init_state]}
+        if cfg.dart_noise > 0:
+            row["noise_seed"] = a.noise_seed
+        if self.dagger:
+            row.update(policy_steps=a.policy_steps, chunk_actors="".join(a.actors))
+        if a.note:
+            row["note"] = a.note
+        self.kept.append(row)
+
+    def _flush(self) -> None:
+        """Queue finished attempts for writing in (task, attempt) order: the dataset does not depend on timing."""
+        while self.next_to_write in self.finished:
+            a = self.finished.pop(self.next_to_write)
+            self.next_to_write += 1
+            if a.actions and (a.success or self.keep_all):
+                self.written.append(self.writes.submit(self._write, a))
+        while self.written and self.written[0].done():
+            self.written.pop(0).result()  # a failed write stops the recording here
+
+    def finish_writes(self) -> None:
+        self.writes.shutdown(wait=True)
+        for f in self.written:
+            f.result()
+
+    # -- the attempts --
+
+    def _done(self, w: int, a: _Attempt, note: str = "") -> None:
+        a.note = note
+        self.running.pop(w, None)
+        if w not in self.free:
+            self.free.append(w)
+        if self.dagger:
+            self.policy.end_session(_session(a))
+        self.results.append(a)
+        self.finished[self.order[id(a)]] = a
+        if not (a.success or self.keep_all):  # free the frames now; a failure is never written
+            a.drop_frames()
+        self._flush()
+        ok = sum(r.success for r in self.results)
+        if self.bar.bar is not None:
+            self.bar.bar.set_postfix(success=f"{ok}/{len(self.results)}", refresh=False)
+        self.bar.update()
+
+    def _started(self, w: int, r) -> bool:
+        from .libero_env import WorkerCrashed
+
+        a = self.starting.pop(w)
+        if isinstance(r, WorkerCrashed) or r is None:
+            self._done(w, a, f"reset failed: {getattr(r, 'reason', 'no reply')}".splitlines()[0])
+            return False
+        a.obs, a.init_state = r, np.asarray(r["init_state"], dtype=np.float64)
+        a.init_info = r.get("init_info")
+        if self.dagger:
+            a.mix_rng = np.random.default_rng(a.mix_seed)
+        self.running[w] = a
+        return True
+
+    def _stepped(self, w: int, r) -> bool:
+        """An expert step's reply; False when the attempt ended."""
+        from .libero_env import WorkerCrashed
+
+        a = self.running[w]
+        if isinstance(r, WorkerCrashed) or r is None:
+            reason = getattr(r, "reason", "no reply").strip().splitlines()
+            self._done(w, a, f"env worker crashed: {reason[-1] if reason else ''}")
+            return False
+        if not r.label_valid:  # the rows end before the first step without a valid label
+            self._done(w, a, "the expert gave up (no valid label from here)")
+            return False
+        a.images.append(a.obs["image"])
+        a.wrists.append(a.obs["wrist_image"])
+        a.states.append(a.obs["state"])
+        a.objects.append(np.asarray(a.obs["objects"], dtype=np.float32))
+        self.env_steps += 1
+        a.actions.append(np.asarray(r.label, dtype=np.float32))
+        a.executed.append(np.asarray(r.executed, dtype=np.float32))
+        a.obs = r.obs
+        if r.success:
+            a.success = True
+            self._done(w, a)
+            return False
+        if len(a.actions) >= self.max_steps:
+            self._done(w, a, f"no success within the suite's {self.max_steps} steps" if self.cfg.max_steps is None
+                       else f"no success within {self.max_steps} steps (--max-steps)")
+            return False
+        return True
+
+    def _step_options(self, idle: list[int]) -> dict:
+        """Each idle worker's expert-step options: DART noise, and DAgger's executed policy action."""
+        opts = {}
+        for w in idle:
+            a, o = self.running[w], {}
+            if self.cfg.dart_noise > 0:
+                o.update(noise=self.cfg.dart_noise, noise_seed=a.noise_seed)
+            if self.dagger:
+                o.update(recover=True, hold_orientation=True)
+                if a.queue:
+                    o["execute"] = a.queue.pop(0)
+                    a.policy_steps += 1
+                a.chunk_left -= 1
+            if o:
+                opts[w] = o
+        return opts
+
+    def run(self, pool) -> None:
+        """Every attempt to its end; every worker runs its attempt at its own pace (one worker's reset, seconds,
+        holds up no other)."""
+        from .libero_env import env_action
+        from .libero_workers import EpisodeInit
+
+        cfg, queue = self.cfg, list(self.todo)
+        self.free = list(range(pool.num_workers))
+        while queue or self.running or self.starting:
+            if queue and self.free:
+                assign = {}
+                while queue and self.free:
+                    assign[self.free.pop(0)] = queue.pop(0)
+                inits = {w: EpisodeInit(env_seed=a.env_seed, perturb_seed=a.perturb_seed, max_shift_m=cfg.max_shift_m,
+                                        sample=cfg.init == "sampled", min_shift_m=cfg.min_shift, describe=True)
+                         for w, a in assign.items()}
+                pool.submit_reset([(w, a.task, a.init_index) for w, a in assign.items()], inits)
+                self.starting.update(assign)
+            replies = pool.wait()
+            if not replies:
+                raise RuntimeError("the env worker pool has no command in flight, yet attempts are running")
+            idle = [w for w, r in replies.items()
+                    if (self._started(w, r) if w in self.starting else self._stepped(w, r))]
+            if not idle:
+                continue
+            if self.dagger:
+                _dagger_chunks(cfg, self.policy, {w: self.running[w] for w in idle}, self.per_chunk, env_action)
+            opts = self._step_options(idle)
+            seeds = {w: self.running[w].expert_seed for w in idle}
+            pool.submit_expert_step(seeds, opts) if opts else pool.submit_expert_step(seeds)
+
+    def summary(self, tasks, seconds: float) -> dict:
+        cfg = self.cfg
+        return {
+            "generator": "dz data record libero",
+            "expert": "dzmodel.eval.libero_expert.ScriptedExpert",
+            "suite": cfg.suite,
+            "max_steps": self.max_steps,
+            "config": asdict(cfg),
+            "options": self.options,
+            "per_task": _per_task(tasks, self.results, self.kept, self.object_xy_index),
+            "attempts": len(self.todo),
+            "successes": sum(a.success for a in self.results),
+            "kept": len(self.kept),
+            "failures": [{"task": a.task.index, "attempt": a.number, "init_index": a.init_index, "note": a.note}
+                         for a in sorted(self.results, key=lambda a: self.order[id(a)]) if not a.success],
+            "episodes": self.kept,
+            "seconds": seconds,
+            "env_steps": self.env_steps,
+        }
 
 
 def _dagger_chunks(cfg: RecordConfig, policy, running: dict, per_chunk: int, env_action) -> None:
