@@ -101,7 +101,7 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
     `episodes` [(TaskSpec, episode id, EpisodeInit)] replaces the grid of tasks x standard init states
     (the oracle replays recorded episodes from their recorded init states this way).
     `timing`, if given, receives the seconds spent in the policy and in env steps, the chunks and the forwards."""
-    from .libero_env import WorkerCrashed, env_action, get_suite, list_tasks
+    from .libero_env import get_suite, list_tasks
     from .libero_workers import EnvWorkerPool
 
     tasks = list_tasks(cfg.suite) if tasks is None else tasks
@@ -125,120 +125,144 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
                                  f"asked for {e + 1}")
     else:
         todo = [(t, e, 1, init) for t, e, init in episodes]
-    total = len(todo)
-    results: list[EpisodeResult] = []
-    videos_left = cfg.videos
-    bar = Progress(total, enabled=progress, desc=f"LIBERO {tag}".strip(), unit="episode")
+    bar = Progress(len(todo), enabled=progress, desc=f"LIBERO {tag}".strip(), unit="episode")
     if pool_factory is None:
         def pool_factory(n):
             return EnvWorkerPool(n, camera_size=cfg.camera_size, timeout_s=cfg.worker_timeout_s, seed=cfg.seed)
     clock = timing if timing is not None else {}
     for key in ("policy_s", "env_s", "chunks", "forwards"):
         clock.setdefault(key, 0)
-    with pool_factory(min(cfg.num_workers, total)) as pool:
-        # Each worker runs its episode at its own pace: a reset (seconds: LIBERO reloads the model) or a slow step
-        # holds up no other worker, and the episodes that need a chunk when the policy is free share its forward.
-        running: dict[int, _Running] = {}
-        starting: dict[int, tuple] = {}  # worker -> (task, episode, attempt, init) whose reset is in flight
-        free = list(range(pool.num_workers))
+    run = _Evaluation(policy, cfg, todo, max_steps, per_chunk, stride, out_dir, tag, bar, clock)
+    with pool_factory(min(cfg.num_workers, len(todo))) as pool:
+        run.run(pool)
+    bar.close()
+    return sorted(run.results, key=lambda r: (r.task, r.episode))
 
-        def start():
-            assign = {}
-            while todo and free:
-                assign[free.pop(0)] = todo.pop(0)
-            if not assign:
-                return
-            inits = {w: init for w, (_, _, _, init) in assign.items() if init is not None}
-            resets = [(w, t, e) for w, (t, e, _, _) in assign.items()]
-            pool.submit_reset(resets, inits) if inits else pool.submit_reset(resets)
-            starting.update(assign)
 
-        def started(w, r) -> bool:
-            nonlocal videos_left
-            t, e, attempt, init = starting.pop(w)
-            if isinstance(r, WorkerCrashed) or r is None:
-                finish_crash(w, t, e, attempt, f"reset: {getattr(r, 'reason', 'no reply')}", init)
-                return False
-            record = videos_left > 0
-            videos_left -= int(record)
-            running[w] = _Running(t, e, attempt, r, time.perf_counter(), frames=[r["image"]] if record else None,
-                                  init=init)
-            return True
+class _Evaluation:
+    """The episodes of one evaluation over a pool of env workers. Each worker runs its episode at its own pace: a
+    reset (seconds: LIBERO reloads the model) or a slow step holds up no other worker, and the episodes that need a
+    chunk when the policy is free share its forward."""
 
-        def finish(w, run: _Running, note=""):
-            video = ""
-            if run.frames is not None and out_dir is not None:
-                video = _write_video(Path(out_dir) / "videos" / f"{tag or 'eval'}_task{run.task.index:02d}_ep{run.episode:02d}.mp4",
-                                     run.frames)
-            results.append(EpisodeResult(run.task.index, run.task.name, run.episode, run.success, run.steps,
-                                         round(time.perf_counter() - run.started, 2), run.attempt, note, video))
-            policy.end_session(_session(run))
-            running.pop(w, None)
-            free.append(w)
-            bar.update()
+    def __init__(self, policy, cfg, todo: list, max_steps: int, per_chunk: int, stride: int | None, out_dir,
+                 tag: str, bar, clock: dict):
+        self.policy, self.cfg, self.todo, self.max_steps = policy, cfg, todo, max_steps
+        self.per_chunk, self.stride, self.out_dir, self.tag, self.bar, self.clock = \
+            per_chunk, stride, out_dir, tag, bar, clock
+        self.results: list[EpisodeResult] = []
+        self.videos_left = cfg.videos
+        self.running: dict[int, _Running] = {}
+        self.starting: dict[int, tuple] = {}  # worker -> (task, episode, attempt, init) whose reset is in flight
+        self.free: list[int] = []
 
-        def finish_crash(w, t, e, attempt, reason, init=None):
-            if w in running:
-                policy.end_session(_session(running.pop(w)))
-            if w not in free:
-                free.append(w)
-            if attempt == 1:
-                todo.append((t, e, 2, init))  # retried once on a fresh worker
-            else:
-                results.append(EpisodeResult(t.index, t.name, e, False, 0, 0.0, attempt,
-                                             f"failed: env worker crashed twice ({reason})"))
-                bar.update()
+    def _start(self, pool) -> None:
+        assign = {}
+        while self.todo and self.free:
+            assign[self.free.pop(0)] = self.todo.pop(0)
+        if not assign:
+            return
+        inits = {w: init for w, (_, _, _, init) in assign.items() if init is not None}
+        resets = [(w, t, e) for w, (t, e, _, _) in assign.items()]
+        pool.submit_reset(resets, inits) if inits else pool.submit_reset(resets)
+        self.starting.update(assign)
 
-        def stepped(w, r) -> bool:
-            """An env step's reply; False when the episode ended."""
-            run = running[w]
-            if isinstance(r, WorkerCrashed) or r is None:
-                finish_crash(w, run.task, run.episode, run.attempt, getattr(r, "reason", "no reply"), run.init)
-                return False
-            obs, success = r
-            run.obs, run.steps = obs, run.steps + 1
-            if stride is not None and run.steps % stride == 0:
-                run.new_frames.append(_views(obs))
-            run.success = run.success or bool(success)
-            if run.frames is not None:
-                run.frames.append(obs["image"])
-            if run.success or run.steps >= max_steps:
-                finish(w, run, "retried after a worker crash" if run.attempt > 1 else "")
-                return False
-            return True
+    def _started(self, w: int, r) -> bool:
+        from .libero_env import WorkerCrashed
 
+        t, e, attempt, init = self.starting.pop(w)
+        if isinstance(r, WorkerCrashed) or r is None:
+            self._finish_crash(w, t, e, attempt, f"reset: {getattr(r, 'reason', 'no reply')}", init)
+            return False
+        record = self.videos_left > 0
+        self.videos_left -= int(record)
+        self.running[w] = _Running(t, e, attempt, r, time.perf_counter(), frames=[r["image"]] if record else None,
+                                   init=init)
+        return True
+
+    def _finish(self, w: int, run: _Running, note: str = "") -> None:
+        video = ""
+        if run.frames is not None and self.out_dir is not None:
+            name = f"{self.tag or 'eval'}_task{run.task.index:02d}_ep{run.episode:02d}.mp4"
+            video = _write_video(Path(self.out_dir) / "videos" / name, run.frames)
+        self.results.append(EpisodeResult(run.task.index, run.task.name, run.episode, run.success, run.steps,
+                                          round(time.perf_counter() - run.started, 2), run.attempt, note, video))
+        self.policy.end_session(_session(run))
+        self.running.pop(w, None)
+        self.free.append(w)
+        self.bar.update()
+
+    def _finish_crash(self, w: int, t, e: int, attempt: int, reason: str, init=None) -> None:
+        if w in self.running:
+            self.policy.end_session(_session(self.running.pop(w)))
+        if w not in self.free:
+            self.free.append(w)
+        if attempt == 1:
+            self.todo.append((t, e, 2, init))  # retried once on a fresh worker
+        else:
+            self.results.append(EpisodeResult(t.index, t.name, e, False, 0, 0.0, attempt,
+                                              f"failed: env worker crashed twice ({reason})"))
+            self.bar.update()
+
+    def _stepped(self, w: int, r) -> bool:
+        """An env step's reply; False when the episode ended."""
+        from .libero_env import WorkerCrashed
+
+        run = self.running[w]
+        if isinstance(r, WorkerCrashed) or r is None:
+            self._finish_crash(w, run.task, run.episode, run.attempt, getattr(r, "reason", "no reply"), run.init)
+            return False
+        obs, success = r
+        run.obs, run.steps = obs, run.steps + 1
+        if self.stride is not None and run.steps % self.stride == 0:
+            run.new_frames.append(_views(obs))
+        run.success = run.success or bool(success)
+        if run.frames is not None:
+            run.frames.append(obs["image"])
+        if run.success or run.steps >= self.max_steps:
+            self._finish(w, run, "retried after a worker crash" if run.attempt > 1 else "")
+            return False
+        return True
+
+    def _query(self, need: list[int]) -> None:
+        """New chunks for the episodes `need`: one batched forward (or one call each, for comparison)."""
+        requests = [_request(self.running[w], self.stride) for w in need]
+        t0 = time.perf_counter()
+        if self.cfg.batch_policy:  # every episode that needs a chunk now, in one policy forward
+            chunks = self.policy.predict_batch(requests)
+        else:
+            chunks = [self.policy.predict(*r) for r in requests]
+        self.clock["policy_s"] += time.perf_counter() - t0
+        self.clock["chunks"] += len(requests)
+        self.clock["forwards"] += 1 if self.cfg.batch_policy else len(requests)
+        for w, chunk in zip(need, chunks):
+            self.running[w].queue = list(chunk[:self.per_chunk])
+
+    def run(self, pool) -> None:
+        from .libero_env import env_action
+
+        self.free = list(range(pool.num_workers))
+        running = self.running
         ready: set[int] = set()  # running episodes with no env command in flight
-        while todo or running or starting:
-            start()
+        while self.todo or running or self.starting:
+            self._start(pool)
             t0 = time.perf_counter()
             replies = pool.wait()
-            clock["env_s"] += time.perf_counter() - t0
+            self.clock["env_s"] += time.perf_counter() - t0
             if not replies:
                 raise RuntimeError("the env worker pool has no command in flight, yet episodes are running")
-            ready |= {w for w, r in replies.items() if (started(w, r) if w in starting else stepped(w, r))}
+            ready |= {w for w, r in replies.items()
+                      if (self._started(w, r) if w in self.starting else self._stepped(w, r))}
             ready &= set(running)
             need = [w for w in sorted(ready) if not running[w].queue]
             # an episode whose step is in flight with its chunk used up needs one at its reply (one env step
             # away): wait for it, so that both share the forward (fewer, larger forwards take less policy time)
             due = [w for w in running if w not in ready and not running[w].queue]
             if need and not due:
-                requests = [_request(running[w], stride) for w in need]
-                t0 = time.perf_counter()
-                if cfg.batch_policy:  # every episode that needs a chunk now, in one policy forward
-                    chunks = policy.predict_batch(requests)
-                else:
-                    chunks = [policy.predict(*r) for r in requests]
-                clock["policy_s"] += time.perf_counter() - t0
-                clock["chunks"] += len(requests)
-                clock["forwards"] += 1 if cfg.batch_policy else len(requests)
-                for w, chunk in zip(need, chunks):
-                    running[w].queue = list(chunk[:per_chunk])
+                self._query(need)
             go = [w for w in sorted(ready) if running[w].queue]
             if go:
-                pool.submit_step({w: env_action(running[w].queue.pop(0), cfg.binarize_gripper) for w in go})
+                pool.submit_step({w: env_action(running[w].queue.pop(0), self.cfg.binarize_gripper) for w in go})
                 ready -= set(go)
-    bar.close()
-    return sorted(results, key=lambda r: (r.task, r.episode))
 
 
 SESSION_FORMAT = "task{task}-ep{episode}-try{attempt}"  # one KV-cache session per episode attempt
