@@ -158,9 +158,9 @@ def files_sha256(path: str | Path) -> str:
 
 
 def graphed_encode(step: TrainStep, graphs: GraphCache):
-    """`step.encode` for batches of images, replayed as a CUDA graph per batch shape when `graphs` is enabled: the
-    frozen encoders of the small presets are thousands of small kernels a call, more host time to launch than GPU
-    time to run. Off, it is `step.encode` itself."""
+    """`step.encode` for batches of images, replayed as a CUDA graph per batch shape when `graphs` is enabled (the
+    same kernels, launched at once). Measured for the small VAE's encode alone at 128 windows a call: 2 % faster,
+    being mostly GPU work; the text and CLIP encoders' share is not measured apart. Off, it is `step.encode`."""
     if not graphs.enabled:
         return step.encode
 
