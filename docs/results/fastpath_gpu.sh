@@ -26,7 +26,7 @@
 #                              device time; where a step's fixed cost goes (the syncs slow it: not a throughput figure)
 #   all                        synth, then measure on it
 set -euo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} PRELUDE=${PRELUDE:-}
 OUT=${OUT:-/tmp}
 run=runs/fastpath/${VARIANT:-default}
 synth=data/fastpath_synth
@@ -52,6 +52,17 @@ def _graphed(model=None, **kwargs):  # the blocks as CUDA graphs (cudagraph tree
     kwargs.setdefault('mode', 'reduce-overhead')
     return _compile(model, **kwargs) if model is not None else _compile(**kwargs)
 torch.compile = _graphed" ;;
+    qk32) echo "import torch, dzmodel.model.wan_dit as w
+def _norm(self, x):  # the norm before q and k kept the input's dtype: fp32 q and k under autocast
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+w.WanRMSNorm.forward = _norm" ;;
+    bf16res) echo "import torch, dzmodel.model.wam as m
+_embed = m.DreamZeroWAM.embed_register
+def _register(self, *args):  # the register in the compute dtype: the residual stream between blocks is bf16
+    out = _embed(self, *args)
+    return out.to(torch.get_autocast_dtype('cuda')) if torch.is_autocast_enabled('cuda') else out
+m.DreamZeroWAM.embed_register = _register" ;;
     *) echo "unknown PRELUDE $PRELUDE_ONE" >&2; return 2 ;;
   esac
 }

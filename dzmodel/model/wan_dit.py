@@ -27,7 +27,9 @@ from .attention import AttnMask, attention
 
 
 class WanRMSNorm(nn.Module):
-    """RMSNorm over the full model dim (not per head), computed in fp32, with a learned weight."""
+    """RMSNorm over the full model dim (not per head), computed in fp32, with a learned weight. The output keeps
+    the input's dtype: with fp32 weights under bf16 autocast (training), q and k would otherwise become fp32 and
+    every attention call would read and convert twice their bytes."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -37,7 +39,7 @@ class WanRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return (normed.type_as(x) * self.weight).type_as(x)
 
 
 class WanLayerNorm(nn.LayerNorm):

@@ -73,8 +73,7 @@ class TrainConfig:
     compile: bool = False
     # the compiled blocks as CUDA graphs (torch.compile's reduce-overhead mode): one replay per block and pass
     # instead of ~130 kernel launches from Python, for steps whose host side is slower than the GPU's work
-    # (docs/performance.md); one process on CUDA only (FSDP2 gathers the weights anew every step). The encoding of
-    # the augmented copies (`encoded_variants`) replays as a CUDA graph too
+    # (docs/performance.md); one process on CUDA only (FSDP2 gathers the weights anew every step)
     cuda_graphs: bool = False
     attn_backend: str = "auto"
     # bookkeeping

@@ -31,8 +31,7 @@ from ..data.sampling import SampleStream, WindowSpec
 from ..data.video import worker_init_fn
 from ..dirlock import directory_lock
 from ..model.args import OFFLINE_PRESETS, preset
-from ..model.conditioning import NULL_PROMPT, EncodedBatch, encode_prompts
-from ..model.cuda_graphs import GraphCache
+from ..model.conditioning import NULL_PROMPT, encode_prompts
 from ..model.lora import apply_lora, trainable_parameters
 from ..model.state_dict import load_wan_dit
 from ..model.vae import WanVideoVAE38
@@ -155,26 +154,6 @@ def files_sha256(path: str | Path) -> str:
             for chunk in iter(lambda: fh.read(1 << 24), b""):
                 h.update(chunk)
     return h.hexdigest()
-
-
-def graphed_encode(step: TrainStep, graphs: GraphCache):
-    """`step.encode` for batches of images, replayed as a CUDA graph per batch shape when `graphs` is enabled (the
-    same kernels, launched at once). Measured for the small VAE's encode alone at 128 windows a call: 2 % faster,
-    being mostly GPU work; the text and CLIP encoders' share is not measured apart. Off, it is `step.encode`."""
-    if not graphs.enabled:
-        return step.encode
-
-    def make():
-        def fn(images, text, mask):
-            enc = step.encode({"images": images, "text": text, "text_attention_mask": mask})
-            return [enc.clean_latents, enc.context, enc.clip_feature] + ([] if enc.y is None else [enc.y])
-        return fn
-
-    def encode(batch: dict[str, torch.Tensor]) -> EncodedBatch:
-        out = graphs.run("encode", make, [batch["images"], batch["text"], batch["text_attention_mask"]])
-        return EncodedBatch(*out[:3], y=out[3] if len(out) > 3 else None)
-
-    return encode
 
 
 class Trainer:
@@ -322,9 +301,8 @@ class Trainer:
         progress = Progress(cfg.encoded_variants * data.windows, enabled=cfg.progress and show, desc="encode copies",
                             unit="window")
         t0 = time.perf_counter()
-        encode = graphed_encode(step, GraphCache(enabled=cfg.cuda_graphs and self.info.device.type == "cuda"))
         with step.compute_dtype():
-            data.encode_variants(encode, cfg.encoded_variants, min(cfg.micro_batch, ENCODE_BATCH),
+            data.encode_variants(step.encode, cfg.encoded_variants, min(cfg.micro_batch, ENCODE_BATCH),
                                  progress=lambda n: progress.update(n=n))
         progress.close()
         if show:

@@ -64,6 +64,20 @@ def test_rmsnorm_computes_in_fp32():
     torch.testing.assert_close(norm(x).float(), ref, atol=1e-2, rtol=1e-2)
 
 
+def test_q_and_k_stay_in_the_compute_dtype_under_autocast():
+    """fp32 weights under bf16 autocast (training): the normed, roped q and k are bf16, as v is. An fp32 norm
+    weight promoted them to fp32, which doubled what each attention call read and converted."""
+    attn = WanSelfAttention(64, 4)
+    x = torch.randn(2, 6, 64)
+    rope = Rope(rope_angles(torch.arange(6), 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q, k, v = attn.qkv(x, rope)
+    assert (q.dtype, k.dtype, v.dtype) == (torch.bfloat16,) * 3
+    q32, k32, _ = attn.qkv(x, rope)
+    assert q32.dtype == torch.float32
+    torch.testing.assert_close(q.float(), q32, atol=0.05, rtol=0.02)
+
+
 def test_layernorm_affine_only_when_asked():
     assert WanLayerNorm(6).weight is None
     ln = WanLayerNorm(6, elementwise_affine=True)

@@ -356,26 +356,3 @@ def test_the_seeded_init_of_small_presets_is_drawn_on_the_cpu():
     assert init_device(TrainConfig(preset="tiny"), "cuda") == "cpu"
     assert init_device(TrainConfig(preset="dreamzero_5b"), torch.device("cuda", 1)) == "cuda"
     assert init_device(TrainConfig(preset="dreamzero_5b", init_dit="w.safetensors"), "cuda") == "cpu"
-
-
-def test_the_copies_encoding_through_graphs_equals_the_step_encode():
-    """`graphed_encode` (the encoding of `encoded_variants` copies with train.cuda_graphs on CUDA) gives what
-    step.encode gives, through the graph code path (counted, not captured, on the CPU): one capture per batch shape,
-    every later batch of that shape a replay."""
-    from dzmodel.bench.train_bench import build_trainer
-    from dzmodel.model.cuda_graphs import GraphCache
-    from dzmodel.train.synthetic import synthetic_batches
-    from dzmodel.train.trainer import graphed_encode
-
-    trainer = build_trainer("tiny", None, 2, False, "none", "sdpa", "online_batched")
-    batches = synthetic_batches(trainer.args, 2, (2, 2), "cpu", "online_batched")
-    graphs = GraphCache(enabled=True, capture=False)
-    encode = graphed_encode(trainer.step, graphs)
-    assert graphed_encode(trainer.step, GraphCache(enabled=False)) == trainer.step.encode
-    for _ in range(3):
-        batch = next(batches)
-        got, want = encode(batch), trainer.step.encode(batch)
-        for field in ("clean_latents", "context", "clip_feature", "y"):
-            a, b = getattr(got, field), getattr(want, field)
-            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), field
-    assert (graphs.captures, graphs.replays) == (1, 3)
