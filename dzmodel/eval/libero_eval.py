@@ -253,16 +253,22 @@ class _Evaluation:
             ready |= {w for w, r in replies.items()
                       if (self._started(w, r) if w in self.starting else self._stepped(w, r))}
             ready &= set(running)
+            # episodes with actions left step first, so that their envs run while the policy computes
+            ready -= self._step(pool, env_action, ready)
             need = [w for w in sorted(ready) if not running[w].queue]
             # an episode whose step is in flight with its chunk used up needs one at its reply (one env step
             # away): wait for it, so that both share the forward (fewer, larger forwards take less policy time)
             due = [w for w in running if w not in ready and not running[w].queue]
             if need and not due:
                 self._query(need)
-            go = [w for w in sorted(ready) if running[w].queue]
-            if go:
-                pool.submit_step({w: env_action(running[w].queue.pop(0), self.cfg.binarize_gripper) for w in go})
-                ready -= set(go)
+                ready -= self._step(pool, env_action, ready)
+
+    def _step(self, pool, env_action, ready: set[int]) -> set[int]:
+        """Submit the next action of every ready episode that has one; returns those episodes."""
+        go = [w for w in sorted(ready) if self.running[w].queue]
+        if go:
+            pool.submit_step({w: env_action(self.running[w].queue.pop(0), self.cfg.binarize_gripper) for w in go})
+        return set(go)
 
 
 SESSION_FORMAT = "task{task}-ep{episode}-try{attempt}"  # one KV-cache session per episode attempt

@@ -10,7 +10,7 @@ import pytest
 from dzmodel.eval.libero_env import TaskSpec, WorkerCrashed
 from dzmodel.eval.libero_eval import EvalConfig, evaluate_policy, plot_success, summarize, write_results
 
-from .lockstep_pool import Lockstep, Staggered, overlapping
+from .lockstep_pool import Lockstep, Staggered, _per_worker, overlapping
 
 
 @dataclass
@@ -140,6 +140,40 @@ def test_episodes_step_while_another_resets_with_the_same_results():
     # (32 forwards for 55 chunks here; 42 if each asked as soon as it could)
     staggered = timings["staggered"]
     assert staggered["chunks"] == timings["lockstep"]["chunks"] == 55 and staggered["forwards"] <= 0.6 * 55
+
+
+def test_envs_with_actions_left_step_while_the_policy_computes():
+    """At every policy forward each running episode is in the forward's batch or has its env command in flight:
+    none holding actions waits for the forward to end (the envs and the policy overlap)."""
+    class Watched(Staggered, ScriptedPool):
+        def step_waits(self, worker):
+            return 1 + worker % 3  # out of phase, so episodes with actions left meet forwards
+
+    class Policy(FakePolicy):
+        idle = 0
+
+        def predict_batch(self, requests):
+            in_flight = {w for call, args in pool._submitted() for w, _ in _per_worker(call, args)}
+            in_flight |= {w for _, w, _, _ in getattr(pool, "_due", [])}
+            asking = {r[0].split("-try")[0] for r in requests}
+            ended = {e.split("-try")[0] for e in self.ended or []}
+            for w, ((task, episode), _) in pool.running.items():
+                name = f"task{task}-ep{episode}"
+                self.idle += name not in asking | ended and w not in in_flight
+            return super().predict_batch(requests)
+
+    pool = None
+
+    def make(n):
+        nonlocal pool
+        pool = Watched(n, {(0, 0): 5, (1, 1): 9}, {})
+        return pool
+
+    policy = Policy()
+    config = EvalConfig(episodes_per_task=3, max_steps=12, num_workers=3, videos=0, actions_per_chunk=4)
+    results = evaluate_policy(policy, config, progress=False, tasks=_tasks(), pool_factory=make)
+    assert len(results) == 9 and len(policy.batches) > 5
+    assert policy.idle == 0
 
 
 def test_tables_and_plot(tmp_path):
