@@ -13,6 +13,9 @@
 #           into the matmul (PRELUDE=autotune; compiling takes minutes)
 #   graphs  the compiled blocks as CUDA graphs (torch.compile's reduce-overhead mode, PRELUDE=graphs)
 #   mb256   micro-batch 256; and combinations: graphsflash, mb256flash, mb256graphsflash
+#   qk32    q and k promoted to fp32 by the norm's fp32 weight, as before round 14 (PRELUDE=qk32)
+#   bf16res the residual stream between blocks in bf16, as inference with bf16 weights runs it (PRELUDE=bf16res)
+#   (round 14 measured these three with train.cuda_graphs: `fastpath_gpu.sh measure ... cuda_graphs=true`)
 # Detached, so it outlives one command:
 #   start [VARIANT ..]  returns at once; default: phases base whole tiles2 cdt mb256. Finished ones are skipped.
 #   run [VARIANT ..]    the same in the foreground
@@ -27,6 +30,7 @@ common=(micro_batch=128 encoded_variants=1 compile=true)
 declare -A VARIANTS=(
   [base]="|" [whole]="whole|" [tiles2]="tiles2|" [cdt]="cdt|" [flash]="flash|" [autotune]="autotune|"
   [graphs]="graphs|" [graphsflash]="graphs,flash|" [graphscdt]="graphs,cdt|" [graphsautotune]="graphs,autotune|"
+  [qk32]="qk32|" [bf16res]="bf16res|"
   [mb256]="|micro_batch=256" [mb256flash]="flash|micro_batch=256" [mb256graphsflash]="graphs,flash|micro_batch=256"
 )
 
