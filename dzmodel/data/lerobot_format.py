@@ -15,6 +15,7 @@ pyarrow is imported lazily (the GPU image's model code must import without it).
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -182,6 +183,27 @@ def _column_to_numpy(col, where: str) -> np.ndarray:
 
 
 MAX_FPS = 1000
+
+
+MISSING_SHOWN = 20  # missing files named in the error; a longer list goes to a file
+
+
+def _missing_files_report(missing: list[str], locs: dict) -> str:
+    """Every missing file (or the first MISSING_SHOWN and a file with all of them), and how to train on the rest
+    where only videos are missing."""
+    text = f"{len(missing)} missing file(s): " + ", ".join(missing[:MISSING_SHOWN])
+    if len(missing) > MISSING_SHOWN:
+        import tempfile
+
+        fd, listing = tempfile.mkstemp(prefix="dz-missing-files-", suffix=".txt")
+        with os.fdopen(fd, "w") as fh:
+            fh.write("\n".join(missing) + "\n")
+        text += f" and {len(missing) - MISSING_SHOWN} more (all {len(missing)} listed in {listing})"
+    videos = {rel for loc in locs.values() for rel in loc.video_files.values()}
+    if all(rel in videos for rel in missing):
+        text += (" [only video files are missing: `--skip-missing` (dz data check, dz data fetch) or "
+                 "train.skip_missing: true uses the episodes that have all their videos]")
+    return text
 
 
 def _is_int(value: Any, minimum: int) -> bool:
@@ -424,8 +446,7 @@ class LeRobotReader:
         if total_frames is not None and int(total_frames) != n_frames:
             problems.append(f"info.json total_frames={total_frames} but episode lengths sum to {n_frames}")
         if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            problems.insert(0, f"{len(missing)} missing file(s): {shown}")
+            problems.insert(0, _missing_files_report(missing, self._locs))
         if problems:
             raise DataError(f"{self.root}: " + "; ".join(problems))
 

@@ -94,8 +94,14 @@ class AnchorIndex:
             counts.append(n)
         self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if not self.segments:
+            longest = max((s.end - s.start for s in segments), default=0)
+            fits = (longest - 1) // spec.action_horizon
+            hint = (f"at most {fits} chunk{'s' if fits != 1 else ''} of {spec.action_horizon} fit: use a model whose "
+                    f"max_chunk_size is {fits} or less (`dz data check --chunks {fits}`)" if fits else
+                    f"not even one chunk of {spec.action_horizon} fits: lower the embodiment's action_horizon")
             raise DataError(f"no segment is long enough for a window of {need} frames "
-                            f"({spec.num_chunks} chunks x {spec.action_horizon} steps + 1)")
+                            f"({spec.num_chunks} chunks x {spec.action_horizon} steps + 1): the longest has "
+                            f"{longest} frames, so {hint}")
 
     def __len__(self) -> int:
         return int(self._offsets[-1])

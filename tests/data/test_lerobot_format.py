@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -190,11 +191,30 @@ def test_check_lists_missing_files(datasets, layout, tmp_path):
         assert p.relative_to(root).as_posix() in msg
 
 
-def test_check_many_missing_is_summarised(tmp_path):
+def test_check_names_every_missing_file_or_writes_the_list(tmp_path, monkeypatch):
+    """Up to MISSING_SHOWN missing files are all named; beyond, the error names the first ones and a file that
+    lists all of them. Data files cannot be skipped, so there is no --skip-missing hint."""
+    import dzmodel.data.lerobot_format as fmt
+
     root = write_image_parquet(tmp_path / "img", (2,) * 8, cameras=("image",))
-    for p in (root / "data/chunk-000").glob("*.parquet"):
-        p.unlink()
-    with pytest.raises(DataError, match=r"8 missing file\(s\).* \.\.\."):
+    gone = sorted(p.relative_to(root).as_posix() for p in (root / "data/chunk-000").glob("*.parquet"))
+    for p in gone:
+        (root / p).unlink()
+    with pytest.raises(DataError, match=r"8 missing file\(s\)") as ei:
+        open_dataset(root).check()
+    assert all(p in str(ei.value) for p in gone) and "--skip-missing" not in str(ei.value)
+    monkeypatch.setattr(fmt, "MISSING_SHOWN", 3)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    with pytest.raises(DataError, match=r"and 5 more \(all 8 listed in (\S+)\)") as ei:
+        open_dataset(root).check()
+    listing = re.search(r"listed in (\S+)\)", str(ei.value)).group(1)
+    assert Path(listing).parent == tmp_path and sorted(Path(listing).read_text().split()) == gone
+
+
+def test_check_missing_videos_only_suggests_skip_missing(datasets, tmp_path):
+    root = _copy(datasets["v30"], tmp_path)
+    open_dataset(root).video_file(1, CAMERAS[1]).unlink()
+    with pytest.raises(DataError, match="only video files are missing: `--skip-missing`"):
         open_dataset(root).check()
 
 

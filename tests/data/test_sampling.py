@@ -62,9 +62,13 @@ def test_windows_never_cross_a_task_change():
         assert len({tasks[f] for f in w.frames}) == 1
 
 
-def test_too_short_dataset_is_a_clear_error():
-    with pytest.raises(DataError, match="long enough"):
+def test_too_short_dataset_is_a_clear_error_that_says_how_many_chunks_fit():
+    with pytest.raises(DataError, match="long enough.*not even one chunk of 16 fits: lower the embodiment's"):
         AnchorIndex([Segment(0, 0, 10)], WindowSpec(4, 16))
+    # 40 frames hold 2 chunks of 16 (33 frames), not 4 (65): the error names the --chunks that works
+    with pytest.raises(DataError, match=r"the longest has 40 frames, so at most 2 chunks of 16 fit.*--chunks 2"):
+        AnchorIndex([Segment(0, 0, 40), Segment(1, 0, 30)], WindowSpec(4, 16))
+    assert len(AnchorIndex([Segment(0, 0, 40)], WindowSpec(2, 16))) == 40
 
 
 def test_stream_is_a_permutation_per_epoch_and_deterministic():
