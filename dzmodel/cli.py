@@ -6,6 +6,7 @@
     dz model tokenizer OUT                  build the small offline tokenizer of the embedded default
     dz data fetch|synth|metadata|check ...  datasets (see `dz data -h`)
     dz data record libero --suite S --out D LIBERO demonstrations from the scripted expert (DART noise, DAgger)
+    dz embodiment init DATASET [--out F]     draft an embodiment YAML (cameras, state, action, dims) to review
     dz train [--config FILE] [--set k=v]    SFT; under torchrun: FSDP2 over all ranks; resumes from out_dir
     dz convert RUN|CKPT --out DIR           DCP -> config.json + model.safetensors (+ experiment_cfg/)
     dz eval libero RUN|MODEL --out DIR      LIBERO success rate across checkpoint steps

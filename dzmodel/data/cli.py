@@ -108,6 +108,20 @@ def cmd_data_check(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_embodiment_init(ns: argparse.Namespace) -> int:
+    from ..data.embodiment_draft import write_draft
+    from ..data.embodiments import load_embodiments
+
+    tag, path = write_draft(ns.dataset, ns.out, tag=ns.tag, action_horizon=ns.action_horizon,
+                            view_size=tuple(ns.view_size) if ns.view_size else None, overwrite=ns.overwrite)
+    emb = load_embodiments([path])[tag]
+    print(f"wrote {path} [{tag}]: views {list(emb.views)} at {list(emb.view_size)}, state "
+          f"{[(k.name, k.dim) for k in emb.state]}, action {[(k.name, k.dim) for k in emb.action]}, "
+          f"action_horizon {emb.action_horizon}")
+    print(f"review it, then: dz data check {ns.dataset} --embodiment {tag} --embodiments {path}")
+    return EXIT_OK
+
+
 def add_commands(sub, recorder=None):
     """`dz data ...`. recorder: how `dz data fetch libero` records (`fetch_dataset`'s; LIBERO lives above this
     layer). Returns the group's subparsers, to which other packages add (`dz data record`)."""
@@ -162,5 +176,18 @@ def add_commands(sub, recorder=None):
                    help="also decode every frame of every video (strict): the first frame that does not decode, "
                         "frame counts against the episode table")
     p.set_defaults(func=cmd_data_check)
+
+    robots = sub.add_parser("embodiment", help="robot descriptions: draft one from a dataset").add_subparsers(
+        dest="cmd", required=True)
+    p = robots.add_parser("init", help="draft an embodiment YAML from a LeRobot dataset's info.json, to review")
+    p.add_argument("dataset")
+    p.add_argument("--tag", help="the embodiment's name (default: the dataset directory's)")
+    p.add_argument("--out", help="the YAML file to write (default: TAG.yaml here; never inside the dataset)")
+    p.add_argument("--action-horizon", type=int, default=24,
+                   help="actions per chunk = the model's num_action_per_block (24: dreamzero_5b/14b; 16: tiny/small)")
+    p.add_argument("--view-size", type=int, nargs=2, metavar=("H", "W"),
+                   help="each view's size after crop and resize (default: the first camera's aspect, <= 256)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.set_defaults(func=cmd_embodiment_init)
 
     return data
