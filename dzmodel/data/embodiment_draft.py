@@ -9,8 +9,6 @@ import json
 import re
 from pathlib import Path
 
-import yaml
-
 from ..atomic import atomic_write_text
 from .embodiments import parse_embodiment
 from .errors import DataError
@@ -120,6 +118,8 @@ def draft_embodiment(dataset: str | Path, tag: str | None = None, action_horizon
         "",
     ]
     text = "\n".join(lines)
+    import yaml  # not on the GPU image; only this command and the YAML registry need it
+
     parsed = yaml.safe_load(text)
     if parsed != {tag: entry}:  # the comments and flow style must not change what loads
         raise AssertionError(f"the draft's YAML does not load back as drafted: {parsed!r}")
