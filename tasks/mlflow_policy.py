@@ -21,10 +21,12 @@ class DreamZeroPolicy(PythonModel):
     def load_context(self, context) -> None:
         from dzmodel.eval.policy import load_policy
         from dzmodel.serve.package import load_package
+        from dzmodel.serve.safety import ActionSafety
         from dzmodel.serve.server import BundlePolicy
 
         package = load_package(context.artifacts["bundle"])  # checks every file against the MANIFEST
-        self.policy = BundlePolicy(load_policy(package.model_dir, device="cpu"))
+        self.policy = BundlePolicy(load_policy(package.model_dir, device="cpu"),
+                                   safety=ActionSafety.from_robot(package.robot))  # as `dz serve` sends them
 
     def predict(self, context, model_input, params=None):
         """One action chunk for one observation: the openpi request's fields (images uint8 [H, W, 3] or

@@ -149,8 +149,9 @@ def add_commands(sub, recorder=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--motion", choices=["walk", "orbit"], default="walk",
                    help="orbit: actions predictable from one frame (the demo's); walk: random walks")
-    p.add_argument("--embodiment", choices=["libero_sim", "oxe_droid"], default="libero_sim",
-                   help="oxe_droid: DROID's three views, 14-dim state and 21-dim action columns")
+    p.add_argument("--embodiment", choices=["libero_sim", "oxe_droid", "unitree_g1"], default="libero_sim",
+                   help="oxe_droid: DROID's three views, 14-dim state and 21-dim action columns; unitree_g1: a "
+                        "humanoid's head camera and 26 joint positions as state and action")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_data_synth)
 

@@ -65,6 +65,33 @@ class ServeSpec:
     roboarena: dict[str, Any] | None = None
 
 
+ROBOT_KINDS = ("franka", "arm", "humanoid", "mobile_manipulator")
+ACTION_SPACES = ("joint", "end_effector")
+ACTION_MODES = ("absolute", "delta")
+
+
+@dataclass(frozen=True)
+class RobotSpec:
+    """What robot an embodiment drives and the limits `dz serve` enforces on every action it sends (`robot:` in
+    the YAML). Without a `robot:` block an embodiment is a Franka arm, packaged with a site robot config."""
+
+    kind: str                                  # franka | arm | humanoid | mobile_manipulator
+    name: str                                  # e.g. "Unitree G1": the model card and robot.json say it
+    action_space: str                          # joint | end_effector
+    action_mode: str                           # absolute | delta
+    control_rate_hz: float
+    action_min: tuple[float, ...] | None = None    # per action dim: clipped to [min, max]
+    action_max: tuple[float, ...] | None = None
+    max_step_change: tuple[float, ...] | None = None  # per action dim: most change from one step to the next
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "name": self.name, "action_space": self.action_space,
+                "action_mode": self.action_mode, "control_rate_hz": self.control_rate_hz,
+                "action_min": None if self.action_min is None else list(self.action_min),
+                "action_max": None if self.action_max is None else list(self.action_max),
+                "max_step_change": None if self.max_step_change is None else list(self.max_step_change)}
+
+
 @dataclass(frozen=True)
 class Embodiment:
     tag: str
@@ -82,6 +109,7 @@ class Embodiment:
     color_jitter: dict[str, float] = field(default_factory=dict)
     sampling: str = "multi_anchor"
     serve: ServeSpec | None = None
+    robot: RobotSpec | None = None
     source: str = "<dict>"
 
     @property
@@ -111,7 +139,7 @@ def _fail(source: str, tag: str, field_name: str, why: str) -> DataError:
     return DataError(f"{source}: embodiment {tag!r}, field {field_name!r}: {why}")
 
 
-_ALLOWED = {"tag_id", "views", "view_size", "layout", "state", "action", "action_horizon", "relative_action_keys",
+_ALLOWED = {"robot", "tag_id", "views", "view_size", "layout", "state", "action", "action_horizon", "relative_action_keys",
             "layout_sentence", "prompt_template", "crop_scale", "color_jitter", "sampling", "serve"}
 _REQUIRED = {"views", "view_size", "layout", "state", "action", "action_horizon"}
 
@@ -183,6 +211,55 @@ def _serve_spec(raw: Any, source: str, tag: str, views: Mapping, state: tuple[Ke
     return ServeSpec(images=dict(images), state=dict(states), ignored=tuple(ignored), roboarena=arena)
 
 
+def _robot_spec(raw: Any, source: str, tag: str, action: tuple[KeySpec, ...]) -> RobotSpec:
+    fields_ = {"kind", "name", "action_space", "action_mode", "control_rate_hz", "action_min", "action_max",
+               "max_step_change"}
+    if not isinstance(raw, Mapping):
+        raise _fail(source, tag, "robot", f"must be a mapping of {sorted(fields_)}")
+    unknown = set(raw) - fields_
+    if unknown:
+        raise _fail(source, tag, f"robot.{sorted(unknown)[0]}", f"unknown field; allowed: {sorted(fields_)}")
+    for name, choices in (("kind", ROBOT_KINDS), ("action_space", ACTION_SPACES), ("action_mode", ACTION_MODES)):
+        if raw.get(name) not in choices:
+            raise _fail(source, tag, f"robot.{name}", f"must be one of {list(choices)}, got {raw.get(name)!r}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise _fail(source, tag, "robot.name", "must name the robot, e.g. 'Unitree G1'")
+    rate = raw.get("control_rate_hz")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1000:
+        raise _fail(source, tag, "robot.control_rate_hz", f"must be in (0, 1000], got {rate!r}")
+    dims = [k.dim for k in action]
+    width = sum(dims) if all(d is not None for d in dims) else None
+
+    def per_dim(key: str, positive: bool = False):
+        v = raw.get(key)
+        if v is None:
+            return None
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and width is not None:
+            v = [v] * width  # one number for every dim
+        if not isinstance(v, list) or not v or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+                for x in v):
+            raise _fail(source, tag, f"robot.{key}", f"must be a list of finite numbers, one per action dim, got {v!r}")
+        if width is not None and len(v) != width:
+            raise _fail(source, tag, f"robot.{key}", f"has {len(v)} numbers; the action has {width} dims")
+        if positive and min(v) <= 0:
+            raise _fail(source, tag, f"robot.{key}", "must be positive")
+        return tuple(float(x) for x in v)
+
+    lo, hi, step = per_dim("action_min"), per_dim("action_max"), per_dim("max_step_change", positive=True)
+    if (lo is None) != (hi is None):
+        raise _fail(source, tag, "robot.action_min", "action_min and action_max come together")
+    if lo is not None and (len(lo) != len(hi) or not all(a < b for a, b in zip(lo, hi))):
+        raise _fail(source, tag, "robot.action_min", "must be below action_max on every dim")
+    if raw["kind"] != "franka" and lo is None:
+        raise _fail(source, tag, "robot.action_min", f"a {raw['kind']} needs action_min and action_max (the "
+                                                     "limits `dz serve` clips every action to)")
+    return RobotSpec(kind=raw["kind"], name=name.strip(), action_space=raw["action_space"],
+                     action_mode=raw["action_mode"], control_rate_hz=float(rate), action_min=lo, action_max=hi,
+                     max_step_change=step)
+
+
 def parse_embodiment(tag: str, raw: Mapping[str, Any], source: str = "<dict>") -> Embodiment:
     if not isinstance(raw, Mapping):
         raise DataError(f"{source}: embodiment {tag!r} must be a mapping, got {type(raw).__name__}")
@@ -243,11 +320,12 @@ def parse_embodiment(tag: str, raw: Mapping[str, Any], source: str = "<dict>") -
     if not isinstance(tag_id, int):
         raise _fail(source, tag, "tag_id", f"must be an int, got {tag_id!r}")
     serve = _serve_spec(raw["serve"], source, tag, views, state) if raw.get("serve") is not None else None
+    robot = _robot_spec(raw["robot"], source, tag, action) if raw.get("robot") is not None else None
     return Embodiment(tag=tag, tag_id=tag_id, views=dict(views), view_size=(size[0], size[1]), layout=tuple(layout),
                       state=state, action=action, action_horizon=horizon, relative_action_keys=rel,
                       layout_sentence=str(raw.get("layout_sentence", "")), prompt_template=str(template),
                       crop_scale=scale, color_jitter={k: float(v) for k, v in jitter.items()}, sampling=sampling,
-                      serve=serve, source=source)
+                      serve=serve, robot=robot, source=source)
 
 
 def _read_yaml(path: Path) -> dict:

@@ -284,7 +284,7 @@ def _vector_features() -> dict[str, VectorFeature]:
 
 # --- the DROID layout (embodiment="oxe_droid") ---
 
-EMBODIMENTS = ("libero_sim", "oxe_droid")
+EMBODIMENTS = ("libero_sim", "oxe_droid", "unitree_g1")
 DROID_VIEWS = {"observation.images.wrist_left": WRIST_KEY, "observation.images.exterior_1_left": MAIN_KEY,
                "observation.images.exterior_2_left": None}     # None: the main view, mirrored
 DROID_HOME = np.array([0.0, -0.78, 0.0, -2.36, 0.0, 1.57, 0.78])   # a Franka's ready pose (rad)
@@ -309,6 +309,26 @@ def _droid_features() -> dict[str, VectorFeature]:
     return {STATE_KEY: VectorFeature(14, [*cart, "gripper_position", *joints]),
             ACTION_KEY: VectorFeature(21, [*(f"{c}_velocity" for c in cart), "gripper_position",
                                            *(f"{j}_velocity" for j in joints), *(f"{j}_position" for j in joints)])}
+
+
+# --- a humanoid's layout (embodiment="unitree_g1"): one head camera, 26 joint positions as state and action ---
+
+G1_JOINTS = 26
+G1_VIEWS = {"observation.images.head": MAIN_KEY}
+# scene state (x, y, size, tint_r, tint_g, tint_b, gripper) -> joint offsets from a standing pose, in radians
+G1_JOINT_MAP = np.random.default_rng(4321).uniform(-0.4, 0.4, size=(G1_JOINTS, 7))
+
+
+def _g1_vectors(traj: dict, image_size: int) -> dict[str, np.ndarray]:
+    scene = _state_from_traj(traj, image_size)[:, :7]
+    joints = (scene - [0.5, 0.5, 0.5, 0, 0, 0, 0]) @ G1_JOINT_MAP.T
+    target = np.concatenate([joints[1:], joints[-1:]])  # absolute joint-position targets, the next state
+    return {STATE_KEY: joints, ACTION_KEY: target}
+
+
+def _g1_features() -> dict[str, VectorFeature]:
+    names = [f"joint_{i}" for i in range(G1_JOINTS)]
+    return {STATE_KEY: VectorFeature(G1_JOINTS, names), ACTION_KEY: VectorFeature(G1_JOINTS, names)}
 
 
 def make_synthetic_dataset(
@@ -363,12 +383,12 @@ def make_synthetic_dataset(
 def _write_dataset(root: Path, num_episodes, episode_length, image_size, fps, codec, seed, chunks_size, crf,
                    motion="walk", embodiment="libero_sim"):
     rng = np.random.default_rng(seed)
-    droid = embodiment == "oxe_droid"
-    views = list(DROID_VIEWS) if droid else list(VIDEO_KEYS)
-    writer = LeRobotV3Writer(root, fps, "synthetic_droid" if droid else "synthetic_block",
-                             {k: (image_size, image_size) for k in views},
-                             _droid_features() if droid else _vector_features(), codec=codec, crf=crf,
-                             chunks_size=chunks_size)
+    droid, g1 = embodiment == "oxe_droid", embodiment == "unitree_g1"
+    views = list(DROID_VIEWS) if droid else list(G1_VIEWS) if g1 else list(VIDEO_KEYS)
+    features = _droid_features() if droid else _g1_features() if g1 else _vector_features()
+    robot = "synthetic_droid" if droid else "synthetic_g1" if g1 else "synthetic_block"
+    writer = LeRobotV3Writer(root, fps, robot, {k: (image_size, image_size) for k in views}, features, codec=codec,
+                             crf=crf, chunks_size=chunks_size)
     for ep in range(num_episodes):
         ti = int(rng.integers(len(TASKS))) if ep >= len(TASKS) else ep  # every task appears when possible
         traj = (_orbit_trajectory if motion == "orbit" else _episode_trajectory)(rng, episode_length, image_size)
@@ -377,6 +397,9 @@ def _write_dataset(root: Path, num_episodes, episode_length, image_size, fps, co
             frames = {k: frames[src] if src else np.ascontiguousarray(frames[MAIN_KEY][:, :, ::-1])
                       for k, src in DROID_VIEWS.items()}
             vectors = _droid_vectors(traj, image_size)
+        elif g1:
+            frames = {k: frames[src] for k, src in G1_VIEWS.items()}
+            vectors = _g1_vectors(traj, image_size)
         else:
             vectors = {STATE_KEY: _state_from_traj(traj, image_size), ACTION_KEY: traj["actions"]}
         writer.add_episode(TASKS[ti], frames, vectors)

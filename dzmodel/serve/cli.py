@@ -14,7 +14,8 @@ from ..model.cli import add_solver_arguments, solver_from
 def cmd_package(ns: argparse.Namespace) -> int:
     from ..serve.package import RobotConfig, build_package
 
-    bundle, tarball = build_package(ns.model, ns.out, RobotConfig.load(ns.robot), ns.version, ns.eval_dir, ns.name,
+    robot = RobotConfig.load(ns.robot) if ns.robot else None
+    bundle, tarball = build_package(ns.model, ns.out, robot, ns.version, ns.eval_dir, ns.name,
                                     overwrite=ns.overwrite, sign_key=ns.sign)
     print(f"bundle {bundle}\ntarball {tarball}")
     return EXIT_OK
@@ -114,10 +115,12 @@ def cmd_client(ns: argparse.Namespace) -> int:
 def add_commands(sub) -> None:
     """`dz package`, `dz serve` and `dz client`."""
 
-    p = sub.add_parser("package", help="a versioned, checksummed Franka deployment bundle (+ .tar.gz)")
+    p = sub.add_parser("package", help="a versioned, checksummed deployment bundle (+ .tar.gz) for a Franka arm, "
+                       "or for the robot the embodiment's robot: block describes")
     p.add_argument("model", help="a converted model directory (dz convert)")
-    p.add_argument("--robot", required=True, help="robot config (YAML or JSON): robot_ip, camera_serials, "
-                   "target_ee_pose, workspace_min, workspace_max, control_rate_hz, gripper_threshold")
+    p.add_argument("--robot", help="a Franka's robot config (YAML or JSON): robot_ip, camera_serials, "
+                   "target_ee_pose, workspace_min, workspace_max, control_rate_hz, gripper_threshold; required for "
+                   "a Franka embodiment, refused for others (their robot: block describes them)")
     p.add_argument("--version", required=True)
     p.add_argument("--eval", dest="eval_dir", help="a dz eval libero output directory to ship as evidence")
     p.add_argument("--name", help="bundle name (default dreamzero-<embodiment>)")

@@ -1,4 +1,5 @@
-"""`dz package`: a versioned, checksummed deployment bundle for a Franka arm.
+"""`dz package`: a versioned, checksummed deployment bundle for a Franka arm, or for the robot an embodiment
+describes (`robot:`: a humanoid, another arm), with the action limits `dz serve` enforces.
 
     <out>/<name>-<version>/
         model/            the converted model (config.json, safetensors, experiment_cfg/, tokenizer/) and
@@ -127,9 +128,28 @@ def _manifest_lines(root: Path) -> list[str]:
     return [f"{file_sha256(p)}  {p.stat().st_size}  {p.relative_to(root).as_posix()}" for p in files]
 
 
-def _model_card(name: str, version: str, train: dict, emb: dict, robot: RobotConfig, eval_rows: list[dict]) -> str:
+def _robot_lines(robot: "RobotConfig | dict") -> tuple[str, list[str]]:
+    """(what the bundle is packaged for, the model card's robot section)."""
+    if isinstance(robot, RobotConfig):
+        return "a Franka arm", [f"- robot {robot.robot_ip}, cameras {', '.join(robot.camera_serials)}, "
+                                f"{robot.control_rate_hz:g} Hz, gripper threshold {robot.gripper_threshold:g}",
+                                f"- workspace {list(robot.workspace_min)} .. {list(robot.workspace_max)} m"]
+    space = robot["action_space"].replace("_", "-")
+    lines = [f"- {robot['name']} ({robot['kind'].replace('_', ' ')}): {robot['action_dim']} {space}-space actions, "
+             f"{robot['action_mode']}, at {robot['control_rate_hz']:g} Hz",
+             f"- every action is clipped to [{', '.join(f'{v:g}' for v in robot['action_min'])}] .. "
+             f"[{', '.join(f'{v:g}' for v in robot['action_max'])}] by `dz serve`, and a chunk with a NaN is refused"]
+    if robot.get("max_step_change"):
+        lines.append(f"- at most [{', '.join(f'{v:g}' for v in robot['max_step_change'])}] of change from one "
+                     "control step to the next (`dz serve` limits it)")
+    return f"a {robot['name']}", lines
+
+
+def _model_card(name: str, version: str, train: dict, emb: dict, robot: "RobotConfig | dict",
+                eval_rows: list[dict]) -> str:
+    target, robot_lines = _robot_lines(robot)
     lines = [f"# {name} {version}", "",
-             "A DreamZero world action model fine-tuned with dzmodel, packaged for a Franka arm.", "",
+             f"A DreamZero world action model fine-tuned with dzmodel, packaged for {target}.", "",
              "## Model", f"- preset: `{train.get('preset')}`, trained {train.get('step')} steps "
              f"(lr {train.get('lr')}, global batch {train.get('global_batch')})",
              f"- data: {', '.join(train.get('datasets', [])) or 'n/a'}",
@@ -141,9 +161,7 @@ def _model_card(name: str, version: str, train: dict, emb: dict, robot: RobotCon
                   for r in eval_rows]
     else:
         lines.append("No evaluation results were packaged.")
-    lines += ["", "## Robot", f"- robot {robot.robot_ip}, cameras {', '.join(robot.camera_serials)}, "
-              f"{robot.control_rate_hz:g} Hz, gripper threshold {robot.gripper_threshold:g}",
-              f"- workspace {list(robot.workspace_min)} .. {list(robot.workspace_max)} m", "",
+    lines += ["", "## Robot", *robot_lines, "",
               "## Intended use and limits",
               "- Research use on the robot and scene family it was trained on; supervise every run and keep the "
               "workspace limits and an emergency stop active.",
@@ -153,14 +171,34 @@ def _model_card(name: str, version: str, train: dict, emb: dict, robot: RobotCon
     return "\n".join(lines)
 
 
-def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig, version: str,
+def robot_description(emb, robot: RobotConfig | None, action_dim: int) -> "RobotConfig | dict":
+    """What robot.json holds: a Franka's site config (the embodiment has no `robot:` block, or a franka one), or
+    the embodiment's robot description with its action limits, checked against the model's action dims."""
+    spec = emb.robot
+    if spec is None or spec.kind == "franka":
+        if robot is None:
+            raise PackageError(f"embodiment {emb.tag!r} drives a Franka arm: give its robot config (robot_ip, "
+                               "camera_serials, target_ee_pose, workspace_min, workspace_max)")
+        return robot
+    if robot is not None:
+        raise PackageError(f"embodiment {emb.tag!r} drives a {spec.kind} ({spec.name}): its robot description is "
+                           "the embodiment's `robot:` block; a Franka robot config does not apply to it")
+    out = {**spec.to_dict(), "embodiment": emb.tag, "action_dim": action_dim}
+    for key in ("action_min", "action_max", "max_step_change"):
+        if out[key] is not None and len(out[key]) != action_dim:
+            raise PackageError(f"embodiment {emb.tag!r}: robot.{key} has {len(out[key])} numbers, the model "
+                               f"predicts {action_dim} action dims")
+    return out
+
+
+def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig | None, version: str,
                   eval_dir: str | Path | None = None, name: str | None = None,
                   overwrite: bool = False, sign_key: str | Path | None = None) -> tuple[Path, Path]:
     """Bundle directory and tarball from a converted model directory (`dz convert`); sign_key: an ed25519
     private key file that signs the MANIFEST (MANIFEST.sig)."""
     import csv
 
-    from ..eval.policy import model_embodiment, read_train_config
+    from ..eval.policy import model_embodiment, policy_statistics, read_train_config
     from ..train.encoders import frozen_encoders, save_encoders
 
     model_dir = Path(model_dir)
@@ -171,6 +209,10 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
     key = _signing_key(sign_key) if sign_key is not None else None  # a bad key fails before any work
     cfg, step = read_train_config(model_dir)
     emb = model_embodiment(model_dir, cfg)
+    meta = model_dir / "experiment_cfg" / "metadata.json"
+    if not meta.is_file():
+        raise PackageError(f"{model_dir}: no experiment_cfg/metadata.json (normalisation statistics)")
+    robot = robot_description(emb, robot, len(policy_statistics(emb, meta)[1].q01))
     name = name or f"dreamzero-{emb.tag}"
     out = Path(out_dir)
     claim_dir(out, "package", overwrite=overwrite)  # a releases folder of dz's own (or empty, or --overwrite)
@@ -184,16 +226,15 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
         if not (tmp / "model" / "encoders").is_dir():
             save_encoders(frozen_encoders(cfg), tmp / "model" / "encoders")
         shutil.copyfile(model_dir / "config.json", tmp / "config.json")
-        meta = model_dir / "experiment_cfg" / "metadata.json"
-        if not meta.is_file():
-            raise PackageError(f"{model_dir}: no experiment_cfg/metadata.json (normalisation statistics)")
         shutil.copyfile(meta, tmp / "metadata.json")
-        emb_json = {"name": emb.tag, "action_horizon": emb.action_horizon, "gripper_threshold": robot.gripper_threshold,
+        gripper = robot.gripper_threshold if isinstance(robot, RobotConfig) else None
+        emb_json = {"name": emb.tag, "action_horizon": emb.action_horizon, "gripper_threshold": gripper,
                     "views": dict(emb.views), "view_size": list(emb.view_size),
                     "layout": [[c.view for c in row] for row in emb.layout],
                     "state": [k.name for k in emb.state], "action": [k.name for k in emb.action]}
         atomic_write_text(tmp / "embodiment.json", json.dumps(emb_json, indent=1))
-        atomic_write_text(tmp / "robot.json", json.dumps(robot.to_dict(), indent=1))
+        atomic_write_text(tmp / "robot.json", json.dumps(robot.to_dict() if isinstance(robot, RobotConfig)
+                                                         else robot, indent=1))
         rows = []
         if eval_dir is not None:
             eval_dir = Path(eval_dir)
@@ -260,7 +301,7 @@ def sign_bundle(root: str | Path, key) -> Path:
 @dataclass
 class Package:
     root: Path
-    robot: RobotConfig
+    robot: RobotConfig | dict   # a Franka's site config, or another robot's description (`robot_description`)
     embodiment: dict
     files: int
 
@@ -329,8 +370,22 @@ def load_package(path: str | Path, cache_dir: str | Path | None = None, trust: s
         files = verify_package(path, trust, manifest_sha256)
     else:
         raise PackageError(f"{path}: no such bundle directory or .tar.gz")
-    robot = RobotConfig.from_dict(json.loads((path / "robot.json").read_text()), str(path / "robot.json"))
+    raw = json.loads((path / "robot.json").read_text())
+    robot = (RobotConfig.from_dict(raw, str(path / "robot.json")) if raw.get("kind", "franka") == "franka"
+             else _checked_robot(raw, path / "robot.json"))
     return Package(path, robot, json.loads((path / "embodiment.json").read_text()), files)
+
+
+def _checked_robot(raw: dict, source: Path) -> dict:
+    """A non-Franka robot.json: the action limits `dz serve` enforces must be there and consistent."""
+    n = raw.get("action_dim")
+    lo, hi, step = raw.get("action_min"), raw.get("action_max"), raw.get("max_step_change")
+    ok = isinstance(n, int) and n > 0 and all(isinstance(v, list) and len(v) == n for v in (lo, hi)) and \
+        all(a < b for a, b in zip(lo, hi)) and (step is None or (isinstance(step, list) and len(step) == n))
+    if not ok:
+        raise PackageError(f"{source}: a {raw.get('kind')} robot needs action_dim and action_min < action_max (and "
+                           "max_step_change, if any) with one number per action dim")
+    return raw
 
 
 def _cached_package(tarball: Path, cache_dir: str | Path | None) -> tuple[Path, int]:

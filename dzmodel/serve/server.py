@@ -55,6 +55,7 @@ import numpy as np
 
 from ..data.embodiments import ROBOARENA_ACTION_SPACES, ServeSpec
 from .protocol import ProtocolError, Request, RequestLimits, frame_limits, pack, parse_request, unpack
+from .safety import ActionSafety
 
 log = logging.getLogger("dzmodel.serve")
 
@@ -81,10 +82,13 @@ class Policy(Protocol):
 
 
 class BundlePolicy:
-    """An EmbodiedPolicy behind its embodiment's protocol keys (`serve:` in embodiments.yaml)."""
+    """An EmbodiedPolicy behind its embodiment's protocol keys (`serve:` in embodiments.yaml); every chunk passes
+    `safety` (the bundle's robot limits, `safety.ActionSafety`) before it is sent."""
 
-    def __init__(self, embodied, state_margin: float = 10.0):
+    def __init__(self, embodied, state_margin: float = 10.0, safety: ActionSafety | None = None):
         self.embodied = embodied
+        self.safety = safety or ActionSafety()
+        self._last_action: dict[str, np.ndarray] = {}  # per session: the last action sent (the rate limit's)
         emb = embodied.embodiment
         self.spec = emb.wire
         stats = embodied.policy.state_stats
@@ -127,9 +131,13 @@ class BundlePolicy:
                                 f"{self._state_lo[i]:.3g}..{self._state_hi[i]:.3g} (wrong units or a bad reading?)")
 
     def infer(self, request: Request, session_id: str) -> np.ndarray:
-        return self.embodied.predict(session_id, request.images, self._state(request), request.prompt)
+        actions = self.embodied.predict(session_id, request.images, self._state(request), request.prompt)
+        safe = self.safety.apply(actions, self._last_action.get(session_id), session_id)
+        self._last_action[session_id] = safe[-1]
+        return safe
 
     def end_session(self, session_id: str) -> None:
+        self._last_action.pop(session_id, None)
         self.embodied.end_session(session_id)
 
 
@@ -569,7 +577,8 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
     ssl = tls_context(certfile, keyfile)
     auth = TokenAuth(token) if token is not None else None
     pkg = load_package(bundle, trust=trust, manifest_sha256=manifest_sha256)
-    policy = BundlePolicy(load_policy(pkg.model_dir, device=device, solver=solver))
+    policy = BundlePolicy(load_policy(pkg.model_dir, device=device, solver=solver),
+                          safety=ActionSafety.from_robot(pkg.robot))
     configure_logging()
     if torch.device(device).type == "cuda":
         policy.embodied.policy.set_compile(True if compile is None else compile)
@@ -581,6 +590,7 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
     log.info(f"serving {pkg.root.name} ({policy.metadata['embodiment']}, step {policy.metadata['step']}, actions "
              f"{policy.metadata['action_horizon']}x{policy.metadata['action_dim']}) on {scheme}://{host}:{port}; "
              f"health: http{'s' if ssl else ''}://{host}:{port}/healthz")
+    log.info(f"safety: {policy.safety.describe()}")
     log.info(f"clients send {sorted(policy.spec.images)} + {sorted(policy.spec.state)} + prompt"
              + (f"; RoboArena handshake {policy.handshake}" if policy.spec.roboarena else ""))
     server = PolicyServer(policy, auth, limits)

@@ -41,7 +41,12 @@ def test_package_builds_verifies_and_serves_a_policy(model, tmp_path):
     for f in ("model/model.safetensors", "model/encoders/vae.safetensors", "config.json", "metadata.json",
               "embodiment.json", "robot.json", "eval/results.csv", "MODEL_CARD.md", "MANIFEST"):
         assert (bundle / f).is_file(), f
-    assert "| 1 | all | 2 | 1 | 0.5 |" in (bundle / "MODEL_CARD.md").read_text()
+    card = (bundle / "MODEL_CARD.md").read_text()
+    assert "| 1 | all | 2 | 1 | 0.5 |" in card and "packaged for a Franka arm" in card
+    # an embodiment without a robot: block is a Franka: its site config is required
+    with pytest.raises(PackageError, match="drives a Franka arm: give its robot config"):
+        build_package(hf, tmp_path / "none", None, "1.0.1")
+    assert main(["package", str(hf), "--version", "1.0.2", "--out", str(tmp_path / "none2")]) == 2
     before = sorted(p.name for p in tmp_path.iterdir())
     pkg = load_package(tmp_path / "dreamzero-tabletop_pusher-1.0.0.tar.gz", cache_dir=tmp_path / "cache")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["cache"])  # nothing beside the tarball
