@@ -94,6 +94,9 @@ class FetchParams:
     synth_length: int = field(default=96, metadata={"min": 16})
     # walk: random walks (not predictable from a frame); orbit: actions a policy can learn (dzmodel/data/synth.py)
     synth_motion: Literal["walk", "orbit"] = "walk"
+    # the layout: LIBERO's two views (8-dim state, 7-dim action), DROID's three views and 14/21-dim columns, or a
+    # humanoid's head camera and 26 joints (dzmodel/data/synth.py)
+    synth_embodiment: Literal["libero_sim", "oxe_droid", "unitree_g1"] = "libero_sim"
     seed: int = field(default=0, metadata=SEED)
     retries: int = field(default=3, metadata={"min": 0, "max": 10})  # network fetches are retried with backoff
     retry_delay_s: float = field(default=10.0, metadata={"min": 0, "max": 3600})

@@ -426,3 +426,17 @@ def test_dvc_lock_is_tracked_and_records_the_stages_of_dvc_yaml():
     for name, stage in dvc.items():
         wanted = sorted(d.replace("${profile}", profile) for d in stage["deps"])
         assert sorted(d["path"] for d in lock[name]["deps"]) == wanted, name
+
+
+def test_the_droid_profile_fetches_droids_layout(tmp_path):
+    """`fetch.synth_embodiment: oxe_droid` (the droid profile) generates DROID's three cameras and 14/21-dim
+    columns, which its oxe_droid_tiny embodiment reads."""
+    from dzmodel.data.lerobot_format import open_dataset
+
+    prof = load_params(ROOT / "params.yaml", ["fetch.synth_episodes=2", "fetch.synth_length=40"], "droid").selected("droid")
+    paths = StagePaths(tmp_path, "droid")
+    result = run_stage("fetch", prof, paths, log=lambda line: None)
+    reader = open_dataset(result["dataset"])
+    assert len(reader.video_keys) == 3 and reader.features["observation.state"].shape == (14,)
+    assert reader.features["action"].shape == (21,)
+    assert prof.metadata.embodiment == "oxe_droid_tiny" and prof.train["model_overrides"] == {"num_action_per_block": 24}

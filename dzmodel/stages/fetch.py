@@ -16,6 +16,8 @@ def stage_fetch(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict
              if f.source == "synthetic" else None)
     if synth is not None and f.synth_motion != "walk":  # absent by default: existing fetch markers stay valid
         synth["motion"] = f.synth_motion
+    if synth is not None and f.synth_embodiment != "libero_sim":  # likewise
+        synth["embodiment"] = f.synth_embodiment
     source = (str(paths.root / f.source) if f.source not in ("synthetic", "libero") and (paths.root / f.source).exists()
               else f.source)
     log(f"fetch: {source} -> {paths.dataset}")
