@@ -52,6 +52,11 @@ def _graphed(model=None, **kwargs):  # the blocks as CUDA graphs (cudagraph tree
     kwargs.setdefault('mode', 'reduce-overhead')
     return _compile(model, **kwargs) if model is not None else _compile(**kwargs)
 torch.compile = _graphed" ;;
+    mixorder) echo "import torch._inductor.config as i  # a norm's backward and its weight/modulation sums in one kernel
+i.triton.mix_order_reduction = True
+if hasattr(i.triton, 'mix_order_reduction_allow_multi_stages'): i.triton.mix_order_reduction_allow_multi_stages = True" ;;
+    aggressive) echo "import torch._inductor.config as i; i.aggressive_fusion = True" ;;
+    combo) echo "import torch._inductor.config as i; i.combo_kernels = True" ;;
     qk32) echo "import torch, dzmodel.model.wan_dit as w
 def _norm(self, x):  # the norm before q and k kept the input's dtype: fp32 q and k under autocast
     xf = x.float()

@@ -16,6 +16,8 @@
 #   qk32    q and k promoted to fp32 by the norm's fp32 weight, as before round 14 (PRELUDE=qk32)
 #   bf16res the residual stream between blocks in bf16, as inference with bf16 weights runs it (PRELUDE=bf16res)
 #   (round 14 measured these three with train.cuda_graphs: `fastpath_gpu.sh measure ... cuda_graphs=true`)
+#   mixorder  Inductor's mix-order reductions: a norm's backward and the sums for its weight and modulation
+#           gradients in one kernel (PRELUDE=mixorder); aggressive: aggressive_fusion; combo: combo_kernels
 # Detached, so it outlives one command:
 #   start [VARIANT ..]  returns at once; default: phases base whole tiles2 cdt mb256. Finished ones are skipped.
 #   run [VARIANT ..]    the same in the foreground
@@ -24,13 +26,14 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 dir=runs/speed_sweep
 synth=data/fastpath_synth
-common=(micro_batch=128 encoded_variants=1 compile=true)
+common=(micro_batch=128 encoded_variants=1 compile=true ${SWEEP_EXTRA:-})  # e.g. SWEEP_EXTRA=cuda_graphs=true
 
 # variant: PRELUDE (comma-separated, see fastpath_gpu.sh) | train fields
 declare -A VARIANTS=(
   [base]="|" [whole]="whole|" [tiles2]="tiles2|" [cdt]="cdt|" [flash]="flash|" [autotune]="autotune|"
   [graphs]="graphs|" [graphsflash]="graphs,flash|" [graphscdt]="graphs,cdt|" [graphsautotune]="graphs,autotune|"
-  [qk32]="qk32|" [bf16res]="bf16res|"
+  [qk32]="qk32|" [bf16res]="bf16res|" [mixorder]="mixorder|" [aggressive]="aggressive|" [combo]="combo|"
+  [bf16resmixorder]="bf16res,mixorder|"
   [mb256]="|micro_batch=256" [mb256flash]="flash|micro_batch=256" [mb256graphsflash]="graphs,flash|micro_batch=256"
 )
 
