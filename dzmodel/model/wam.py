@@ -142,12 +142,14 @@ class DreamZeroWAM(WanModel):
                 noisy_actions: torch.Tensor, timestep_action: torch.Tensor, state: torch.Tensor,
                 context: torch.Tensor, clip_feature: torch.Tensor, y: torch.Tensor | None = None,
                 embodiment_id: torch.Tensor | None = None, attn_backend: str = "auto",
-                mask: AttnMask = None) -> WAMOutput:
+                mask: AttnMask = None, residual_dtype: torch.dtype | None = None) -> WAMOutput:
         """Teacher-forcing forward.
 
         noisy_latents, clean_latents: [B, C, F, H, W]; timestep: [B, F] (per frame, the clean copy uses 0);
         noisy_actions: [B, K·A, action_dim]; timestep_action: [B, K·A]; state: [B, K·S, max_state_dim];
         context: [B, L_txt, text_dim] (zero beyond each sample's length); clip_feature: [B, 257, clip_dim].
+        residual_dtype: the dtype of the tokens between blocks (each block keeps its input's); None: as the
+        embeddings give them (fp32 under autocast with fp32 weights, bf16 with bf16 weights).
         """
         if clean_latents.shape != noisy_latents.shape:
             raise ValueError(f"clean and noisy latents differ in shape: {tuple(clean_latents.shape)} vs "
@@ -169,6 +171,8 @@ class DreamZeroWAM(WanModel):
 
         register = self.embed_register(noisy_actions, timestep_action, state)
         x = torch.cat([clean, noisy, register], dim=1)
+        if residual_dtype is not None:
+            x = x.to(residual_dtype)
 
         # Time embedding per group of tokens sharing a timestep (the clean video, each noisy frame, each
         # action and state), broadcast to the tokens inside the blocks.

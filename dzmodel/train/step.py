@@ -50,16 +50,18 @@ class TrainStep:
     (None when every batch is encoded); autocast: the compute dtype, or None; encode_per_sample: run the
     encoders one sample at a time, as upstream does (the benchmark's baseline); noise_on: "device" draws each
     sample's timesteps and noise with the device's generator (no host work), "cpu" with the CPU's and copies them
-    (the same numbers on any device, as the earlier host-side draws: docs/results.md, section 7)."""
+    (the same numbers on any device, as the earlier host-side draws: docs/results.md, section 7); residual_dtype:
+    the dtype of the tokens between blocks (`train.residual_in_compute_dtype`), None for the embeddings' own."""
 
     def __init__(self, model: DreamZeroWAM, optimizer: torch.optim.Optimizer | None = None, *,
                  accumulation: int = 1, grad_clip: float = 1.0, encoders=None, autocast: torch.dtype | None = None,
                  attn_backend: str = "auto", noise_seed: int = 0, encode_per_sample: bool = False,
-                 noise_on: str = "device"):
+                 noise_on: str = "device", residual_dtype: torch.dtype | None = None):
         self.model, self.optimizer, self.encoders = model, optimizer, encoders
         self.args = model.args
         self.accumulation, self.grad_clip = accumulation, grad_clip
         self.autocast, self.attn_backend = autocast, attn_backend
+        self.residual_dtype = residual_dtype  # the tokens between blocks (None: as the embeddings give them)
         self.noise_seed, self.encode_per_sample = noise_seed, encode_per_sample
         self.device = model.patch_embedding.weight.device
         # LoRA: only the adapters and the robot modules train
@@ -182,7 +184,8 @@ class TrainStep:
         s = self.schedule
         out = self.model(s.add_noise(latents, noise, ids, 2), latents, s.timestep(ids),
                          s.add_noise(actions, noise_a, aids, 1), s.timestep(aids), batch["state"],
-                         context, enc.clip_feature, y=enc.y, mask=self.mask(latents.shape))
+                         context, enc.clip_feature, y=enc.y, mask=self.mask(latents.shape),
+                         residual_dtype=self.residual_dtype)
         return flow_matching_losses(s, out.video_pred, out.action_pred, latents, noise, actions, noise_a,
                                     ids, aids, batch["action_mask"], batch["has_real_action"])
 

@@ -204,7 +204,8 @@ class Trainer:
         autocast = DTYPES[cfg.precision] if cfg.precision != "fp32" and not self.sharded else None
         self.step = TrainStep(model, self.optimizer, accumulation=self.accum, grad_clip=cfg.grad_clip,
                               encoders=self.encoders, autocast=autocast, attn_backend=cfg.attn_backend,
-                              noise_seed=cfg.seed, noise_on=cfg.noise_on)
+                              noise_seed=cfg.seed, noise_on=cfg.noise_on,
+                              residual_dtype=autocast if cfg.residual_in_compute_dtype else None)
         if cfg.ema_decay:
             self.step.enable_ema(cfg.ema_decay)
 

@@ -4,6 +4,7 @@ recording once (no per-sample decoding), reads the device back once per log wind
 import json
 
 import pytest
+import torch
 
 from dzmodel.data.lerobot_format import LeRobotReader
 from dzmodel.train.checkpoint import latest_checkpoint
@@ -103,3 +104,13 @@ def test_encoded_copies_run_the_encoders_once_per_copy_and_resume_bit_exact(data
 def test_encoded_copies_refuse_what_cannot_work(kw, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**{"data_on_device": True, **kw})
+
+
+@pytest.mark.parametrize("precision, on, want", [("bf16", True, torch.bfloat16), ("bf16", False, None),
+                                                 ("fp32", True, None)])
+def test_residual_in_compute_dtype_reaches_the_step(data, tmp_path, precision, on, want):
+    """train.residual_in_compute_dtype: the step casts the tokens between blocks to the compute dtype (bf16);
+    off, or in fp32, it leaves them as the embeddings give them."""
+    trainer = Trainer(_cfg(data, tmp_path / "r", precision=precision, residual_in_compute_dtype=on))
+    trainer.build_model()
+    assert trainer.step.residual_dtype == want

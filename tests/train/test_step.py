@@ -163,3 +163,20 @@ def test_a_cuda_step_never_synchronises():
         step()  # the null prompt: the host's choice reaches the device without a sync
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_residual_stream_in_the_compute_dtype_when_asked():
+    """Under bf16 autocast with fp32 weights the tokens between blocks are fp32 (the fp32 action/state biases
+    promote them); `residual_dtype` (train.residual_in_compute_dtype) keeps them in bf16, as inference with bf16
+    weights runs them. The losses stay close."""
+    trainer, batches = _trainer(accumulation=1)
+    batch = next(batches)
+    seen = []
+    trainer.model.blocks[1].register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    losses = {}
+    for dtype in (None, torch.bfloat16):
+        trainer.step.residual_dtype = dtype
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[dtype] = float(trainer.step.losses(batch).loss)
+    assert seen == [torch.float32, torch.bfloat16]
+    assert abs(losses[None] - losses[torch.bfloat16]) <= 0.05 * abs(losses[None])
