@@ -212,11 +212,15 @@ class PackageParams:
     version: str = field(default="0.1.0", metadata=PLAIN_NAME)  # the bundle is <name>-<version>
     name: str | None = field(default=None, metadata=PLAIN_NAME)  # default dreamzero-<embodiment>
     checkpoint: str = field(default="best", metadata={"choices": ("best", "last")})  # best = highest eval success
-    robot: dict[str, Any] = field(default_factory=dict)  # dzmodel.serve.package.RobotConfig fields
+    # a Franka's site config (dzmodel.serve.package.RobotConfig fields); empty for an embodiment whose robot: block
+    # describes another robot (a humanoid, another arm)
+    robot: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from .serve.package import PackageError, RobotConfig
 
+        if not self.robot:
+            return
         try:
             RobotConfig.from_dict(self.robot, "package.robot")
         except PackageError as exc:

@@ -99,6 +99,14 @@ def test_bad_params_are_refused_naming_the_field(edit, message):
     assert message in str(exc.value) and str(exc.value).startswith("params.yaml:")
 
 
+def test_an_empty_package_robot_leaves_the_robot_to_the_embodiment():
+    """package.robot {} (an embodiment whose robot: block describes a humanoid or another arm) is valid params;
+    a Franka embodiment's package stage then asks for the site config (tests/serve/test_package.py)."""
+    raw = _raw()
+    raw["profiles"]["demo"]["package"]["robot"] = {}
+    assert parse_params(raw, "params.yaml").selected("demo").package.robot == {}
+
+
 def test_every_problem_is_reported_at_once():
     raw = _raw()
     raw["profiles"]["demo"]["train"]["lrr"] = 1

@@ -45,8 +45,10 @@ def stage_package(prof: Profile, paths: StagePaths, log: Log = print_line) -> di
     weights = weights_sha256(model)
     version = package_version(prof.package.version, weights, eval_dir if has_eval else None, prof.package.robot, step)
     with stage_output(out) as tmp:
-        bundle, tarball = build_package(model, tmp, RobotConfig.from_dict(prof.package.robot, "package.robot"),
-                                        version, eval_dir if has_eval else None, prof.package.name)
+        # empty: the embodiment's robot: block describes the robot (a Franka embodiment refuses that, clearly)
+        robot = RobotConfig.from_dict(prof.package.robot, "package.robot") if prof.package.robot else None
+        bundle, tarball = build_package(model, tmp, robot, version, eval_dir if has_eval else None,
+                                        prof.package.name)
     bundle, tarball = out / bundle.relative_to(tmp), out / tarball.relative_to(tmp)
     action = packaged_action_error(paths, step)
     write_json(out / "PACKAGE.json", {"step": step, "success_rate": rate, "bundle": bundle.name,
