@@ -284,6 +284,14 @@ class Profile:
         if self.vision.enabled and preset_name not in OFFLINE_PRESETS:
             raise ValueError(f"vision.enabled: preset {preset_name!r} takes real WAN encoder weights; vision "
                              f"pretraining is for the offline presets ({', '.join(OFFLINE_PRESETS)})")
+        if not self.package.robot and not self.metadata.embodiment_files:
+            from .data.embodiments import load_embodiments
+
+            builtin = load_embodiments().get(self.metadata.embodiment)  # a user file's robot is checked at package
+            if builtin is not None and (builtin.robot is None or builtin.robot.kind == "franka"):
+                raise ValueError(f"package.robot: embodiment {self.metadata.embodiment!r} drives a Franka arm: give "
+                                 "its site config (robot_ip, camera_serials, target_ee_pose, workspace_min, "
+                                 "workspace_max)")
 
     @property
     def launch(self) -> dict[str, int]:

@@ -100,10 +100,13 @@ def test_bad_params_are_refused_naming_the_field(edit, message):
 
 
 def test_an_empty_package_robot_leaves_the_robot_to_the_embodiment():
-    """package.robot {} (an embodiment whose robot: block describes a humanoid or another arm) is valid params;
-    a Franka embodiment's package stage then asks for the site config (tests/serve/test_package.py)."""
+    """package.robot {} is for an embodiment whose robot: block describes a humanoid or another arm (from a user's
+    file: its package stage checks it). A built-in Franka embodiment is refused at once, not after training."""
     raw = _raw()
     raw["profiles"]["demo"]["package"]["robot"] = {}
+    with pytest.raises(ParamsError, match="embodiment 'libero_sim_tiny' drives a Franka arm: give its site config"):
+        parse_params(raw, "params.yaml")
+    raw["profiles"]["demo"]["metadata"]["embodiment_files"] = ["robots/g1.yaml"]
     assert parse_params(raw, "params.yaml").selected("demo").package.robot == {}
 
 

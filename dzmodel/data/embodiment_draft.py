@@ -17,6 +17,7 @@ from .lerobot_format import open_dataset
 # Columns every LeRobot dataset has: bookkeeping, never state or action.
 BOOKKEEPING = {"timestamp", "frame_index", "episode_index", "index", "task_index"}
 FLOAT_DTYPES = {"float16", "float32", "float64", "bfloat16"}
+TAG = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 MAX_VIEW_SIDE = 256   # a draft's view_size: the camera's aspect, longer side at most this
 VIEW_MULTIPLE = 32    # ... and both sides a multiple of this (VAE 16x down, 2x2 patches)
 
@@ -50,12 +51,18 @@ def draft_embodiment(dataset: str | Path, tag: str | None = None, action_horizon
                      view_size: tuple[int, int] | None = None) -> tuple[str, str]:
     """(tag, YAML text) of a draft embodiment for `dataset`."""
     reader = open_dataset(dataset)
+    if tag is not None and not TAG.fullmatch(tag):
+        raise DataError(f"--tag {tag!r}: an embodiment tag is letters, digits and _, starting with a letter")
     tag = tag or re.sub(r"[^a-z0-9_]+", "_", Path(reader.root).name.lower()).strip("_") or "robot"
+    if not TAG.fullmatch(tag):  # a directory named 2024: a key YAML would read as a number
+        tag = f"robot_{tag}"
     cameras = [reader.features[k] for k in reader.video_keys]
     if not cameras:
         raise DataError(f"{reader.root}: info.json lists no video or image feature; an embodiment needs a camera")
     vectors = [f for k, f in reader.features.items() if k not in BOOKKEEPING and f.dtype in FLOAT_DTYPES
                and len(f.shape) == 1 and f.shape[0] > 0]
+    # every float vector under observation.* and action*: a dataset with both `action` and `action.x` lists both
+    # (the same numbers twice, perhaps); the review decides which to keep
     state = [f for f in vectors if f.key.startswith("observation.")]
     action = [f for f in vectors if f.key == "action" or f.key.startswith("action")]
     if not action:
@@ -94,7 +101,7 @@ def draft_embodiment(dataset: str | Path, tag: str | None = None, action_horizon
         f"{reader.fps:g} fps, {len(reader.episodes)} episodes). Review every field, then:",
         f"#   dz data check {reader.root} --embodiment {tag} --embodiments THIS_FILE",
         "# Field reference: dzmodel/data/embodiments.yaml (the built-in embodiments).",
-        f"{tag}:",
+        f"{json.dumps(tag)}:",  # quoted: yes, no, null, on are strings here, not YAML's booleans
         "  tag_id: 0",
         f"  # cameras: {cams}",
         f"  views: {flow(entry['views'])}",

@@ -7,6 +7,7 @@ validated here, and a bad entry gets one error naming the file, the embodiment a
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,7 +83,7 @@ class RobotSpec:
     control_rate_hz: float
     action_min: tuple[float, ...] | None = None    # per action dim: clipped to [min, max]
     action_max: tuple[float, ...] | None = None
-    max_step_change: tuple[float, ...] | None = None  # per action dim: most change from one step to the next
+    max_step_change: tuple[float, ...] | None = None  # per action dim: most change from one row of a chunk to the next
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "name": self.name, "action_space": self.action_space,
@@ -211,6 +212,38 @@ def _serve_spec(raw: Any, source: str, tag: str, views: Mapping, state: tuple[Ke
     return ServeSpec(images=dict(images), state=dict(states), ignored=tuple(ignored), roboarena=arena)
 
 
+def finite_numbers(value: Any) -> tuple[float, ...] | None:
+    """`value` as floats if it is a non-empty list of real, finite numbers (no bools, strings or None), else None."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return None
+    out = []
+    for x in value:
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            return None
+        try:
+            x = float(x)
+        except OverflowError:
+            return None
+        if not math.isfinite(x):
+            return None
+        out.append(x)
+    return tuple(out)
+
+
+def robot_limits_problem(lo, hi, step, width: int | None) -> str | None:
+    """Why action limits are unusable (None if they are fine): min < max per dim, steps > 0, one per dim."""
+    if (lo is None) != (hi is None):
+        return "action_min and action_max come together"
+    for name, value in (("action_min", lo), ("action_max", hi), ("max_step_change", step)):
+        if value is not None and width is not None and len(value) != width:
+            return f"{name} has {len(value)} numbers; the action has {width} dims"
+    if lo is not None and (len(lo) != len(hi) or not all(a < b for a, b in zip(lo, hi))):
+        return "action_min must be below action_max on every dim"
+    if step is not None and (min(step) <= 0 or (lo is not None and len(step) != len(lo))):
+        return "max_step_change must be positive, one number per action dim"
+    return None
+
+
 def _robot_spec(raw: Any, source: str, tag: str, action: tuple[KeySpec, ...]) -> RobotSpec:
     fields_ = {"kind", "name", "action_space", "action_mode", "control_rate_hz", "action_min", "action_max",
                "max_step_change"}
@@ -231,27 +264,27 @@ def _robot_spec(raw: Any, source: str, tag: str, action: tuple[KeySpec, ...]) ->
     dims = [k.dim for k in action]
     width = sum(dims) if all(d is not None for d in dims) else None
 
-    def per_dim(key: str, positive: bool = False):
+    def per_dim(key: str):
         v = raw.get(key)
         if v is None:
             return None
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and width is not None:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if width is None:
+                raise _fail(source, tag, f"robot.{key}", "one number for every dim needs each action key's `dim`; "
+                                                         "give a list, one number per action dim")
             v = [v] * width  # one number for every dim
-        if not isinstance(v, list) or not v or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
-                for x in v):
+        numbers = finite_numbers(v)
+        if numbers is None:
             raise _fail(source, tag, f"robot.{key}", f"must be a list of finite numbers, one per action dim, got {v!r}")
-        if width is not None and len(v) != width:
-            raise _fail(source, tag, f"robot.{key}", f"has {len(v)} numbers; the action has {width} dims")
-        if positive and min(v) <= 0:
-            raise _fail(source, tag, f"robot.{key}", "must be positive")
-        return tuple(float(x) for x in v)
+        return numbers
 
-    lo, hi, step = per_dim("action_min"), per_dim("action_max"), per_dim("max_step_change", positive=True)
-    if (lo is None) != (hi is None):
-        raise _fail(source, tag, "robot.action_min", "action_min and action_max come together")
-    if lo is not None and (len(lo) != len(hi) or not all(a < b for a, b in zip(lo, hi))):
-        raise _fail(source, tag, "robot.action_min", "must be below action_max on every dim")
+    lo, hi, step = per_dim("action_min"), per_dim("action_max"), per_dim("max_step_change")
+    problem = robot_limits_problem(lo, hi, step, width)
+    if problem:
+        raise _fail(source, tag, "robot.action_min" if "action_m" in problem else "robot.max_step_change", problem)
+    if raw["kind"] == "franka" and (lo is not None or step is not None):
+        raise _fail(source, tag, "robot.action_min", "a Franka is described by its site config (dz package --robot, "
+                                                     "package.robot); action limits are for the other kinds")
     if raw["kind"] != "franka" and lo is None:
         raise _fail(source, tag, "robot.action_min", f"a {raw['kind']} needs action_min and action_max (the "
                                                      "limits `dz serve` clips every action to)")

@@ -195,10 +195,13 @@ def _missing_files_report(missing: list[str], locs: dict) -> str:
     if len(missing) > MISSING_SHOWN:
         import tempfile
 
-        fd, listing = tempfile.mkstemp(prefix="dz-missing-files-", suffix=".txt")
-        with os.fdopen(fd, "w") as fh:
-            fh.write("\n".join(missing) + "\n")
-        text += f" and {len(missing) - MISSING_SHOWN} more (all {len(missing)} listed in {listing})"
+        try:
+            fd, listing = tempfile.mkstemp(prefix="dz-missing-files-", suffix=".txt")
+            with os.fdopen(fd, "w") as fh:
+                fh.write("\n".join(missing) + "\n")
+            text += f" and {len(missing) - MISSING_SHOWN} more (all {len(missing)} listed in {listing})"
+        except OSError:  # no writable temp dir: the data error still comes out, with the count
+            text += f" and {len(missing) - MISSING_SHOWN} more"
     videos = {rel for loc in locs.values() for rel in loc.video_files.values()}
     if all(rel in videos for rel in missing):
         text += (" [only video files are missing: `--skip-missing` (dz data check, dz data fetch) or "

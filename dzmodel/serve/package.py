@@ -140,8 +140,8 @@ def _robot_lines(robot: "RobotConfig | dict") -> tuple[str, list[str]]:
              f"- every action is clipped to [{', '.join(f'{v:g}' for v in robot['action_min'])}] .. "
              f"[{', '.join(f'{v:g}' for v in robot['action_max'])}] by `dz serve`, and a chunk with a NaN is refused"]
     if robot.get("max_step_change"):
-        lines.append(f"- at most [{', '.join(f'{v:g}' for v in robot['max_step_change'])}] of change from one "
-                     "control step to the next (`dz serve` limits it)")
+        lines.append(f"- at most [{', '.join(f'{v:g}' for v in robot['max_step_change'])}] of change from one row "
+                     "of a chunk to the next (`dz serve` limits it; a chunk's first row only by the range)")
     return f"a {robot['name']}", lines
 
 
@@ -371,20 +371,27 @@ def load_package(path: str | Path, cache_dir: str | Path | None = None, trust: s
     else:
         raise PackageError(f"{path}: no such bundle directory or .tar.gz")
     raw = json.loads((path / "robot.json").read_text())
-    robot = (RobotConfig.from_dict(raw, str(path / "robot.json")) if raw.get("kind", "franka") == "franka"
-             else _checked_robot(raw, path / "robot.json"))
+    franka = not isinstance(raw, dict) or raw.get("kind", "franka") == "franka"  # a non-dict: RobotConfig says so
+    robot = RobotConfig.from_dict(raw, str(path / "robot.json")) if franka else _checked_robot(raw, path / "robot.json")
     return Package(path, robot, json.loads((path / "embodiment.json").read_text()), files)
 
 
 def _checked_robot(raw: dict, source: Path) -> dict:
-    """A non-Franka robot.json: the action limits `dz serve` enforces must be there and consistent."""
+    """A non-Franka robot.json: the action limits `dz serve` enforces must be there and usable (finite numbers,
+    min < max, positive steps, one per action dim)."""
+    from ..data.embodiments import finite_numbers, robot_limits_problem
+
     n = raw.get("action_dim")
-    lo, hi, step = raw.get("action_min"), raw.get("action_max"), raw.get("max_step_change")
-    ok = isinstance(n, int) and n > 0 and all(isinstance(v, list) and len(v) == n for v in (lo, hi)) and \
-        all(a < b for a, b in zip(lo, hi)) and (step is None or (isinstance(step, list) and len(step) == n))
-    if not ok:
-        raise PackageError(f"{source}: a {raw.get('kind')} robot needs action_dim and action_min < action_max (and "
-                           "max_step_change, if any) with one number per action dim")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise PackageError(f"{source}: action_dim must be a positive integer, got {n!r}")
+    lo, hi = finite_numbers(raw.get("action_min")), finite_numbers(raw.get("action_max"))
+    step = None if raw.get("max_step_change") is None else finite_numbers(raw["max_step_change"])
+    if lo is None or hi is None or (raw.get("max_step_change") is not None and step is None):
+        raise PackageError(f"{source}: a {raw.get('kind')} robot needs action_min and action_max (and "
+                           "max_step_change, if any) as lists of finite numbers")
+    problem = robot_limits_problem(lo, hi, step, n)
+    if problem:
+        raise PackageError(f"{source}: {problem}")
     return raw
 
 

@@ -2,8 +2,10 @@
 
 - a chunk with a NaN or an infinity is refused: nothing is sent (`UnsafeActions`);
 - every action is clipped to the robot's [action_min, action_max] per dim;
-- with `max_step_change`, no dim moves more than that from one control step to the next, across chunks of one
-  session too (the first action of a session is limited by nothing but the range).
+- with `max_step_change`, no dim moves more than that from one row of a chunk to the next. A chunk's first row
+  is limited by the range alone: clients execute only part of a chunk before they ask again (openpi's LIBERO
+  example 5 rows, RoboArena 8), so the server does not know which row the robot last reached. With delta actions
+  the limit bounds the change between consecutive deltas.
 
 Each clip or rate limit is one log line with the session, how many values and which dims. A Franka bundle's
 robot.json describes its site (IP, cameras, workspace) and no action-space limits: only the NaN refusal applies.
@@ -34,6 +36,14 @@ class ActionSafety:
     action_max: np.ndarray | None = None
     max_step_change: np.ndarray | None = None
 
+    def check(self, action_dim: int) -> None:
+        """The limits must cover exactly the model's action dims (checked when serving starts)."""
+        for name in ("action_min", "action_max", "max_step_change"):
+            value = getattr(self, name)
+            if value is not None and len(value) != action_dim:
+                raise UnsafeActions(f"the bundle's robot.json {name} has {len(value)} numbers, the model predicts "
+                                    f"{action_dim} action dims")
+
     @classmethod
     def from_robot(cls, robot) -> "ActionSafety":
         """From a package's robot (`package.Package.robot`): a dict with limits, or a Franka's site config."""
@@ -50,8 +60,8 @@ class ActionSafety:
             parts.append("change per step limited")
         return ", ".join(parts)
 
-    def apply(self, actions: np.ndarray, previous: np.ndarray | None, session: str) -> np.ndarray:
-        """The chunk [T, D] as it may be sent; `previous` is the session's last sent action (or None)."""
+    def apply(self, actions: np.ndarray, session: str) -> np.ndarray:
+        """The chunk [T, D] as it may be sent."""
         actions = np.asarray(actions, np.float32)
         bad = ~np.isfinite(actions)
         if bad.any():
@@ -71,16 +81,15 @@ class ActionSafety:
                             f"robot's range (dims {_dims(outside)})")
         if self.max_step_change is not None:
             limited = np.zeros_like(out, dtype=bool)
-            last = previous
-            for t in range(len(out)):
-                if last is not None:
-                    step = out[t] - last
-                    over = np.abs(step) > self.max_step_change
-                    if over.any():
-                        out[t] = last + np.clip(step, -self.max_step_change, self.max_step_change)
-                        limited[t] = over
-                last = out[t]
+            for t in range(1, len(out)):
+                step = out[t] - out[t - 1]
+                over = np.abs(step) > self.max_step_change
+                if over.any():
+                    out[t] = out[t - 1] + np.clip(step, -self.max_step_change, self.max_step_change)
+                    limited[t] = over
             if limited.any():
                 log.warning(f"session {session}: limited {int(limited.sum())} action values to the robot's "
                             f"max_step_change (dims {_dims(limited)})")
+            if self.action_min is not None:  # the limited rows stay inside the range (rounding aside)
+                out = np.clip(out, self.action_min, self.action_max)
         return out

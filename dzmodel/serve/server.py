@@ -55,7 +55,7 @@ import numpy as np
 
 from ..data.embodiments import ROBOARENA_ACTION_SPACES, ServeSpec
 from .protocol import ProtocolError, Request, RequestLimits, frame_limits, pack, parse_request, unpack
-from .safety import ActionSafety
+from .safety import ActionSafety, UnsafeActions
 
 log = logging.getLogger("dzmodel.serve")
 
@@ -88,7 +88,10 @@ class BundlePolicy:
     def __init__(self, embodied, state_margin: float = 10.0, safety: ActionSafety | None = None):
         self.embodied = embodied
         self.safety = safety or ActionSafety()
-        self._last_action: dict[str, np.ndarray] = {}  # per session: the last action sent (the rate limit's)
+        try:
+            self.safety.check(embodied.action_dim)
+        except UnsafeActions as exc:
+            raise ServeError(str(exc)) from None
         emb = embodied.embodiment
         self.spec = emb.wire
         stats = embodied.policy.state_stats
@@ -132,12 +135,9 @@ class BundlePolicy:
 
     def infer(self, request: Request, session_id: str) -> np.ndarray:
         actions = self.embodied.predict(session_id, request.images, self._state(request), request.prompt)
-        safe = self.safety.apply(actions, self._last_action.get(session_id), session_id)
-        self._last_action[session_id] = safe[-1]
-        return safe
+        return self.safety.apply(actions, session_id)
 
     def end_session(self, session_id: str) -> None:
-        self._last_action.pop(session_id, None)
         self.embodied.end_session(session_id)
 
 

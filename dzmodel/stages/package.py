@@ -43,9 +43,11 @@ def stage_package(prof: Profile, paths: StagePaths, log: Log = print_line) -> di
     eval_dir = paths.stage("eval")
     has_eval = (eval_dir / "results.csv").is_file()
     weights = weights_sha256(model)
-    version = package_version(prof.package.version, weights, eval_dir if has_eval else None, prof.package.robot, step)
+    # empty: the embodiment's robot: block describes the robot (a Franka embodiment refuses that, clearly); the
+    # version names that description, so other limits give another version
+    described = prof.package.robot or embodiment_robot(model)
+    version = package_version(prof.package.version, weights, eval_dir if has_eval else None, described, step)
     with stage_output(out) as tmp:
-        # empty: the embodiment's robot: block describes the robot (a Franka embodiment refuses that, clearly)
         robot = RobotConfig.from_dict(prof.package.robot, "package.robot") if prof.package.robot else None
         bundle, tarball = build_package(model, tmp, robot, version, eval_dir if has_eval else None,
                                         prof.package.name)
@@ -57,6 +59,14 @@ def stage_package(prof: Profile, paths: StagePaths, log: Log = print_line) -> di
     log(f"package: step {step} -> {tarball}")
     return {"bundle": str(bundle), "tarball": str(tarball), "step": step, "success_rate": rate,
             "model": str(model), "version": version, "weights_sha256": weights, "action_error": action}
+
+
+def embodiment_robot(model: Path) -> dict:
+    """The robot: block of the embodiment a converted model trained on ({} for a Franka without one)."""
+    from ..eval.policy import model_embodiment, read_train_config
+
+    emb = model_embodiment(model, read_train_config(model)[0])
+    return emb.robot.to_dict() if emb.robot is not None else {}
 
 
 def package_version(base: str, weights_sha256: str, eval_dir: Path | None, robot: dict, step: int) -> str:

@@ -53,7 +53,7 @@ def test_the_draft_refuses_to_replace_a_file_or_write_into_the_dataset(droid_lik
         write_draft(droid_like, droid_like / "meta" / "robot.yaml")
     assert not (droid_like / "meta" / "robot.yaml").exists()
     write_draft(droid_like, out, overwrite=True)
-    assert "droid_like:" in out.read_text()
+    assert '"droid_like":' in out.read_text()
 
 
 def test_a_dataset_without_an_action_column_is_one_clear_error(droid_like, tmp_path):
@@ -79,3 +79,18 @@ def test_cli_writes_the_draft_and_prints_the_next_command(droid_like, tmp_path, 
     assert emb.view_size == (64, 96) and emb.action_horizon == 24
     assert main(["embodiment", "init", str(droid_like), "--out", str(out)]) == 2  # exists: refused, one line
     assert "exists" in capsys.readouterr().err
+
+
+def test_tags_load_back_as_the_strings_written(droid_like, tmp_path):
+    """A tag YAML would read as a boolean is quoted; a directory name that is a number gets a prefix; a tag that
+    is no name is refused."""
+    tag, path = write_draft(droid_like, tmp_path / "yes.yaml", tag="yes")
+    assert tag == "yes" and "yes" in load_embodiments([path])
+    import shutil
+
+    numbered = tmp_path / "2024"
+    shutil.copytree(droid_like, numbered)
+    tag, path = write_draft(numbered, tmp_path / "n.yaml")
+    assert tag == "robot_2024" and tag in load_embodiments([path])
+    with pytest.raises(DataError, match="--tag 'a: b'"):
+        draft_embodiment(droid_like, tag="a: b")

@@ -91,3 +91,34 @@ def test_a_bad_entry_reports_only_itself(tmp_path):
     with pytest.raises(DataError, match=r"robots.yaml: embodiment 'bad_arm', field 'action_horizon'"):
         get_embodiment("bad_arm", reg)
     assert "bad_arm" not in reg and "bad_arm" in reg.broken
+
+
+G1 = {"kind": "humanoid", "name": "Unitree G1", "action_space": "joint", "action_mode": "absolute",
+      "control_rate_hz": 50, "action_min": -1.0, "action_max": 1.0}
+
+
+@pytest.mark.parametrize("patch, field, why", [
+    ({"kind": "robot_dog"}, "robot.kind", "must be one of"),
+    ({"name": " "}, "robot.name", "must name the robot"),
+    ({"control_rate_hz": 0}, "robot.control_rate_hz", "must be in \\(0, 1000\\]"),
+    ({"action_min": None}, "robot.action_min", "action_min and action_max come together"),
+    ({"action_max": [1.0, 1.0]}, "robot.action_min", "has 2 numbers; the action has 3 dims"),
+    ({"action_max": -2.0}, "robot.action_min", "must be below action_max"),
+    ({"max_step_change": 0}, "robot.max_step_change", "must be positive"),
+    ({"max_step_change": [True, 1, 1]}, "robot.max_step_change", "finite numbers"),
+    ({"action_min": 10**400}, "robot.action_min", "finite numbers"),
+    ({"kind": "franka"}, "robot.action_min", "a Franka is described by its site config"),
+    ({"kind": "arm", "action_min": None, "action_max": None}, "robot.action_min", "needs action_min and action_max"),
+])
+def test_a_robot_block_with_limits_that_would_not_protect_names_the_field(patch, field, why):
+    raw = {"views": {"a": "k1"}, "view_size": [8, 8], "layout": [["a"]], "state": {"s": {"column": "c", "dim": 3}},
+           "action": {"a": {"column": "d", "dim": 3}}, "action_horizon": 4, "robot": {**G1, **patch}}
+    with pytest.raises(DataError, match=why) as exc:
+        parse_embodiment("bot", raw, source="robots.yaml")
+    assert f"'{field}'" in str(exc.value)
+    raw["robot"] = dict(G1)
+    robot = parse_embodiment("bot", raw, source="robots.yaml").robot
+    assert robot.action_min == (-1.0,) * 3 and robot.max_step_change is None
+    raw["action"] = {"a": {"column": "d"}}  # no dim: one number cannot be spread over unknown dims
+    with pytest.raises(DataError, match="needs each action key's `dim`"):
+        parse_embodiment("bot", raw, source="robots.yaml")
