@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -284,7 +286,6 @@ def _vector_features() -> dict[str, VectorFeature]:
 
 # --- the DROID layout (embodiment="oxe_droid") ---
 
-EMBODIMENTS = ("libero_sim", "oxe_droid", "unitree_g1")
 DROID_VIEWS = {"observation.images.wrist_left": WRIST_KEY, "observation.images.exterior_1_left": MAIN_KEY,
                "observation.images.exterior_2_left": None}     # None: the main view, mirrored
 DROID_HOME = np.array([0.0, -0.78, 0.0, -2.36, 0.0, 1.57, 0.78])   # a Franka's ready pose (rad)
@@ -329,6 +330,33 @@ def _g1_vectors(traj: dict, image_size: int) -> dict[str, np.ndarray]:
 def _g1_features() -> dict[str, VectorFeature]:
     names = [f"joint_{i}" for i in range(G1_JOINTS)]
     return {STATE_KEY: VectorFeature(G1_JOINTS, names), ACTION_KEY: VectorFeature(G1_JOINTS, names)}
+
+
+def _libero_vectors(traj: dict, image_size: int) -> dict[str, np.ndarray]:
+    return {STATE_KEY: _state_from_traj(traj, image_size), ACTION_KEY: traj["actions"]}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One embodiment's dataset: its robot name, its views (dataset key -> the rendered view it shows; None: the
+    main view mirrored) and its state and action columns."""
+
+    robot: str
+    views: dict
+    features: Callable[[], dict[str, VectorFeature]]
+    vectors: Callable[[dict, int], dict[str, np.ndarray]]
+
+    def frames(self, rendered: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: rendered[src] if src else np.ascontiguousarray(rendered[MAIN_KEY][:, :, ::-1])
+                for k, src in self.views.items()}
+
+
+LAYOUTS = {
+    "libero_sim": _Layout("synthetic_block", {k: k for k in VIDEO_KEYS}, _vector_features, _libero_vectors),
+    "oxe_droid": _Layout("synthetic_droid", DROID_VIEWS, _droid_features, _droid_vectors),
+    "unitree_g1": _Layout("synthetic_g1", G1_VIEWS, _g1_features, _g1_vectors),
+}
+EMBODIMENTS = tuple(LAYOUTS)
 
 
 def make_synthetic_dataset(
@@ -383,26 +411,14 @@ def make_synthetic_dataset(
 def _write_dataset(root: Path, num_episodes, episode_length, image_size, fps, codec, seed, chunks_size, crf,
                    motion="walk", embodiment="libero_sim"):
     rng = np.random.default_rng(seed)
-    droid, g1 = embodiment == "oxe_droid", embodiment == "unitree_g1"
-    views = list(DROID_VIEWS) if droid else list(G1_VIEWS) if g1 else list(VIDEO_KEYS)
-    features = _droid_features() if droid else _g1_features() if g1 else _vector_features()
-    robot = "synthetic_droid" if droid else "synthetic_g1" if g1 else "synthetic_block"
-    writer = LeRobotV3Writer(root, fps, robot, {k: (image_size, image_size) for k in views}, features, codec=codec,
-                             crf=crf, chunks_size=chunks_size)
+    layout = LAYOUTS[embodiment]
+    writer = LeRobotV3Writer(root, fps, layout.robot, {k: (image_size, image_size) for k in layout.views},
+                             layout.features(), codec=codec, crf=crf, chunks_size=chunks_size)
     for ep in range(num_episodes):
         ti = int(rng.integers(len(TASKS))) if ep >= len(TASKS) else ep  # every task appears when possible
         traj = (_orbit_trajectory if motion == "orbit" else _episode_trajectory)(rng, episode_length, image_size)
-        frames = render_episode(traj, ti, image_size)
-        if droid:
-            frames = {k: frames[src] if src else np.ascontiguousarray(frames[MAIN_KEY][:, :, ::-1])
-                      for k, src in DROID_VIEWS.items()}
-            vectors = _droid_vectors(traj, image_size)
-        elif g1:
-            frames = {k: frames[src] for k, src in G1_VIEWS.items()}
-            vectors = _g1_vectors(traj, image_size)
-        else:
-            vectors = {STATE_KEY: _state_from_traj(traj, image_size), ACTION_KEY: traj["actions"]}
-        writer.add_episode(TASKS[ti], frames, vectors)
+        writer.add_episode(TASKS[ti], layout.frames(render_episode(traj, ti, image_size)),
+                           layout.vectors(traj, image_size))
     writer.finish()
 
 

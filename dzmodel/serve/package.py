@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_text, temp_sibling
+from ..data.embodiments import finite_numbers, robot_limits_problem
 from ..outputs import OWNER_MARKER, claim_dir
 from .bundles import (MANIFEST, SIGNATURE, TRUST_ENV, BundleError, cached_bundle, check_signature, evict, file_sha256,
                       load_signing_key, parse_manifest, sign_manifest, tarball_manifest)
@@ -183,12 +184,10 @@ def robot_description(emb, robot: RobotConfig | None, action_dim: int) -> "Robot
     if robot is not None:
         raise PackageError(f"embodiment {emb.tag!r} drives a {spec.kind} ({spec.name}): its robot description is "
                            "the embodiment's `robot:` block; a Franka robot config does not apply to it")
-    out = {**spec.to_dict(), "embodiment": emb.tag, "action_dim": action_dim}
-    for key in ("action_min", "action_max", "max_step_change"):
-        if out[key] is not None and len(out[key]) != action_dim:
-            raise PackageError(f"embodiment {emb.tag!r}: robot.{key} has {len(out[key])} numbers, the model "
-                               f"predicts {action_dim} action dims")
-    return out
+    problem = robot_limits_problem(spec.action_min, spec.action_max, spec.max_step_change, action_dim)
+    if problem:
+        raise PackageError(f"embodiment {emb.tag!r}, robot: against the model's {action_dim} action dims, {problem}")
+    return {**spec.to_dict(), "embodiment": emb.tag, "action_dim": action_dim}
 
 
 def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig | None, version: str,
@@ -379,8 +378,6 @@ def load_package(path: str | Path, cache_dir: str | Path | None = None, trust: s
 def _checked_robot(raw: dict, source: Path) -> dict:
     """A non-Franka robot.json: the action limits `dz serve` enforces must be there and usable (finite numbers,
     min < max, positive steps, one per action dim)."""
-    from ..data.embodiments import finite_numbers, robot_limits_problem
-
     n = raw.get("action_dim")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise PackageError(f"{source}: action_dim must be a positive integer, got {n!r}")

@@ -100,3 +100,18 @@ def test_tarball_members_escaping_the_target_are_refused(tmp_path):
 def test_robot_config_schema(change, field):
     with pytest.raises(PackageError, match=field):
         RobotConfig.from_dict({**ROBOT, **change})
+
+
+def test_robot_limits_must_cover_the_models_action_dims():
+    """An embodiment whose action keys give no `dim` cannot check its robot limits' length when parsed; packaging
+    checks them against the model's action dims."""
+    from types import SimpleNamespace
+
+    from dzmodel.data.embodiments import RobotSpec
+    from dzmodel.serve.package import robot_description
+
+    spec = RobotSpec("humanoid", "Unitree G1", "joint", "absolute", 50.0, (-1.0,) * 3, (1.0,) * 3)
+    emb = SimpleNamespace(tag="g1", robot=spec)
+    with pytest.raises(PackageError, match="against the model's 26 action dims, action_min has 3 numbers"):
+        robot_description(emb, None, 26)
+    assert robot_description(emb, None, 3)["action_dim"] == 3
