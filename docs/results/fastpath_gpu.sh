@@ -56,6 +56,7 @@ torch.compile = _graphed" ;;
 i.triton.mix_order_reduction = True
 if hasattr(i.triton, 'mix_order_reduction_allow_multi_stages'): i.triton.mix_order_reduction_allow_multi_stages = True" ;;
     aggressive) echo "import torch._inductor.config as i; i.aggressive_fusion = True" ;;
+    fulllast) echo "import dzmodel.model.wam as w; w.narrows_queries = lambda mask: False  # the last block over every row" ;;
     combo) echo "import torch._inductor.config as i; i.combo_kernels = True" ;;
     qk32) echo "import torch, dzmodel.model.wan_dit as w
 def _norm(self, x):  # the norm before q and k kept the input's dtype: fp32 q and k under autocast

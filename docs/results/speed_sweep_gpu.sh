@@ -18,6 +18,10 @@
 #   (round 14 measured these three with train.cuda_graphs: `fastpath_gpu.sh measure ... cuda_graphs=true`)
 #   mixorder  Inductor's mix-order reductions: a norm's backward and the sums for its weight and modulation
 #           gradients in one kernel (PRELUDE=mixorder); aggressive: aggressive_fusion; combo: combo_kernels
+#   fulllast  the last block over every row, as before round 15 (PRELUDE=fulllast; the code computes only the rows
+#           the loss reads)
+#   res16   train.residual_in_compute_dtype: the residual stream in bf16 (the setting, not a patch); res16agg and
+#           res16combo: with aggressive fusion or combo kernels
 # Detached, so it outlives one command:
 #   start [VARIANT ..]  returns at once; default: phases base whole tiles2 cdt mb256. Finished ones are skipped.
 #   run [VARIANT ..]    the same in the foreground
@@ -33,7 +37,8 @@ declare -A VARIANTS=(
   [base]="|" [whole]="whole|" [tiles2]="tiles2|" [cdt]="cdt|" [flash]="flash|" [autotune]="autotune|"
   [graphs]="graphs|" [graphsflash]="graphs,flash|" [graphscdt]="graphs,cdt|" [graphsautotune]="graphs,autotune|"
   [qk32]="qk32|" [bf16res]="bf16res|" [mixorder]="mixorder|" [aggressive]="aggressive|" [combo]="combo|"
-  [bf16resmixorder]="bf16res,mixorder|"
+  [bf16resmixorder]="bf16res,mixorder|" [fulllast]="fulllast|" [res16]="|residual_in_compute_dtype=true"
+  [res16agg]="aggressive|residual_in_compute_dtype=true" [res16combo]="combo|residual_in_compute_dtype=true"
   [mb256]="|micro_batch=256" [mb256flash]="flash|micro_batch=256" [mb256graphsflash]="graphs,flash|micro_batch=256"
 )
 

@@ -18,6 +18,7 @@ no output or gradient (tests hold the two equal) while costing 1/5 of the small 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Union
 
@@ -175,11 +176,30 @@ class SegmentedMask:
     are concatenated in the order given, and so are its keys. `self_ranges`: ranges that attend only themselves
     (clean and noisy frame 0, the state blocks); those of one length share one call, batched, and a range of one
     token is its own value (a softmax over one key is exactly 1), with no call at all.
+    `query_rows`: the token rows that are queries ((0, seq_len): all; `for_queries` narrows it): the query
+    tensor holds these rows only, the keys and values every token.
     """
 
     seq_len: int
     groups: tuple
     self_ranges: tuple
+    query_rows: tuple[int, int] | None = None
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        return self.query_rows or (0, self.seq_len)
+
+    @functools.lru_cache(maxsize=8)  # one object per row range: a compiled block sees the same constant each step
+    def for_queries(self, start: int, end: int) -> "SegmentedMask":
+        """The same mask for the queries of rows [start, end) only (keys: every token). A self-attending range that
+        the rows cut becomes a group: its queries inside the rows, against all of its keys."""
+        if not 0 <= start < end <= self.seq_len:
+            raise ValueError(f"query rows must lie in [0, {self.seq_len}], got [{start}, {end})")
+        clip = lambda ranges: tuple((max(s, start), min(e, end)) for s, e in ranges if min(e, end) > max(s, start))  # noqa: E731
+        groups = [(clip(q), k) for q, k in self.groups if clip(q)]
+        inside = tuple((s, e) for s, e in self.self_ranges if start <= s and e <= end)
+        groups += [(clip(((s, e),)), ((s, e),)) for s, e in self.self_ranges if (s, e) not in inside and clip(((s, e),))]
+        return SegmentedMask(self.seq_len, tuple(groups), inside, (start, end))
 
     @staticmethod
     def from_layout(layout: TeacherForcingLayout) -> "SegmentedMask":
@@ -199,7 +219,7 @@ class SegmentedMask:
         return SegmentedMask(layout.seq_len, tuple(groups), frame0 + states)
 
     def dense(self) -> torch.Tensor:
-        """The same mask as a dense [L, L] bool tensor (tests compare it with `teacher_forcing_mask`)."""
+        """The same mask as a dense [query rows, L] bool tensor (tests compare it with `teacher_forcing_mask`)."""
         m = torch.zeros(self.seq_len, self.seq_len, dtype=torch.bool)
         for q_ranges, k_ranges in self.groups:
             for qs, qe in q_ranges:
@@ -207,7 +227,8 @@ class SegmentedMask:
                     m[qs:qe, ks:ke] = True
         for s, e in self.self_ranges:
             m[s:e, s:e] = True
-        return m
+        start, end = self.rows
+        return m[start:end]
 
     def self_calls(self) -> dict[int, tuple]:
         """The self-attending ranges by length: {length: ranges}, one batched call per length above 1."""
@@ -224,36 +245,57 @@ def _take(x: torch.Tensor, ranges) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
-def _self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges) -> list[tuple[int, torch.Tensor]]:
+def _self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges,
+                    q0: int = 0) -> list[tuple[int, torch.Tensor]]:
     """Ranges of one length that each attend only themselves, as one call with the ranges stacked on the batch
-    dim ([B, H, n, D] each -> [R·B, H, n, D]); one-token ranges return their values (the softmax is exactly 1)."""
+    dim ([B, H, n, D] each -> [R·B, H, n, D]); one-token ranges return their values (the softmax is exactly 1).
+    q holds the rows from q0 on."""
     n = ranges[0][1] - ranges[0][0]
     if n == 1:
         return [(s, v[:, :, s:e]) for s, e in ranges]
     if len(ranges) == 1:
         (s, e), = ranges
-        return [(s, F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]))]
-    stack = lambda x: torch.cat([x[:, :, s:e] for s, e in ranges], dim=0)  # noqa: E731
-    out = F.scaled_dot_product_attention(stack(q), stack(k), stack(v)).chunk(len(ranges), dim=0)
+        return [(s, F.scaled_dot_product_attention(q[:, :, s - q0:e - q0], k[:, :, s:e], v[:, :, s:e]))]
+    stack = lambda x, o: torch.cat([x[:, :, s - o:e - o] for s, e in ranges], dim=0)  # noqa: E731
+    out = F.scaled_dot_product_attention(stack(q, q0), stack(k, 0), stack(v, 0)).chunk(len(ranges), dim=0)
     return [(s, o) for (s, _), o in zip(ranges, out)]
 
 
 def segmented_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentedMask) -> torch.Tensor:
-    """Attention under the teacher-forcing mask as one unmasked SDPA call per query group. [B, H, L, D]."""
-    L = q.shape[2]
-    if L != plan.seq_len:
-        raise ValueError(f"segmented mask is for {plan.seq_len} tokens, got {L}")
+    """Attention under the teacher-forcing mask as one unmasked SDPA call per query group. q [B, H, rows, D]
+    (the plan's query rows), k and v [B, H, L, D]."""
+    q0, q1 = plan.rows
+    if k.shape[2] != plan.seq_len or q.shape[2] != q1 - q0:
+        raise ValueError(f"segmented mask is for {plan.seq_len} keys and {q1 - q0} queries, got "
+                         f"{k.shape[2]} and {q.shape[2]}")
     pieces: list[tuple[int, torch.Tensor]] = []  # (start position, output rows)
     for q_ranges, k_ranges in plan.groups:
-        out = F.scaled_dot_product_attention(_take(q, q_ranges), _take(k, k_ranges), _take(v, k_ranges))
+        shifted = tuple((s - q0, e - q0) for s, e in q_ranges)
+        out = F.scaled_dot_product_attention(_take(q, shifted), _take(k, k_ranges), _take(v, k_ranges))
         offset = 0
         for s, e in q_ranges:
             pieces.append((s, out[:, :, offset:offset + e - s]))
             offset += e - s
     for ranges in plan.self_calls().values():
-        pieces += _self_attention(q, k, v, ranges)
+        pieces += _self_attention(q, k, v, ranges, q0)
     pieces.sort(key=lambda p: p[0])
     return torch.cat([p[1] for p in pieces], dim=2)
+
+
+def narrows_queries(mask: AttnMask) -> bool:
+    """Whether `mask_for_queries` can narrow this kind of mask (a FlexAttention BlockMask it cannot)."""
+    return mask is None or isinstance(mask, (SegmentedMask, torch.Tensor))
+
+
+def mask_for_queries(mask: AttnMask, start: int, end: int) -> AttnMask:
+    """The mask for the queries of token rows [start, end) only, against every key."""
+    if mask is None:
+        return None
+    if isinstance(mask, SegmentedMask):
+        return mask.for_queries(start, end)
+    if isinstance(mask, torch.Tensor):
+        return mask[..., start:end, :]
+    raise ValueError(f"a {type(mask).__name__} cannot be narrowed to query rows (`narrows_queries`)")
 
 
 def count_allowed_pairs(layout: TeacherForcingLayout) -> int:

@@ -4,6 +4,8 @@ Forward FLOPs, counting a multiply-add as 2:
   per layer: linear  = 2·L·(4d² + 2d² + 2d·ffn) + 2·C·2d²   (self qkvo, cross q/o, FFN; cross K/V on C context tokens)
              self    = 4·d·P                                   (P = allowed (query, key) pairs of the mask)
              cross   = 4·d·L·C
+  the last layer: the same for its R output rows (the noisy video and the actions, what the loss reads), with
+             k and v of all L tokens: 2·L·2d² + 2·R·(2d² + 2d² + 2d·ffn) + 2·C·2d², 4·d·P_R, 4·d·R·C
   outside:   time MLP once per timestep group 2·T·(f·d + 7d²) (T = 1 + F + action + state tokens: what forward runs),
              text/CLIP embedders, patch conv, head, action/state MLPs.
 Training model FLOPs = 3 × forward (backward = 2 × forward). Activation recompute is NOT counted
@@ -46,16 +48,26 @@ def allowed_pairs(layout: TeacherForcingLayout) -> int:
     return clean + noisy0 + noisy_action + state
 
 
+def output_pairs(layout: TeacherForcingLayout) -> int:
+    """Allowed pairs whose query is an output row of the last layer (noisy video and actions)."""
+    fs, nfpb, K = layout.frame_seqlen, layout.num_frame_per_block, layout.num_blocks
+    A, S = layout.num_action_per_block, layout.num_state_per_block
+    bs = nfpb * fs
+    return fs * fs + sum((bs + A) * (fs + i * bs + bs + A + S) for i in range(K))
+
+
 def wam_forward_flops(args: Any, layout: TeacherForcingLayout) -> FlopsBreakdown:
     """args: a DreamZeroArgs (not imported: `DreamZeroArgs.flops` calls this, so this module sits below args.py)."""
     d, ffn, n = args.dim, args.ffn_dim, args.num_layers
     L = layout.seq_len
+    R = layout.video_len + layout.action_len  # the last layer's output rows
     C = args.text_len + args.clip_tokens
     # a one-token state block attends only itself: its output is its value, and no attention is computed for it
     P = allowed_pairs(layout) - (layout.num_blocks if layout.num_state_per_block == 1 else 0)
-    linear = n * (2 * L * (4 * d * d + 2 * d * d + 2 * d * ffn) + 2 * C * 2 * d * d)
-    self_attn = n * 4 * d * P
-    cross_attn = n * 4 * d * L * C
+    linear = ((n - 1) * 2 * L * (4 * d * d + 2 * d * d + 2 * d * ffn) + 2 * L * 2 * d * d
+              + 2 * R * (2 * d * d + 2 * d * d + 2 * d * ffn) + n * 2 * C * 2 * d * d)
+    self_attn = (n - 1) * 4 * d * P + 4 * d * output_pairs(layout)
+    cross_attn = (n - 1) * 4 * d * L * C + 4 * d * R * C
     patch = 2 * (layout.clean_len + layout.video_len) * args.in_dim * 4 * d * 1  # both copies; kernel (1,2,2)
     head = 2 * layout.video_len * d * 4 * args.out_dim
     # the time MLP runs once per group of tokens that share a timestep: the clean copy (one), each noisy latent

@@ -8,6 +8,7 @@ checkpoints load whole.
 Differences from upstream, all deliberate:
 - one attention call per layer with the §1.6 mask (FlexAttention or SDPA), not ~18 dense calls;
 - the clean copy leaves out its last block, which only clean tokens attend (no output or gradient changes);
+- the last layer computes only the rows that the loss reads, the noisy video and the actions (likewise);
 - time embeddings are computed once per frame / action / state and broadcast to tokens,
   which is the same arithmetic as upstream's per-token MLP without its L-fold repeat;
 - `embodiment_id` is accepted and ignored, as upstream forces it to 0 (one projector table).
@@ -22,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .args import DreamZeroArgs
-from .attention import (AttnMask, SegmentedMask, TeacherForcingLayout, latent_layout, teacher_forcing_block_mask,
-                        teacher_forcing_mask)
+from .attention import (AttnMask, SegmentedMask, TeacherForcingLayout, latent_layout, mask_for_queries,
+                        narrows_queries, teacher_forcing_block_mask, teacher_forcing_mask)
 from .wan_dit import GroupedModulation, Modulation, Rope, WanAttentionBlock, WanModel, rope_angles
 
 
@@ -189,12 +190,21 @@ class DreamZeroWAM(WanModel):
         if mask is None:
             mask = self.make_mask(layout, attn_backend, x.device)
 
-        for block in self.blocks:
-            x = block(x, e0, rope, text, image, mask)
-
+        # The loss reads the noisy video and the actions only: the last block computes those rows alone (the
+        # clean copy and the states still give it keys and values). The same outputs and gradients.
         c, n = layout.clean_len, layout.video_len
-        video = self.head(x[:, c:c + n], e_noisy.repeat_interleave(fs, dim=1))
-        action_pred = self.action_decoder(x[:, c + n:c + n + layout.action_len])
+        rows = (c, c + n + layout.action_len)
+        narrow = narrows_queries(mask)
+        for i, block in enumerate(self.blocks):
+            if narrow and i == len(self.blocks) - 1:
+                x = block(x, e0, rope, text, image, mask_for_queries(mask, *rows), rows=rows)
+            else:
+                x = block(x, e0, rope, text, image, mask)
+        if not narrow:
+            x = x[:, rows[0]:rows[1]]
+
+        video = self.head(x[:, :n], e_noisy.repeat_interleave(fs, dim=1))
+        action_pred = self.action_decoder(x[:, n:n + layout.action_len])
         return WAMOutput(video_pred=self.unpatchify(video, grid), action_pred=action_pred)
 
     # -- cached inference --------------------------------------------------------

@@ -108,8 +108,12 @@ class Rope:
 
     def first(self, n: int) -> "Rope":
         """The tables of the first n tokens (views)."""
+        return self.rows(0, n)
+
+    def rows(self, start: int, end: int) -> "Rope":
+        """The tables of tokens [start, end) (views)."""
         r = Rope.__new__(Rope)
-        r.cos, r.sin = self.cos[:n], self.sin[:n]
+        r.cos, r.sin = self.cos[start:end], self.sin[start:end]
         return r
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,29 +147,38 @@ class AttentionProjections(nn.Module):
 
 class WanSelfAttention(AttentionProjections):
 
-    def qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Roped q, k and v as [B, L, H, D]."""
+    def qkv(self, x: torch.Tensor, rope: Rope,
+            rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Roped q, k and v as [B, L, H, D]; with `rows`, q of those token rows only."""
         b, s = x.shape[:2]
         n, d = self.num_heads, self.head_dim
-        q, k, v = self.project_qkv(x)
-        q = rope.apply(self.norm_q(q).view(b, s, n, d))
+        q, k, v = self.project_qkv(x, rows)
+        q = (rope if rows is None else rope.rows(*rows)).apply(self.norm_q(q).view(b, q.shape[1], n, d))
         k = rope.apply(self.norm_k(k).view(b, s, n, d))
         return q, k, v.view(b, s, n, d)
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q(x), k(x), v(x). Plain Linears run as one matmul over their stacked weights: x is read once, and its
-        gradient is one matmul instead of three summed in the compute dtype. The weights keep WAN's names; adapted
-        layers (LoRA) run one by one."""
+    def project_qkv(self, x: torch.Tensor,
+                    rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q(x), k(x), v(x), q only of the token `rows` when given. Plain Linears run as one matmul over their
+        stacked weights: x is read once, and its gradient is one matmul instead of three summed in the compute
+        dtype. The weights keep WAN's names; adapted layers (LoRA) run one by one."""
+        x_q = x if rows is None else x[:, rows[0]:rows[1]]
         if not all(type(m) is nn.Linear and m.bias is not None for m in (self.q, self.k, self.v)):
-            return self.q(x), self.k(x), self.v(x)
+            return self.q(x_q), self.k(x), self.v(x)
+        if rows is not None:
+            weight = torch.cat([self.k.weight, self.v.weight])
+            bias = torch.cat([self.k.bias, self.v.bias])
+            return (F.linear(x_q, self.q.weight, self.q.bias), *F.linear(x, weight, bias).chunk(2, dim=-1))
         weight = torch.cat([self.q.weight, self.k.weight, self.v.weight])
         bias = torch.cat([self.q.bias, self.k.bias, self.v.bias])
         return F.linear(x, weight, bias).chunk(3, dim=-1)
 
     def forward(self, x: torch.Tensor, rope: Rope, mask: AttnMask = None,
-                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Attend over [past K/V | own K/V]. Returns the output and this call's own roped (k, v)."""
-        q, k, v = self.qkv(x, rope)
+                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Attend over [past K/V | own K/V]. Returns the output and this call's own roped (k, v).
+        rows: the output of these token rows only (their queries); `mask` must be for those rows."""
+        q, k, v = self.qkv(x, rope, rows)
         own = (k, v)
         if past_kv is not None and past_kv[0].shape[1]:
             k = torch.cat([past_kv[0], k], dim=1)
@@ -248,6 +261,28 @@ class GroupedModulation:
     def num_tokens(self) -> int:
         return sum(n * size for n, size in self.runs)
 
+    def rows(self, start: int, end: int) -> "GroupedModulation":
+        """The modulation of token rows [start, end): the groups they touch, a group cut by a bound as a run of
+        its own."""
+        touched: list[tuple[int, int]] = []  # (group, tokens of it inside the rows)
+        t0, g = 0, 0
+        for groups, size in self.runs:
+            for _ in range(groups):
+                inside = min(t0 + size, end) - max(t0, start)
+                if inside > 0:
+                    touched.append((g, inside))
+                t0, g = t0 + size, g + 1
+        if not touched or not 0 <= start < end <= t0:
+            raise ValueError(f"rows [{start}, {end}) are not within the {t0} tokens of the modulation")
+        runs: list[list[int]] = []
+        for _, size in touched:
+            if runs and runs[-1][1] == size:
+                runs[-1][0] += 1
+            else:
+                runs.append([1, size])
+        first, last = touched[0][0], touched[-1][0]
+        return GroupedModulation(self.e0[:, first:last + 1], tuple((n, size) for n, size in runs))
+
     def per_token(self) -> torch.Tensor:
         """The equivalent per-token e0 [B, L, 6, dim] (for checks)."""
         sizes = torch.tensor([size for n, size in self.runs for _ in range(n)], device=self.e0.device)
@@ -255,6 +290,11 @@ class GroupedModulation:
 
 
 Modulation = Union[torch.Tensor, GroupedModulation]
+
+
+def modulation_rows(e0: Modulation, start: int, end: int) -> Modulation:
+    """The modulation of token rows [start, end), per token or grouped."""
+    return e0.rows(start, end) if isinstance(e0, GroupedModulation) else e0[:, start:end]
 
 
 def per_run(fn, runs: tuple[tuple[int, int], ...] | None, tokens: tuple[torch.Tensor, ...],
@@ -296,17 +336,25 @@ class WanAttentionBlock(nn.Module):
         return (self.modulation.float().unsqueeze(0) + e0.float()).unbind(dim=2), None
 
     def forward(self, x: torch.Tensor, e0: Modulation, rope: Rope, text: torch.Tensor,
-                image: torch.Tensor | None = None, mask: AttnMask = None) -> torch.Tensor:
-        return self.forward_with_kv(x, e0, rope, text, image, mask)[0]
+                image: torch.Tensor | None = None, mask: AttnMask = None,
+                rows: tuple[int, int] | None = None) -> torch.Tensor:
+        return self.forward_with_kv(x, e0, rope, text, image, mask, rows=rows)[0]
 
     def forward_with_kv(self, x: torch.Tensor, e0: Modulation, rope: Rope, text: torch.Tensor,
                         image: torch.Tensor | None = None, mask: AttnMask = None,
                         past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        cross_kv: tuple[torch.Tensor, ...] | None = None):
+                        cross_kv: tuple[torch.Tensor, ...] | None = None, *,
+                        rows: tuple[int, int] | None = None):
         """The block, attending [past_kv | own]; also returns own roped (k, v) for a KV cache.
-        cross_kv: the cross-attention's context K/V, precomputed (`cross_attn.context_kv`)."""
+        cross_kv: the cross-attention's context K/V, precomputed (`cross_attn.context_kv`).
+        rows: compute the output of token rows [start, end) only (every token still gives keys and values), for
+        a last block whose other rows nothing reads; `mask` is then the mask of those rows (`mask_for_queries`)."""
         m, runs = self.modulation_terms(e0)
-        y, own_kv = self.self_attn(per_run(modulate, runs, (self.norm1(x),), m[0:2]).type_as(x), rope, mask, past_kv)
+        h = per_run(modulate, runs, (self.norm1(x),), m[0:2]).type_as(x)
+        y, own_kv = self.self_attn(h, rope, mask, past_kv, rows)
+        if rows is not None:
+            x = x[:, rows[0]:rows[1]]
+            m, runs = self.modulation_terms(modulation_rows(e0, *rows))
         x = per_run(gated_residual, runs, (x, y), m[2:3]).type_as(x)
         x = x + self.cross_attn(self.norm3(x), text, image, cross_kv)
         y = self.ffn(per_run(modulate, runs, (self.norm2(x),), m[3:5]).type_as(x))

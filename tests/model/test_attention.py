@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from dzmodel.model.attention import (SegmentedMask, TeacherForcingLayout, attention, count_allowed_pairs,
-                                     teacher_forcing_block_mask, teacher_forcing_mask)
+                                     mask_for_queries, teacher_forcing_block_mask, teacher_forcing_mask)
 from dzmodel.model.flops import allowed_pairs
 
 FIXTURE_LAYOUT = TeacherForcingLayout(num_blocks=2, frame_seqlen=6, num_frame_per_block=2,
@@ -164,5 +164,22 @@ def test_segmented_attention_calls_sdpa_once_per_key_set(monkeypatch):
 def test_segmented_attention_refuses_another_length():
     plan = SegmentedMask.from_layout(FIXTURE_LAYOUT)
     q = torch.randn(1, FIXTURE_LAYOUT.seq_len + 1, 2, 4)
-    with pytest.raises(ValueError, match="segmented mask is for 70 tokens, got 71"):
+    with pytest.raises(ValueError, match="segmented mask is for 70 keys and 70 queries, got 71 and 71"):
         attention(q, q, q, plan)
+
+
+@pytest.mark.parametrize("rows", [(0, 70), (10, 70), (22, 61), (5, 6), (69, 70)])
+def test_a_segmented_mask_narrowed_to_query_rows_is_those_rows_of_the_mask_and_attends_alike(rows):
+    plan = SegmentedMask.from_layout(FIXTURE_LAYOUT)
+    narrowed = plan.for_queries(*rows)
+    assert plan.for_queries(*rows) is narrowed  # one object per row range (a compiled block's constant)
+    torch.testing.assert_close(narrowed.dense(), plan.dense()[rows[0]:rows[1]])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, FIXTURE_LAYOUT.seq_len, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    full = attention(q, k, v, plan)
+    part = attention(q[:, rows[0]:rows[1]], k, v, narrowed)
+    torch.testing.assert_close(part, full[:, rows[0]:rows[1]], atol=1e-12, rtol=1e-12)
+    dense = attention(q[:, rows[0]:rows[1]], k, v, mask_for_queries(plan.dense(), *rows))
+    torch.testing.assert_close(dense, part, atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match="query rows must lie in"):
+        plan.for_queries(0, FIXTURE_LAYOUT.seq_len + 1)

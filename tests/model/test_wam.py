@@ -220,3 +220,38 @@ def test_bad_shapes_get_clear_errors():
     bad = dict(b, noisy_latents=b["noisy_latents"][:, :, :4], clean_latents=b["clean_latents"][:, :, :4])
     with pytest.raises(ValueError, match="latent frames"):
         model(**bad, attn_backend="sdpa")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "segments"])
+def test_last_layer_computing_only_the_loss_rows_gives_the_same_outputs_and_gradients(monkeypatch, backend):
+    """The last block computes the noisy video's and the actions' rows only; running it over every row and
+    slicing after must give the same outputs and gradients (float64), and the narrowed block must see fewer rows."""
+    import dzmodel.model.wam as wam
+    from dzmodel.model.wan_dit import WanAttentionBlock
+
+    model = tiny_model().double()
+    b = {k: v.double() if v.is_floating_point() else v for k, v in tiny_batch(model.args).items()}
+    ffn_rows, results = {}, {}
+    for narrow in (True, False):
+        monkeypatch.setattr(wam, "narrows_queries", lambda mask, n=narrow: n)
+        seen = []
+        handles = [blk.ffn.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1])) for blk in model.blocks]
+        model.zero_grad()
+        out = model(**b, attn_backend=backend)
+        for h in handles:
+            h.remove()
+        (out.video_pred.square().mean() + out.action_pred.square().mean()).backward()
+        ffn_rows[narrow] = seen
+        results[narrow] = (out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    layout = latent_layout(model.args, tuple(b["noisy_latents"].shape[-2:]), b["noisy_latents"].shape[2])
+    assert ffn_rows[False] == [layout.seq_len] * len(model.blocks)
+    assert ffn_rows[True] == [layout.seq_len] * (len(model.blocks) - 1) + [layout.video_len + layout.action_len]
+    assert isinstance(model.blocks[-1], WanAttentionBlock)
+    (narrowed, g_narrowed), (whole, g_whole) = results[True], results[False]
+    torch.testing.assert_close(narrowed.video_pred, whole.video_pred, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(narrowed.action_pred, whole.action_pred, atol=1e-12, rtol=1e-10)
+    assert g_narrowed.keys() == g_whole.keys() and len(g_whole) > 10
+    for n in g_whole:
+        # WAN's modulation runs in fp32, and the narrowed block sums its gradient in two parts
+        tol = dict(atol=1e-6, rtol=1e-6) if n.endswith(".modulation") else dict(atol=1e-12, rtol=1e-9)
+        torch.testing.assert_close(g_narrowed[n], g_whole[n], **tol, msg=lambda m, n=n: f"{n}: {m}")

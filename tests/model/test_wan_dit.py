@@ -203,6 +203,20 @@ def test_grouped_modulation_gives_the_per_token_block_exactly():
         torch.testing.assert_close(u, v, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [(0, 24), (7, 24), (9, 21), (3, 5), (23, 24)])
+def test_grouped_modulation_of_some_rows_is_those_rows_per_token(rows):
+    from dzmodel.model.wan_dit import GroupedModulation, modulation_rows
+
+    e0 = torch.randn(2, 9, 6, 4, dtype=torch.float64)
+    mod = GroupedModulation(e0, ((1, 7), (3, 4), (5, 1)))
+    part = mod.rows(*rows)
+    assert part.num_tokens == rows[1] - rows[0]
+    torch.testing.assert_close(part.per_token(), mod.per_token()[:, rows[0]:rows[1]])
+    torch.testing.assert_close(modulation_rows(mod.per_token(), *rows), mod.per_token()[:, rows[0]:rows[1]])
+    with pytest.raises(ValueError, match="not within the 24 tokens"):
+        mod.rows(20, 25)
+
+
 def test_grouped_modulation_rejects_runs_that_do_not_fit():
     from dzmodel.model.wan_dit import GroupedModulation, per_run
 
