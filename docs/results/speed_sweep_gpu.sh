@@ -20,6 +20,7 @@
 #           gradients in one kernel (PRELUDE=mixorder); aggressive: aggressive_fusion; combo: combo_kernels
 #   fulllast  the last block over every row, as before round 15 (PRELUDE=fulllast; the code computes only the rows
 #           the loss reads)
+#   rope2   RoPE as x*cos + swap_pairs(x)*(-sin, sin) (PRELUDE=rope2), one pointwise kernel without stack/select
 #   res16   train.residual_in_compute_dtype: the residual stream in bf16 (the setting, not a patch); res16agg and
 #           res16combo: with aggressive fusion or combo kernels
 # Detached, so it outlives one command:
@@ -39,6 +40,7 @@ declare -A VARIANTS=(
   [qk32]="qk32|" [bf16res]="bf16res|" [mixorder]="mixorder|" [aggressive]="aggressive|" [combo]="combo|"
   [bf16resmixorder]="bf16res,mixorder|" [fulllast]="fulllast|" [res16]="|residual_in_compute_dtype=true"
   [res16agg]="aggressive|residual_in_compute_dtype=true" [res16combo]="combo|residual_in_compute_dtype=true"
+  [rope2]="rope2|"
   [mb256]="|micro_batch=256" [mb256flash]="flash|micro_batch=256" [mb256graphsflash]="graphs,flash|micro_batch=256"
 )
 
