@@ -198,7 +198,8 @@ class SegmentedMask:
         clip = lambda ranges: tuple((max(s, start), min(e, end)) for s, e in ranges if min(e, end) > max(s, start))  # noqa: E731
         groups = [(clip(q), k) for q, k in self.groups if clip(q)]
         inside = tuple((s, e) for s, e in self.self_ranges if start <= s and e <= end)
-        groups += [(clip(((s, e),)), ((s, e),)) for s, e in self.self_ranges if (s, e) not in inside and clip(((s, e),))]
+        groups += [(clip(((s, e),)), ((s, e),)) for s, e in self.self_ranges
+                   if (s, e) not in inside and clip(((s, e),))]
         return SegmentedMask(self.seq_len, tuple(groups), inside, (start, end))
 
     @staticmethod
@@ -220,7 +221,7 @@ class SegmentedMask:
 
     def dense(self) -> torch.Tensor:
         """The same mask as a dense [query rows, L] bool tensor (tests compare it with `teacher_forcing_mask`)."""
-        m = torch.zeros(self.seq_len, self.seq_len, dtype=torch.bool)
+        m = torch.zeros(max(self.seq_len, self.rows[1]), self.seq_len, dtype=torch.bool)
         for q_ranges, k_ranges in self.groups:
             for qs, qe in q_ranges:
                 for ks, ke in k_ranges:

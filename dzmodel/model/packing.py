@@ -72,6 +72,18 @@ class PackedLayout:
         """The same mask as a dense [capacity, capacity] bool tensor."""
         return self.mask().dense()
 
+    def context_mask(self, context_lengths: Sequence[int]) -> SegmentedMask:
+        """The cross-attention's mask over the samples' contexts laid one after another (`context_lengths` tokens
+        each): every sample's rows attend its own context only; the padding's rows attend the first sample's
+        (their outputs are never read, but must stay finite)."""
+        if len(context_lengths) != len(self.layouts):
+            raise ValueError(f"{len(self.layouts)} samples, {len(context_lengths)} context lengths")
+        starts = [sum(context_lengths[:i]) for i in range(len(context_lengths))]
+        groups = [((self.sample_rows(i),), ((c, c + n),)) for i, (c, n) in enumerate(zip(starts, context_lengths))]
+        if self.capacity > self.used:
+            groups.append((((self.used, self.capacity),), ((0, context_lengths[0]),)))
+        return SegmentedMask(sum(context_lengths), tuple(groups), (), (0, self.capacity))
+
 
 def pack_first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Sample indices per buffer, longest first, each into the first buffer with room (first-fit decreasing).

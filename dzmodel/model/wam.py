@@ -17,6 +17,7 @@ Differences from upstream, all deliberate:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from .args import DreamZeroArgs
 from .attention import (AttnMask, SegmentedMask, TeacherForcingLayout, latent_layout, mask_for_queries,
                         narrows_queries, teacher_forcing_block_mask, teacher_forcing_mask)
+from .packing import PackedLayout
 from .wan_dit import GroupedModulation, Modulation, Rope, WanAttentionBlock, WanModel, rope_angles
 
 
@@ -78,6 +80,18 @@ class ActionEncoder(nn.Module):
 class WAMOutput:
     video_pred: torch.Tensor   # [B, out_dim, F, H, W] velocity for the noisy copy
     action_pred: torch.Tensor  # [B, K·A, action_dim] velocity for the actions
+
+
+@dataclass
+class EmbeddedSequence:
+    """One teacher-forcing sequence before the blocks (`DreamZeroWAM.embed_sequence`)."""
+
+    tokens: torch.Tensor        # [B, L, dim]: clean video | noisy video | actions | states
+    e0: GroupedModulation       # the time modulation per group of tokens
+    rope: Rope
+    e_noisy: torch.Tensor       # [B, F, dim]: the noisy frames' time embedding (for the head)
+    layout: TeacherForcingLayout
+    grid: tuple[int, int, int]  # the noisy copy's (frames, h, w) in tokens
 
 
 class DreamZeroWAM(WanModel):
@@ -152,6 +166,32 @@ class DreamZeroWAM(WanModel):
         residual_dtype: the dtype of the tokens between blocks (each block keeps its input's); None: as the
         embeddings give them (fp32 under autocast with fp32 weights, bf16 with bf16 weights).
         """
+        seq = self.embed_sequence(noisy_latents, clean_latents, timestep, noisy_actions, timestep_action, state, y,
+                                  residual_dtype)
+        layout, x = seq.layout, seq.tokens
+        text, image = self.embed_context(context, clip_feature)
+        if mask is None:
+            mask = self.make_mask(layout, attn_backend, x.device)
+
+        # The loss reads the noisy video and the actions only: the last block computes those rows alone (the
+        # clean copy and the states still give it keys and values). The same outputs and gradients.
+        c, n = layout.clean_len, layout.video_len
+        rows = (c, c + n + layout.action_len)
+        narrow = narrows_queries(mask)
+        for i, block in enumerate(self.blocks):
+            if narrow and i == len(self.blocks) - 1:
+                x = block(x, seq.e0, seq.rope, text, image, mask_for_queries(mask, *rows), rows=rows)
+            else:
+                x = block(x, seq.e0, seq.rope, text, image, mask)
+        if not narrow:
+            x = x[:, rows[0]:rows[1]]
+        return self.outputs(x, seq)
+
+    def embed_sequence(self, noisy_latents: torch.Tensor, clean_latents: torch.Tensor, timestep: torch.Tensor,
+                       noisy_actions: torch.Tensor, timestep_action: torch.Tensor, state: torch.Tensor,
+                       y: torch.Tensor | None = None, residual_dtype: torch.dtype | None = None) -> "EmbeddedSequence":
+        """One teacher-forcing sequence's tokens [clean | noisy | actions | states], its time modulation per group
+        of tokens and its RoPE tables (the arguments as `forward` takes them)."""
         if clean_latents.shape != noisy_latents.shape:
             raise ValueError(f"clean and noisy latents differ in shape: {tuple(clean_latents.shape)} vs "
                              f"{tuple(noisy_latents.shape)}")
@@ -183,29 +223,58 @@ class DreamZeroWAM(WanModel):
         _, e0_register = self.embed_time(t_register)
         e0 = GroupedModulation(torch.cat([e0_clean, e0_noisy, e0_register], dim=1),
                                runs=((1, layout.clean_len), (F_, fs), (t_register.shape[1], 1)))
-
-        text, image = self.embed_context(context, clip_feature)
         video_rope = self.video_rope(grid)  # the clean copy's frames are the first ones: its table is a prefix
         rope = Rope.cat([video_rope.first(layout.clean_len), video_rope, self.register_rope(0, layout.num_blocks)])
-        if mask is None:
-            mask = self.make_mask(layout, attn_backend, x.device)
+        return EmbeddedSequence(x, e0, rope, e_noisy, layout, grid)
 
-        # The loss reads the noisy video and the actions only: the last block computes those rows alone (the
-        # clean copy and the states still give it keys and values). The same outputs and gradients.
-        c, n = layout.clean_len, layout.video_len
-        rows = (c, c + n + layout.action_len)
-        narrow = narrows_queries(mask)
-        for i, block in enumerate(self.blocks):
-            if narrow and i == len(self.blocks) - 1:
-                x = block(x, e0, rope, text, image, mask_for_queries(mask, *rows), rows=rows)
-            else:
-                x = block(x, e0, rope, text, image, mask)
-        if not narrow:
-            x = x[:, rows[0]:rows[1]]
+    def outputs(self, x: torch.Tensor, seq: "EmbeddedSequence") -> WAMOutput:
+        """The velocities from the last block's rows [noisy video | actions] of one sequence."""
+        n, fs = seq.layout.video_len, seq.grid[1] * seq.grid[2]
+        video = self.head(x[:, :n], seq.e_noisy.repeat_interleave(fs, dim=1))
+        action_pred = self.action_decoder(x[:, n:n + seq.layout.action_len])
+        return WAMOutput(video_pred=self.unpatchify(video, seq.grid), action_pred=action_pred)
 
-        video = self.head(x[:, :n], e_noisy.repeat_interleave(fs, dim=1))
-        action_pred = self.action_decoder(x[:, n:n + layout.action_len])
-        return WAMOutput(video_pred=self.unpatchify(video, grid), action_pred=action_pred)
+    def forward_packed(self, samples: Sequence[dict], capacity: int | None = None,
+                       residual_dtype: torch.dtype | None = None) -> list[WAMOutput]:
+        """Several samples, each a dict of `forward`'s tensors with a batch of one, packed into one sequence of
+        `capacity` tokens (default: their total): samples of different frame sizes, cameras and chunk counts
+        (one action horizon: the model's). Each sample attends only its own tokens and its own context, so each
+        output is the one `forward` gives the sample alone. Returns one WAMOutput per sample, in order."""
+        if not samples:
+            raise ValueError("forward_packed needs at least one sample")
+        seqs, texts, images = [], [], []
+        for i, s in enumerate(samples):
+            if s["noisy_latents"].shape[0] != 1:
+                raise ValueError(f"packed sample {i} has a batch of {s['noisy_latents'].shape[0]}: pack samples of "
+                                 "one each")
+            seqs.append(self.embed_sequence(s["noisy_latents"], s["clean_latents"], s["timestep"], s["noisy_actions"],
+                                            s["timestep_action"], s["state"], s.get("y"), residual_dtype))
+            text, image = self.embed_context(s["context"], s.get("clip_feature"))
+            texts.append(text)
+            images.append(image)
+        packed = PackedLayout(tuple(q.layout for q in seqs), capacity or sum(q.layout.seq_len for q in seqs))
+        pad = packed.capacity - packed.used
+        x = torch.cat([q.tokens for q in seqs], dim=1)
+        e0 = torch.cat([q.e0.e0 for q in seqs], dim=1)
+        runs = tuple(run for q in seqs for run in q.e0.runs)
+        ropes = [q.rope for q in seqs]
+        if pad:  # padding tokens: zeros, the first sample's clean-copy modulation, no rotation
+            x = torch.cat([x, x.new_zeros(1, pad, x.shape[-1])], dim=1)
+            e0 = torch.cat([e0, e0[:, :1]], dim=1)
+            runs += ((1, pad),)
+            ropes.append(Rope(torch.zeros(pad, self.args.head_dim // 2, dtype=torch.float64, device=x.device)))
+        text = torch.cat(texts, dim=1)
+        image = torch.cat(images, dim=1) if images[0] is not None else None
+        cross = (packed.context_mask([t.shape[1] for t in texts]),
+                 packed.context_mask([m.shape[1] for m in images]) if image is not None else None)
+        e0_packed, rope, mask = GroupedModulation(e0, runs), Rope.cat(ropes), packed.mask()
+        for block in self.blocks:
+            x = block(x, e0_packed, rope, text, image, mask, cross_mask=cross)
+        outs = []
+        for i, q in enumerate(seqs):
+            start = packed.offsets[i] + q.layout.clean_len
+            outs.append(self.outputs(x[:, start:start + q.layout.video_len + q.layout.action_len], q))
+        return outs
 
     # -- cached inference --------------------------------------------------------
 

@@ -198,10 +198,12 @@ class WanT2VCrossAttention(AttentionProjections):
         return self._heads(self.norm_k(self.k(text))), self._heads(self.v(text))
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None,
-                kv: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                kv: tuple[torch.Tensor, ...] | None = None,
+                mask: tuple[AttnMask, AttnMask] | None = None) -> torch.Tensor:
+        """mask: (text mask, image mask) where a packed sequence's samples each attend their own context only."""
         k, v = self.context_kv(text, image) if kv is None else kv
         q = self._heads(self.norm_q(self.q(x)))
-        return self.o(attention(q, k, v).flatten(2))
+        return self.o(attention(q, k, v, None if mask is None else mask[0]).flatten(2))
 
 
 class WanI2VCrossAttention(WanT2VCrossAttention):
@@ -220,10 +222,12 @@ class WanI2VCrossAttention(WanT2VCrossAttention):
                 self._heads(self.v_img(image)))
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None,
-                kv: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                kv: tuple[torch.Tensor, ...] | None = None,
+                mask: tuple[AttnMask, AttnMask] | None = None) -> torch.Tensor:
         k, v, k_img, v_img = self.context_kv(text, image) if kv is None else kv
         q = self._heads(self.norm_q(self.q(x)))
-        out = attention(q, k, v).flatten(2) + attention(q, k_img, v_img).flatten(2)
+        text_mask, image_mask = (None, None) if mask is None else mask
+        out = attention(q, k, v, text_mask).flatten(2) + attention(q, k_img, v_img, image_mask).flatten(2)
         return self.o(out)
 
 
@@ -337,18 +341,20 @@ class WanAttentionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, e0: Modulation, rope: Rope, text: torch.Tensor,
                 image: torch.Tensor | None = None, mask: AttnMask = None,
-                rows: tuple[int, int] | None = None) -> torch.Tensor:
-        return self.forward_with_kv(x, e0, rope, text, image, mask, rows=rows)[0]
+                rows: tuple[int, int] | None = None,
+                cross_mask: tuple[AttnMask, AttnMask] | None = None) -> torch.Tensor:
+        return self.forward_with_kv(x, e0, rope, text, image, mask, rows=rows, cross_mask=cross_mask)[0]
 
     def forward_with_kv(self, x: torch.Tensor, e0: Modulation, rope: Rope, text: torch.Tensor,
                         image: torch.Tensor | None = None, mask: AttnMask = None,
                         past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                         cross_kv: tuple[torch.Tensor, ...] | None = None, *,
-                        rows: tuple[int, int] | None = None):
+                        rows: tuple[int, int] | None = None, cross_mask: tuple[AttnMask, AttnMask] | None = None):
         """The block, attending [past_kv | own]; also returns own roped (k, v) for a KV cache.
         cross_kv: the cross-attention's context K/V, precomputed (`cross_attn.context_kv`).
         rows: compute the output of token rows [start, end) only (every token still gives keys and values), for
-        a last block whose other rows nothing reads; `mask` is then the mask of those rows (`mask_for_queries`)."""
+        a last block whose other rows nothing reads; `mask` is then the mask of those rows (`mask_for_queries`).
+        cross_mask: the cross-attention's (text, image) masks, for packed samples that each attend their own."""
         m, runs = self.modulation_terms(e0)
         h = per_run(modulate, runs, (self.norm1(x),), m[0:2]).type_as(x)
         y, own_kv = self.self_attn(h, rope, mask, past_kv, rows)
@@ -356,7 +362,7 @@ class WanAttentionBlock(nn.Module):
             x = x[:, rows[0]:rows[1]]
             m, runs = self.modulation_terms(modulation_rows(e0, *rows))
         x = per_run(gated_residual, runs, (x, y), m[2:3]).type_as(x)
-        x = x + self.cross_attn(self.norm3(x), text, image, cross_kv)
+        x = x + self.cross_attn(self.norm3(x), text, image, cross_kv, cross_mask)
         y = self.ffn(per_run(modulate, runs, (self.norm2(x),), m[3:5]).type_as(x))
         return per_run(gated_residual, runs, (x, y), m[5:6]).type_as(x), own_kv
 

@@ -76,3 +76,65 @@ def test_a_sample_longer_than_a_buffer_is_refused_with_the_capacity_it_needs():
     with pytest.raises(ValueError, match="sample 1 has 300 tokens, more than a buffer of 256: raise the capacity to "
                                          "at least 300"):
         pack_first_fit([10, 300, 20], 256)
+
+
+def _sample(args, latent_hw, blocks, seed):
+    """One training sample (a batch of one) with its own frame size and chunk count."""
+    from dzmodel.model.objective import FlowMatchSchedule, action_timestep_ids, tie_timestep_ids
+
+    g = torch.Generator().manual_seed(seed)
+    F, A = 1 + blocks * args.num_frame_per_block, args.num_action_per_block
+    tied = tie_timestep_ids(torch.randint(0, 1000, (1, F), generator=g), args.num_frame_per_block)
+    sched = FlowMatchSchedule()
+    sample = dict(
+        noisy_latents=torch.randn(1, args.in_dim, F, *latent_hw, generator=g),
+        clean_latents=torch.randn(1, args.in_dim, F, *latent_hw, generator=g),
+        timestep=sched.timestep(tied),
+        noisy_actions=torch.randn(1, blocks * A, args.action_dim, generator=g),
+        timestep_action=sched.timestep(action_timestep_ids(tied, args.num_frame_per_block, A)),
+        state=torch.randn(1, blocks, args.max_state_dim, generator=g),
+        context=torch.randn(1, args.text_len, args.text_dim, generator=g),
+        clip_feature=torch.randn(1, args.clip_tokens, args.clip_dim, generator=g),
+    )
+    return {k: v.double() for k, v in sample.items()}
+
+
+def test_a_packed_batch_gives_each_sample_its_own_outputs_losses_and_gradients():
+    """Three samples of different frame sizes (two cameras side by side, three, one) and chunk counts, packed into
+    one buffer with padding: every output equals the sample's alone, and so do the summed gradients."""
+    from tests.model.helpers import tiny_model
+
+    model = tiny_model().double()
+    samples = [_sample(model.args, (4, 6), 2, 1), _sample(model.args, (4, 10), 2, 2), _sample(model.args, (2, 4), 1, 3)]
+
+    def run(packed: bool):
+        model.zero_grad()
+        if packed:
+            outs = model.forward_packed(samples, capacity=400)
+        else:
+            outs = [model(**s, attn_backend="segments") for s in samples]
+        losses = [o.video_pred.square().mean() + o.action_pred.square().mean() for o in outs]
+        sum(losses).backward()
+        return outs, losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    (p_out, p_loss, p_grad), (a_out, a_loss, a_grad) = run(True), run(False)
+    for p, a in zip(p_out, a_out):
+        assert p.video_pred.shape == a.video_pred.shape
+        torch.testing.assert_close(p.video_pred, a.video_pred, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(p.action_pred, a.action_pred, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(torch.stack(p_loss), torch.stack(a_loss), atol=1e-10, rtol=1e-10)
+    assert p_grad.keys() == a_grad.keys() and len(a_grad) > 10
+    for n in a_grad:  # norms and modulation compute in fp32 (WAN): their sums over tokens differ in fp32 order
+        torch.testing.assert_close(p_grad[n], a_grad[n], atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_packing_refuses_a_batch_and_a_buffer_too_small():
+    from tests.model.helpers import tiny_model
+
+    model = tiny_model().double()
+    one = _sample(model.args, (4, 6), 2, 1)
+    two = {k: torch.cat([v, v]) for k, v in one.items()}
+    with pytest.raises(ValueError, match="batch of 2: pack samples of one each"):
+        model.forward_packed([two])
+    with pytest.raises(ValueError, match="more than the buffer's 10"):
+        model.forward_packed([one], capacity=10)
