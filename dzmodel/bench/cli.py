@@ -235,7 +235,8 @@ def add_commands(sub) -> None:
                    help="comma-separated embodiment tags or NAME=HxW frame sizes (g1=128x128: one head camera)")
     p.add_argument("--samples", type=int, default=12, help="samples, the embodiments taking turns")
     p.add_argument("--capacity", type=int, default=0, help="tokens per buffer (0: longest sample x embodiments)")
-    p.add_argument("--vae-stride", type=int, default=8, help="pixels per latent (small VAE 8, Wan2.2's 16)")
+    p.add_argument("--vae-stride", type=int, default=16,
+                   help="pixels per latent (16: the small preset's and Wan2.2's VAE; 8: Wan2.1's, the 14B)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device")

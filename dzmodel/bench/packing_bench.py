@@ -74,7 +74,7 @@ def _timed(fn, steps: int, warmup: int, device) -> float:
 
 
 def run_packing_bench(preset: str = "small", embodiments: Sequence[str] = ("libero_sim_small", "oxe_droid", "g1=128x128"),
-                      samples: int = 12, capacity: int = 0, vae_stride: int = 8, steps: int = 3, warmup: int = 1,
+                      samples: int = 12, capacity: int = 0, vae_stride: int = 16, steps: int = 3, warmup: int = 1,
                       device: str | None = None, model_overrides: dict | None = None, seed: int = 0) -> dict:
     """embodiments: registry tags or NAME=HxW frame sizes; samples: how many, the embodiments taking turns;
     capacity: tokens per buffer (0: the longest sample's length times the number of embodiments)."""
