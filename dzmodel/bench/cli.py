@@ -146,8 +146,8 @@ def cmd_bench_packing(ns: argparse.Namespace) -> int:
     try:
         overrides = json.loads(ns.model_overrides) if ns.model_overrides else None
         result = run_packing_bench(ns.preset, ns.embodiments.split(","), ns.samples, ns.capacity, ns.vae_stride,
-                                   ns.steps, ns.warmup, ns.device, overrides)
-    except (ValueError, json.JSONDecodeError) as e:
+                                   ns.steps, ns.warmup, ns.device, overrides, packed_attention=ns.attn)
+    except (ValueError, NotImplementedError) as e:  # NotImplementedError: FlexAttention's backward off the GPU
         raise CLIError(f"bench packing: {e}") from e
     print(f"{result['samples']} samples of {', '.join(result['embodiments'])} on {result['device']}: packed into "
           f"{result['buffers']} buffers of {result['capacity']} tokens, efficiency {100 * result['packing_efficiency']:.1f} % "
@@ -235,6 +235,8 @@ def add_commands(sub) -> None:
                    help="comma-separated embodiment tags or NAME=HxW frame sizes (g1=128x128: one head camera)")
     p.add_argument("--samples", type=int, default=12, help="samples, the embodiments taking turns")
     p.add_argument("--capacity", type=int, default=0, help="tokens per buffer (0: longest sample x embodiments)")
+    p.add_argument("--attn", choices=["segments", "flex"], default="segments",
+                   help="the packed side's attention: a call per mask rectangle, or one FlexAttention call per layer")
     p.add_argument("--vae-stride", type=int, default=16,
                    help="pixels per latent (16: the small preset's and Wan2.2's VAE; 8: Wan2.1's, the 14B)")
     p.add_argument("--steps", type=int, default=3)

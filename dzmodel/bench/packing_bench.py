@@ -75,9 +75,11 @@ def _timed(fn, steps: int, warmup: int, device) -> float:
 
 def run_packing_bench(preset: str = "small", embodiments: Sequence[str] = ("libero_sim_small", "oxe_droid", "g1=128x128"),
                       samples: int = 12, capacity: int = 0, vae_stride: int = 16, steps: int = 3, warmup: int = 1,
-                      device: str | None = None, model_overrides: dict | None = None, seed: int = 0) -> dict:
+                      device: str | None = None, model_overrides: dict | None = None, seed: int = 0,
+                      packed_attention: str = "segments") -> dict:
     """embodiments: registry tags or NAME=HxW frame sizes; samples: how many, the embodiments taking turns;
-    capacity: tokens per buffer (0: the longest sample's length times the number of embodiments)."""
+    capacity: tokens per buffer (0: the longest sample's length times the number of embodiments); packed_attention:
+    "segments" or "flex" (`DreamZeroWAM.forward_packed`)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     args = model_preset(preset, **(model_overrides or {}))
@@ -98,7 +100,7 @@ def run_packing_bench(preset: str = "small", embodiments: Sequence[str] = ("libe
     def packed_pass():
         model.zero_grad(set_to_none=True)
         for b in bins:
-            outs = model.forward_packed([batch[i] for i in b], capacity)
+            outs = model.forward_packed([batch[i] for i in b], capacity, attn_backend=packed_attention)
             sum(o.video_pred.float().square().mean() + o.action_pred.float().square().mean() for o in outs).backward()
 
     def padded_pass():
@@ -114,7 +116,7 @@ def run_packing_bench(preset: str = "small", embodiments: Sequence[str] = ("libe
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "preset": preset, "model_overrides": model_overrides or {}, "dtype": str(dtype).replace("torch.", ""),
         "embodiments": {t: {"latent_hw": list(shapes[t]), "tokens": lengths_by_tag[t]} for t in embodiments},
-        "samples": samples, "capacity": capacity, "buffers": len(bins),
+        "samples": samples, "capacity": capacity, "buffers": len(bins), "packed_attention": packed_attention,
         "packing_efficiency": packing_efficiency(lengths, bins, capacity),
         "padded_efficiency": sum(lengths) / (len(lengths) * max(lengths)),
         "packed_samples_per_s": samples / packed_s, "padded_samples_per_s": samples / padded_s,

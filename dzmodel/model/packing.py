@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .attention import SegmentedMask, TeacherForcingLayout
+from .attention import BlockMask, SegmentedMask, TeacherForcingLayout, allowed, create_block_mask
 
 
 def _shift(ranges: tuple, offset: int) -> tuple:
@@ -71,6 +71,49 @@ class PackedLayout:
     def dense(self) -> torch.Tensor:
         """The same mask as a dense [capacity, capacity] bool tensor."""
         return self.mask().dense()
+
+    def token_table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per token of the buffer: (sample, kind, block); the padding is sample -1 (kind and block 0)."""
+        samples, kinds, blocks = [], [], []
+        for i, layout in enumerate(self.layouts):
+            k, b = layout.groups()
+            samples.append(torch.full_like(k, i))
+            kinds.append(k)
+            blocks.append(b)
+        pad = self.capacity - self.used
+        samples.append(torch.full((pad,), -1, dtype=torch.long))
+        kinds.append(torch.zeros(pad, dtype=torch.long))
+        blocks.append(torch.zeros(pad, dtype=torch.long))
+        return torch.cat(samples), torch.cat(kinds), torch.cat(blocks)
+
+    def block_mask(self, device: torch.device | str = "cuda", block_size: int = 128) -> "BlockMask":
+        """The buffer's mask as one FlexAttention BlockMask (a document mask over the samples' own masks): one
+        kernel per layer, the empty tiles between samples skipped."""
+        if create_block_mask is None:
+            raise RuntimeError("FlexAttention needs torch >= 2.5")
+        sample, kind, block = (t.to(device) for t in self.token_table())
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            same = sample[q_idx] == sample[kv_idx]
+            pad = sample[q_idx] < 0
+            return same & (pad | allowed(kind[q_idx], block[q_idx], kind[kv_idx], block[kv_idx]))
+
+        return create_block_mask(mask_mod, B=None, H=None, Q_LEN=self.capacity, KV_LEN=self.capacity, device=device,
+                                 BLOCK_SIZE=block_size)
+
+    def context_block_mask(self, context_lengths: Sequence[int], device: torch.device | str = "cuda",
+                           block_size: int = 128) -> "BlockMask":
+        """`context_mask` as a FlexAttention BlockMask."""
+        if len(context_lengths) != len(self.layouts):
+            raise ValueError(f"{len(self.layouts)} samples, {len(context_lengths)} context lengths")
+        sample = self.token_table()[0].clamp(min=0).to(device)  # the padding attends the first sample's context
+        owner = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(context_lengths)]).to(device)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return sample[q_idx] == owner[kv_idx]
+
+        return create_block_mask(mask_mod, B=None, H=None, Q_LEN=self.capacity, KV_LEN=int(sum(context_lengths)),
+                                 device=device, BLOCK_SIZE=block_size)
 
     def context_mask(self, context_lengths: Sequence[int]) -> SegmentedMask:
         """The cross-attention's mask over the samples' contexts laid one after another (`context_lengths` tokens

@@ -16,6 +16,7 @@ Differences from upstream, all deliberate:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -235,13 +236,17 @@ class DreamZeroWAM(WanModel):
         return WAMOutput(video_pred=self.unpatchify(video, seq.grid), action_pred=action_pred)
 
     def forward_packed(self, samples: Sequence[dict], capacity: int | None = None,
-                       residual_dtype: torch.dtype | None = None) -> list[WAMOutput]:
+                       residual_dtype: torch.dtype | None = None, attn_backend: str = "segments") -> list[WAMOutput]:
         """Several samples, each a dict of `forward`'s tensors with a batch of one, packed into one sequence of
         `capacity` tokens (default: their total): samples of different frame sizes, cameras and chunk counts
         (one action horizon: the model's). Each sample attends only its own tokens and its own context, so each
-        output is the one `forward` gives the sample alone. Returns one WAMOutput per sample, in order."""
+        output is the one `forward` gives the sample alone. Returns one WAMOutput per sample, in order.
+        attn_backend: "segments" (one SDPA call per mask rectangle of every sample) or "flex" (one FlexAttention
+        call per layer with a document mask)."""
         if not samples:
             raise ValueError("forward_packed needs at least one sample")
+        if attn_backend not in ("segments", "flex"):
+            raise ValueError(f"packed attention runs 'segments' or 'flex', got {attn_backend!r}")
         seqs, texts, images = [], [], []
         for i, s in enumerate(samples):
             if s["noisy_latents"].shape[0] != 1:
@@ -265,9 +270,14 @@ class DreamZeroWAM(WanModel):
             ropes.append(Rope(torch.zeros(pad, self.args.head_dim // 2, dtype=torch.float64, device=x.device)))
         text = torch.cat(texts, dim=1)
         image = torch.cat(images, dim=1) if images[0] is not None else None
-        cross = (packed.context_mask([t.shape[1] for t in texts]),
-                 packed.context_mask([m.shape[1] for m in images]) if image is not None else None)
-        e0_packed, rope, mask = GroupedModulation(e0, runs), Rope.cat(ropes), packed.mask()
+        if attn_backend == "flex":
+            mask = packed.block_mask(x.device)
+            context_mask = functools.partial(packed.context_block_mask, device=x.device)
+        else:
+            mask, context_mask = packed.mask(), packed.context_mask
+        cross = (context_mask([t.shape[1] for t in texts]),
+                 context_mask([m.shape[1] for m in images]) if image is not None else None)
+        e0_packed, rope = GroupedModulation(e0, runs), Rope.cat(ropes)
         for block in self.blocks:
             x = block(x, e0_packed, rope, text, image, mask, cross_mask=cross)
         outs = []

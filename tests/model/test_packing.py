@@ -138,3 +138,25 @@ def test_packing_refuses_a_batch_and_a_buffer_too_small():
         model.forward_packed([two])
     with pytest.raises(ValueError, match="more than the buffer's 10"):
         model.forward_packed([one], capacity=10)
+
+
+def test_the_flex_document_mask_gives_the_segments_outputs():
+    """One FlexAttention call per layer over the packed buffer (document mask, and the contexts' owner mask) gives
+    what the per-rectangle SDPA calls give, and its mask is the packed mask."""
+    from tests.model.helpers import tiny_model
+
+    packed = PackedLayout((LIBERO, DROID, HUMANOID), capacity=256)
+    q_idx = torch.arange(packed.capacity)
+    block = packed.block_mask("cpu")
+    dense = block.mask_mod(0, 0, q_idx[:, None], q_idx[None, :])
+    assert torch.equal(dense, packed.dense())
+    model = tiny_model().double()
+    samples = [_sample(model.args, (4, 6), 2, 1), _sample(model.args, (4, 10), 2, 2), _sample(model.args, (2, 4), 1, 3)]
+    with torch.no_grad():
+        seg = model.forward_packed(samples, capacity=400)
+        flex = model.forward_packed(samples, capacity=400, attn_backend="flex")
+    for a, b in zip(seg, flex):
+        torch.testing.assert_close(b.video_pred, a.video_pred, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.action_pred, a.action_pred, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="packed attention runs 'segments' or 'flex'"):
+        model.forward_packed(samples, attn_backend="sdpa")
