@@ -38,14 +38,11 @@ class FlopsBreakdown:
 def allowed_pairs(layout: TeacherForcingLayout) -> int:
     """Closed form of the §1.6 mask's allowed pairs (checked against the dense mask in tests)."""
     fs, nfpb, K = layout.frame_seqlen, layout.num_frame_per_block, layout.num_blocks
-    A, S = layout.num_action_per_block, layout.num_state_per_block
+    S = layout.num_state_per_block
     bs = nfpb * fs  # tokens per block
     clean = fs * fs + sum(bs * (fs + (i + 1) * bs) for i in range(layout.num_clean_blocks))
-    noisy0 = fs * fs
-    cur = bs + A + S
-    noisy_action = sum((bs + A) * (fs + i * bs + cur) for i in range(K))
     state = K * S * S
-    return clean + noisy0 + noisy_action + state
+    return clean + output_pairs(layout) + state
 
 
 def output_pairs(layout: TeacherForcingLayout) -> int:
