@@ -56,13 +56,13 @@ torch.compile = _graphed" ;;
 i.triton.mix_order_reduction = True
 if hasattr(i.triton, 'mix_order_reduction_allow_multi_stages'): i.triton.mix_order_reduction_allow_multi_stages = True" ;;
     aggressive) echo "import torch._inductor.config as i; i.aggressive_fusion = True" ;;
-    rope2) echo "import torch, dzmodel.model.wan_dit as w
-def _apply(self, x):  # RoPE as x*cos + swap_pairs(x)*(-sin, sin): one pointwise kernel, no stack or select
-    xf = x.float()
-    swapped = xf.unflatten(-1, (x.shape[-1] // 2, 2)).flip(-1).flatten(-2)
-    cos = self.cos.repeat_interleave(2, dim=-1)[None, :, None, :]
-    sin = torch.stack([-self.sin, self.sin], dim=-1).flatten(-2)[None, :, None, :]
-    return (xf * cos + swapped * sin).type_as(x)
+    rope1) echo "import torch, dzmodel.model.wan_dit as w
+def _apply(self, x):  # RoPE as before round 16: pairs selected, rotated and stacked
+    B, L, H, D = x.shape
+    xf = x.float().reshape(B, L, H, D // 2, 2)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos, sin = self.cos[None, :, None, :], self.sin[None, :, None, :]
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(3).type_as(x)
 w.Rope.apply = _apply" ;;
     fulllast) echo "import dzmodel.model.wam as w; w.narrows_queries = lambda mask: False  # the last block over every row" ;;
     combo) echo "import torch._inductor.config as i; i.combo_kernels = True" ;;

@@ -9,11 +9,14 @@ table, and run three ways that tests hold equal:
   sdpa      one SDPA call with a dense boolean mask (the CPU default).
 
 Token layout of one training sample ([clean video | noisy video | actions | states]):
-    clean frame 0, clean blocks 0..K-2 (or K-1), noisy frame 0, noisy blocks 0..K-1,
+    clean frame 0, clean blocks 0..K-2 (or K-1), noisy frame 0 (optional), noisy blocks 0..K-1,
     action blocks 0..K-1, state blocks 0..K-1
 
 Training drops the last clean block: only clean blocks attend it, and the loss reads no clean output, so it changes
 no output or gradient (tests hold the two equal) while costing 1/5 of the small preset's tokens.
+The noisy copy of frame 0 attends only itself and nothing attends it: it is a loss term of its own (denoise the
+first frame from the text and CLIP image), which inference never runs. `noisy_first_frame=False` leaves it out
+(`train.denoise_first_frame: false`); the other tokens' outputs are unchanged, the gradients lose that term.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class TeacherForcingLayout:
     num_action_per_block: int  # A
     num_state_per_block: int   # S
     clean_blocks: int | None = None  # clean blocks in the sequence: K (None) or K - 1 (`latent_layout`)
+    noisy_first_frame: bool = True   # the noisy copy holds frame 0 (upstream), or starts at block 0
 
     def __post_init__(self) -> None:
         if self.clean_blocks is not None and not 0 <= self.clean_blocks <= self.num_blocks:
@@ -57,9 +61,14 @@ class TeacherForcingLayout:
         return 1 + self.num_blocks * self.num_frame_per_block
 
     @property
+    def noisy_frames(self) -> int:
+        """Latent frames in the noisy copy: every frame, or all but frame 0."""
+        return self.num_frames - (0 if self.noisy_first_frame else 1)
+
+    @property
     def video_len(self) -> int:
-        """Tokens of the noisy video copy (every frame)."""
-        return self.num_frames * self.frame_seqlen
+        """Tokens of the noisy video copy."""
+        return self.noisy_frames * self.frame_seqlen
 
     @property
     def num_clean_blocks(self) -> int:
@@ -93,14 +102,15 @@ class TeacherForcingLayout:
         video_block = frame_block.repeat_interleave(fs)
         video_kind = torch.where(video_block < 0, 0, 1)
         clean_block, clean_kind = video_block[:self.clean_len], video_kind[:self.clean_len]
+        skip = 0 if self.noisy_first_frame else fs  # the noisy copy's first token
         kinds = torch.cat([
             clean_kind + CLEAN0,                       # CLEAN0 / CLEAN
-            video_kind + NOISY0,                       # NOISY0 / NOISY
+            video_kind[skip:] + NOISY0,                # NOISY0 / NOISY
             torch.full((self.action_len,), ACTION),
             torch.full((self.state_len,), STATE),
         ])
         blocks = torch.cat([
-            clean_block, video_block,
+            clean_block, video_block[skip:],
             torch.arange(self.num_blocks).repeat_interleave(self.num_action_per_block),
             torch.arange(self.num_blocks).repeat_interleave(self.num_state_per_block),
         ])
@@ -131,12 +141,14 @@ def allowed(q_kind: torch.Tensor, q_block: torch.Tensor, k_kind: torch.Tensor, k
 
 
 def latent_layout(args, latent_hw: tuple[int, int], num_frames: int | None = None, *,
-                  keep_last_clean_block: bool = False) -> TeacherForcingLayout:
+                  keep_last_clean_block: bool = False, noisy_first_frame: bool = True) -> TeacherForcingLayout:
     """The one conversion from latents to the token layout: a latent frame's (H, W) before patching, and the latent
     frames of the sample (default: the training window, frame 0 plus max_chunk_size blocks). args: DreamZeroArgs.
     The last clean block is left out (see the module docstring) unless `keep_last_clean_block` (upstream's
-    sequence, for comparing masks)."""
+    sequence, for comparing masks); the noisy copy of frame 0 likewise if not `noisy_first_frame`."""
     nfpb, p = args.num_frame_per_block, args.patch_size
+    if not noisy_first_frame and p[0] != 1:
+        raise ValueError(f"leaving out the noisy first frame needs a temporal patch of 1, got patch_size {p}")
     num_frames = 1 + nfpb * args.max_chunk_size if num_frames is None else num_frames // p[0]
     if (num_frames - 1) % nfpb or num_frames < 1 + nfpb:
         raise ValueError(f"latent frames must be 1 + k·{nfpb} (k >= 1), got {num_frames}")
@@ -144,7 +156,8 @@ def latent_layout(args, latent_hw: tuple[int, int], num_frames: int | None = Non
     return TeacherForcingLayout(num_blocks=blocks, frame_seqlen=(latent_hw[0] // p[1]) * (latent_hw[1] // p[2]),
                                 num_frame_per_block=nfpb, num_action_per_block=args.num_action_per_block,
                                 num_state_per_block=args.num_state_per_block,
-                                clean_blocks=None if keep_last_clean_block else blocks - 1)
+                                clean_blocks=None if keep_last_clean_block else blocks - 1,
+                                noisy_first_frame=noisy_first_frame)
 
 
 def teacher_forcing_mask(layout: TeacherForcingLayout, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -208,14 +221,15 @@ class SegmentedMask:
         A, S, V = layout.num_action_per_block, layout.num_state_per_block, layout.video_len
         C = layout.clean_len  # the noisy copy starts here
         R = C + V             # ... and the actions, then the states, here
+        f0 = fs if layout.noisy_first_frame else 0  # the noisy copy's frame 0
         groups = [(((fs + i * bs, fs + (i + 1) * bs),), ((0, fs + (i + 1) * bs),))  # clean block i
                   for i in range(layout.num_clean_blocks)]
         for i in range(K):                                                    # noisy + action block i
-            noisy = (C + fs + i * bs, C + fs + (i + 1) * bs)
+            noisy = (C + f0 + i * bs, C + f0 + (i + 1) * bs)
             action = (R + i * A, R + (i + 1) * A)
             state = (R + K * A + i * S, R + K * A + (i + 1) * S)
             groups.append(((noisy, action), ((0, fs + i * bs), noisy, action, state)))
-        frame0 = ((0, fs), (C, C + fs))                                       # clean and noisy frame 0
+        frame0 = ((0, fs), (C, C + f0)) if f0 else ((0, fs),)                 # clean and noisy frame 0
         states = tuple((R + K * A + i * S, R + K * A + (i + 1) * S) for i in range(K)) if S else ()
         return SegmentedMask(layout.seq_len, tuple(groups), frame0 + states)
 

@@ -6,7 +6,7 @@ Forward FLOPs, counting a multiply-add as 2:
              cross   = 4·d·L·C
   the last layer: the same for its R output rows (the noisy video and the actions, what the loss reads), with
              k and v of all L tokens: 2·L·2d² + 2·R·(2d² + 2d² + 2d·ffn) + 2·C·2d², 4·d·P_R, 4·d·R·C
-  outside:   time MLP once per timestep group 2·T·(f·d + 7d²) (T = 1 + F + action + state tokens: what forward runs),
+  outside:   time MLP once per timestep group 2·T·(f·d + 7d²) (T = 1 + noisy frames + action + state tokens: what forward runs),
              text/CLIP embedders, patch conv, head, action/state MLPs.
 Training model FLOPs = 3 × forward (backward = 2 × forward). Activation recompute is NOT counted
 (that would be hardware FLOPs); `recompute=True` adds one more forward for reporting HFU.
@@ -50,7 +50,8 @@ def output_pairs(layout: TeacherForcingLayout) -> int:
     fs, nfpb, K = layout.frame_seqlen, layout.num_frame_per_block, layout.num_blocks
     A, S = layout.num_action_per_block, layout.num_state_per_block
     bs = nfpb * fs
-    return fs * fs + sum((bs + A) * (fs + i * bs + bs + A + S) for i in range(K))
+    noisy0 = fs * fs if layout.noisy_first_frame else 0  # the noisy frame 0 attends itself
+    return noisy0 + sum((bs + A) * (fs + i * bs + bs + A + S) for i in range(K))
 
 
 def wam_forward_flops(args: Any, layout: TeacherForcingLayout) -> FlopsBreakdown:
@@ -69,7 +70,7 @@ def wam_forward_flops(args: Any, layout: TeacherForcingLayout) -> FlopsBreakdown
     head = 2 * layout.video_len * d * 4 * args.out_dim
     # the time MLP runs once per group of tokens that share a timestep: the clean copy (one), each noisy latent
     # frame, and each action and state token; not once per token
-    time_rows = 1 + layout.num_frames + layout.action_len + layout.state_len
+    time_rows = 1 + layout.noisy_frames + layout.action_len + layout.state_len
     time_mlp = 2 * time_rows * (args.freq_dim * d + 7 * d * d)
     text = 2 * args.text_len * (args.text_dim * d + d * d)
     image = 2 * args.clip_tokens * (args.clip_dim * args.clip_dim + args.clip_dim * d)

@@ -9,6 +9,7 @@ Differences from upstream, all deliberate:
 - one attention call per layer with the §1.6 mask (FlexAttention or SDPA), not ~18 dense calls;
 - the clean copy leaves out its last block, which only clean tokens attend (no output or gradient changes);
 - the last layer computes only the rows that the loss reads, the noisy video and the actions (likewise);
+- optionally (`noisy_first_frame=False`), no noisy copy of frame 0: a loss term of its own that inference never runs;
 - time embeddings are computed once per frame / action / state and broadcast to tokens,
   which is the same arithmetic as upstream's per-token MLP without its L-fold repeat;
 - `embodiment_id` is accepted and ignored, as upstream forces it to 0 (one projector table).
@@ -79,7 +80,8 @@ class ActionEncoder(nn.Module):
 
 @dataclass
 class WAMOutput:
-    video_pred: torch.Tensor   # [B, out_dim, F, H, W] velocity for the noisy copy
+    video_pred: torch.Tensor   # [B, out_dim, F, H, W] velocity for the noisy copy (F - 1 frames, from frame 1, without
+    #                            its frame 0)
     action_pred: torch.Tensor  # [B, K·A, action_dim] velocity for the actions
 
 
@@ -158,7 +160,8 @@ class DreamZeroWAM(WanModel):
                 noisy_actions: torch.Tensor, timestep_action: torch.Tensor, state: torch.Tensor,
                 context: torch.Tensor, clip_feature: torch.Tensor, y: torch.Tensor | None = None,
                 embodiment_id: torch.Tensor | None = None, attn_backend: str = "auto",
-                mask: AttnMask = None, residual_dtype: torch.dtype | None = None) -> WAMOutput:
+                mask: AttnMask = None, residual_dtype: torch.dtype | None = None,
+                noisy_first_frame: bool = True) -> WAMOutput:
         """Teacher-forcing forward.
 
         noisy_latents, clean_latents: [B, C, F, H, W]; timestep: [B, F] (per frame, the clean copy uses 0);
@@ -166,9 +169,11 @@ class DreamZeroWAM(WanModel):
         context: [B, L_txt, text_dim] (zero beyond each sample's length); clip_feature: [B, 257, clip_dim].
         residual_dtype: the dtype of the tokens between blocks (each block keeps its input's); None: as the
         embeddings give them (fp32 under autocast with fp32 weights, bf16 with bf16 weights).
+        noisy_first_frame: False leaves the noisy copy of frame 0 out of the sequence (`attention` module docstring):
+        video_pred then holds frames 1..F-1, and `mask` must be built for that layout.
         """
         seq = self.embed_sequence(noisy_latents, clean_latents, timestep, noisy_actions, timestep_action, state, y,
-                                  residual_dtype)
+                                  residual_dtype, noisy_first_frame)
         layout, x = seq.layout, seq.tokens
         text, image = self.embed_context(context, clip_feature)
         if mask is None:
@@ -190,19 +195,22 @@ class DreamZeroWAM(WanModel):
 
     def embed_sequence(self, noisy_latents: torch.Tensor, clean_latents: torch.Tensor, timestep: torch.Tensor,
                        noisy_actions: torch.Tensor, timestep_action: torch.Tensor, state: torch.Tensor,
-                       y: torch.Tensor | None = None, residual_dtype: torch.dtype | None = None) -> "EmbeddedSequence":
+                       y: torch.Tensor | None = None, residual_dtype: torch.dtype | None = None,
+                       noisy_first_frame: bool = True) -> "EmbeddedSequence":
         """One teacher-forcing sequence's tokens [clean | noisy | actions | states], its time modulation per group
         of tokens and its RoPE tables (the arguments as `forward` takes them)."""
         if clean_latents.shape != noisy_latents.shape:
             raise ValueError(f"clean and noisy latents differ in shape: {tuple(clean_latents.shape)} vs "
                              f"{tuple(noisy_latents.shape)}")
-        layout = latent_layout(self.args, tuple(noisy_latents.shape[-2:]), noisy_latents.shape[2])
-        noisy, grid = self.embed_video(self._with_first_frame(noisy_latents, y))
+        layout = latent_layout(self.args, tuple(noisy_latents.shape[-2:]), noisy_latents.shape[2],
+                               noisy_first_frame=noisy_first_frame)
+        skip = layout.num_frames - layout.noisy_frames  # latent frames the noisy copy leaves out: 0 or frame 0
+        noisy, grid = self.embed_video(self._with_first_frame(noisy_latents, y)[:, :, skip:])
         # the clean copy's frames that the layout keeps (the last block's are attended by nothing that is trained)
         kept = layout.clean_frames * self.args.patch_size[0]
         clean, _ = self.embed_video(self._with_first_frame(clean_latents, y)[:, :, :kept])
         B = noisy.shape[0]
-        F_, fs = grid[0], grid[1] * grid[2]
+        F_, fs = grid[0] + skip, grid[1] * grid[2]
         if timestep.shape != (B, F_):
             raise ValueError(f"timestep must be [B, F] = [{B}, {F_}], got {tuple(timestep.shape)}")
         if noisy_actions.shape[1] != layout.action_len or timestep_action.shape != (B, layout.action_len):
@@ -219,13 +227,16 @@ class DreamZeroWAM(WanModel):
         # Time embedding per group of tokens sharing a timestep (the clean video, each noisy frame, each
         # action and state), broadcast to the tokens inside the blocks.
         _, e0_clean = self.embed_time(torch.zeros_like(timestep[:, :1]))
-        e_noisy, e0_noisy = self.embed_time(timestep)
+        e_noisy, e0_noisy = self.embed_time(timestep[:, skip:])
         t_register = torch.cat([timestep_action, self.state_timesteps(timestep_action)], dim=1)
         _, e0_register = self.embed_time(t_register)
         e0 = GroupedModulation(torch.cat([e0_clean, e0_noisy, e0_register], dim=1),
-                               runs=((1, layout.clean_len), (F_, fs), (t_register.shape[1], 1)))
-        video_rope = self.video_rope(grid)  # the clean copy's frames are the first ones: its table is a prefix
-        rope = Rope.cat([video_rope.first(layout.clean_len), video_rope, self.register_rope(0, layout.num_blocks)])
+                               runs=((1, layout.clean_len), (grid[0], fs), (t_register.shape[1], 1)))
+        # both copies share positions (frame f has f's): the clean copy's table is a prefix, the noisy copy's from
+        # its first frame on
+        video_rope = self.video_rope((F_, grid[1], grid[2]))
+        rope = Rope.cat([video_rope.first(layout.clean_len), video_rope.rows(skip * fs, F_ * fs),
+                         self.register_rope(0, layout.num_blocks)])
         return EmbeddedSequence(x, e0, rope, e_noisy, layout, grid)
 
     def outputs(self, x: torch.Tensor, seq: "EmbeddedSequence") -> WAMOutput:

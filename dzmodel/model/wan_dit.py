@@ -117,14 +117,14 @@ class Rope:
         return r
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, L, H, D] -> rotated, same dtype."""
-        B, L, H, D = x.shape
-        xf = x.float().reshape(B, L, H, D // 2, 2)
-        x0, x1 = xf[..., 0], xf[..., 1]
-        cos = self.cos[None, :, None, :]
-        sin = self.sin[None, :, None, :]
-        out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-        return out.flatten(3).type_as(x)
+        """x: [B, L, H, D] -> rotated, same dtype: each pair (x0, x1) becomes (x0·cos - x1·sin, x1·cos + x0·sin),
+        written as x·cos + swap_pairs(x)·(-sin, sin) so that a compiled block fuses it into one pointwise kernel
+        (no stack or select); the same numbers as the pairwise form."""
+        xf = x.float()
+        swapped = xf.unflatten(-1, (x.shape[-1] // 2, 2)).flip(-1).flatten(-2)
+        cos = self.cos.repeat_interleave(2, dim=-1)[None, :, None, :]
+        sin = torch.stack([-self.sin, self.sin], dim=-1).flatten(-2)[None, :, None, :]
+        return (xf * cos + swapped * sin).type_as(x)
 
 
 # --- attention -----------------------------------------------------------------

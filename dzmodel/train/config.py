@@ -65,12 +65,15 @@ class TrainConfig:
     # a sample's prompt is replaced by the null prompt "" with this probability (decided per sample from the seed
     # and its stream position), so inference's unconditional CFG branch sees a context it was trained on
     prompt_dropout: float = field(default=0.0, metadata=UNIT)
+    # the noisy copy of frame 0 in the training sequence, as upstream: a loss term of its own (denoise the first
+    # frame from the prompt and its CLIP image) that inference never runs, as it starts from the clean frame. false
+    # leaves it out: 12 % fewer tokens at libero_object's shape; nothing else in the sequence changes
+    denoise_first_frame: bool = True
     # systems
     precision: str = "fp32"                 # compute dtype: fp32 | bf16 (master weights and Adam state stay fp32)
     # the tokens between blocks in the compute dtype (bf16), as inference with bf16 weights and FSDP2 training run
     # them; off, one process under autocast keeps them in fp32 (the action and state tokens' fp32 biases make the
-    # stream fp32). The same cast as a patch from outside was 5.4 % faster at the libero_object shape on one H100
-    # (docs/results.md, round 14); the setting itself is not timed yet
+    # stream fp32). At the libero_object shape on one H100 it was 0.5 % faster (docs/results.md, round 15)
     residual_in_compute_dtype: bool = False
     reduce_dtype: str = "fp32"              # gradient reduce-scatter dtype: fp32 | bf16
     sharding: str = "full"                  # full | hybrid | none (FSDP2 when world_size > 1)

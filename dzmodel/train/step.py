@@ -51,17 +51,21 @@ class TrainStep:
     encoders one sample at a time, as upstream does (the benchmark's baseline); noise_on: "device" draws each
     sample's timesteps and noise with the device's generator (no host work), "cpu" with the CPU's and copies them
     (the same numbers on any device, as the earlier host-side draws: docs/results.md, section 7); residual_dtype:
-    the dtype of the tokens between blocks (`train.residual_in_compute_dtype`), None for the embeddings' own."""
+    the dtype of the tokens between blocks (`train.residual_in_compute_dtype`), None for the embeddings' own;
+    denoise_first_frame: False leaves the noisy copy of frame 0 and its loss out of the sequence
+    (`train.denoise_first_frame`; dzmodel.model.attention)."""
 
     def __init__(self, model: DreamZeroWAM, optimizer: torch.optim.Optimizer | None = None, *,
                  accumulation: int = 1, grad_clip: float = 1.0, encoders=None, autocast: torch.dtype | None = None,
                  attn_backend: str = "auto", noise_seed: int = 0, encode_per_sample: bool = False,
-                 noise_on: str = "device", residual_dtype: torch.dtype | None = None):
+                 noise_on: str = "device", residual_dtype: torch.dtype | None = None,
+                 denoise_first_frame: bool = True):
         self.model, self.optimizer, self.encoders = model, optimizer, encoders
         self.args = model.args
         self.accumulation, self.grad_clip = accumulation, grad_clip
         self.autocast, self.attn_backend = autocast, attn_backend
         self.residual_dtype = residual_dtype  # the tokens between blocks (None: as the embeddings give them)
+        self.denoise_first_frame = denoise_first_frame
         self.noise_seed, self.encode_per_sample = noise_seed, encode_per_sample
         self.device = model.patch_embedding.weight.device
         # LoRA: only the adapters and the robot modules train
@@ -110,9 +114,10 @@ class TrainStep:
 
     def mask(self, latent_shape: torch.Size):
         """The attention mask of a latent shape [B, C, F, H, W], built on first use."""
-        key = tuple(latent_shape[2:])
+        key = (*latent_shape[2:], self.denoise_first_frame)
         if key not in self._masks:
-            layout = latent_layout(self.args, tuple(latent_shape[-2:]), latent_shape[2])
+            layout = latent_layout(self.args, tuple(latent_shape[-2:]), latent_shape[2],
+                                   noisy_first_frame=self.denoise_first_frame)
             self._masks[key] = self.model.make_mask(layout, self.attn_backend, self.device)
             self.mask_builds += 1
         return self._masks[key]
@@ -185,9 +190,11 @@ class TrainStep:
         out = self.model(s.add_noise(latents, noise, ids, 2), latents, s.timestep(ids),
                          s.add_noise(actions, noise_a, aids, 1), s.timestep(aids), batch["state"],
                          context, enc.clip_feature, y=enc.y, mask=self.mask(latents.shape),
-                         residual_dtype=self.residual_dtype)
-        return flow_matching_losses(s, out.video_pred, out.action_pred, latents, noise, actions, noise_a,
-                                    ids, aids, batch["action_mask"], batch["has_real_action"])
+                         residual_dtype=self.residual_dtype, noisy_first_frame=self.denoise_first_frame)
+        first = 0 if self.denoise_first_frame else 1  # the frames video_pred holds
+        return flow_matching_losses(s, out.video_pred, out.action_pred, latents[:, :, first:], noise[:, :, first:],
+                                    actions, noise_a, ids[:, first:], aids, batch["action_mask"],
+                                    batch["has_real_action"])
 
     # -- the step ---------------------------------------------------------------------------------
 

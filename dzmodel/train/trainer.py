@@ -205,7 +205,8 @@ class Trainer:
         self.step = TrainStep(model, self.optimizer, accumulation=self.accum, grad_clip=cfg.grad_clip,
                               encoders=self.encoders, autocast=autocast, attn_backend=cfg.attn_backend,
                               noise_seed=cfg.seed, noise_on=cfg.noise_on,
-                              residual_dtype=autocast if cfg.residual_in_compute_dtype else None)
+                              residual_dtype=autocast if cfg.residual_in_compute_dtype else None,
+                              denoise_first_frame=cfg.denoise_first_frame)
         if cfg.ema_decay:
             self.step.enable_ema(cfg.ema_decay)
 
@@ -228,7 +229,8 @@ class Trainer:
             self.stream = SampleStream([len(self.cached)], seed=cfg.seed, rank=self.info.rank,
                                        world_size=self.info.world_size)
             self.collate = collate_cached
-            self.flops_per_sample = a.flops(tuple(self.cached[0]["clean_latents"].shape[-2:])).train()
+            self.flops_per_sample = a.flops(tuple(self.cached[0]["clean_latents"].shape[-2:]),
+                                            noisy_first_frame=cfg.denoise_first_frame).train()
             if cfg.prompt_dropout:
                 if self.cached.null_context is None:
                     raise DataError(f"{cfg.cache}: has no null-prompt context, which train.prompt_dropout needs "
@@ -264,7 +266,8 @@ class Trainer:
                       f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
         vae_factor = 16 if isinstance(self.encoders.vae, WanVideoVAE38) else 8
         h, w = emb.image_size
-        self.flops_per_sample = a.flops((h // vae_factor, w // vae_factor)).train()
+        self.flops_per_sample = a.flops((h // vae_factor, w // vae_factor),
+                                        noisy_first_frame=cfg.denoise_first_frame).train()
         if cfg.prompt_dropout:
             null = encode_prompts(tokenizer, self.encoders.text_encoder, [NULL_PROMPT], a.text_len, self.info.device)
             self.step.enable_prompt_dropout(cfg.prompt_dropout, null)

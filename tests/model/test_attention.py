@@ -46,6 +46,8 @@ def test_mask_rows_follow_the_table():
     TeacherForcingLayout(2, 4, 1, 3, 1),
     TeacherForcingLayout(4, 50, 2, 24, 1, clean_blocks=3),  # the training sequence: no last clean block
     TeacherForcingLayout(2, 4, 1, 3, 1, clean_blocks=1),
+    TeacherForcingLayout(2, 128, 2, 16, 1, clean_blocks=1, noisy_first_frame=False),  # libero_object, trimmed
+    TeacherForcingLayout(3, 7, 2, 5, 2, noisy_first_frame=False),
 ])
 def test_closed_form_pair_count_matches_the_dense_mask(layout):
     assert allowed_pairs(layout) == count_allowed_pairs(layout)
@@ -92,7 +94,9 @@ SEGMENT_LAYOUTS = [FIXTURE_LAYOUT, TeacherForcingLayout(4, 5, 2, 3, 1), TeacherF
                    TeacherForcingLayout(1, 3, 2, 2, 1), TeacherForcingLayout(2, 4, 2, 6, 3),
                    TeacherForcingLayout(2, 4, 1, 3, 0),  # no state tokens
                    TeacherForcingLayout(2, 6, 2, 4, 1, clean_blocks=1), TeacherForcingLayout(3, 7, 1, 4, 2, clean_blocks=2),
-                   TeacherForcingLayout(1, 3, 2, 2, 1, clean_blocks=0)]
+                   TeacherForcingLayout(1, 3, 2, 2, 1, clean_blocks=0),
+                   TeacherForcingLayout(2, 6, 2, 4, 1, clean_blocks=1, noisy_first_frame=False),
+                   TeacherForcingLayout(3, 7, 1, 4, 2, noisy_first_frame=False)]
 
 
 @pytest.mark.parametrize("layout", [FIXTURE_LAYOUT, TeacherForcingLayout(3, 7, 1, 4, 2), TeacherForcingLayout(1, 3, 2, 2, 1)])
@@ -108,6 +112,23 @@ def test_training_mask_is_the_whole_mask_without_the_last_clean_block(layout):
     assert not whole[~last][:, last].any()
     assert trimmed.seq_len == layout.seq_len - block
     assert torch.equal(teacher_forcing_mask(trimmed), whole[~last][:, ~last])
+
+
+@pytest.mark.parametrize("layout", [FIXTURE_LAYOUT, TeacherForcingLayout(3, 7, 1, 4, 2),
+                                    TeacherForcingLayout(2, 6, 2, 4, 1, clean_blocks=1)])
+def test_mask_without_the_noisy_first_frame_is_the_mask_without_its_rows_and_columns(layout):
+    """The noisy frame 0 attends only itself and nothing else attends it: leaving it out removes its rows and
+    columns and leaves every other pair as it was."""
+    from dataclasses import replace
+
+    without = replace(layout, noisy_first_frame=False)
+    whole = teacher_forcing_mask(layout)
+    noisy0 = torch.zeros(layout.seq_len, dtype=torch.bool)
+    noisy0[layout.clean_len:layout.clean_len + layout.frame_seqlen] = True
+    assert not whole[~noisy0][:, noisy0].any() and not whole[noisy0][:, ~noisy0].any()
+    assert without.seq_len == layout.seq_len - layout.frame_seqlen
+    assert without.noisy_frames == layout.num_frames - 1
+    assert torch.equal(teacher_forcing_mask(without), whole[~noisy0][:, ~noisy0])
 
 
 def test_layout_refuses_more_clean_blocks_than_blocks():

@@ -11,14 +11,15 @@ from dzmodel.train.metrics import peak_flops
 from .helpers import tiny_batch, tiny_model
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_forward_flops_equal_what_torch_counts(batch):
+@pytest.mark.parametrize("batch,noisy_first_frame", [(1, True), (2, True), (2, False)])
+def test_forward_flops_equal_what_torch_counts(batch, noisy_first_frame):
     model = tiny_model()
     b = tiny_batch(model.args, batch=batch)
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        model(**b, attn_backend="segments")  # segments: only the mask's allowed rectangles are computed
+        # segments: only the mask's allowed rectangles are computed
+        model(**b, attn_backend="segments", noisy_first_frame=noisy_first_frame)
     latents = b["noisy_latents"]
-    ours = model.args.flops(tuple(latents.shape[-2:]), latents.shape[2])
+    ours = model.args.flops(tuple(latents.shape[-2:]), latents.shape[2], noisy_first_frame=noisy_first_frame)
     assert ours.forward * batch == counter.get_total_flops()
     assert ours.train() == 3 * ours.forward
 

@@ -127,6 +127,32 @@ def test_training_sequence_without_the_last_clean_block_gives_upstreams_outputs_
         torch.testing.assert_close(g_trimmed[n], g_whole[n], atol=1e-12, rtol=1e-9, msg=n)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "segments", "flex"])
+def test_leaving_out_the_noisy_first_frame_keeps_every_other_output(backend):
+    """Nothing attends the noisy frame 0 and it attends only itself: without it, the noisy frames 1.. and the
+    actions come out as before (float64), from a sequence one frame shorter; its own output is gone."""
+    model = tiny_model().double()
+    b = {k: v.double() if v.is_floating_point() else v for k, v in tiny_batch(model.args).items()}
+    rows = []
+    handle = model.blocks[0].ffn.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[1]) and None)
+    with torch.no_grad():
+        whole = model(**b, attn_backend=backend)
+        without = model(**b, attn_backend=backend, noisy_first_frame=False)
+    handle.remove()
+    fs = b["noisy_latents"].shape[-2] * b["noisy_latents"].shape[-1] // (model.args.patch_size[1] * model.args.patch_size[2])
+    assert rows[0] - rows[1] == fs
+    assert without.video_pred.shape[2] == whole.video_pred.shape[2] - 1
+    tol = dict(atol=1e-5, rtol=1e-5) if backend == "flex" else dict(atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(without.video_pred, whole.video_pred[:, :, 1:], **tol)
+    torch.testing.assert_close(without.action_pred, whole.action_pred, **tol)
+    # frame 0's noisy input no longer reaches anything
+    b2 = dict(b, noisy_latents=b["noisy_latents"].clone())
+    b2["noisy_latents"][:, :, 0] += 1.0
+    with torch.no_grad():
+        moved = model(**b2, attn_backend=backend, noisy_first_frame=False)
+    torch.testing.assert_close(moved.video_pred, without.video_pred, atol=0, rtol=0)
+
+
 def test_block_causality_future_blocks_do_not_leak_backwards():
     """Noisy block 0 and its actions must not see block 1 (neither clean nor noisy nor its actions)."""
     model = tiny_model()

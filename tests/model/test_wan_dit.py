@@ -111,6 +111,20 @@ def test_rope_scores_depend_only_on_relative_position():
     torch.testing.assert_close(rotated.norm(), q.norm())  # a rotation keeps the norm
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotates_each_adjacent_pair_exactly_as_the_pairwise_form(dtype):
+    """Rope.apply's x·cos + swap(x)·(-sin, sin) gives the bits of the pairwise (x0·cos - x1·sin, x0·sin + x1·cos)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 3, 16).to(dtype)
+    rope = Rope(rope_angles(torch.arange(9) * 7, 16))
+    xf = x.float().unflatten(-1, (8, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos, sin = rope.cos[None, :, None, :], rope.sin[None, :, None, :]
+    pairwise = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(3).to(dtype)
+    assert torch.equal(rope.apply(x), pairwise)
+    assert not torch.equal(Rope(rope_angles(torch.arange(9) * 7 + 1, 16)).apply(x), pairwise)
+
+
 def test_video_rope_uses_frame_row_column_tables():
     ang = video_rope_angles((2, 3, 4), head_dim=24)
     assert ang.shape == (24, 12)

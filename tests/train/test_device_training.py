@@ -114,3 +114,19 @@ def test_residual_in_compute_dtype_reaches_the_step(data, tmp_path, precision, o
     trainer = Trainer(_cfg(data, tmp_path / "r", precision=precision, residual_in_compute_dtype=on))
     trainer.build_model()
     assert trainer.step.residual_dtype == want
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_denoise_first_frame_reaches_the_step_and_the_flops(data, tmp_path, on):
+    """train.denoise_first_frame: the step builds its sequence with or without the noisy frame 0, and the MFU's
+    FLOPs count the sequence it runs."""
+    trainer = Trainer(_cfg(data, tmp_path / "r", denoise_first_frame=on))
+    trainer.build_model()
+    trainer.build_data()
+    assert trainer.step.denoise_first_frame is on
+    batch = trainer.device_data.batch([trainer.stream.peek(i) for i in range(2)])
+    latents = trainer.step.encode(batch).clean_latents
+    a = trainer.args
+    assert trainer.flops_per_sample == a.flops(tuple(latents.shape[-2:]), latents.shape[2],
+                                               noisy_first_frame=on).train()
+    assert a.flops(tuple(latents.shape[-2:]), noisy_first_frame=False).forward < a.flops(tuple(latents.shape[-2:])).forward

@@ -180,3 +180,30 @@ def test_the_residual_stream_in_the_compute_dtype_when_asked():
             losses[dtype] = float(trainer.step.losses(batch).loss)
     assert seen == [torch.float32, torch.bfloat16]
     assert abs(losses[None] - losses[torch.bfloat16]) <= 0.05 * abs(losses[None])
+
+
+def test_without_the_noisy_first_frame_the_loss_leaves_out_frame_0_and_nothing_else():
+    """train.denoise_first_frame false: the dynamics loss is the whole sequence's over frames 1.. (same draws), the
+    action loss is unchanged, and the step builds that layout's own mask."""
+    from dzmodel.model.objective import flow_matching_losses
+
+    trainer, batches = _trainer(accumulation=1)
+    step, batch = trainer.step, next(batches)
+    seen = []
+    trainer.model.register_forward_hook(lambda module, args, out: seen.append(out) and None)
+    with torch.no_grad():
+        whole = step.losses(batch)
+        step.denoise_first_frame = False
+        without = step.losses(batch)
+    assert step.mask_builds == 2
+    latents = batch["clean_latents"].float()
+    ids, aids, noise, noise_a = step.draws(batch["position"], latents.shape, batch["action"].shape)
+    noise_a = noise_a * batch["action_mask"]
+    full = seen[0]
+    want = flow_matching_losses(step.schedule, full.video_pred[:, :, 1:], full.action_pred, latents[:, :, 1:],
+                                noise[:, :, 1:], batch["action"], noise_a, ids[:, 1:], aids, batch["action_mask"],
+                                batch["has_real_action"])
+    assert seen[1].video_pred.shape[2] == latents.shape[2] - 1
+    torch.testing.assert_close(without.dynamics_loss, want.dynamics_loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(without.action_loss, whole.action_loss, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(without.dynamics_loss, whole.dynamics_loss)
