@@ -19,8 +19,8 @@ import torch
 from ..data.embodiments import load_embodiments
 from ..model.args import preset as model_preset
 from ..model.attention import latent_layout
-from ..model.objective import FlowMatchSchedule, action_timestep_ids, tie_timestep_ids
 from ..model.packing import pack_first_fit, packing_efficiency
+from ..model.synthetic import training_sample
 from ..model.wam import DreamZeroWAM
 
 
@@ -42,21 +42,6 @@ def embodiment_latent_hw(args, entry: str, vae_stride: int) -> tuple[int, int]:
     if h // vae_stride < p[1] or w // vae_stride < p[2]:
         raise ValueError(f"{entry!r}: a {h}x{w} frame is smaller than one patch at VAE stride {vae_stride}")
     return h // vae_stride, w // vae_stride
-
-
-def _sample(args, latent_hw: tuple[int, int], generator: torch.Generator, device, dtype) -> dict:
-    F, A, K = args.num_frames, args.num_action_per_block, args.max_chunk_size
-    tied = tie_timestep_ids(torch.randint(0, 1000, (1, F), generator=generator), args.num_frame_per_block)
-    sched = FlowMatchSchedule()
-    s = dict(noisy_latents=torch.randn(1, args.in_dim, F, *latent_hw, generator=generator),
-             clean_latents=torch.randn(1, args.in_dim, F, *latent_hw, generator=generator),
-             timestep=sched.timestep(tied),
-             noisy_actions=torch.randn(1, K * A, args.action_dim, generator=generator),
-             timestep_action=sched.timestep(action_timestep_ids(tied, args.num_frame_per_block, A)),
-             state=torch.randn(1, K * args.num_state_per_block, args.max_state_dim, generator=generator),
-             context=torch.randn(1, args.text_len, args.text_dim, generator=generator),
-             clip_feature=torch.randn(1, args.clip_tokens, args.clip_dim, generator=generator))
-    return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in s.items()}
 
 
 def _timed(fn, steps: int, warmup: int, device) -> float:
@@ -94,8 +79,8 @@ def run_packing_bench(preset: str = "small", embodiments: Sequence[str] = ("libe
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = DreamZeroWAM(args).to(device=dev, dtype=dtype)
-    batch = [_sample(args, shapes[t], g, dev, dtype) for t in tags]
-    padded = [_sample(args, shapes[largest], g, dev, dtype) for _ in tags]
+    batch = [training_sample(args, shapes[t], g, dev, dtype) for t in tags]
+    padded = [training_sample(args, shapes[largest], g, dev, dtype) for _ in tags]
 
     def packed_pass():
         model.zero_grad(set_to_none=True)

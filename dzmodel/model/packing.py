@@ -101,11 +101,14 @@ class PackedLayout:
         return create_block_mask(mask_mod, B=None, H=None, Q_LEN=self.capacity, KV_LEN=self.capacity, device=device,
                                  BLOCK_SIZE=block_size)
 
+    def _check_contexts(self, context_lengths: Sequence[int]) -> None:
+        if len(context_lengths) != len(self.layouts):
+            raise ValueError(f"{len(self.layouts)} samples, {len(context_lengths)} context lengths")
+
     def context_block_mask(self, context_lengths: Sequence[int], device: torch.device | str = "cuda",
                            block_size: int = 128) -> "BlockMask":
         """`context_mask` as a FlexAttention BlockMask."""
-        if len(context_lengths) != len(self.layouts):
-            raise ValueError(f"{len(self.layouts)} samples, {len(context_lengths)} context lengths")
+        self._check_contexts(context_lengths)
         sample = self.token_table()[0].clamp(min=0).to(device)  # the padding attends the first sample's context
         owner = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(context_lengths)]).to(device)
 
@@ -119,8 +122,7 @@ class PackedLayout:
         """The cross-attention's mask over the samples' contexts laid one after another (`context_lengths` tokens
         each): every sample's rows attend its own context only; the padding's rows attend the first sample's
         (their outputs are never read, but must stay finite)."""
-        if len(context_lengths) != len(self.layouts):
-            raise ValueError(f"{len(self.layouts)} samples, {len(context_lengths)} context lengths")
+        self._check_contexts(context_lengths)
         starts = [sum(context_lengths[:i]) for i in range(len(context_lengths))]
         groups = [((self.sample_rows(i),), ((c, c + n),)) for i, (c, n) in enumerate(zip(starts, context_lengths))]
         if self.capacity > self.used:

@@ -5,6 +5,7 @@ import torch
 
 from dzmodel.model.attention import SegmentedMask, TeacherForcingLayout, attention, teacher_forcing_mask
 from dzmodel.model.packing import PackedLayout, pack_first_fit, packing_efficiency
+from dzmodel.model.synthetic import training_sample
 
 # three embodiments' shapes: LIBERO-like (2 views), DROID-like (3 views, longer chunks), a humanoid (1 view, 1 block)
 LIBERO = TeacherForcingLayout(num_blocks=2, frame_seqlen=8, num_frame_per_block=2, num_action_per_block=4,
@@ -79,24 +80,8 @@ def test_a_sample_longer_than_a_buffer_is_refused_with_the_capacity_it_needs():
 
 
 def _sample(args, latent_hw, blocks, seed):
-    """One training sample (a batch of one) with its own frame size and chunk count."""
-    from dzmodel.model.objective import FlowMatchSchedule, action_timestep_ids, tie_timestep_ids
-
-    g = torch.Generator().manual_seed(seed)
-    F, A = 1 + blocks * args.num_frame_per_block, args.num_action_per_block
-    tied = tie_timestep_ids(torch.randint(0, 1000, (1, F), generator=g), args.num_frame_per_block)
-    sched = FlowMatchSchedule()
-    sample = dict(
-        noisy_latents=torch.randn(1, args.in_dim, F, *latent_hw, generator=g),
-        clean_latents=torch.randn(1, args.in_dim, F, *latent_hw, generator=g),
-        timestep=sched.timestep(tied),
-        noisy_actions=torch.randn(1, blocks * A, args.action_dim, generator=g),
-        timestep_action=sched.timestep(action_timestep_ids(tied, args.num_frame_per_block, A)),
-        state=torch.randn(1, blocks, args.max_state_dim, generator=g),
-        context=torch.randn(1, args.text_len, args.text_dim, generator=g),
-        clip_feature=torch.randn(1, args.clip_tokens, args.clip_dim, generator=g),
-    )
-    return {k: v.double() for k, v in sample.items()}
+    """One training sample (a batch of one) with its own frame size and chunk count, in float64."""
+    return training_sample(args, latent_hw, torch.Generator().manual_seed(seed), dtype=torch.float64, blocks=blocks)
 
 
 def test_a_packed_batch_gives_each_sample_its_own_outputs_losses_and_gradients():
