@@ -63,9 +63,11 @@ def _video_files(reader) -> list[tuple[Path, list]]:
 
 
 def file_problems(reader) -> list[str]:
-    """Footer and container problems of the files that exist (missing ones are `reader.check`'s)."""
-    problems = [p for f in reader.iter_data_files() if f.is_file() and (p := _parquet_problem(f))]
-    problems += [p for f, _ in _video_files(reader) if f.is_file() and (p := _container_problem(f))]
+    """Footer and container problems of the files that exist (missing ones are `reader.check`'s). A remote
+    dataset's files are fetched through its cache, one at a time."""
+    problems = [p for f in reader.iter_data_files() if reader.has_file(f) and (p := _parquet_problem(reader.local(f)))]
+    problems += [p for f, _ in _video_files(reader)
+                 if reader.has_file(f) and (p := _container_problem(reader.local(f)))]
     return problems
 
 
@@ -116,7 +118,7 @@ def value_problems(reader) -> list[str]:
     episode_of_file = {reader.data_file(ep.index): ep.index for ep in reader.episodes}  # one-episode (v2) files
     problems = []
     for path in reader.iter_data_files():
-        if not path.is_file() or _parquet_problem(path):
+        if not reader.has_file(path) or _parquet_problem(reader.local(path)):
             continue  # missing or unreadable: named by reader.check and file_problems
         schema = pq.read_schema(path)
         floats = [f.name for f in schema if _is_float_type(f.type)]
@@ -179,8 +181,9 @@ def deep_check(reader) -> list[str]:
     bad = {p.split(":")[0] for p in problems}
     fps = float(reader.fps)
     for path, held in _video_files(reader):
-        if not path.is_file() or str(path) in bad:
+        if not reader.has_file(path) or str(path) in bad:
             continue
+        path = reader.local(path)
         try:
             info = video_info(path)
         except DataError as exc:

@@ -76,7 +76,8 @@ def cmd_data_check(ns: argparse.Namespace) -> int:
     from ..data.sampling import WindowSpec
 
     reader = open_dataset(ns.dataset)
-    print(f"{reader.root}: LeRobot {reader.version}, {len(reader.episodes)} episodes, "
+    where = f"{reader.remote.uri} (cached in {reader.root})" if reader.remote is not None else reader.root
+    print(f"{where}: LeRobot {reader.version}, {len(reader.episodes)} episodes, "
           f"{sum(e.length for e in reader.episodes)} frames at {reader.fps:g} fps, views {reader.video_keys}")
     try:
         reader.check()

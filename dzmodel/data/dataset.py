@@ -143,13 +143,13 @@ class WindowDataset:
             self.state_stats, self.action_stats = embodiment_stats(statistics, embodiment)
 
     def _missing_files(self) -> list[tuple[int, Path]]:
-        """(episode, path) of every mp4 of the views in use that is not on disk (image views have none)."""
+        """(episode, path) of every mp4 of the views in use that the dataset lacks (image views have none)."""
         mp4_keys = [k for k in self.emb.views.values() if self.reader.features[k].dtype == "video"]
         out = []
         for ep in self.reader.episodes:
             for key in mp4_keys:
                 path = self.reader.video_file(ep.index, key)
-                if not path.is_file():
+                if not self.reader.has_file(path):
                     out.append((ep.index, path))
         return out
 

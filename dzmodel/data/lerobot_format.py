@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from dzmodel.data.errors import DataError
+from dzmodel.data.remote import S3Mirror, is_remote
 
 SUPPORTED_VERSIONS = ("v2.0", "v2.1", "v3.0")
 INFO_PATH = "meta/info.json"
@@ -249,7 +250,9 @@ class LeRobotReader:
     """
 
     def __init__(self, root: str | Path):
-        self.root = Path(root)
+        # an s3:// URI reads through a local cache of bounded size: `root` is then its local mirror
+        self.remote = S3Mirror(str(root)) if is_remote(root) else None
+        self.root = self.remote.root if self.remote is not None else Path(root)
         info_path = self.root / INFO_PATH
         if not info_path.is_file():
             raise DataError(f"{info_path}: missing; {self.root} is not a LeRobot dataset")
@@ -423,6 +426,14 @@ class LeRobotReader:
         self.video_file(episode, key)
         return self._locs[int(episode)].from_timestamps[key]
 
+    def has_file(self, path: Path) -> bool:
+        """Whether a file of the dataset exists: on disk, or in the remote dataset (not yet fetched, maybe)."""
+        return self.remote.exists(self.remote.rel(path)) if self.remote is not None else path.is_file()
+
+    def local(self, path: Path) -> Path:
+        """`path`, fetched into the cache first for a remote dataset (what every read of a file goes through)."""
+        return self.remote.fetch(self.remote.rel(path)) if self.remote is not None else path
+
     def iter_data_files(self) -> Iterator[Path]:
         """Every data parquet of the dataset (each once, sorted)."""
         for rel in sorted({loc.data_file for loc in self._locs.values()}):
@@ -439,7 +450,7 @@ class LeRobotReader:
             for rel in (loc.data_file, *([] if allow_missing_videos else loc.video_files.values())):
                 if rel not in seen:
                     seen.add(rel)
-                    if not (self.root / rel).is_file():
+                    if not self.has_file(self.root / rel):
                         missing.append(rel)
         total_eps = self.info.get("total_episodes")
         if total_eps is not None and int(total_eps) != len(self._episodes):
@@ -458,7 +469,7 @@ class LeRobotReader:
     def _episode_rows(self, episode: int) -> tuple[Path, np.ndarray]:
         """(data file, row indices of ``episode`` in it, ordered by frame_index)."""
         ep = self.episode(episode)
-        path = self.data_file(episode)
+        path = self.local(self.data_file(episode))
         key = (str(path), ep.index)
         rows = self._rows.get(key)
         if rows is None:
@@ -547,7 +558,7 @@ class LeRobotReader:
         if f.dtype == "video":
             from dzmodel.data.video import DEFAULT_TOLERANCE_S, decode_frames
 
-            path = self.video_file(episode, key)
+            path = self.local(self.video_file(episode, key))
             ts = self._locs[ep.index].from_timestamps[key] + idx / self.fps
             tol = DEFAULT_TOLERANCE_S if tolerance_s is None else tolerance_s
             return decode_frames(path, ts.tolist(), backend=backend, tolerance_s=tol)

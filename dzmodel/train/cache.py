@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from ..data.collate import Collator
 from ..data.dataset import load_statistics
 from ..data.embodiments import get_embodiment, load_embodiments
+from ..data.remote import is_remote
 from ..data.sampling import WindowSpec
 from ..model.args import preset
 from ..model.conditioning import NULL_PROMPT, encode_batch, encode_prompts
@@ -128,7 +129,7 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
                 bar.update(n=len(chunk))
         bar.close()
         writer.finish(preset=cfg.preset, model_overrides=cfg.model_overrides, embodiment=emb.tag,
-                      datasets=[str(Path(p).resolve()) for p in cfg.datasets], stride=stride,
+                      datasets=[p if is_remote(p) else str(Path(p).resolve()) for p in cfg.datasets], stride=stride,
                       heldout_episodes=cfg.heldout_episodes, metadata=str(cfg.metadata))
     return Path(out_dir)
 

@@ -20,10 +20,12 @@ from .config import TrainConfig
 
 def training_windows(path, emb, spec: WindowSpec, stats: dict, cfg: TrainConfig, train: bool = True) -> WindowDataset:
     """A dataset's windows without its held-out episodes (`heldout_episodes`): training never samples them.
-    Every data and video file is verified first (footers, containers, LFS pointers): a corrupt file stops the run
-    here with one error, not mid-run or never."""
+    Every data and video file of a local dataset is verified first (footers, containers, LFS pointers): a corrupt
+    file stops the run here with one error, not mid-run or never. An s3:// dataset is not downloaded whole for
+    that: its files arrive as training reads them (`dz data check URI` verifies them all)."""
     reader = open_dataset(path)
-    verify_files(reader)
+    if reader.remote is None:  # a remote dataset's files come one by one, size-checked (`dz data check` reads all)
+        verify_files(reader)
     episodes = None
     if cfg.heldout_episodes:
         episodes, _ = heldout_split([e.index for e in reader.episodes], cfg.heldout_episodes,
