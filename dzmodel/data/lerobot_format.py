@@ -62,6 +62,96 @@ class _EpisodeLoc:
     from_timestamps: dict[str, float]  # video key -> start of the episode in that mp4
 
 
+class _Strings:
+    """Distinct strings, each stored once: `add` gives a string's id."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.values: list[str] = []
+
+    def add(self, value: str) -> int:
+        i = self.ids.get(value)
+        if i is None:
+            i = self.ids[value] = len(self.values)
+            self.values.append(value)
+        return i
+
+
+class EpisodeIndex(Sequence):
+    """The episode table as columns (numpy arrays and one list of distinct strings), sorted by episode index: a
+    few dozen bytes per episode whatever the dataset's size, and no Python object per episode, so the loader
+    workers that fork from the trainer share its pages instead of copying them. Reads as a sequence of `Episode`.
+
+    index, length [N]; tasks as ids into `strings`, episode i's from task_ids[task_ptr[i]:task_ptr[i + 1]];
+    data_file [N] and video_file {key: [N]}: ids into `strings` (paths relative to the root); from_timestamp
+    {key: [N]}. An episode listed twice keeps its last row, as a dict of rows would."""
+
+    def __init__(self, index, length, task_ptr, task_ids, data_file, video_file: dict, from_timestamp: dict,
+                 strings: list[str]):
+        index = np.asarray(index, dtype=np.int64)
+        order = np.argsort(index, kind="stable")
+        last = np.ones(len(order), dtype=bool)  # the last row of each episode index
+        last[:-1] = index[order][1:] != index[order][:-1]
+        keep = order[last]
+        starts, ends = np.asarray(task_ptr[:-1])[keep], np.asarray(task_ptr[1:])[keep]
+        self.index = index[keep]
+        self.length = np.asarray(length, dtype=np.int64)[keep]
+        self.task_ptr = np.zeros(len(keep) + 1, dtype=np.int64)
+        np.cumsum(ends - starts, out=self.task_ptr[1:])
+        task_ids = np.asarray(task_ids, dtype=np.int32)
+        self.task_ids = (np.concatenate([task_ids[a:b] for a, b in zip(starts, ends)]) if len(keep)
+                         else np.zeros(0, dtype=np.int32)).astype(np.int32)
+        self.data_file = np.asarray(data_file, dtype=np.int32)[keep]
+        self.video_file = {k: np.asarray(v, dtype=np.int32)[keep] for k, v in video_file.items()}
+        self.from_timestamp = {k: np.asarray(v, dtype=np.float64)[keep] for k, v in from_timestamp.items()}
+        self.strings = strings
+
+    @classmethod
+    def from_rows(cls, rows: dict[int, tuple[int, tuple[str, ...], _EpisodeLoc]],
+                  video_keys: Sequence[str]) -> "EpisodeIndex":
+        """rows: episode index -> (length, tasks, where its files are), as the v2 loader reads them."""
+        strings = _Strings()
+        items = list(rows.items())
+        tasks = [[strings.add(t) for t in r[1]] for _, r in items]
+        return cls([ep for ep, _ in items], [r[0] for _, r in items],
+                   np.concatenate([[0], np.cumsum([len(t) for t in tasks], dtype=np.int64)]),
+                   [i for t in tasks for i in t], [strings.add(r[2].data_file) for _, r in items],
+                   {k: [strings.add(r[2].video_files[k]) for _, r in items] for k in video_keys},
+                   {k: [r[2].from_timestamps[k] for _, r in items] for k in video_keys}, strings.values)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        a, b = self.task_ptr[i], self.task_ptr[i + 1]
+        return Episode(int(self.index[i]), int(self.length[i]), tuple(self.strings[t] for t in self.task_ids[a:b]))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def position(self, episode: int) -> int | None:
+        """Where episode `episode` sits in the table (None: not in it)."""
+        i = int(np.searchsorted(self.index, episode))
+        return i if i < len(self.index) and self.index[i] == episode else None
+
+    def loc(self, position: int) -> _EpisodeLoc:
+        return _EpisodeLoc(self.strings[self.data_file[position]],
+                           {k: self.strings[v[position]] for k, v in self.video_file.items()},
+                           {k: float(v[position]) for k, v in self.from_timestamp.items()})
+
+    def nbytes(self) -> int:
+        """The arrays' bytes (the distinct strings not counted: files and tasks, not episodes)."""
+        arrays = [self.index, self.length, self.task_ptr, self.task_ids, self.data_file,
+                  *self.video_file.values(), *self.from_timestamp.values()]
+        return sum(a.nbytes for a in arrays)
+
+
 def _pa():
     try:
         import pyarrow as pa
@@ -189,7 +279,7 @@ MAX_FPS = 1000
 MISSING_SHOWN = 20  # missing files named in the error; a longer list goes to a file
 
 
-def _missing_files_report(missing: list[str], locs: dict) -> str:
+def _missing_files_report(missing: list[str], episodes: "EpisodeIndex") -> str:
     """Every missing file (or the first MISSING_SHOWN and a file with all of them), and how to train on the rest
     where only videos are missing."""
     text = f"{len(missing)} missing file(s): " + ", ".join(missing[:MISSING_SHOWN])
@@ -203,7 +293,7 @@ def _missing_files_report(missing: list[str], locs: dict) -> str:
             text += f" and {len(missing) - MISSING_SHOWN} more (all {len(missing)} listed in {listing})"
         except OSError:  # no writable temp dir: the data error still comes out, with the count
             text += f" and {len(missing) - MISSING_SHOWN} more"
-    videos = {rel for loc in locs.values() for rel in loc.video_files.values()}
+    videos = {episodes.strings[i] for v in episodes.video_file.values() for i in np.unique(v)}
     if all(rel in videos for rel in missing):
         text += (" [only video files are missing: `--skip-missing` (dz data check, dz data fetch) or "
                  "train.skip_missing: true uses the episodes that have all their videos]")
@@ -302,7 +392,6 @@ class LeRobotReader:
             self._load_v3()
         else:
             self._load_v2()
-        self.episodes: list[Episode] = sorted(self._episodes.values(), key=lambda e: e.index)
 
     # ---------------------------------------------------------------- metadata loading
 
@@ -314,8 +403,7 @@ class LeRobotReader:
                 raise DataError(f"{tasks_path}: each line needs 'task_index' and 'task', got {row}")
             self.tasks[int(row["task_index"])] = str(row["task"])
         ep_path = self.root / V2_EPISODES_PATH
-        self._episodes: dict[int, Episode] = {}
-        self._locs: dict[int, _EpisodeLoc] = {}
+        rows: dict[int, tuple] = {}
         for row in _load_jsonl(ep_path):
             if "episode_index" not in row or "length" not in row:
                 raise DataError(f"{ep_path}: each line needs 'episode_index' and 'length', got {row}")
@@ -323,7 +411,6 @@ class LeRobotReader:
             tasks = row.get("tasks") or []
             if isinstance(tasks, str):
                 tasks = [tasks]
-            self._episodes[ep] = Episode(ep, int(row["length"]), tuple(str(t) for t in tasks))
             chunk = ep // self.chunks_size
             fmt = dict(episode_chunk=chunk, episode_index=ep, chunk_index=chunk)
             try:
@@ -331,7 +418,9 @@ class LeRobotReader:
                 videos = {k: self.video_path.format(video_key=k, **fmt) for k in self._mp4_keys}
             except (KeyError, IndexError, ValueError) as e:
                 raise DataError(f"{self.root / INFO_PATH}: cannot format data_path/video_path: {e}") from e
-            self._locs[ep] = _EpisodeLoc(data_file, videos, {k: 0.0 for k in self._mp4_keys})
+            rows[ep] = (int(row["length"]), tuple(str(t) for t in tasks),
+                        _EpisodeLoc(data_file, videos, {k: 0.0 for k in self._mp4_keys}))
+        self.episodes = EpisodeIndex.from_rows(rows, self._mp4_keys)
 
     def _load_v3(self) -> None:
         pa, _ = _pa()
@@ -358,37 +447,56 @@ class LeRobotReader:
         need = ["episode_index", "length", "data/chunk_index", "data/file_index"]
         for k in self._mp4_keys:
             need += [f"videos/{k}/chunk_index", f"videos/{k}/file_index", f"videos/{k}/from_timestamp"]
-        self._episodes = {}
-        self._locs = {}
+        import pyarrow.compute as pc
+
+        strings = _Strings()
+        parts: dict[str, list] = {"index": [], "length": [], "ptr": [], "tasks": [], "data": []}
+        video = {k: [] for k in self._mp4_keys}
+        start_ts = {k: [] for k in self._mp4_keys}
+
+        def paths(chunks, file_ids, fmt) -> np.ndarray:  # each distinct (chunk, file) formatted once
+            pairs = np.stack([chunks.astype(np.int64), file_ids.astype(np.int64)], axis=1)
+            distinct, inverse = np.unique(pairs, axis=0, return_inverse=True)
+            try:
+                ids = np.array([strings.add(fmt(int(c), int(i))) for c, i in distinct], dtype=np.int32)
+            except (KeyError, IndexError, ValueError) as e:
+                raise DataError(f"{self.root / INFO_PATH}: cannot format data_path/video_path: {e}") from e
+            return ids[inverse.reshape(-1)]
+
         for f in files:
-            t = read_parquet(f, columns=None)
-            missing = [c for c in need if c not in t.column_names]
+            names = read_parquet_schema(f).names  # LeRobot's table also holds per-episode stats: not read
+            missing = [c for c in need if c not in names]
             if missing:
                 raise DataError(f"{f}: episode table lacks column(s) {missing}")
-            cols = {c: t.column(c).to_pylist() for c in need}
-            tasks_col = t.column("tasks").to_pylist() if "tasks" in t.column_names else [None] * t.num_rows
-            for r in range(t.num_rows):
-                ep = int(cols["episode_index"][r])
-                tasks = tasks_col[r] or []
-                if isinstance(tasks, str):
-                    tasks = [tasks]
-                self._episodes[ep] = Episode(ep, int(cols["length"][r]), tuple(str(x) for x in tasks))
-                try:
-                    data_file = self.data_path.format(
-                        chunk_index=int(cols["data/chunk_index"][r]), file_index=int(cols["data/file_index"][r])
-                    )
-                    videos = {
-                        k: self.video_path.format(
-                            video_key=k,
-                            chunk_index=int(cols[f"videos/{k}/chunk_index"][r]),
-                            file_index=int(cols[f"videos/{k}/file_index"][r]),
-                        )
-                        for k in self._mp4_keys
-                    }
-                except (KeyError, IndexError, ValueError) as e:
-                    raise DataError(f"{self.root / INFO_PATH}: cannot format data_path/video_path: {e}") from e
-                from_ts = {k: float(cols[f"videos/{k}/from_timestamp"][r]) for k in self._mp4_keys}
-                self._locs[ep] = _EpisodeLoc(data_file, videos, from_ts)
+            t = read_parquet(f, columns=need + (["tasks"] if "tasks" in names else []))
+            col = {c: _column_to_numpy(t.column(c), f"{f}: {c}") for c in need}
+            parts["index"].append(col["episode_index"].astype(np.int64))
+            parts["length"].append(col["length"].astype(np.int64))
+            counts, ids = np.zeros(t.num_rows, dtype=np.int64), np.zeros(0, dtype=np.int32)
+            if "tasks" in names:
+                texts, types = t.column("tasks"), _pa()[0].types
+                if types.is_list(texts.type) or types.is_large_list(texts.type):
+                    counts = np.asarray(pc.fill_null(pc.list_value_length(texts), 0), dtype=np.int64)
+                    flat = pc.list_flatten(texts).to_pylist()
+                else:  # one task text per row (or null)
+                    flat = [x for x in texts.to_pylist() if x is not None]
+                    counts = np.asarray(pc.is_valid(texts), dtype=np.int64)
+                distinct = {x: strings.add(str(x)) for x in set(flat)}
+                ids = np.fromiter((distinct[x] for x in flat), dtype=np.int32, count=len(flat))
+            parts["ptr"].append(counts)
+            parts["tasks"].append(ids)
+            parts["data"].append(paths(col["data/chunk_index"], col["data/file_index"],
+                                       lambda c, i: self.data_path.format(chunk_index=c, file_index=i)))
+            for k in self._mp4_keys:
+                video[k].append(paths(col[f"videos/{k}/chunk_index"], col[f"videos/{k}/file_index"],
+                                      lambda c, i, k=k: self.video_path.format(video_key=k, chunk_index=c,
+                                                                               file_index=i)))
+                start_ts[k].append(col[f"videos/{k}/from_timestamp"].astype(np.float64))
+        cat = np.concatenate
+        self.episodes = EpisodeIndex(cat(parts["index"]), cat(parts["length"]),
+                                     cat([[0], np.cumsum(cat(parts["ptr"]))]).astype(np.int64), cat(parts["tasks"]),
+                                     cat(parts["data"]), {k: cat(v) for k, v in video.items()},
+                                     {k: cat(v) for k, v in start_ts.items()}, strings.values)
 
     # ---------------------------------------------------------------- pickling (DataLoader workers)
 
@@ -406,25 +514,31 @@ class LeRobotReader:
 
     # ---------------------------------------------------------------- paths
 
+    def _position(self, episode: int) -> int:
+        position = self.episodes.position(int(episode))
+        if position is None:
+            raise KeyError(episode)
+        return position
+
     def episode(self, episode: int) -> Episode:
         try:
-            return self._episodes[int(episode)]
+            return self.episodes[self._position(episode)]
         except KeyError:
-            raise DataError(f"{self.root}: no episode {episode} (have {len(self._episodes)} episodes)") from None
+            raise DataError(f"{self.root}: no episode {episode} (have {len(self.episodes)} episodes)") from None
 
     def data_file(self, episode: int) -> Path:
         self.episode(episode)
-        return self.root / self._locs[int(episode)].data_file
+        return self.root / self.episodes.strings[self.episodes.data_file[self._position(episode)]]
 
     def video_file(self, episode: int, key: str) -> Path:
         self.episode(episode)
         if key not in self._mp4_keys:
             raise DataError(f"{self.root}: {key!r} is not a video feature (videos: {self._mp4_keys})")
-        return self.root / self._locs[int(episode)].video_files[key]
+        return self.root / self.episodes.strings[self.episodes.video_file[key][self._position(episode)]]
 
     def from_timestamp(self, episode: int, key: str) -> float:
         self.video_file(episode, key)
-        return self._locs[int(episode)].from_timestamps[key]
+        return float(self.episodes.from_timestamp[key][self._position(episode)])
 
     def has_file(self, path: Path) -> bool:
         """Whether a file of the dataset exists: on disk, or in the remote dataset (not yet fetched, maybe)."""
@@ -436,7 +550,7 @@ class LeRobotReader:
 
     def iter_data_files(self) -> Iterator[Path]:
         """Every data parquet of the dataset (each once, sorted)."""
-        for rel in sorted({loc.data_file for loc in self._locs.values()}):
+        for rel in sorted({self.episodes.strings[i] for i in np.unique(self.episodes.data_file)}):
             yield self.root / rel
 
     def check(self, allow_missing_videos: bool = False) -> None:
@@ -445,22 +559,22 @@ class LeRobotReader:
         problems: list[str] = []
         missing: list[str] = []
         seen: set[str] = set()
-        for ep in sorted(self._locs):
-            loc = self._locs[ep]
+        for position in range(len(self.episodes)):
+            loc = self.episodes.loc(position)
             for rel in (loc.data_file, *([] if allow_missing_videos else loc.video_files.values())):
                 if rel not in seen:
                     seen.add(rel)
                     if not self.has_file(self.root / rel):
                         missing.append(rel)
         total_eps = self.info.get("total_episodes")
-        if total_eps is not None and int(total_eps) != len(self._episodes):
-            problems.append(f"info.json total_episodes={total_eps} but the episode table has {len(self._episodes)}")
+        if total_eps is not None and int(total_eps) != len(self.episodes):
+            problems.append(f"info.json total_episodes={total_eps} but the episode table has {len(self.episodes)}")
         total_frames = self.info.get("total_frames")
         n_frames = sum(e.length for e in self.episodes)
         if total_frames is not None and int(total_frames) != n_frames:
             problems.append(f"info.json total_frames={total_frames} but episode lengths sum to {n_frames}")
         if missing:
-            problems.insert(0, _missing_files_report(missing, self._locs))
+            problems.insert(0, _missing_files_report(missing, self.episodes))
         if problems:
             raise DataError(f"{self.root}: " + "; ".join(problems))
 
@@ -559,7 +673,7 @@ class LeRobotReader:
             from dzmodel.data.video import DEFAULT_TOLERANCE_S, decode_frames
 
             path = self.local(self.video_file(episode, key))
-            ts = self._locs[ep.index].from_timestamps[key] + idx / self.fps
+            ts = self.from_timestamp(ep.index, key) + idx / self.fps
             tol = DEFAULT_TOLERANCE_S if tolerance_s is None else tolerance_s
             return decode_frames(path, ts.tolist(), backend=backend, tolerance_s=tol)
         return self._read_images(ep.index, key, idx)

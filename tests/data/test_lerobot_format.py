@@ -338,3 +338,60 @@ def test_lerobot_metadata_agrees(datasets):
         for key in r.video_keys:
             assert str(meta.get_video_file_path(ep.index, key)) == r.video_file(ep.index, key).relative_to(root).as_posix()
     assert {int(i): t for t, i in zip(meta.tasks.index, meta.tasks["task_index"], strict=True)} == r.tasks
+
+
+def _many_episodes(root: Path, n: int) -> Path:
+    """The v3.0 dataset's episode table grown to n episodes (rows of episode 0 and 1 repeated, new indices, one
+    more per-episode stats column as LeRobot writes them); only the index is read, no data file."""
+    path = root / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    t = pq.read_table(path)
+    rows = t.take(pa.array(np.arange(n) % t.num_rows))
+    rows = rows.set_column(rows.schema.get_field_index("episode_index"), "episode_index",
+                           pa.array(np.arange(n)[::-1].copy(), type=t.schema.field("episode_index").type))
+    rows = rows.append_column("stats/state/mean", pa.array([[0.0] * 8] * n))
+    pq.write_table(rows, path)
+    info = json.loads((root / "meta" / "info.json").read_text())
+    info["total_episodes"] = n
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    return root
+
+
+def test_the_episode_index_is_columns_of_a_few_dozen_bytes_per_episode(datasets, tmp_path):
+    """The reader keeps its episode table as numpy columns: <= 64 bytes an episode in arrays and, after opening,
+    no Python objects per episode (tracemalloc), whatever the dataset's size."""
+    import gc
+    import tracemalloc
+
+    root = _many_episodes(_copy(datasets["v30"], tmp_path), 4000)
+    open_dataset(root)  # imports and first-use caches out of the count
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    r = open_dataset(root)
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    n = len(r.episodes)
+    assert n == 4000
+    assert held / n < 200, f"{held / n:.0f} bytes of Python objects per episode"
+    assert r.episodes.nbytes() / n <= 64
+    # the columns read as the episodes: sorted by index, each episode's own length, tasks and files
+    assert [e.index for e in r.episodes[:3]] == [0, 1, 2] and r.episodes[-1].index == n - 1
+    first = open_dataset(datasets["v30"]).episodes
+    src = (n - 1 - np.arange(n)) % 2  # episode i came from row (n - 1 - i) % 2
+    assert [r.episode(i) for i in (0, 1, 2)] == [Episode(i, first[src[i]].length, first[src[i]].tasks)
+                                                  for i in (0, 1, 2)]
+    assert r.from_timestamp(n - 1, CAMERAS[0]) == 0.0 and r.from_timestamp(n - 2, CAMERAS[0]) == pytest.approx(1.2)
+    with pytest.raises(DataError, match="no episode 4000"):
+        r.episode(n)
+
+
+def test_an_episode_listed_twice_keeps_its_last_row(datasets, tmp_path):
+    root = _copy(datasets["v30"], tmp_path)
+    path = root / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    t = pq.read_table(path)
+    twice = pa.concat_tables([t, t.slice(0, 1).set_column(t.schema.get_field_index("length"), "length",
+                                                          pa.array([3], type=t.schema.field("length").type))])
+    pq.write_table(twice, path)
+    r = open_dataset(root)
+    assert [(e.index, e.length) for e in r.episodes] == [(0, 3), (1, LENGTHS["v30"][1])]
