@@ -26,7 +26,7 @@
 #                              device time; where a step's fixed cost goes (the syncs slow it: not a throughput figure)
 #   all                        synth, then measure on it
 set -euo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} PRELUDE=${PRELUDE:-}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} PRELUDE=${PRELUDE:-}
 OUT=${OUT:-/tmp}
 run=runs/fastpath/${VARIANT:-default}
 synth=data/fastpath_synth
@@ -94,10 +94,11 @@ PY
 configure() {  # DATASET STEPS [K=V ..]: $run/metadata.json and $run/train_config.json
   local dataset=$1 steps=$2
   shift 2
-  [[ -d "$dataset" ]] || { echo "no dataset directory $dataset" >&2; exit 2; }
+  [[ -d "$dataset" || $dataset == s3://* ]] || { echo "no dataset directory $dataset" >&2; exit 2; }
   rm -rf "$run"
   mkdir -p "$run"
-  dz data metadata "$dataset" --embodiment libero_sim_small --out "$run/metadata.json" >/dev/null
+  # an s3:// dataset takes its statistics from a local copy (METADATA_DATASET): `dz data metadata` reads every file
+  dz data metadata "${METADATA_DATASET:-$dataset}" --embodiment libero_sim_small --out "$run/metadata.json" >/dev/null
   dz params train-config --profile libero_scripted --out "$run/train_config.json" >/dev/null
   python3 - "$run" "$dataset" "$steps" "${LOG_EVERY:-25}" "$@" <<'PY'
 import json, sys
