@@ -474,8 +474,8 @@ class LeRobotReader:
             parts["length"].append(col["length"].astype(np.int64))
             counts, ids = np.zeros(t.num_rows, dtype=np.int64), np.zeros(0, dtype=np.int32)
             if "tasks" in names:
-                texts, types = t.column("tasks"), _pa()[0].types
-                if types.is_list(texts.type) or types.is_large_list(texts.type):
+                texts = t.column("tasks")
+                if pa.types.is_list(texts.type) or pa.types.is_large_list(texts.type):
                     counts = np.asarray(pc.fill_null(pc.list_value_length(texts), 0), dtype=np.int64)
                     flat = pc.list_flatten(texts).to_pylist()
                 else:  # one task text per row (or null)
@@ -515,30 +515,29 @@ class LeRobotReader:
     # ---------------------------------------------------------------- paths
 
     def _position(self, episode: int) -> int:
+        """Where `episode` sits in the episode table; a DataError if it is not in it."""
         position = self.episodes.position(int(episode))
         if position is None:
-            raise KeyError(episode)
+            raise DataError(f"{self.root}: no episode {episode} (have {len(self.episodes)} episodes)")
+        return position
+
+    def _video_position(self, episode: int, key: str) -> int:
+        position = self._position(episode)
+        if key not in self._mp4_keys:
+            raise DataError(f"{self.root}: {key!r} is not a video feature (videos: {self._mp4_keys})")
         return position
 
     def episode(self, episode: int) -> Episode:
-        try:
-            return self.episodes[self._position(episode)]
-        except KeyError:
-            raise DataError(f"{self.root}: no episode {episode} (have {len(self.episodes)} episodes)") from None
+        return self.episodes[self._position(episode)]
 
     def data_file(self, episode: int) -> Path:
-        self.episode(episode)
         return self.root / self.episodes.strings[self.episodes.data_file[self._position(episode)]]
 
     def video_file(self, episode: int, key: str) -> Path:
-        self.episode(episode)
-        if key not in self._mp4_keys:
-            raise DataError(f"{self.root}: {key!r} is not a video feature (videos: {self._mp4_keys})")
-        return self.root / self.episodes.strings[self.episodes.video_file[key][self._position(episode)]]
+        return self.root / self.episodes.strings[self.episodes.video_file[key][self._video_position(episode, key)]]
 
     def from_timestamp(self, episode: int, key: str) -> float:
-        self.video_file(episode, key)
-        return float(self.episodes.from_timestamp[key][self._position(episode)])
+        return float(self.episodes.from_timestamp[key][self._video_position(episode, key)])
 
     def has_file(self, path: Path) -> bool:
         """Whether a file of the dataset exists: on disk, or in the remote dataset (not yet fetched, maybe)."""

@@ -38,7 +38,7 @@ def _client():
 
 
 class S3Mirror:
-    """The local mirror of one dataset URI: `path(rel)` where a file lives, `fetch(rel)` to have it there."""
+    """The local mirror of one dataset URI under `root`: `fetch(rel)` has a file there, downloaded if need be."""
 
     def __init__(self, uri: str, cache_dir: str | Path | None = None, max_bytes: int | None = None):
         if not is_remote(uri):
@@ -106,9 +106,6 @@ class S3Mirror:
     def exists(self, rel: str) -> bool:
         return rel in self.sizes
 
-    def path(self, rel: str) -> Path:
-        return self.root / rel
-
     def fetch(self, rel: str) -> Path:
         """The local file of `rel`, downloaded first if it is not in the cache (or has another size)."""
         if rel not in self.sizes:
@@ -166,4 +163,3 @@ class S3Mirror:
             total -= size
             deleted += 1
         return deleted
-
