@@ -55,7 +55,7 @@ def cross_inputs(batch, lq, dev, gen):
     rand = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=gen)  # noqa: E731
     q = rand(batch, H, lq, D)
     kt, vt = rand(batch, H, TEXT, D), rand(batch, H, TEXT, D)
-    lengths = torch.randint(1, 27, (batch,), device=dev, generator=gen)
+    lengths = torch.randint(1, KEEP - 1, (batch,), device=dev, generator=gen)
     pad = torch.arange(TEXT, device=dev)[None, :] >= lengths[:, None]   # [B, TEXT]: rows that are pad copies
     pad_k, pad_v = rand(1, H, 1, D).expand(batch, H, TEXT, D), rand(1, H, 1, D).expand(batch, H, TEXT, D)
     kt = torch.where(pad[:, None, :, None], pad_k, kt)
@@ -142,14 +142,17 @@ def make_views(plan: SegmentedMask):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--keep", type=int, default=KEEP, help="text rows the compact variants keep (default 32)")
     parser.add_argument("--only", default="", help="comma-separated cross variants (default: all)")
     parser.add_argument("--no-self", action="store_true", help="skip the self-attention parts")
     opts = parser.parse_args()
+    global KEEP
+    KEEP = opts.keep
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     layout = TeacherForcingLayout(num_blocks=2, frame_seqlen=128, num_frame_per_block=2, num_action_per_block=16,
                                   num_state_per_block=1, clean_blocks=1)
-    common = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": opts.batch,
+    common = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": opts.batch, "keep": KEEP,
               "seq_len": layout.seq_len}
     cross = cross_inputs(opts.batch, layout.seq_len, dev, gen)
     grad = torch.randn_like(cross[0])

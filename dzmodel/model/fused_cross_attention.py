@@ -62,9 +62,16 @@ def kernels_available(*tensors: torch.Tensor) -> bool:
 
 
 def kernel_fits(text_rows: int, image_rows: int, head_dim: int) -> bool:
-    """Whether one (sample, head)'s keys fit the kernel's tiles on chip: up to 64 rows each, head dim <= 128 (the
-    small preset: 32 and 17 rows of 64 dims). Larger contexts (the 5B's 257 CLIP tokens) keep the SDPA calls."""
-    return text_rows <= 64 and image_rows <= 64 and 16 <= head_dim <= 128 and not head_dim & (head_dim - 1)
+    """Whether one (sample, head)'s keys and their gradients fit on chip: a power-of-two head dim, text keys up to
+    128 x 64 and image keys up to 64 x 64 (the small preset: up to 128 and 17 rows of 64 dims). Larger contexts
+    (the 5B's 257 CLIP tokens of 128 dims) keep the SDPA calls."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return False
+    return _pow2(text_rows) * head_dim <= 128 * 64 and _pow2(image_rows) * head_dim <= 64 * 64
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
 if triton is not None:
@@ -174,8 +181,11 @@ if triton is not None:
         tl.store(DVI + rows_i, dvi)
 
 
-def _block(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+_block = _pow2
+# Query rows per program and warps: a tile's scores against up to 128 text keys are [rows, 128] fp32 in registers,
+# and the backward also holds the keys' gradient sums, so it takes half the rows
+FORWARD_ROWS, FORWARD_WARPS = 64, 8
+BACKWARD_ROWS, BACKWARD_WARPS = 32, 8
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -192,7 +202,7 @@ def _check(q, kt, vt, ki, vi) -> None:
         raise ValueError(f"fused cross-attention needs a power-of-two head dim >= 16, got {d}")
 
 
-def launch_forward(q, kt, vt, ki, vi, pad_count: int, block_m: int = 64, launch=None):
+def launch_forward(q, kt, vt, ki, vi, pad_count: int, block_m: int = FORWARD_ROWS, launch=None):
     """o [B, L, H, D] (q's dtype) and the log-sum-exps [B·H, 2, L] fp32. `launch` wraps the kernel for
     torch.compile (`wrap_triton`); None launches it directly."""
     _check(q, kt, vt, ki, vi)
@@ -204,7 +214,7 @@ def launch_forward(q, kt, vt, ki, vi, pad_count: int, block_m: int = 64, launch=
     kernel[(triton.cdiv(L, block_m), B * H)](
         q, kt, vt, ki, vi, o, lse, *_strides(q), *_strides(kt), *_strides(vt), *_strides(ki), *_strides(vi),
         *_strides(o), L, T, I, H, 1.0 / math.sqrt(D), math.log(pad_count),
-        BLOCK_M=block_m, BLOCK_T=_block(T), BLOCK_I=_block(I), D=D)
+        BLOCK_M=block_m, BLOCK_T=_block(T), BLOCK_I=_block(I), D=D, num_warps=FORWARD_WARPS)
     return o, lse
 
 
@@ -213,7 +223,7 @@ def backward_split(batch_heads: int, query_tiles: int, programs: int = 1024) -> 
     return max(1, min(query_tiles, -(-programs // batch_heads)))
 
 
-def launch_backward(q, kt, vt, ki, vi, do, lse, pad_count: int, block_m: int = 64, launch=None):
+def launch_backward(q, kt, vt, ki, vi, do, lse, pad_count: int, block_m: int = BACKWARD_ROWS, launch=None):
     """dq, dkt, dvt, dki, dvi (shaped as their inputs)."""
     B, L, H, D = q.shape
     T, I = kt.shape[1], ki.shape[1]
@@ -228,7 +238,7 @@ def launch_backward(q, kt, vt, ki, vi, do, lse, pad_count: int, block_m: int = 6
         q, kt, vt, ki, vi, do, lse, dq, dkt, dvt, dki, dvi,
         *_strides(q), *_strides(kt), *_strides(vt), *_strides(ki), *_strides(vi), *_strides(do), *_strides(dq),
         L, T, I, H, 1.0 / math.sqrt(D), math.log(pad_count), split,
-        BLOCK_M=block_m, BLOCK_T=BT, BLOCK_I=BI, D=D)
+        BLOCK_M=block_m, BLOCK_T=BT, BLOCK_I=BI, D=D, num_warps=BACKWARD_WARPS)
 
     def total(parts, n, like):  # [split, B·H, BLOCK, D] -> [B, n, H, D] in the input's dtype
         return parts.sum(0)[:, :n].unflatten(0, (B, H)).transpose(1, 2).to(like.dtype).contiguous()

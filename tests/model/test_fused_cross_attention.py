@@ -90,6 +90,7 @@ def test_a_row_count_above_the_context_is_refused():
 
 def test_which_contexts_the_kernel_takes():
     assert kernel_fits(32, 17, 64)        # the small preset at libero_object
+    assert kernel_fits(128, 17, 64)       # every row of its 128-row context
     assert not kernel_fits(64, 257, 128)  # the 5B's CLIP tokens: the SDPA calls
     assert not kernel_fits(32, 17, 96)    # not a power of two
 
@@ -101,7 +102,8 @@ KERNEL_CHECK = textwrap.dedent("""
     report = {}
     # B, L, H, D, text rows, image rows, pad weight: queries that fill no whole tile, keys below their tiles,
     # several backward programs per (sample, head)
-    for case in [(2, 70, 2, 16, 20, 5, 9), (1, 33, 1, 32, 16, 17, 1), (1, 200, 1, 16, 3, 2, 30)]:
+    for case in [(2, 70, 2, 16, 20, 5, 9), (1, 33, 1, 32, 16, 17, 1), (1, 200, 1, 16, 3, 2, 30),
+                 (1, 40, 1, 64, 100, 17, 29)]:
         B, L, H, D, T, I, pad = case
         inputs = [torch.randn(B, n, H, D, dtype=torch.float64) for n in (L, T, T, I, I)]
         ref = [t.clone().requires_grad_(True) for t in inputs]
@@ -114,7 +116,7 @@ KERNEL_CHECK = textwrap.dedent("""
         diffs = [float((o.double() - expected.detach()).abs().max())]
         diffs += [float((g.double() - r.grad).abs().max()) for g, r in zip(grads, ref)]
         shapes = [list(g.shape) == list(r.shape) for g, r in zip(grads, ref)]
-        report[str(case)] = {"diffs": diffs, "shapes": all(shapes), "split": f.backward_split(B * H, -(-L // 64))}
+        report[str(case)] = {"diffs": diffs, "shapes": all(shapes), "split": f.backward_split(B * H, -(-L // f.BACKWARD_ROWS))}
     print(json.dumps(report))
 """)
 
