@@ -9,7 +9,8 @@ Cross-attention (1,058 queries a sample against the prompt's 128 token rows and 
   t32_nobias   32 rows without the weight (a lower bound, not the same numbers)
   joint        one score matmul against [32 text | 17 image] keys, the two softmaxes, one matmul with [V_text; V_image]
                (P_t V_t + P_i V_i = [P_t | P_i] [V_t; V_i]), compiled
-  fused        dzmodel's Triton kernels (`dzmodel.model.fused_cross_attention`) over the first 32 text rows
+  (round 17 also timed a Triton kernel running both softmaxes in one pass, `fused`; it was slower at the prompt
+  lengths the runs have and is not in the library: commit 0d00d28's dzmodel/model/fused_cross_attention.py)
 Self-attention (the teacher-forcing mask as dense rectangles, `SegmentedMask`):
   segments     the product's call per group, keys gathered by concatenation
   views        calls of the same sizes on contiguous slices (what a layout with contiguous groups would cost)
@@ -31,7 +32,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dzmodel.model.attention import SegmentedMask, TeacherForcingLayout, segmented_attention
-from dzmodel.model.fused_cross_attention import cross_attention
 
 H, D, TEXT, IMAGE, KEEP = 4, 64, 128, 17, 32
 
@@ -110,13 +110,6 @@ def make_joint(bias_f32):
     return fn
 
 
-def fused(q, kt, vt, ki, vi):
-    """dzmodel's kernel (`fused_cross_attention`): both softmaxes in one kernel, the text's first 32 rows."""
-    t = lambda x: x.transpose(1, 2)  # noqa: E731  [B, H, L, D] <-> [B, L, H, D] (views)
-    out = cross_attention(t(q), t(kt[:, :, :KEEP]), t(vt[:, :, :KEEP]), t(ki), t(vi), pad_count=TEXT - KEEP + 1)
-    return t(out)
-
-
 def self_inputs(batch, layout, dev, gen):
     rand = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=gen)  # noqa: E731
     L = layout.seq_len
@@ -142,11 +135,11 @@ def make_views(plan: SegmentedMask):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--keep", type=int, default=KEEP, help="text rows the compact variants keep (default 32)")
+    parser.add_argument("--keep", type=int, default=32, help="text rows the compact variants keep (default 32)")
     parser.add_argument("--only", default="", help="comma-separated cross variants (default: all)")
     parser.add_argument("--no-self", action="store_true", help="skip the self-attention parts")
     opts = parser.parse_args()
-    global KEEP
+    global KEEP  # noqa: PLW0603
     KEEP = opts.keep
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -161,7 +154,7 @@ def main() -> None:
         "now": cross_now, "t32_bias": make_t32(pad_bias(dev)),
         "t32_bias_cudnn": make_t32(pad_bias(dev), SDPBackend.CUDNN_ATTENTION),
         "t32_bias_efficient": make_t32(pad_bias(dev), SDPBackend.EFFICIENT_ATTENTION),
-        "t32_nobias": t32_nobias, "joint": make_joint(pad_bias(dev, torch.float32)), "fused": fused,
+        "t32_nobias": t32_nobias, "joint": make_joint(pad_bias(dev, torch.float32))
     }
     variants = {k: v for k, v in variants.items() if not opts.only or k in opts.only.split(",")}
     for name, fn in variants.items():

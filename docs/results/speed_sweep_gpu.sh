@@ -23,8 +23,6 @@
 #   rope1   RoPE as before round 16, pairs selected and stacked (PRELUDE=rope1; the code now computes
 #           x*cos + swap_pairs(x)*(-sin, sin), one pointwise kernel, the same numbers)
 #   nof0    train.denoise_first_frame=false: no noisy copy of frame 0 (12 % fewer tokens; a change of recipe)
-#   nofuse  train.fused_cross_attention=false: the cross-attention as two SDPA calls over all 128 prompt rows, as
-#           before round 17 (the code now runs both softmaxes in one Triton kernel over the rows the prompts use)
 #   res16   train.residual_in_compute_dtype: the residual stream in bf16 (the setting, not a patch); res16agg and
 #           res16combo: with aggressive fusion or combo kernels
 # Detached, so it outlives one command:
@@ -44,7 +42,6 @@ declare -A VARIANTS=(
   [qk32]="qk32|" [bf16res]="bf16res|" [mixorder]="mixorder|" [aggressive]="aggressive|" [combo]="combo|"
   [bf16resmixorder]="bf16res,mixorder|" [fulllast]="fulllast|" [res16]="|residual_in_compute_dtype=true"
   [res16agg]="aggressive|residual_in_compute_dtype=true" [res16combo]="combo|residual_in_compute_dtype=true"
-  [nofuse]="|fused_cross_attention=false" [nofuseres16combo]="combo|fused_cross_attention=false residual_in_compute_dtype=true"
   [rope1]="rope1|" [nof0]="|denoise_first_frame=false" [nof0rope1]="rope1|denoise_first_frame=false"
   [mb256]="|micro_batch=256" [mb256flash]="flash|micro_batch=256" [mb256graphsflash]="graphs,flash|micro_batch=256"
 )

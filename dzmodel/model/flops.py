@@ -54,13 +54,12 @@ def output_pairs(layout: TeacherForcingLayout) -> int:
     return noisy0 + sum((bs + A) * (fs + i * bs + bs + A + S) for i in range(K))
 
 
-def wam_forward_flops(args: Any, layout: TeacherForcingLayout, text_rows: int | None = None) -> FlopsBreakdown:
-    """args: a DreamZeroArgs (not imported: `DreamZeroArgs.flops` calls this, so this module sits below args.py).
-    text_rows: the prompt rows the cross-attention attends (`use_fused_cross_attention`), default all text_len."""
+def wam_forward_flops(args: Any, layout: TeacherForcingLayout) -> FlopsBreakdown:
+    """args: a DreamZeroArgs (not imported: `DreamZeroArgs.flops` calls this, so this module sits below args.py)."""
     d, ffn, n = args.dim, args.ffn_dim, args.num_layers
     L = layout.seq_len
     R = layout.video_len + layout.action_len  # the last layer's output rows
-    C = (text_rows or args.text_len) + args.clip_tokens
+    C = args.text_len + args.clip_tokens
     # a one-token state block attends only itself: its output is its value, and no attention is computed for it
     P = allowed_pairs(layout) - (layout.num_blocks if layout.num_state_per_block == 1 else 0)
     linear = ((n - 1) * 2 * L * (4 * d * d + 2 * d * d + 2 * d * ffn) + 2 * L * 2 * d * d

@@ -20,7 +20,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import fused_cross_attention
 from .args import WanDiTArgs
 from .attention import AttnMask, attention
 
@@ -215,9 +214,6 @@ class WanI2VCrossAttention(WanT2VCrossAttention):
         self.k_img = nn.Linear(dim, dim)
         self.v_img = nn.Linear(dim, dim)
         self.norm_k_img = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
-        # Set from outside (`use_fused_cross_attention`) where the caller knows that every prompt row from
-        # text_rows - 1 on is padding: both softmaxes in one kernel over the first text_rows rows (same numbers).
-        self.text_rows: int | None = None
 
     def context_kv(self, text: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         if image is None:
@@ -228,8 +224,6 @@ class WanI2VCrossAttention(WanT2VCrossAttention):
     def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None,
                 kv: tuple[torch.Tensor, ...] | None = None,
                 mask: tuple[AttnMask, AttnMask] | None = None) -> torch.Tensor:
-        if self.text_rows is not None and kv is None and mask is None:
-            return self._fused(x, text, image, self.text_rows)
         k, v, k_img, v_img = self.context_kv(text, image) if kv is None else kv
         q = self._heads(self.norm_q(self.q(x)))
         text_mask, image_mask = (None, None) if mask is None else mask
@@ -237,31 +231,7 @@ class WanI2VCrossAttention(WanT2VCrossAttention):
         return self.o(out)
 
 
-    def _fused(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None, rows: int) -> torch.Tensor:
-        """The same output from the prompt's first `rows` rows, the last of them weighted for the padding rows
-        left out (`fused_cross_attention`)."""
-        if rows > text.shape[1]:
-            raise ValueError(f"cross-attention text_rows {rows} exceeds the context's {text.shape[1]} rows")
-        k, v, k_img, v_img = self.context_kv(text[:, :rows], image)
-        q = self._heads(self.norm_q(self.q(x)))
-        k, v, k_img, v_img = (t.to(q.dtype) for t in (k, v, k_img, v_img))
-        out = fused_cross_attention.cross_attention(q, k, v, k_img, v_img, pad_count=text.shape[1] - rows + 1)
-        return self.o(out.flatten(2))
-
-
 CROSS_ATTENTION = {"t2v": WanT2VCrossAttention, "i2v": WanI2VCrossAttention}
-
-
-def use_fused_cross_attention(model: nn.Module, text_rows: int | None) -> int:
-    """Every i2v cross-attention of `model` attends the prompt's first `text_rows` rows through the fused kernel
-    (None: back to the two SDPA calls). The caller guarantees that rows >= text_rows - 1 of every context it will
-    pass are WAN's zero padding (`fused_cross_attention.context_rows_needed`). Returns the modules changed."""
-    changed = 0
-    for module in model.modules():
-        if isinstance(module, WanI2VCrossAttention):
-            module.text_rows = text_rows
-            changed += 1
-    return changed
 
 
 # --- block and head ------------------------------------------------------------

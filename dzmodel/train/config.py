@@ -83,10 +83,6 @@ class TrainConfig:
     # instead of ~130 kernel launches from Python, for steps whose host side is slower than the GPU's work
     # (docs/performance.md); one process on CUDA only (FSDP2 gathers the weights anew every step)
     cuda_graphs: bool = False
-    # the i2v cross-attention's two softmaxes in one Triton kernel, over the prompt rows up to the longest prompt of
-    # the run (the rest is WAN's zero padding, weighted in: the same numbers). On CUDA with the encoded copies
-    # (data_on_device + encoded_variants), where the run's every context is known up front; else the SDPA calls
-    fused_cross_attention: bool = True
     attn_backend: str = "auto"
     # bookkeeping
     out_dir: str = "runs/train"

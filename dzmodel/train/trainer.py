@@ -32,12 +32,10 @@ from ..data.video import worker_init_fn
 from ..dirlock import directory_lock
 from ..model.args import OFFLINE_PRESETS, preset
 from ..model.conditioning import NULL_PROMPT, encode_prompts
-from ..model.fused_cross_attention import context_rows_needed
 from ..model.lora import apply_lora, trainable_parameters
 from ..model.state_dict import load_wan_dit
 from ..model.vae import WanVideoVAE38
 from ..model.wam import DreamZeroWAM
-from ..model.wan_dit import use_fused_cross_attention
 from ..outputs import check_output_dir, is_ours, mark
 from .checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -266,34 +264,15 @@ class Trainer:
                 print(f"data_on_device: {self.device_data.decodes} episode videos decoded to "
                       f"{self.device_data.nbytes / 2**30:.2f} GiB on {self.info.device} in "
                       f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        vae_factor = 16 if isinstance(self.encoders.vae, WanVideoVAE38) else 8
+        h, w = emb.image_size
+        self.flops_per_sample = a.flops((h // vae_factor, w // vae_factor),
+                                        noisy_first_frame=cfg.denoise_first_frame).train()
         if cfg.prompt_dropout:
             null = encode_prompts(tokenizer, self.encoders.text_encoder, [NULL_PROMPT], a.text_len, self.info.device)
             self.step.enable_prompt_dropout(cfg.prompt_dropout, null)
-        text_rows = None
         if cfg.encoded_variants:
             self._encode_variants()
-            text_rows = self._fuse_cross_attention()
-        vae_factor = 16 if isinstance(self.encoders.vae, WanVideoVAE38) else 8
-        h, w = emb.image_size
-        self.flops_per_sample = a.flops((h // vae_factor, w // vae_factor), noisy_first_frame=cfg.denoise_first_frame,
-                                        text_rows=text_rows).train()
-
-    def _fuse_cross_attention(self) -> int | None:
-        """`train.fused_cross_attention`: the prompt rows that every context of the run (each prompt's encoding and
-        the null prompt's) needs, and the model's cross-attention over them in one kernel. None where it does not
-        apply (off, not CUDA, no i2v cross-attention)."""
-        cfg = self.cfg
-        if not cfg.fused_cross_attention or self.info.device.type != "cuda" or self.args.cross_attn_type != "i2v":
-            return None
-        contexts = [r.encoded["context"] for r in self.device_data.recordings]
-        if self.step.null_context is not None:
-            contexts.append(self.step.null_context)
-        rows = max(context_rows_needed(c) for c in contexts)
-        changed = use_fused_cross_attention(self.model, rows)
-        if self.info.rank == 0:
-            print(f"fused cross-attention: {changed} layers attend the prompt's first {rows} of {self.args.text_len} "
-                  "rows (the rest is padding, weighted in)", file=sys.stderr)
-        return rows
 
     def _check_compiled(self, batch: dict[str, torch.Tensor], step: int | None = None) -> None:
         """`train.compile`: the compiled blocks must agree with their eager forward on the run's first micro-batch
