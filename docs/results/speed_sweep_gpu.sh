@@ -23,6 +23,8 @@
 #   rope1   RoPE as before round 16, pairs selected and stacked (PRELUDE=rope1; the code now computes
 #           x*cos + swap_pairs(x)*(-sin, sin), one pointwise kernel, the same numbers)
 #   nof0    train.denoise_first_frame=false: no noisy copy of frame 0 (12 % fewer tokens; a change of recipe)
+#   combo2  Inductor's combo kernels through the product's setting, train.compile_options (combo: the same through a
+#           patch); res16combo2: and the residual stream in bf16
 #   res16   train.residual_in_compute_dtype: the residual stream in bf16 (the setting, not a patch); res16agg and
 #           res16combo: with aggressive fusion or combo kernels
 # Detached, so it outlives one command:
@@ -42,6 +44,8 @@ declare -A VARIANTS=(
   [qk32]="qk32|" [bf16res]="bf16res|" [mixorder]="mixorder|" [aggressive]="aggressive|" [combo]="combo|"
   [bf16resmixorder]="bf16res,mixorder|" [fulllast]="fulllast|" [res16]="|residual_in_compute_dtype=true"
   [res16agg]="aggressive|residual_in_compute_dtype=true" [res16combo]="combo|residual_in_compute_dtype=true"
+  [combo2]='|compile_options={"combo_kernels":true}'
+  [res16combo2]='|compile_options={"combo_kernels":true} residual_in_compute_dtype=true'
   [rope1]="rope1|" [nof0]="|denoise_first_frame=false" [nof0rope1]="rope1|denoise_first_frame=false"
   [mb256]="|micro_batch=256" [mb256flash]="flash|micro_batch=256" [mb256graphsflash]="graphs,flash|micro_batch=256"
 )

@@ -79,6 +79,10 @@ class TrainConfig:
     sharding: str = "full"                  # full | hybrid | none (FSDP2 when world_size > 1)
     activation_checkpointing: str = "none"  # none | elementwise | selective | full | full:N
     compile: bool = False
+    # Inductor settings for the compiled blocks (names in torch._inductor.config), e.g. {combo_kernels: true}: one
+    # kernel for several independent ones. They change how the blocks are compiled, not what they compute; the
+    # trainer's compile check still compares the result with eager before training
+    compile_options: dict[str, Any] = field(default_factory=dict)
     # the compiled blocks as CUDA graphs (torch.compile's reduce-overhead mode): one replay per block and pass
     # instead of ~130 kernel launches from Python, for steps whose host side is slower than the GPU's work
     # (docs/performance.md); one process on CUDA only (FSDP2 gathers the weights anew every step)
@@ -116,6 +120,7 @@ class TrainConfig:
         ac = self.activation_checkpointing
         if ac not in AC_MODES and not (ac.startswith("full:") and ac[5:].isdigit()):
             raise ValueError(f"train.activation_checkpointing must be one of {AC_MODES} or full:N, got {ac!r}")
+        self._check_compile_options()
         if self.cuda_graphs and not self.compile:
             raise ValueError("train.cuda_graphs captures the compiled blocks: it needs train.compile: true")
         if self.cuda_graphs and ac not in ("none", "elementwise"):
@@ -135,6 +140,24 @@ class TrainConfig:
         if self.encoded_variants > 1 and not self.augment:
             raise ValueError(f"train.encoded_variants {self.encoded_variants} with train.augment false would encode "
                              "identical copies: use 1")
+
+    def _check_compile_options(self) -> None:
+        if not self.compile_options:
+            return
+        if not self.compile:
+            raise ValueError("train.compile_options set how the blocks compile: they need train.compile: true")
+        import torch._inductor.config as inductor
+
+        known = inductor.get_config_copy()
+        for key, value in self.compile_options.items():
+            if key not in known or key.startswith("_"):
+                raise ValueError(f"train.compile_options.{key}: not an Inductor setting (torch._inductor.config)")
+            if key == "triton.cudagraphs":
+                raise ValueError("train.compile_options.triton.cudagraphs: set train.cuda_graphs instead")
+            default = known[key]
+            if not isinstance(default, (bool, int, float, str)) or type(value) is not type(default):
+                raise ValueError(f"train.compile_options.{key}: expected a {type(default).__name__} (its default is "
+                                 f"{default!r}), got {value!r}")
 
     def _check_model(self) -> None:
         """A known preset, and overrides that build its args: every numeric model dimension is positive."""

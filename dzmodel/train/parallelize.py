@@ -91,10 +91,12 @@ def block_recompute_plan(mode: str, num_blocks: int) -> list[str]:
     return [mode] * num_blocks
 
 
-def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool, cuda_graphs: bool = False) -> None:
+def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool, cuda_graphs: bool = False,
+                                compile_options: dict | None = None) -> None:
     """Activation recompute per block (see `block_recompute_plan`), and optionally `torch.compile` of each
     block's forward, with `cuda_graphs` in reduce-overhead mode (each compiled forward and backward replayed as a
-    CUDA graph; on CUDA only). The forward is replaced in place, so module names and state-dict keys do not change.
+    CUDA graph; on CUDA only) and `compile_options` (Inductor settings, `train.compile_options`). The forward is
+    replaced in place, so module names and state-dict keys do not change.
 
     Order matters. The elementwise policy must sit inside the compiled region, so the compiler sees it.
     A whole-block checkpoint must wrap the compiled forward: compiling a checkpoint-wrapped forward
@@ -113,12 +115,20 @@ def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool, cuda
             forward = functools.partial(_elementwise_checkpointed, forward)
         if compile:
             block._dz_eager_forward = forward  # kept for `eager_blocks` (the trainer's compile check)
-            forward = torch.compile(forward, mode="reduce-overhead") if cuda_graphs else torch.compile(forward)
+            forward = torch.compile(forward, **compile_kwargs(cuda_graphs, compile_options))
         if plan == "full":
             forward = functools.partial(_checkpointed_forward, forward)
             if compile:
                 block._dz_eager_forward = functools.partial(_checkpointed_forward, block._dz_eager_forward)
         block.forward = forward
+
+
+def compile_kwargs(cuda_graphs: bool, options: dict | None) -> dict:
+    """torch.compile's arguments: reduce-overhead mode for CUDA graphs, which is Inductor's `triton.cudagraphs`
+    setting; with other settings they all go in `options` (torch.compile takes a mode or options, not both)."""
+    if not options:
+        return {"mode": "reduce-overhead"} if cuda_graphs else {}
+    return {"options": {**options, **({"triton.cudagraphs": True} if cuda_graphs else {})}}
 
 
 @contextlib.contextmanager

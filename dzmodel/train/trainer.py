@@ -186,7 +186,8 @@ class Trainer:
                              "memory every step, which a captured graph cannot follow")
         # CUDA graphs exist on CUDA only; elsewhere the compiled blocks run as they are
         apply_recompute_and_compile(model, cfg.activation_checkpointing, cfg.compile,
-                                    cuda_graphs=cfg.cuda_graphs and dev.type == "cuda")
+                                    cuda_graphs=cfg.cuda_graphs and dev.type == "cuda",
+                                    compile_options=cfg.compile_options)
         if self.sharded:
             apply_fsdp(model, cfg.sharding, cfg.precision, cfg.reduce_dtype, dev.type)
         elif self.info.world_size > 1:

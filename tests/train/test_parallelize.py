@@ -189,3 +189,30 @@ def test_cuda_graphs_compile_every_block_in_reduce_overhead_mode_and_need_compil
     with pytest.raises(ValueError, match="train.cuda_graphs with train.activation_checkpointing 'full'"):
         TrainConfig(cuda_graphs=True, compile=True, activation_checkpointing="full")
     TrainConfig(cuda_graphs=True, compile=True, activation_checkpointing="elementwise")
+
+
+def test_compile_options_reach_every_block_and_are_checked(monkeypatch):
+    calls = []
+
+    def fake_compile(fn, **kwargs):
+        calls.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    model = tiny_model()
+    apply_recompute_and_compile(model, "none", compile=True, cuda_graphs=True, compile_options={"combo_kernels": True})
+    # reduce-overhead mode is Inductor's triton.cudagraphs; torch.compile takes a mode or options, not both
+    assert calls == [{"options": {"combo_kernels": True, "triton.cudagraphs": True}}] * len(model.blocks)
+    calls.clear()
+    apply_recompute_and_compile(tiny_model(), "none", compile=True, compile_options={"aggressive_fusion": True})
+    assert calls == [{"options": {"aggressive_fusion": True}}] * len(model.blocks)
+
+    from dzmodel.train.config import TrainConfig
+    TrainConfig(compile=True, compile_options={"combo_kernels": True})
+    for options, error in (({"combo_kernel": True}, r"compile_options.combo_kernel: not an Inductor setting"),
+                           ({"combo_kernels": 1}, r"compile_options.combo_kernels: expected a bool"),
+                           ({"triton.cudagraphs": True}, r"set train.cuda_graphs instead")):
+        with pytest.raises(ValueError, match=error):
+            TrainConfig(compile=True, compile_options=options)
+    with pytest.raises(ValueError, match="need train.compile: true"):
+        TrainConfig(compile_options={"combo_kernels": True})
