@@ -204,3 +204,43 @@ def test_a_segmented_mask_narrowed_to_query_rows_is_those_rows_of_the_mask_and_a
     torch.testing.assert_close(dense, part, atol=1e-12, rtol=1e-12)
     with pytest.raises(ValueError, match="query rows must lie in"):
         plan.for_queries(0, FIXTURE_LAYOUT.seq_len + 1)
+
+
+@pytest.mark.parametrize("layout", SEGMENT_LAYOUTS)
+def test_the_attention_order_is_a_permutation_whose_mask_is_the_mask_permuted(layout):
+    from dzmodel.model.attention import attention_order, reorder_ranges, reorder_tokens
+
+    order = attention_order(layout)
+    index = torch.cat([torch.arange(s, e) for s, e in order])
+    assert torch.equal(index.sort().values, torch.arange(layout.seq_len))  # every token once
+    plan = SegmentedMask.from_layout(layout, order)
+    assert plan.order == order
+    assert torch.equal(plan.dense(), teacher_forcing_mask(layout)[index][:, index])
+    # ranges map both ways: the loss rows gathered back in the layout's order are the rows themselves
+    back = reorder_ranges(((layout.clean_len, layout.seq_len),), order, merge=False)
+    positions = torch.arange(layout.seq_len)
+    moved = reorder_tokens(positions[None, :, None], order)[0, :, 0]
+    assert torch.equal(torch.cat([moved[s:e] for s, e in back]), positions[layout.clean_len:])
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, layout.seq_len, 3, 8, dtype=torch.float64) for _ in range(3))
+    seg = attention(*(reorder_tokens(t, order) for t in (q, k, v)), plan)
+    torch.testing.assert_close(seg, reorder_tokens(attention(q, k, v, teacher_forcing_mask(layout)), order),
+                               atol=1e-12, rtol=1e-12)
+
+
+def test_in_the_attention_order_the_groups_are_views():
+    """The cheap check behind the order (docs/results.md, round 17): at libero_object's shape each noisy block's
+    queries are one range, and so are the last block's keys and the clean block's; another block's keys are two
+    ranges (the clean prefix and its own block), where the layout's own order gathers four. One range is a view of
+    q, k and v; several are copied together for every call."""
+    from dzmodel.model.attention import attention_order
+
+    layout = TeacherForcingLayout(num_blocks=2, frame_seqlen=128, num_frame_per_block=2, num_action_per_block=16,
+                                  num_state_per_block=1, clean_blocks=1)
+    assert layout.seq_len == 1058
+    count = lambda plan: [(len(q), len(k)) for q, k in plan.groups]  # noqa: E731
+    assert count(SegmentedMask.from_layout(layout)) == [(1, 1), (2, 4), (2, 4)]
+    ordered = SegmentedMask.from_layout(layout, attention_order(layout))
+    assert count(ordered) == [(1, 1), (1, 2), (1, 1)]
+    copied = lambda plan: sum(sum(e - s for s, e in k) for q, k in plan.groups if len(k) > 1)  # noqa: E731
+    assert copied(SegmentedMask.from_layout(layout)) == 401 + 657 and copied(ordered) == 401
