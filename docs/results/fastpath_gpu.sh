@@ -66,7 +66,6 @@ def _apply(self, x):  # RoPE as before round 16: pairs selected, rotated and sta
 w.Rope.apply = _apply" ;;
     fulllast) echo "import dzmodel.model.wam as w; w.narrows_queries = lambda mask: False  # the last block over every row" ;;
     combo) echo "import torch._inductor.config as i; i.combo_kernels = True" ;;
-    stdorder) echo "import dzmodel.model.wam as w; w.attention_order = lambda layout: None  # the layout's own token order" ;;
     qk32) echo "import torch, dzmodel.model.wan_dit as w
 def _norm(self, x):  # the norm before q and k kept the input's dtype: fp32 q and k under autocast
     xf = x.float()

@@ -197,9 +197,6 @@ class SegmentedMask:
     groups: tuple
     self_ranges: tuple
     query_rows: tuple[int, int] | None = None
-    # The token order the ranges refer to: None, the layout's own; else `attention_order`'s pieces of it, which the
-    # model's forward applies to the tokens before the blocks (`reorder_tokens`)
-    order: tuple[tuple[int, int], ...] | None = None
 
     @property
     def rows(self) -> tuple[int, int]:
@@ -216,20 +213,10 @@ class SegmentedMask:
         inside = tuple((s, e) for s, e in self.self_ranges if start <= s and e <= end)
         groups += [(clip(((s, e),)), ((s, e),)) for s, e in self.self_ranges
                    if (s, e) not in inside and clip(((s, e),))]
-        return SegmentedMask(self.seq_len, tuple(groups), inside, (start, end), self.order)
+        return SegmentedMask(self.seq_len, tuple(groups), inside, (start, end))
 
     @staticmethod
-    def from_layout(layout: TeacherForcingLayout, order: tuple[tuple[int, int], ...] | None = None) -> "SegmentedMask":
-        """The layout's mask as rectangles; with `order` (`attention_order(layout)`), for the tokens in that order."""
-        plan = SegmentedMask._from_layout(layout)
-        if order is None:
-            return plan
-        groups = tuple((reorder_ranges(q, order), reorder_ranges(k, order)) for q, k in plan.groups)
-        self_ranges = tuple(r for s, e in plan.self_ranges for r in reorder_ranges(((s, e),), order))
-        return SegmentedMask(plan.seq_len, groups, self_ranges, order=order)
-
-    @staticmethod
-    def _from_layout(layout: TeacherForcingLayout) -> "SegmentedMask":
+    def from_layout(layout: TeacherForcingLayout) -> "SegmentedMask":
         fs, bs, K = layout.frame_seqlen, layout.num_frame_per_block * layout.frame_seqlen, layout.num_blocks
         A, S, V = layout.num_action_per_block, layout.num_state_per_block, layout.video_len
         C = layout.clean_len  # the noisy copy starts here
@@ -265,55 +252,6 @@ class SegmentedMask:
             if e > s:
                 by_length.setdefault(e - s, []).append((s, e))
         return {n: tuple(r) for n, r in by_length.items()}
-
-
-def attention_order(layout: TeacherForcingLayout) -> tuple[tuple[int, int], ...]:
-    """A token order for the segments backend: [clean copy | current block K-1 | ... | current block 0 | noisy frame 0],
-    where current block i = noisy block i, action block i, state block i; as (start, end) pieces of the layout's own
-    order. Each noisy block's queries (its video and action tokens) are then one range, and so are the keys of the
-    last block (the clean copy and its current block: the largest group), so those are views, not gathered copies;
-    another block's keys are two ranges instead of four. The rows that the loss reads, and the state tokens, form
-    one range after the clean copy, which the last layer narrows to."""
-    fs, bs, K = layout.frame_seqlen, layout.num_frame_per_block * layout.frame_seqlen, layout.num_blocks
-    A, S = layout.num_action_per_block, layout.num_state_per_block
-    C = layout.clean_len
-    f0 = fs if layout.noisy_first_frame else 0
-    R = C + layout.video_len
-    pieces = [(0, C)]
-    for i in reversed(range(K)):
-        pieces += [(C + f0 + i * bs, C + f0 + (i + 1) * bs), (R + i * A, R + (i + 1) * A),
-                   (R + K * A + i * S, R + K * A + (i + 1) * S)]
-    pieces.append((C, C + f0))
-    return tuple((s, e) for s, e in pieces if e > s)
-
-
-def reorder_ranges(ranges, order: tuple[tuple[int, int], ...], merge: bool = True) -> tuple[tuple[int, int], ...]:
-    """Token ranges of the layout's own order as ranges of `order` (its pieces, in the new order). merge: sorted by
-    new position and adjacent ones joined (a set of tokens, as attention groups take them); else each range's parts
-    in their original order (to gather rows back into the layout's order)."""
-    parts = []
-    for s, e in ranges:
-        found, new_start = [], 0
-        for ps, pe in order:
-            lo, hi = max(s, ps), min(e, pe)
-            if hi > lo:
-                found.append((lo, new_start + lo - ps, new_start + hi - ps))
-            new_start += pe - ps
-        parts += [(a, b) for _, a, b in sorted(found)]  # in the range's own order
-    if not merge:
-        return tuple(parts)
-    merged: list[list[int]] = []
-    for s, e in sorted(parts):
-        if merged and merged[-1][1] == s:
-            merged[-1][1] = e
-        else:
-            merged.append([s, e])
-    return tuple((s, e) for s, e in merged)
-
-
-def reorder_tokens(x: torch.Tensor, order: tuple[tuple[int, int], ...], dim: int = 1) -> torch.Tensor:
-    """x's token dim in `order` (one copy)."""
-    return torch.cat([x.narrow(dim, s, e - s) for s, e in order], dim=dim)
 
 
 def _take(x: torch.Tensor, ranges) -> torch.Tensor:

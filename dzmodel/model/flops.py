@@ -4,8 +4,7 @@ Forward FLOPs, counting a multiply-add as 2:
   per layer: linear  = 2·L·(4d² + 2d² + 2d·ffn) + 2·C·2d²   (self qkvo, cross q/o, FFN; cross K/V on C context tokens)
              self    = 4·d·P                                   (P = allowed (query, key) pairs of the mask)
              cross   = 4·d·L·C
-  the last layer: the same for its R rows after the clean copy (the noisy video and the actions, which the loss
-             reads, and the state tokens, which lie between them in the segments' token order), with
+  the last layer: the same for its R output rows (the noisy video and the actions, what the loss reads), with
              k and v of all L tokens: 2·L·2d² + 2·R·(2d² + 2d² + 2d·ffn) + 2·C·2d², 4·d·P_R, 4·d·R·C
   outside:   time MLP once per timestep group 2·T·(f·d + 7d²) (T = 1 + noisy frames + action + state tokens: what forward runs),
              text/CLIP embedders, patch conv, head, action/state MLPs.
@@ -59,14 +58,13 @@ def wam_forward_flops(args: Any, layout: TeacherForcingLayout) -> FlopsBreakdown
     """args: a DreamZeroArgs (not imported: `DreamZeroArgs.flops` calls this, so this module sits below args.py)."""
     d, ffn, n = args.dim, args.ffn_dim, args.num_layers
     L = layout.seq_len
-    R = layout.seq_len - layout.clean_len  # the last layer's rows: every row after the clean copy
+    R = layout.video_len + layout.action_len  # the last layer's output rows
     C = args.text_len + args.clip_tokens
     # a one-token state block attends only itself: its output is its value, and no attention is computed for it
     P = allowed_pairs(layout) - (layout.num_blocks if layout.num_state_per_block == 1 else 0)
     linear = ((n - 1) * 2 * L * (4 * d * d + 2 * d * d + 2 * d * ffn) + 2 * L * 2 * d * d
               + 2 * R * (2 * d * d + 2 * d * d + 2 * d * ffn) + n * 2 * C * 2 * d * d)
-    state_pairs = layout.num_blocks * layout.num_state_per_block ** 2 - (layout.num_blocks if layout.num_state_per_block == 1 else 0)
-    self_attn = (n - 1) * 4 * d * P + 4 * d * (output_pairs(layout) + state_pairs)
+    self_attn = (n - 1) * 4 * d * P + 4 * d * output_pairs(layout)
     cross_attn = (n - 1) * 4 * d * L * C + 4 * d * R * C
     patch = 2 * (layout.clean_len + layout.video_len) * args.in_dim * 4 * d * 1  # both copies; kernel (1,2,2)
     head = 2 * layout.video_len * d * 4 * args.out_dim

@@ -26,9 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .args import DreamZeroArgs
-from .attention import (AttnMask, SegmentedMask, TeacherForcingLayout, attention_order, latent_layout,
-                        mask_for_queries, narrows_queries, reorder_ranges, reorder_tokens, teacher_forcing_block_mask,
-                        teacher_forcing_mask)
+from .attention import (AttnMask, SegmentedMask, TeacherForcingLayout, latent_layout, mask_for_queries,
+                        narrows_queries, teacher_forcing_block_mask, teacher_forcing_mask)
 from .packing import PackedLayout
 from .wan_dit import GroupedModulation, Modulation, Rope, WanAttentionBlock, WanModel, rope_angles
 
@@ -151,8 +150,8 @@ class DreamZeroWAM(WanModel):
             return teacher_forcing_block_mask(layout, device=device)
         if backend == "sdpa":
             return teacher_forcing_mask(layout, device=device)
-        if backend == "segments":  # in the token order whose attention groups are views (`attention_order`)
-            return SegmentedMask.from_layout(layout, attention_order(layout))
+        if backend == "segments":
+            return SegmentedMask.from_layout(layout)
         raise ValueError(f"attention backend must be 'auto', 'flex', 'segments' or 'sdpa', got {backend!r}")
 
     # -- training forward ------------------------------------------------------
@@ -180,30 +179,18 @@ class DreamZeroWAM(WanModel):
         if mask is None:
             mask = self.make_mask(layout, attn_backend, x.device)
 
-        # The loss reads the noisy video and the actions only: the last block computes the rows after the clean copy
-        # alone (those, and the few state tokens, which lie between them in the segments' order; the clean copy still
-        # gives it keys and values). The same outputs and gradients.
+        # The loss reads the noisy video and the actions only: the last block computes those rows alone (the
+        # clean copy and the states still give it keys and values). The same outputs and gradients.
         c, n = layout.clean_len, layout.video_len
-        rows = (c, layout.seq_len)
-        e0, rope = seq.e0, seq.rope
-        order = mask.order if isinstance(mask, SegmentedMask) else None
-        if order:  # the tokens in the mask's order (`attention_order`): the loss rows and states after the clean copy
-            x = reorder_tokens(x, order)
-            e0 = GroupedModulation.cat([e0.rows(s, e) for s, e in order])
-            rope = Rope.cat([rope.rows(s, e) for s, e in order])
-            moved = reorder_ranges((rows,), order)
-            rows = (moved[0][0], moved[-1][1])
+        rows = (c, c + n + layout.action_len)
         narrow = narrows_queries(mask)
         for i, block in enumerate(self.blocks):
             if narrow and i == len(self.blocks) - 1:
-                x = block(x, e0, rope, text, image, mask_for_queries(mask, *rows), rows=rows)
+                x = block(x, seq.e0, seq.rope, text, image, mask_for_queries(mask, *rows), rows=rows)
             else:
-                x = block(x, e0, rope, text, image, mask)
+                x = block(x, seq.e0, seq.rope, text, image, mask)
         if not narrow:
             x = x[:, rows[0]:rows[1]]
-        if order:  # back to [noisy video | actions] in the layout's order
-            back = reorder_ranges(((c, c + n + layout.action_len),), order, merge=False)
-            x = torch.cat([x[:, s - rows[0]:e - rows[0]] for s, e in back], dim=1)
         return self.outputs(x, seq)
 
     def embed_sequence(self, noisy_latents: torch.Tensor, clean_latents: torch.Tensor, timestep: torch.Tensor,

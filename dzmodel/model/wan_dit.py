@@ -287,18 +287,6 @@ class GroupedModulation:
         first, last = touched[0][0], touched[-1][0]
         return GroupedModulation(self.e0[:, first:last + 1], tuple((n, size) for n, size in runs))
 
-    @staticmethod
-    def cat(parts: "list[GroupedModulation]") -> "GroupedModulation":
-        """The modulations of consecutive token pieces as one (adjacent runs of one size joined)."""
-        runs: list[list[int]] = []
-        for part in parts:
-            for n, size in part.runs:
-                if runs and runs[-1][1] == size:
-                    runs[-1][0] += n
-                else:
-                    runs.append([n, size])
-        return GroupedModulation(torch.cat([p.e0 for p in parts], dim=1), tuple((n, size) for n, size in runs))
-
     def per_token(self) -> torch.Tensor:
         """The equivalent per-token e0 [B, L, 6, dim] (for checks)."""
         sizes = torch.tensor([size for n, size in self.runs for _ in range(n)], device=self.e0.device)
