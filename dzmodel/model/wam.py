@@ -246,6 +246,11 @@ class DreamZeroWAM(WanModel):
         action_pred = self.action_decoder(x[:, n:n + seq.layout.action_len])
         return WAMOutput(video_pred=self.unpatchify(video, seq.grid), action_pred=action_pred)
 
+    def sequence_length(self, sample: dict) -> int:
+        """Tokens of one sample's training sequence (`forward`'s keys; what a packed buffer budgets for it)."""
+        latents = sample["noisy_latents"]
+        return latent_layout(self.args, tuple(latents.shape[-2:]), latents.shape[2]).seq_len
+
     def forward_packed(self, samples: Sequence[dict], capacity: int | None = None,
                        residual_dtype: torch.dtype | None = None, attn_backend: str = "segments") -> list[WAMOutput]:
         """Several samples, each a dict of `forward`'s tensors with a batch of one, packed into one sequence of

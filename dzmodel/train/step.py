@@ -25,6 +25,7 @@ from ..model.conditioning import EncodedBatch, encode_batch
 from ..model.lora import trainable_parameters
 from ..model.objective import (FlowMatchSchedule, Losses, action_timestep_ids, flow_matching_losses,
                                tie_timestep_ids)
+from ..model.packing import pack_first_fit
 from ..model.wam import DreamZeroWAM
 
 # Keys of a batch that are already encoded (a `dz cache` batch, or a benchmark's synthetic one).
@@ -73,6 +74,7 @@ class TrainStep:
         self.params = [p for _, p in self.named_params]
         self.ema: dict[str, torch.Tensor] | None = None  # `enable_ema`
         self.prompt_dropout, self.null_context = 0.0, None  # `enable_prompt_dropout`
+        self.pack_capacity: int | None = None  # tokens per buffer for packed micro-batches (lists of samples)
         self.schedule = FlowMatchSchedule()
         if noise_on not in ("device", "cpu"):
             raise ValueError(f"noise_on must be 'device' or 'cpu', got {noise_on!r}")
@@ -196,17 +198,63 @@ class TrainStep:
                                     actions, noise_a, ids[:, first:], aids, batch["action_mask"],
                                     batch["has_real_action"])
 
+    def packed_losses(self, samples: list[dict[str, torch.Tensor]], capacity: int | None = None) -> Losses:
+        """A micro-batch of samples that may differ in shape (embodiments with other cameras, frame sizes and
+        chunk counts; action and state dims within the model's, padded and masked as `losses` pads them), packed
+        into buffers of `capacity` tokens (first-fit; default: one buffer of them all) where each sample attends
+        only its own tokens and its own context (`DreamZeroWAM.forward_packed`). Each sample is one dict of
+        `losses`'s keys with a batch of one, and gets the very draws and loss it would get alone; the losses are
+        the mean over samples."""
+        if not samples:
+            raise ValueError("a packed micro-batch needs at least one sample")
+        if not self.denoise_first_frame:
+            raise ValueError("packing runs upstream's sequence: train.denoise_first_frame must be true")
+        dev, s = self.device, self.schedule
+        inputs, targets = [], []
+        for i, sample in enumerate(samples):
+            if "position" not in sample:
+                raise ValueError(f"packed sample {i} has no 'position' (its stream position seeds its noise)")
+            position = sample["position"].cpu()
+            if position.numel() != 1:
+                raise ValueError(f"packed sample {i} holds {position.numel()} samples: pack samples of one each")
+            sample = {k: v.to(dev, non_blocking=True) for k, v in sample.items() if k != "position"}
+            enc = self.encode(sample)
+            latents, actions = enc.clean_latents.float(), sample["action"]
+            ids, aids, noise, noise_a = self.draws(position, latents.shape, actions.shape)
+            noise_a = noise_a * sample["action_mask"]
+            context = enc.context
+            if self.prompt_dropout and self.dropped_prompts(position)[0]:
+                context = self.null_context.to(context.dtype)
+            inputs.append(dict(noisy_latents=s.add_noise(latents, noise, ids, 2), clean_latents=latents,
+                               timestep=s.timestep(ids), noisy_actions=s.add_noise(actions, noise_a, aids, 1),
+                               timestep_action=s.timestep(aids), state=sample["state"], context=context,
+                               clip_feature=enc.clip_feature, y=enc.y))
+            targets.append((latents, noise, actions, noise_a, ids, aids, sample["action_mask"],
+                            sample["has_real_action"]))
+        lengths = [self.model.sequence_length(x) for x in inputs]
+        buffers = pack_first_fit(lengths, capacity or sum(lengths))
+        outputs: dict[int, object] = {}
+        for members in buffers:
+            outs = self.model.forward_packed([inputs[i] for i in members], capacity or sum(lengths),
+                                             residual_dtype=self.residual_dtype)
+            outputs.update(zip(members, outs))
+        per_sample = [flow_matching_losses(s, outputs[i].video_pred, outputs[i].action_pred, *targets[i])
+                      for i in range(len(samples))]
+        mean = lambda field: torch.stack([getattr(x, field) for x in per_sample]).mean()  # noqa: E731
+        return Losses(loss=mean("loss"), dynamics_loss=mean("dynamics_loss"), action_loss=mean("action_loss"))
+
     # -- the step ---------------------------------------------------------------------------------
 
-    def forward_backward(self, batches: Iterable[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """`accumulation` micro-batches of forward and backward; returns the mean losses [3] on the device."""
+    def forward_backward(self, batches: Iterable) -> torch.Tensor:
+        """`accumulation` micro-batches of forward and backward; returns the mean losses [3] on the device. A
+        micro-batch is a collated dict, or a list of one-sample dicts to pack (`packed_losses`)."""
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
         cuda = self.device.type == "cuda"
         count = 0
         for batch in itertools.islice(batches, self.accumulation):
             before = torch.cuda.memory_allocated(self.device) if cuda else 0
             with self.compute_dtype():
-                losses = self.losses(batch)
+                losses = self.packed_losses(batch, self.pack_capacity) if isinstance(batch, list) else self.losses(batch)
             if cuda:
                 self.activation_bytes = torch.cuda.memory_allocated(self.device) - before
             (losses.loss / self.accumulation).backward()

@@ -207,3 +207,70 @@ def test_without_the_noisy_first_frame_the_loss_leaves_out_frame_0_and_nothing_e
     torch.testing.assert_close(without.dynamics_loss, want.dynamics_loss, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(without.action_loss, whole.action_loss, atol=1e-6, rtol=1e-5)
     assert not torch.allclose(without.dynamics_loss, whole.dynamics_loss)
+
+
+def _embodiment_sample(args, latent_hw, blocks, action_dims, state_dims, position, seed):
+    """One encoded sample (a batch of one) of an embodiment: its own latent grid (cameras and frame size), chunk
+    count, and action and state dims within the model's (padded and masked, as the collator pads them)."""
+    from dzmodel.model.synthetic import training_sample
+
+    g = torch.Generator().manual_seed(seed)
+    x = training_sample(args, latent_hw, g, blocks=blocks)
+    rows = blocks * args.num_action_per_block
+    mask = torch.zeros(1, rows, args.action_dim, dtype=torch.bool)
+    mask[..., :action_dims] = True
+    state = torch.zeros(1, blocks * args.num_state_per_block, args.max_state_dim)
+    state[..., :state_dims] = torch.rand(1, state.shape[1], state_dims, generator=g)
+    return {"clean_latents": x["clean_latents"], "context": x["context"], "clip_feature": x["clip_feature"],
+            "state": state, "action": (torch.rand(1, rows, args.action_dim, generator=g) * 2 - 1) * mask,
+            "action_mask": mask, "has_real_action": torch.ones(1, dtype=torch.bool),
+            "position": torch.tensor([position])}
+
+
+def _mixture(args, first_position=0):
+    """A LIBERO-like sample (two views side by side, 2 chunks, 7-dim actions) and a G1-like one (one camera,
+    1 chunk, 26-dim joint actions), twice each."""
+    shapes = [((4, 6), 2, 7, 8), ((4, 4), 1, 26, 26)] * 2
+    return [_embodiment_sample(args, hw, blocks, a, s, first_position + i, seed=i)
+            for i, (hw, blocks, a, s) in enumerate(shapes)]
+
+
+def _packing_step(seed=0):
+    from dzmodel.model.args import preset
+    from dzmodel.model.wam import DreamZeroWAM
+
+    torch.manual_seed(seed)
+    model = DreamZeroWAM(preset("tiny", action_dim=32, max_state_dim=32)).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return TrainStep(model, optimizer, attn_backend="sdpa")
+
+
+def test_a_packed_micro_batch_gives_each_sample_the_loss_it_gets_alone():
+    step = _packing_step()
+    samples = _mixture(step.args)
+    with torch.no_grad():
+        packed = step.packed_losses(samples)
+        alone = [step.losses(s) for s in samples]
+        split = step.packed_losses(samples, capacity=max(step.model.sequence_length(
+            {"noisy_latents": s["clean_latents"]}) for s in samples) + 40)  # several buffers
+    for field in ("loss", "dynamics_loss", "action_loss"):
+        expected = torch.stack([getattr(x, field) for x in alone]).mean()
+        torch.testing.assert_close(getattr(packed, field), expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(getattr(split, field), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mixture_of_embodiments_trains_two_packed_steps():
+    step = _packing_step()
+    before = {n: p.detach().clone() for n, p in step.model.named_parameters()}
+    losses = []
+    for k in range(2):
+        out = step(iter([_mixture(step.args, first_position=4 * k)]))
+        (loss, _, _), grad_norm = out.read()
+        losses.append(loss)
+        assert grad_norm > 0
+    assert all(torch.isfinite(torch.tensor(losses)))
+    moved = [n for n, p in step.model.named_parameters() if not torch.equal(p, before[n])]
+    assert "action_encoder.W1.W" in moved and "blocks.0.self_attn.q.weight" in moved
+    step.pack_capacity = 10
+    with pytest.raises(ValueError, match="more than a buffer of 10: raise the capacity"):
+        step(iter([_mixture(step.args)]))
