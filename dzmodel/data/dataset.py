@@ -225,12 +225,15 @@ class WindowDataset:
 class MixtureDataset(torch.utils.data.Dataset):
     """Index with (dataset id, anchor, global position) tuples from a `StreamSampler`."""
 
-    def __init__(self, datasets: Sequence[WindowDataset]):
+    def __init__(self, datasets: Sequence[WindowDataset], same_frame_size: bool = True):
+        """same_frame_size: refuse datasets whose frames differ (a collated batch stacks them); packing
+        (`train.packing`) runs samples of any size."""
         if not datasets:
             raise DataError("a mixture needs at least one dataset")
         sizes = {tuple(d.emb.image_size) for d in datasets}
-        if len(sizes) > 1:
-            raise DataError(f"datasets in one mixture must lay out to the same frame size, got {sorted(sizes)}")
+        if same_frame_size and len(sizes) > 1:
+            raise DataError(f"datasets in one mixture must lay out to the same frame size, got {sorted(sizes)}: "
+                            "set train.packing: true to train them together")
         self.datasets = list(datasets)
 
     def __len__(self) -> int:

@@ -26,6 +26,10 @@ class TrainConfig:
     dataset_weights: list[float] | None = field(default=None, metadata={"gt": 0, "max": 1e6})  # relative
     embodiment: str = "libero_sim"
     embodiment_files: list[str] = field(default_factory=list)
+    # one embodiment tag per dataset, for a mixture of robots (default: `embodiment` for all); `embodiment` stays
+    # the one the converted model is packaged and served for. Each dataset is normalised with its own tag's
+    # statistics in `metadata` (`dz data metadata --merge` adds a tag to a file)
+    dataset_embodiments: list[str] = field(default_factory=list)
     metadata: str | None = None             # metadata.json with the embodiment's statistics
     tokenizer: str | None = None            # local HF tokenizer dir (built offline for the tiny preset if missing)
     num_workers: int = field(default=0, metadata={"min": 0, "max": 256})
@@ -42,6 +46,12 @@ class TrainConfig:
     # augmented K times and encoded once per copy, on the device; pass e over the data trains on copy e mod K. The
     # encoders then cost K passes instead of one per epoch (docs/training.md)
     encoded_variants: int = field(default=0, metadata={"min": 0})
+    # Sequence packing: each micro-batch's samples, which may differ in cameras, frame size, chunk count and action
+    # and state dims (a mixture of embodiments), run as token sequences packed into buffers where each attends only
+    # its own tokens and context; each sample's loss is the one it gets alone. pack_capacity: tokens per buffer
+    # (0: one buffer holds the micro-batch)
+    packing: bool = False
+    pack_capacity: int = field(default=0, metadata={"min": 0})
     # optimisation (reference §5.1)
     steps: int = field(default=100, metadata={"min": 1})
     # when set, the run's length in passes over the training windows (one per anchor frame): steps becomes
@@ -135,6 +145,14 @@ class TrainConfig:
         if self.data_on_device and self.cache:
             raise ValueError("train.data_on_device decodes the recording and encodes every micro-batch live (its "
                              "augmented frames are not in a `dz cache`): unset train.cache or data_on_device")
+        if self.dataset_embodiments and len(self.dataset_embodiments) != len(self.datasets):
+            raise ValueError(f"train.dataset_embodiments: one tag per dataset, got {len(self.dataset_embodiments)} for "
+                             f"{len(self.datasets)} datasets")
+        if self.packing and (self.data_on_device or self.cache):
+            raise ValueError("train.packing runs the loader's samples one by one through the encoders: it needs "
+                             "train.data_on_device: false and no train.cache")
+        if self.pack_capacity and not self.packing:
+            raise ValueError("train.pack_capacity sizes packed buffers: set train.packing: true")
         if self.encoded_variants and not self.data_on_device:
             raise ValueError("train.encoded_variants needs train.data_on_device: true (the copies are encoded from the "
                              "frames on the device)")

@@ -243,18 +243,24 @@ class Trainer:
             raise DataError("train.datasets is empty: give at least one LeRobot dataset directory")
         if not cfg.metadata:
             raise DataError("train.metadata is required (run `dz data metadata`): actions are q99-normalised")
-        emb = get_embodiment(cfg.embodiment, load_embodiments(cfg.embodiment_files))
-        if emb.action_horizon != a.num_action_per_block:
-            raise DataError(f"embodiment {emb.tag!r} has action_horizon {emb.action_horizon}, the model preset "
-                            f"{cfg.preset!r} has num_action_per_block {a.num_action_per_block}")
-        stats = load_statistics(cfg.metadata, emb.tag)
-        spec = WindowSpec(a.max_chunk_size, emb.action_horizon, 4 * a.num_frame_per_block, emb.sampling)
-        self.datasets = [training_windows(p, emb, spec, stats, cfg) for p in cfg.datasets]
+        known = load_embodiments(cfg.embodiment_files)
+        tags = cfg.dataset_embodiments or [cfg.embodiment] * len(cfg.datasets)
+        embodiments = [get_embodiment(tag, known) for tag in tags]
+        for emb in embodiments:
+            if emb.action_horizon != a.num_action_per_block:
+                raise DataError(f"embodiment {emb.tag!r} has action_horizon {emb.action_horizon}, the model preset "
+                                f"{cfg.preset!r} has num_action_per_block {a.num_action_per_block}")
+        self.datasets = [
+            training_windows(path, emb, WindowSpec(a.max_chunk_size, emb.action_horizon, 4 * a.num_frame_per_block,
+                                                   emb.sampling), load_statistics(cfg.metadata, emb.tag), cfg)
+            for path, emb in zip(cfg.datasets, embodiments)]
         self.stream = SampleStream([len(d) for d in self.datasets], cfg.dataset_weights, seed=cfg.seed,
                                    rank=self.info.rank, world_size=self.info.world_size)
         tokenizer = self._tokenizer()
         self.collate = Collator(tokenizer, a.text_len, a.max_state_dim, a.action_dim)
-        self.embodiment = emb
+        if cfg.packing:  # one-sample batches, packed by the step (`TrainStep.packed_losses`)
+            self.collate = OneByOne(self.collate)
+            self.step.pack_capacity = cfg.pack_capacity or None
         if cfg.data_on_device:  # the whole recording decoded once onto the device; no loader workers
             from ..data.device_dataset import DeviceData
 
@@ -266,9 +272,12 @@ class Trainer:
                       f"{self.device_data.nbytes / 2**30:.2f} GiB on {self.info.device} in "
                       f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
         vae_factor = 16 if isinstance(self.encoders.vae, WanVideoVAE38) else 8
-        h, w = emb.image_size
-        self.flops_per_sample = a.flops((h // vae_factor, w // vae_factor),
-                                        noisy_first_frame=cfg.denoise_first_frame).train()
+        # a mixture: each dataset's sequence, weighted as the stream samples the datasets
+        weights = cfg.dataset_weights or [1.0] * len(embodiments)
+        self.flops_per_sample = sum(
+            w * a.flops((e.image_size[0] // vae_factor, e.image_size[1] // vae_factor),
+                        noisy_first_frame=cfg.denoise_first_frame).train()
+            for w, e in zip(weights, embodiments)) / sum(weights)
         if cfg.prompt_dropout:
             null = encode_prompts(tokenizer, self.encoders.text_encoder, [NULL_PROMPT], a.text_len, self.info.device)
             self.step.enable_prompt_dropout(cfg.prompt_dropout, null)
@@ -334,7 +343,8 @@ class Trainer:
         self.stream.position = position
         if self.device_data is not None:
             return self.device_data.batches(self.stream, self.cfg.micro_batch)
-        dataset = self.cached if self.cached is not None else MixtureDataset(self.datasets)
+        dataset = self.cached if self.cached is not None else MixtureDataset(self.datasets,
+                                                                             same_frame_size=not self.cfg.packing)
         return torch.utils.data.DataLoader(
             dataset, batch_size=self.cfg.micro_batch, sampler=StreamSampler(self.stream),
             collate_fn=self.collate, num_workers=self.cfg.num_workers, pin_memory=self.info.device.type == "cuda",
@@ -454,6 +464,16 @@ class Trainer:
         out: list = [None] * self.info.world_size
         dist.all_gather_object(out, consumed)
         return {str(r): int(c) for r, c in enumerate(out)}
+
+
+class OneByOne:
+    """A collate function for packing: each sample collated alone (a list of one-sample batches)."""
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, samples):
+        return [self.collate([s]) for s in samples]
 
 
 def train(cfg: TrainConfig, sink: MetricsSink | None = None, overwrite: bool = False) -> list[dict]:

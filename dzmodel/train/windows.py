@@ -46,10 +46,13 @@ def size_to_embodiment(cfg: TrainConfig) -> TrainConfig:
     if cfg.preset not in OFFLINE_PRESETS or not cfg.metadata or not Path(cfg.metadata).is_file():
         return cfg
     args = preset(cfg.preset, **cfg.model_overrides)
-    emb = get_embodiment(cfg.embodiment, load_embodiments(cfg.embodiment_files))
-    stats = load_statistics(cfg.metadata, emb.tag)
-    state_stats, action_stats = embodiment_stats(stats, emb, cfg.metadata)
-    widths = {"state": len(state_stats.q01), "action": len(action_stats.q01)}
+    known = load_embodiments(cfg.embodiment_files)
+    widths = {"state": 0, "action": 0}
+    for tag in dict.fromkeys([cfg.embodiment, *cfg.dataset_embodiments]):  # a mixture: the widest of its robots
+        emb = get_embodiment(tag, known)
+        state_stats, action_stats = embodiment_stats(load_statistics(cfg.metadata, emb.tag), emb, cfg.metadata)
+        widths = {"state": max(widths["state"], len(state_stats.q01)),
+                  "action": max(widths["action"], len(action_stats.q01))}
     sized = {}
     for field_name, group in (("max_state_dim", "state"), ("action_dim", "action")):
         if field_name not in cfg.model_overrides and widths[group] > getattr(args, field_name):
@@ -57,5 +60,6 @@ def size_to_embodiment(cfg: TrainConfig) -> TrainConfig:
     if not sized:
         return cfg
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"preset {cfg.preset!r} sized to embodiment {emb.tag!r}: {sized} (model_overrides)", file=sys.stderr)
+        tags = ", ".join(dict.fromkeys([cfg.embodiment, *cfg.dataset_embodiments]))
+        print(f"preset {cfg.preset!r} sized to embodiment {tags}: {sized} (model_overrides)", file=sys.stderr)
     return replace(cfg, model_overrides={**cfg.model_overrides, **sized})
