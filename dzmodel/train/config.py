@@ -151,6 +151,9 @@ class TrainConfig:
         if self.packing and (self.data_on_device or self.cache):
             raise ValueError("train.packing runs the loader's samples one by one through the encoders: it needs "
                              "train.data_on_device: false and no train.cache")
+        if self.packing and self.compile:
+            raise ValueError("train.packing runs its buffers' blocks eagerly (each micro-batch packs to other shapes, "
+                             "which compiled blocks would recompile for): set train.compile: false")
         if self.pack_capacity and not self.packing:
             raise ValueError("train.pack_capacity sizes packed buffers: set train.packing: true")
         if self.encoded_variants and not self.data_on_device:

@@ -66,3 +66,5 @@ def test_packing_settings_are_checked():
         TrainConfig(packing=True, data_on_device=True)
     with pytest.raises(ValueError, match="set train.packing: true"):
         TrainConfig(pack_capacity=4096)
+    with pytest.raises(ValueError, match="blocks eagerly.*set train.compile: false"):
+        TrainConfig(packing=True, compile=True)
