@@ -30,6 +30,9 @@ from ..model.wam import DreamZeroWAM
 
 # Keys of a batch that are already encoded (a `dz cache` batch, or a benchmark's synthetic one).
 ENCODED_KEYS = ("clean_latents", "context", "clip_feature")
+# DreamZeroWAM.forward's positional arguments, in order (`noised` gives them by name)
+FORWARD_POSITIONAL = ("noisy_latents", "clean_latents", "timestep", "noisy_actions", "timestep_action", "state",
+                      "context", "clip_feature")
 
 
 @dataclass
@@ -164,9 +167,11 @@ class TrainStep:
 
         return EncodedBatch(cat("clean_latents"), cat("context"), cat("clip_feature"), cat("y"))
 
-    def losses(self, batch: dict[str, torch.Tensor]) -> Losses:
-        """One micro-batch's losses (no backward). `batch` follows dzmodel.data.collate or the cache's layout and
-        carries each sample's stream `position`; it may still be on the host (copied without a sync)."""
+    def noised(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], tuple]:
+        """One micro-batch made ready for the model: `forward`'s inputs (the latents and actions noised with each
+        sample's draws, the context after prompt dropout) and the loss's targets (`flow_matching_losses`' arguments
+        after the predictions). `batch` follows dzmodel.data.collate or the cache's layout and carries each sample's
+        stream `position`; it may still be on the host (copied without a sync)."""
         if "position" not in batch:
             raise ValueError("the batch has no 'position' (each sample's stream position seeds its noise)")
         positions = batch["position"].cpu()
@@ -189,14 +194,22 @@ class TrainStep:
                 use_null = torch.tensor(dropped).to(dev, non_blocking=True)[:, None, None]
                 context = torch.where(use_null, self.null_context.to(context.dtype), context)
         s = self.schedule
-        out = self.model(s.add_noise(latents, noise, ids, 2), latents, s.timestep(ids),
-                         s.add_noise(actions, noise_a, aids, 1), s.timestep(aids), batch["state"],
-                         context, enc.clip_feature, y=enc.y, mask=self.mask(latents.shape),
+        inputs = dict(noisy_latents=s.add_noise(latents, noise, ids, 2), clean_latents=latents,
+                      timestep=s.timestep(ids), noisy_actions=s.add_noise(actions, noise_a, aids, 1),
+                      timestep_action=s.timestep(aids), state=batch["state"], context=context,
+                      clip_feature=enc.clip_feature, y=enc.y)
+        return inputs, (latents, noise, actions, noise_a, ids, aids, batch["action_mask"], batch["has_real_action"])
+
+    def losses(self, batch: dict[str, torch.Tensor]) -> Losses:
+        """One micro-batch's losses (no backward); `batch` as `noised` takes it."""
+        inputs, (latents, noise, *rest) = self.noised(batch)
+        out = self.model(*(inputs[k] for k in FORWARD_POSITIONAL), y=inputs["y"], mask=self.mask(latents.shape),
                          residual_dtype=self.residual_dtype, noisy_first_frame=self.denoise_first_frame)
         first = 0 if self.denoise_first_frame else 1  # the frames video_pred holds
-        return flow_matching_losses(s, out.video_pred, out.action_pred, latents[:, :, first:], noise[:, :, first:],
-                                    actions, noise_a, ids[:, first:], aids, batch["action_mask"],
-                                    batch["has_real_action"])
+        actions, noise_a, ids, aids, action_mask, has_real_action = rest
+        return flow_matching_losses(self.schedule, out.video_pred, out.action_pred, latents[:, :, first:],
+                                    noise[:, :, first:], actions, noise_a, ids[:, first:], aids, action_mask,
+                                    has_real_action)
 
     def packed_losses(self, samples: list[dict[str, torch.Tensor]], capacity: int | None = None) -> Losses:
         """A micro-batch of samples that may differ in shape (embodiments with other cameras, frame sizes and
@@ -209,36 +222,19 @@ class TrainStep:
             raise ValueError("a packed micro-batch needs at least one sample")
         if not self.denoise_first_frame:
             raise ValueError("packing runs upstream's sequence: train.denoise_first_frame must be true")
-        dev, s = self.device, self.schedule
-        inputs, targets = [], []
         for i, sample in enumerate(samples):
-            if "position" not in sample:
-                raise ValueError(f"packed sample {i} has no 'position' (its stream position seeds its noise)")
-            position = sample["position"].cpu()
-            if position.numel() != 1:
-                raise ValueError(f"packed sample {i} holds {position.numel()} samples: pack samples of one each")
-            sample = {k: v.to(dev, non_blocking=True) for k, v in sample.items() if k != "position"}
-            enc = self.encode(sample)
-            latents, actions = enc.clean_latents.float(), sample["action"]
-            ids, aids, noise, noise_a = self.draws(position, latents.shape, actions.shape)
-            noise_a = noise_a * sample["action_mask"]
-            context = enc.context
-            if self.prompt_dropout and self.dropped_prompts(position)[0]:
-                context = self.null_context.to(context.dtype)
-            inputs.append(dict(noisy_latents=s.add_noise(latents, noise, ids, 2), clean_latents=latents,
-                               timestep=s.timestep(ids), noisy_actions=s.add_noise(actions, noise_a, aids, 1),
-                               timestep_action=s.timestep(aids), state=sample["state"], context=context,
-                               clip_feature=enc.clip_feature, y=enc.y))
-            targets.append((latents, noise, actions, noise_a, ids, aids, sample["action_mask"],
-                            sample["has_real_action"]))
+            if "position" in sample and sample["position"].numel() != 1:
+                raise ValueError(f"packed sample {i} holds {sample['position'].numel()} samples: pack samples of "
+                                 "one each")
+        inputs, targets = zip(*(self.noised(sample) for sample in samples))
         lengths = [self.model.sequence_length(x) for x in inputs]
-        buffers = pack_first_fit(lengths, capacity or sum(lengths))
+        capacity = capacity or sum(lengths)
         outputs: dict[int, object] = {}
-        for members in buffers:
-            outs = self.model.forward_packed([inputs[i] for i in members], capacity or sum(lengths),
+        for members in pack_first_fit(lengths, capacity):
+            outs = self.model.forward_packed([inputs[i] for i in members], capacity,
                                              residual_dtype=self.residual_dtype)
             outputs.update(zip(members, outs))
-        per_sample = [flow_matching_losses(s, outputs[i].video_pred, outputs[i].action_pred, *targets[i])
+        per_sample = [flow_matching_losses(self.schedule, outputs[i].video_pred, outputs[i].action_pred, *targets[i])
                       for i in range(len(samples))]
         mean = lambda field: torch.stack([getattr(x, field) for x in per_sample]).mean()  # noqa: E731
         return Losses(loss=mean("loss"), dynamics_loss=mean("dynamics_loss"), action_loss=mean("action_loss"))

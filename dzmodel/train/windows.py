@@ -47,8 +47,9 @@ def size_to_embodiment(cfg: TrainConfig) -> TrainConfig:
         return cfg
     args = preset(cfg.preset, **cfg.model_overrides)
     known = load_embodiments(cfg.embodiment_files)
+    tags = list(dict.fromkeys([cfg.embodiment, *cfg.dataset_embodiments]))  # a mixture: the widest of its robots
     widths = {"state": 0, "action": 0}
-    for tag in dict.fromkeys([cfg.embodiment, *cfg.dataset_embodiments]):  # a mixture: the widest of its robots
+    for tag in tags:
         emb = get_embodiment(tag, known)
         state_stats, action_stats = embodiment_stats(load_statistics(cfg.metadata, emb.tag), emb, cfg.metadata)
         widths = {"state": max(widths["state"], len(state_stats.q01)),
@@ -60,6 +61,6 @@ def size_to_embodiment(cfg: TrainConfig) -> TrainConfig:
     if not sized:
         return cfg
     if int(os.environ.get("RANK", "0")) == 0:
-        tags = ", ".join(dict.fromkeys([cfg.embodiment, *cfg.dataset_embodiments]))
-        print(f"preset {cfg.preset!r} sized to embodiment {tags}: {sized} (model_overrides)", file=sys.stderr)
+        print(f"preset {cfg.preset!r} sized to embodiment {', '.join(tags)}: {sized} (model_overrides)",
+              file=sys.stderr)
     return replace(cfg, model_overrides={**cfg.model_overrides, **sized})
