@@ -25,6 +25,8 @@
 #   nof0    train.denoise_first_frame=false: no noisy copy of frame 0 (12 % fewer tokens; a change of recipe)
 #   combo2  Inductor's combo kernels through the product's setting, train.compile_options (combo: the same through a
 #           patch); res16combo2: and the residual stream in bf16
+#   cdt2    Inductor's coordinate-descent tuning through train.compile_options (cdt: the same through a patch);
+#           res16cdt2: and the residual stream in bf16; res16mb256: the bf16 stream at micro-batch 256
 #   res16   train.residual_in_compute_dtype: the residual stream in bf16 (the setting, not a patch); res16agg and
 #           res16combo: with aggressive fusion or combo kernels
 # Detached, so it outlives one command:
@@ -46,6 +48,9 @@ declare -A VARIANTS=(
   [res16agg]="aggressive|residual_in_compute_dtype=true" [res16combo]="combo|residual_in_compute_dtype=true"
   [combo2]='|compile_options={"combo_kernels":true}'
   [res16combo2]='|compile_options={"combo_kernels":true} residual_in_compute_dtype=true'
+  [cdt2]='|compile_options={"coordinate_descent_tuning":true}'
+  [res16cdt2]='|compile_options={"coordinate_descent_tuning":true} residual_in_compute_dtype=true'
+  [res16mb256]="|residual_in_compute_dtype=true micro_batch=256"
   [rope1]="rope1|" [nof0]="|denoise_first_frame=false" [nof0rope1]="rope1|denoise_first_frame=false"
   [mb256]="|micro_batch=256" [mb256flash]="flash|micro_batch=256" [mb256graphsflash]="graphs,flash|micro_batch=256"
 )
