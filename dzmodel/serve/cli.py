@@ -79,6 +79,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         limits = ServerLimits(max_sessions=ns.max_sessions, sessions_per_connection=ns.sessions_per_connection,
                               max_connections=ns.max_connections, max_frame_bytes=int(ns.max_frame_mib * 2**20),
                               max_connections_per_client=ns.max_connections_per_client, idle_timeout_s=ns.idle_timeout,
+                              max_batch=ns.max_batch, batch_window_ms=ns.batch_window_ms,
                               request=RequestLimits(max_frames=ns.max_frames))
         bundle, manifest_sha256 = resolve_bundle_source(ns.bundle)
         serve_bundle(bundle, token, ns.host, ns.port, ns.device, limits, solver_from(ns), ns.certfile, ns.keyfile,
@@ -155,6 +156,12 @@ def add_commands(sub) -> None:
     p.add_argument("--max-frame-mib", type=float, default=32.0,
                    help="cap on a request frame; the limit follows the bundle's views and --max-frames")
     p.add_argument("--max-frames", type=int, default=33, help="most camera frames per view in one request")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="solve the requests of up to N sessions (robots) that arrive together in one batched forward "
+                        "(default 1: one at a time); on CUDA each batch size is captured at start")
+    p.add_argument("--batch-window-ms", type=float, default=5.0,
+                   help="with --max-batch: how long a request waits for other sessions' requests to join its batch; "
+                        "it never waits while no other session is open (default 5)")
     p.add_argument("--no-compile", action="store_true", help="on CUDA: skip torch.compile of the DiT block "
                    "(faster start, slower chunks; CUDA graphs stay on)")
     add_solver_arguments(p, dit_steps="auto")  # the deployed setting: upstream's 8 of 16 DiT steps

@@ -33,6 +33,9 @@
 - One access-log line per request; a health check is one line (`GET /healthz 200`); a port probe or a failed
   handshake is one line, never a traceback; a wrong or non-ASCII token is one `HTTP 401` line.
 - Inference runs in a worker thread behind one lock, so the event loop keeps answering health checks and pings.
+- Dynamic batching (`max_batch` > 1, off by default): requests of different sessions that arrive within
+  `batch_window_ms` of each other are solved in one batched forward (`batching.DynamicBatcher`); `server_timing`
+  then also carries the batch's size and the time the request waited for it.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from typing import Protocol
 import numpy as np
 
 from ..data.embodiments import ROBOARENA_ACTION_SPACES, ServeSpec
+from .batching import DynamicBatcher
 from .protocol import ProtocolError, Request, RequestLimits, frame_limits, pack, parse_request, unpack
 from .safety import ActionSafety, UnsafeActions
 
@@ -77,6 +81,9 @@ class Policy(Protocol):
     def check_request(self, request: Request) -> None: ...
 
     def infer(self, request: Request, session_id: str) -> np.ndarray: ...
+
+    # optional: `infer_batch(items: list[(Request, session_id)]) -> list[np.ndarray | Exception]`, one forward for
+    # all (`BundlePolicy.infer_batch`); without it a batch is solved one request after the other
 
     def end_session(self, session_id: str) -> None: ...
 
@@ -137,6 +144,18 @@ class BundlePolicy:
         actions = self.embodied.predict(session_id, request.images, self._state(request), request.prompt)
         return self.safety.apply(actions, session_id)
 
+    def infer_batch(self, items: list[tuple[Request, str]]) -> list:
+        """One chunk per (request, session), all sessions in one batched forward; each chunk passes the safety
+        limits on its own (an unsafe chunk is its request's error, not the others')."""
+        chunks = self.embodied.predict_batch([(sid, r.images, self._state(r), r.prompt) for r, sid in items])
+        out: list = []
+        for chunk, (_, sid) in zip(chunks, items):
+            try:
+                out.append(self.safety.apply(chunk, sid))
+            except UnsafeActions as exc:
+                out.append(exc)
+        return out
+
     def end_session(self, session_id: str) -> None:
         self.embodied.end_session(session_id)
 
@@ -172,17 +191,20 @@ class ServerLimits:
     idle_timeout_s: float = 600.0         # no request for this long: closed; 0 never
     ping_interval_s: float = 20.0         # 0: no keepalive pings
     ping_timeout_s: float = 20.0          # to answer a ping, or a close
+    max_batch: int = 1                    # > 1: dynamic batching of concurrent sessions, at most this many a forward
+    batch_window_ms: float = 5.0          # how long the oldest request waits for others to join its batch
     request: RequestLimits = RequestLimits()
 
     def __post_init__(self):
         for name in ("max_sessions", "sessions_per_connection", "max_connections", "max_connections_per_client",
-                     "max_frame_bytes"):
+                     "max_frame_bytes", "max_batch"):
             if not getattr(self, name) >= 1:
                 raise ServeError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("idle_timeout_s", "ping_interval_s", "ping_timeout_s"):
+        for name in ("idle_timeout_s", "ping_interval_s", "ping_timeout_s", "batch_window_ms"):
             value = getattr(self, name)
             if not (value >= 0 and value != float("inf")):  # NaN fails both
-                raise ServeError(f"{name} must be a finite number of seconds >= 0 (0: off), got {value}")
+                unit = "milliseconds" if name.endswith("_ms") else "seconds"
+                raise ServeError(f"{name} must be a finite number of {unit} >= 0 (0: off), got {value}")
 
 
 @dataclass
@@ -244,6 +266,7 @@ class PolicyServer:
         self._per_client: Counter[str] = Counter()  # remote address -> open connections
         self._answered = weakref.WeakSet()   # connections answered over HTTP by _process_request
         self._decoder: ThreadPoolExecutor | None = None
+        self._batcher: DynamicBatcher | None = None   # made in `serve` when limits.max_batch > 1
 
     # -- HTTP side: health, metadata, auth --
 
@@ -253,6 +276,9 @@ class PolicyServer:
             body = {"status": "ok", "connections": self.stats.connections, "sessions": self.stats.sessions,
                     "requests": self.stats.requests, "errors": self.stats.errors,
                     "latency_ms": self.stats.percentiles()}
+            if self._batcher is not None:
+                body["batching"] = {"max_batch": self.limits.max_batch, "window_ms": self.limits.batch_window_ms,
+                                    **self._batcher.stats.as_dict()}
             log.info(f"{peer} GET /healthz 200")
             return self._answer(connection, 200, json.dumps(body) + "\n")
         if self.auth is not None and not self.auth.accepts(request.headers.get("Authorization")):
@@ -270,11 +296,31 @@ class PolicyServer:
 
     # -- inference --
 
-    def _infer(self, request: Request, session_id: str) -> tuple[np.ndarray, float]:
+    def _infer(self, request: Request, session_id: str) -> tuple[np.ndarray, dict]:
         with self._lock:  # one model, one request at a time
             t0 = time.perf_counter()
             actions = np.asarray(self.policy.infer(request, session_id), dtype=np.float32)
-            return actions, (time.perf_counter() - t0) * 1e3
+            return actions, {"infer_ms": round((time.perf_counter() - t0) * 1e3, 2)}
+
+    def _infer_batch(self, items: list[tuple[Request, str]]) -> list:
+        """The batcher's call: one answer (float32 actions) or exception per (request, session)."""
+        with self._lock:
+            batched = getattr(self.policy, "infer_batch", None)
+            if batched is not None:
+                results = batched(items)
+            else:
+                results = []
+                for request, sid in items:
+                    try:
+                        results.append(self.policy.infer(request, sid))
+                    except Exception as exc:
+                        results.append(exc)
+        return [r if isinstance(r, BaseException) else np.asarray(r, dtype=np.float32) for r in results]
+
+    async def _infer_batched(self, request: Request, session_id: str) -> tuple[np.ndarray, dict]:
+        answer = await self._batcher.submit(session_id, (request, session_id))
+        return answer.result, {"infer_ms": round(answer.solve_ms, 2), "queue_ms": round(answer.queue_ms, 2),
+                               "batch_size": answer.batch_size}
 
     def _end(self, sid: str) -> None:
         with self._lock:
@@ -304,9 +350,11 @@ class PolicyServer:
             for ended in ([request.session_id] if request.session_id else list(sessions)):
                 if sessions.pop(ended, None) is not None:
                     await asyncio.to_thread(self._end, ended)
-            return "reset successful", 0.0
+            return "reset successful", {}
         self.policy.check_request(request)
         await self._open_session(conn_id, sessions, sid)
+        if self._batcher is not None:
+            return await self._infer_batched(request, sid)
         return await asyncio.to_thread(self._infer, request, sid)
 
     # -- decoding, off the event loop --
@@ -384,7 +432,7 @@ class PolicyServer:
                     del message  # the raw frame (up to the frame limit) is not needed during inference
                     endpoint = request.endpoint
                     sid = request.session_id or (default_sid if endpoint == "infer" else "all")
-                    result, infer_ms = await self._handle(request, conn_id, sessions, sid)
+                    result, timing = await self._handle(request, conn_id, sessions, sid)
                 except (ProtocolError, _RequestFailed) as exc:
                     code = exc.code if isinstance(exc, _RequestFailed) else CLOSE_BAD_REQUEST
                     self._access(peer, endpoint, sid, f"error {code}", t0, str(exc))
@@ -398,12 +446,11 @@ class PolicyServer:
                 if isinstance(result, str):
                     await ws.send(result)
                 else:
-                    timing = {"infer_ms": round(infer_ms, 2)}
                     if prev_total_ms is not None:
                         timing["prev_total_ms"] = round(prev_total_ms, 2)
                     await ws.send(pack({"actions": result, "server_timing": timing}))
                     self.stats.requests += 1
-                    self.stats.latencies_ms.append(infer_ms)
+                    self.stats.latencies_ms.append(timing["infer_ms"] + timing.get("queue_ms", 0.0))
                 prev_total_ms = (time.perf_counter() - t0) * 1e3
                 self._access(peer, endpoint, sid, "ok", t0)
         except Exception as exc:
@@ -429,6 +476,9 @@ class PolicyServer:
 
         limits = self.limits
         self._decoder = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="dz-decode")
+        if limits.max_batch > 1:
+            self._batcher = DynamicBatcher(self._infer_batch, limits.max_batch, limits.batch_window_ms / 1e3,
+                                           open_sessions=lambda: self.stats.sessions)
         try:
             async with serve(self._handler, host, port, process_request=self._process_request,
                              max_size=self.frame_limits.max_bytes, max_queue=QUEUED_FRAMES, compression=None,
@@ -441,6 +491,9 @@ class PolicyServer:
                     ready.set()
                 await (stop.wait() if stop is not None else asyncio.Future())
         finally:
+            if self._batcher is not None:
+                await self._batcher.close()
+                self._batcher = None
             self._decoder.shutdown(wait=False, cancel_futures=True)
 
 
@@ -582,7 +635,7 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
     configure_logging()
     if torch.device(device).type == "cuda":
         policy.embodied.policy.set_compile(True if compile is None else compile)
-        warm_up(policy.embodied)
+        warm_up(policy.embodied, limits.max_batch)
     scheme = "wss" if ssl else "ws"
     if auth is None:
         log.warning("WARNING: --no-auth: anyone who can reach this port can drive the robot through this policy. "
@@ -597,19 +650,35 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
     log.info(f"limits: frames up to {server.frame_limits.max_bytes / 2**20:.1f} MiB, {limits.max_connections} "
              f"connections ({limits.max_connections_per_client} per client address), idle timeout "
              f"{f'{limits.idle_timeout_s:g} s' if limits.idle_timeout_s else 'off'}")
+    log.info(f"batching: up to {limits.max_batch} sessions a forward, {limits.batch_window_ms:g} ms window"
+             if limits.max_batch > 1 else "batching: off, one request at a time (--max-batch N to solve the "
+                                          "requests of several robots together)")
     run_server(server, host, port, ssl)
 
 
-def warm_up(embodied) -> None:
-    """One chunk on blank frames before serving: the CUDA graphs are captured (and the block compiled) here, not
-    during a robot's first request."""
+def warm_up(embodied, max_batch: int = 1) -> None:
+    """Chunks on blank frames before serving, one batch of each size the server can form (batches are padded to
+    powers of two): the CUDA graphs are captured (and the block compiled) here, not during a robot's request. A
+    batch that does not fit in the device's memory fails here, with the fix in the message."""
     emb = embodied.embodiment
     t0 = time.perf_counter()
     views = {name: np.zeros((*emb.view_size, 3), np.uint8) for name in emb.views}
-    embodied.predict("warm-up", views, np.zeros(sum(embodied.state_dims.values())), "warm up")
-    embodied.end_session("warm-up")
-    log.info(f"warmed up in {time.perf_counter() - t0:.1f} s (CUDA graphs captured"
-             f"{', block compiled' if embodied.policy.compile else ''})")
+    state = np.zeros(sum(embodied.state_dims.values()))
+    sizes = [1 << i for i in range((max_batch - 1).bit_length() + 1)]
+    for size in sizes:
+        sids = [f"warm-up-{i}" for i in range(size)]
+        try:
+            embodied.predict_batch([(sid, views, state, "warm up") for sid in sids])
+        except Exception as exc:
+            if "out of memory" in str(exc).lower() and size > 1:
+                raise ServeError(f"a batch of {size} sessions does not fit in the device's memory ({exc}); "
+                                 f"lower --max-batch to {size // 2}") from None
+            raise
+        finally:
+            for sid in sids:
+                embodied.end_session(sid)
+    log.info(f"warmed up in {time.perf_counter() - t0:.1f} s (CUDA graphs captured for batches of "
+             f"{', '.join(map(str, sizes))}{'; block compiled' if embodied.policy.compile else ''})")
 
 
 def run_server(server: PolicyServer, host: str, port: int, ssl=None) -> None:
