@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .args import WanDiTArgs
 from .attention import AttnMask, attention
+from .fp8 import Float8Linear, float8_linear
 
 # --- small pieces --------------------------------------------------------------
 
@@ -163,15 +164,18 @@ class WanSelfAttention(AttentionProjections):
         stacked weights: x is read once, and its gradient is one matmul instead of three summed in the compute
         dtype. The weights keep WAN's names; adapted layers (LoRA) run one by one."""
         x_q = x if rows is None else x[:, rows[0]:rows[1]]
-        if not all(type(m) is nn.Linear and m.bias is not None for m in (self.q, self.k, self.v)):
+        kinds = {type(m) for m in (self.q, self.k, self.v)}
+        if len(kinds) != 1 or not kinds <= {nn.Linear, Float8Linear} or \
+                any(m.bias is None for m in (self.q, self.k, self.v)):
             return self.q(x_q), self.k(x), self.v(x)
+        linear = float8_linear if kinds == {Float8Linear} else F.linear
         if rows is not None:
             weight = torch.cat([self.k.weight, self.v.weight])
             bias = torch.cat([self.k.bias, self.v.bias])
-            return (F.linear(x_q, self.q.weight, self.q.bias), *F.linear(x, weight, bias).chunk(2, dim=-1))
+            return (linear(x_q, self.q.weight, self.q.bias), *linear(x, weight, bias).chunk(2, dim=-1))
         weight = torch.cat([self.q.weight, self.k.weight, self.v.weight])
         bias = torch.cat([self.q.bias, self.k.bias, self.v.bias])
-        return F.linear(x, weight, bias).chunk(3, dim=-1)
+        return linear(x, weight, bias).chunk(3, dim=-1)
 
     def forward(self, x: torch.Tensor, rope: Rope, mask: AttnMask = None,
                 past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -80,7 +80,8 @@ class TrainConfig:
     # leaves it out: 12 % fewer tokens at libero_object's shape; nothing else in the sequence changes
     denoise_first_frame: bool = True
     # systems
-    precision: str = "fp32"                 # compute dtype: fp32 | bf16 (master weights and Adam state stay fp32)
+    precision: str = "fp32"                 # compute dtype: fp32 | bf16 | fp8 (the blocks' linears in FP8, the rest
+                                            # bf16; bf16 where the device has no FP8); master weights and Adam stay fp32
     # the tokens between blocks in the compute dtype (bf16), as inference with bf16 weights and FSDP2 training run
     # them; off, one process under autocast keeps them in fp32 (the action and state tokens' fp32 biases make the
     # stream fp32). At the libero_object shape on one H100: 4.5 % faster, two rows each on one machine (docs/results.md,
@@ -116,7 +117,7 @@ class TrainConfig:
         problems = field_problems(self, "train")  # the metadata ranges, for configs built in code
         if problems:
             raise ValueError(problems[0])
-        choices = {"precision": ("fp32", "bf16"), "reduce_dtype": ("fp32", "bf16"), "sharding": ("full", "hybrid", "none"),
+        choices = {"precision": ("fp32", "bf16", "fp8"), "reduce_dtype": ("fp32", "bf16"), "sharding": ("full", "hybrid", "none"),
                    "schedule": ("cosine", "constant"), "noise_on": ("device", "cpu"),
                    "attn_backend": ("auto", "flex", "segments", "sdpa")}
         for name, allowed in choices.items():

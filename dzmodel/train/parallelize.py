@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16,
+          "fp8": torch.bfloat16}  # fp8: the blocks' linears run FP8 matmuls (model/fp8.py), everything else bf16
 
 
 AC_MODES = ("none", "elementwise", "selective", "full")

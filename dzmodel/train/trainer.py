@@ -32,6 +32,7 @@ from ..data.video import worker_init_fn
 from ..dirlock import directory_lock
 from ..model.args import OFFLINE_PRESETS, preset
 from ..model.conditioning import NULL_PROMPT, encode_prompts
+from ..model.fp8 import convert_blocks_to_fp8, resolve_precision
 from ..model.lora import apply_lora, trainable_parameters
 from ..model.state_dict import load_wan_dit
 from ..model.vae import WanVideoVAE38
@@ -176,9 +177,18 @@ class Trainer:
         cfg, dev = self.cfg, self.info.device
         model = initial_model(cfg, dev)
         self.base = None
+        precision, fallback = resolve_precision(cfg.precision, dev)
+        if fallback and self.info.rank == 0:
+            print(fallback)
+        self.precision = precision
         if cfg.lora.enabled:  # the base is frozen (in the compute dtype) and referenced by checkpoints, not copied
             self.base = base_reference(cfg, dev)
-            apply_lora(model, cfg.lora, base_dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None)
+            apply_lora(model, cfg.lora, base_dtype=DTYPES[precision] if precision != "fp32" else None)
+        if precision == "fp8":  # before compile, so the compiled blocks see the FP8 matmuls
+            converted = convert_blocks_to_fp8(model)
+            if self.info.rank == 0:
+                print(f"precision fp8: {converted} linears of the blocks run FP8 matmuls; the embeddings, the head "
+                      "and the action and state layers stay bf16")
         model.to(dev).train()
         self.sharded = cfg.sharding != "none" and (self.info.world_size > 1 or shard_one_process)
         if cfg.cuda_graphs and self.sharded:
@@ -189,7 +199,7 @@ class Trainer:
                                     cuda_graphs=cfg.cuda_graphs and dev.type == "cuda",
                                     compile_options=cfg.compile_options)
         if self.sharded:
-            apply_fsdp(model, cfg.sharding, cfg.precision, cfg.reduce_dtype, dev.type)
+            apply_fsdp(model, cfg.sharding, precision, cfg.reduce_dtype, dev.type)
         elif self.info.world_size > 1:
             raise ValueError("sharding 'none' with several processes is not supported: use full or hybrid")
         self.model = model
@@ -199,10 +209,10 @@ class Trainer:
         if with_encoders is None:
             with_encoders = not cfg.cache
         self.encoders = frozen_encoders(cfg, dev) if with_encoders else None
-        if self.encoders is not None and cfg.precision == "bf16":  # frozen: no master copy needed
+        if self.encoders is not None and precision in ("bf16", "fp8"):  # frozen: no master copy needed
             self.encoders.to(torch.bfloat16)
         # FSDP2 casts to the compute dtype itself; a plain model computes under autocast
-        autocast = DTYPES[cfg.precision] if cfg.precision != "fp32" and not self.sharded else None
+        autocast = DTYPES[precision] if precision != "fp32" and not self.sharded else None
         self.step = TrainStep(model, self.optimizer, accumulation=self.accum, grad_clip=cfg.grad_clip,
                               encoders=self.encoders, autocast=autocast, attn_backend=cfg.attn_backend,
                               noise_seed=cfg.seed, noise_on=cfg.noise_on,

@@ -1,0 +1,144 @@
+"""FP8 linears for the DiT blocks (`train.precision: fp8`, `dz serve --precision fp8`).
+
+Each matmul of a converted `nn.Linear` runs through `torch._scaled_mm`: activations and weights in e4m3, the
+output gradient in e5m2 (its wider range), one scale per tensor from its absolute maximum at every call (dynamic
+tensorwise scaling, torchao's float8 training recipe). The output and the gradients come back in the compute dtype;
+weights, their gradients and the optimizer state stay as they are (fp32 master weights in training).
+
+Only the blocks' linears are converted: self- and cross-attention projections and the FFN, which hold nearly all
+of a step's matmul FLOPs. The patch, text, time and image embeddings, the head and the action and state encoders
+and decoders stay in the compute dtype: they are a small share of the work, and they set the scale of everything
+the blocks see (inputs) or of what the loss reads (outputs), where an e4m3 rounding (3 mantissa bits) would be the
+whole error. Norms, attention and the modulation are not matmuls of weights and are unchanged.
+
+A converted module keeps its class's parameters (`weight`, `bias`), so checkpoint keys do not change.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+E4M3, E5M2 = getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)
+MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first NVIDIA GPUs with FP8 tensor cores
+ALIGN = 16               # _scaled_mm wants every matmul dimension a multiple of 16
+
+
+def fp8_unsupported(device: torch.device | str) -> str | None:
+    """None when `device` runs FP8 matmuls, else the reason, for the user."""
+    device = torch.device(device)
+    if E4M3 is None or not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no FP8 matmul (torch._scaled_mm)"
+    if device.type != "cuda":
+        return (f"FP8 matmuls need an NVIDIA GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or "
+                f"newer (H100, H200, L40S, RTX 4090); this runs on {device.type}")
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_CAPABILITY:
+        return (f"FP8 matmuls need compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer; "
+                f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
+    return None
+
+
+def resolve_precision(requested: str, device: torch.device | str) -> tuple[str, str | None]:
+    """The precision to run: `requested`, or bf16 where FP8 was asked for and `device` cannot run it, with the
+    line that says so (None when nothing changed)."""
+    if requested != "fp8":
+        return requested, None
+    why = fp8_unsupported(device)
+    if why is None:
+        return "fp8", None
+    return "bf16", f"precision fp8 falls back to bf16: {why}"
+
+
+def _quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """t in `dtype` scaled so that its largest magnitude meets the format's largest value, and the inverse scale
+    (what _scaled_mm multiplies back)."""
+    top = torch.finfo(dtype).max
+    amax = t.detach().abs().amax().float().clamp(min=1e-12)
+    scale = top / amax
+    return (t.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """Zero rows up to a multiple of ALIGN (zero rows add nothing to a product over rows)."""
+    extra = -t.shape[0] % ALIGN
+    return F.pad(t, (0, 0, 0, extra)) if extra else t
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """x [M, K] @ weight[N, K]^T in FP8, with the FP8 backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        xq, x_inv = _quantize(x, E4M3)
+        wq, w_inv = _quantize(weight, E4M3)
+        ctx.save_for_backward(xq, x_inv, wq, w_inv)
+        ctx.weight_dtype, ctx.x_dtype = weight.dtype, x.dtype
+        # _scaled_mm: the first operand row-major, the second column-major (wq.t() is)
+        return torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        xq, x_inv, wq, w_inv = ctx.saved_tensors
+        gq, g_inv = _quantize(grad_out, E5M2)
+        # dX = dY [M, N] @ W [N, K]: W as a column-major [N, K]
+        grad_x = torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=g_inv, scale_b=w_inv,
+                                  out_dtype=grad_out.dtype)
+        # dW = dY^T [N, M] @ X [M, K], the token dimension M padded to a multiple of 16
+        g_t = _pad_rows(gq.view(torch.uint8)).view(gq.dtype).t().contiguous()
+        x_cm = _pad_rows(xq.view(torch.uint8)).view(xq.dtype).t().contiguous().t()
+        grad_w = torch._scaled_mm(g_t, x_cm, scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)
+        return grad_x.to(ctx.x_dtype), grad_w.to(ctx.weight_dtype), None
+
+
+def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with its matmul in FP8 (and its backward, under autograd)."""
+    out_dtype = _out_dtype(x)
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        flat = flat.float()
+    if flat.shape[0] == 0:
+        out = flat.new_zeros(0, weight.shape[0], dtype=out_dtype)
+    else:
+        out = _Float8Matmul.apply(flat, weight, out_dtype)
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Float8Linear(nn.Linear):
+    """An nn.Linear whose matmul runs in FP8 (`float8_linear`); the same parameters and checkpoint keys."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return float8_linear(x, self.weight, self.bias)
+
+
+def convertible(module: nn.Module) -> bool:
+    """A plain nn.Linear (not an adapter such as LoRA's) whose dims _scaled_mm takes."""
+    return (type(module) is nn.Linear and module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0)
+
+
+def convert_blocks_to_fp8(model: nn.Module) -> int:
+    """Turn the linears of `model.blocks` into Float8Linear in place (their parameters stay); returns how many."""
+    count = 0
+    for block in model.blocks:
+        for module in block.modules():
+            if convertible(module):
+                module.__class__ = Float8Linear
+                count += 1
+    if not count:
+        raise ValueError("precision fp8: no linear of the model's blocks has dims that are multiples of 16")
+    return count
+
+
+def fp8_linears(model: nn.Module) -> int:
+    """How many Float8Linear modules `model` holds (for checks and logs)."""
+    return sum(isinstance(m, Float8Linear) for m in model.modules())

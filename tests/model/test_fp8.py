@@ -1,0 +1,109 @@
+"""FP8 linears: the matmul is the product of the e4m3 (e5m2 for gradients) roundings, scaled back; the blocks'
+linears are the ones converted (keys unchanged, q/k/v still one matmul); FP8 is chosen only where the device runs it,
+with a line that says why not otherwise."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dzmodel.model import fp8
+from dzmodel.model.fp8 import (Float8Linear, convert_blocks_to_fp8, float8_linear, fp8_linears, fp8_unsupported,
+                               resolve_precision)
+
+from .helpers import tiny_batch, tiny_model
+
+
+def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t through dtype at the tensor's own scale, back in float64: what an FP8 matmul multiplies."""
+    top = torch.finfo(dtype).max
+    scale = top / t.detach().abs().amax().double()
+    return (t.detach().double() * scale).clamp(-top, top).to(dtype).double() / scale
+
+
+@pytest.mark.parametrize("rows", [48, 37])  # 37: the weight gradient's token dimension is padded to 16
+def test_forward_and_backward_are_the_fp8_products(rows):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 64, generator=g, requires_grad=True)
+    w = torch.randn(32, 64, generator=g, requires_grad=True)
+    b = torch.randn(32, generator=g, requires_grad=True)
+    y = float8_linear(x, w, b)
+    grad = torch.randn(rows, 32, generator=g)
+    y.backward(grad)
+    xr, wr, gr = _rounded(x, torch.float8_e4m3fn), _rounded(w, torch.float8_e4m3fn), _rounded(grad, torch.float8_e5m2)
+    torch.testing.assert_close(y.double(), xr @ wr.T + b.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), gr @ wr, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), gr.T @ xr, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.grad, grad.sum(0))
+    # and it is FP8, not the full-precision product: e4m3 keeps 3 mantissa bits
+    exact = F.linear(x.detach(), w.detach(), b.detach())
+    assert 0.005 < ((y - exact).norm() / exact.norm()).item() < 0.1
+
+
+def test_under_autocast_the_output_is_in_the_compute_dtype():
+    x, w = torch.randn(16, 32), torch.randn(16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert float8_linear(x, w, torch.zeros(16)).dtype == torch.bfloat16
+    assert float8_linear(x.reshape(2, 8, 32), w).shape == (2, 8, 16)
+
+
+def _count_fp8_matmuls(monkeypatch):
+    calls = []
+    real = fp8._Float8Matmul.apply
+
+    def counted(x, weight, out_dtype):
+        calls.append(tuple(weight.shape))
+        return real(x, weight, out_dtype)
+
+    monkeypatch.setattr(fp8._Float8Matmul, "apply", counted)
+    return calls
+
+
+def test_only_the_blocks_linears_are_converted_and_keys_stay(monkeypatch):
+    model = tiny_model(ffn_dim=96)  # no FFN weight of the k-and-v shape [2·dim, dim]
+    keys = list(model.state_dict())
+    per_block = sum(isinstance(m, nn.Linear) for m in model.blocks[0].modules())
+    converted = convert_blocks_to_fp8(model)
+    assert converted == per_block * len(model.blocks) == fp8_linears(model)
+    assert list(model.state_dict()) == keys  # the same parameters: checkpoints load either way
+    outside = [n for n, m in model.named_modules() if isinstance(m, Float8Linear) and not n.startswith("blocks.")]
+    assert outside == [] and type(model.head.head) is nn.Linear
+    calls = _count_fp8_matmuls(monkeypatch)
+    batch = tiny_batch(model.args)
+    with torch.no_grad():
+        model(**batch)
+    # per block: q, k and v as one matmul (the last block, which computes only the rows the loss reads: q, and k
+    # with v), o; the cross-attention's q, text k and v, image k and v, o; the FFN's two
+    dim = model.args.dim
+    fused, split = calls.count((3 * dim, dim)), calls.count((2 * dim, dim))
+    assert fused == len(model.blocks) - 1 and split == 1
+    assert len(calls) == len(model.blocks) * (per_block - 2) + split
+
+
+def test_a_converted_model_trains_close_to_the_full_precision_one():
+    torch.manual_seed(0)
+    model = tiny_model()
+    batch = tiny_batch(model.args)
+    ref = model(**batch)
+    convert_blocks_to_fp8(model)
+    out = model(**batch)
+    for a, b in ((out.video_pred, ref.video_pred), (out.action_pred, ref.action_pred)):
+        rel = ((a - b).norm() / b.norm()).item()
+        assert 0 < rel < 0.1
+    (out.video_pred.square().mean() + out.action_pred.square().mean()).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.blocks.parameters())
+
+
+def test_fp8_is_chosen_only_where_the_device_runs_it(monkeypatch):
+    precision, why = resolve_precision("fp8", "cpu")
+    assert precision == "bf16" and why.startswith("precision fp8 falls back to bf16: ")
+    assert "compute capability 8.9" in why and "this runs on cpu" in why
+    assert resolve_precision("bf16", "cpu") == ("bf16", None)
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    precision, why = resolve_precision("fp8", "cuda")
+    assert precision == "bf16" and "NVIDIA A100-SXM4-80GB has 8.0" in why
+    for capability in ((8, 9), (9, 0), (10, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert resolve_precision("fp8", "cuda") == ("fp8", None) and fp8_unsupported("cuda") is None

@@ -1,0 +1,45 @@
+"""`train.precision: fp8`: where the device runs FP8 the blocks' linears train in it; elsewhere (this CPU) the run
+says so in one line and trains in bf16."""
+
+import math
+
+import torch
+
+from dzmodel.model.fp8 import fp8_linears
+from dzmodel.train import trainer as trainer_mod
+from dzmodel.train.config import TrainConfig
+from dzmodel.train.trainer import Trainer, train
+
+
+def _cfg(data, out, **kw) -> TrainConfig:
+    base = dict(preset="tiny", datasets=[str(data / "ds")], embodiment="tabletop_pusher",
+                embodiment_files=[str(data / "emb.yaml")], metadata=str(data / "meta.json"), tokenizer=str(data / "tok"),
+                steps=2, save_every=10, out_dir=str(out), lr=1e-3, progress=False, precision="fp8")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_fp8_on_a_device_without_it_says_so_and_trains_in_bf16(data, tmp_path, capsys):
+    trainer = Trainer(_cfg(data, tmp_path / "probe"))
+    trainer.build_model()
+    assert trainer.precision == "bf16" and fp8_linears(trainer.model) == 0
+    assert trainer.step.autocast == torch.bfloat16
+    history = train(_cfg(data, tmp_path / "run"))
+    out = capsys.readouterr().out
+    assert "precision fp8 falls back to bf16: FP8 matmuls need an NVIDIA GPU of compute capability 8.9" in out
+    assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)
+
+
+def test_where_fp8_runs_the_blocks_train_through_fp8_matmuls(data, tmp_path, monkeypatch, capsys):
+    # this CPU's torch runs _scaled_mm, so the FP8 path itself runs here once the device check is passed
+    monkeypatch.setattr(trainer_mod, "resolve_precision", lambda requested, device: (requested, None))
+    trainer = Trainer(_cfg(data, tmp_path / "probe"))
+    trainer.build_model()
+    assert trainer.precision == "fp8" and fp8_linears(trainer.model) > 0
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # master weights stay fp32
+    fp8_run = train(_cfg(data, tmp_path / "fp8"))
+    assert "linears of the blocks run FP8 matmuls" in capsys.readouterr().out
+    bf16_run = train(_cfg(data, tmp_path / "bf16", precision="bf16"))
+    assert all(math.isfinite(h["loss"]) for h in fp8_run)
+    assert fp8_run[0]["loss"] != bf16_run[0]["loss"]  # the FP8 path did run
+    assert abs(fp8_run[0]["loss"] - bf16_run[0]["loss"]) < 0.1 * abs(bf16_run[0]["loss"])
