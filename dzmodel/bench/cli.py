@@ -100,6 +100,8 @@ def cmd_bench_policy(ns: argparse.Namespace) -> int:
 
     import torch
 
+    from dataclasses import replace
+
     from ..bench.policy_bench import PolicySetting, ladder, run_policy_bench
 
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -114,6 +116,11 @@ def cmd_bench_policy(ns: argparse.Namespace) -> int:
                                   solver_steps=ns.solver_steps, cfg_scale=ns.cfg_scale, batch_cfg=not ns.no_batch_cfg,
                                   dit_steps=ns.dit_steps, text_cache=not ns.no_text_cache,
                                   cuda_graphs=not ns.no_cuda_graphs, compile=ns.compile)]
+    if ns.precision == "fp8":  # the same setting in bf16, then in FP8 on the same model (side by side)
+        if ns.weights not in (None, "bf16"):
+            raise CLIError("--precision fp8 compares against bf16 weights: leave out --weights or pass bf16")
+        settings = [replace(s, weights="bf16") for s in settings]
+        settings += [replace(s, name=f"{s.name} fp8", weights="fp8") for s in settings]
 
     def emit(row: dict) -> None:
         print(json.dumps(row), flush=True)
@@ -213,6 +220,9 @@ def add_commands(sub) -> None:
     p.add_argument("--no-text-cache", action="store_true", help="encode the prompt with umT5 at every call")
     p.add_argument("--no-cuda-graphs", action="store_true", help="launch every kernel from Python (eager)")
     p.add_argument("--compile", action="store_true", help="torch.compile the DiT block (inside the CUDA graphs)")
+    p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
+                   help="fp8: each setting with bf16 weights, then with the DiT blocks' linears in FP8 on the same "
+                        "model, with the FP8 chunks' difference from the bf16 ones")
     p.add_argument("--batch", default="1", help="sessions per call, comma-separated (e.g. 1,8,32): chunks/s per batch")
     p.add_argument("--ladder", action="store_true", help="each optimisation in turn, then the fast settings, one model")
     p.add_argument("--calls", type=int, default=10)

@@ -9,6 +9,10 @@ text_cache is off). Reports p50 / p95 / max milliseconds per call, chunks per se
 
 `--ladder` measures the optimisations one at a time in one process (one model build): each row adds one step to
 the row before it, from the old path (fp32 weights under autocast, two CFG passes, no text cache, eager) on.
+
+`--precision fp8` measures the setting twice on one model: with bf16 weights, then with the DiT blocks' linears
+rounded to e4m3 (`model.fp8.freeze_blocks_to_fp8`); the FP8 row also gives how far its chunks are from the bf16
+ones for the same observations and noise (`chunk_diff_vs_bf16`). A device without FP8 gives the row's reason.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ import torch
 
 from ..model.args import preset
 from ..model.components import build_encoders, build_policy
+from ..model.fp8 import fp8_linears, freeze_blocks_to_fp8, resolve_precision
 from ..model.cuda_graphs import GraphCache
 from ..model.inference import STAGES, NormStats, StageTimer
 from ..model.sampler import SolverConfig
 from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer
 from ..model.wam import DreamZeroWAM
 
-WEIGHTS = ("autocast", "bf16", "fp32")  # autocast: fp32 weights under bf16 autocast (the old GPU path)
+WEIGHTS = ("autocast", "bf16", "fp32", "fp8")  # autocast: fp32 weights under bf16 autocast (the old GPU path);
+# fp8: bf16 weights, the DiT blocks' linears in e4m3 (irreversible on the model: FP8 settings run last)
 
 
 @dataclass(frozen=True)
@@ -94,10 +100,10 @@ def _build(preset_name: str, device: str, weights: str, seed: int):
 
 
 def _configure(policy, setting: PolicySetting, device: str) -> None:
-    if setting.weights == "bf16" and policy.model.patch_embedding.weight.dtype != torch.bfloat16:
+    if setting.weights in ("bf16", "fp8") and policy.model.patch_embedding.weight.dtype != torch.bfloat16:
         for m in (policy.model, policy.vae, policy.text_encoder, policy.image_encoder):
             m.to(torch.bfloat16)
-    if setting.weights != "bf16" and policy.model.patch_embedding.weight.dtype != torch.float32:
+    if setting.weights not in ("bf16", "fp8") and policy.model.patch_embedding.weight.dtype != torch.float32:
         raise ValueError(f"setting {setting.name!r} needs fp32 weights: run fp32/autocast settings before bf16 ones")
     policy.solver = setting.solver()
     policy.text_cache_size = 64 if setting.text_cache else 0
@@ -105,6 +111,26 @@ def _configure(policy, setting: PolicySetting, device: str) -> None:
     policy.graphs = GraphCache(enabled=setting.cuda_graphs and device.startswith("cuda"))
     policy.set_compile(setting.compile)
     policy.sessions.clear()
+
+
+def fixed_chunks(policy, batch: int, seed: int) -> np.ndarray:
+    """Chunks [batch, T, D] for fixed observations in fresh sessions: the same numbers from any weights the same
+    up to precision (each session's noise follows its seed and history)."""
+    h, w = policy.image_size
+    rng = np.random.default_rng(seed + 1)
+    obs = [{"images": rng.integers(0, 255, (h, w, 3), dtype=np.uint8), "state": np.zeros(8),
+            "prompt": "pick up the bowl and place it on the plate", "session_id": f"compare-{i}"} for i in range(batch)]
+    policy.sessions.clear()
+    chunks = np.stack(policy.predict_batch(obs))
+    policy.sessions.clear()
+    return chunks
+
+
+def chunk_difference(chunks: np.ndarray, reference: np.ndarray) -> dict:
+    """How far `chunks` are from `reference`: the largest absolute difference, and the relative L2 norm."""
+    diff = chunks - reference
+    return {"max_abs": round(float(np.abs(diff).max()), 5),
+            "rel_l2": round(float(np.linalg.norm(diff) / max(np.linalg.norm(reference), 1e-12)), 5)}
 
 
 def _measure(policy, setting: PolicySetting, device: str, batch: int, calls: int, warmup: int,
@@ -150,16 +176,37 @@ def run_policy_bench(preset_name: str = "tiny", device: str = "cpu", settings: l
                      seed: int = 0, progress=None) -> list[dict]:
     """One JSON-able row per (setting, batch). Settings run in order on one model: fp32/autocast before bf16."""
     settings = settings or [PolicySetting()]
-    policy = _build(preset_name, device, "bf16" if all(s.weights == "bf16" for s in settings) else "fp32", seed)
+    fp8_rows = [i for i, s in enumerate(settings) if s.weights == "fp8"]
+    if fp8_rows and any(s.weights != "fp8" for s in settings[fp8_rows[0]:]):
+        raise ValueError("FP8 settings round the model's weights for good: put them after every other setting")
+    policy = _build(preset_name, device, "bf16" if all(s.weights in ("bf16", "fp8") for s in settings) else "fp32",
+                    seed)
     h, w = policy.image_size
     common = {"preset": preset_name, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
               "image_size": [h, w], "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     rows = []
+    reference = None  # bf16 chunks, for the FP8 rows
     for setting in settings:
+        extra: dict = {}
+        if setting.weights == "fp8" and not fp8_linears(policy.model):  # the first FP8 setting: round the model
+            _, why = resolve_precision("fp8", device)
+            if why is not None:  # this device cannot: the row says so, nothing is measured in its name
+                for batch in batches:
+                    row = {**common, **asdict(setting), "batch": batch, "error": why}
+                    rows.append(row)
+                    if progress is not None:
+                        progress(row)
+                continue
+            _configure(policy, replace(setting, weights="bf16", compile=False), device)
+            reference = fixed_chunks(policy, max(batches), seed)
+            freeze_blocks_to_fp8(policy.model)
         _configure(policy, setting, device)
+        if setting.weights == "fp8":
+            extra = {"chunk_diff_vs_bf16": chunk_difference(fixed_chunks(policy, max(batches), seed), reference)}
         for batch in batches:
             try:
-                row = {**common, **_measure(policy, setting, device, batch, calls, warmup, breakdown_calls, seed)}
+                row = {**common, **_measure(policy, setting, device, batch, calls, warmup, breakdown_calls, seed),
+                       **extra}
             except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # a row that cannot run says why; the rest go on
                 row = {**common, **asdict(setting), "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]}
                 policy.sessions.clear()

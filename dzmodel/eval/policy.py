@@ -20,6 +20,7 @@ from ..data.embodiments import Embodiment, get_embodiment, load_embodiments
 from ..data.transforms import (NormStats, action_key_stats, compose_layout, embodiment_stats, from_relative,
                                relative_action_dims, transform_view)
 from ..model.components import build_policy
+from ..model.fp8 import freeze_blocks_to_fp8, resolve_precision
 from ..model.inference import DreamZeroPolicy
 from ..model.sampler import SolverConfig
 from ..model.state_dict import load_dreamzero_dir
@@ -39,6 +40,8 @@ class EmbodiedPolicy:
     step: int | None
     model_dir: Path
     state_dims: dict[str, int] = field(default_factory=dict)   # width of each state key, in embodiment order
+    precision: str = "bf16"            # what the DiT blocks' linears run in: bf16 (or the weights' dtype) or fp8
+    precision_note: str | None = None  # why fp8 was asked for and not used, for the caller to show
 
     @property
     def action_horizon(self) -> int:
@@ -126,11 +129,14 @@ def policy_statistics(emb: Embodiment, metadata: Path) -> tuple[NormStats, NormS
 
 def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embodiment: str | None = None,
                 embodiment_files: list[str] | None = None, solver: SolverConfig | None = None,
-                seed: int = 0, weights_dtype: torch.dtype | None = None) -> EmbodiedPolicy:
+                seed: int = 0, weights_dtype: torch.dtype | None = None, precision: str = "bf16") -> EmbodiedPolicy:
     """A converted model directory (`dz convert`, or a bundle's model/) -> an EmbodiedPolicy.
 
     embodiment: the embodiment the caller evaluates or deploys; it must be the one the run trained on.
-    weights_dtype: default bf16 on CUDA (inference reads bf16 weights, no autocast), the saved dtype elsewhere."""
+    weights_dtype: default bf16 on CUDA (inference reads bf16 weights, no autocast), the saved dtype elsewhere.
+    precision: "fp8" rounds the DiT blocks' linear weights to e4m3 once and runs their matmuls in FP8
+    (`model.fp8.freeze_blocks_to_fp8`) where the device can; elsewhere it stays as it was and `precision_note`
+    says why."""
     from ..train.encoders import frozen_encoders, load_saved_encoders
 
     model_dir = Path(model_dir)
@@ -156,5 +162,10 @@ def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embod
         weights_dtype = torch.bfloat16
     policy = build_policy(model, encoders, load_tokenizer(tok_dir), action_stats, state_stats,
                           solver=solver, seed=seed, image_size=emb.image_size, weights_dtype=weights_dtype)
+    if precision not in ("bf16", "fp8"):
+        raise ValueError(f"precision must be bf16 or fp8, got {precision!r}")
+    effective, note = resolve_precision(precision, device)
+    if effective == "fp8":
+        freeze_blocks_to_fp8(policy.model)
     return EmbodiedPolicy(policy=policy, embodiment=emb, relative_pairs=pairs, step=step, model_dir=model_dir,
-                          state_dims=state_dims)
+                          state_dims=state_dims, precision=effective, precision_note=note)

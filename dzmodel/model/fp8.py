@@ -140,5 +140,59 @@ def convert_blocks_to_fp8(model: nn.Module) -> int:
 
 
 def fp8_linears(model: nn.Module) -> int:
-    """How many Float8Linear modules `model` holds (for checks and logs)."""
-    return sum(isinstance(m, Float8Linear) for m in model.modules())
+    """How many FP8 linears (training or frozen) `model` holds (for checks and logs)."""
+    return sum(isinstance(m, (Float8Linear, Float8InferenceLinear)) for m in model.modules())
+
+
+# --- inference ---------------------------------------------------------------------------------------------------
+
+
+class Float8InferenceLinear(nn.Module):
+    """A frozen linear for serving: its weight stored once in e4m3 with its scale (half the bytes of bf16, read
+    at every call), the activations scaled and rounded at every call; the bias in the weights' former dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight_fp8, weight_inv_scale = _quantize(linear.weight.detach(), E4M3)
+        self.register_buffer("weight_fp8", weight_fp8)
+        self.register_buffer("weight_inv_scale", weight_inv_scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return frozen_fp8_matmuls(x, (self,))[0]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight=e4m3"
+
+
+def frozen_fp8_matmuls(x: torch.Tensor, linears: tuple[Float8InferenceLinear, ...]) -> list[torch.Tensor]:
+    """Each of `linears` applied to x, which is scaled and rounded to e4m3 once for all of them (q, k and v read
+    the same tokens)."""
+    out_dtype = _out_dtype(x)
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] == 0:
+        return [flat.new_zeros(*x.shape[:-1], m.out_features, dtype=out_dtype) for m in linears]
+    xq, x_inv = _quantize(flat, E4M3)
+    outs = []
+    for m in linears:
+        out = torch._scaled_mm(xq, m.weight_fp8.t(), scale_a=x_inv, scale_b=m.weight_inv_scale, out_dtype=out_dtype)
+        if m.bias is not None:
+            out = out + m.bias.to(out_dtype)
+        outs.append(out.reshape(*x.shape[:-1], m.out_features))
+    return outs
+
+
+def freeze_blocks_to_fp8(model: nn.Module) -> int:
+    """Replace the linears of `model.blocks` by Float8InferenceLinear (their weights rounded to e4m3 once; the
+    full-precision weights are dropped); returns how many. For inference only: nothing trains through them."""
+    count = 0
+    for block in model.blocks:
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if convertible(child) or type(child) is Float8Linear:
+                    setattr(parent, name, Float8InferenceLinear(child))
+                    count += 1
+    if not count:
+        raise ValueError("precision fp8: no linear of the model's blocks has dims that are multiples of 16")
+    return count

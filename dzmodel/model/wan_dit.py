@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .args import WanDiTArgs
 from .attention import AttnMask, attention
-from .fp8 import Float8Linear, float8_linear
+from .fp8 import Float8InferenceLinear, Float8Linear, float8_linear, frozen_fp8_matmuls
 
 # --- small pieces --------------------------------------------------------------
 
@@ -165,6 +165,10 @@ class WanSelfAttention(AttentionProjections):
         dtype. The weights keep WAN's names; adapted layers (LoRA) run one by one."""
         x_q = x if rows is None else x[:, rows[0]:rows[1]]
         kinds = {type(m) for m in (self.q, self.k, self.v)}
+        if kinds == {Float8InferenceLinear}:  # served in FP8: x rounded once for the three
+            if rows is None:
+                return tuple(frozen_fp8_matmuls(x, (self.q, self.k, self.v)))
+            return (frozen_fp8_matmuls(x_q, (self.q,))[0], *frozen_fp8_matmuls(x, (self.k, self.v)))
         if len(kinds) != 1 or not kinds <= {nn.Linear, Float8Linear} or \
                 any(m.bias is None for m in (self.q, self.k, self.v)):
             return self.q(x_q), self.k(x), self.v(x)

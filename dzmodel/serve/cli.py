@@ -83,7 +83,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                               request=RequestLimits(max_frames=ns.max_frames))
         bundle, manifest_sha256 = resolve_bundle_source(ns.bundle)
         serve_bundle(bundle, token, ns.host, ns.port, ns.device, limits, solver_from(ns), ns.certfile, ns.keyfile,
-                     compile=False if ns.no_compile else None, trust=trust, manifest_sha256=manifest_sha256)
+                     compile=False if ns.no_compile else None, trust=trust, manifest_sha256=manifest_sha256,
+                     precision=ns.precision)
     except ServeError as exc:
         raise CLIError(str(exc)) from None
     return EXIT_OK
@@ -156,6 +157,9 @@ def add_commands(sub) -> None:
     p.add_argument("--max-frame-mib", type=float, default=32.0,
                    help="cap on a request frame; the limit follows the bundle's views and --max-frames")
     p.add_argument("--max-frames", type=int, default=33, help="most camera frames per view in one request")
+    p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
+                   help="fp8: the DiT blocks' linears in FP8 on GPUs that have it (H100, H200, L40S); "
+                        "elsewhere bf16, with a log line that says why")
     p.add_argument("--max-batch", type=int, default=1,
                    help="solve the requests of up to N sessions (robots) that arrive together in one batched forward "
                         "(default 1: one at a time); on CUDA each batch size is captured at start")

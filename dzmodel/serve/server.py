@@ -617,11 +617,12 @@ def configure_logging() -> None:
 def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu",
                  limits: ServerLimits = ServerLimits(), solver=None, certfile: str | None = None,
                  keyfile: str | None = None, compile: bool | None = None, trust: str | None = None,
-                 manifest_sha256: str | None = None) -> None:
+                 manifest_sha256: str | None = None, precision: str = "bf16") -> None:
     """Load, verify and serve a bundle; token None means no auth (the caller asked for it explicitly).
     compile: torch.compile the DiT block (default on CUDA); the GPU path is warmed up before the port opens.
     trust: an ed25519 public key file; the bundle must carry its valid MANIFEST.sig (default: DZ_TRUST_KEY).
-    manifest_sha256: the MANIFEST's digest a registry pinned (checked again as the files are read)."""
+    manifest_sha256: the MANIFEST's digest a registry pinned (checked again as the files are read).
+    precision: "fp8" serves the DiT blocks' linears in FP8 where the GPU has it (else bf16, with a log line)."""
     import torch
 
     from ..eval.policy import load_policy
@@ -630,9 +631,13 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
     ssl = tls_context(certfile, keyfile)
     auth = TokenAuth(token) if token is not None else None
     pkg = load_package(bundle, trust=trust, manifest_sha256=manifest_sha256)
-    policy = BundlePolicy(load_policy(pkg.model_dir, device=device, solver=solver),
+    policy = BundlePolicy(load_policy(pkg.model_dir, device=device, solver=solver, precision=precision),
                           safety=ActionSafety.from_robot(pkg.robot))
     configure_logging()
+    if policy.embodied.precision_note:
+        log.warning(policy.embodied.precision_note)
+    elif policy.embodied.precision == "fp8":
+        log.info("precision: the DiT blocks' linears in FP8 (e4m3 weights and activations), the rest bf16")
     if torch.device(device).type == "cuda":
         policy.embodied.policy.set_compile(True if compile is None else compile)
         warm_up(policy.embodied, limits.max_batch)

@@ -8,7 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dzmodel.model import fp8
-from dzmodel.model.fp8 import (Float8Linear, convert_blocks_to_fp8, float8_linear, fp8_linears, fp8_unsupported,
+from dzmodel.model.fp8 import (Float8InferenceLinear, Float8Linear, convert_blocks_to_fp8, float8_linear, fp8_linears,
+                               fp8_unsupported, freeze_blocks_to_fp8,
                                resolve_precision)
 
 from .helpers import tiny_batch, tiny_model
@@ -107,3 +108,50 @@ def test_fp8_is_chosen_only_where_the_device_runs_it(monkeypatch):
     for capability in ((8, 9), (9, 0), (10, 0)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert resolve_precision("fp8", "cuda") == ("fp8", None) and fp8_unsupported("cuda") is None
+
+
+def test_served_fp8_weights_are_rounded_once_and_share_the_input_rounding(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    linear = nn.Linear(64, 48)
+    x = torch.randn(5, 7, 64, generator=g)
+    with torch.no_grad():  # one layer: the same rounding of the weight as the training path's, so the same numbers
+        torch.testing.assert_close(Float8InferenceLinear(linear)(x), float8_linear(x, linear.weight, linear.bias))
+    reference = tiny_model()
+    served = tiny_model()
+    frozen = freeze_blocks_to_fp8(served)
+    assert frozen == fp8_linears(served)
+    assert not [n for n, _ in served.blocks.named_parameters() if n.endswith(".weight") and "norm" not in n
+                and "modulation" not in n]  # the full-precision weights are gone
+    assert all(m.weight_fp8.dtype == torch.float8_e4m3fn
+               for m in served.modules() if isinstance(m, Float8InferenceLinear))
+    batch = tiny_batch(served.args)
+    roundings = []
+    real = fp8._quantize
+    monkeypatch.setattr(fp8, "_quantize", lambda t, dtype: roundings.append(tuple(t.shape)) or real(t, dtype))
+    with torch.no_grad():
+        a, b = reference(**batch), served(**batch)
+    for x, y in ((b.video_pred, a.video_pred), (b.action_pred, a.action_pred)):
+        assert 0 < ((x - y).norm() / y.norm()).item() < 0.1
+    # inputs rounded per block: q/k/v's tokens once (the last block, which computes only the rows the loss reads:
+    # its q rows, then k/v), the attention output, the cross-attention's queries, text (k, v), image (k, v), its
+    # output, the FFN's two; three separate q, k and v roundings would add two per block
+    assert len(roundings) == 10 * len(served.blocks) + 1
+
+
+def test_the_policy_bench_puts_fp8_beside_bf16_with_the_chunk_difference(monkeypatch):
+    from dzmodel.bench import policy_bench
+    from dzmodel.bench.policy_bench import PolicySetting, run_policy_bench
+
+    setting = PolicySetting(name="s", solver_steps=2, cfg_scale=1.0, cuda_graphs=False)
+    rows = run_policy_bench("tiny", "cpu", [setting, PolicySetting(name="s fp8", weights="fp8", solver_steps=2,
+                                                                    cfg_scale=1.0, cuda_graphs=False)],
+                            calls=1, warmup=0, breakdown_calls=0)
+    assert "p50_ms" in rows[0] and "compute capability 8.9" in rows[1]["error"] and "p50_ms" not in rows[1]
+    monkeypatch.setattr(policy_bench, "resolve_precision", lambda requested, device: (requested, None))
+    rows = run_policy_bench("tiny", "cpu", [setting, PolicySetting(name="s fp8", weights="fp8", solver_steps=2,
+                                                                    cfg_scale=1.0, cuda_graphs=False)],
+                            batches=(2,), calls=1, warmup=0, breakdown_calls=0)
+    diff = rows[1]["chunk_diff_vs_bf16"]
+    assert rows[1]["weights"] == "fp8" and rows[1]["p50_ms"] > 0 and 0 < diff["rel_l2"] < 0.5 and diff["max_abs"] > 0
+    with pytest.raises(ValueError, match="put them after every other setting"):
+        run_policy_bench("tiny", "cpu", [PolicySetting(weights="fp8"), setting])

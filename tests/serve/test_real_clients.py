@@ -137,7 +137,8 @@ def test_dz_serve_cli_no_auth_warns_and_serves(droid_bundle, tmp_path):
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2 and "needs a token" in out.stderr and "--no-auth" in out.stderr
     server = subprocess.Popen([sys.executable, "-m", "dzmodel.cli", "serve", str(droid_bundle), "--no-auth", "--port",
-                               str(port), "--solver-steps", "1", "--cfg-scale", "1"], stdout=subprocess.PIPE,
+                               str(port), "--solver-steps", "1", "--cfg-scale", "1", "--precision", "fp8",
+                               "--max-batch", "4"], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
     try:
         deadline = time.time() + 180
@@ -158,5 +159,7 @@ def test_dz_serve_cli_no_auth_warns_and_serves(droid_bundle, tmp_path):
         os.killpg(server.pid, signal.SIGTERM)
         log = server.communicate(timeout=30)[0]
     assert "WARNING: --no-auth" in log and "on ws://127.0.0.1:" in log
+    assert "precision fp8 falls back to bf16: FP8 matmuls need an NVIDIA GPU" in log  # this CPU has none
+    assert "batching: up to 4 sessions a forward, 5 ms window" in log
     assert " infer session=38DSA3hd3 ok " in log and " reset session=all ok " in log
     assert "Traceback" not in log
