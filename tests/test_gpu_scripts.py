@@ -2,6 +2,7 @@
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,28 @@ def test_the_final_csvs_are_the_evaluations_own_episodes(tmp_path):
         name = f"seed{seed}.csv"
         assert (tmp_path / name).read_text() == (RESULTS / "final" / name).read_text(), name
         assert (tmp_path / name).read_text().splitlines()[0] == "seed,task,init_state,checkpoint_step,success"
+
+
+@pytest.mark.parametrize("script", sorted((RESULTS.parent / "bench").glob("*.sh")), ids=lambda p: p.name)
+def test_the_bench_script_parses(script):
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_loss_parity_compares_the_last_window_and_plots(tmp_path):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("loss_parity", RESULTS.parent / "bench" / "loss_parity.py")
+    loss_parity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loss_parity)
+    ref = [{"step": s, "loss": 2.0 if s <= 100 else 1.0} for s in range(1, 201)]
+    other = [{"step": s, "loss": 2.0 if s <= 100 else 1.01} for s in range(1, 201)]
+    result = loss_parity.parity(ref, other, window=100)
+    assert result["reference_mean_loss"] == 1.0 and abs(result["relative_difference"] - 0.01) < 1e-12
+    for name, rows in (("a", ref), ("b", other)):
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    out = subprocess.run([sys.executable, str(RESULTS.parent / "bench" / "loss_parity.py"), str(tmp_path / "a.jsonl"),
+                          str(tmp_path / "b.jsonl"), "--out", str(tmp_path / "p.png")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "p.png").stat().st_size > 1000 and json.loads(out.stdout.splitlines()[0])["window_steps"] == 100

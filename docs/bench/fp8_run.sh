@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# FP8 against bf16 on one GPU, side by side in one call, through the commands users run. Run from the repo root on
+# the device machine; JSON lines go to $OUT (plot the parity run here with `python docs/bench/loss_parity.py`).
+#   PART=train   `dz train` at the 5B DROID shape (the cache of docs/bench/train_vs_bench_run.sh, micro-batch 21,
+#                compiled, elementwise recompute): STEPS (default 12) steps in bf16, then the same in fp8
+#   PART=parity  the same seed and data for PARITY_STEPS (default 500) steps at micro-batch PARITY_MB (default 4),
+#                bf16 then fp8; each run resumes from its newest checkpoint, so a call that ran out of time goes on
+#   PART=policy  `dz bench policy --precision fp8` for the 5B and the 14B at the deployed setting (16 steps, DiT
+#                caching, CFG 5, CUDA graphs, compile), batches 1 and 4: bf16 and FP8 rows with their chunk difference
+set -euo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+PART=${PART:-train}
+WORK=${WORK:-build/fp8}
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_')
+echo "$GPU torch $(python -c 'import torch; print(torch.__version__)')"
+mkdir -p "$WORK"
+dz() { python -m dzmodel.cli "$@"; }
+cache() { [ -d "$WORK/cache_5b" ] || dz cache --synthetic 64 --preset dreamzero_5b --latent-hw 11,20 --out "$WORK/cache_5b"; }
+train_5b() {  # NAME PRECISION STEPS MICRO_BATCH SAVE_EVERY
+  dz train --preset dreamzero_5b --steps "$3" --out "$WORK/$1" --set cache="$WORK/cache_5b" --set micro_batch="$4" \
+    --set global_batch="$4" --set compile=true --set activation_checkpointing=elementwise --set attn_backend=segments \
+    --set precision="$2" --set num_workers=2 --set save_every="$5" --set progress=false --set seed=0
+}
+case "$PART" in
+  train)
+    cache
+    for p in bf16 fp8; do
+      rm -rf "$WORK/speed_$p"
+      train_5b "speed_$p" "$p" "${STEPS:-12}" 21 0 2>&1 | tee "$OUT/train_5b_${p}_$GPU.log" | tail -3
+      cp "$WORK/speed_$p/metrics.jsonl" "$OUT/train_5b_${p}_$GPU.jsonl"
+    done ;;
+  parity)
+    cache
+    for p in bf16 fp8; do
+      train_5b "parity_$p" "$p" "${PARITY_STEPS:-500}" "${PARITY_MB:-4}" 100 2>&1 | tail -3
+      cp "$WORK/parity_$p/metrics.jsonl" "$OUT/parity_5b_${p}_$GPU.jsonl"
+    done ;;
+  policy)
+    for preset in dreamzero_5b dreamzero_14b; do
+      dz bench policy --preset "$preset" --device cuda --dit-steps upstream --compile --batch 1,4 --calls 20 \
+        --precision fp8 --out "$OUT/policy_fp8_${preset}_$GPU.jsonl"
+    done ;;
+  *) echo "PART must be train, parity or policy" >&2; exit 2 ;;
+esac

@@ -1,0 +1,55 @@
+"""Loss parity of two `dz train` runs (bf16 and fp8) from the same seed and data: the mean loss of the last WINDOW
+logged steps of each, their relative difference, and both curves in one PNG.
+
+    python docs/bench/loss_parity.py BF16_METRICS.jsonl FP8_METRICS.jsonl --out docs/bench/fp8_parity.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def read(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def parity(reference: list[dict], other: list[dict], window: int) -> dict:
+    tail = lambda rows: [r["loss"] for r in rows if r["step"] > rows[-1]["step"] - window]  # noqa: E731
+    ref, oth = tail(reference), tail(other)
+    ref_mean, oth_mean = sum(ref) / len(ref), sum(oth) / len(oth)
+    return {"window_steps": window, "reference_mean_loss": ref_mean, "other_mean_loss": oth_mean,
+            "relative_difference": (oth_mean - ref_mean) / ref_mean,
+            "steps": [reference[-1]["step"], other[-1]["step"]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("reference")
+    ap.add_argument("other")
+    ap.add_argument("--window", type=int, default=100)
+    ap.add_argument("--out", default="fp8_parity.png")
+    ns = ap.parse_args()
+    reference, other = read(ns.reference), read(ns.other)
+    result = parity(reference, other, ns.window)
+    print(json.dumps(result))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for rows, label in ((reference, "bf16"), (other, "fp8")):
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=label, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"last {ns.window} steps: fp8 {100 * result['relative_difference']:+.2f} % against bf16")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(ns.out, dpi=120)
+    print(f"plot: {ns.out}")
+
+
+if __name__ == "__main__":
+    main()
