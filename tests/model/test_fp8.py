@@ -155,3 +155,17 @@ def test_the_policy_bench_puts_fp8_beside_bf16_with_the_chunk_difference(monkeyp
     assert rows[1]["weights"] == "fp8" and rows[1]["p50_ms"] > 0 and 0 < diff["rel_l2"] < 0.5 and diff["max_abs"] > 0
     with pytest.raises(ValueError, match="put them after every other setting"):
         run_policy_bench("tiny", "cpu", [PolicySetting(weights="fp8"), setting])
+
+
+def test_compiled_fp8_matmuls_equal_the_eager_ones():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 64, generator=g, requires_grad=True)
+    w = torch.randn(32, 64, generator=g, requires_grad=True)
+    grads = []
+    for fn in (float8_linear, torch.compile(float8_linear)):
+        y = fn(x, w)
+        y.square().sum().backward()
+        grads.append((y.detach(), x.grad.clone(), w.grad.clone()))
+        x.grad = w.grad = None
+    for eager, compiled in zip(*grads):
+        torch.testing.assert_close(compiled, eager)

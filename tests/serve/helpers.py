@@ -28,3 +28,14 @@ def tiny_bundle(root: Path, embodiment: str) -> Path:
     hf = convert_checkpoint(resolve_checkpoint(root / "run"), root / "hf")
     _, tarball = build_package(hf, root / "dist", RobotConfig.from_dict(ROBOT), "0.1.0")
     return tarball
+
+
+def served_policy(tarball: Path, **load_kwargs):
+    """A bundle's policy as `dz serve` serves it, with a 2-step solver without CFG (fast on CPU)."""
+    from dzmodel.eval.policy import load_policy
+    from dzmodel.model.sampler import SolverConfig
+    from dzmodel.serve.package import load_package
+    from dzmodel.serve.server import BundlePolicy
+
+    pkg = load_package(tarball)
+    return BundlePolicy(load_policy(pkg.model_dir, solver=SolverConfig(num_steps=2, cfg_scale=1.0), **load_kwargs))

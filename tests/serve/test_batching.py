@@ -12,14 +12,11 @@ import numpy as np
 import pytest
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-from dzmodel.eval.policy import load_policy
-from dzmodel.model.sampler import SolverConfig
 from dzmodel.serve.batching import DynamicBatcher
 from dzmodel.serve.client import PolicyClient, load_test, synthetic_observation
-from dzmodel.serve.package import load_package
-from dzmodel.serve.server import BundlePolicy, ServeError, ServerLimits, ServerThread, warm_up
+from dzmodel.serve.server import ServeError, ServerLimits, ServerThread, warm_up
 
-from .helpers import tiny_bundle
+from .helpers import served_policy
 from .test_server import FakePolicy
 
 TOKEN = "batching-token-1"
@@ -213,16 +210,6 @@ def test_fifty_sessions_through_the_batcher_each_get_their_own_answer():
     assert health["batching"]["mean_size"] > 1  # concurrent sessions did share forwards
 
 
-@pytest.fixture(scope="module")
-def libero_bundle(tmp_path_factory):
-    return tiny_bundle(tmp_path_factory.mktemp("libero"), "libero_sim_tiny")
-
-
-def _policy(tarball):
-    pkg = load_package(tarball)
-    return BundlePolicy(load_policy(pkg.model_dir, solver=SolverConfig(num_steps=2, cfg_scale=1.0)))
-
-
 def _observation(rng, step):
     return {"observation/image": rng.integers(0, 255, (224, 224, 3), dtype=np.uint8),
             "observation/wrist_image": rng.integers(0, 255, (224, 224, 3), dtype=np.uint8),
@@ -267,10 +254,10 @@ def _episodes(port, clients, queries, together):
 
 
 def test_a_batched_server_answers_what_a_one_at_a_time_server_answers(libero_bundle):
-    with ServerThread(_policy(libero_bundle), TOKEN) as srv:
+    with ServerThread(served_policy(libero_bundle), TOKEN) as srv:
         sequential = _episodes(srv.port, clients=4, queries=3, together=False)
     limits = ServerLimits(max_batch=4, batch_window_ms=500)
-    with ServerThread(_policy(libero_bundle), TOKEN, limits=limits) as srv:
+    with ServerThread(served_policy(libero_bundle), TOKEN, limits=limits) as srv:
         batched = _episodes(srv.port, clients=4, queries=3, together=True)
         health = _health(srv)
     sizes = [timing["batch_size"] for out in batched.values() for _, timing in out]
@@ -284,7 +271,7 @@ def test_a_batched_server_answers_what_a_one_at_a_time_server_answers(libero_bun
 
 
 def test_warm_up_runs_each_batch_size_the_server_can_form(libero_bundle, monkeypatch):
-    embodied = _policy(libero_bundle).embodied
+    embodied = served_policy(libero_bundle).embodied
     sizes, real = [], embodied.predict_batch
 
     def recorded(requests):

@@ -12,7 +12,6 @@ from dzmodel.model.sampler import SolverConfig
 from dzmodel.serve.package import load_package
 from dzmodel.serve.server import BundlePolicy, ServerThread
 
-from .helpers import tiny_bundle
 from .test_real_clients import openpi_libero_observation
 
 TOKEN = "fp8-serving-token"
@@ -20,8 +19,8 @@ SOLVER = SolverConfig(num_steps=2, cfg_scale=1.0)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return load_package(tiny_bundle(tmp_path_factory.mktemp("libero"), "libero_sim_tiny")).model_dir
+def model_dir(libero_bundle):
+    return load_package(libero_bundle).model_dir
 
 
 def test_fp8_where_the_device_has_none_keeps_the_policy_and_says_why(model_dir):

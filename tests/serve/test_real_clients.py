@@ -19,30 +19,13 @@ import pytest
 import websockets
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-from dzmodel.eval.policy import load_policy
-from dzmodel.model.sampler import SolverConfig
-from dzmodel.serve.package import load_package
-from dzmodel.serve.server import BundlePolicy, ServerThread
+from dzmodel.serve.server import ServerThread
 
-from .helpers import tiny_bundle
+from .helpers import served_policy
 from .roboarena_client import PolicyServerConfig, RoboArenaClient, dummy_observation, run_test_script
 
 TOKEN = "openpi-api-key-123"
 
-
-@pytest.fixture(scope="module")
-def libero_bundle(tmp_path_factory):
-    return tiny_bundle(tmp_path_factory.mktemp("libero"), "libero_sim_tiny")
-
-
-@pytest.fixture(scope="module")
-def droid_bundle(tmp_path_factory):
-    return tiny_bundle(tmp_path_factory.mktemp("droid"), "oxe_droid_tiny")
-
-
-def _policy(tarball):
-    pkg = load_package(tarball)
-    return BundlePolicy(load_policy(pkg.model_dir, solver=SolverConfig(num_steps=2, cfg_scale=1.0)))
 
 
 def _free_port() -> int:
@@ -62,7 +45,7 @@ def openpi_libero_observation(rng):
 
 
 def test_openpi_client_from_pypi_reads_actions(libero_bundle):
-    with ServerThread(_policy(libero_bundle), TOKEN) as srv:
+    with ServerThread(served_policy(libero_bundle), TOKEN) as srv:
         client = WebsocketClientPolicy("127.0.0.1", srv.port, api_key=TOKEN)
         meta = client.get_server_metadata()
         assert meta["embodiment"] == "libero_sim_tiny" and meta["protocol"]["images"]["observation/image"] == "image"
@@ -83,7 +66,7 @@ def test_openpi_client_from_pypi_reads_actions(libero_bundle):
 
 
 def test_roboarena_test_script_against_a_droid_bundle(droid_bundle):
-    with ServerThread(_policy(droid_bundle), None) as srv:  # RoboArena sends no auth header
+    with ServerThread(served_policy(droid_bundle), None) as srv:  # RoboArena sends no auth header
         open_after_reset = []
         report = run_test_script("127.0.0.1", srv.port,
                                  before_close=lambda: open_after_reset.append(srv.server.stats.sessions))
@@ -93,7 +76,7 @@ def test_roboarena_test_script_against_a_droid_bundle(droid_bundle):
         assert report["actions"].shape == (24, 8)  # 7 joint positions + gripper
         assert report["reset_reply"] == "reset successful"
         assert open_after_reset == [0] and srv.server.stats.errors == 0  # the reset ended the script's session
-    with ServerThread(_policy(droid_bundle), TOKEN) as srv:  # with auth on, RoboArena's client is refused
+    with ServerThread(served_policy(droid_bundle), TOKEN) as srv:  # with auth on, RoboArena's client is refused
         with pytest.raises(Exception):
             RoboArenaClient("127.0.0.1", srv.port)
 
@@ -104,7 +87,7 @@ def test_dreamzero_clips_extend_the_session(droid_bundle):
     context: it differs from a fresh session on the same clip, and equals the same history sent as one clip (the
     whole history prefilled at once, as the teacher-forcing forward sees it: tests/model/test_inference.py shows
     the cached blocks equal that forward)."""
-    policy = _policy(droid_bundle)
+    policy = served_policy(droid_bundle)
     rng = np.random.default_rng(3)
     config = PolicyServerConfig(**policy.handshake)
     first = dummy_observation(config)
