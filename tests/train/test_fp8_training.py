@@ -1,8 +1,15 @@
 """`train.precision: fp8`: where the device runs FP8 the blocks' linears train in it; elsewhere (this CPU) the run
 says so in one line and trains in bf16."""
 
+import json
 import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from dzmodel.model.fp8 import fp8_linears
@@ -43,3 +50,24 @@ def test_where_fp8_runs_the_blocks_train_through_fp8_matmuls(data, tmp_path, mon
     assert all(math.isfinite(h["loss"]) for h in fp8_run)
     assert fp8_run[0]["loss"] != bf16_run[0]["loss"]  # the FP8 path did run
     assert abs(fp8_run[0]["loss"] - bf16_run[0]["loss"]) < 0.1 * abs(bf16_run[0]["loss"])
+
+
+@pytest.mark.slow
+def test_fp8_linears_train_under_fsdp2_in_two_processes(data, tmp_path):
+    cfg = _cfg(data, tmp_path / "run", steps=2, micro_batch=1, global_batch=2, save_every=2)
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={port}", str(Path(__file__).with_name("fp8_fsdp_driver.py")), str(path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(Path(__file__).parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "linears of the blocks run FP8 matmuls" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"
+    assert (ckpt / "__0_0.distcp").is_file() and (ckpt / "__1_0.distcp").is_file()  # sharded by FSDP2
