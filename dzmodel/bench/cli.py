@@ -117,6 +117,8 @@ def cmd_bench_policy(ns: argparse.Namespace) -> int:
                                   dit_steps=ns.dit_steps, text_cache=not ns.no_text_cache,
                                   cuda_graphs=not ns.no_cuda_graphs, compile=ns.compile)]
     if ns.precision == "fp8":  # the same setting in bf16, then in FP8 on the same model (side by side)
+        if ns.ladder:
+            raise CLIError("--precision fp8 measures one setting in bf16 and then in FP8: leave out --ladder")
         if ns.weights not in (None, "bf16"):
             raise CLIError("--precision fp8 compares against bf16 weights: leave out --weights or pass bf16")
         settings = [replace(s, weights="bf16") for s in settings]

@@ -185,24 +185,27 @@ def run_policy_bench(preset_name: str = "tiny", device: str = "cpu", settings: l
     common = {"preset": preset_name, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
               "image_size": [h, w], "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     rows = []
-    reference = None  # bf16 chunks, for the FP8 rows
-    for setting in settings:
+    references: dict[int, np.ndarray] = {}  # per FP8 setting: its bf16 chunks, with its own solver
+    for index, setting in enumerate(settings):
         extra: dict = {}
         if setting.weights == "fp8" and not fp8_linears(policy.model):  # the first FP8 setting: round the model
             _, why = resolve_precision("fp8", device)
-            if why is not None:  # this device cannot: the row says so, nothing is measured in its name
-                for batch in batches:
-                    row = {**common, **asdict(setting), "batch": batch, "error": why}
-                    rows.append(row)
-                    if progress is not None:
-                        progress(row)
-                continue
-            _configure(policy, replace(setting, weights="bf16", compile=False), device)
-            reference = fixed_chunks(policy, max(batches), seed)
+            if why is not None:  # this device cannot: the rows say so, nothing is measured in their name
+                for later in settings[index:]:
+                    for batch in batches:
+                        row = {**common, **asdict(later), "batch": batch, "error": why}
+                        rows.append(row)
+                        if progress is not None:
+                            progress(row)
+                break
+            for i in fp8_rows:
+                _configure(policy, replace(settings[i], weights="bf16", compile=False), device)
+                references[i] = fixed_chunks(policy, max(batches), seed)
             freeze_blocks_to_fp8(policy.model)
         _configure(policy, setting, device)
         if setting.weights == "fp8":
-            extra = {"chunk_diff_vs_bf16": chunk_difference(fixed_chunks(policy, max(batches), seed), reference)}
+            extra = {"chunk_diff_vs_bf16": chunk_difference(fixed_chunks(policy, max(batches), seed),
+                                                            references[index])}
         for batch in batches:
             try:
                 row = {**common, **_measure(policy, setting, device, batch, calls, warmup, breakdown_calls, seed),

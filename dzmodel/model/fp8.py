@@ -57,7 +57,8 @@ def _quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     top = torch.finfo(dtype).max
     amax = t.detach().abs().amax().float().clamp(min=1e-12)
     scale = top / amax
-    return (t.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
+    # row-major whatever t's layout (a transposed gradient): _scaled_mm's first operand must be
+    return (t.float() * scale).clamp(-top, top).to(dtype).contiguous(), scale.reciprocal()
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
@@ -74,29 +75,34 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _Float8Matmul(torch.autograd.Function):
-    """x [M, K] @ weight[N, K]^T in FP8, with the FP8 backward."""
+    """x [M, K] @ weight[N, K]^T in FP8, with the FP8 backward. The weight itself is saved for backward and
+    rounded again there, not its e4m3 copy: under FSDP2 the gathered weight is freed after the forward and
+    gathered again for the backward, and a saved copy would keep every block's weights whole until then."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         xq, x_inv = _quantize(x, E4M3)
         wq, w_inv = _quantize(weight, E4M3)
-        ctx.save_for_backward(xq, x_inv, wq, w_inv)
+        ctx.save_for_backward(xq, x_inv, weight)
         ctx.weight_dtype, ctx.x_dtype = weight.dtype, x.dtype
         # _scaled_mm: the first operand row-major, the second column-major (wq.t() is)
         return torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        xq, x_inv, wq, w_inv = ctx.saved_tensors
+        xq, x_inv, weight = ctx.saved_tensors
         gq, g_inv = _quantize(grad_out, E5M2)
-        # dX = dY [M, N] @ W [N, K]: W as a column-major [N, K]
-        grad_x = torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=g_inv, scale_b=w_inv,
-                                  out_dtype=grad_out.dtype)
-        # dW = dY^T [N, M] @ X [M, K], the token dimension M padded to a multiple of 16
-        g_t = _pad_rows(gq.view(torch.uint8)).view(gq.dtype).t().contiguous()
-        x_cm = _pad_rows(xq.view(torch.uint8)).view(xq.dtype).t().contiguous().t()
-        grad_w = torch._scaled_mm(g_t, x_cm, scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)
-        return grad_x.to(ctx.x_dtype), grad_w.to(ctx.weight_dtype), None
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # dX = dY [M, N] @ W [N, K]: W as a column-major [N, K]
+            wq, w_inv = _quantize(weight, E4M3)
+            grad_x = torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=g_inv, scale_b=w_inv,
+                                      out_dtype=grad_out.dtype).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:  # dW = dY^T [N, M] @ X [M, K], the token dimension padded to a multiple of 16
+            g_t = _pad_rows(gq.view(torch.uint8)).view(gq.dtype).t().contiguous()
+            x_cm = _pad_rows(xq.view(torch.uint8)).view(xq.dtype).t().contiguous().t()
+            grad_w = torch._scaled_mm(g_t, x_cm, scale_a=g_inv, scale_b=x_inv,
+                                      out_dtype=torch.float32).to(ctx.weight_dtype)
+        return grad_x, grad_w, None
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

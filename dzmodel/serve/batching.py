@@ -5,10 +5,12 @@ The rules, each tested in tests/serve/test_batching.py:
 - a batch holds at most `max_batch` requests, and at most one per session: a session's second request waits for
   the next batch, so a session's requests are solved in the order they came;
 - after the oldest waiting request arrived, the batcher waits at most `window_s` for more, and only while another
-  open session could still send one (`open_sessions`): a lone robot never waits for company;
+  client could still send one (`clients`: the server's connections, each of which has at most one request in
+  flight): a lone robot never waits for company, however many sessions it opened;
 - requests that arrive while a batch is being solved form the next one as soon as it ends;
-- every request gets its own answer or its own error; a request whose client went away is left out of the next
-  batch, and a failure of the batched call as a whole is every one of its requests' error.
+- every request gets its own answer or its own error: a failure of the batched call as a whole is every one of its
+  requests' error; a request whose waiting task was cancelled is left out; if the batcher itself stopped, every
+  request still waiting gets that error.
 """
 
 from __future__ import annotations
@@ -60,19 +62,32 @@ class DynamicBatcher:
     `await submit(session, payload)` from any number of tasks; `close()` stops it and fails what still waits."""
 
     def __init__(self, solve: Callable[[list], list], max_batch: int, window_s: float,
-                 open_sessions: Callable[[], int] | None = None, clock: Callable[[], float] = time.perf_counter):
+                 clients: Callable[[], int] | None = None, clock: Callable[[], float] = time.perf_counter):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if not window_s >= 0:
             raise ValueError(f"the batching window must be >= 0 seconds, got {window_s}")
         self.solve, self.max_batch, self.window_s = solve, max_batch, window_s
-        self.open_sessions = open_sessions
+        self.clients = clients
         self.clock = clock
         self.stats = BatchStats()
         self._waiting: list[_Waiting] = []
         self._solving: list[_Waiting] = []
         self._arrival = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run())
+        self._task.add_done_callback(self._stopped)
+
+    def wake(self) -> None:
+        """Look again whether a batch is complete (a client left, so fewer may join)."""
+        self._arrival.set()
+
+    def _stopped(self, task: asyncio.Task) -> None:
+        error = RuntimeError("the server is shutting down") if task.cancelled() else \
+            RuntimeError(f"the batcher stopped: {task.exception()!r}")
+        for w in self._waiting + self._solving:
+            if not w.future.done():
+                w.future.set_exception(error)
+        self._waiting.clear()
 
     async def submit(self, session: Hashable, payload: Any) -> Answer:
         if self._task.done():
@@ -88,10 +103,7 @@ class DynamicBatcher:
             await self._task
         except asyncio.CancelledError:
             pass
-        for w in self._waiting + self._solving:
-            if not w.future.done():
-                w.future.set_exception(RuntimeError("the server is shutting down"))
-        self._waiting.clear()
+        self._stopped(self._task)
 
     def _next_batch(self) -> list[_Waiting]:
         """The oldest waiting request of each session, oldest first, up to max_batch; gone clients dropped."""
@@ -106,10 +118,10 @@ class DynamicBatcher:
         return batch
 
     def _may_grow(self, batch: list[_Waiting]) -> bool:
-        """Whether another session could still join: fewer in the batch than are open."""
-        if self.open_sessions is None:
+        """Whether another request could still join: fewer in the batch than there are clients."""
+        if self.clients is None:
             return True
-        return len(batch) < self.open_sessions()
+        return len(batch) < self.clients()
 
     async def _run(self) -> None:
         while True:

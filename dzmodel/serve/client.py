@@ -230,10 +230,13 @@ def load_test(url: str, token: str | None, sessions: int = 50, requests_per_sess
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()) + 5)
     wall = time.perf_counter() - t0
-    every = [ms for per in latencies.values() for ms in per]
+    with lock:  # a thread past the deadline may still be adding
+        measured = {i: list(per) for i, per in latencies.items()}
+        failed = list(errors)
+    every = [ms for per in measured.values() for ms in per]
     arr = np.asarray(every) if every else np.zeros(1)
-    per_session_p95 = np.asarray([np.percentile(per, 95) for per in latencies.values()]) if latencies else np.zeros(1)
-    return {"sessions": sessions, "requests": len(every), "errors": len(errors), "error_samples": errors[:3],
+    per_session_p95 = np.asarray([np.percentile(per, 95) for per in measured.values()]) if measured else np.zeros(1)
+    return {"sessions": sessions, "requests": len(every), "errors": len(failed), "error_samples": failed[:3],
             "wall_s": round(wall, 2), "requests_per_s": round(len(every) / wall, 2),
             "latency_ms": {k: round(float(np.percentile(arr, q)), 1) for k, q in (("p50", 50), ("p95", 95), ("p99", 99))}
             | {"max": round(float(arr.max()), 1)},

@@ -457,6 +457,8 @@ class PolicyServer:
             self._log_close(peer, exc)
         finally:
             self.stats.connections -= 1
+            if self._batcher is not None:
+                self._batcher.wake()  # one client fewer that a batch could wait for
             self._per_client[client] -= 1
             if not self._per_client[client]:
                 del self._per_client[client]
@@ -478,7 +480,7 @@ class PolicyServer:
         self._decoder = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="dz-decode")
         if limits.max_batch > 1:
             self._batcher = DynamicBatcher(self._infer_batch, limits.max_batch, limits.batch_window_ms / 1e3,
-                                           open_sessions=lambda: self.stats.sessions)
+                                           clients=lambda: self.stats.connections)
         try:
             async with serve(self._handler, host, port, process_request=self._process_request,
                              max_size=self.frame_limits.max_bytes, max_queue=QUEUED_FRAMES, compression=None,
@@ -663,8 +665,10 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
 
 def warm_up(embodied, max_batch: int = 1) -> None:
     """Chunks on blank frames before serving, one batch of each size the server can form (batches are padded to
-    powers of two): the CUDA graphs are captured (and the block compiled) here, not during a robot's request. A
-    batch that does not fit in the device's memory fails here, with the fix in the message."""
+    powers of two): the first chunk of an episode, at each batch size, has its CUDA graphs captured (and the block
+    compiled) here, not during a robot's request. Later chunks of an episode, whose caches hold more frames, are
+    captured the first time their shape comes. A batch that does not fit in the device's memory fails here, with
+    the fix in the message."""
     emb = embodied.embodiment
     t0 = time.perf_counter()
     views = {name: np.zeros((*emb.view_size, 3), np.uint8) for name in emb.views}

@@ -123,6 +123,9 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"train.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.precision == "fp8" and self.lora.enabled:
+            raise ValueError("train.precision fp8 converts the blocks' plain linears, and LoRA adapts those same "
+                             "layers: train LoRA with precision bf16, or fp8 without train.lora")
         from .parallelize import AC_MODES
 
         unknown = sorted(set(self.encoder_weights) - {"vae", "t5", "clip"})

@@ -29,6 +29,8 @@ def _recompute_elementwise_policy():
 
     aten = torch.ops.aten
     keep = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+    if hasattr(aten, "_scaled_mm"):  # the FP8 linears' matmuls (train.precision: fp8)
+        keep.add(aten._scaled_mm.default)
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
         if hasattr(aten, name):

@@ -169,3 +169,20 @@ def test_compiled_fp8_matmuls_equal_the_eager_ones():
         x.grad = w.grad = None
     for eager, compiled in zip(*grads):
         torch.testing.assert_close(compiled, eager)
+
+
+def test_backward_keeps_the_weight_itself_not_an_fp8_copy():
+    """Under FSDP2 the gathered weight is freed after the forward; a saved e4m3 copy would keep it whole."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    x = torch.randn(32, 64, requires_grad=True)
+    w = torch.randn(48, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        float8_linear(x, w)
+    weights = [t for t in saved if t.shape == w.shape]
+    assert len(weights) == 1 and weights[0].data_ptr() == w.data_ptr()
+    assert [t.dtype for t in saved if t.shape == x.shape] == [torch.float8_e4m3fn]  # the input: its e4m3 copy

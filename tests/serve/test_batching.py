@@ -42,7 +42,7 @@ def test_batches_never_mix_a_sessions_requests_and_keep_their_order():
     solve = Recorder(delay=0.01)
 
     async def main():
-        batcher = DynamicBatcher(solve, max_batch=3, window_s=0.05, open_sessions=lambda: 5)
+        batcher = DynamicBatcher(solve, max_batch=3, window_s=0.05, clients=lambda: 5)
         # 5 sessions, each with 4 requests queued at once, a session's together: they must go to 4 different batches
         tasks = [asyncio.create_task(batcher.submit(f"s{s}", (f"s{s}", k))) for s in range(5) for k in range(4)]
         answers = await asyncio.gather(*tasks)
@@ -65,7 +65,7 @@ def test_requests_that_arrive_within_the_window_share_a_forward():
     solve = Recorder()
 
     async def main():
-        batcher = DynamicBatcher(solve, max_batch=8, window_s=0.5, open_sessions=lambda: 4)
+        batcher = DynamicBatcher(solve, max_batch=8, window_s=0.5, clients=lambda: 4)
         tasks = []
         for s in range(4):  # 20 ms apart, well within the 500 ms window
             tasks.append(asyncio.create_task(batcher.submit(s, s)))
@@ -75,7 +75,7 @@ def test_requests_that_arrive_within_the_window_share_a_forward():
         return answers
 
     answers = run(main())
-    assert solve.batches == [[0, 1, 2, 3]]  # all four open sessions came: it went without waiting out the window
+    assert solve.batches == [[0, 1, 2, 3]]  # all four clients sent: it went without waiting out the window
     assert {a.batch_size for a in answers} == {4}
     assert answers[0].queue_ms >= answers[3].queue_ms  # the first waited longest
 
@@ -84,7 +84,7 @@ def test_a_lone_session_never_waits_for_company():
     solve = Recorder()
 
     async def main():
-        batcher = DynamicBatcher(solve, max_batch=8, window_s=60.0, open_sessions=lambda: 1)
+        batcher = DynamicBatcher(solve, max_batch=8, window_s=60.0, clients=lambda: 1)
         t0 = time.perf_counter()
         answer = await asyncio.wait_for(batcher.submit("only", 1), 5)  # a 60 s wait would time out here
         await batcher.close()
@@ -94,13 +94,13 @@ def test_a_lone_session_never_waits_for_company():
     assert answer.result == ("answer", 1) and answer.batch_size == 1 and seconds < 5
 
 
-def test_the_window_bounds_the_wait_for_sessions_that_do_not_send():
+def test_the_window_bounds_the_wait_for_clients_that_do_not_send():
     solve = Recorder()
 
     async def main():
-        batcher = DynamicBatcher(solve, max_batch=8, window_s=0.2, open_sessions=lambda: 3)
+        batcher = DynamicBatcher(solve, max_batch=8, window_s=0.2, clients=lambda: 3)
         t0 = time.perf_counter()
-        answer = await batcher.submit("a", 1)  # two more sessions are open but silent
+        answer = await batcher.submit("a", 1)  # two more clients are connected but silent
         await batcher.close()
         return answer, time.perf_counter() - t0
 
@@ -112,11 +112,11 @@ def test_errors_reach_their_own_request_and_a_failed_call_reaches_all():
     solve = Recorder(fail_on=2)
 
     async def main():
-        batcher = DynamicBatcher(solve, max_batch=4, window_s=0.2, open_sessions=lambda: 3)
+        batcher = DynamicBatcher(solve, max_batch=4, window_s=0.2, clients=lambda: 3)
         results = await asyncio.gather(*(batcher.submit(s, s) for s in range(3)), return_exceptions=True)
-        broken = DynamicBatcher(lambda payloads: 1 / 0, max_batch=4, window_s=0.2, open_sessions=lambda: 2)
+        broken = DynamicBatcher(lambda payloads: 1 / 0, max_batch=4, window_s=0.2, clients=lambda: 2)
         failed = await asyncio.gather(*(broken.submit(s, s) for s in range(2)), return_exceptions=True)
-        short = DynamicBatcher(lambda payloads: payloads[:1], max_batch=4, window_s=0.2, open_sessions=lambda: 2)
+        short = DynamicBatcher(lambda payloads: payloads[:1], max_batch=4, window_s=0.2, clients=lambda: 2)
         unmatched = await asyncio.gather(*(short.submit(s, s) for s in range(2)), return_exceptions=True)
         for b in (batcher, broken, short):
             await b.close()
@@ -133,7 +133,7 @@ def test_a_request_whose_client_left_is_not_solved_and_the_others_are():
     solve = Recorder()
 
     async def main():
-        batcher = DynamicBatcher(solve, max_batch=4, window_s=0.3, open_sessions=lambda: 4)  # so it waits
+        batcher = DynamicBatcher(solve, max_batch=4, window_s=0.3, clients=lambda: 4)  # so it waits
         gone = asyncio.create_task(batcher.submit("gone", "gone"))
         stay = [asyncio.create_task(batcher.submit(s, s)) for s in ("a", "b")]
         await asyncio.sleep(0.05)
@@ -149,7 +149,7 @@ def test_a_request_whose_client_left_is_not_solved_and_the_others_are():
 
 def test_closing_fails_what_still_waits():
     async def main():
-        batcher = DynamicBatcher(Recorder(), max_batch=4, window_s=30.0, open_sessions=lambda: 4)
+        batcher = DynamicBatcher(Recorder(), max_batch=4, window_s=30.0, clients=lambda: 4)
         pending = asyncio.create_task(batcher.submit("a", 1))
         await asyncio.sleep(0.05)
         await batcher.close()
@@ -291,3 +291,35 @@ def test_warm_up_runs_each_batch_size_the_server_can_form(libero_bundle, monkeyp
     with pytest.raises(ServeError, match="a batch of 4 sessions does not fit .* lower --max-batch to 2"):
         warm_up(embodied, max_batch=4)
     assert not embodied.policy.sessions
+
+
+def test_a_client_that_leaves_ends_the_wait_for_it():
+    solve, clients = Recorder(), [2]
+
+    async def main():
+        batcher = DynamicBatcher(solve, max_batch=8, window_s=60.0, clients=lambda: clients[0])
+        pending = asyncio.create_task(batcher.submit("a", 1))
+        await asyncio.sleep(0.05)
+        clients[0] = 1  # the other robot disconnected
+        batcher.wake()
+        answer = await asyncio.wait_for(pending, 5)  # not the 60 s window
+        await batcher.close()
+        return answer
+
+    assert run(main()).result == ("answer", 1)
+
+
+def test_if_the_batcher_itself_stops_every_waiting_request_gets_the_error():
+    class Fatal(BaseException):
+        pass
+
+    def solve(payloads):
+        raise Fatal("out of the thread")
+
+    async def main():
+        batcher = DynamicBatcher(solve, max_batch=2, window_s=0.01, clients=lambda: 3)
+        results = await asyncio.gather(*(batcher.submit(s, s) for s in range(3)), return_exceptions=True)
+        return results
+
+    results = run(main())
+    assert all(isinstance(r, RuntimeError) and "the batcher stopped" in str(r) for r in results), results

@@ -71,3 +71,32 @@ def test_fp8_linears_train_under_fsdp2_in_two_processes(data, tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
     ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"
     assert (ckpt / "__0_0.distcp").is_file() and (ckpt / "__1_0.distcp").is_file()  # sharded by FSDP2
+
+
+def test_elementwise_recompute_keeps_the_fp8_matmuls():
+    """Under `activation_checkpointing: elementwise` no matmul runs twice: one FP8 matmul forward, two backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dzmodel.model.fp8 import Float8Linear
+    from dzmodel.train.parallelize import _elementwise_checkpointed
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += func is torch.ops.aten._scaled_mm.default
+            return func(*args, **(kwargs or {}))
+
+    layer = torch.nn.Linear(32, 16)
+    layer.__class__ = Float8Linear
+    x = torch.randn(8, 32, requires_grad=True)
+    with Count() as count:
+        _elementwise_checkpointed(lambda t: torch.nn.functional.gelu(layer(t)), x).sum().backward()
+    assert count.calls == 3
+
+
+def test_fp8_with_lora_is_one_clear_error(data, tmp_path):
+    with pytest.raises(ValueError, match="train LoRA with precision bf16"):
+        _cfg(data, tmp_path, lora={"rank": 4})
