@@ -113,13 +113,18 @@ def _configure(policy, setting: PolicySetting, device: str) -> None:
     policy.sessions.clear()
 
 
+def _observations(policy, rng: np.random.Generator, batch: int, prefix: str) -> list[dict]:
+    """One fresh single-frame observation per session `prefix-i`, as a LIBERO client sends them."""
+    h, w = policy.image_size
+    return [{"images": rng.integers(0, 255, (h, w, 3), dtype=np.uint8), "state": np.zeros(8),
+             "prompt": "pick up the bowl and place it on the plate", "session_id": f"{prefix}-{i}"}
+            for i in range(batch)]
+
+
 def fixed_chunks(policy, batch: int, seed: int) -> np.ndarray:
     """Chunks [batch, T, D] for fixed observations in fresh sessions: the same numbers from any weights the same
     up to precision (each session's noise follows its seed and history)."""
-    h, w = policy.image_size
-    rng = np.random.default_rng(seed + 1)
-    obs = [{"images": rng.integers(0, 255, (h, w, 3), dtype=np.uint8), "state": np.zeros(8),
-            "prompt": "pick up the bowl and place it on the plate", "session_id": f"compare-{i}"} for i in range(batch)]
+    obs = _observations(policy, np.random.default_rng(seed + 1), batch, "compare")
     policy.sessions.clear()
     chunks = np.stack(policy.predict_batch(obs))
     policy.sessions.clear()
@@ -135,14 +140,11 @@ def chunk_difference(chunks: np.ndarray, reference: np.ndarray) -> dict:
 
 def _measure(policy, setting: PolicySetting, device: str, batch: int, calls: int, warmup: int,
              breakdown_calls: int, seed: int) -> dict:
-    h, w = policy.image_size
     rng = np.random.default_rng(seed)
     cuda = device.startswith("cuda")
 
     def one_call() -> float:
-        obs = [{"images": rng.integers(0, 255, (h, w, 3), dtype=np.uint8), "state": np.zeros(8),
-                "prompt": "pick up the bowl and place it on the plate", "session_id": f"bench-{i}"}
-               for i in range(batch)]
+        obs = _observations(policy, rng, batch, "bench")
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()

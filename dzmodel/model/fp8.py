@@ -132,17 +132,22 @@ def convertible(module: nn.Module) -> bool:
     return (type(module) is nn.Linear and module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0)
 
 
+def _block_linears(model: nn.Module, also: tuple[type, ...] = ()) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, linear) for each linear of `model.blocks` that FP8 can take (and each of the types
+    `also`); refused when there is none."""
+    found = [(parent, name, child) for block in model.blocks for parent in block.modules()
+             for name, child in parent.named_children() if convertible(child) or type(child) in also]
+    if not found:
+        raise ValueError("precision fp8: no linear of the model's blocks has dims that are multiples of 16")
+    return found
+
+
 def convert_blocks_to_fp8(model: nn.Module) -> int:
     """Turn the linears of `model.blocks` into Float8Linear in place (their parameters stay); returns how many."""
-    count = 0
-    for block in model.blocks:
-        for module in block.modules():
-            if convertible(module):
-                module.__class__ = Float8Linear
-                count += 1
-    if not count:
-        raise ValueError("precision fp8: no linear of the model's blocks has dims that are multiples of 16")
-    return count
+    found = _block_linears(model)
+    for _, _, linear in found:
+        linear.__class__ = Float8Linear
+    return len(found)
 
 
 def fp8_linears(model: nn.Module) -> int:
@@ -192,13 +197,7 @@ def frozen_fp8_matmuls(x: torch.Tensor, linears: tuple[Float8InferenceLinear, ..
 def freeze_blocks_to_fp8(model: nn.Module) -> int:
     """Replace the linears of `model.blocks` by Float8InferenceLinear (their weights rounded to e4m3 once; the
     full-precision weights are dropped); returns how many. For inference only: nothing trains through them."""
-    count = 0
-    for block in model.blocks:
-        for parent in list(block.modules()):
-            for name, child in list(parent.named_children()):
-                if convertible(child) or type(child) is Float8Linear:
-                    setattr(parent, name, Float8InferenceLinear(child))
-                    count += 1
-    if not count:
-        raise ValueError("precision fp8: no linear of the model's blocks has dims that are multiples of 16")
-    return count
+    found = _block_linears(model, also=(Float8Linear,))
+    for parent, name, linear in found:
+        setattr(parent, name, Float8InferenceLinear(linear))
+    return len(found)
