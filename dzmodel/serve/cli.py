@@ -165,7 +165,7 @@ def add_commands(sub) -> None:
                         "(default 1: one at a time); on CUDA each batch size is captured at start")
     p.add_argument("--batch-window-ms", type=float, default=5.0,
                    help="with --max-batch: how long a request waits for other sessions' requests to join its batch; "
-                        "it never waits while no other session is open (default 5)")
+                        "it never waits while no other client is connected (default 5)")
     p.add_argument("--no-compile", action="store_true", help="on CUDA: skip torch.compile of the DiT block "
                    "(faster start, slower chunks; CUDA graphs stay on)")
     add_solver_arguments(p, dit_steps="auto")  # the deployed setting: upstream's 8 of 16 DiT steps
