@@ -77,6 +77,35 @@ def _register(self, *args):  # the register in the compute dtype: the residual s
     out = _embed(self, *args)
     return out.to(torch.get_autocast_dtype('cuda')) if torch.is_autocast_enabled('cuda') else out
 m.DreamZeroWAM.embed_register = _register" ;;
+    wholestep) echo "import torch, dzmodel.train.step as s, dzmodel.train.trainer as t, dzmodel.train.parallelize as p
+# the model's whole forward and the loss as one compiled graph (CUDA graphs: one forward and one backward), the
+# blocks traced inline, instead of eight compiled blocks between eager embeddings, head and loss
+_eager, _compiled = [False], {}
+_blocks = p.eager_blocks
+class _marked:
+    def __init__(self, model): self.inner = _blocks(model)
+    def __enter__(self): _eager[0] = True; return self.inner.__enter__()
+    def __exit__(self, *exc): _eager[0] = False; return self.inner.__exit__(*exc)
+t.eager_blocks = _marked
+def _core(step, inputs, mask, latents, noise, rest):
+    out = step.model(*(inputs[k] for k in s.FORWARD_POSITIONAL), y=inputs['y'], mask=mask,
+                     residual_dtype=step.residual_dtype, noisy_first_frame=step.denoise_first_frame)
+    first = 0 if step.denoise_first_frame else 1
+    actions, noise_a, ids, aids, action_mask, has_real_action = rest
+    l = s.flow_matching_losses(step.schedule, out.video_pred, out.action_pred, latents[:, :, first:],
+                               noise[:, :, first:], actions, noise_a, ids[:, first:], aids, action_mask,
+                               has_real_action)
+    return l.loss, l.dynamics_loss, l.action_loss
+def _losses(self, batch):
+    inputs, (latents, noise, *rest) = self.noised(batch)
+    mask = self.mask(latents.shape)
+    if _eager[0]:
+        return s.Losses(*_core(self, inputs, mask, latents, noise, rest))
+    if 'fn' not in _compiled:
+        _compiled['fn'] = torch.compile(_core, mode='reduce-overhead' if latents.is_cuda else None)
+    with _blocks(self.model):  # the compiled graph traces the blocks' own code
+        return s.Losses(*_compiled['fn'](self, inputs, mask, latents, noise, tuple(rest)))
+s.TrainStep.losses = _losses" ;;
     *) echo "unknown PRELUDE $PRELUDE_ONE" >&2; return 2 ;;
   esac
 }

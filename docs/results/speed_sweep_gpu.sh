@@ -27,6 +27,9 @@
 #           patch); res16combo2: and the residual stream in bf16
 #   cdt2    Inductor's coordinate-descent tuning through train.compile_options (cdt: the same through a patch);
 #           res16cdt2: and the residual stream in bf16; res16mb256: the bf16 stream at micro-batch 256
+#           res16step: the same through the product's setting, train.compile_scope: step
+#           res16whole: the whole forward and loss as one compiled graph, the blocks inline (PRELUDE=wholestep)
+#           (res16mb192 at 192; res16mb256ew at 256 with the elementwise work recomputed in backward, less memory)
 #   res16   train.residual_in_compute_dtype: the residual stream in bf16 (the setting, not a patch); res16agg and
 #           res16combo: with aggressive fusion or combo kernels
 # Detached, so it outlives one command:
@@ -51,6 +54,10 @@ declare -A VARIANTS=(
   [cdt2]='|compile_options={"coordinate_descent_tuning":true}'
   [res16cdt2]='|compile_options={"coordinate_descent_tuning":true} residual_in_compute_dtype=true'
   [res16mb256]="|residual_in_compute_dtype=true micro_batch=256"
+  [res16whole]="wholestep|residual_in_compute_dtype=true"
+  [res16step]="|residual_in_compute_dtype=true compile_scope=step"
+  [res16mb192]="|residual_in_compute_dtype=true micro_batch=192"
+  [res16mb256ew]="|residual_in_compute_dtype=true micro_batch=256 activation_checkpointing=elementwise"
   [rope1]="rope1|" [nof0]="|denoise_first_frame=false" [nof0rope1]="rope1|denoise_first_frame=false"
   [mb256]="|micro_batch=256" [mb256flash]="flash|micro_batch=256" [mb256graphsflash]="graphs,flash|micro_batch=256"
 )

@@ -202,10 +202,18 @@ class SegmentedMask:
     def rows(self) -> tuple[int, int]:
         return self.query_rows or (0, self.seq_len)
 
-    @functools.lru_cache(maxsize=8)  # one object per row range: a compiled block sees the same constant each step
     def for_queries(self, start: int, end: int) -> "SegmentedMask":
         """The same mask for the queries of rows [start, end) only (keys: every token). A self-attending range that
         the rows cut becomes a group: its queries inside the rows, against all of its keys."""
+        if torch.compiler.is_compiling():  # traced once into the graph (the compiler ignores an lru_cache, noisily)
+            return self._for_queries(start, end)
+        return self._cached_for_queries(start, end)
+
+    @functools.lru_cache(maxsize=8)  # one object per row range: a compiled block sees the same constant each step
+    def _cached_for_queries(self, start: int, end: int) -> "SegmentedMask":
+        return self._for_queries(start, end)
+
+    def _for_queries(self, start: int, end: int) -> "SegmentedMask":
         if not 0 <= start < end <= self.seq_len:
             raise ValueError(f"query rows must lie in [0, {self.seq_len}], got [{start}, {end})")
         clip = lambda ranges: tuple((max(s, start), min(e, end)) for s, e in ranges if min(e, end) > max(s, start))  # noqa: E731

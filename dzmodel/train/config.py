@@ -95,6 +95,11 @@ class TrainConfig:
     # kernel for several independent ones. They change how the blocks are compiled, not what they compute; the
     # trainer's compile check still compares the result with eager before training
     compile_options: dict[str, Any] = field(default_factory=dict)
+    # what `compile` compiles: each block on its own (blocks), or the model's whole forward and the loss as one graph
+    # (step: one process; activation_checkpointing none or elementwise; no packing). At the libero_object shape on
+    # one H100, step ran 1,943 samples/s against 1,745 for blocks, with CUDA graphs, two rows each on one machine
+    # (docs/performance.md)
+    compile_scope: str = "blocks"
     # the compiled blocks as CUDA graphs (torch.compile's reduce-overhead mode): one replay per block and pass
     # instead of ~130 kernel launches from Python, for steps whose host side is slower than the GPU's work
     # (docs/performance.md); one process on CUDA only (FSDP2 gathers the weights anew every step)
@@ -117,17 +122,17 @@ class TrainConfig:
         problems = field_problems(self, "train")  # the metadata ranges, for configs built in code
         if problems:
             raise ValueError(problems[0])
+        from .parallelize import AC_MODES, COMPILE_SCOPES
+
         choices = {"precision": ("fp32", "bf16", "fp8"), "reduce_dtype": ("fp32", "bf16"), "sharding": ("full", "hybrid", "none"),
                    "schedule": ("cosine", "constant"), "noise_on": ("device", "cpu"),
-                   "attn_backend": ("auto", "flex", "segments", "sdpa")}
+                   "attn_backend": ("auto", "flex", "segments", "sdpa"), "compile_scope": COMPILE_SCOPES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"train.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.precision == "fp8" and self.lora.enabled:
             raise ValueError("train.precision fp8 converts the blocks' plain linears, and LoRA adapts those same "
                              "layers: train LoRA with precision bf16, or fp8 without train.lora")
-        from .parallelize import AC_MODES
-
         unknown = sorted(set(self.encoder_weights) - {"vae", "t5", "clip"})
         if unknown:
             raise ValueError(f"train.encoder_weights has unknown key(s) {unknown}; allowed: vae, t5, clip")
@@ -141,6 +146,10 @@ class TrainConfig:
         if self.cuda_graphs and ac not in ("none", "elementwise"):
             raise ValueError(f"train.cuda_graphs with train.activation_checkpointing {ac!r}: a whole-block "
                              "checkpoint reruns the captured forward inside the backward; use none or elementwise")
+        if self.compile_scope == "step" and (ac not in ("none", "elementwise") or self.packing):
+            raise ValueError("train.compile_scope: step compiles one-shape micro-batches with activation_checkpointing "
+                             f"none or elementwise (got {ac!r}{', and packing' if self.packing else ''}): use "
+                             "compile_scope: blocks")
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr: must be <= train.lr ({self.lr}), got {self.min_lr}")
         if self.lora.rank > 0 and not self.lora.alpha > 0:

@@ -94,12 +94,18 @@ def block_recompute_plan(mode: str, num_blocks: int) -> list[str]:
     return [mode] * num_blocks
 
 
+# What `train.compile` compiles: each block on its own, or the step's whole forward and loss as one graph
+# (`TrainStep.compile`; the blocks are then traced inline and get recompute only here)
+COMPILE_SCOPES = ("blocks", "step")
+
+
 def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool, cuda_graphs: bool = False,
-                                compile_options: dict | None = None) -> None:
+                                compile_options: dict | None = None, scope: str = "blocks") -> None:
     """Activation recompute per block (see `block_recompute_plan`), and optionally `torch.compile` of each
     block's forward, with `cuda_graphs` in reduce-overhead mode (each compiled forward and backward replayed as a
     CUDA graph; on CUDA only) and `compile_options` (Inductor settings, `train.compile_options`). The forward is
-    replaced in place, so module names and state-dict keys do not change.
+    replaced in place, so module names and state-dict keys do not change. scope "step": the blocks get their
+    recompute and Inductor's settings for this model, and are compiled as part of the step (`TrainStep.compile`).
 
     Order matters. The elementwise policy must sit inside the compiled region, so the compiler sees it.
     A whole-block checkpoint must wrap the compiled forward: compiling a checkpoint-wrapped forward
@@ -107,6 +113,9 @@ def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool, cuda
     """
     if cuda_graphs and not compile:
         raise ValueError("CUDA graphs capture the compiled blocks: they need compile")
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile scope must be one of {COMPILE_SCOPES}, got {scope!r}")
+    compile_blocks = compile and scope == "blocks"
     if compile:
         from ..model.compile_compat import allow_bare_cantsplit, single_tile_dimension
 
@@ -116,12 +125,12 @@ def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool, cuda
         forward = block.forward
         if plan == "elementwise":
             forward = functools.partial(_elementwise_checkpointed, forward)
-        if compile:
+        if compile_blocks:
             block._dz_eager_forward = forward  # kept for `eager_blocks` (the trainer's compile check)
             forward = torch.compile(forward, **compile_kwargs(cuda_graphs, compile_options))
         if plan == "full":
             forward = functools.partial(_checkpointed_forward, forward)
-            if compile:
+            if compile_blocks:
                 block._dz_eager_forward = functools.partial(_checkpointed_forward, block._dz_eager_forward)
         block.forward = forward
 

@@ -84,6 +84,8 @@ class TrainStep:
         self.draw_device = self.device if noise_on == "device" else torch.device("cpu")
         self.generator = torch.Generator(device=self.draw_device)
         self._masks: dict[tuple, object] = {}
+        self.compiled_losses = None     # `compile`
+        self._eager = False
         self.mask_builds = 0            # the guard's count: once per shape
         self.activation_bytes = 0       # CUDA memory held from a micro-batch's start until its backward
 
@@ -202,14 +204,42 @@ class TrainStep:
 
     def losses(self, batch: dict[str, torch.Tensor]) -> Losses:
         """One micro-batch's losses (no backward); `batch` as `noised` takes it."""
-        inputs, (latents, noise, *rest) = self.noised(batch)
-        out = self.model(*(inputs[k] for k in FORWARD_POSITIONAL), y=inputs["y"], mask=self.mask(latents.shape),
+        inputs, targets = self.noised(batch)
+        mask = self.mask(targets[0].shape)
+        if self.compiled_losses is not None and not self._eager:
+            return Losses(*self.compiled_losses(inputs, mask, targets))
+        return Losses(*self.model_losses(inputs, mask, targets))
+
+    def model_losses(self, inputs: dict, mask, targets: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The model's forward and the flow-matching losses (loss, dynamics, action) of one noised micro-batch:
+        what `compile` compiles as one graph."""
+        out = self.model(*(inputs[k] for k in FORWARD_POSITIONAL), y=inputs["y"], mask=mask,
                          residual_dtype=self.residual_dtype, noisy_first_frame=self.denoise_first_frame)
         first = 0 if self.denoise_first_frame else 1  # the frames video_pred holds
-        actions, noise_a, ids, aids, action_mask, has_real_action = rest
-        return flow_matching_losses(self.schedule, out.video_pred, out.action_pred, latents[:, :, first:],
-                                    noise[:, :, first:], actions, noise_a, ids[:, first:], aids, action_mask,
-                                    has_real_action)
+        latents, noise, actions, noise_a, ids, aids, action_mask, has_real_action = targets
+        losses = flow_matching_losses(self.schedule, out.video_pred, out.action_pred, latents[:, :, first:],
+                                      noise[:, :, first:], actions, noise_a, ids[:, first:], aids, action_mask,
+                                      has_real_action)
+        return losses.loss, losses.dynamics_loss, losses.action_loss
+
+    def compile(self, cuda_graphs: bool = False, options: dict | None = None) -> None:
+        """`train.compile_scope: step`: the model's whole forward and the loss as one compiled graph (with
+        `cuda_graphs`, one CUDA graph for the forward and one for the backward), the blocks traced inline. Inductor
+        then fuses across the blocks' boundaries and the embeddings, head and loss, which run eager between
+        compiled blocks otherwise. The draws and the prompt dropout (`noised`) stay eager. One process only: the
+        trainer refuses it with FSDP2. Packed micro-batches (`packed_losses`) are not compiled."""
+        from .parallelize import compile_kwargs
+
+        self.compiled_losses = torch.compile(self.model_losses, **compile_kwargs(cuda_graphs, options))
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Within: `losses` runs the model eager, not the `compile`d step (the trainer's compile check)."""
+        saved, self._eager = self._eager, True
+        try:
+            yield
+        finally:
+            self._eager = saved
 
     def packed_losses(self, samples: list[dict[str, torch.Tensor]], capacity: int | None = None) -> Losses:
         """A micro-batch of samples that may differ in shape (embodiments with other cameras, frame sizes and
@@ -261,19 +291,30 @@ class TrainStep:
             raise ValueError(f"the step wants {self.accumulation} micro-batches, the data gave {count}")
         return sums / self.accumulation
 
-    def probe(self, batch: dict[str, torch.Tensor]) -> tuple[list[float], float]:
+    def probe(self, batch: dict[str, torch.Tensor], parts: int = 1) -> tuple[list[float], float]:
         """One micro-batch's losses [loss, dynamics, action] and gradient norm, read back to the host, with no
-        optimizer step: the gradients are cleared after. The trainer's compile check compares two of these."""
+        optimizer step: the gradients are cleared after. The trainer's compile check compares two of these.
+        parts > 1: forward and backward over that many equal slices of the samples, each weighted 1/parts (the
+        losses are means over samples, and each sample keeps its own draws), so the numbers are the whole batch's
+        while only one slice's activations are held at a time."""
+        size = len(batch["position"])
+        if parts < 1 or size % parts:
+            raise ValueError(f"probe: {parts} parts do not split a micro-batch of {size} samples evenly")
         for p in self.params:
             p.grad = None
-        with self.compute_dtype():
-            losses = self.losses(batch)
-        losses.loss.backward()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        width = size // parts
+        for i in range(parts):
+            part = {k: v[i * width:(i + 1) * width] for k, v in batch.items()} if parts > 1 else batch
+            with self.compute_dtype():
+                losses = self.losses(part)
+            (losses.loss / parts).backward()
+            sums += torch.stack([losses.loss.detach(), losses.dynamics_loss.detach(),
+                                 losses.action_loss.detach()]).double() / parts
         norm = torch.nn.utils.clip_grad_norm_(self.params, float("inf"))  # an infinite bound: nothing is scaled
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        values = torch.stack([losses.loss.detach().float(), losses.dynamics_loss.detach().float(),
-                              losses.action_loss.detach().float(), norm.float()]).tolist()
+        values = torch.cat([sums.float(), norm.float().reshape(1)]).tolist()
         for p in self.params:
             p.grad = None
         return values[:3], values[3]

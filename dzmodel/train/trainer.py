@@ -195,9 +195,12 @@ class Trainer:
             raise ValueError("train.cuda_graphs runs in one process only: FSDP2 gathers the weights into new "
                              "memory every step, which a captured graph cannot follow")
         # CUDA graphs exist on CUDA only; elsewhere the compiled blocks run as they are
+        if cfg.compile and cfg.compile_scope == "step" and self.sharded:
+            raise ValueError("train.compile_scope: step compiles one process's whole step; under FSDP2 use "
+                             "compile_scope: blocks")
         apply_recompute_and_compile(model, cfg.activation_checkpointing, cfg.compile,
                                     cuda_graphs=cfg.cuda_graphs and dev.type == "cuda",
-                                    compile_options=cfg.compile_options)
+                                    compile_options=cfg.compile_options, scope=cfg.compile_scope)
         if self.sharded:
             apply_fsdp(model, cfg.sharding, precision, cfg.reduce_dtype, dev.type)
         elif self.info.world_size > 1:
@@ -218,6 +221,8 @@ class Trainer:
                               noise_seed=cfg.seed, noise_on=cfg.noise_on,
                               residual_dtype=autocast if cfg.residual_in_compute_dtype else None,
                               denoise_first_frame=cfg.denoise_first_frame)
+        if cfg.compile and cfg.compile_scope == "step":
+            self.step.compile(cuda_graphs=cfg.cuda_graphs and dev.type == "cuda", options=cfg.compile_options)
         if cfg.ema_decay:
             self.step.enable_ema(cfg.ema_decay)
 
@@ -300,8 +305,8 @@ class Trainer:
         `COMPILE_RECHECK_AFTER`-th step (`step`), once the weights have moved. torch 2.11's Inductor
         miscompiled the small preset's blocks at micro-batch 128 on an H100 (docs/results.md, round 6): the loss
         looked plausible while the gradient norm was 600x eager's, and the run diverged."""
-        with eager_blocks(self.model):
-            eager_losses, eager_norm = self.step.probe(batch)
+        with eager_blocks(self.model), self.step.eager():
+            eager_losses, eager_norm = self._eager_probe(batch)
         losses, norm = self.step.probe(batch)
         names = ("loss", "dynamics loss", "action loss")
         bad = [f"{n} {c:.5g} compiled vs {e:.5g} eager" for n, c, e in zip(names, losses, eager_losses)
@@ -317,6 +322,27 @@ class Trainer:
         if self.info.rank == 0 and self.cfg.progress:
             print(f"compile check: compiled = eager on {where} (loss {losses[0]:.5g} vs {eager_losses[0]:.5g}, "
                   f"gradient norm {norm:.4g} vs {eager_norm:.4g})", file=sys.stderr)
+
+    def _eager_probe(self, batch: dict[str, torch.Tensor]) -> tuple[list[float], float]:
+        """The eager reference pass of the compile check. At the recheck the compiled blocks' CUDA graphs still hold
+        their memory pool beside it (33 GiB of an H100 at the small preset's micro-batch 256), and eager keeps more
+        activations than the fused blocks: where the whole micro-batch does not fit, it runs in 2, 4, ... equal
+        slices (`TrainStep.probe`: the same numbers)."""
+        size, parts = len(batch["position"]), 1
+        while True:
+            try:
+                return self.step.probe(batch, parts)
+            except torch.cuda.OutOfMemoryError:
+                if self.sharded or size % (parts * 2):  # under FSDP2 every rank must run the same passes
+                    raise
+            # out of the except block: the failed attempt's tensors are released
+            for p in self.step.params:
+                p.grad = None
+            torch.cuda.empty_cache()
+            parts *= 2
+            if self.info.rank == 0 and self.cfg.progress:
+                print(f"compile check: the eager pass runs in {parts} slices of the micro-batch (memory)",
+                      file=sys.stderr)
 
     def _encode_variants(self) -> None:
         """`train.encoded_variants`: every window's K augmented copies through the frozen encoders, once."""

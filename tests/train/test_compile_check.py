@@ -29,7 +29,7 @@ def test_a_faithful_compile_passes_the_check_and_trains(data, tmp_path, monkeypa
     from dzmodel.train.step import TrainStep
 
     original = TrainStep.probe
-    monkeypatch.setattr(TrainStep, "probe", lambda self, batch: probes.append(1) or original(self, batch))
+    monkeypatch.setattr(TrainStep, "probe", lambda self, *a: probes.append(1) or original(self, *a))
     history = train(_cfg(data, tmp_path / "run", compile=True, save_every=0, steps=22, log_every=11))
     assert compiled and len(history) == 22
     assert len(probes) == 4  # the eager and the compiled pass before the first step, and again at step 21
@@ -47,7 +47,7 @@ def test_a_miscompiled_model_is_stopped_before_it_trains(data, tmp_path, monkeyp
 def test_without_compile_there_is_no_check(data, tmp_path, monkeypatch):
     from dzmodel.train.step import TrainStep
 
-    monkeypatch.setattr(TrainStep, "probe", lambda self, batch: pytest.fail("probed without compile"))
+    monkeypatch.setattr(TrainStep, "probe", lambda self, *a: pytest.fail("probed without compile"))
     assert len(train(_cfg(data, tmp_path / "run", steps=2, save_every=0))) == 2
 
 
@@ -65,3 +65,59 @@ def test_a_compile_that_goes_wrong_later_is_stopped_at_the_recheck(data, tmp_pat
     monkeypatch.setattr(torch, "compile", compile)
     with pytest.raises(RuntimeError, match="step 21's micro-batch.*do not resume"):
         train(_cfg(data, tmp_path / "run", compile=True, steps=30, save_every=0))
+
+
+def test_an_eager_pass_that_does_not_fit_runs_in_slices_with_the_same_numbers(data, tmp_path, monkeypatch):
+    """At the recheck the compiled blocks' CUDA graphs keep their memory beside the eager pass; an eager pass that
+    runs out of memory is retried over halves of the micro-batch, which give the whole batch's numbers."""
+    _fake_compiler(monkeypatch, scale=1.0)
+    from dzmodel.train.step import TrainStep
+
+    original, calls = TrainStep.probe, []
+
+    def probe(self, batch, parts=1):
+        calls.append(parts)
+        if len(calls) in (1, 4):  # each check's first pass is the eager one
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return original(self, batch, parts)
+
+    monkeypatch.setattr(TrainStep, "probe", probe)
+    history = train(_cfg(data, tmp_path / "run", compile=True, save_every=0, steps=22, log_every=11))
+    assert len(history) == 22
+    assert calls == [1, 2, 1, 1, 2, 1]  # eager whole (out of memory), eager halves, compiled whole; twice
+
+
+
+def _fake_step_compiler(monkeypatch, scale: float):
+    """A stand-in for torch.compile that also takes the step's whole forward and loss (a tuple of losses)."""
+    compiled = []
+
+    def compile(fn, *args, **kwargs):
+        def run(*a, **k):
+            out = fn(*a, **k)
+            return tuple(x * scale for x in out) if isinstance(out, tuple) else out * scale
+        compiled.append(getattr(fn, "__name__", type(fn).__name__))
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile)
+    return compiled
+
+
+def test_compile_scope_step_compiles_the_forward_and_loss_once_and_is_checked(data, tmp_path, monkeypatch):
+    compiled = _fake_step_compiler(monkeypatch, scale=1.0)
+    history = train(_cfg(data, tmp_path / "run", compile=True, compile_scope="step", save_every=0, steps=3))
+    assert compiled == ["model_losses"] and len(history) == 3  # one compile: not one per block
+
+    _fake_step_compiler(monkeypatch, scale=1.5)
+    with pytest.raises(RuntimeError, match="compiled model disagrees with the eager one"):
+        train(_cfg(data, tmp_path / "bad", compile=True, compile_scope="step"))
+
+
+def test_compile_scope_step_is_refused_under_fsdp_and_with_whole_block_recompute(data, tmp_path):
+    from dzmodel.train.trainer import Trainer
+
+    with pytest.raises(ValueError, match="compile_scope: step compiles one-shape micro-batches"):
+        _cfg(data, tmp_path / "run", compile=True, compile_scope="step", activation_checkpointing="full")
+    trainer = Trainer(_cfg(data, tmp_path / "run", compile=True, compile_scope="step", sharding="full"))
+    with pytest.raises(ValueError, match="under FSDP2 use compile_scope: blocks"):
+        trainer.build_model(shard_one_process=True)

@@ -274,3 +274,38 @@ def test_a_mixture_of_embodiments_trains_two_packed_steps():
     step.pack_capacity = 10
     with pytest.raises(ValueError, match="more than a buffer of 10: raise the capacity"):
         step(iter([_mixture(step.args)]))
+
+
+def test_probe_over_slices_gives_the_whole_micro_batch_numbers():
+    """The compile check's eager pass may run over equal slices of the micro-batch (memory): the losses are means
+    over samples and each sample keeps its draws, so the slices' numbers are the whole batch's."""
+    trainer = build_trainer("tiny", None, 4, False, "none", "sdpa", "cache")
+    trainer.step.autocast = None  # fp32: the slices differ from the whole by summation order only
+    batch = next(synthetic_batches(trainer.args, 4, (4, 6), trainer.info.device, "cache"))
+    whole, norm = trainer.step.probe(batch)
+    halves, norm2 = trainer.step.probe(batch, parts=2)
+    quarters, norm4 = trainer.step.probe(batch, parts=4)
+    assert halves == pytest.approx(whole, rel=1e-5) and quarters == pytest.approx(whole, rel=1e-5)
+    assert norm2 == pytest.approx(norm, rel=1e-5) and norm4 == pytest.approx(norm, rel=1e-5)
+    assert all(p.grad is None for p in trainer.step.params)
+    with pytest.raises(ValueError, match="3 parts do not split a micro-batch of 4"):
+        trainer.step.probe(batch, parts=3)
+
+
+@pytest.mark.parametrize("recompute", ["none", "elementwise"])
+def test_the_whole_step_traces_as_one_graph(recompute):
+    """`train.compile_scope: step` compiles `model_losses`: the embeddings, every block (with its recompute), the
+    head and the loss must trace into one graph, or the compiled step silently runs in pieces."""
+    from dzmodel.train.parallelize import apply_recompute_and_compile
+
+    trainer = build_trainer("tiny", None, 2, False, "none", "segments", "cache")
+    step = trainer.step
+    apply_recompute_and_compile(step.model, recompute, compile=True, scope="step")
+    assert not any(hasattr(b, "_dz_eager_forward") for b in step.model.blocks)  # the blocks are not compiled alone
+    step.residual_dtype = torch.bfloat16
+    batch = next(synthetic_batches(trainer.args, 2, (4, 6), trainer.info.device, "cache"))
+    inputs, targets = step.noised(batch)
+    torch._dynamo.reset()
+    with step.compute_dtype():
+        explained = torch._dynamo.explain(step.model_losses)(inputs, step.mask(targets[0].shape), targets)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
