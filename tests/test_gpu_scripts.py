@@ -81,3 +81,10 @@ def test_loss_parity_compares_the_last_window_and_plots(tmp_path):
                           str(tmp_path / "b.jsonl"), "--out", str(tmp_path / "p.png")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "p.png").stat().st_size > 1000 and json.loads(out.stdout.splitlines()[0])["window_steps"] == 100
+    for rows, value in ((ref, 0.50), (other, 0.52)):  # held-out scores (train.val_cache) at steps 100 and 200
+        rows[99]["val_action_loss"], rows[199]["val_action_loss"] = 0.9, value
+    result = loss_parity.parity(ref, other, window=100)
+    assert result["heldout_step"] == 200 and abs(result["heldout_relative_difference"] - 0.04) < 1e-12
+    del other[199]["val_action_loss"]
+    with pytest.raises(SystemExit, match="steps 200 and 100"):
+        loss_parity.parity(ref, other, window=100)

@@ -4,7 +4,10 @@
 #   PART=train   `dz train` at the 5B DROID shape (the cache of docs/bench/train_vs_bench_run.sh, micro-batch 21,
 #                compiled, elementwise recompute): STEPS (default 12) steps in bf16, then the same in fp8
 #   PART=parity  the same seed and data for PARITY_STEPS (default 500) steps at micro-batch PARITY_MB (default 4),
-#                bf16 then fp8; each run resumes from its newest checkpoint, so a call that ran out of time goes on
+#                bf16 then fp8; each run resumes from its newest checkpoint, so a call that ran out of time goes on.
+#                The data: 64 learnable synthetic samples (`dz cache --synthetic --learnable`: actions a fixed function
+#                of frame 0 and the state), scored every 100 steps on 16 held-out samples of another seed
+#                (`train.val_cache`: val_action_loss)
 #   PART=policy  `dz bench policy --precision fp8` for the 5B and the 14B at the deployed setting (16 steps, DiT
 #                caching, CFG 5, CUDA graphs, compile), batches 1 and 4: bf16 and FP8 rows with their chunk difference
 set -euo pipefail
@@ -16,10 +19,17 @@ echo "$GPU torch $(python -c 'import torch; print(torch.__version__)')"
 mkdir -p "$WORK"
 dz() { python -m dzmodel.cli "$@"; }
 cache() { [ -d "$WORK/cache_5b" ] || dz cache --synthetic 64 --preset dreamzero_5b --latent-hw 11,20 --out "$WORK/cache_5b"; }
-train_5b() {  # NAME PRECISION STEPS MICRO_BATCH SAVE_EVERY
-  dz train --preset dreamzero_5b --steps "$3" --out "$WORK/$1" --set cache="$WORK/cache_5b" --set micro_batch="$4" \
-    --set global_batch="$4" --set compile=true --set activation_checkpointing=elementwise --set attn_backend=segments \
-    --set precision="$2" --set num_workers=2 --set save_every="$5" --set progress=false --set seed=0
+learnable() {  # DIR SAMPLES SEED
+  [ -d "$WORK/$1" ] || dz cache --synthetic "$2" --learnable --set seed="$3" --preset dreamzero_5b --latent-hw 11,20 \
+    --out "$WORK/$1"
+}
+train_5b() {  # NAME PRECISION STEPS MICRO_BATCH SAVE_EVERY [--set K=V ..]
+  local name=$1 precision=$2 steps=$3 mb=$4 save=$5
+  shift 5
+  dz train --preset dreamzero_5b --steps "$steps" --out "$WORK/$name" --set cache="${CACHE:-$WORK/cache_5b}" \
+    --set micro_batch="$mb" \
+    --set global_batch="$mb" --set compile=true --set activation_checkpointing=elementwise --set attn_backend=segments \
+    --set precision="$precision" --set num_workers=2 --set save_every="$save" --set progress=false --set seed=0 "$@"
 }
 case "$PART" in
   train)
@@ -30,9 +40,11 @@ case "$PART" in
       cp "$WORK/speed_$p/metrics.jsonl" "$OUT/train_5b_${p}_$GPU.jsonl"
     done ;;
   parity)
-    cache
+    learnable parity_train 64 0
+    learnable parity_heldout 16 1
     for p in bf16 fp8; do
-      train_5b "parity_$p" "$p" "${PARITY_STEPS:-500}" "${PARITY_MB:-4}" 100 2>&1 | tail -3
+      CACHE=$WORK/parity_train train_5b "parity_$p" "$p" "${PARITY_STEPS:-500}" "${PARITY_MB:-4}" 100 \
+        --set val_cache="$WORK/parity_heldout" --set val_every=100 2>&1 | tail -3
       cp "$WORK/parity_$p/metrics.jsonl" "$OUT/parity_5b_${p}_$GPU.jsonl"
     done ;;
   policy)

@@ -1,5 +1,6 @@
 """Loss parity of two `dz train` runs (bf16 and fp8) from the same seed and data: the mean loss of the last WINDOW
-logged steps of each, their relative difference, and both curves in one PNG.
+logged steps of each, their relative difference, the held-out action loss of each run's last scored step
+(`train.val_cache`: val_action_loss) and its relative difference, and the curves in one PNG.
 
     python docs/bench/loss_parity.py BF16_METRICS.jsonl FP8_METRICS.jsonl --out docs/bench/fp8_parity.png
 """
@@ -19,9 +20,19 @@ def parity(reference: list[dict], other: list[dict], window: int) -> dict:
     tail = lambda rows: [r["loss"] for r in rows if r["step"] > rows[-1]["step"] - window]  # noqa: E731
     ref, oth = tail(reference), tail(other)
     ref_mean, oth_mean = sum(ref) / len(ref), sum(oth) / len(oth)
-    return {"window_steps": window, "reference_mean_loss": ref_mean, "other_mean_loss": oth_mean,
-            "relative_difference": (oth_mean - ref_mean) / ref_mean,
-            "steps": [reference[-1]["step"], other[-1]["step"]]}
+    result = {"window_steps": window, "reference_mean_loss": ref_mean, "other_mean_loss": oth_mean,
+              "relative_difference": (oth_mean - ref_mean) / ref_mean,
+              "steps": [reference[-1]["step"], other[-1]["step"]]}
+    held_out = [[r for r in rows if "val_action_loss" in r] for rows in (reference, other)]
+    if all(held_out):
+        ref_val, oth_val = held_out[0][-1], held_out[1][-1]
+        if ref_val["step"] != oth_val["step"]:
+            raise SystemExit(f"the runs' last held-out scores are of steps {ref_val['step']} and {oth_val['step']}")
+        result.update(heldout_step=ref_val["step"], reference_heldout_action_loss=ref_val["val_action_loss"],
+                      other_heldout_action_loss=oth_val["val_action_loss"],
+                      heldout_relative_difference=(oth_val["val_action_loss"] - ref_val["val_action_loss"])
+                      / ref_val["val_action_loss"])
+    return result
 
 
 def main() -> None:
@@ -39,13 +50,25 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    held = "heldout_step" in result
+    fig, axes = plt.subplots(1, 2 if held else 1, figsize=(12 if held else 7, 4), squeeze=False)
+    ax = axes[0][0]
     for rows, label in ((reference, "bf16"), (other, "fp8")):
         ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=label, linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title(f"last {ns.window} steps: fp8 {100 * result['relative_difference']:+.2f} % against bf16")
     ax.legend()
+    if held:
+        ax = axes[0][1]
+        for rows, label in ((reference, "bf16"), (other, "fp8")):
+            scored = [r for r in rows if "val_action_loss" in r]
+            ax.plot([r["step"] for r in scored], [r["val_action_loss"] for r in scored], "o-", label=label)
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out action loss")
+        ax.set_title(f"step {result['heldout_step']}: fp8 {100 * result['heldout_relative_difference']:+.2f} % "
+                     "against bf16")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(ns.out, dpi=120)
     print(f"plot: {ns.out}")

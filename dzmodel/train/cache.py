@@ -20,6 +20,7 @@ Built in a temporary sibling of the cache directory and renamed into place (`out
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -134,13 +135,32 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
     return Path(out_dir)
 
 
+# The fixed map of learnable synthetic caches: the same for every cache and seed, so a held-out cache (another
+# seed) follows the rule its training cache taught
+LEARNABLE_MAP_SEED = 20261128
+
+
+def learnable_actions(clean_latents: torch.Tensor, state: torch.Tensor, chunk_rows: int, action_dim: int) -> torch.Tensor:
+    """Actions [n, chunk_rows, action_dim] as a fixed function of what a policy observes: frame 0's latents pooled
+    over the grid (scaled to unit variance) and the state, through one fixed random linear map and a tanh."""
+    n = clean_latents.shape[0]
+    pooled = clean_latents[:, :, 0].float().mean(dim=(-2, -1)) * math.sqrt(math.prod(clean_latents.shape[-2:]))
+    feature = torch.cat([pooled, state.float().flatten(1)], dim=1)
+    g = torch.Generator().manual_seed(LEARNABLE_MAP_SEED)
+    weight = torch.randn(feature.shape[1], chunk_rows * action_dim, generator=g) / math.sqrt(feature.shape[1])
+    return torch.tanh(feature @ weight).reshape(n, chunk_rows, action_dim)
+
+
 def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_hw: tuple[int, int] = (11, 20),
                     prompts: int = 4, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                    model_overrides: dict | None = None, progress: bool = True, overwrite: bool = False) -> Path:
+                    model_overrides: dict | None = None, progress: bool = True, overwrite: bool = False,
+                    learnable: bool = False) -> Path:
     """A cache of `samples` random windows with a preset's real shapes (latent grid `latent_hw`, the encoders'
     output widths, `prompts` distinct prompts), stored in `dtype` as a bf16 encoder writes them. For measuring
     `dz train`'s throughput where neither data nor encoder weights are at hand (the numbers do not depend on
-    the values); its index says it is synthetic. Drawn in batches of 16, so memory stays small."""
+    the values); its index says it is synthetic. Drawn in batches of 16, so memory stays small.
+    learnable: the actions follow from frame 0 and the state (`learnable_actions`) instead of being drawn, so a
+    held-out cache of another seed measures what a run learned (`train.val_cache`)."""
     from ..model.synthetic import random_inputs
 
     a = preset(preset_name, **(model_overrides or {}))
@@ -154,8 +174,10 @@ def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_
             x = random_inputs(a, n, latent_hw, "cpu", dtype, g)
             index = [writer.prompt_index(f"synthetic prompt {(start + j) % prompts}", x["context"][j]) for j in range(n)]
             action = torch.rand(n, K * A, a.action_dim, generator=g) * 2 - 1
-            row = {"clean_latents": x["clean_latents"], "clip_feature": x["clip_feature"],
-                   "state": torch.rand(n, K * a.num_state_per_block, a.max_state_dim, generator=g) * 2 - 1,
+            state = torch.rand(n, K * a.num_state_per_block, a.max_state_dim, generator=g) * 2 - 1
+            if learnable:
+                action = learnable_actions(x["clean_latents"], state, K * A, a.action_dim)
+            row = {"clean_latents": x["clean_latents"], "clip_feature": x["clip_feature"], "state": state,
                    "action": action, "action_mask": torch.ones_like(action, dtype=torch.bool),
                    "prompt_index": torch.tensor(index, dtype=torch.long),
                    "has_real_action": torch.ones(n, dtype=torch.bool)}
@@ -166,7 +188,7 @@ def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_
         bar.close()
         writer.finish(preset=preset_name, model_overrides=model_overrides or {}, embodiment="synthetic",
                       datasets=[], stride=1, heldout_episodes=0, metadata=None, synthetic=True,
-                      latent_hw=list(latent_hw))
+                      latent_hw=list(latent_hw), learnable=learnable, seed=seed)
     return Path(out_dir)
 
 

@@ -63,8 +63,10 @@ def cmd_cache(ns: argparse.Namespace) -> int:
         if ns.synthetic < 1:
             raise CLIError(f"--synthetic wants a number of samples >= 1, got {ns.synthetic}")
         out = synthetic_cache(cfg.preset, ns.cache_out, ns.synthetic, latent_hw_arg(ns.latent_hw),
-                              seed=cfg.seed, model_overrides=cfg.model_overrides, overwrite=ns.overwrite)
-        print(f"wrote a synthetic cache of {ns.synthetic} random {cfg.preset} samples: {out}")
+                              seed=cfg.seed, model_overrides=cfg.model_overrides, overwrite=ns.overwrite,
+                              learnable=ns.learnable)
+        kind = "random samples whose actions follow from frame 0 and the state" if ns.learnable else "random samples"
+        print(f"wrote a synthetic cache of {ns.synthetic} {cfg.preset} {kind} (seed {cfg.seed}): {out}")
         return EXIT_OK
     if not cfg.tokenizer:
         raise CLIError("dz cache needs the tokenizer directory (train.tokenizer / --set tokenizer=DIR)")
@@ -116,6 +118,9 @@ def add_commands(sub) -> None:
     p.add_argument("--synthetic", type=int, metavar="N",
                    help="no data or encoders: N random samples of the preset's real shapes (to measure dz train)")
     p.add_argument("--latent-hw", default="11,20", help="with --synthetic: latent H,W (5B DROID 11,20)")
+    p.add_argument("--learnable", action="store_true",
+                   help="with --synthetic: actions a fixed function of frame 0 and the state (the same for every "
+                        "seed), so a cache of another seed (--set seed=N) is held-out data (train.val_cache)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out even if dz did not write it (by default only an earlier dz output is replaced)")
     p.set_defaults(func=cmd_cache, steps=None, out_dir=None)

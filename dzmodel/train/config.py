@@ -38,6 +38,10 @@ class TrainConfig:
     cache: str | None = None                # a `dz cache` directory: train from precomputed encoder outputs
     # the last N episodes of each dataset are never trained on (eval only)
     heldout_episodes: int = field(default=0, metadata={"min": 0})
+    # held-out samples as a `dz cache` directory (of the same preset): their mean losses at fixed draws are logged as
+    # val_loss, val_dynamics_loss and val_action_loss every val_every steps (0: at each checkpoint and the last step)
+    val_cache: str | None = None
+    val_every: int = field(default=0, metadata={"min": 0})
     skip_missing: bool = False              # train on the other episodes when some view videos are missing (listed)
     data_on_device: bool = False            # decode the whole recording once onto the training device; batches are
                                             # gathered and augmented there, no loader workers (docs/training.md)

@@ -87,6 +87,8 @@ def resume_position(state: dict, world_size: int) -> int:
 # gradient norm 600-fold and the dynamics loss by 60 % within 5 steps.
 COMPILE_LOSS_RTOL, COMPILE_GRAD_RTOL = 2e-3, 0.05
 COMPILE_RECHECK_AFTER = 20  # steps: the check runs again on the weights of that step
+# Stream positions of the held-out samples (`validate`): their draws never coincide with a training sample's
+VAL_POSITIONS = 1 << 40
 
 
 def _close(a: float, b: float, rtol: float) -> bool:
@@ -234,6 +236,11 @@ class Trainer:
     def build_data(self) -> None:
         cfg, a = self.cfg, self.args
         self.device_data = None  # `data_on_device`: the recording on the device (below)
+        self.val = None
+        if cfg.val_cache:
+            from .cache import CachedWindows
+
+            self.val = CachedWindows(cfg.val_cache, expect_preset=cfg.preset)
         if cfg.cache:
             from .cache import CachedWindows, collate_cached
 
@@ -448,11 +455,14 @@ class Trainer:
             consumed += samples
             pending.append((step, lr, out))
             saving = bool(cfg.save_every) and ((step + 1) % cfg.save_every == 0 or step + 1 == end)
+            validating = self.val is not None and ((step + 1) % cfg.val_every == 0 if cfg.val_every
+                                                   else saving or step + 1 == end)
             # The device is read back once per `log_every` steps (and before a checkpoint or the end), not once per
             # step: between reads the host queues steps ahead and the GPU never waits for Python.
-            if (step + 1) % cfg.log_every == 0 or step + 1 == end or saving:
+            if (step + 1) % cfg.log_every == 0 or step + 1 == end or saving or validating:
                 rows = self._read_back(pending)
                 dt = (time.perf_counter() - t0) / len(pending)  # the window's mean step time (the read waited)
+                held_out = self.validate() if validating else {}  # after the clock: not a training step's time
                 for (s, lr_s, _), (loss, dynamics, action, grad_norm) in zip(pending, rows):
                     metrics = {
                         "loss": loss, "dynamics_loss": dynamics, "action_loss": action,
@@ -462,8 +472,10 @@ class Trainer:
                     }
                     if peak is not None:  # no MFU on a CPU or an unlisted GPU
                         metrics["mfu"] = self.flops_per_sample * samples / dt / peak
+                    if s == step:
+                        metrics.update(held_out)
                     history.append({"step": s + 1, **metrics})
-                    if sink is not None and (s + 1) % cfg.log_every == 0:
+                    if sink is not None and ((s + 1) % cfg.log_every == 0 or (held_out and s == step)):
                         sink.log(s + 1, metrics)
                     progress.update(metrics)
                 pending = []
@@ -480,6 +492,28 @@ class Trainer:
         if sink is not None and self.sink is None:
             sink.close()
         return history
+
+    def validate(self) -> dict[str, float]:
+        """`train.val_cache`: the mean losses over its samples, eager and without gradients, each sample at fixed
+        draws (its index, offset past any training position, seeds them) and with its own prompt (no dropout): the
+        same numbers for every run of one seed, whatever its precision or compile settings."""
+        from .cache import collate_cached
+
+        step, val, size = self.step, self.val, self.cfg.micro_batch
+        sums = torch.zeros(3, dtype=torch.float64, device=self.info.device)
+        dropout, step.prompt_dropout = step.prompt_dropout, 0.0
+        try:
+            with torch.no_grad(), eager_blocks(self.model), step.eager():
+                for start in range(0, len(val), size):
+                    rows = range(start, min(start + size, len(val)))
+                    batch = collate_cached([val[(0, i, VAL_POSITIONS + i)] for i in rows])
+                    with step.compute_dtype():
+                        losses = step.losses(batch)
+                    sums += torch.stack([losses.loss, losses.dynamics_loss, losses.action_loss]).double() * len(rows)
+        finally:
+            step.prompt_dropout = dropout
+        loss, dynamics, action = (sums / len(val)).tolist()
+        return {"val_loss": loss, "val_dynamics_loss": dynamics, "val_action_loss": action}
 
     def _read_back(self, pending: list) -> list[tuple[float, float, float, float]]:
         """(loss, dynamics, action, grad_norm) of each pending step: one device read for all of them, the losses

@@ -3,6 +3,8 @@
 
 import json
 
+import pytest
+
 from safetensors.torch import load_file
 
 from dzmodel.cli import main
@@ -35,3 +37,67 @@ def test_synthetic_wants_a_positive_count(tmp_path, capsys):
     assert main(["cache", "--synthetic", "0", "--preset", "tiny", "--out", str(tmp_path / "c")]) != 0
     assert "--synthetic wants a number of samples >= 1, got 0" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+def test_learnable_caches_of_two_seeds_follow_one_rule(tmp_path):
+    from dzmodel.train.cache import learnable_actions
+
+    a = preset("tiny")
+    rows = a.max_chunk_size * a.num_action_per_block
+    shards = []
+    for seed in (0, 1):
+        out = tmp_path / f"c{seed}"
+        assert main(["cache", "--synthetic", "8", "--preset", "tiny", "--latent-hw", "4,6", "--learnable",
+                     "--set", f"seed={seed}", "--out", str(out)]) == 0
+        index = json.loads((out / "index.json").read_text())
+        assert index["learnable"] and index["seed"] == seed
+        shards.append(load_file(str(out / index["shards"][0]["file"])))
+    for shard in shards:
+        expected = learnable_actions(shard["clean_latents"], shard["state"], rows, a.action_dim)
+        assert (shard["action"].float() - expected).abs().max() < 1e-6
+        assert shard["action"].float().std() > 0.2  # not saturated, not constant
+    assert not shards[0]["clean_latents"].equal(shards[1]["clean_latents"])  # other samples, the same rule
+    random = tmp_path / "random"
+    assert main(["cache", "--synthetic", "8", "--preset", "tiny", "--latent-hw", "4,6", "--out", str(random)]) == 0
+    index = json.loads((random / "index.json").read_text())
+    shard = load_file(str(random / index["shards"][0]["file"]))
+    assert (shard["action"].float() - learnable_actions(shard["clean_latents"], shard["state"], rows,
+                                                        a.action_dim)).abs().max() > 0.5
+
+
+def test_held_out_losses_are_logged_at_fixed_draws_whatever_the_scoring_micro_batch(tmp_path):
+    """`train.val_cache`: a cache of another seed, scored every val_every steps (or at each checkpoint and the end)
+    eager, at fixed draws and with each sample's own prompt: the same numbers whatever the micro-batch scores them,
+    twice in a row, and with prompt dropout on."""
+    from dzmodel.train.config import TrainConfig
+    from dzmodel.train.trainer import Trainer
+
+    train_cache, val_cache = tmp_path / "train", tmp_path / "val"
+    for out, seed, n in ((train_cache, 0, 16), (val_cache, 1, 6)):
+        assert main(["cache", "--synthetic", str(n), "--preset", "tiny", "--latent-hw", "4,6", "--learnable",
+                     "--set", f"seed={seed}", "--out", str(out)]) == 0
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--set", f"cache={train_cache}", "--set", f"val_cache={val_cache}",
+                 "--set", "val_every=4", "--steps", "10", "--out", str(run), "--set", "save_every=5",
+                 "--set", "progress=false", "--set", "log_every=3"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_action_loss" in r] == [4, 8]
+    assert [r["step"] for r in rows] == [3, 4, 6, 8, 9]  # the held-out steps are logged beside log_every's
+
+    def trainer(micro_batch):
+        cfg = TrainConfig(preset="tiny", cache=str(train_cache), val_cache=str(val_cache), micro_batch=micro_batch,
+                          global_batch=micro_batch, out_dir=str(tmp_path / f"t{micro_batch}"), progress=False,
+                          prompt_dropout=0.5, seed=3)
+        t = Trainer(cfg)
+        t.build_model(with_encoders=False)
+        t.build_data()
+        return t
+
+    one, three = trainer(1), trainer(3)
+    three.model.load_state_dict(one.model.state_dict())
+    first = one.validate()
+    assert set(first) == {"val_loss", "val_dynamics_loss", "val_action_loss"}
+    assert one.validate() == first and one.step.prompt_dropout == 0.5
+    assert three.validate() == pytest.approx(first, rel=2e-3)  # bf16 sums in other groupings
+    one.step.noise_seed = 4  # other draws: other numbers (the draws are the seed's, not fixed by accident)
+    assert one.validate()["val_action_loss"] != first["val_action_loss"]
