@@ -20,6 +20,7 @@
     dz cache --config FILE --out DIR        precomputed encoder outputs; train with train.cache=DIR
     dz bench model ...                      bf16 forward+backward timing on a GPU
     dz bench data ...                       video decode and loader throughput
+    dz bench serve ...                      dz serve with N concurrent clients, batching off and on
     dz params check|show|train-config       validate params.yaml; print a profile; write its TrainConfig
     dz stage NAME [--profile P]             one pipeline stage from params.yaml (what dvc.yaml runs)
     dz pipeline|deploy|promote ...          Prefect/MLflow commands, added by the flows package when installed
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval.cli import add_commands as evaluation, add_data_commands as data_record
     from .model.cli import add_commands as model
     from .pipeline_cli import add_commands as params_and_stage
-    from .serve.cli import add_commands as serving
+    from .serve.cli import add_bench_commands as serve_bench, add_commands as serving
     from .train.cli import add_commands as training
 
     parser = argparse.ArgumentParser(prog="dz", description="DreamZero fine-tuning pipeline")
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     training(sub)
     serving(sub)
     evaluation(sub)
-    bench(sub)
+    serve_bench(bench(sub))
     params_and_stage(sub)
     _add_plugin_commands(sub)
     return parser

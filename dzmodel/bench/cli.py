@@ -168,8 +168,8 @@ def cmd_bench_packing(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_commands(sub) -> None:
-    """`dz bench ...`."""
+def add_commands(sub):
+    """`dz bench ...`; returns its subcommands, which other packages extend (`dz bench serve`: dzmodel.serve)."""
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="cmd", required=True)
     p = bench.add_parser("model", help="bf16 forward+backward of the WAM on the DROID token layout")
@@ -256,3 +256,4 @@ def add_commands(sub) -> None:
     p.add_argument("--device")
     p.add_argument("--out", help="append a JSON line here")
     p.set_defaults(func=cmd_bench_packing)
+    return bench

@@ -114,6 +114,34 @@ def cmd_client(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bench_serve(ns: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from ..bench.policy_bench import PolicySetting
+    from .bench import run_serve_bench
+
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if ns.clients < 2 or ns.max_batch < 2:
+        raise CLIError(f"--clients and --max-batch must be >= 2 (got {ns.clients} and {ns.max_batch}): the "
+                       "bench compares several clients with and without batching")
+    solver = solver_from(ns)  # as dz serve resolves them ('auto': upstream's schedule at 16 steps)
+    setting = PolicySetting(name="serve", weights="bf16" if device.startswith("cuda") else "fp32",
+                            solver_steps=solver.num_steps, cfg_scale=solver.cfg_scale, dit_steps=solver.dit_steps,
+                            cuda_graphs=not ns.no_cuda_graphs, compile=ns.compile)
+
+    def emit(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        if ns.out:
+            with open(ns.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    run_serve_bench(ns.preset, ns.embodiment, device, setting, ns.clients, ns.max_batch, ns.batch_window_ms,
+                    ns.requests, ns.warmup, embodiment_files=ns.embodiments or [], progress=emit)
+    return EXIT_OK
+
+
 def add_commands(sub) -> None:
     """`dz package`, `dz serve` and `dz client`."""
 
@@ -192,3 +220,24 @@ def add_commands(sub) -> None:
     p.add_argument("--load-test", type=int, metavar="SESSIONS", help="instead: this many concurrent sessions")
     p.add_argument("--requests", type=int, default=4, help="requests per session in the load test")
     p.set_defaults(func=cmd_client)
+
+
+def add_bench_commands(bench) -> None:
+    """`dz bench serve` (added to `dz bench`'s subcommands: the serve layer drives the server it measures)."""
+    p = bench.add_parser("serve", help="dz serve with N concurrent clients (openpi's client): chunks/s and each "
+                         "client's p95, batching off and on, on a preset's model with random weights")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--embodiment", default="libero_sim_tiny",
+                   help="the protocol, views and widths served (e.g. oxe_droid for the 5B on DROID)")
+    p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
+    p.add_argument("--device", default=None)
+    add_solver_arguments(p, dit_steps="auto")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="launch every kernel from Python (eager)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the DiT block (inside the CUDA graphs)")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients, each one session")
+    p.add_argument("--max-batch", type=int, default=8, help="the batched row's dz serve --max-batch")
+    p.add_argument("--batch-window-ms", type=float, default=5.0)
+    p.add_argument("--requests", type=int, default=20, help="timed requests per client (after --warmup)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed requests per client first")
+    p.add_argument("--out", help="append one JSON line per row here")
+    p.set_defaults(func=cmd_bench_serve)

@@ -1,0 +1,171 @@
+"""`dz bench serve`: what one GPU running `dz serve` gives several robots at once. N concurrent clients (openpi's own
+websocket client where it is installed), each one session of `requests` observations, against the server of
+`dz serve` (`PolicyServer`, its dynamic batcher, the bundle's protocol and safety layer) on localhost.
+
+Rows, one server each: one client with batching off (the single-robot baseline), N clients with batching off (one
+forward per request), N clients with `--max-batch`. Each row reports the chunks per second over all clients, the
+latency percentiles over every request, each client's own p95 (the tail one robot feels) against the one-client
+p95, and the batch sizes the server formed.
+
+The model is the preset's with random weights behind an embodiment's protocol (no bundle: a chunk's latency does not
+depend on the weights' values, and a 5B bundle with its encoders is tens of GB), at the solver setting given.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data.embodiments import get_embodiment, load_embodiments
+from ..eval.policy import EmbodiedPolicy
+from ..model.args import preset
+from ..model.components import build_encoders, build_policy
+from ..model.inference import NormStats
+from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer
+from ..model.wam import DreamZeroWAM
+from ..bench.policy_bench import PolicySetting, _configure
+
+TOKEN = "bench-serve-token"
+
+
+def served_policy(preset_name: str, embodiment: str, device: str, setting: PolicySetting, seed: int = 0,
+                  embodiment_files: list[str] | None = None) -> EmbodiedPolicy:
+    """The preset's model with random weights as `load_policy` gives a bundle's: `embodiment`'s views, layout,
+    action horizon and state and action widths (`embodiment_files`: YAML files that declare more), the solver and
+    speed settings of `setting`."""
+    emb = get_embodiment(embodiment, load_embodiments(embodiment_files or []))
+    torch.manual_seed(seed)
+    args = preset(preset_name, num_action_per_block=emb.action_horizon)
+    dtype = torch.bfloat16 if setting.weights in ("bf16", "fp8") else torch.float32
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = DreamZeroWAM(args)
+            encoders = build_encoders(preset_name, device=device)
+    finally:
+        torch.set_default_dtype(default)
+    with tempfile.TemporaryDirectory() as tok_dir:  # ids only feed the embedding; latency does not depend on them
+        tokenizer = load_tokenizer(build_tiny_tokenizer(tok_dir))
+    state_dims = {k.name: k.dim for k in emb.state}
+    wide = lambda n: NormStats(q01=-np.ones(n), q99=np.ones(n))  # noqa: E731
+    policy = build_policy(model, encoders, tokenizer, wide(sum(k.dim for k in emb.action)),
+                          wide(sum(state_dims.values())), seed=seed, image_size=emb.image_size)
+    _configure(policy, setting, device)
+    return EmbodiedPolicy(policy=policy, embodiment=emb, relative_pairs=[], step=None,
+                          model_dir=Path(f"<{preset_name}, random weights>"), state_dims=state_dims)
+
+
+def _client(port: int):
+    """openpi's websocket client where it is installed, else the project's own (the same wire protocol)."""
+    try:
+        from openpi_client.websocket_client_policy import WebsocketClientPolicy
+    except ImportError:
+        from .client import PolicyClient
+
+        client = PolicyClient(f"ws://127.0.0.1:{port}", TOKEN)
+        return client, client.metadata, "dz"
+    client = WebsocketClientPolicy("127.0.0.1", port, api_key=TOKEN)
+    return client, client.get_server_metadata(), "openpi"
+
+
+def drive(port: int, clients: int, requests: int, warmup: int, seed: int = 0, timeout_s: float = 600.0) -> dict:
+    """`clients` threads, each one connection (one session) sending `warmup` then `requests` observations one after
+    another. The clock runs from the moment every client has warmed up (a barrier) to the last answer."""
+    from .client import synthetic_observation
+
+    latencies: dict[int, list[float]] = {}
+    errors: list[str] = []
+    kinds: list[str] = []
+    barrier = threading.Barrier(clients + 1)
+    done = [0.0]
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            client, metadata, kind = _client(port)
+            rng = np.random.default_rng(seed + i)
+            size = tuple((metadata.get("roboarena") or metadata).get("image_resolution") or (224, 224))
+            for _ in range(warmup):
+                client.infer(synthetic_observation(metadata, rng, size))
+            barrier.wait(timeout=timeout_s)
+            own = []
+            for _ in range(requests):
+                t0 = time.perf_counter()
+                reply = client.infer(synthetic_observation(metadata, rng, size))
+                own.append((time.perf_counter() - t0) * 1e3)
+                if np.asarray(reply["actions"]).ndim != 2:
+                    raise ValueError(f"a reply's actions have shape {np.shape(reply['actions'])}")
+            with lock:
+                latencies[i] = own
+                kinds.append(kind)
+                done[0] = max(done[0], time.perf_counter())
+        except Exception as exc:  # reported in the row
+            with lock:
+                errors.append(f"client {i}: {type(exc).__name__}: {exc}")
+            barrier.abort()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        barrier.wait(timeout=timeout_s)
+    except threading.BrokenBarrierError:
+        pass
+    start = time.perf_counter()
+    for t in threads:
+        t.join(timeout_s)
+    every = [ms for own in latencies.values() for ms in own]
+    row = {"clients": clients, "requests": len(every), "errors": errors[:3], "client": sorted(set(kinds))}
+    if every and not errors:
+        wall = done[0] - start
+        row.update(wall_s=round(wall, 3), chunks_per_s=round(len(every) / wall, 2),
+                   latency_ms={k: round(float(np.percentile(every, q)), 1) for k, q in (("p50", 50), ("p95", 95))},
+                   client_p95_ms=sorted(round(float(np.percentile(own, 95)), 1) for own in latencies.values()))
+    return row
+
+
+def _health(port: int) -> dict:
+    """The server's /healthz (its batch counts and sizes)."""
+    import json
+    from urllib.request import urlopen
+
+    with urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+def run_serve_bench(preset_name: str = "tiny", embodiment: str = "libero_sim_tiny", device: str = "cpu",
+                    setting: PolicySetting | None = None, clients: int = 8, max_batch: int = 8,
+                    batch_window_ms: float = 5.0, requests: int = 20, warmup: int = 3, seed: int = 0,
+                    embodiment_files: list[str] | None = None, progress=None) -> list[dict]:
+    """Three rows on one model: 1 client unbatched, `clients` unbatched, `clients` with `max_batch`."""
+    from .server import BundlePolicy, ServerLimits, ServerThread, warm_up
+
+    setting = setting or PolicySetting()
+    embodied = served_policy(preset_name, embodiment, device, setting, seed, embodiment_files)
+    warm_up(embodied, max_batch)
+    common = {"preset": preset_name, "embodiment": embodiment, "image_size": list(embodied.policy.image_size),
+              "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+              "solver_steps": setting.solver_steps, "cfg_scale": setting.cfg_scale, "dit_steps": setting.dit_steps,
+              "cuda_graphs": setting.cuda_graphs, "compile": setting.compile, "weights": setting.weights,
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    rows: list[dict] = []
+    for n, batch in ((1, 1), (clients, 1), (clients, max_batch)):
+        limits = ServerLimits(max_batch=batch, batch_window_ms=batch_window_ms, max_connections_per_client=max(16, n))
+        with ServerThread(BundlePolicy(embodied), TOKEN, limits=limits) as srv:
+            row = {**common, "max_batch": batch, "batch_window_ms": batch_window_ms,
+                   **drive(srv.port, n, requests, warmup, seed)}
+            health = _health(srv.port)
+        if "batching" in health:
+            row["batching"] = health["batching"]
+        if rows and "client_p95_ms" in rows[0] and "client_p95_ms" in row:
+            row["worst_client_p95_vs_one_client"] = round(row["client_p95_ms"][-1] / rows[0]["client_p95_ms"][0], 2)
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    return rows

@@ -1,0 +1,26 @@
+"""`dz bench serve` (dzmodel/serve/bench.py): N real openpi clients against `dz serve`'s server, batching off and
+on (tiny preset, CPU)."""
+
+import json
+
+from dzmodel.cli import main
+
+
+def test_serve_bench_drives_clients_through_the_server_with_and_without_batching(tmp_path, capsys):
+    out = tmp_path / "serve.jsonl"
+    assert main(["bench", "serve", "--clients", "2", "--max-batch", "2", "--batch-window-ms", "200", "--requests", "3",
+                 "--warmup", "1", "--solver-steps", "2", "--cfg-scale", "1", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["clients"], r["max_batch"]) for r in rows] == [(1, 1), (2, 1), (2, 2)]
+    for r in rows:
+        assert not r["errors"] and r["client"] == ["openpi"]
+        assert r["requests"] == 3 * r["clients"] and r["chunks_per_s"] > 0 and len(r["client_p95_ms"]) == r["clients"]
+    assert "batching" not in rows[1]  # batching off: no batcher
+    batched = rows[2]["batching"]
+    assert batched["requests"] == 2 * (3 + 1) and batched["mean_size"] > 1  # the two sessions shared forwards
+    assert rows[2]["worst_client_p95_vs_one_client"] > 0
+
+
+def test_serve_bench_wants_several_clients(capsys):
+    assert main(["bench", "serve", "--clients", "1"]) != 0
+    assert "--clients and --max-batch must be >= 2" in capsys.readouterr().err
