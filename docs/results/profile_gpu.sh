@@ -5,7 +5,8 @@
 # (with .libero_bundle_extra: the recorder's PyAV). A stage that finished in an earlier start on this machine (its
 # line in the .jsonl) is skipped, and training resumes from its newest checkpoint, so a second start after a kill
 # goes on where the first stopped.
-# Log: runs/profile_libero_object.log; one JSON line per stage with its seconds: runs/profile_libero_object.jsonl.
+# Log: runs/profile_libero_object.log; one JSON line per stage with its seconds: runs/profile_libero_object.jsonl
+# (runs/profile_libero_object_$TAG.* with TAG set).
 #
 #   bash docs/results/profile_gpu.sh [--set K=V ..]          # SETS are passed to every stage
 #   bash docs/results/profile_gpu.sh wait SECONDS             # follow it for at most SECONDS, or until it ends
@@ -18,7 +19,7 @@ set -uo pipefail
 export PYTHONPATH=/tmp/libero/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 TQDM_MININTERVAL=30
 export LIBERO_CONFIG_PATH=/tmp/libero/config MUJOCO_GL=egl
 profile=${PROFILE:-libero_object}
-log=runs/profile_$profile
+log=runs/profile_$profile${TAG:+_$TAG}   # TAG: several profiles on one machine (docs/results/seeds_gpu.sh)
 case "${1:-}" in
   wait)
     end=$((SECONDS + ${2:?seconds}))
