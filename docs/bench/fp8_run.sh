@@ -10,6 +10,9 @@
 #                (`train.val_cache`: val_action_loss)
 #   PART=policy  `dz bench policy --precision fp8` for the 5B and the 14B at the deployed setting (16 steps, DiT
 #                caching, CFG 5, CUDA graphs, compile), batches 1 and 4: bf16 and FP8 rows with their chunk difference
+#   PART=tail    the 5B at the deployed setting, bf16, TAIL_CALLS (default 100) timed calls, without and then with
+#                the heap frozen after the warm-up (`--gc-freeze`, as dz serve does): every call's time in order and
+#                what the timed calls paid for (garbage collections, new device memory, CUDA-graph captures)
 set -euo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 PART=${PART:-train}
@@ -52,5 +55,13 @@ case "$PART" in
       dz bench policy --preset "$preset" --device cuda --dit-steps upstream --compile --batch 1,4 --calls 20 \
         --precision fp8 --out "$OUT/policy_fp8_${preset}_$GPU.jsonl"
     done ;;
-  *) echo "PART must be train, parity or policy" >&2; exit 2 ;;
+  tail)
+    for freeze in "" --gc-freeze; do
+      dz bench policy --preset dreamzero_5b --device cuda --dit-steps upstream --compile --calls "${TAIL_CALLS:-100}" \
+        --warmup 5 --breakdown-calls 0 --name "deploy${freeze:+, heap frozen}" $freeze --out "$OUT/policy_tail_5b_$GPU.jsonl" \
+        | python -c 'import json, sys
+for line in sys.stdin:
+    r = json.loads(line); print(r["name"], r.get("p50_ms"), r.get("p95_ms"), r.get("max_ms"), r.get("gc_pauses"), r.get("new_memory_segments"), r.get("graph_captures_timed"), r.get("error", ""))'
+    done ;;
+  *) echo "PART must be train, parity, policy or tail" >&2; exit 2 ;;
 esac

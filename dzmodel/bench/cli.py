@@ -130,7 +130,8 @@ def cmd_bench_policy(ns: argparse.Namespace) -> int:
             with open(ns.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    run_policy_bench(ns.preset, device, settings, batches, ns.calls, ns.warmup, ns.breakdown_calls, progress=emit)
+    run_policy_bench(ns.preset, device, settings, batches, ns.calls, ns.warmup, ns.breakdown_calls, progress=emit,
+                     gc_freeze=ns.gc_freeze)
     return EXIT_OK
 
 
@@ -230,6 +231,9 @@ def add_commands(sub):
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--breakdown-calls", type=int, default=3, help="extra calls timed per stage (synchronised)")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="freeze Python's heap after the warm-up (gc.freeze, as dz serve does): the collector then "
+                        "never rescans the model's objects during a call")
     p.add_argument("--out", help="append one JSON line per measurement here")
     p.set_defaults(func=cmd_bench_policy)
     p = bench.add_parser("data", help="video decode (torchcodec batched vs PyAV) and loader samples/s, DROID-like")

@@ -10,6 +10,10 @@ text_cache is off). Reports p50 / p95 / max milliseconds per call, chunks per se
 `--ladder` measures the optimisations one at a time in one process (one model build): each row adds one step to
 the row before it, from the old path (fp32 weights under autocast, two CFG passes, no text cache, eager) on.
 
+Each row also says what the timed calls paid for besides the GPU's work (`TailWatch`: garbage collections, new
+device memory, CUDA-graph captures) and lists every call's time in order, to find what makes the slow ones slow;
+`--gc-freeze` freezes the heap after the warm-up, as `dz serve` does.
+
 `--precision fp8` measures the setting twice on one model: with bf16 weights, then with the DiT blocks' linears
 rounded to e4m3 (`model.fp8.freeze_blocks_to_fp8`); the FP8 row also gives how far its chunks are from the bf16
 ones for the same observations and noise (`chunk_diff_vs_bf16`). A device without FP8 gives the row's reason.
@@ -138,8 +142,52 @@ def chunk_difference(chunks: np.ndarray, reference: np.ndarray) -> dict:
             "rel_l2": round(float(np.linalg.norm(diff) / max(np.linalg.norm(reference), 1e-12)), 5)}
 
 
+class TailWatch:
+    """What happens during timed calls besides the GPU's work: Python's garbage collections (count, total and
+    longest pause, per generation, from `gc.callbacks`), new device memory segments (cudaMalloc: the caching
+    allocator had no free block) and allocator retries, and CUDA-graph captures. A call that pays for one of these
+    is a tail call."""
+
+    def __init__(self, policy, cuda: bool):
+        self.policy, self.cuda = policy, cuda
+        self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses[info["generation"]].append((time.perf_counter() - self._t0) * 1e3)
+
+    def _memory(self) -> tuple[int, int]:
+        if not self.cuda:
+            return 0, 0
+        stats = torch.cuda.memory_stats()
+        return stats.get("segment.all.allocated", 0), stats.get("num_alloc_retries", 0)
+
+    def __enter__(self):
+        import gc
+
+        self._memory0, self._captures0 = self._memory(), self.policy.graphs.captures
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        import gc
+
+        gc.callbacks.remove(self._callback)
+        segments, retries = self._memory()
+        self.report = {
+            "gc_pauses": {f"gen{g}": {"count": len(p), "total_ms": round(sum(p), 2), "max_ms": round(max(p, default=0.0), 2)}
+                          for g, p in self.pauses.items()},
+            "new_memory_segments": segments - self._memory0[0], "alloc_retries": retries - self._memory0[1],
+            "graph_captures_timed": self.policy.graphs.captures - self._captures0}
+
+
 def _measure(policy, setting: PolicySetting, device: str, batch: int, calls: int, warmup: int,
-             breakdown_calls: int, seed: int) -> dict:
+             breakdown_calls: int, seed: int, gc_freeze: bool = False) -> dict:
+    import gc
+
     rng = np.random.default_rng(seed)
     cuda = device.startswith("cuda")
 
@@ -158,7 +206,14 @@ def _measure(policy, setting: PolicySetting, device: str, batch: int, calls: int
         torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
         one_call()
-    times = sorted(one_call() for _ in range(calls))
+    if gc_freeze:  # what dz serve does after its warm-up: the model's objects leave the collector's scans
+        gc.collect()
+        gc.freeze()
+    with TailWatch(policy, cuda) as watch:
+        in_order = [one_call() for _ in range(calls)]
+    if gc_freeze:
+        gc.unfreeze()
+    times = sorted(in_order)
     policy.timer = StageTimer(policy.device)
     for _ in range(breakdown_calls):
         one_call()
@@ -167,15 +222,17 @@ def _measure(policy, setting: PolicySetting, device: str, batch: int, calls: int
     p50 = statistics.median(times)
     solver = setting.solver()
     return {**asdict(setting), "dit_forwards": solver.dit_forwards, "batch": batch,
-            "calls": calls, "p50_ms": round(p50, 1), "p95_ms": round(times[min(len(times) - 1, int(0.95 * len(times)))], 1),
+            # p95 interpolated between ranks (numpy's default); with fewer than 20 calls it lies near the slowest
+            "calls": calls, "p50_ms": round(p50, 1), "p95_ms": round(float(np.percentile(times, 95)), 1),
             "max_ms": round(times[-1], 1), "chunks_per_s": round(batch * 1e3 / p50, 2), "breakdown_ms": parts,
+            "per_call_ms": [round(t, 2) for t in in_order], "gc_freeze": gc_freeze, **watch.report,
             "graph_captures": policy.graphs.captures,
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
 
 
 def run_policy_bench(preset_name: str = "tiny", device: str = "cpu", settings: list[PolicySetting] | None = None,
                      batches: tuple[int, ...] = (1,), calls: int = 10, warmup: int = 2, breakdown_calls: int = 3,
-                     seed: int = 0, progress=None) -> list[dict]:
+                     seed: int = 0, progress=None, gc_freeze: bool = False) -> list[dict]:
     """One JSON-able row per (setting, batch). Settings run in order on one model: fp32/autocast before bf16."""
     settings = settings or [PolicySetting()]
     fp8_rows = [i for i, s in enumerate(settings) if s.weights == "fp8"]
@@ -210,7 +267,8 @@ def run_policy_bench(preset_name: str = "tiny", device: str = "cpu", settings: l
                                                             references[index])}
         for batch in batches:
             try:
-                row = {**common, **_measure(policy, setting, device, batch, calls, warmup, breakdown_calls, seed),
+                row = {**common, **_measure(policy, setting, device, batch, calls, warmup, breakdown_calls, seed,
+                                            gc_freeze),
                        **extra}
             except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # a row that cannot run says why; the rest go on
                 row = {**common, **asdict(setting), "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]}

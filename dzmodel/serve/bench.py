@@ -144,11 +144,12 @@ def run_serve_bench(preset_name: str = "tiny", embodiment: str = "libero_sim_tin
                     batch_window_ms: float = 5.0, requests: int = 20, warmup: int = 3, seed: int = 0,
                     embodiment_files: list[str] | None = None, progress=None) -> list[dict]:
     """Three rows on one model: 1 client unbatched, `clients` unbatched, `clients` with `max_batch`."""
-    from .server import BundlePolicy, ServerLimits, ServerThread, warm_up
+    from .server import BundlePolicy, ServerLimits, ServerThread, freeze_heap, warm_up
 
     setting = setting or PolicySetting()
     embodied = served_policy(preset_name, embodiment, device, setting, seed, embodiment_files)
     warm_up(embodied, max_batch)
+    freeze_heap()  # as dz serve does after its warm-up
     common = {"preset": preset_name, "embodiment": embodiment, "image_size": list(embodied.policy.image_size),
               "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
               "solver_steps": setting.solver_steps, "cfg_scale": setting.cfg_scale, "dit_steps": setting.dit_steps,

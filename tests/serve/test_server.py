@@ -306,3 +306,19 @@ def test_an_oversized_frame_is_refused_with_1009(caplog):
         assert len(refused) == 1 and refused[0].endswith("(1009)"), refused
         with PolicyClient(srv.url, TOKEN) as c:  # the server carries on
             assert c.infer(libero_obs())["actions"].shape == (12, 8)
+
+
+def test_serving_a_bundle_freezes_the_heap_before_the_first_request(libero_bundle, monkeypatch):
+    """After loading (and, on a GPU, the warm-up) the collector's permanent generation holds the policy's objects,
+    so no full collection rescans them inside a request."""
+    import gc
+
+    from dzmodel.serve import server
+
+    seen = []
+    monkeypatch.setattr(server, "run_server", lambda *args, **kwargs: seen.append(gc.get_freeze_count()))
+    try:
+        server.serve_bundle(str(libero_bundle), TOKEN, port=0)
+    finally:
+        gc.unfreeze()
+    assert seen and seen[0] > 10_000
