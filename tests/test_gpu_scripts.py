@@ -88,3 +88,19 @@ def test_loss_parity_compares_the_last_window_and_plots(tmp_path):
     del other[199]["val_action_loss"]
     with pytest.raises(SystemExit, match="steps 200 and 100"):
         loss_parity.parity(ref, other, window=100)
+
+
+def test_the_14b_projection_adds_the_layers_to_the_rest_of_the_step(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("project_14b", RESULTS.parent / "bench" / "project_14b.py")
+    project_14b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(project_14b)
+    common = {"preset": "dreamzero_14b", "micro_batch": 1, "compile": True, "activation_checkpointing": "elementwise",
+              "attention": "segments", "encoders": "cache", "device": "NVIDIA H100 80GB HBM3", "peak_mem_gib": 50.0}
+    rows = [{**common, "name": "fp8@fsdp2", "num_layers": 8, "step_ms": 500.0, "precision": "fp8"},
+            {**common, "name": "fp8@fsdp2", "num_layers": 16, "step_ms": 980.0, "precision": "fp8"},
+            {**common, "name": "bf16@fsdp2", "num_layers": 8, "step_ms": 620.0}]  # one depth: skipped
+    out, = project_14b.project(rows)
+    assert out["layer_ms"] == 60.0 and out["rest_ms"] == 20.0 and out["step_ms"] == 20.0 + 40 * 60.0
+    assert out["gpus"] == 2 and out["precision"] == "fp8" and 0 < out["mfu_vs_bf16_peak"] < 1

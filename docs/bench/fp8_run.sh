@@ -10,6 +10,9 @@
 #                (`train.val_cache`: val_action_loss)
 #   PART=policy  `dz bench policy --precision fp8` for the 5B and the 14B at the deployed setting (16 steps, DiT
 #                caching, CFG 5, CUDA graphs, compile), batches 1 and 4: bf16 and FP8 rows with their chunk difference
+#   PART=14b     FSDP2 over every GPU of the machine (2 or more): `dz bench train` slices of the 14B (8 and 16 layers,
+#                DROID's 44x80 latent, micro-batch 1, compiled, elementwise recompute), bf16 and fp8; project the
+#                full preset here with `python docs/bench/project_14b.py $OUT/train_14b_fp8_slices_*.jsonl`
 #   PART=tail    the 5B at the deployed setting, bf16, TAIL_CALLS (default 100) timed calls, without and then with
 #                the heap frozen after the warm-up (`--gc-freeze`, as dz serve does): every call's time in order and
 #                what the timed calls paid for (garbage collections, new device memory, CUDA-graph captures)
@@ -55,6 +58,15 @@ case "$PART" in
       dz bench policy --preset "$preset" --device cuda --dit-steps upstream --compile --batch 1,4 --calls 20 \
         --precision fp8 --out "$OUT/policy_fp8_${preset}_$GPU.jsonl"
     done ;;
+  14b)
+    n=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+    for layers in 8 16; do
+      NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node "$n" --master_addr 127.0.0.1 --master_port 29541 -m dzmodel.cli \
+        bench train --preset dreamzero_14b --layers "$layers" --latent-hw 44,80 --steps 3 --warmup 2 --no-baseline \
+        --variant name=bf16,mbs=1,compile=1,ac=elementwise,attn=segments \
+        --variant name=fp8,mbs=1,compile=1,ac=elementwise,attn=segments,prec=fp8 \
+        --out "$OUT/train_14b_fp8_slices_${n}x$GPU.jsonl" 2>&1 | grep -v -i warn | tail -4
+    done ;;
   tail)
     for freeze in "" --gc-freeze; do
       dz bench policy --preset dreamzero_5b --device cuda --dit-steps upstream --compile --calls "${TAIL_CALLS:-100}" \
@@ -63,5 +75,5 @@ case "$PART" in
 for line in sys.stdin:
     r = json.loads(line); print(r["name"], r.get("p50_ms"), r.get("p95_ms"), r.get("max_ms"), r.get("gc_pauses"), r.get("new_memory_segments"), r.get("graph_captures_timed"), r.get("error", ""))'
     done ;;
-  *) echo "PART must be train, parity, policy or tail" >&2; exit 2 ;;
+  *) echo "PART must be train, parity, policy, 14b or tail" >&2; exit 2 ;;
 esac

@@ -35,9 +35,10 @@ OPTIMISED_VARIANT = {"name": "optimised", "micro_batch": 21, "accumulation": 1, 
 
 
 def parse_variant(text: str) -> dict:
-    """'name=opt,mbs=32,compile=1,ac=full,attn=flex,encoders=cache,lora=64,ema=0.999' -> run_config kwargs."""
+    """'name=opt,mbs=32,compile=1,ac=full,attn=flex,encoders=cache,lora=64,ema=0.999,prec=fp8' -> run_config
+    kwargs."""
     keys = {"name": "name", "mbs": "micro_batch", "accum": "accumulation", "compile": "compile", "ac": "ac",
-            "attn": "attention", "encoders": "encoders", "lora": "lora_rank", "ema": "ema_decay"}
+            "attn": "attention", "encoders": "encoders", "lora": "lora_rank", "ema": "ema_decay", "prec": "precision"}
     out = dict(OPTIMISED_VARIANT)
     for part in text.split(","):
         if "=" not in part:
@@ -191,7 +192,7 @@ def add_commands(sub):
     p.add_argument("--latent-hw", default="11,20", help="latent H,W (5B DROID 11,20; 14B DROID 44,80)")
     p.add_argument("--variant", action="append",
                    help="an optimised config: name=..,mbs=..,accum=..,compile=0/1,ac=none|elementwise|selective|full|full:N,attn=segments|flex|sdpa,"
-                        "encoders=cache|online_batched|online_per_sample,lora=RANK,ema=DECAY (repeatable)")
+                        "encoders=cache|online_batched|online_per_sample,lora=RANK,ema=DECAY,prec=bf16|fp8 (repeatable)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 even with one process (its overhead without communication)")
     p.add_argument("--against-run", metavar="RUN_DIR",

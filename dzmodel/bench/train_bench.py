@@ -56,6 +56,8 @@ class TrainBenchResult:
     ema_decay: float = 0.0
     trainable_params: int = 0
     params: int = 0
+    precision: str = "bf16"         # fp8: the blocks' linears in FP8 (train.precision); MFU is still against the
+    #                                 bf16 dense peak (an FP8 peak is twice it): the model's FLOPs per second
 
 
 ENCODER_MODES = ("cache", "online_per_sample", "online_batched")
@@ -63,7 +65,7 @@ ENCODER_MODES = ("cache", "online_per_sample", "online_batched")
 
 def build_trainer(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
                   attention: str, encoders: str, accumulation: int = 1, fsdp: bool = False, lora_rank: int = 0,
-                  ema_decay: float = 0.0):
+                  ema_decay: float = 0.0, precision: str = "bf16"):
     """The Trainer of `dz train` at one configuration (bf16, one process or FSDP2 over the torchrun group), its
     model, optimizer and step built; no data. fsdp: FSDP2 in a one-process group too. lora_rank > 0: LoRA
     adapters of that rank (alpha = rank) on the frozen bf16 base; ema_decay > 0: an EMA of the trained weights."""
@@ -74,7 +76,7 @@ def build_trainer(preset_name: str, num_layers: int | None, micro_batch: int, co
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: every rank holds micro_batch samples
     cfg = TrainConfig(preset=preset_name, model_overrides={"num_layers": num_layers} if num_layers else {},
                       micro_batch=micro_batch, global_batch=micro_batch * accumulation * world, compile=compile,
-                      activation_checkpointing=ac, attn_backend=attention, precision="bf16",
+                      activation_checkpointing=ac, attn_backend=attention, precision=precision,
                       out_dir=tempfile.gettempdir(), progress=False, save_every=0, ema_decay=ema_decay,
                       lora={"rank": lora_rank, "alpha": float(lora_rank or 16)})
     trainer = Trainer(cfg)
@@ -85,11 +87,11 @@ def build_trainer(preset_name: str, num_layers: int | None, micro_batch: int, co
 
 def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
                      attention: str, encoders: str, latent_hw=(11, 20), accumulation: int = 1, fsdp: bool = False,
-                     lora_rank: int = 0, ema_decay: float = 0.0):
+                     lora_rank: int = 0, ema_decay: float = 0.0, precision: str = "bf16"):
     """The trainer's step at one configuration, fed synthetic batches, as a closure: (step, trainer). Used by the
     bench and by `train_profile`."""
     trainer = build_trainer(preset_name, num_layers, micro_batch, compile, ac, attention, encoders, accumulation,
-                            fsdp, lora_rank, ema_decay)
+                            fsdp, lora_rank, ema_decay, precision)
     batches = synthetic_batches(trainer.args, micro_batch, latent_hw, trainer.info.device, encoders)
 
     def step():
@@ -101,9 +103,9 @@ def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int,
 def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
                attention: str, encoders: str, latent_hw=(11, 20), steps: int = 8, warmup: int = 3,
                accumulation: int = 1, fsdp: bool = False, lora_rank: int = 0,
-               ema_decay: float = 0.0) -> TrainBenchResult:
+               ema_decay: float = 0.0, precision: str = "bf16") -> TrainBenchResult:
     step, trainer = build_train_step(preset_name, num_layers, micro_batch, compile, ac, attention, encoders,
-                                     latent_hw, accumulation, fsdp, lora_rank, ema_decay)
+                                     latent_hw, accumulation, fsdp, lora_rank, ema_decay, precision)
     device = trainer.info.device
     cuda = device.type == "cuda"
     each = time_steps(step, steps, warmup, str(device))
@@ -123,7 +125,7 @@ def run_config(name: str, preset_name: str, num_layers: int | None, micro_batch:
         alloc_retries=int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if cuda else 0,
         device=torch.cuda.get_device_name() if cuda else "cpu", lora_rank=lora_rank, ema_decay=ema_decay,
         trainable_params=sum(p.numel() for p in trainer.step.params),
-        params=sum(p.numel() for p in trainer.model.parameters()))
+        params=sum(p.numel() for p in trainer.model.parameters()), precision=trainer.precision)
     del step, trainer  # frees the model, optimizer and inputs they hold
     _release_memory()
     return res
@@ -145,11 +147,13 @@ def _pct(x: float | None) -> str:
 
 def print_side_by_side(results: list[TrainBenchResult]) -> None:
     print(f"{'config':<12} {'layers':>6} {'mbs':>4} {'acc':>3} {'compile':>7} {'AC':>9} {'attn':>8} {'encoders':>17} "
-          f"{'lora':>4} {'step ms':>9} {'samples/s/GPU':>13} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8} {'act GiB':>7}")
+          f"{'lora':>4} {'prec':>4} {'step ms':>9} {'samples/s/GPU':>13} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8} "
+          f"{'act GiB':>7}")
     for r in results:
         peak = "-" if r.peak_mem_gib is None else f"{r.peak_mem_gib:.1f}"
         print(f"{r.name:<12} {r.num_layers:>6} {r.micro_batch:>4} {r.accumulation:>3} {str(r.compile):>7} "
-              f"{r.activation_checkpointing:>9} {r.attention:>8} {r.encoders:>17} {r.lora_rank:>4} {r.step_ms:>9.1f} "
+              f"{r.activation_checkpointing:>9} {r.attention:>8} {r.encoders:>17} {r.lora_rank:>4} {r.precision:>4} "
+              f"{r.step_ms:>9.1f} "
               f"{r.samples_per_s_per_gpu:>13.3f} {r.model_tflops_per_s:>8.1f} {_pct(r.mfu):>6} {peak:>8} "
               f"{r.activation_gib:>7.1f}")
     base = next((r for r in results if r.name.startswith("baseline")), None)

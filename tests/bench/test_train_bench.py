@@ -19,6 +19,16 @@ def test_variant_parsing_defaults_and_errors():
         parse_variant("mbs=2,gpus=8")
     with pytest.raises(CLIError, match="key=value"):
         parse_variant("mbs")
+    assert parse_variant("name=f,prec=fp8")["precision"] == "fp8"
+
+
+def test_an_fp8_variant_reports_the_precision_that_ran(capsys):
+    """On a device without FP8 the trainer falls back to bf16 and says so; the bench row says what ran."""
+    from dzmodel.bench.train_bench import run_config
+
+    r = run_config("f", "tiny", None, 2, False, "none", "sdpa", "cache", latent_hw=(4, 6), steps=1, warmup=0,
+                   precision="fp8")
+    assert r.precision == "bf16" and "precision fp8 falls back to bf16" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
