@@ -141,6 +141,22 @@ def cmd_bench_data(ns: argparse.Namespace) -> int:
 
     from ..bench.data_bench import run_data_bench
 
+    if ns.trainer_loader:
+        from ..bench.loader_bench import run_loader_bench
+
+        try:
+            workers = tuple(int(w) for w in ns.workers.split(","))
+        except ValueError:
+            raise CLIError(f"--workers takes comma-separated integers, got {ns.workers!r}") from None
+
+        def emit(row: dict) -> None:
+            print(json.dumps(row), flush=True)
+            if ns.out:
+                with open(ns.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+        run_loader_bench(ns.workdir, ns.codec, ns.gop, workers, ns.batches, ns.micro_batch, ns.episodes, progress=emit)
+        return EXIT_OK
     result = run_data_bench(ns.workdir, workers=tuple(int(w) for w in ns.workers.split(",")),
                             decode_samples=ns.samples, loader_samples=ns.loader_samples)
     if ns.out:
@@ -242,6 +258,15 @@ def add_commands(sub):
     p.add_argument("--workers", default="1,2,4")
     p.add_argument("--samples", type=int, default=5, help="decode samples to time (median)")
     p.add_argument("--loader-samples", type=int, default=16)
+    p.add_argument("--trainer-loader", action="store_true",
+                   help="instead: dz train's own DataLoader (windows, augmentation, layout, collate) at the 5B DROID "
+                        "shape on a DROID-shaped dataset (3 cameras at 180x320), samples/s per --workers; one JSON "
+                        "line each (appended to --out)")
+    p.add_argument("--codec", choices=["h264", "av1"], default="h264", help="with --trainer-loader")
+    p.add_argument("--gop", type=int, default=2, help="with --trainer-loader: keyframe interval (LeRobot's is 2)")
+    p.add_argument("--batches", type=int, default=30, help="with --trainer-loader: timed micro-batches")
+    p.add_argument("--micro-batch", type=int, default=2, help="with --trainer-loader")
+    p.add_argument("--episodes", type=int, default=4, help="with --trainer-loader: episodes of 300 frames written")
     p.add_argument("--out", help="write the numbers as JSON")
     p.set_defaults(func=cmd_bench_data)
     p = bench.add_parser("packing", help="a mixture of embodiments packed into buffers vs padded to the largest")

@@ -117,14 +117,14 @@ _YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.
 _YIQ_INV = torch.linalg.inv(_YIQ)
 
 
-def color_jitter(x: torch.Tensor, rng: np.random.Generator, brightness=0.0, contrast=0.0, saturation=0.0,
-                 hue=0.0) -> torch.Tensor:
-    """x float [T, 3, H, W] in [0, 1]; one set of factors for all frames, applied as ONE affine colour map.
+def jitter_map(rng: np.random.Generator, brightness=0.0, contrast=0.0, saturation=0.0,
+               hue=0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draw of the jitter's factors, as torchvision's ColorJitter draws them -> (matrix [3, 3], coef [3]) with
+    jitter(x) = clamp(matrix @ x + coef * mean_gray(x), 0, 1) per pixel, mean_gray the frame's mean luma.
 
     brightness b, contrast c (towards each frame's mean gray), saturation s (towards per-pixel gray) and hue h
     (a rotation by 2πh of the YIQ chroma plane, the standard linear approximation of an HSV hue shift) are all
-    linear in RGB, so they compose into a 3x3 matrix plus a per-frame offset: one pass over the pixels instead
-    of torchvision's four (about 15x faster on a CPU core). Factors are drawn like torchvision's ColorJitter."""
+    linear in RGB, so they compose into one 3x3 matrix plus a per-frame offset."""
     b = rng.uniform(1 - brightness, 1 + brightness) if brightness else 1.0
     c = rng.uniform(1 - contrast, 1 + contrast) if contrast else 1.0
     s = rng.uniform(1 - saturation, 1 + saturation) if saturation else 1.0
@@ -133,10 +133,17 @@ def color_jitter(x: torch.Tensor, rng: np.random.Generator, brightness=0.0, cont
     sat = s * eye + (1 - s) * torch.ones(3, 1) * _GRAY[None, :]
     cos, sin = float(np.cos(2 * np.pi * h)), float(np.sin(2 * np.pi * h))
     rot = torch.tensor([[1.0, 0.0, 0.0], [0.0, cos, -sin], [0.0, sin, cos]])
-    hue_m = _YIQ_INV @ rot @ _YIQ
-    matrix = (hue_m @ sat * (c * b)).to(x.dtype)
-    mean_gray = (x.mean(dim=(-2, -1)) @ _GRAY.to(x.dtype)) * b                  # [T]
-    offset = (hue_m @ sat).sum(dim=1).to(x.dtype)[None, :] * ((1 - c) * mean_gray)[:, None]  # [T, 3]
+    hue_sat = _YIQ_INV @ rot @ _YIQ @ sat
+    return hue_sat * (c * b), hue_sat.sum(dim=1) * ((1 - c) * b)
+
+
+def color_jitter(x: torch.Tensor, rng: np.random.Generator, brightness=0.0, contrast=0.0, saturation=0.0,
+                 hue=0.0) -> torch.Tensor:
+    """x float [T, 3, H, W] in [0, 1]; one set of factors for all frames (`jitter_map`), applied as ONE affine colour
+    map: one pass over the pixels instead of torchvision's four (about 15x faster on a CPU core)."""
+    matrix, coef = (t.to(x.dtype) for t in jitter_map(rng, brightness, contrast, saturation, hue))
+    mean_gray = x.mean(dim=(-2, -1)) @ _GRAY.to(x.dtype)                       # [T]
+    offset = coef[None, :] * mean_gray[:, None]                                # [T, 3]
     # three fused multiply-adds per output channel (faster on CPU than einsum or a 1x1 conv)
     r, g, bl = x.unbind(1)
     out = torch.stack([r * matrix[i, 0] + g * matrix[i, 1] + bl * matrix[i, 2] + offset[:, i, None, None]
@@ -144,11 +151,31 @@ def color_jitter(x: torch.Tensor, rng: np.random.Generator, brightness=0.0, cont
     return out.clamp(0, 1)
 
 
+def color_jitter_uint8(x: torch.Tensor, rng: np.random.Generator, **jitter: float) -> torch.Tensor:
+    """uint8 [T, H, W, 3] -> uint8, the map of `color_jitter` (the same draws; within one level where the two round
+    differently). With OpenCV one saturating 3x4 affine pass per frame (`cv2.transform`) on the uint8 pixels: at
+    DROID's 176x320 views about 30x less CPU than converting to float, mapping and converting back, which was
+    the loader's largest cost per sample. Without OpenCV, the float path."""
+    try:
+        import cv2
+    except ImportError:
+        planar = x.permute(0, 3, 1, 2).float().contiguous() / 255.0
+        return (color_jitter(planar, rng, **jitter) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+    matrix, coef = (t.double().numpy() for t in jitter_map(rng, **jitter))
+    frames = x.contiguous().numpy()
+    out = np.empty_like(frames)
+    luma = _GRAY.double().numpy()
+    for i, frame in enumerate(frames):
+        mean_gray = float(np.asarray(cv2.mean(frame)[:3]) @ luma)  # in 0..255, as the pixels
+        cv2.transform(frame, np.concatenate([matrix, (coef * mean_gray)[:, None]], axis=1), dst=out[i])
+    return torch.from_numpy(out)
+
+
 def transform_view(frames: np.ndarray | torch.Tensor, size: tuple[int, int], train: bool, rng: np.random.Generator,
                    crop_scale: float = 0.95, jitter: dict | None = None) -> torch.Tensor:
     """uint8 [T, H, W, 3] -> uint8 [T, size_h, size_w, 3]: crop (random in train, centre in eval), resize,
-    colour jitter (train only). Crop and resize stay in uint8 (torch's vectorised antialiased uint8
-    path is ~7x faster than float on CPU); only the jitter, at the small size, runs in float."""
+    colour jitter (train only). All in uint8: torch's vectorised antialiased uint8 resize (~7x faster than float on
+    CPU), then the jitter as one affine pass per frame (`color_jitter_uint8`)."""
     x = torch.as_tensor(frames)
     if x.dim() != 4 or x.shape[-1] != 3 or x.dtype != torch.uint8:
         raise DataError(f"expected uint8 frames [T, H, W, 3], got {tuple(x.shape)} {x.dtype}")
@@ -163,31 +190,32 @@ def transform_view(frames: np.ndarray | torch.Tensor, size: tuple[int, int], tra
     if tuple(x.shape[-2:]) != tuple(size):
         # on the NHWC (channels-last) view: torch's fastest CPU path for uint8 antialiased resize
         x = F.interpolate(x, size=size, mode="bilinear", align_corners=False, antialias=True)
-    if train and jitter:
-        xf = x.float().contiguous() / 255.0  # planar float: the per-channel jitter reads contiguous planes
-        x = (color_jitter(xf, rng, **jitter) * 255).round().to(torch.uint8)
-    return x.permute(0, 2, 3, 1).contiguous()
+    x = x.permute(0, 2, 3, 1).contiguous()  # channels-last already: no copy
+    return color_jitter_uint8(x, rng, **jitter) if train and jitter else x
 
 
 def compose_layout(emb: Embodiment, views: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-view uint8 [..., h, w, 3] (a window [T, ...] or a batch [B, T, ...]) -> [..., rows·h, cols·w, 3]
-    following emb.layout. A view stretched over several widths is resized bilinearly: in uint8 on the CPU, in
-    float on a GPU (which has no uint8 resize)."""
+    following emb.layout, each cell written once into one frame. A view stretched over several widths is resized
+    bilinearly: in uint8 on the CPU, on its channels-last view (no planar copy), in float on a GPU (which has no
+    uint8 resize)."""
     h, w = emb.view_size
-    rows = []
-    for row in emb.layout:
-        cells = []
+    first = views[emb.layout[0][0].view]
+    lead = first.shape[:-3]
+    cols = sum(cell.width for cell in emb.layout[0])
+    out = torch.empty(*lead, len(emb.layout) * h, cols * w, 3, dtype=first.dtype, device=first.device)
+    for r, row in enumerate(emb.layout):
+        c0 = 0
         for cell in row:
             v = views[cell.view]
             if cell.width != 1:
-                lead = v.shape[:-3]
-                x = v.reshape(-1, h, w, 3).permute(0, 3, 1, 2).contiguous()
+                x = v.reshape(-1, h, w, 3).permute(0, 3, 1, 2)
                 if x.device.type == "cpu":
                     x = F.interpolate(x, size=(h, w * cell.width), mode="bilinear", align_corners=False)
                 else:
                     x = F.interpolate(x.float(), size=(h, w * cell.width), mode="bilinear", align_corners=False)
                     x = x.round_().clamp_(0, 255).to(torch.uint8)
                 v = x.permute(0, 2, 3, 1).reshape(*lead, h, w * cell.width, 3)
-            cells.append(v)
-        rows.append(torch.cat(cells, dim=-2))
-    return torch.cat(rows, dim=-3)
+            out[..., r * h:(r + 1) * h, c0 * w:(c0 + cell.width) * w, :] = v
+            c0 += cell.width
+    return out

@@ -96,6 +96,12 @@ def worker_init_fn(worker_id: int) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MKL_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    try:  # the colour jitter's OpenCV pass (transforms.color_jitter_uint8): its own thread pool would oversubscribe
+        import cv2
+
+        cv2.setNumThreads(1)
+    except ImportError:
+        pass
 
 
 # --------------------------------------------------------------------------------------------

@@ -97,3 +97,39 @@ def test_relative_actions_and_inverse():
     np.testing.assert_allclose(rel[H:, :7], actions[H:, :7] - states[1, :7])
     np.testing.assert_allclose(rel[:, 7], actions[:, 7])  # gripper stays absolute
     np.testing.assert_allclose(from_relative(rel[H:], states[1], pairs), actions[H:])
+
+
+JITTER = {"brightness": 0.3, "contrast": 0.4, "saturation": 0.5, "hue": 0.08}
+
+
+def _float_path(x, seed):
+    planar = x.permute(0, 3, 1, 2).float().contiguous() / 255
+    return (color_jitter(planar, np.random.default_rng(seed), **JITTER) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+
+
+def test_the_uint8_jitter_is_one_opencv_pass_per_frame_and_the_float_map(monkeypatch):
+    import cv2
+
+    from dzmodel.data import transforms
+
+    x = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (4, 24, 40, 3), dtype=np.uint8))
+    calls = []
+    original = cv2.transform
+    monkeypatch.setattr(cv2, "transform", lambda *a, **k: calls.append(1) or original(*a, **k))
+    fast = transforms.color_jitter_uint8(x, np.random.default_rng(3), **JITTER)
+    assert len(calls) == 4  # one pass per frame, no float copies
+    diff = (fast.int() - _float_path(x, 3).int()).abs()
+    assert fast.dtype == torch.uint8 and diff.max() <= 1 and (diff == 0).float().mean() > 0.9
+
+
+def test_without_opencv_the_uint8_jitter_is_the_float_path(monkeypatch):
+    import builtins
+
+    from dzmodel.data import transforms
+
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__",
+                        lambda name, *a, **k: (_ for _ in ()).throw(ImportError("no cv2")) if name == "cv2"
+                        else real_import(name, *a, **k))
+    x = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (3, 16, 24, 3), dtype=np.uint8))
+    assert torch.equal(transforms.color_jitter_uint8(x, np.random.default_rng(5), **JITTER), _float_path(x, 5))

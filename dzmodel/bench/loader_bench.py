@@ -1,0 +1,142 @@
+"""`dz bench data --trainer-loader`: samples/s of `dz train`'s own data loader at the 5B DROID shape, from video.
+
+A DROID-shaped LeRobot dataset (three cameras at DROID's 180x320, 15 fps; camera-like frames: a 1/f texture seen
+by a slowly panning camera, a moving block, sensor noise, so the codec has realistic residual to decode) is written
+once to the work directory. The dataset is then built as `Trainer.build_data` builds it (`training_windows`,
+`MixtureDataset`, `SampleStream`, the `Collator`) for the `dreamzero_5b` preset and the `oxe_droid` embodiment,
+augmentation on, and read through the trainer's DataLoader settings with each number of workers (one core each).
+The 5B's umT5 tokenizer is not needed to measure this: the collator uses the project's tiny one at the 5B's text
+length (ids only). Synthetic video is likely cheaper to decode than real footage: a lower bound on the cost.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DROID_H, DROID_W, DROID_FPS = 180, 320, 15
+
+
+def _texture(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+    """A 1/f ("natural image") texture, zero mean, unit deviation."""
+    f = np.fft.rfft2(rng.standard_normal((h, w)))
+    f /= np.maximum(np.hypot(np.fft.fftfreq(h)[:, None], np.fft.rfftfreq(w)[None, :]), 1.0 / max(h, w)) ** 1.1
+    img = np.fft.irfft2(f, s=(h, w))
+    return (img - img.mean()) / img.std()
+
+
+def _camera(rng: np.random.Generator, frames: int) -> np.ndarray:
+    """uint8 [T, 180, 320, 3]: the texture through a slowly panning camera, a moving dark block, noise."""
+    tint = rng.uniform(0.5, 1.0, 3)
+    big = _texture(rng, DROID_H + 120, DROID_W + 160)
+    colour = np.stack([big * (0.8 + 0.2 * c) for c in tint], -1) * 40 + 120
+    pan = np.clip(np.cumsum(rng.normal(0, 0.6, (frames, 2)), 0) + [60, 80], 0, [119, 159]).astype(int)
+    block = np.cumsum(rng.normal(0, 2, (frames, 2)), 0) + [DROID_H / 2, DROID_W / 2]
+    out = np.empty((frames, DROID_H, DROID_W, 3), np.uint8)
+    for t in range(frames):
+        y, x = pan[t]
+        frame = colour[y:y + DROID_H, x:x + DROID_W].copy()
+        by, bx = np.clip(block[t], 20, [DROID_H - 20, DROID_W - 20]).astype(int)
+        frame[by - 15:by + 15, bx - 15:bx + 15] = [40, 40, 160]
+        frame += rng.normal(0, 2.0, frame.shape)
+        out[t] = np.clip(frame, 0, 255).astype(np.uint8)
+    return out
+
+
+def droid_dataset(out: str | Path, codec: str = "h264", gop: int = 2, episodes: int = 4, length: int = 300,
+                  seed: int = 0) -> Path:
+    """A DROID-shaped LeRobot v3.0 dataset (written once: an existing one is reused) and its `oxe_droid` metadata
+    (`out`.metadata.json, beside it: metadata is never written into a dataset)."""
+    from ..data import synth
+    from ..data.dataset import embodiment_metadata
+    from ..data.embodiments import get_embodiment
+    from ..data.lerobot_writer import LeRobotV3Writer
+
+    out = Path(out)
+    if not (out / "meta" / "info.json").is_file():
+        rng = np.random.default_rng(seed)
+        writer = LeRobotV3Writer(out, DROID_FPS, "synthetic_droid", {k: (DROID_H, DROID_W) for k in synth.DROID_VIEWS},
+                                 synth._droid_features(), codec={"h264": "libx264", "av1": "libsvtav1"}[codec],
+                                 crf=30, gop=gop)
+        for ep in range(episodes):
+            traj = synth._episode_trajectory(rng, length, 64)
+            writer.add_episode(synth.TASKS[ep % len(synth.TASKS)], {k: _camera(rng, length) for k in synth.DROID_VIEWS},
+                               synth._droid_vectors(traj, 64))
+        writer.finish()
+    if not metadata_path(out).is_file():
+        embodiment_metadata(out, get_embodiment("oxe_droid"), metadata_path(out))
+    return out
+
+
+def metadata_path(dataset: Path) -> Path:
+    return dataset.with_name(dataset.name + ".metadata.json")
+
+
+def trainer_dataset(dataset: Path, micro_batch: int, workdir: Path):
+    """(dataset, sampler, collate) as `Trainer.build_data` and `Trainer.loader` make them, for the 5B on DROID."""
+    from ..data.collate import Collator
+    from ..data.dataset import MixtureDataset, StreamSampler, load_statistics
+    from ..data.embodiments import get_embodiment
+    from ..data.sampling import SampleStream, WindowSpec
+    from ..model.args import preset
+    from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer
+    from ..train.config import TrainConfig
+    from ..train.windows import training_windows
+
+    cfg = TrainConfig(preset="dreamzero_5b", datasets=[str(dataset)], embodiment="oxe_droid",
+                      metadata=str(metadata_path(dataset)), micro_batch=micro_batch, global_batch=micro_batch)
+    a = preset(cfg.preset)
+    emb = get_embodiment(cfg.embodiment)
+    spec = WindowSpec(a.max_chunk_size, emb.action_horizon, 4 * a.num_frame_per_block, emb.sampling)
+    windows = training_windows(str(dataset), emb, spec, load_statistics(cfg.metadata, emb.tag), cfg)
+    stream = SampleStream([len(windows)], seed=cfg.seed)
+    tok = workdir / "tokenizer"
+    if not (tok / "tokenizer.json").is_file():
+        build_tiny_tokenizer(tok)
+    collate = Collator(load_tokenizer(tok), a.text_len, a.max_state_dim, a.action_dim)
+    return MixtureDataset([windows], same_frame_size=True), StreamSampler(stream), collate
+
+
+def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, workdir: Path) -> dict:
+    """samples/s of the trainer's DataLoader with `workers` workers (the first 2 batches, the workers' start, not
+    timed), and the main process's CPU time per sample."""
+    from ..data.video import worker_init_fn
+
+    ds, sampler, collate = trainer_dataset(dataset, micro_batch, workdir)
+    threads = torch.get_num_threads()
+    if workers == 0:
+        torch.set_num_threads(1)  # as one worker runs
+    try:
+        loader = torch.utils.data.DataLoader(ds, batch_size=micro_batch, sampler=sampler, collate_fn=collate,
+                                             num_workers=workers, worker_init_fn=worker_init_fn if workers else None,
+                                             persistent_workers=bool(workers))
+        it = iter(loader)
+        for _ in range(2):
+            next(it)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(batches):
+            batch = next(it)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    finally:
+        torch.set_num_threads(threads)
+    n = batches * micro_batch
+    return {"workers": workers, "samples": n, "samples_per_s": round(n / wall, 2),
+            "main_cpu_ms_per_sample": round(1e3 * cpu / n, 1), "images": list(batch["images"].shape)}
+
+
+def run_loader_bench(workdir: str | Path, codec: str = "h264", gop: int = 2, workers: tuple[int, ...] = (0, 2),
+                     batches: int = 30, micro_batch: int = 2, episodes: int = 4, progress=None) -> list[dict]:
+    workdir = Path(workdir)
+    dataset = droid_dataset(workdir / f"droid_{codec}_g{gop}", codec, gop, episodes)
+    rows = []
+    for w in workers:
+        row = {"codec": codec, "gop": gop, "micro_batch": micro_batch, "cpu_count": os.cpu_count(),
+               "date": time.strftime("%Y-%m-%d"), **loader_rate(dataset, w, batches, micro_batch, workdir)}
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    return rows
