@@ -83,9 +83,12 @@ def ladder() -> list[PolicySetting]:
     return rows
 
 
-def _build(preset_name: str, device: str, weights: str, seed: int):
+def random_policy(preset_name: str, device: str, weights: str, seed: int, overrides: dict | None = None,
+                  action_dim: int | None = None, state_dim: int = 8, image_size: tuple[int, int] | None = None):
+    """The preset's model and frozen encoders with random weights (`weights` "bf16": built in bf16, else fp32), a
+    tiny tokenizer, and unit statistics of `action_dim` (default the model's) and `state_dim` widths."""
     torch.manual_seed(seed)
-    args = preset(preset_name)
+    args = preset(preset_name, **(overrides or {}))
     # bf16 from the start when no fp32 row needs the fp32 weights (14B + umT5-XXL in fp32 exceed one H100)
     dtype = torch.bfloat16 if weights == "bf16" else torch.float32
     default = torch.get_default_dtype()
@@ -98,9 +101,13 @@ def _build(preset_name: str, device: str, weights: str, seed: int):
         torch.set_default_dtype(default)
     with tempfile.TemporaryDirectory() as tok_dir:  # ids only feed the embedding; latency does not depend on them
         tokenizer = load_tokenizer(build_tiny_tokenizer(tok_dir))
-    stats = NormStats(q01=-np.ones(args.action_dim), q99=np.ones(args.action_dim))
-    state_stats = NormStats(q01=-np.ones(8), q99=np.ones(8))
-    return build_policy(model, encoders, tokenizer, stats, state_stats, seed=seed)
+    unit = lambda n: NormStats(q01=-np.ones(n), q99=np.ones(n))  # noqa: E731
+    return build_policy(model, encoders, tokenizer, unit(action_dim or args.action_dim), unit(state_dim), seed=seed,
+                        image_size=image_size)
+
+
+def _build(preset_name: str, device: str, weights: str, seed: int):
+    return random_policy(preset_name, device, weights, seed)
 
 
 def _configure(policy, setting: PolicySetting, device: str) -> None:

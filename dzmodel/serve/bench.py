@@ -13,7 +13,6 @@ depend on the weights' values, and a 5B bundle with its encoders is tens of GB),
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,14 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..bench.policy_bench import PolicySetting, _configure, random_policy
 from ..data.embodiments import get_embodiment, load_embodiments
 from ..eval.policy import EmbodiedPolicy
-from ..model.args import preset
-from ..model.components import build_encoders, build_policy
-from ..model.inference import NormStats
-from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer
-from ..model.wam import DreamZeroWAM
-from ..bench.policy_bench import PolicySetting, _configure
 
 TOKEN = "bench-serve-token"
 
@@ -39,23 +33,11 @@ def served_policy(preset_name: str, embodiment: str, device: str, setting: Polic
     action horizon and state and action widths (`embodiment_files`: YAML files that declare more), the solver and
     speed settings of `setting`."""
     emb = get_embodiment(embodiment, load_embodiments(embodiment_files or []))
-    torch.manual_seed(seed)
-    args = preset(preset_name, num_action_per_block=emb.action_horizon)
-    dtype = torch.bfloat16 if setting.weights in ("bf16", "fp8") else torch.float32
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = DreamZeroWAM(args)
-            encoders = build_encoders(preset_name, device=device)
-    finally:
-        torch.set_default_dtype(default)
-    with tempfile.TemporaryDirectory() as tok_dir:  # ids only feed the embedding; latency does not depend on them
-        tokenizer = load_tokenizer(build_tiny_tokenizer(tok_dir))
     state_dims = {k.name: k.dim for k in emb.state}
-    wide = lambda n: NormStats(q01=-np.ones(n), q99=np.ones(n))  # noqa: E731
-    policy = build_policy(model, encoders, tokenizer, wide(sum(k.dim for k in emb.action)),
-                          wide(sum(state_dims.values())), seed=seed, image_size=emb.image_size)
+    policy = random_policy(preset_name, device, "bf16" if setting.weights in ("bf16", "fp8") else "fp32", seed,
+                           overrides={"num_action_per_block": emb.action_horizon},
+                           action_dim=sum(k.dim for k in emb.action), state_dim=sum(state_dims.values()),
+                           image_size=emb.image_size)
     _configure(policy, setting, device)
     return EmbodiedPolicy(policy=policy, embodiment=emb, relative_pairs=[], step=None,
                           model_dir=Path(f"<{preset_name}, random weights>"), state_dims=state_dims)
