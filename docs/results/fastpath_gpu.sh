@@ -77,7 +77,7 @@ def _register(self, *args):  # the register in the compute dtype: the residual s
     out = _embed(self, *args)
     return out.to(torch.get_autocast_dtype('cuda')) if torch.is_autocast_enabled('cuda') else out
 m.DreamZeroWAM.embed_register = _register" ;;
-    wholestep) echo "import torch, dzmodel.train.step as s, dzmodel.train.trainer as t, dzmodel.train.parallelize as p
+    wholestep) echo "import torch, dzmodel.train.step as s, dzmodel.train.parallelize as p
 # the model's whole forward and the loss as one compiled graph (CUDA graphs: one forward and one backward), the
 # blocks traced inline, instead of eight compiled blocks between eager embeddings, head and loss
 _eager, _compiled = [False], {}
@@ -86,7 +86,7 @@ class _marked:
     def __init__(self, model): self.inner = _blocks(model)
     def __enter__(self): _eager[0] = True; return self.inner.__enter__()
     def __exit__(self, *exc): _eager[0] = False; return self.inner.__exit__(*exc)
-t.eager_blocks = _marked
+p.eager_blocks = _marked  # TrainStep.eager looks it up at each call
 def _core(step, inputs, mask, latents, noise, rest):
     out = step.model(*(inputs[k] for k in s.FORWARD_POSITIONAL), y=inputs['y'], mask=mask,
                      residual_dtype=step.residual_dtype, noisy_first_frame=step.denoise_first_frame)

@@ -234,10 +234,15 @@ class TrainStep:
 
     @contextlib.contextmanager
     def eager(self):
-        """Within: `losses` runs the model eager, not the `compile`d step (the trainer's compile check)."""
+        """Within: the model runs eager, whichever way it was compiled: `losses` calls `model_losses`, not the
+        `compile`d step, and compiled blocks run their own forwards (`eager_blocks`). The trainer's compile check
+        and held-out scores use it."""
+        from .parallelize import eager_blocks
+
         saved, self._eager = self._eager, True
         try:
-            yield
+            with eager_blocks(self.model):
+                yield
         finally:
             self._eager = saved
 

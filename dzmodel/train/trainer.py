@@ -42,7 +42,7 @@ from .checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, sa
 from .config import TrainConfig
 from .encoders import frozen_encoders
 from .metrics import JsonlSink, MetricsSink, Progress, peak_flops, peak_memory_gib
-from .parallelize import DTYPES, apply_fsdp, apply_recompute_and_compile, build_adamw, eager_blocks
+from .parallelize import DTYPES, apply_fsdp, apply_recompute_and_compile, build_adamw
 from .step import TrainStep
 from .windows import size_to_embodiment, training_windows
 
@@ -236,13 +236,10 @@ class Trainer:
     def build_data(self) -> None:
         cfg, a = self.cfg, self.args
         self.device_data = None  # `data_on_device`: the recording on the device (below)
-        self.val = None
-        if cfg.val_cache:
-            from .cache import CachedWindows
+        from .cache import CachedWindows, collate_cached
 
-            self.val = CachedWindows(cfg.val_cache, expect_preset=cfg.preset)
+        self.val = CachedWindows(cfg.val_cache, expect_preset=cfg.preset) if cfg.val_cache else None
         if cfg.cache:
-            from .cache import CachedWindows, collate_cached
 
             self.cached = CachedWindows(cfg.cache, expect_preset=cfg.preset)
             if self.cached.index.get("heldout_episodes", 0) != cfg.heldout_episodes:
@@ -312,7 +309,7 @@ class Trainer:
         `COMPILE_RECHECK_AFTER`-th step (`step`), once the weights have moved. torch 2.11's Inductor
         miscompiled the small preset's blocks at micro-batch 128 on an H100 (docs/results.md, round 6): the loss
         looked plausible while the gradient norm was 600x eager's, and the run diverged."""
-        with eager_blocks(self.model), self.step.eager():
+        with self.step.eager():
             eager_losses, eager_norm = self._eager_probe(batch)
         losses, norm = self.step.probe(batch)
         names = ("loss", "dynamics loss", "action loss")
@@ -503,7 +500,7 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64, device=self.info.device)
         dropout, step.prompt_dropout = step.prompt_dropout, 0.0
         try:
-            with torch.no_grad(), eager_blocks(self.model), step.eager():
+            with torch.no_grad(), step.eager():
                 for start in range(0, len(val), size):
                     rows = range(start, min(start + size, len(val)))
                     batch = collate_cached([val[(0, i, VAL_POSITIONS + i)] for i in rows])
