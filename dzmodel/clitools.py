@@ -29,6 +29,20 @@ def int_list(text: str | None, flag: str) -> list[int] | None:
 
 
 
+def row_printer(out: str | None):
+    """A progress callback for benchmarks that report row by row: each row printed as one JSON line, and appended
+    to `out` when given."""
+    import json
+
+    def emit(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        if out:
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    return emit
+
+
 def latent_hw_arg(text: str) -> tuple[int, int]:
     try:
         hw = tuple(int(x) for x in text.split(","))

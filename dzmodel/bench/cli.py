@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..clitools import EXIT_OK, CLIError, latent_hw_arg
+from ..clitools import EXIT_OK, CLIError, latent_hw_arg, row_printer
 from ..model.cli import add_solver_arguments
 
 
@@ -97,8 +97,6 @@ def cmd_bench_profile(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench_policy(ns: argparse.Namespace) -> int:
-    import json
-
     import torch
 
     from dataclasses import replace
@@ -125,14 +123,8 @@ def cmd_bench_policy(ns: argparse.Namespace) -> int:
         settings = [replace(s, weights="bf16") for s in settings]
         settings += [replace(s, name=f"{s.name} fp8", weights="fp8") for s in settings]
 
-    def emit(row: dict) -> None:
-        print(json.dumps(row), flush=True)
-        if ns.out:
-            with open(ns.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
-
-    run_policy_bench(ns.preset, device, settings, batches, ns.calls, ns.warmup, ns.breakdown_calls, progress=emit,
-                     gc_freeze=ns.gc_freeze)
+    run_policy_bench(ns.preset, device, settings, batches, ns.calls, ns.warmup, ns.breakdown_calls,
+                     progress=row_printer(ns.out), gc_freeze=ns.gc_freeze)
     return EXIT_OK
 
 
@@ -148,14 +140,8 @@ def cmd_bench_data(ns: argparse.Namespace) -> int:
             workers = tuple(int(w) for w in ns.workers.split(","))
         except ValueError:
             raise CLIError(f"--workers takes comma-separated integers, got {ns.workers!r}") from None
-
-        def emit(row: dict) -> None:
-            print(json.dumps(row), flush=True)
-            if ns.out:
-                with open(ns.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-
-        run_loader_bench(ns.workdir, ns.codec, ns.gop, workers, ns.batches, ns.micro_batch, ns.episodes, progress=emit)
+        run_loader_bench(ns.workdir, ns.codec, ns.gop, workers, ns.batches, ns.micro_batch, ns.episodes,
+                         progress=row_printer(ns.out))
         return EXIT_OK
     result = run_data_bench(ns.workdir, workers=tuple(int(w) for w in ns.workers.split(",")),
                             decode_samples=ns.samples, loader_samples=ns.loader_samples)

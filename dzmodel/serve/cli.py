@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..clitools import EXIT_OK, CLIError
+from ..clitools import EXIT_OK, CLIError, row_printer
 from ..model.cli import add_solver_arguments, solver_from
 
 
@@ -115,8 +115,6 @@ def cmd_client(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(ns: argparse.Namespace) -> int:
-    import json
-
     import torch
 
     from ..bench.policy_bench import PolicySetting
@@ -131,14 +129,8 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
                             solver_steps=solver.num_steps, cfg_scale=solver.cfg_scale, dit_steps=solver.dit_steps,
                             cuda_graphs=not ns.no_cuda_graphs, compile=ns.compile)
 
-    def emit(row: dict) -> None:
-        print(json.dumps(row), flush=True)
-        if ns.out:
-            with open(ns.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
-
     run_serve_bench(ns.preset, ns.embodiment, device, setting, ns.clients, ns.max_batch, ns.batch_window_ms,
-                    ns.requests, ns.warmup, embodiment_files=ns.embodiments or [], progress=emit)
+                    ns.requests, ns.warmup, embodiment_files=ns.embodiments or [], progress=row_printer(ns.out))
     return EXIT_OK
 
 
