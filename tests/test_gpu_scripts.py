@@ -43,19 +43,22 @@ def test_the_runs_plot_reads_every_recorded_result(tmp_path):
 
 
 def test_the_final_csvs_are_the_evaluations_own_episodes(tmp_path):
-    """docs/results/final/seed<N>.csv are rebuilt from the evaluations' per-episode files (10 tasks x 50 init
-    states per seed, one checkpoint each) and hold the numbers docs/results.md reports."""
+    """docs/results/final/seed<N>.csv (the profile's recipe now) and docs/results/final_fp32_stream/ (the recipe
+    before it) are rebuilt from the evaluations' per-episode files (10 tasks x 50 init states per seed, one
+    checkpoint each) and hold the numbers docs/results.md reports."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("final_tables", RESULTS / "final_tables.py")
     final_tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(final_tables)
     counts = final_tables.main(tmp_path)
-    assert counts == {0: (439, 500), 1: (400, 500), 2: (443, 500)}
-    for seed in counts:
-        name = f"seed{seed}.csv"
-        assert (tmp_path / name).read_text() == (RESULTS / "final" / name).read_text(), name
-        assert (tmp_path / name).read_text().splitlines()[0] == "seed,task,init_state,checkpoint_step,success"
+    assert counts == {"final": {0: (467, 500), 1: (445, 500), 2: (495, 500)},
+                      "final_fp32_stream": {0: (439, 500), 1: (400, 500), 2: (443, 500)}}
+    for recipe, seeds in counts.items():
+        for seed in seeds:
+            name = f"{recipe}/seed{seed}.csv"
+            assert (tmp_path / name).read_text() == (RESULTS / name).read_text(), name
+            assert (tmp_path / name).read_text().splitlines()[0] == "seed,task,init_state,checkpoint_step,success"
 
 
 @pytest.mark.parametrize("script", sorted((RESULTS.parent / "bench").glob("*.sh")), ids=lambda p: p.name)

@@ -1,7 +1,9 @@
 """The final recipe's per-episode results: joins the evaluations of each training seed's last checkpoint into
 docs/results/final/seed<N>.csv (seed,task,init_state,checkpoint_step,success; one row per episode) and prints the
-per-seed and per-task successes with 95 % Wilson intervals. Refuses overlapping or missing (task, init state)
-pairs and a checkpoint that differs within a seed. Usage, from the repo root:
+per-seed and per-task successes with 95 % Wilson intervals. docs/results/final/ holds the recipe that libero_object
+runs now (the bf16 residual stream, rounds 18 and 20); docs/results/final_fp32_stream/ the recipe before it (round
+11, the goal's first three seeds). Refuses overlapping or missing (task, init state) pairs and a checkpoint that
+differs within a seed. Usage, from the repo root:
 
     python docs/results/final_tables.py
 """
@@ -14,10 +16,17 @@ from pathlib import Path
 from dzmodel.eval.libero_eval import wilson_interval
 
 RESULTS = Path(__file__).resolve().parent
-SOURCES = {  # seed: the `dz eval libero` per_episode.csv files that make up its 10 tasks x 50 init states
-    0: ["round10/a10ema8_per_episode.csv", "round11/seed0_init10-49_per_episode.csv"],
-    1: ["round10/a10s1ema8_per_episode.csv", "round11/seed1_init10-49_per_episode.csv"],
-    2: ["round11/seed2_init0-49_per_episode.csv"],
+RECIPES = {  # folder: {seed: the `dz eval libero` per_episode.csv files that make up its 10 tasks x 50 init states}
+    "final": {  # the profile's own stages, the bf16 residual stream
+        0: ["round18/per_episode.csv"],
+        1: ["round20/seed1_per_episode.csv"],
+        2: ["round20/seed2_per_episode.csv"],
+    },
+    "final_fp32_stream": {
+        0: ["round10/a10ema8_per_episode.csv", "round11/seed0_init10-49_per_episode.csv"],
+        1: ["round10/a10s1ema8_per_episode.csv", "round11/seed1_init10-49_per_episode.csv"],
+        2: ["round11/seed2_init0-49_per_episode.csv"],
+    },
 }
 TASKS, INIT_STATES = range(10), range(50)
 
@@ -47,13 +56,18 @@ def line(label: str, wins: int, n: int) -> str:
     return f"{label}: {wins}/{n} = {100 * wins / n:.1f} % (95 % interval {100 * low:.1f}-{100 * high:.1f} %)"
 
 
-def main(out: Path = RESULTS / "final") -> dict[int, tuple[int, int]]:
-    """Writes out/seed<N>.csv; returns {seed: (successes, episodes)}."""
+def main(out_root: Path = RESULTS) -> dict[str, dict[int, tuple[int, int]]]:
+    """Writes out_root/<recipe>/seed<N>.csv; returns {recipe: {seed: (successes, episodes)}}."""
+    return {name: write_recipe(name, sources, out_root / name) for name, sources in RECIPES.items()}
+
+
+def write_recipe(name: str, sources: dict[int, list[str]], out: Path) -> dict[int, tuple[int, int]]:
+    print(f"{name}:")
     out.mkdir(exist_ok=True)
     counts = {}
     total = [0, 0]
     per_task = defaultdict(list)
-    for seed, files in SOURCES.items():
+    for seed, files in sources.items():
         rows = read_seed(seed, files)
         with open(out / f"seed{seed}.csv", "w", newline="") as f:
             w = csv.writer(f)
@@ -67,7 +81,7 @@ def main(out: Path = RESULTS / "final") -> dict[int, tuple[int, int]]:
         counts[seed] = (wins, len(rows))
         print(line(f"seed {seed} (step {rows[0]['checkpoint_step']})", wins, len(rows)))
     print(line("all seeds", *total))
-    print("per task, successes of 50 for seeds " + ", ".join(map(str, SOURCES)) + ":")
+    print("per task, successes of 50 for seeds " + ", ".join(map(str, sources)) + ":")
     for t, wins in per_task.items():
         print(f"  task {t}: " + " ".join(f"{w:2d}" for w in wins) + f"   ({100 * sum(wins) / (50 * len(wins)):.0f} %)")
     return counts
