@@ -16,6 +16,10 @@
 #   PART=tail    the 5B at the deployed setting, bf16, TAIL_CALLS (default 100) timed calls, without and then with
 #                the heap frozen after the warm-up (`--gc-freeze`, as dz serve does): every call's time in order and
 #                what the timed calls paid for (garbage collections, new device memory, CUDA-graph captures)
+#   PART=loader  `dz bench data --trainer-loader` on this machine's cores at the 5B DROID shape, the videos decoded by
+#                the loader workers (cpu) and then by the GPU (nvdec), LOADER_WORKERS (default 0,2,4) workers each.
+#                Carry build/bench_data (the DROID-shaped recording, written here by one CPU run of the same
+#                command: the GPU image cannot encode H.264) and .nvdec_wheels (the pynvvideocodec wheel, cp312)
 set -euo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 PART=${PART:-train}
@@ -75,5 +79,12 @@ case "$PART" in
 for line in sys.stdin:
     r = json.loads(line); print(r["name"], r.get("p50_ms"), r.get("p95_ms"), r.get("max_ms"), r.get("gc_pauses"), r.get("new_memory_segments"), r.get("graph_captures_timed"), r.get("error", ""))'
     done ;;
-  *) echo "PART must be train, parity, policy, 14b or tail" >&2; exit 2 ;;
+  loader)
+    python -m pip install -q --no-index --no-deps --no-compile --target /tmp/nvdec .nvdec_wheels/*.whl
+    for decode in cpu nvdec; do
+      PYTHONPATH=$PYTHONPATH:/tmp/nvdec dz bench data --trainer-loader --workdir build/bench_data --video-decode "$decode" \
+        --workers "${LOADER_WORKERS:-0,2,4}" --batches 30 --out "$OUT/loader_droid_$GPU.jsonl" || true
+    done
+    echo "cores: $(nproc)" ;;
+  *) echo "PART must be train, parity, policy, 14b, tail or loader" >&2; exit 2 ;;
 esac

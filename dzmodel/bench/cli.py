@@ -141,7 +141,7 @@ def cmd_bench_data(ns: argparse.Namespace) -> int:
         except ValueError:
             raise CLIError(f"--workers takes comma-separated integers, got {ns.workers!r}") from None
         run_loader_bench(ns.workdir, ns.codec, ns.gop, workers, ns.batches, ns.micro_batch, ns.episodes,
-                         progress=row_printer(ns.out))
+                         progress=row_printer(ns.out), video_decode=ns.video_decode)
         return EXIT_OK
     result = run_data_bench(ns.workdir, workers=tuple(int(w) for w in ns.workers.split(",")),
                             decode_samples=ns.samples, loader_samples=ns.loader_samples)
@@ -253,6 +253,9 @@ def add_commands(sub):
     p.add_argument("--batches", type=int, default=30, help="with --trainer-loader: timed micro-batches")
     p.add_argument("--micro-batch", type=int, default=2, help="with --trainer-loader")
     p.add_argument("--episodes", type=int, default=4, help="with --trainer-loader: episodes of 300 frames written")
+    p.add_argument("--video-decode", choices=["cpu", "nvdec"], default="cpu",
+                   help="with --trainer-loader: where the videos are decoded (train.video_decode); nvdec: on the GPU, "
+                        "the workers read only the vectors")
     p.add_argument("--out", help="write the numbers as JSON")
     p.set_defaults(func=cmd_bench_data)
     p = bench.add_parser("packing", help="a mixture of embodiments packed into buffers vs padded to the largest")

@@ -6,7 +6,8 @@ once to the work directory. The dataset is then built as `Trainer.build_data` bu
 `MixtureDataset`, `SampleStream`, the `Collator`) for the `dreamzero_5b` preset and the `oxe_droid` embodiment,
 augmentation on, and read through the trainer's DataLoader settings with each number of workers (one core each).
 The 5B's umT5 tokenizer is not needed to measure this: the collator uses the project's tiny one at the 5B's text
-length (ids only). Synthetic video is likely cheaper to decode than real footage: a lower bound on the cost.
+length (ids only). With `video_decode="nvdec"` the workers only name each window's frames and the main process
+decodes them on the GPU (`train.video_decode: nvdec`, dzmodel/data/nvdec.py). Synthetic video is likely cheaper to decode than real footage: a lower bound on the cost.
 """
 
 from __future__ import annotations
@@ -101,12 +102,22 @@ def trainer_dataset(dataset: Path, micro_batch: int, workdir: Path):
     return MixtureDataset([windows], same_frame_size=True), StreamSampler(stream), collate
 
 
-def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, workdir: Path) -> dict:
+def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, workdir: Path,
+                video_decode: str = "cpu", device: str = "cuda") -> dict:
     """samples/s of the trainer's DataLoader with `workers` workers (the first 2 batches, the workers' start, not
-    timed), and the main process's CPU time per sample."""
+    timed), and the main process's CPU time per sample. video_decode "nvdec": the workers name the frames and the
+    main process decodes and augments them on `device` (`train.video_decode: nvdec`; waited for before the clock
+    stops)."""
     from ..data.video import worker_init_fn
 
     ds, sampler, collate = trainer_dataset(dataset, micro_batch, workdir)
+    fill = None
+    if video_decode == "nvdec":
+        from ..data.nvdec import NvdecDecoder, VideoImages
+
+        for d in ds.datasets:
+            d.decode_on_host = False
+        fill = VideoImages(ds.datasets, NvdecDecoder(device), train=True, seed=0).fill
     threads = torch.get_num_threads()
     if workers == 0:
         torch.set_num_threads(1)  # as one worker runs
@@ -114,28 +125,32 @@ def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, wor
         loader = torch.utils.data.DataLoader(ds, batch_size=micro_batch, sampler=sampler, collate_fn=collate,
                                              num_workers=workers, worker_init_fn=worker_init_fn if workers else None,
                                              persistent_workers=bool(workers))
-        it = iter(loader)
+        it = iter(loader) if fill is None else map(fill, loader)
         for _ in range(2):
             next(it)
         cpu0, t0 = time.process_time(), time.perf_counter()
         for _ in range(batches):
             batch = next(it)
+        if batch["images"].is_cuda:
+            torch.cuda.synchronize(batch["images"].device)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         torch.set_num_threads(threads)
     n = batches * micro_batch
-    return {"workers": workers, "samples": n, "samples_per_s": round(n / wall, 2),
+    return {"workers": workers, "video_decode": video_decode, "samples": n, "samples_per_s": round(n / wall, 2),
             "main_cpu_ms_per_sample": round(1e3 * cpu / n, 1), "images": list(batch["images"].shape)}
 
 
 def run_loader_bench(workdir: str | Path, codec: str = "h264", gop: int = 2, workers: tuple[int, ...] = (0, 2),
-                     batches: int = 30, micro_batch: int = 2, episodes: int = 4, progress=None) -> list[dict]:
+                     batches: int = 30, micro_batch: int = 2, episodes: int = 4, progress=None,
+                     video_decode: str = "cpu", device: str = "cuda") -> list[dict]:
     workdir = Path(workdir)
     dataset = droid_dataset(workdir / f"droid_{codec}_g{gop}", codec, gop, episodes)
     rows = []
     for w in workers:
         row = {"codec": codec, "gop": gop, "micro_batch": micro_batch, "cpu_count": os.cpu_count(),
-               "date": time.strftime("%Y-%m-%d"), **loader_rate(dataset, w, batches, micro_batch, workdir)}
+               "date": time.strftime("%Y-%m-%d"),
+               **loader_rate(dataset, w, batches, micro_batch, workdir, video_decode, device)}
         rows.append(row)
         if progress is not None:
             progress(row)

@@ -8,6 +8,8 @@
     embodiment_id        int64 [B]
     has_real_action      bool [B]
     position             int64 [B]  the sample's global stream position (when the sampler provides it)
+Samples that name their frames instead (`frame_refs`, `WindowDataset.decode_on_host = False`) give `frame_refs` and
+`dataset` (lists, one entry per sample) in place of `images`, for `nvdec.VideoImages` to decode on the device.
 Dropped: lapa_action(_mask), has_lapa_action, is_cotrain_instance, segmentation_target(_mask) (never read),
 text_negative (only inference's CFG uses a negative prompt).
 """
@@ -32,7 +34,8 @@ class Collator:
     def __call__(self, samples: Sequence[dict]) -> dict[str, torch.Tensor]:
         if not samples:
             raise DataError("cannot collate an empty batch")
-        shapes = {tuple(s["images"].shape) for s in samples}
+        refs = "frame_refs" in samples[0]  # frames named, to be decoded on the device (`nvdec.VideoImages`)
+        shapes = {tuple(s["images"].shape) for s in samples} if not refs else set()
         if len(shapes) > 1:
             raise DataError(f"samples of one batch must share a frame shape, got {sorted(shapes)}")
         B = len(samples)
@@ -55,8 +58,10 @@ class Collator:
             state_mask[i, :, :S] = True
             action_mask[i, :, :A] = True
         text, text_mask = self.tokenizer([s["prompt"] for s in samples], max_length=self.text_len)
+        images = ({"frame_refs": [s["frame_refs"] for s in samples], "dataset": [int(s["dataset"]) for s in samples]}
+                  if refs else {"images": torch.stack([s["images"] for s in samples])})
         return {
-            "images": torch.stack([s["images"] for s in samples]),
+            **images,
             "state": state, "state_mask": state_mask,
             "action": action, "action_mask": action_mask,
             "text": text.long(), "text_attention_mask": text_mask.long(),

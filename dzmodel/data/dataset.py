@@ -122,6 +122,9 @@ class WindowDataset:
         self.reader, self.emb, self.spec = reader, embodiment, spec
         self.episodes = None if episodes is None else set(int(e) for e in episodes)
         self.train, self.seed, self.video_backend = train, seed, video_backend
+        # False: `sample` names each view's frames (`frame_refs`) instead of decoding them, for a decoder on the
+        # training device (`nvdec.VideoImages`)
+        self.decode_on_host = True
         self.keys = self._check_keys()
         self.pairs = relative_action_dims(embodiment, self.keys.state_widths, self.keys.action_widths)
         self.missing = self._missing_files()
@@ -202,6 +205,18 @@ class WindowDataset:
         if self.state_stats is not None:
             state = self.state_stats.normalize(state)
             action = self.action_stats.normalize(action)
+        task = self.reader.task_per_frame(w.episode)[int(w.start)]
+        out = {
+            "state": torch.from_numpy(state.astype(np.float32)),
+            "action": torch.from_numpy(action.astype(np.float32)),
+            "prompt": self.emb.prompt(task),
+            "embodiment_id": self.emb.tag_id,
+            "has_real_action": True,
+        }
+        if not self.decode_on_host:
+            out["frame_refs"] = {short: self.reader.video_frames(w.episode, key, w.frames.tolist())
+                                 for short, key in self.emb.views.items()}
+            return out
         rng = np.random.default_rng([self.seed, position])
         views = {}
         for short, key in self.emb.views.items():
@@ -211,15 +226,7 @@ class WindowDataset:
                 frames = self.reader.read_frames(w.episode, key, w.frames.tolist(), backend=self.video_backend)
             views[short] = transform_view(frames, self.emb.view_size, self.train, rng, self.emb.crop_scale,
                                           self.emb.color_jitter)
-        task = self.reader.task_per_frame(w.episode)[int(w.start)]
-        return {
-            "images": compose_layout(self.emb, views),
-            "state": torch.from_numpy(state.astype(np.float32)),
-            "action": torch.from_numpy(action.astype(np.float32)),
-            "prompt": self.emb.prompt(task),
-            "embodiment_id": self.emb.tag_id,
-            "has_real_action": True,
-        }
+        return {"images": compose_layout(self.emb, views), **out}
 
 
 class MixtureDataset(torch.utils.data.Dataset):
@@ -243,6 +250,8 @@ class MixtureDataset(torch.utils.data.Dataset):
         ds, anchor, position = item
         sample = self.datasets[ds].sample(anchor, position)
         sample["position"] = position  # seeds this sample's diffusion noise (batch-size independent)
+        if "frame_refs" in sample:
+            sample["dataset"] = ds  # the decoder on the device augments each dataset's views
         return sample
 
 

@@ -658,6 +658,19 @@ class LeRobotReader:
     ) -> np.ndarray:
         """Frames ``frame_indices`` (episode-relative, any order, duplicates allowed) of camera
         ``key``: uint8 [N, H, W, 3]."""
+        ep, f, idx = self._frame_request(episode, key, frame_indices)
+        if f.dtype == "video":
+            from dzmodel.data.video import DEFAULT_TOLERANCE_S, decode_frames
+
+            path = self.local(self.video_file(episode, key))
+            ts = self.from_timestamp(ep.index, key) + idx / self.fps
+            tol = DEFAULT_TOLERANCE_S if tolerance_s is None else tolerance_s
+            return decode_frames(path, ts.tolist(), backend=backend, tolerance_s=tol)
+        return self._read_images(ep.index, key, idx)
+
+    def _frame_request(self, episode: int, key: str, frame_indices: Sequence[int]):
+        """(episode, feature, indices as int64) after checking that `key` is a camera and the indices lie in the
+        episode."""
         ep = self.episode(episode)
         f = self.features.get(key)
         if f is None or f.dtype not in ("video", "image"):
@@ -668,14 +681,19 @@ class LeRobotReader:
                 f"{self.root}: episode {ep.index} camera {key!r}: frame index out of range [0, {ep.length}): "
                 f"{idx[(idx < 0) | (idx >= ep.length)][:5].tolist()}"
             )
-        if f.dtype == "video":
-            from dzmodel.data.video import DEFAULT_TOLERANCE_S, decode_frames
+        return ep, f, idx
 
-            path = self.local(self.video_file(episode, key))
-            ts = self.from_timestamp(ep.index, key) + idx / self.fps
-            tol = DEFAULT_TOLERANCE_S if tolerance_s is None else tolerance_s
-            return decode_frames(path, ts.tolist(), backend=backend, tolerance_s=tol)
-        return self._read_images(ep.index, key, idx)
+    def video_frames(self, episode: int, key: str, frame_indices: Sequence[int]) -> tuple[str, list[int]]:
+        """Where frames ``frame_indices`` (episode-relative) of camera ``key`` are, without decoding them: the local
+        video file and the frames' indices in that file (a v3.0 file holds several episodes, from its
+        from_timestamp on; the file runs at the dataset's fps). For a decoder elsewhere (`nvdec.NvdecDecoder`)."""
+        ep, f, idx = self._frame_request(episode, key, frame_indices)
+        if f.dtype != "video":
+            raise DataError(f"{self.root}: camera {key!r} is stored as images, not video: train.video_decode: nvdec "
+                            "decodes videos only (set train.video_decode: cpu)")
+        path = self.local(self.video_file(episode, key))
+        first = int(round(self.from_timestamp(ep.index, key) * self.fps))
+        return str(path), (first + idx).tolist()
 
     def _image_cells(self, path: Path, key: str, rows: np.ndarray) -> list:
         """Cells ``rows`` of image column ``key``, reading only the row groups that hold them (image

@@ -46,6 +46,10 @@ class TrainConfig:
     data_on_device: bool = False            # decode the whole recording once onto the training device; batches are
                                             # gathered and augmented there, no loader workers (docs/training.md)
     augment: bool = True                    # random crop + colour jitter per sample (False: the eval transforms)
+    # where the CPU loader's videos are decoded: cpu (its workers) or nvdec (the training GPU's video engine, through
+    # PyNvVideoCodec; the workers read only the vectors, and the frames are cropped, resized and jittered on the GPU:
+    # dzmodel/data/nvdec.py)
+    video_decode: str = "cpu"
     # data_on_device only. 0: the frozen encoders run on every micro-batch. K >= 1: before training, every window is
     # augmented K times and encoded once per copy, on the device; pass e over the data trains on copy e mod K. The
     # encoders then cost K passes instead of one per epoch (docs/training.md)
@@ -130,7 +134,8 @@ class TrainConfig:
 
         choices = {"precision": ("fp32", "bf16", "fp8"), "reduce_dtype": ("fp32", "bf16"), "sharding": ("full", "hybrid", "none"),
                    "schedule": ("cosine", "constant"), "noise_on": ("device", "cpu"),
-                   "attn_backend": ("auto", "flex", "segments", "sdpa"), "compile_scope": COMPILE_SCOPES}
+                   "attn_backend": ("auto", "flex", "segments", "sdpa"), "compile_scope": COMPILE_SCOPES,
+                   "video_decode": ("cpu", "nvdec")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"train.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -173,6 +178,10 @@ class TrainConfig:
                              "which compiled blocks would recompile for): set train.compile: false")
         if self.pack_capacity and not self.packing:
             raise ValueError("train.pack_capacity sizes packed buffers: set train.packing: true")
+        if self.video_decode == "nvdec" and (self.data_on_device or self.cache or self.packing):
+            what = "data_on_device" if self.data_on_device else "cache" if self.cache else "packing"
+            raise ValueError(f"train.video_decode: nvdec decodes the CPU loader's videos on the GPU; train.{what} "
+                             "does not use that loader (or, for packing, its collated batches): set video_decode: cpu")
         if self.encoded_variants and not self.data_on_device:
             raise ValueError("train.encoded_variants needs train.data_on_device: true (the copies are encoded from the "
                              "frames on the device)")

@@ -236,6 +236,7 @@ class Trainer:
     def build_data(self) -> None:
         cfg, a = self.cfg, self.args
         self.device_data = None  # `data_on_device`: the recording on the device (below)
+        self.video_images = None  # `video_decode: nvdec`: the loader's frames decoded on this device (`loader`)
         from .cache import CachedWindows, collate_cached
 
         self.val = CachedWindows(cfg.val_cache, expect_preset=cfg.preset) if cfg.val_cache else None
@@ -290,6 +291,15 @@ class Trainer:
                 print(f"data_on_device: {self.device_data.decodes} episode videos decoded to "
                       f"{self.device_data.nbytes / 2**30:.2f} GiB on {self.info.device} in "
                       f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        if cfg.video_decode == "nvdec":
+            if self.info.device.type != "cuda":
+                raise ValueError(f"train.video_decode: nvdec decodes on an NVIDIA GPU; this run trains on "
+                                 f"{self.info.device}: set train.video_decode: cpu")
+            from ..data.nvdec import NvdecDecoder, VideoImages
+
+            for d in self.datasets:
+                d.decode_on_host = False
+            self.video_images = VideoImages(self.datasets, NvdecDecoder(self.info.device), cfg.augment, cfg.seed)
         vae_factor = 16 if isinstance(self.encoders.vae, WanVideoVAE38) else 8
         # a mixture: each dataset's sequence, weighted as the stream samples the datasets
         weights = cfg.dataset_weights or [1.0] * len(embodiments)
@@ -385,11 +395,14 @@ class Trainer:
             return self.device_data.batches(self.stream, self.cfg.micro_batch)
         dataset = self.cached if self.cached is not None else MixtureDataset(self.datasets,
                                                                              same_frame_size=not self.cfg.packing)
-        return torch.utils.data.DataLoader(
+        loader = torch.utils.data.DataLoader(
             dataset, batch_size=self.cfg.micro_batch, sampler=StreamSampler(self.stream),
             collate_fn=self.collate, num_workers=self.cfg.num_workers, pin_memory=self.info.device.type == "cuda",
             worker_init_fn=worker_init_fn if self.cfg.num_workers else None,
             persistent_workers=bool(self.cfg.num_workers))
+        if self.video_images is not None:
+            return map(self.video_images.fill, loader)
+        return loader
 
     # -- the loop ----------------------------------------------------------------------------
 

@@ -130,3 +130,33 @@ def test_denoise_first_frame_reaches_the_step_and_the_flops(data, tmp_path, on):
     assert trainer.flops_per_sample == a.flops(tuple(latents.shape[-2:]), latents.shape[2],
                                                noisy_first_frame=on).train()
     assert a.flops(tuple(latents.shape[-2:]), noisy_first_frame=False).forward < a.flops(tuple(latents.shape[-2:])).forward
+
+
+def test_video_decode_nvdec_is_refused_off_an_nvidia_gpu(data, tmp_path):
+    with pytest.raises(ValueError, match="nvdec decodes on an NVIDIA GPU; this run trains on cpu"):
+        train(_cfg(data, tmp_path / "run", data_on_device=False, video_decode="nvdec"))
+
+
+def test_the_loader_hands_the_step_batches_decoded_on_the_device(data, tmp_path, monkeypatch):
+    """`video_decode: nvdec` past its device check: the loader's batches name their frames, the trainer's loader
+    fills them in (a stand-in decoder library on the CPU, tests/data/test_nvdec.py), and the step trains on them."""
+    import sys
+
+    from dzmodel.data.nvdec import NvdecDecoder, VideoImages
+
+    from ..data.test_nvdec import _FakeSimpleDecoder
+
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", type(sys)("PyNvVideoCodec"))
+    sys.modules["PyNvVideoCodec"].SimpleDecoder = _FakeSimpleDecoder
+    sys.modules["PyNvVideoCodec"].OutputColorType = type("OutputColorType", (), {"RGB": "RGB"})
+    trainer = Trainer(_cfg(data, tmp_path / "run", data_on_device=False, micro_batch=2, global_batch=2))
+    trainer.build_model()
+    trainer.build_data()
+    reference = next(iter(trainer.loader(0)))
+    for d in trainer.datasets:
+        d.decode_on_host = False
+    trainer.video_images = VideoImages(trainer.datasets, NvdecDecoder("cpu"), train=True, seed=trainer.cfg.seed)
+    batch = next(iter(trainer.loader(0)))
+    assert set(batch) == set(reference) and batch["images"].shape == reference["images"].shape
+    assert torch.equal(batch["position"], reference["position"]) and torch.equal(batch["action"], reference["action"])
+    assert torch.isfinite(trainer.step.losses(batch).loss)

@@ -1,0 +1,132 @@
+"""Video decoded on the GPU (`train.video_decode: nvdec`): the loader's CPU workers read only the vectors and say
+which frames each window needs; the training process decodes those frames with the GPU's video engine (NVDEC,
+through NVIDIA's PyNvVideoCodec) straight into device memory, then crops, resizes and jitters them there.
+
+At the 5B DROID shape a sample is 3 cameras x 33 frames; on a CPU core decoding them is about two thirds of the
+loader's time (docs/performance.md), so the CPU cores a GPU can have do not keep up with it. Here:
+
+* `WindowDataset.decode_on_host = False` makes `sample` return `frame_refs` ({view: (video file, frame indices in
+  that file)}) instead of `images`; the collator passes them through as a list.
+* `NvdecDecoder` keeps an LRU of open decoders (one per file) and returns the frames as uint8 [N, H, W, 3] on the
+  device, in the order asked (duplicates allowed).
+* `VideoImages.fill(batch)` replaces a batch's `frame_refs` with `images`, augmented as the device-resident path
+  augments (`augment.draw` from the run's seed and each sample's stream position, `augment.augment_view`, then
+  `transforms.compose_layout`): with augmentation off the images equal the CPU loader's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .augment import ViewAugment, augment_view, draw
+from .errors import DataError
+from .transforms import compose_layout
+
+INSTALL_HINT = "pip install pynvvideocodec (NVIDIA's wheel; it needs an NVIDIA driver with NVDEC)"
+
+
+def import_nvc():
+    """PyNvVideoCodec, or one clear error that says how to get it or how to train without it."""
+    try:
+        import PyNvVideoCodec as nvc
+    except ImportError as e:
+        raise DataError(f"train.video_decode: nvdec needs PyNvVideoCodec, which is not installed ({e}): "
+                        f"{INSTALL_HINT}; or set train.video_decode: cpu (the loader workers decode)") from e
+    return nvc
+
+
+class NvdecDecoder:
+    """Frames of video files decoded on `device` by NVDEC. One decoder stays open per file (the `cache_size` most
+    recently used): a LeRobot v3 file holds many episodes, so windows of nearby episodes reuse one."""
+
+    def __init__(self, device: torch.device | str, cache_size: int = 32):
+        self.device = torch.device(device)
+        self.nvc = import_nvc()
+        self.cache_size = cache_size
+        self._decoders: OrderedDict[str, object] = OrderedDict()
+        self.opened = 0   # decoders created (a count for tests and the log)
+        self.frames = 0   # frames decoded
+
+    def _decoder(self, path: str):
+        dec = self._decoders.get(path)
+        if dec is None:
+            try:
+                dec = self.nvc.SimpleDecoder(path, gpu_id=self.device.index or 0, use_device_memory=True,
+                                             output_color_type=self.nvc.OutputColorType.RGB)
+            except Exception as e:  # the library's own errors: unsupported codec, missing file, no NVDEC
+                raise DataError(f"{path}: NVDEC cannot open this video ({type(e).__name__}: {e}); "
+                                "train.video_decode: cpu decodes it on the loader workers") from e
+            self._decoders[path] = dec
+            self.opened += 1
+            while len(self._decoders) > self.cache_size:
+                self._decoders.popitem(last=False)
+        else:
+            self._decoders.move_to_end(path)
+        return dec
+
+    def read(self, path: str, indices: Sequence[int]) -> torch.Tensor:
+        """Frames `indices` of the file (any order, duplicates allowed): uint8 [N, H, W, 3] on the device."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size == 0:
+            raise DataError(f"{path}: no frames asked")
+        dec = self._decoder(path)
+        n = len(dec)
+        if idx.min() < 0 or idx.max() >= n:
+            raise DataError(f"{path}: frame index out of range [0, {n}): {idx[(idx < 0) | (idx >= n)][:5].tolist()}")
+        uniq, inverse = np.unique(idx, return_inverse=True)
+        frames = dec.get_batch_frames_by_index(uniq.tolist())
+        if len(frames) != len(uniq):
+            raise DataError(f"{path}: NVDEC returned {len(frames)} frames for {len(uniq)} asked")
+        # each frame is the decoder's own buffer (reused by its next call): stack copies them out
+        out = torch.stack([torch.from_dlpack(f) for f in frames]).to(self.device)
+        if out.dim() != 4 or out.shape[-1] != 3 or out.dtype != torch.uint8:
+            raise DataError(f"{path}: NVDEC gave frames {tuple(out.shape)} {out.dtype}, expected uint8 [N, H, W, 3]")
+        self.frames += len(uniq)
+        if len(uniq) != len(idx) or not np.array_equal(uniq, idx):
+            out = out[torch.from_numpy(inverse).to(out.device)]
+        return out
+
+
+class VideoImages:
+    """Fills the `images` of micro-batches whose samples carry `frame_refs`, on the decoder's device."""
+
+    def __init__(self, datasets: Sequence, decoder: NvdecDecoder, train: bool, seed: int):
+        self.embodiments = [d.emb for d in datasets]
+        self.decoder, self.train, self.seed = decoder, train, seed
+
+    def fill(self, batch: dict) -> dict:
+        """`batch` from the collator with `frame_refs` (and `dataset`, each sample's dataset id) -> the same batch
+        with `images` uint8 [B, T, H, W, 3] on the device instead."""
+        refs, datasets = batch.pop("frame_refs"), batch.pop("dataset")
+        positions = np.asarray(batch["position"], dtype=np.int64)
+        ids = np.asarray(datasets, dtype=np.int64)
+        parts = [(int(d), np.flatnonzero(ids == d)) for d in np.unique(ids)]
+        outs = [self._images(self.embodiments[d], [refs[i] for i in rows], positions[rows]) for d, rows in parts]
+        if len(outs) == 1:
+            batch["images"] = outs[0]
+        else:  # a mixture: each dataset's rows back in the batch's order
+            order = torch.from_numpy(np.argsort(np.concatenate([rows for _, rows in parts]), kind="stable"))
+            batch["images"] = torch.cat(outs)[order.to(outs[0].device)]
+        return batch
+
+    def _images(self, emb, refs: list[dict], positions: np.ndarray) -> torch.Tensor:
+        B = len(refs)
+        frames = {short: torch.cat([self.decoder.read(*r[short]) for r in refs]) for short in emb.views}
+        T = frames[next(iter(emb.views))].shape[0] // B
+        views = [ViewAugment(source=tuple(frames[s].shape[1:3]), size=tuple(emb.view_size), crop_scale=emb.crop_scale,
+                             jitter=dict(emb.color_jitter)) for s in emb.views]
+        aug = draw(self.seed, positions, views, self.train)
+        dev = self.decoder.device
+        index = torch.arange(B * T, device=dev).reshape(B, T)
+        top, left = torch.from_numpy(aug.top).to(dev), torch.from_numpy(aug.left).to(dev)
+        matrix = None if aug.matrix is None else torch.from_numpy(aug.matrix).to(dev)
+        coef = None if aug.coef is None else torch.from_numpy(aug.coef).to(dev)
+        out = {}
+        for j, short in enumerate(emb.views):
+            out[short] = augment_view(frames[short], index, views[j], top[:, j], left[:, j],
+                                      None if matrix is None else matrix[:, j], None if coef is None else coef[:, j])
+        return compose_layout(emb, out)

@@ -1,0 +1,151 @@
+"""GPU video decoding for the CPU loader (dzmodel/data/nvdec.py): the workers name each window's frames, the
+training process decodes them. NVIDIA's PyNvVideoCodec needs an NVIDIA GPU; here a stand-in module with its API
+(`SimpleDecoder(path, gpu_id=..., use_device_memory=..., output_color_type=...)`, `len`,
+`get_batch_frames_by_index` over sorted unique indices, frames that export DLPack) decodes on the CPU with the
+project's own decoder, so the requests, the index arithmetic and the augmentation are checked against the CPU
+loader."""
+
+import sys
+import types
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from dzmodel.data.collate import Collator
+from dzmodel.data.dataset import MixtureDataset
+from dzmodel.data.errors import DataError
+from dzmodel.data.sampling import SampleStream
+
+from . import test_device_dataset
+from .test_device_dataset import MAX_ACTION, MAX_STATE, TEXT_LEN, _windows
+
+setup = test_device_dataset.setup  # the recording and robots of the device-resident path's tests (a fixture)
+
+
+class _FakeSimpleDecoder:
+    opened: list = []
+
+    def __init__(self, path, gpu_id=0, use_device_memory=True, output_color_type=None, **_):
+        import av
+
+        assert use_device_memory and output_color_type == "RGB"
+        self.path = path
+        with av.open(str(path)) as c:  # every frame, in order
+            self.frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
+        _FakeSimpleDecoder.opened.append(path)
+
+    def __len__(self):
+        return len(self.frames)
+
+    def get_batch_frames_by_index(self, indices):
+        assert list(indices) == sorted(set(indices)), "the library asks sorted unique indices"
+        return [torch.from_numpy(self.frames[i].copy()) for i in indices]  # tensors export DLPack
+
+
+@pytest.fixture
+def fake_nvc(monkeypatch):
+    module = types.SimpleNamespace(SimpleDecoder=_FakeSimpleDecoder, OutputColorType=types.SimpleNamespace(RGB="RGB"))
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module)
+    _FakeSimpleDecoder.opened = []
+    return module
+
+
+def _loaders(setup, tag, train):
+    from dzmodel.data.nvdec import NvdecDecoder, VideoImages
+
+    tok = setup[3]
+    host = _windows(setup, tag, train=train)
+    named = _windows(setup, tag, train=train)
+    named.decode_on_host = False
+    collate = Collator(tok, TEXT_LEN, MAX_STATE, MAX_ACTION)
+    video = VideoImages([named], NvdecDecoder("cpu"), train=train, seed=3)
+    return host, named, collate, video
+
+
+@pytest.mark.parametrize("tag", ["plain", "relative"])
+def test_without_augmentation_the_decoded_batch_is_the_cpu_loaders(setup, fake_nvc, tag):
+    host, named, collate, video = _loaders(setup, tag, train=False)
+    stream = SampleStream([len(host)], seed=3)
+    for start in (0, len(host) - 2):
+        items = [stream.peek(start + i) for i in range(4)]
+        cpu = collate([MixtureDataset([host])[item] for item in items])
+        refs = collate([MixtureDataset([named])[item] for item in items])
+        assert "images" not in refs and len(refs["frame_refs"]) == 4 and refs["dataset"] == [0] * 4
+        gpu = video.fill(refs)
+        assert set(gpu) == set(cpu)
+        for key in cpu:
+            assert gpu[key].dtype == cpu[key].dtype and torch.equal(gpu[key], cpu[key]), key
+
+
+def test_a_file_is_opened_once_and_frames_come_back_in_the_order_asked(setup, fake_nvc):
+    from dzmodel.data.nvdec import NvdecDecoder
+
+    ds = _windows(setup, "plain", train=False)
+    path, first = ds.reader.video_frames(1, "observation.images.image", [5, 2, 5, 0])
+    dec = NvdecDecoder("cpu")
+    frames = dec.read(path, first)
+    want = ds.reader.read_frames(1, "observation.images.image", [5, 2, 5, 0])
+    assert frames.shape == want.shape and torch.equal(frames, torch.from_numpy(want))
+    dec.read(path, first[:2])
+    assert dec.opened == 1 and _FakeSimpleDecoder.opened == [path]
+    with pytest.raises(DataError, match="out of range"):
+        dec.read(path, [10_000])
+
+
+def test_augmented_batches_follow_each_samples_position(setup, fake_nvc):
+    host, named, collate, video = _loaders(setup, "plain", train=True)
+    stream = SampleStream([len(host)], seed=3)
+    items = [stream.peek(i) for i in range(4)]
+
+    def images(batch_items):
+        return video.fill(collate([MixtureDataset([named])[item] for item in batch_items]))["images"]
+
+    first = images(items)
+    cpu = collate([MixtureDataset([host])[item] for item in items])["images"]
+    assert first.shape == cpu.shape and first.dtype == torch.uint8
+    assert torch.equal(images(items[2:]), first[2:])  # a sample's crop and jitter do not depend on its batch
+    plain = _loaders(setup, "plain", train=False)[3].fill(collate([MixtureDataset([named])[i] for i in items]))
+    assert not torch.equal(first, plain["images"])  # augmentation on changes the images
+
+
+def test_without_the_library_the_error_says_how_to_get_it(monkeypatch):
+    from dzmodel.data.nvdec import NvdecDecoder
+
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", None)  # import fails
+    with pytest.raises(DataError, match="pip install pynvvideocodec.*video_decode: cpu"):
+        NvdecDecoder("cpu")
+
+
+def test_image_views_are_refused_with_the_setting_to_change(setup):
+    ds = _windows(setup, "plain", train=False)
+    reader = ds.reader
+    key = "observation.images.image"
+    real = reader.features[key]
+    reader.features[key] = replace(real, dtype="image")
+    try:
+        with pytest.raises(DataError, match="stored as images.*video_decode: cpu"):
+            reader.video_frames(0, key, [0])
+    finally:
+        reader.features[key] = real
+
+
+def test_the_config_refuses_nvdec_where_the_loader_is_not_used():
+    from dzmodel.train.config import TrainConfig
+
+    for other in ({"data_on_device": True}, {"cache": "some/cache"}, {"packing": True}):
+        with pytest.raises(ValueError, match="video_decode: nvdec"):
+            TrainConfig(video_decode="nvdec", **other)
+    with pytest.raises(ValueError, match="video_decode must be one of"):
+        TrainConfig(video_decode="gpu")
+
+
+def test_the_loader_bench_measures_the_nvdec_path(tmp_path, fake_nvc):
+    """`dz bench data --trainer-loader --video-decode nvdec`: the DROID-shaped windows through the same path."""
+    from dzmodel.bench.loader_bench import run_loader_bench
+
+    row, = run_loader_bench(tmp_path, workers=(0,), batches=1, micro_batch=1, episodes=1, video_decode="nvdec",
+                            device="cpu")
+    assert row["video_decode"] == "nvdec" and row["images"] == [1, 33, 352, 640, 3] and row["samples_per_s"] > 0
+    assert len(_FakeSimpleDecoder.opened) == 3  # one file per camera
