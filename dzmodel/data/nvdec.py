@@ -130,3 +130,73 @@ class VideoImages:
             out[short] = augment_view(frames[short], index, views[j], top[:, j], left[:, j],
                                       None if matrix is None else matrix[:, j], None if coef is None else coef[:, j])
         return compose_layout(emb, out)
+
+
+class Prefetch:
+    """`fill` over `batches` in a background thread, `depth` batches ahead, so that decoding the next micro-batch
+    overlaps the current step instead of stalling the GPU between steps. On CUDA the thread works on its own stream;
+    each batch carries an event that the consumer's stream waits for (no host sync), and its tensors are marked as
+    used on the consumer's stream (the allocator keeps them until that stream is done with them). Batches come out
+    in order; an error in the thread is raised by the iterator; `close` stops the thread."""
+
+    def __init__(self, batches, fill, device: torch.device | str, depth: int = 2):
+        import queue
+        import threading
+
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, args=(iter(batches), fill), daemon=True,
+                                        name="nvdec-prefetch")
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self, batches, fill) -> None:
+        try:
+            for batch in batches:
+                if self.stream is None:
+                    item = (fill(batch), None)
+                else:
+                    with torch.cuda.stream(self.stream):
+                        out = fill(batch)
+                        event = torch.cuda.Event()
+                        event.record(self.stream)
+                    item = (out, event)
+                if not self._put(item):
+                    return
+            self._put(StopIteration())
+        except BaseException as e:  # handed to the consumer, raised there
+            self._put(e)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        item = self._queue.get()
+        if isinstance(item, StopIteration):
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        batch, event = item
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for value in batch.values():
+                if isinstance(value, torch.Tensor) and value.is_cuda:
+                    value.record_stream(current)
+        return batch
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

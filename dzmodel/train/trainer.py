@@ -400,8 +400,10 @@ class Trainer:
             collate_fn=self.collate, num_workers=self.cfg.num_workers, pin_memory=self.info.device.type == "cuda",
             worker_init_fn=worker_init_fn if self.cfg.num_workers else None,
             persistent_workers=bool(self.cfg.num_workers))
-        if self.video_images is not None:
-            return map(self.video_images.fill, loader)
+        if self.video_images is not None:  # decoded on the device, a batch or two ahead of the step
+            from ..data.nvdec import Prefetch
+
+            return Prefetch(loader, self.video_images.fill, self.info.device)
         return loader
 
     # -- the loop ----------------------------------------------------------------------------
@@ -440,7 +442,8 @@ class Trainer:
         if start >= cfg.steps:
             return []
         end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
-        it = iter(self.loader(consumed))
+        loader = self.loader(consumed)
+        it = iter(loader)
         if cfg.compile and start < end:
             first = next(it)
             self._check_compiled(first)  # before anything is written
@@ -501,6 +504,8 @@ class Trainer:
         progress.close()
         if sink is not None and self.sink is None:
             sink.close()
+        if hasattr(loader, "close"):  # `video_decode: nvdec`'s prefetching thread
+            loader.close()
         return history
 
     def validate(self) -> dict[str, float]:

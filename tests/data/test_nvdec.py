@@ -149,3 +149,31 @@ def test_the_loader_bench_measures_the_nvdec_path(tmp_path, fake_nvc):
                             device="cpu")
     assert row["video_decode"] == "nvdec" and row["images"] == [1, 33, 352, 640, 3] and row["samples_per_s"] > 0
     assert len(_FakeSimpleDecoder.opened) == 3  # one file per camera
+
+
+def test_prefetch_yields_the_filled_batches_in_order_and_raises_the_threads_error():
+    from dzmodel.data.nvdec import Prefetch
+
+    seen = []
+
+    def fill(batch):
+        seen.append(batch["i"])
+        if batch["i"] == 5:
+            raise DataError("episode 5: broken video")
+        return {"i": batch["i"], "images": torch.full((2,), batch["i"])}
+
+    batches = ({"i": i} for i in range(8))
+    prefetch = Prefetch(batches, fill, "cpu", depth=2)
+    got = [next(prefetch)["i"] for _ in range(5)]
+    assert got == [0, 1, 2, 3, 4]
+    with pytest.raises(DataError, match="episode 5"):
+        next(prefetch)
+    prefetch.close()
+    assert not prefetch._thread.is_alive()
+
+    finite = Prefetch(({"i": i} for i in range(3)), fill, "cpu")
+    assert [b["i"] for b in finite] == [0, 1, 2]  # and then StopIteration
+    stopped = Prefetch(({"i": i} for i in range(100)), fill, "cpu", depth=1)
+    next(stopped)
+    stopped.close()  # a thread blocked on a full queue stops too
+    assert not stopped._thread.is_alive()

@@ -156,7 +156,9 @@ def test_the_loader_hands_the_step_batches_decoded_on_the_device(data, tmp_path,
     for d in trainer.datasets:
         d.decode_on_host = False
     trainer.video_images = VideoImages(trainer.datasets, NvdecDecoder("cpu"), train=True, seed=trainer.cfg.seed)
-    batch = next(iter(trainer.loader(0)))
+    loader = trainer.loader(0)
+    batch = next(iter(loader))
+    loader.close()  # the prefetching thread
     assert set(batch) == set(reference) and batch["images"].shape == reference["images"].shape
     assert torch.equal(batch["position"], reference["position"]) and torch.equal(batch["action"], reference["action"])
     assert torch.isfinite(trainer.step.losses(batch).loss)
