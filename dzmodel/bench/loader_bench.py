@@ -7,7 +7,8 @@ once to the work directory. The dataset is then built as `Trainer.build_data` bu
 augmentation on, and read through the trainer's DataLoader settings with each number of workers (one core each).
 The 5B's umT5 tokenizer is not needed to measure this: the collator uses the project's tiny one at the 5B's text
 length (ids only). With `video_decode="nvdec"` the workers only name each window's frames and the main process
-decodes them on the GPU (`train.video_decode: nvdec`, dzmodel/data/nvdec.py). Synthetic video is likely cheaper to decode than real footage: a lower bound on the cost.
+decodes them on the GPU (`train.video_decode: nvdec`, dzmodel/data/nvdec.py). Synthetic video is likely cheaper
+to decode than real footage: a lower bound on the cost.
 """
 
 from __future__ import annotations
@@ -113,11 +114,9 @@ def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, wor
     ds, sampler, collate = trainer_dataset(dataset, micro_batch, workdir)
     fill = None
     if video_decode == "nvdec":
-        from ..data.nvdec import NvdecDecoder, VideoImages
+        from ..data.nvdec import VideoImages
 
-        for d in ds.datasets:
-            d.decode_on_host = False
-        fill = VideoImages(ds.datasets, NvdecDecoder(device), train=True, seed=0).fill
+        fill = VideoImages.attach(ds.datasets, device, train=True, seed=0).fill
     threads = torch.get_num_threads()
     if workers == 0:
         torch.set_num_threads(1)  # as one worker runs

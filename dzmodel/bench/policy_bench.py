@@ -106,10 +106,6 @@ def random_policy(preset_name: str, device: str, weights: str, seed: int, overri
                         image_size=image_size)
 
 
-def _build(preset_name: str, device: str, weights: str, seed: int):
-    return random_policy(preset_name, device, weights, seed)
-
-
 def _configure(policy, setting: PolicySetting, device: str) -> None:
     if setting.weights in ("bf16", "fp8") and policy.model.patch_embedding.weight.dtype != torch.bfloat16:
         for m in (policy.model, policy.vae, policy.text_encoder, policy.image_encoder):
@@ -245,8 +241,8 @@ def run_policy_bench(preset_name: str = "tiny", device: str = "cpu", settings: l
     fp8_rows = [i for i, s in enumerate(settings) if s.weights == "fp8"]
     if fp8_rows and any(s.weights != "fp8" for s in settings[fp8_rows[0]:]):
         raise ValueError("FP8 settings round the model's weights for good: put them after every other setting")
-    policy = _build(preset_name, device, "bf16" if all(s.weights in ("bf16", "fp8") for s in settings) else "fp32",
-                    seed)
+    build_dtype = "bf16" if all(s.weights in ("bf16", "fp8") for s in settings) else "fp32"
+    policy = random_policy(preset_name, device, build_dtype, seed)
     h, w = policy.image_size
     common = {"preset": preset_name, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
               "image_size": [h, w], "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}

@@ -189,6 +189,37 @@ def augment_view(frames: torch.Tensor, index: torch.Tensor, view: ViewAugment, t
     return x
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on the device without waiting: pinned and copied asynchronously on CUDA."""
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def params_to_device(aug: AugmentParams, device: torch.device, ints: np.ndarray | None = None):
+    """The draws on `device` in at most two asynchronous copies -> (ints, top, left, matrix, coef): `ints`, extra
+    int64 columns [B, k] of the caller (e.g. each window's first row) that travel with the crop offsets, or None;
+    top/left [B, V]; matrix [B, V, 3, 3] and coef [B, V, 3], or None without jitter."""
+    B, V = aug.top.shape
+    k = 0 if ints is None else ints.shape[1]
+    packed = to_device(np.concatenate(([] if ints is None else [ints]) + [aug.top, aug.left], axis=1), device)
+    matrix = coef = None
+    if aug.matrix is not None:
+        floats = to_device(np.concatenate([aug.matrix.reshape(B, -1), aug.coef.reshape(B, -1)], axis=1), device)
+        matrix, coef = floats[:, :9 * V].reshape(B, V, 3, 3), floats[:, 9 * V:].reshape(B, V, 3)
+    return (packed[:, :k] if k else None), packed[:, k:k + V], packed[:, k + V:], matrix, coef
+
+
+def augment_views(frames: dict[str, torch.Tensor], index: torch.Tensor, views: dict[str, ViewAugment],
+                  top: torch.Tensor, left: torch.Tensor, matrix: torch.Tensor | None,
+                  coef: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Every view of a micro-batch (`augment_view`), view j taking column j of the draws (`params_to_device`)."""
+    return {short: augment_view(frames[short], index, view, top[:, j], left[:, j],
+                                None if matrix is None else matrix[:, j], None if coef is None else coef[:, j])
+            for j, (short, view) in enumerate(views.items())}
+
+
 def stored_size(source: tuple[int, int], view: tuple[int, int], crop_scale: float) -> tuple[int, int]:
     """The size frames are kept at on the device: as recorded, unless larger than a crop of `crop_scale` needs to
     reach the view size (then downscaled once, at load, to ceil(view / crop_scale): the crop margin stays, the

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .augment import ViewAugment, augment_view, draw, stored_size
+from .augment import ViewAugment, augment_views, draw, params_to_device, stored_size, to_device
 from .dataset import WindowDataset
 from .errors import DataError
 from .sampling import SampleStream
@@ -176,7 +176,7 @@ class DeviceRecording:
             if self.encoded is None:
                 raise RuntimeError("gather(variants=...) before encode_variants")
             rows = np.asarray(variants, dtype=np.int64) * len(self) + anchors
-            ints = _to_device(np.stack([self.start_row[anchors], rows, self.prompt_id[anchors]], axis=1), dev)
+            ints = to_device(np.stack([self.start_row[anchors], rows, self.prompt_id[anchors]], axis=1), dev)
             start, rows, prompt = ints[:, 0], ints[:, 1], ints[:, 2]
             out = {key: self.encoded[key][rows] for key in ("clean_latents", "clip_feature", "y") if key in self.encoded}
             out["context"] = self.encoded["context"][prompt]
@@ -185,23 +185,12 @@ class DeviceRecording:
 
     def _images(self, anchors: np.ndarray, positions: np.ndarray, train: bool, seed: int):
         """Each window's first row on the device, and its augmented images and tokenised prompt."""
-        dev, B = self.device, len(anchors)
         aug = draw(seed, positions, self.view_list, train)
-        V = len(self.view_list)
-        ints = np.concatenate([self.start_row[anchors][:, None], self.prompt_id[anchors][:, None], aug.top, aug.left],
-                              axis=1)
-        ints = _to_device(ints, dev)
-        start, prompt, top, left = ints[:, 0], ints[:, 1], ints[:, 2:2 + V], ints[:, 2 + V:]
-        matrix = coef = None
-        if aug.matrix is not None:
-            floats = _to_device(np.concatenate([aug.matrix.reshape(B, -1), aug.coef.reshape(B, -1)], axis=1), dev)
-            matrix, coef = floats[:, :9 * V].reshape(B, V, 3, 3), floats[:, 9 * V:].reshape(B, V, 3)
-
+        ints, top, left, matrix, coef = params_to_device(
+            aug, self.device, np.stack([self.start_row[anchors], self.prompt_id[anchors]], axis=1))
+        start, prompt = ints[:, 0], ints[:, 1]
         index = start[:, None] + self.video_offsets                                  # [B, T] rows
-        views = {}
-        for j, short in enumerate(self.views):
-            views[short] = augment_view(self.frames[short], index, self.views[short], top[:, j], left[:, j],
-                                        None if matrix is None else matrix[:, j], None if coef is None else coef[:, j])
+        views = augment_views(self.frames, index, self.views, top, left, matrix, coef)
         out = {"images": compose_layout(self.emb, views)}
         if self.text is not None:
             out.update(text=self.text[prompt], text_attention_mask=self.text_mask[prompt])
@@ -276,12 +265,18 @@ class DeviceRecording:
                             "train.encoded_variants, or set it to 0 (encode every micro-batch)")
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A small host array on the device without waiting: pinned and copied asynchronously on CUDA."""
-    t = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+def dataset_parts(ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """A mixture micro-batch's samples by dataset: (dataset id, the rows of the batch it holds), in id order."""
+    return [(int(d), np.flatnonzero(ids == d)) for d in np.unique(ids)]
+
+
+def in_batch_order(outs: list[dict[str, torch.Tensor]], parts: list[tuple[int, np.ndarray]],
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """Each dataset's part of a micro-batch (`dataset_parts`) joined back into the batch's order."""
+    if len(outs) == 1:
+        return outs[0]
+    order = to_device(np.argsort(np.concatenate([rows for _, rows in parts]), kind="stable"), device)
+    return {k: torch.cat([o[k] for o in outs])[order] for k in outs[0]}
 
 
 class DeviceData:
@@ -332,17 +327,12 @@ class DeviceData:
         """Items (dataset id, anchor, global position), as a `SampleStream` gives them -> one micro-batch."""
         arr = np.asarray(items, dtype=np.int64).reshape(-1, 3)
         ds_ids, anchors, positions = arr[:, 0], arr[:, 1], arr[:, 2]
-        present = np.unique(ds_ids)
-        parts = [(d, np.flatnonzero(ds_ids == d)) for d in present]
+        parts = dataset_parts(ds_ids)
         variants = (positions // self.windows) % self.variants if self.variants else None
         outs = [self.recordings[d].gather(anchors[i], positions[i], self.train, self.seed, self.max_state_dim,
                                           self.max_action_dim, None if variants is None else variants[i])
                 for d, i in parts]
-        if len(outs) == 1:
-            out = outs[0]
-        else:  # a mixture batch: each dataset's rows back in stream order
-            order = _to_device(np.argsort(np.concatenate([i for _, i in parts]), kind="stable"), self.device)
-            out = {k: torch.cat([o[k] for o in outs])[order] for k in outs[0]}
+        out = in_batch_order(outs, parts, self.device)  # a mixture batch: each dataset's rows back in stream order
         out["position"] = torch.from_numpy(positions.copy())  # on the host: it seeds the step's noise draws
         return out
 

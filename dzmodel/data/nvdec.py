@@ -22,7 +22,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .augment import ViewAugment, augment_view, draw
+from .augment import ViewAugment, augment_views, draw, params_to_device
+from .device_dataset import dataset_parts, in_batch_order
 from .errors import DataError
 from .transforms import compose_layout
 
@@ -48,8 +49,7 @@ class NvdecDecoder:
         self.nvc = import_nvc()
         self.cache_size = cache_size
         self._decoders: OrderedDict[str, object] = OrderedDict()
-        self.opened = 0   # decoders created (a count for tests and the log)
-        self.frames = 0   # frames decoded
+        self.opened = 0   # decoders created
 
     def _decoder(self, path: str):
         dec = self._decoders.get(path)
@@ -85,7 +85,6 @@ class NvdecDecoder:
         out = torch.stack([torch.from_dlpack(f) for f in frames]).to(self.device)
         if out.dim() != 4 or out.shape[-1] != 3 or out.dtype != torch.uint8:
             raise DataError(f"{path}: NVDEC gave frames {tuple(out.shape)} {out.dtype}, expected uint8 [N, H, W, 3]")
-        self.frames += len(uniq)
         if len(uniq) != len(idx) or not np.array_equal(uniq, idx):
             out = out[torch.from_numpy(inverse).to(out.device)]
         return out
@@ -98,38 +97,34 @@ class VideoImages:
         self.embodiments = [d.emb for d in datasets]
         self.decoder, self.train, self.seed = decoder, train, seed
 
+    @classmethod
+    def attach(cls, datasets: Sequence, device: torch.device | str, train: bool, seed: int) -> "VideoImages":
+        """Switch `datasets` (`WindowDataset`s) to naming their frames, and return what decodes them on `device`."""
+        for d in datasets:
+            d.decode_on_host = False
+        return cls(datasets, NvdecDecoder(device), train, seed)
+
     def fill(self, batch: dict) -> dict:
         """`batch` from the collator with `frame_refs` (and `dataset`, each sample's dataset id) -> the same batch
         with `images` uint8 [B, T, H, W, 3] on the device instead."""
         refs, datasets = batch.pop("frame_refs"), batch.pop("dataset")
         positions = np.asarray(batch["position"], dtype=np.int64)
-        ids = np.asarray(datasets, dtype=np.int64)
-        parts = [(int(d), np.flatnonzero(ids == d)) for d in np.unique(ids)]
-        outs = [self._images(self.embodiments[d], [refs[i] for i in rows], positions[rows]) for d, rows in parts]
-        if len(outs) == 1:
-            batch["images"] = outs[0]
-        else:  # a mixture: each dataset's rows back in the batch's order
-            order = torch.from_numpy(np.argsort(np.concatenate([rows for _, rows in parts]), kind="stable"))
-            batch["images"] = torch.cat(outs)[order.to(outs[0].device)]
+        parts = dataset_parts(np.asarray(datasets, dtype=np.int64))
+        outs = [{"images": self._images(self.embodiments[d], [refs[i] for i in rows], positions[rows])}
+                for d, rows in parts]
+        batch.update(in_batch_order(outs, parts, self.decoder.device))
         return batch
 
     def _images(self, emb, refs: list[dict], positions: np.ndarray) -> torch.Tensor:
         B = len(refs)
         frames = {short: torch.cat([self.decoder.read(*r[short]) for r in refs]) for short in emb.views}
         T = frames[next(iter(emb.views))].shape[0] // B
-        views = [ViewAugment(source=tuple(frames[s].shape[1:3]), size=tuple(emb.view_size), crop_scale=emb.crop_scale,
-                             jitter=dict(emb.color_jitter)) for s in emb.views]
-        aug = draw(self.seed, positions, views, self.train)
-        dev = self.decoder.device
-        index = torch.arange(B * T, device=dev).reshape(B, T)
-        top, left = torch.from_numpy(aug.top).to(dev), torch.from_numpy(aug.left).to(dev)
-        matrix = None if aug.matrix is None else torch.from_numpy(aug.matrix).to(dev)
-        coef = None if aug.coef is None else torch.from_numpy(aug.coef).to(dev)
-        out = {}
-        for j, short in enumerate(emb.views):
-            out[short] = augment_view(frames[short], index, views[j], top[:, j], left[:, j],
-                                      None if matrix is None else matrix[:, j], None if coef is None else coef[:, j])
-        return compose_layout(emb, out)
+        views = {s: ViewAugment(source=tuple(frames[s].shape[1:3]), size=tuple(emb.view_size),
+                                crop_scale=emb.crop_scale, jitter=dict(emb.color_jitter)) for s in emb.views}
+        aug = draw(self.seed, positions, list(views.values()), self.train)
+        _, top, left, matrix, coef = params_to_device(aug, self.decoder.device)
+        index = torch.arange(B * T, device=self.decoder.device).reshape(B, T)
+        return compose_layout(emb, augment_views(frames, index, views, top, left, matrix, coef))
 
 
 class Prefetch:

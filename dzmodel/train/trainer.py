@@ -295,11 +295,9 @@ class Trainer:
             if self.info.device.type != "cuda":
                 raise ValueError(f"train.video_decode: nvdec decodes on an NVIDIA GPU; this run trains on "
                                  f"{self.info.device}: set train.video_decode: cpu")
-            from ..data.nvdec import NvdecDecoder, VideoImages
+            from ..data.nvdec import VideoImages
 
-            for d in self.datasets:
-                d.decode_on_host = False
-            self.video_images = VideoImages(self.datasets, NvdecDecoder(self.info.device), cfg.augment, cfg.seed)
+            self.video_images = VideoImages.attach(self.datasets, self.info.device, cfg.augment, cfg.seed)
         vae_factor = 16 if isinstance(self.encoders.vae, WanVideoVAE38) else 8
         # a mixture: each dataset's sequence, weighted as the stream samples the datasets
         weights = cfg.dataset_weights or [1.0] * len(embodiments)

@@ -53,14 +53,14 @@ def fake_nvc(monkeypatch):
 
 
 def _loaders(setup, tag, train):
-    from dzmodel.data.nvdec import NvdecDecoder, VideoImages
+    from dzmodel.data.nvdec import VideoImages
 
     tok = setup[3]
     host = _windows(setup, tag, train=train)
     named = _windows(setup, tag, train=train)
-    named.decode_on_host = False
+    video = VideoImages.attach([named], "cpu", train=train, seed=3)
+    assert not named.decode_on_host
     collate = Collator(tok, TEXT_LEN, MAX_STATE, MAX_ACTION)
-    video = VideoImages([named], NvdecDecoder("cpu"), train=train, seed=3)
     return host, named, collate, video
 
 

@@ -142,7 +142,7 @@ def test_the_loader_hands_the_step_batches_decoded_on_the_device(data, tmp_path,
     fills them in (a stand-in decoder library on the CPU, tests/data/test_nvdec.py), and the step trains on them."""
     import sys
 
-    from dzmodel.data.nvdec import NvdecDecoder, VideoImages
+    from dzmodel.data.nvdec import VideoImages
 
     from ..data.test_nvdec import _FakeSimpleDecoder
 
@@ -153,9 +153,7 @@ def test_the_loader_hands_the_step_batches_decoded_on_the_device(data, tmp_path,
     trainer.build_model()
     trainer.build_data()
     reference = next(iter(trainer.loader(0)))
-    for d in trainer.datasets:
-        d.decode_on_host = False
-    trainer.video_images = VideoImages(trainer.datasets, NvdecDecoder("cpu"), train=True, seed=trainer.cfg.seed)
+    trainer.video_images = VideoImages.attach(trainer.datasets, "cpu", train=True, seed=trainer.cfg.seed)
     loader = trainer.loader(0)
     batch = next(iter(loader))
     loader.close()  # the prefetching thread
