@@ -2,8 +2,8 @@
 which frames each window needs; the training process decodes those frames with the GPU's video engine (NVDEC,
 through NVIDIA's PyNvVideoCodec) straight into device memory, then crops, resizes and jitters them there.
 
-At the 5B DROID shape a sample is 3 cameras x 33 frames; on a CPU core decoding them is about two thirds of the
-loader's time (docs/performance.md), so the CPU cores a GPU can have do not keep up with it. Here:
+At the 5B DROID shape a sample is 3 cameras x 33 frames; a CPU worker that decodes and augments them gives about
+6 samples/s a core (docs/performance.md), so the CPU cores a GPU can have do not keep up with it. Here:
 
 * `WindowDataset.decode_on_host = False` makes `sample` return `frame_refs` ({view: (video file, frame indices in
   that file)}) instead of `images`; the collator passes them through as a list.

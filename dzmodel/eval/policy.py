@@ -164,7 +164,12 @@ def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embod
                           solver=solver, seed=seed, image_size=emb.image_size, weights_dtype=weights_dtype)
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"precision must be bf16 or fp8, got {precision!r}")
-    effective, note = resolve_precision(precision, device)
+    # what runs without FP8: bf16 weights on CUDA, the saved dtype elsewhere (fp32 for an fp32-trained run)
+    served = next(policy.model.parameters()).dtype
+    served = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(served, str(served))
+    effective, note = resolve_precision(precision, device, fallback=served)
+    if effective != "fp8":
+        effective = served
     if effective == "fp8":
         freeze_blocks_to_fp8(policy.model)
     return EmbodiedPolicy(policy=policy, embodiment=emb, relative_pairs=pairs, step=step, model_dir=model_dir,

@@ -40,15 +40,16 @@ def fp8_unsupported(device: torch.device | str) -> str | None:
     return None
 
 
-def resolve_precision(requested: str, device: torch.device | str) -> tuple[str, str | None]:
-    """The precision to run: `requested`, or bf16 where FP8 was asked for and `device` cannot run it, with the
-    line that says so (None when nothing changed)."""
+def resolve_precision(requested: str, device: torch.device | str,
+                      fallback: str = "bf16") -> tuple[str, str | None]:
+    """The precision to run: `requested`, or `fallback` (what the caller runs without FP8) where FP8 was asked for
+    and `device` cannot run it, with the line that says so (None when nothing changed)."""
     if requested != "fp8":
         return requested, None
     why = fp8_unsupported(device)
     if why is None:
         return "fp8", None
-    return "bf16", f"precision fp8 falls back to bf16: {why}"
+    return fallback, f"precision fp8 falls back to {fallback}: {why}"
 
 
 def _quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,6 +100,7 @@ def test_fp8_is_chosen_only_where_the_device_runs_it(monkeypatch):
     assert precision == "bf16" and why.startswith("precision fp8 falls back to bf16: ")
     assert "compute capability 8.9" in why and "this runs on cpu" in why
     assert resolve_precision("bf16", "cpu") == ("bf16", None)
+    assert resolve_precision("fp8", "cpu", fallback="fp32")[0] == "fp32"  # the caller names what it runs instead
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
@@ -147,7 +148,7 @@ def test_the_policy_bench_puts_fp8_beside_bf16_with_the_chunk_difference(monkeyp
                                                                     cfg_scale=1.0, cuda_graphs=False)],
                             calls=1, warmup=0, breakdown_calls=0)
     assert "p50_ms" in rows[0] and "compute capability 8.9" in rows[1]["error"] and "p50_ms" not in rows[1]
-    monkeypatch.setattr(policy_bench, "resolve_precision", lambda requested, device: (requested, None))
+    monkeypatch.setattr(policy_bench, "resolve_precision", lambda requested, device, **_: (requested, None))
     rows = run_policy_bench("tiny", "cpu", [setting, PolicySetting(name="s fp8", weights="fp8", solver_steps=2,
                                                                     cfg_scale=1.0, cuda_graphs=False)],
                             batches=(2,), calls=1, warmup=0, breakdown_calls=0)

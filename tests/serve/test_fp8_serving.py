@@ -3,6 +3,7 @@ the policy stays as it was and says why; the FP8 path itself (forced here) answe
 
 import numpy as np
 import pytest
+import torch
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from dzmodel.eval import policy as policy_mod
@@ -25,15 +26,18 @@ def model_dir(libero_bundle):
 
 def test_fp8_where_the_device_has_none_keeps_the_policy_and_says_why(model_dir):
     embodied = load_policy(model_dir, solver=SOLVER, precision="fp8")
-    assert embodied.precision != "fp8" and fp8_linears(embodied.policy.model) == 0
-    assert embodied.precision_note.startswith("precision fp8 falls back to bf16: FP8 matmuls need an NVIDIA GPU")
+    # on a CPU the policy runs the saved weights' dtype (this bundle's run trained in fp32), and says so
+    assert embodied.precision == "fp32" and fp8_linears(embodied.policy.model) == 0
+    assert embodied.precision_note.startswith("precision fp8 falls back to fp32: FP8 matmuls need an NVIDIA GPU")
+    assert load_policy(model_dir, solver=SOLVER).precision == "fp32"
+    assert load_policy(model_dir, solver=SOLVER, weights_dtype=torch.bfloat16, precision="fp8").precision == "bf16"
     with pytest.raises(ValueError, match="precision must be bf16 or fp8"):
         load_policy(model_dir, solver=SOLVER, precision="int4")
 
 
 def test_the_fp8_policy_answers_openpi_close_to_the_full_precision_one(model_dir, monkeypatch):
     reference = load_policy(model_dir, solver=SOLVER)
-    monkeypatch.setattr(policy_mod, "resolve_precision", lambda requested, device: (requested, None))
+    monkeypatch.setattr(policy_mod, "resolve_precision", lambda requested, device, **_: (requested, None))
     embodied = load_policy(model_dir, solver=SOLVER, precision="fp8")
     assert embodied.precision == "fp8" and embodied.precision_note is None and fp8_linears(embodied.policy.model) > 0
     obs = openpi_libero_observation(np.random.default_rng(0))

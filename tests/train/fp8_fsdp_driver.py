@@ -7,5 +7,5 @@ import sys
 from dzmodel.train import trainer
 from dzmodel.train.config import TrainConfig
 
-trainer.resolve_precision = lambda requested, device: (requested, None)
+trainer.resolve_precision = lambda requested, device, **_: (requested, None)
 trainer.train(TrainConfig.from_dict(json.loads(open(sys.argv[1]).read())))
