@@ -177,3 +177,24 @@ def test_prefetch_yields_the_filled_batches_in_order_and_raises_the_threads_erro
     next(stopped)
     stopped.close()  # a thread blocked on a full queue stops too
     assert not stopped._thread.is_alive()
+
+
+def test_the_decoder_keeps_the_most_recently_used_files_open_and_names_a_file_it_cannot_open(tmp_path, fake_nvc):
+    from dzmodel.data.lerobot_writer import encode_mp4
+    from dzmodel.data.nvdec import NvdecDecoder
+
+    paths = []
+    for k in range(3):
+        frames = np.full((4, 16, 16, 3), 40 * (k + 1), dtype=np.uint8)
+        encode_mp4(tmp_path / f"v{k}.mp4", frames, fps=10, codec="libx264", crf=0)
+        paths.append(str(tmp_path / f"v{k}.mp4"))
+    decoder = NvdecDecoder("cpu", cache_size=2)
+    for path in (paths[0], paths[1], paths[0], paths[2]):  # v1 is now the least recently used
+        decoder.read(path, [0])
+    assert decoder.opened == 3 and list(decoder._decoders) == [paths[0], paths[2]]
+    decoder.read(paths[1], [3, 1])  # evicted, so opened again; v0 goes
+    assert decoder.opened == 4 and list(decoder._decoders) == [paths[2], paths[1]]
+    with pytest.raises(DataError, match=r"missing\.mp4: NVDEC cannot open this video .*video_decode: cpu"):
+        decoder.read(str(tmp_path / "missing.mp4"), [0])
+    with pytest.raises(DataError, match="frame index out of range"):
+        decoder.read(paths[1], [4])
