@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # FP8 against bf16 on one GPU, side by side in one call, through the commands users run. Run from the repo root on
 # the device machine; JSON lines go to $OUT (plot the parity run here with `python docs/bench/loss_parity.py`).
+# PART names one part or several, comma-separated, run in order in one call (PART=train,loader):
 #   PART=train   `dz train` at the 5B DROID shape (the cache of docs/bench/train_vs_bench_run.sh, micro-batch 21,
 #                compiled, elementwise recompute): STEPS (default 12) steps in bf16, then the same in fp8
 #   PART=parity  the same seed and data for PARITY_STEPS (default 500) steps at micro-batch PARITY_MB (default 4),
@@ -41,7 +42,8 @@ train_5b() {  # NAME PRECISION STEPS MICRO_BATCH SAVE_EVERY [--set K=V ..]
     --set global_batch="$mb" --set compile=true --set activation_checkpointing=elementwise --set attn_backend=segments \
     --set precision="$precision" --set num_workers=2 --set save_every="$save" --set progress=false --set seed=0 "$@"
 }
-case "$PART" in
+for part in ${PART//,/ }; do  # PART=train,loader: several parts in one call, in order
+case "$part" in
   train)
     cache
     for p in bf16 fp8; do
@@ -86,5 +88,6 @@ for line in sys.stdin:
         --workers "${LOADER_WORKERS:-0,2,4}" --batches 30 --out "$OUT/loader_droid_$GPU.jsonl" || true
     done
     echo "cores: $(nproc)" ;;
-  *) echo "PART must be train, parity, policy, 14b, tail or loader" >&2; exit 2 ;;
+  *) echo "PART must be train, parity, policy, 14b, tail or loader (or several, comma-separated)" >&2; exit 2 ;;
 esac
+done
