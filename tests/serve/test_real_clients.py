@@ -142,7 +142,7 @@ def test_dz_serve_cli_no_auth_warns_and_serves(droid_bundle, tmp_path):
         os.killpg(server.pid, signal.SIGTERM)
         log = server.communicate(timeout=30)[0]
     assert "WARNING: --no-auth" in log and "on ws://127.0.0.1:" in log
-    assert "precision fp8 falls back to bf16: FP8 matmuls need an NVIDIA GPU" in log  # this CPU has none
+    assert "precision fp8 falls back to fp32: FP8 matmuls need an NVIDIA GPU" in log  # no GPU: the fp32 weights
     assert "batching: up to 4 sessions a forward, 5 ms window" in log
     assert " infer session=38DSA3hd3 ok " in log and " reset session=all ok " in log
     assert "Traceback" not in log
