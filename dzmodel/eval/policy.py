@@ -26,6 +26,7 @@ from ..model.sampler import SolverConfig
 from ..model.state_dict import load_dreamzero_dir
 from ..model.tokenizer import load_tokenizer
 from ..train.config import TrainConfig
+from ..train.parallelize import DTYPES
 
 
 class PolicyLoadError(RuntimeError):
@@ -164,13 +165,13 @@ def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embod
                           solver=solver, seed=seed, image_size=emb.image_size, weights_dtype=weights_dtype)
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"precision must be bf16 or fp8, got {precision!r}")
-    # what runs without FP8: bf16 weights on CUDA, the saved dtype elsewhere (fp32 for an fp32-trained run)
-    served = next(policy.model.parameters()).dtype
-    served = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(served, str(served))
+    # without FP8 the blocks run the weights' dtype: bf16 on CUDA, the saved one elsewhere (fp32 for an fp32 run),
+    # named as train.precision names it
+    weights = next(policy.model.parameters()).dtype
+    served = {dtype: name for name, dtype in DTYPES.items() if name != "fp8"}.get(weights, str(weights))
     effective, note = resolve_precision(precision, device, fallback=served)
-    if effective != "fp8":
-        effective = served
     if effective == "fp8":
         freeze_blocks_to_fp8(policy.model)
     return EmbodiedPolicy(policy=policy, embodiment=emb, relative_pairs=pairs, step=step, model_dir=model_dir,
-                          state_dims=state_dims, precision=effective, precision_note=note)
+                          state_dims=state_dims, precision=effective if effective == "fp8" else served,
+                          precision_note=note)
