@@ -5,7 +5,8 @@
 #   PART=train   `dz train` at the 5B DROID shape (the cache of docs/bench/train_vs_bench_run.sh, micro-batch 21,
 #                compiled, elementwise recompute): STEPS (default 12) steps in bf16, then the same in fp8
 #   PART=parity  the same seed and data for PARITY_STEPS (default 500) steps at micro-batch PARITY_MB (default 4),
-#                bf16 then fp8; each run resumes from its newest checkpoint, so a call that ran out of time goes on.
+#                for each of PARITY_PRECISIONS (default "bf16 fp8"), in order; no checkpoints (a 5B one with its AdamW
+#                state is about 60 GB), so a run must finish within its call: name one precision per call if need be.
 #                The data: 64 learnable synthetic samples (`dz cache --synthetic --learnable`: actions a fixed function
 #                of frame 0 and the state), scored every 100 steps on 16 held-out samples of another seed
 #                (`train.val_cache`: val_action_loss)
@@ -54,8 +55,9 @@ case "$part" in
   parity)
     learnable parity_train 64 0
     learnable parity_heldout 16 1
-    for p in bf16 fp8; do
-      CACHE=$WORK/parity_train train_5b "parity_$p" "$p" "${PARITY_STEPS:-500}" "${PARITY_MB:-4}" 100 \
+    for p in ${PARITY_PRECISIONS:-bf16 fp8}; do
+      rm -rf "$WORK/parity_$p"
+      CACHE=$WORK/parity_train train_5b "parity_$p" "$p" "${PARITY_STEPS:-500}" "${PARITY_MB:-4}" 0 \
         --set val_cache="$WORK/parity_heldout" --set val_every=100 2>&1 | tail -3
       cp "$WORK/parity_$p/metrics.jsonl" "$OUT/parity_5b_${p}_$GPU.jsonl"
     done ;;
