@@ -9,7 +9,8 @@
 #   EMBODIMENT  the protocol and views served (default libero_sim_5b_frame, docs/bench/libero_5b_frame.yaml: LIBERO's
 #               two cameras in the 5B's own 176x320 frame, the frame `dz bench policy` times; oxe_droid: DROID's
 #               three cameras, a 352x640 frame)
-#   CLIENTS (8), MAX_BATCH (8), REQUESTS (20 timed per client), PRESET (dreamzero_5b)
+#   CLIENTS (8), MAX_BATCH (8), REQUESTS (20 timed per client), PRESET (dreamzero_5b), PERIOD_MS (0: each client asks
+#   again as soon as it is answered; P: every P ms, as a robot playing each chunk for P ms)
 set -euo pipefail
 site=/tmp/serve_site
 if ! python3 -c "import websockets, msgpack, openpi_client" 2>/dev/null; then
@@ -22,4 +23,4 @@ emb=${EMBODIMENT:-libero_sim_5b_frame}
 python3 -m dzmodel.cli bench serve --preset "$preset" --embodiment "$emb" --embodiments docs/bench/libero_5b_frame.yaml \
   --device cuda --compile \
   --clients "${CLIENTS:-8}" --max-batch "${MAX_BATCH:-8}" --requests "${REQUESTS:-20}" --warmup 3 \
-  --out "$OUT/serve_${preset}_${emb}_$GPU.jsonl"
+  --period-ms "${PERIOD_MS:-0}" --out "$OUT/serve_${preset}_${emb}_$GPU.jsonl"

@@ -5,7 +5,8 @@ websocket client where it is installed), each one session of `requests` observat
 Rows, one server each: one client with batching off (the single-robot baseline), N clients with batching off (one
 forward per request), N clients with `--max-batch`. Each row reports the chunks per second over all clients, the
 latency percentiles over every request, each client's own p95 (the tail one robot feels) against the one-client
-p95, and the batch sizes the server formed.
+p95, and the batch sizes the server formed. With a period, the N clients ask as robots do, each for a chunk every
+period (the one-client baseline stays back to back).
 
 The model is the preset's with random weights behind an embodiment's protocol (no bundle: a chunk's latency does not
 depend on the weights' values, and a 5B bundle with its encoders is tens of GB), at the solver setting given.
@@ -56,9 +57,15 @@ def _client(port: int):
     return client, client.get_server_metadata(), "openpi"
 
 
-def drive(port: int, clients: int, requests: int, warmup: int, seed: int = 0, timeout_s: float = 600.0) -> dict:
-    """`clients` threads, each one connection (one session) sending `warmup` then `requests` observations one after
-    another. The clock runs from the moment every client has warmed up (a barrier) to the last answer."""
+def drive(port: int, clients: int, requests: int, warmup: int, seed: int = 0, timeout_s: float = 600.0,
+          period_ms: float = 0.0) -> dict:
+    """`clients` threads, each one connection (one session) sending `warmup` then `requests` observations. The clock
+    runs from the moment every client has warmed up (a barrier) to the last answer.
+
+    period_ms 0: each client asks again as soon as it is answered (closed loop: the server's full load; by Little's
+    law a client then waits about clients / throughput). period_ms P: each client asks for a chunk every P ms, as a
+    robot that plays each chunk for P ms, the clients' phases spread evenly over P; a request whose time came while
+    the last was unanswered goes as soon as the answer comes and counts as late (the robot waited)."""
     from .client import synthetic_observation
 
     latencies: dict[int, list[float]] = {}
@@ -66,6 +73,7 @@ def drive(port: int, clients: int, requests: int, warmup: int, seed: int = 0, ti
     kinds: list[str] = []
     barrier = threading.Barrier(clients + 1)
     done = [0.0]
+    late_total = [0]
     lock = threading.Lock()
 
     def one(i: int) -> None:
@@ -76,8 +84,15 @@ def drive(port: int, clients: int, requests: int, warmup: int, seed: int = 0, ti
             for _ in range(warmup):
                 client.infer(synthetic_observation(metadata, rng, size))
             barrier.wait(timeout=timeout_s)
-            own = []
-            for _ in range(requests):
+            first_due = time.perf_counter() + period_ms / 1e3 * i / clients
+            own, late = [], 0
+            for k in range(requests):
+                if period_ms:
+                    wait = first_due + k * period_ms / 1e3 - time.perf_counter()
+                    if wait > 0:
+                        time.sleep(wait)
+                    elif k:
+                        late += 1
                 t0 = time.perf_counter()
                 reply = client.infer(synthetic_observation(metadata, rng, size))
                 own.append((time.perf_counter() - t0) * 1e3)
@@ -85,6 +100,7 @@ def drive(port: int, clients: int, requests: int, warmup: int, seed: int = 0, ti
                     raise ValueError(f"a reply's actions have shape {np.shape(reply['actions'])}")
             with lock:
                 latencies[i] = own
+                late_total[0] += late
                 kinds.append(kind)
                 done[0] = max(done[0], time.perf_counter())
         except Exception as exc:  # reported in the row
@@ -104,6 +120,8 @@ def drive(port: int, clients: int, requests: int, warmup: int, seed: int = 0, ti
         t.join(timeout_s)
     every = [ms for own in latencies.values() for ms in own]
     row = {"clients": clients, "requests": len(every), "errors": errors[:3], "client": sorted(set(kinds))}
+    if period_ms:
+        row.update(period_ms=period_ms, late_requests=late_total[0])
     if every and not errors:
         wall = done[0] - start
         row.update(wall_s=round(wall, 3), chunks_per_s=round(len(every) / wall, 2),
@@ -124,8 +142,9 @@ def _health(port: int) -> dict:
 def run_serve_bench(preset_name: str = "tiny", embodiment: str = "libero_sim_tiny", device: str = "cpu",
                     setting: PolicySetting | None = None, clients: int = 8, max_batch: int = 8,
                     batch_window_ms: float = 5.0, requests: int = 20, warmup: int = 3, seed: int = 0,
-                    embodiment_files: list[str] | None = None, progress=None) -> list[dict]:
-    """Three rows on one model: 1 client unbatched, `clients` unbatched, `clients` with `max_batch`."""
+                    embodiment_files: list[str] | None = None, progress=None, period_ms: float = 0.0) -> list[dict]:
+    """Three rows on one model: 1 client unbatched, `clients` unbatched, `clients` with `max_batch`; period_ms > 0:
+    the clients of the last two rows ask every period_ms (`drive`), the one-client row stays closed loop."""
     from .server import BundlePolicy, ServerLimits, ServerThread, freeze_heap, warm_up
 
     setting = setting or PolicySetting()
@@ -142,7 +161,7 @@ def run_serve_bench(preset_name: str = "tiny", embodiment: str = "libero_sim_tin
         limits = ServerLimits(max_batch=batch, batch_window_ms=batch_window_ms, max_connections_per_client=max(16, n))
         with ServerThread(BundlePolicy(embodied), TOKEN, limits=limits) as srv:
             row = {**common, "max_batch": batch, "batch_window_ms": batch_window_ms,
-                   **drive(srv.port, n, requests, warmup, seed)}
+                   **drive(srv.port, n, requests, warmup, seed, period_ms=period_ms if n > 1 else 0.0)}
             health = _health(srv.port)
         if "batching" in health:
             row["batching"] = health["batching"]

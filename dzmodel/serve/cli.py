@@ -121,6 +121,8 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
     from .bench import run_serve_bench
 
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if ns.period_ms < 0:
+        raise CLIError(f"--period-ms must be >= 0 (got {ns.period_ms})")
     if ns.clients < 2 or ns.max_batch < 2:
         raise CLIError(f"--clients and --max-batch must be >= 2 (got {ns.clients} and {ns.max_batch}): the "
                        "bench compares several clients with and without batching")
@@ -130,7 +132,8 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
                             cuda_graphs=not ns.no_cuda_graphs, compile=ns.compile)
 
     run_serve_bench(ns.preset, ns.embodiment, device, setting, ns.clients, ns.max_batch, ns.batch_window_ms,
-                    ns.requests, ns.warmup, embodiment_files=ns.embodiments or [], progress=row_printer(ns.out))
+                    ns.requests, ns.warmup, embodiment_files=ns.embodiments or [], progress=row_printer(ns.out),
+                    period_ms=ns.period_ms)
     return EXIT_OK
 
 
@@ -231,5 +234,8 @@ def add_bench_commands(bench) -> None:
     p.add_argument("--batch-window-ms", type=float, default=5.0)
     p.add_argument("--requests", type=int, default=20, help="timed requests per client (after --warmup)")
     p.add_argument("--warmup", type=int, default=3, help="untimed requests per client first")
+    p.add_argument("--period-ms", type=float, default=0.0,
+                   help="each of the N clients asks for a chunk every this many ms, as a robot that plays each chunk "
+                        "that long (phases spread evenly); 0: ask again as soon as answered (the full load)")
     p.add_argument("--out", help="append one JSON line per row here")
     p.set_defaults(func=cmd_bench_serve)
