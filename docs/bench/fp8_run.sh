@@ -18,6 +18,9 @@
 #   PART=tail    the 5B at the deployed setting, bf16, TAIL_CALLS (default 100) timed calls, without and then with
 #                the heap frozen after the warm-up (`--gc-freeze`, as dz serve does): every call's time in order and
 #                what the timed calls paid for (garbage collections, new device memory, CUDA-graph captures)
+#   PART=profile where a 5B step's GPU time goes, bf16 then fp8 (`dz bench profile`: PROFILE_LAYERS (default 4) of the
+#                30 layers, micro-batch 21, compiled, elementwise recompute; kernels by category and the top 20), and
+#                each linear layer of a block alone, forward + backward, bf16 against the FP8 layer (`--linears`)
 #   PART=loader  `dz bench data --trainer-loader` on this machine's cores at the 5B DROID shape, the videos decoded by
 #                the loader workers (cpu) and then by the GPU (nvdec), LOADER_WORKERS (default 0,2,4) workers each.
 #                Carry build/bench_data (the DROID-shaped recording, written here by one CPU run of the same
@@ -83,6 +86,14 @@ case "$part" in
 for line in sys.stdin:
     r = json.loads(line); print(r["name"], r.get("p50_ms"), r.get("p95_ms"), r.get("max_ms"), r.get("gc_pauses"), r.get("new_memory_segments"), r.get("graph_captures_timed"), r.get("error", ""))'
     done ;;
+  profile)
+    for p in bf16 fp8; do
+      extra=()
+      [ "$p" = bf16 ] && extra=(--linears)  # the layers alone once: they do not depend on the step's precision
+      dz bench profile --preset dreamzero_5b --layers "${PROFILE_LAYERS:-4}" --latent-hw 11,20 "${extra[@]}" \
+        --variant "name=$p,mbs=21,compile=1,ac=elementwise,attn=segments,prec=$p" \
+        --out "$OUT/profile_5b_fp8_$GPU.jsonl" 2>&1 | grep -v -i warn
+    done ;;
   loader)
     python -m pip install -q --no-index --no-deps --no-compile --target /tmp/nvdec .nvdec_wheels/*.whl
     for decode in cpu nvdec; do
@@ -90,6 +101,6 @@ for line in sys.stdin:
         --workers "${LOADER_WORKERS:-0,2,4}" --batches 30 --out "$OUT/loader_droid_$GPU.jsonl" || true
     done
     echo "cores: $(nproc)" ;;
-  *) echo "PART must be train, parity, policy, 14b, tail or loader (or several, comma-separated)" >&2; exit 2 ;;
+  *) echo "PART must be train, parity, policy, 14b, tail, profile or loader (or several, comma-separated)" >&2; exit 2 ;;
 esac
 done

@@ -71,20 +71,31 @@ def cmd_bench_train(ns: argparse.Namespace) -> int:
 def cmd_bench_profile(ns: argparse.Namespace) -> int:
     import json
 
-    from ..bench.train_profile import block_parts, print_parts, print_summary, profile_step
+    import torch
+
+    from ..model.fp8 import fp8_unsupported
+    from ..bench.train_profile import block_parts, linear_layers, print_linears, print_parts, print_summary, profile_step
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     hw = latent_hw_arg(ns.latent_hw)
     v = parse_variant(ns.variant)
     result = {}
-    if ns.parts or ns.parts_only:
+    if ns.parts or (ns.parts_only and not ns.linears):
         rows = block_parts(ns.preset, hw, v["micro_batch"])
         print(f"one block's pieces alone ({ns.preset}, latent {hw}, micro-batch {v['micro_batch']}):")
         print_parts(rows)
         result["parts"] = rows
+    if ns.linears:
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU runs the same matmuls, slowly (smoke tests)
+        if device == "cuda" and (why := fp8_unsupported(device)):
+            raise CLIError(f"--linears times FP8 layers: {why}")
+        rows = linear_layers(ns.preset, hw, v["micro_batch"], device=device, compile=v["compile"])
+        print(f"one block's linear layers alone ({ns.preset}, latent {hw}, micro-batch {v['micro_batch']}):")
+        print_linears(rows)
+        result["linears"] = rows
     if not ns.parts_only:
         s = profile_step(ns.preset, ns.layers or None, v["micro_batch"], v["compile"], v["ac"], v["attention"], hw,
-                         ns.trace, fsdp=ns.fsdp)
+                         ns.trace, fsdp=ns.fsdp, precision=v.get("precision", "bf16"))
         if s is None:  # not rank 0
             return EXIT_OK
         print(f"one training step, {ns.preset} {ns.layers or 'all'} layers, {ns.variant}:")
@@ -209,7 +220,10 @@ def add_commands(sub):
     p.add_argument("--latent-hw", default="11,20", help="latent H,W (5B DROID 11,20; 14B DROID 44,80)")
     p.add_argument("--variant", default="name=optimised", help="one configuration, as in `dz bench train --variant`")
     p.add_argument("--parts", action="store_true", help="also time one block's GEMMs and attention kernels alone")
-    p.add_argument("--parts-only", action="store_true", help="only the pieces, no profiled step")
+    p.add_argument("--parts-only", action="store_true",
+                   help="no profiled step: only the block's pieces (--parts), or with --linears only its linears")
+    p.add_argument("--linears", action="store_true",
+                   help="also time each linear layer of a block alone, forward + backward, bf16 against FP8")
     p.add_argument("--trace", help="keep the Chrome trace here")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 even with one process")
     p.add_argument("--out", help="append a JSON line here")

@@ -98,7 +98,8 @@ def print_summary(s: KernelSummary) -> None:
 
 
 def profile_step(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str, attention: str,
-                 latent_hw, trace_out: str | None = None, warmup: int = 3, fsdp: bool = False) -> KernelSummary | None:
+                 latent_hw, trace_out: str | None = None, warmup: int = 3, fsdp: bool = False,
+                 precision: str = "bf16") -> KernelSummary | None:
     """Profiles one step after `warmup` steps. Under torchrun every rank steps; rank 0 returns the summary."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -108,7 +109,7 @@ def profile_step(preset_name: str, num_layers: int | None, micro_batch: int, com
 
     init_distributed(fsdp)  # under torchrun: FSDP2 over all GPUs, as `dz bench train` runs it
     step, _ = build_train_step(preset_name, num_layers, micro_batch, compile, ac, attention, "cache", latent_hw,
-                               fsdp=fsdp)
+                               fsdp=fsdp, precision=precision)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -250,6 +251,61 @@ def block_parts(preset_name: str, latent_hw, micro_batch: int = 1, device: str =
     c_fb = _median_ms(lambda: torch.autograd.grad(sdpa(q, kc, vc), (q, kc, vc), go))
     add("cross-attention backward", 2 * cf, c_fb - c_fwd)
     return rows
+
+
+def block_linear_shapes(args, tokens: int) -> list[tuple[str, int, int, int]]:
+    """(name, tokens, in, out) of each linear layer of one DiT block as the model runs them: q, k and v as one
+    matmul, the output projection, cross-attention's query and output projections over the video tokens, the FFN.
+    (Cross-attention's keys and values read the few context tokens and are left out.)"""
+    d, ffn = args.dim, args.ffn_dim
+    return [("self q/k/v", tokens, d, 3 * d), ("self o", tokens, d, d), ("cross q", tokens, d, d),
+            ("cross o", tokens, d, d), ("ffn up", tokens, d, ffn), ("ffn down", tokens, ffn, d)]
+
+
+def linear_layers(preset_name: str, latent_hw, micro_batch: int = 1, device: str = "cuda",
+                  compile: bool = True) -> list[dict]:
+    """Each linear layer of one block alone, forward and backward as training runs it: fp32 master weights under
+    bf16 autocast, compiled, in bf16 (`F.linear`) and in FP8 (`float8_linear`: the dynamic scales and roundings
+    included). Their ratio is what `train.precision: fp8` can gain on the linears at this shape."""
+    import torch.nn.functional as F
+
+    from ..model.args import preset
+    from ..model.attention import latent_layout
+    from ..model.fp8 import float8_linear
+
+    args = preset(preset_name)
+    tokens = latent_layout(args, latent_hw).seq_len * micro_batch
+    dev = torch.device(device)
+    wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
+    layers = {"bf16": wrap(lambda x, w: F.linear(x, w)), "fp8": wrap(lambda x, w: float8_linear(x, w))}
+    rows = []
+    for name, m, k, n in block_linear_shapes(args, tokens):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.nn.Parameter(torch.randn(n, k, device=dev) * k ** -0.5)
+        g = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+
+        def forward_backward(layer):
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                out = layer(x, w)
+            return torch.autograd.grad(out, (x, w), g)
+
+        row = {"piece": f"{name} [{m}x{k}]->{n}", "tflop": round(3 * 2 * m * k * n / 1e12, 4)}
+        for precision, layer in layers.items():
+            ms = _median_ms(functools.partial(forward_backward, layer))
+            row[f"{precision}_ms"] = round(ms, 3)
+            row[f"{precision}_tflops"] = round(3 * 2 * m * k * n / ms / 1e9, 1)
+        row["fp8_speedup"] = round(row["bf16_ms"] / row["fp8_ms"], 3)
+        rows.append(row)
+    total = {p: sum(r[f"{p}_ms"] for r in rows) for p in layers}
+    rows.append({"piece": "one block's linears", "bf16_ms": round(total["bf16"], 3), "fp8_ms": round(total["fp8"], 3),
+                 "fp8_speedup": round(total["bf16"] / total["fp8"], 3)})
+    return rows
+
+
+def print_linears(rows: list[dict]) -> None:
+    print(f"  {'layer, forward + backward':<40} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8 speedup':>11}")
+    for r in rows:
+        print(f"  {r['piece'][:40]:<40} {r['bf16_ms']:>9.3f} {r['fp8_ms']:>9.3f} {r['fp8_speedup']:>10.2f}x")
 
 
 def print_parts(rows: list[dict]) -> None:

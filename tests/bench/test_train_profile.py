@@ -40,3 +40,24 @@ def test_summary_separates_overlapped_and_exposed_communication_and_idle_time():
 def test_a_trace_without_kernels_is_refused():
     with pytest.raises(ValueError, match="no GPU kernel events"):
         summarize_trace({"traceEvents": [{"cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]})
+
+
+def test_linear_layers_times_each_block_linear_in_bf16_and_fp8(monkeypatch):
+    import dzmodel.model.fp8 as fp8
+    from dzmodel.bench.train_profile import block_linear_shapes, linear_layers
+    from dzmodel.model.args import preset
+    from dzmodel.model.attention import latent_layout
+
+    fp8_inputs = []
+    real = fp8._Float8Matmul.apply
+    monkeypatch.setattr(fp8._Float8Matmul, "apply", lambda x, *rest: fp8_inputs.append(tuple(x.shape)) or real(x, *rest))
+    rows = linear_layers("tiny", (4, 8), micro_batch=2, device="cpu", compile=False)
+    args = preset("tiny")
+    shapes = block_linear_shapes(args, latent_layout(args, (4, 8)).seq_len * 2)
+    assert [r["piece"] for r in rows[:-1]] == [f"{name} [{m}x{k}]->{n}" for name, m, k, n in shapes]
+    # the FP8 rows ran the FP8 matmul, at every layer's shape
+    assert set(fp8_inputs) == {(m, k) for _, m, k, _ in shapes}
+    for r in rows[:-1]:
+        assert r["bf16_ms"] > 0 and r["fp8_ms"] > 0 and r["fp8_speedup"] == round(r["bf16_ms"] / r["fp8_ms"], 3)
+    assert rows[-1]["piece"] == "one block's linears"
+    assert abs(rows[-1]["bf16_ms"] - sum(r["bf16_ms"] for r in rows[:-1])) < 1e-2
