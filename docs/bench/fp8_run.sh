@@ -22,7 +22,8 @@
 #                30 layers, micro-batch 21, compiled, elementwise recompute; kernels by category and the top 20), and
 #                each linear layer of a block alone, forward + backward, bf16 against the FP8 layer (`--linears`)
 #   PART=loader  `dz bench data --trainer-loader` on this machine's cores at the 5B DROID shape, the videos decoded by
-#                the loader workers (cpu) and then by the GPU (nvdec), LOADER_WORKERS (default 0,2,4) workers each.
+#                the loader workers (cpu) and then by the GPU (nvdec), LOADER_WORKERS (default 0,2,4) workers each,
+#                nvdec on NVDEC_THREADS (default 1,4) decoding threads (train.nvdec_threads).
 #                Carry build/bench_data (the DROID-shaped recording, written here by one CPU run of the same
 #                command: the GPU image cannot encode H.264) and .nvdec_wheels (the pynvvideocodec wheel, cp312)
 set -euo pipefail
@@ -98,7 +99,8 @@ for line in sys.stdin:
     python -m pip install -q --no-index --no-deps --no-compile --target /tmp/nvdec .nvdec_wheels/*.whl
     for decode in cpu nvdec; do
       PYTHONPATH=$PYTHONPATH:/tmp/nvdec dz bench data --trainer-loader --workdir build/bench_data --video-decode "$decode" \
-        --workers "${LOADER_WORKERS:-0,2,4}" --batches 30 --out "$OUT/loader_droid_$GPU.jsonl" || true
+        --workers "${LOADER_WORKERS:-0,2,4}" --decode-threads "${NVDEC_THREADS:-1,4}" --batches 30 \
+        --out "$OUT/loader_droid_$GPU.jsonl" || true
     done
     echo "cores: $(nproc)" ;;
   *) echo "PART must be train, parity, policy, 14b, tail, profile or loader (or several, comma-separated)" >&2; exit 2 ;;

@@ -149,10 +149,14 @@ def cmd_bench_data(ns: argparse.Namespace) -> int:
 
         try:
             workers = tuple(int(w) for w in ns.workers.split(","))
+            threads = tuple(int(t) for t in ns.decode_threads.split(","))
         except ValueError:
-            raise CLIError(f"--workers takes comma-separated integers, got {ns.workers!r}") from None
+            raise CLIError(f"--workers and --decode-threads take comma-separated integers, got {ns.workers!r} and "
+                           f"{ns.decode_threads!r}") from None
+        if min(threads) < 1:
+            raise CLIError(f"--decode-threads must be >= 1, got {ns.decode_threads!r}")
         run_loader_bench(ns.workdir, ns.codec, ns.gop, workers, ns.batches, ns.micro_batch, ns.episodes,
-                         progress=row_printer(ns.out), video_decode=ns.video_decode)
+                         progress=row_printer(ns.out), video_decode=ns.video_decode, decode_threads=threads)
         return EXIT_OK
     result = run_data_bench(ns.workdir, workers=tuple(int(w) for w in ns.workers.split(",")),
                             decode_samples=ns.samples, loader_samples=ns.loader_samples)
@@ -270,6 +274,9 @@ def add_commands(sub):
     p.add_argument("--video-decode", choices=["cpu", "nvdec"], default="cpu",
                    help="with --trainer-loader: where the videos are decoded (train.video_decode); nvdec: on the GPU, "
                         "the workers read only the vectors")
+    p.add_argument("--decode-threads", default="4",
+                   help="with --video-decode nvdec: threads decoding files side by side (train.nvdec_threads); "
+                        "comma-separated for a row each")
     p.add_argument("--out", help="write the numbers as JSON")
     p.set_defaults(func=cmd_bench_data)
     p = bench.add_parser("packing", help="a mixture of embodiments packed into buffers vs padded to the largest")

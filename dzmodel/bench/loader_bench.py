@@ -104,11 +104,11 @@ def trainer_dataset(dataset: Path, micro_batch: int, workdir: Path):
 
 
 def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, workdir: Path,
-                video_decode: str = "cpu", device: str = "cuda") -> dict:
+                video_decode: str = "cpu", device: str = "cuda", decode_threads: int = 4) -> dict:
     """samples/s of the trainer's DataLoader with `workers` workers (the first 2 batches, the workers' start, not
     timed), and the main process's CPU time per sample. video_decode "nvdec": the workers name the frames and the
     main process decodes and augments them on `device` (`train.video_decode: nvdec`; waited for before the clock
-    stops)."""
+    stops), on `decode_threads` threads (`train.nvdec_threads`)."""
     from ..data.video import worker_init_fn
 
     ds, sampler, collate = trainer_dataset(dataset, micro_batch, workdir)
@@ -116,7 +116,8 @@ def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, wor
     if video_decode == "nvdec":
         from ..data.nvdec import VideoImages
 
-        fill = VideoImages.attach(ds.datasets, device, train=True, seed=0).fill
+        video = VideoImages.attach(ds.datasets, device, train=True, seed=0, threads=decode_threads)
+        fill = video.fill
     threads = torch.get_num_threads()
     if workers == 0:
         torch.set_num_threads(1)  # as one worker runs
@@ -135,22 +136,29 @@ def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, wor
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         torch.set_num_threads(threads)
+        if fill is not None:
+            video.decoder.close()
     n = batches * micro_batch
-    return {"workers": workers, "video_decode": video_decode, "samples": n, "samples_per_s": round(n / wall, 2),
+    return {"workers": workers, "video_decode": video_decode,
+            **({"decode_threads": decode_threads} if video_decode == "nvdec" else {}),
+            "samples": n, "samples_per_s": round(n / wall, 2),
             "main_cpu_ms_per_sample": round(1e3 * cpu / n, 1), "images": list(batch["images"].shape)}
 
 
 def run_loader_bench(workdir: str | Path, codec: str = "h264", gop: int = 2, workers: tuple[int, ...] = (0, 2),
                      batches: int = 30, micro_batch: int = 2, episodes: int = 4, progress=None,
-                     video_decode: str = "cpu", device: str = "cuda") -> list[dict]:
+                     video_decode: str = "cpu", device: str = "cuda",
+                     decode_threads: tuple[int, ...] = (4,)) -> list[dict]:
+    """A row per number of workers (and, for nvdec, per number of decoding threads)."""
     workdir = Path(workdir)
     dataset = droid_dataset(workdir / f"droid_{codec}_g{gop}", codec, gop, episodes)
     rows = []
-    for w in workers:
-        row = {"codec": codec, "gop": gop, "micro_batch": micro_batch, "cpu_count": os.cpu_count(),
-               "date": time.strftime("%Y-%m-%d"),
-               **loader_rate(dataset, w, batches, micro_batch, workdir, video_decode, device)}
-        rows.append(row)
-        if progress is not None:
-            progress(row)
+    for threads in decode_threads if video_decode == "nvdec" else decode_threads[:1]:
+        for w in workers:
+            row = {"codec": codec, "gop": gop, "micro_batch": micro_batch, "cpu_count": os.cpu_count(),
+                   "date": time.strftime("%Y-%m-%d"),
+                   **loader_rate(dataset, w, batches, micro_batch, workdir, video_decode, device, threads)}
+            rows.append(row)
+            if progress is not None:
+                progress(row)
     return rows

@@ -41,18 +41,39 @@ def import_nvc():
 
 
 class NvdecDecoder:
-    """Frames of video files decoded on `device` by NVDEC. One decoder stays open per file (the `cache_size` most
-    recently used): a LeRobot v3 file holds many episodes, so windows of nearby episodes reuse one."""
+    """Frames of video files decoded on `device` by NVDEC, on `threads` decoding threads (lanes). Each file is
+    decoded by one lane (its decoders are not shared between threads), so the reads of a micro-batch's files run
+    side by side: a GPU has several NVDEC engines, and one thread waiting on each frame keeps only one busy. A lane
+    keeps one decoder open per file (the `cache_size` most recently used, split over the lanes): a LeRobot v3 file
+    holds many episodes, so windows of nearby episodes reuse one."""
 
-    def __init__(self, device: torch.device | str, cache_size: int = 32):
+    def __init__(self, device: torch.device | str, cache_size: int = 32, threads: int = 4):
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        if threads < 1:
+            raise ValueError(f"NVDEC decoding threads must be >= 1, got {threads}")
         self.device = torch.device(device)
         self.nvc = import_nvc()
-        self.cache_size = cache_size
-        self._decoders: OrderedDict[str, object] = OrderedDict()
+        self.threads = threads
+        self.cache_size = max(1, cache_size // threads)  # per lane
+        self._lanes = [(ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nvdec-lane{i}"), OrderedDict())
+                       for i in range(threads)]
+        self._lock = threading.Lock()
         self.opened = 0   # decoders created
 
-    def _decoder(self, path: str):
-        dec = self._decoders.get(path)
+    @property
+    def _decoders(self) -> OrderedDict:
+        """The open decoders of a one-lane decoder, least recently used first (for tests)."""
+        return self._lanes[0][1]
+
+    def _lane(self, path: str) -> int:
+        import zlib
+
+        return zlib.crc32(path.encode()) % self.threads  # stable: a file always goes to the same lane
+
+    def _decoder(self, path: str, decoders: OrderedDict):
+        dec = decoders.get(path)
         if dec is None:
             try:
                 dec = self.nvc.SimpleDecoder(path, gpu_id=self.device.index or 0, use_device_memory=True,
@@ -60,20 +81,32 @@ class NvdecDecoder:
             except Exception as e:  # the library's own errors: unsupported codec, missing file, no NVDEC
                 raise DataError(f"{path}: NVDEC cannot open this video ({type(e).__name__}: {e}); "
                                 "train.video_decode: cpu decodes it on the loader workers") from e
-            self._decoders[path] = dec
-            self.opened += 1
-            while len(self._decoders) > self.cache_size:
-                self._decoders.popitem(last=False)
+            decoders[path] = dec
+            with self._lock:
+                self.opened += 1
+            while len(decoders) > self.cache_size:
+                decoders.popitem(last=False)
         else:
-            self._decoders.move_to_end(path)
+            decoders.move_to_end(path)
         return dec
 
     def read(self, path: str, indices: Sequence[int]) -> torch.Tensor:
         """Frames `indices` of the file (any order, duplicates allowed): uint8 [N, H, W, 3] on the device."""
+        return self.read_many([(path, indices)])[0]
+
+    def read_many(self, requests: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
+        """`read` of each (path, indices), the files' lanes running side by side; the results in request order. On
+        CUDA the copies run on the caller's current stream."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        futures = [self._lanes[lane][0].submit(self._read_on_lane, path, indices, self._lanes[lane][1], stream)
+                   for path, indices in requests for lane in (self._lane(path),)]
+        return [f.result() for f in futures]
+
+    def _read_on_lane(self, path: str, indices: Sequence[int], decoders: OrderedDict, stream) -> torch.Tensor:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if idx.size == 0:
             raise DataError(f"{path}: no frames asked")
-        dec = self._decoder(path)
+        dec = self._decoder(path, decoders)
         n = len(dec)
         if idx.min() < 0 or idx.max() >= n:
             raise DataError(f"{path}: frame index out of range [0, {n}): {idx[(idx < 0) | (idx >= n)][:5].tolist()}")
@@ -81,13 +114,22 @@ class NvdecDecoder:
         frames = dec.get_batch_frames_by_index(uniq.tolist())
         if len(frames) != len(uniq):
             raise DataError(f"{path}: NVDEC returned {len(frames)} frames for {len(uniq)} asked")
-        # each frame is the decoder's own buffer (reused by its next call): stack copies them out
-        out = torch.stack([torch.from_dlpack(f) for f in frames]).to(self.device)
+        with torch.cuda.stream(stream):  # None (a CPU): no stream, nothing to wait for
+            # each frame is the decoder's own buffer, reused by its next call: stack copies them out, and the lane
+            # waits for that copy before the decoder may decode again
+            out = torch.stack([torch.from_dlpack(f) for f in frames]).to(self.device)
+            if stream is not None:
+                stream.synchronize()
         if out.dim() != 4 or out.shape[-1] != 3 or out.dtype != torch.uint8:
             raise DataError(f"{path}: NVDEC gave frames {tuple(out.shape)} {out.dtype}, expected uint8 [N, H, W, 3]")
         if len(uniq) != len(idx) or not np.array_equal(uniq, idx):
             out = out[torch.from_numpy(inverse).to(out.device)]
         return out
+
+    def close(self) -> None:
+        for executor, decoders in self._lanes:
+            executor.shutdown(wait=True)
+            decoders.clear()
 
 
 class VideoImages:
@@ -98,11 +140,13 @@ class VideoImages:
         self.decoder, self.train, self.seed = decoder, train, seed
 
     @classmethod
-    def attach(cls, datasets: Sequence, device: torch.device | str, train: bool, seed: int) -> "VideoImages":
-        """Switch `datasets` (`WindowDataset`s) to naming their frames, and return what decodes them on `device`."""
+    def attach(cls, datasets: Sequence, device: torch.device | str, train: bool, seed: int,
+               threads: int = 4) -> "VideoImages":
+        """Switch `datasets` (`WindowDataset`s) to naming their frames, and return what decodes them on `device`
+        (on `threads` decoding threads)."""
         for d in datasets:
             d.decode_on_host = False
-        return cls(datasets, NvdecDecoder(device), train, seed)
+        return cls(datasets, NvdecDecoder(device, threads=threads), train, seed)
 
     def fill(self, batch: dict) -> dict:
         """`batch` from the collator with `frame_refs` (and `dataset`, each sample's dataset id) -> the same batch
@@ -117,7 +161,9 @@ class VideoImages:
 
     def _images(self, emb, refs: list[dict], positions: np.ndarray) -> torch.Tensor:
         B = len(refs)
-        frames = {short: torch.cat([self.decoder.read(*r[short]) for r in refs]) for short in emb.views}
+        views = list(emb.views)
+        read = iter(self.decoder.read_many([r[short] for short in views for r in refs]))  # every file at once
+        frames = {short: torch.cat([next(read) for _ in refs]) for short in views}
         T = frames[next(iter(emb.views))].shape[0] // B
         views = {s: ViewAugment(source=tuple(frames[s].shape[1:3]), size=tuple(emb.view_size),
                                 crop_scale=emb.crop_scale, jitter=dict(emb.color_jitter)) for s in emb.views}

@@ -297,7 +297,8 @@ class Trainer:
                                  f"{self.info.device}: set train.video_decode: cpu")
             from ..data.nvdec import VideoImages
 
-            self.video_images = VideoImages.attach(self.datasets, self.info.device, cfg.augment, cfg.seed)
+            self.video_images = VideoImages.attach(self.datasets, self.info.device, cfg.augment, cfg.seed,
+                                                   threads=cfg.nvdec_threads)
         vae_factor = 16 if isinstance(self.encoders.vae, WanVideoVAE38) else 8
         # a mixture: each dataset's sequence, weighted as the stream samples the datasets
         weights = cfg.dataset_weights or [1.0] * len(embodiments)

@@ -145,10 +145,12 @@ def test_the_loader_bench_measures_the_nvdec_path(tmp_path, fake_nvc):
     """`dz bench data --trainer-loader --video-decode nvdec`: the DROID-shaped windows through the same path."""
     from dzmodel.bench.loader_bench import run_loader_bench
 
-    row, = run_loader_bench(tmp_path, workers=(0,), batches=1, micro_batch=1, episodes=1, video_decode="nvdec",
-                            device="cpu")
-    assert row["video_decode"] == "nvdec" and row["images"] == [1, 33, 352, 640, 3] and row["samples_per_s"] > 0
-    assert len(_FakeSimpleDecoder.opened) == 3  # one file per camera
+    rows = run_loader_bench(tmp_path, workers=(0,), batches=1, micro_batch=1, episodes=1, video_decode="nvdec",
+                            device="cpu", decode_threads=(1, 3))
+    assert [r["decode_threads"] for r in rows] == [1, 3]
+    for row in rows:
+        assert row["video_decode"] == "nvdec" and row["images"] == [1, 33, 352, 640, 3] and row["samples_per_s"] > 0
+    assert len(_FakeSimpleDecoder.opened) == 2 * 3  # one file per camera, in each row
 
 
 def test_prefetch_yields_the_filled_batches_in_order_and_raises_the_threads_error():
@@ -188,7 +190,7 @@ def test_the_decoder_keeps_the_most_recently_used_files_open_and_names_a_file_it
         frames = np.full((4, 16, 16, 3), 40 * (k + 1), dtype=np.uint8)
         encode_mp4(tmp_path / f"v{k}.mp4", frames, fps=10, codec="libx264", crf=0)
         paths.append(str(tmp_path / f"v{k}.mp4"))
-    decoder = NvdecDecoder("cpu", cache_size=2)
+    decoder = NvdecDecoder("cpu", cache_size=2, threads=1)
     for path in (paths[0], paths[1], paths[0], paths[2]):  # v1 is now the least recently used
         decoder.read(path, [0])
     assert decoder.opened == 3 and list(decoder._decoders) == [paths[0], paths[2]]
@@ -198,3 +200,48 @@ def test_the_decoder_keeps_the_most_recently_used_files_open_and_names_a_file_it
         decoder.read(str(tmp_path / "missing.mp4"), [0])
     with pytest.raises(DataError, match="frame index out of range"):
         decoder.read(paths[1], [4])
+
+
+def test_the_files_of_a_batch_decode_side_by_side_each_on_one_lane(tmp_path, fake_nvc):
+    import threading
+    import time
+
+    from dzmodel.data.lerobot_writer import encode_mp4
+    from dzmodel.data.nvdec import NvdecDecoder
+
+    paths = []
+    for k in range(6):
+        encode_mp4(tmp_path / f"v{k}.mp4", np.full((4, 16, 16, 3), 30 * (k + 1), dtype=np.uint8), fps=10,
+                   codec="libx264", crf=0)
+        paths.append(str(tmp_path / f"v{k}.mp4"))
+    running, most, threads_of = [0], [0], {}
+    lock = threading.Lock()
+    real = _FakeSimpleDecoder.get_batch_frames_by_index
+
+    def slow(self, indices):  # a decode that takes a while, as NVDEC's does: who runs it, and how many at once
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            threads_of.setdefault(self.path, set()).add(threading.get_ident())
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return real(self, indices)
+
+    fake_nvc.SimpleDecoder.get_batch_frames_by_index = slow
+    try:
+        decoder = NvdecDecoder("cpu", threads=3)
+        requests = [(p, [3, 0, 3]) for p in paths] * 2
+        frames = decoder.read_many(requests)
+        one_lane = NvdecDecoder("cpu", threads=1)
+        assert all(torch.equal(a, one_lane.read(*r)) for a, r in zip(frames, requests))  # in request order
+        assert [int(f[0, 0, 0, 0]) for f in frames[:6]] == [int(f[1, 0, 0, 0]) for f in frames[6:]]
+        assert most[0] >= 2  # lanes decoded at the same time
+        assert all(len(idents) == 2 for idents in threads_of.values())  # one lane thread each (and one_lane's)
+        assert decoder.opened == len(paths)  # each file opened once, by its lane
+        decoder.close()
+        one_lane.close()
+    finally:
+        fake_nvc.SimpleDecoder.get_batch_frames_by_index = real
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        NvdecDecoder("cpu", threads=0)
