@@ -139,6 +139,13 @@ def cmd_bench_policy(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _integers(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise CLIError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
 def cmd_bench_data(ns: argparse.Namespace) -> int:
     import json
 
@@ -147,12 +154,8 @@ def cmd_bench_data(ns: argparse.Namespace) -> int:
     if ns.trainer_loader:
         from ..bench.loader_bench import run_loader_bench
 
-        try:
-            workers = tuple(int(w) for w in ns.workers.split(","))
-            threads = tuple(int(t) for t in ns.decode_threads.split(","))
-        except ValueError:
-            raise CLIError(f"--workers and --decode-threads take comma-separated integers, got {ns.workers!r} and "
-                           f"{ns.decode_threads!r}") from None
+        workers, threads = (_integers(flag, text) for flag, text in (("--workers", ns.workers),
+                                                                     ("--decode-threads", ns.decode_threads)))
         if min(threads) < 1:
             raise CLIError(f"--decode-threads must be >= 1, got {ns.decode_threads!r}")
         run_loader_bench(ns.workdir, ns.codec, ns.gop, workers, ns.batches, ns.micro_batch, ns.episodes,

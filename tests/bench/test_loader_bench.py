@@ -23,3 +23,7 @@ def test_the_cli_appends_one_line_per_worker_count(tmp_path, capsys):
     assert [json.loads(line)["workers"] for line in out.read_text().splitlines()] == [0]
     assert main(["bench", "data", "--trainer-loader", "--workers", "two"]) != 0
     assert "--workers takes comma-separated integers" in capsys.readouterr().err
+    assert main(["bench", "data", "--trainer-loader", "--video-decode", "nvdec", "--decode-threads", "1,x"]) != 0
+    assert "--decode-threads takes comma-separated integers, got '1,x'" in capsys.readouterr().err
+    assert main(["bench", "data", "--trainer-loader", "--video-decode", "nvdec", "--decode-threads", "0"]) != 0
+    assert "--decode-threads must be >= 1" in capsys.readouterr().err
