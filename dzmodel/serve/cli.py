@@ -121,6 +121,12 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
     from .bench import run_serve_bench
 
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if ns.embodiment is None:
+        if ns.preset != "tiny":
+            raise CLIError(f"dz bench serve --preset {ns.preset}: name the embodiment served with --embodiment (its "
+                           "views set the frame that is timed; the default libero_sim_tiny's 64x128 frame suits the "
+                           "tiny preset only), e.g. oxe_droid, or one declared in a file given with --embodiments")
+        ns.embodiment = "libero_sim_tiny"
     if ns.period_ms < 0:
         raise CLIError(f"--period-ms must be >= 0 (got {ns.period_ms})")
     if ns.clients < 2 or ns.max_batch < 2:
@@ -222,8 +228,9 @@ def add_bench_commands(bench) -> None:
     p = bench.add_parser("serve", help="dz serve with N concurrent clients (openpi's client): chunks/s and each "
                          "client's p95, batching off and on, on a preset's model with random weights")
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--embodiment", default="libero_sim_tiny",
-                   help="the protocol, views and widths served (e.g. oxe_droid for the 5B on DROID)")
+    p.add_argument("--embodiment", default=None,
+                   help="the protocol, views and widths served (default libero_sim_tiny, for the tiny preset only; "
+                        "e.g. oxe_droid for a large preset on DROID)")
     p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
     p.add_argument("--device", default=None)
     add_solver_arguments(p, dit_steps="auto")

@@ -26,6 +26,12 @@ def test_serve_bench_wants_several_clients(capsys):
     assert "--clients and --max-batch must be >= 2" in capsys.readouterr().err
 
 
+def test_a_large_preset_must_name_the_embodiment_it_serves(capsys):
+    assert main(["bench", "serve", "--preset", "dreamzero_5b"]) != 0  # refused before any model is built
+    err = capsys.readouterr().err
+    assert "--preset dreamzero_5b: name the embodiment served with --embodiment" in err and "64x128" in err
+
+
 def test_paced_clients_ask_once_a_period_and_count_the_requests_they_sent_late(tmp_path):
     out = tmp_path / "serve.jsonl"
     common = ["bench", "serve", "--clients", "2", "--max-batch", "2", "--requests", "3", "--warmup", "1",
