@@ -68,6 +68,13 @@ def cmd_bench_train(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _integers(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise CLIError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
 def cmd_bench_profile(ns: argparse.Namespace) -> int:
     import json
 
@@ -115,10 +122,7 @@ def cmd_bench_policy(ns: argparse.Namespace) -> int:
     from ..bench.policy_bench import PolicySetting, ladder, run_policy_bench
 
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        batches = tuple(int(b) for b in ns.batch.split(","))
-    except ValueError:
-        raise CLIError(f"--batch takes comma-separated integers, got {ns.batch!r}") from None
+    batches = _integers("--batch", ns.batch)
     if ns.ladder:
         settings = ladder()
     else:
@@ -139,13 +143,6 @@ def cmd_bench_policy(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _integers(flag: str, text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise CLIError(f"{flag} takes comma-separated integers, got {text!r}") from None
-
-
 def cmd_bench_data(ns: argparse.Namespace) -> int:
     import json
 
@@ -154,14 +151,13 @@ def cmd_bench_data(ns: argparse.Namespace) -> int:
     if ns.trainer_loader:
         from ..bench.loader_bench import run_loader_bench
 
-        workers, threads = (_integers(flag, text) for flag, text in (("--workers", ns.workers),
-                                                                     ("--decode-threads", ns.decode_threads)))
+        workers, threads = _integers("--workers", ns.workers), _integers("--decode-threads", ns.decode_threads)
         if min(threads) < 1:
             raise CLIError(f"--decode-threads must be >= 1, got {ns.decode_threads!r}")
         run_loader_bench(ns.workdir, ns.codec, ns.gop, workers, ns.batches, ns.micro_batch, ns.episodes,
                          progress=row_printer(ns.out), video_decode=ns.video_decode, decode_threads=threads)
         return EXIT_OK
-    result = run_data_bench(ns.workdir, workers=tuple(int(w) for w in ns.workers.split(",")),
+    result = run_data_bench(ns.workdir, workers=_integers("--workers", ns.workers),
                             decode_samples=ns.samples, loader_samples=ns.loader_samples)
     if ns.out:
         with open(ns.out, "w") as f:

@@ -112,12 +112,11 @@ def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, wor
     from ..data.video import worker_init_fn
 
     ds, sampler, collate = trainer_dataset(dataset, micro_batch, workdir)
-    fill = None
+    video = None
     if video_decode == "nvdec":
         from ..data.nvdec import VideoImages
 
         video = VideoImages.attach(ds.datasets, device, train=True, seed=0, threads=decode_threads)
-        fill = video.fill
     threads = torch.get_num_threads()
     if workers == 0:
         torch.set_num_threads(1)  # as one worker runs
@@ -125,7 +124,7 @@ def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, wor
         loader = torch.utils.data.DataLoader(ds, batch_size=micro_batch, sampler=sampler, collate_fn=collate,
                                              num_workers=workers, worker_init_fn=worker_init_fn if workers else None,
                                              persistent_workers=bool(workers))
-        it = iter(loader) if fill is None else map(fill, loader)
+        it = iter(loader) if video is None else map(video.fill, loader)
         for _ in range(2):
             next(it)
         cpu0, t0 = time.process_time(), time.perf_counter()
@@ -136,7 +135,7 @@ def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, wor
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         torch.set_num_threads(threads)
-        if fill is not None:
+        if video is not None:
             video.decoder.close()
     n = batches * micro_batch
     return {"workers": workers, "video_decode": video_decode,

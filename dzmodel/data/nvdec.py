@@ -98,8 +98,10 @@ class NvdecDecoder:
         """`read` of each (path, indices), the files' lanes running side by side; the results in request order. On
         CUDA the copies run on the caller's current stream."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        futures = [self._lanes[lane][0].submit(self._read_on_lane, path, indices, self._lanes[lane][1], stream)
-                   for path, indices in requests for lane in (self._lane(path),)]
+        futures = []
+        for path, indices in requests:
+            executor, decoders = self._lanes[self._lane(path)]
+            futures.append(executor.submit(self._read_on_lane, path, indices, decoders, stream))
         return [f.result() for f in futures]
 
     def _read_on_lane(self, path: str, indices: Sequence[int], decoders: OrderedDict, stream) -> torch.Tensor:
@@ -161,9 +163,9 @@ class VideoImages:
 
     def _images(self, emb, refs: list[dict], positions: np.ndarray) -> torch.Tensor:
         B = len(refs)
-        views = list(emb.views)
-        read = iter(self.decoder.read_many([r[short] for short in views for r in refs]))  # every file at once
-        frames = {short: torch.cat([next(read) for _ in refs]) for short in views}
+        names = list(emb.views)
+        read = iter(self.decoder.read_many([r[short] for short in names for r in refs]))  # every file at once
+        frames = {short: torch.cat([next(read) for _ in refs]) for short in names}
         T = frames[next(iter(emb.views))].shape[0] // B
         views = {s: ViewAugment(source=tuple(frames[s].shape[1:3]), size=tuple(emb.view_size),
                                 crop_scale=emb.crop_scale, jitter=dict(emb.color_jitter)) for s in emb.views}

@@ -27,3 +27,5 @@ def test_the_cli_appends_one_line_per_worker_count(tmp_path, capsys):
     assert "--decode-threads takes comma-separated integers, got '1,x'" in capsys.readouterr().err
     assert main(["bench", "data", "--trainer-loader", "--video-decode", "nvdec", "--decode-threads", "0"]) != 0
     assert "--decode-threads must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "data", "--workers", "1,two"]) != 0  # the decode bench reads the same flag
+    assert "--workers takes comma-separated integers, got '1,two'" in capsys.readouterr().err
