@@ -25,8 +25,11 @@ from ..train.metrics import peak_flops
 CATEGORIES = (
     ("communication", re.compile(r"nccl", re.I)),
     ("attention", re.compile(r"flex|attention|fmha|flash|attn", re.I)),
-    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|sm90|sm100|s16816|wgmma|_mm_|splitk", re.I)),
+    # Inductor's matmul templates; its other kernels are elementwise even where their names carry the matmul they
+    # feed (triton_poi_fused__scaled_mm_..., an FP8 cast)
+    ("matmul", re.compile(r"^triton_tem_", re.I)),
     ("fused elementwise (compiled)", re.compile(r"^triton_", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|sm90|sm100|s16816|wgmma|_mm_|splitk", re.I)),
     ("eager elementwise", re.compile(r"elementwise|vectorized|reduce|copy|memcpy|memset|cat|index|fill", re.I)),
 )
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from .fp8_transpose import ALIGN, transpose_padded
 
 E4M3, E5M2 = getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first NVIDIA GPUs with FP8 tensor cores
-ALIGN = 16               # _scaled_mm wants every matmul dimension a multiple of 16
 
 
 def fp8_unsupported(device: torch.device | str) -> str | None:
@@ -62,12 +62,6 @@ def _quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     return (t.float() * scale).clamp(-top, top).to(dtype).contiguous(), scale.reciprocal()
 
 
-def _pad_rows(t: torch.Tensor) -> torch.Tensor:
-    """Zero rows up to a multiple of ALIGN (zero rows add nothing to a product over rows)."""
-    extra = -t.shape[0] % ALIGN
-    return F.pad(t, (0, 0, 0, extra)) if extra else t
-
-
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
@@ -99,9 +93,9 @@ class _Float8Matmul(torch.autograd.Function):
             grad_x = torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=g_inv, scale_b=w_inv,
                                       out_dtype=grad_out.dtype).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:  # dW = dY^T [N, M] @ X [M, K], the token dimension padded to a multiple of 16
-            g_t = _pad_rows(gq.view(torch.uint8)).view(gq.dtype).t().contiguous()
-            x_cm = _pad_rows(xq.view(torch.uint8)).view(xq.dtype).t().contiguous().t()
-            grad_w = torch._scaled_mm(g_t, x_cm, scale_a=g_inv, scale_b=x_inv,
+            g_t = transpose_padded(gq.view(torch.uint8)).view(gq.dtype)  # dY^T, row-major
+            x_t = transpose_padded(xq.view(torch.uint8)).view(xq.dtype)  # X^T, whose .t() is X column-major
+            grad_w = torch._scaled_mm(g_t, x_t.t(), scale_a=g_inv, scale_b=x_inv,
                                       out_dtype=torch.float32).to(ctx.weight_dtype)
         return grad_x, grad_w, None
 

@@ -14,6 +14,10 @@ def test_kernels_fall_into_the_expected_categories():
     assert categorize("triton_tem_fused__to_copy_flex_attention_backward_transpose_view_30") == "attention"
     assert categorize("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
     assert categorize("triton_red_fused__to_copy_add_mul_native_layer_norm_6") == "fused elementwise (compiled)"
+    # an FP8 cast that Inductor names after the matmul it feeds is elementwise work; its matmul templates are not
+    assert categorize("triton_poi_fused__scaled_mm__to_copy_clamp_clone_constant_pad_nd_mul_reciprocal_t_view_14") \
+        == "fused elementwise (compiled)"
+    assert categorize("triton_tem_fused_addmm_3") == "matmul"
     assert categorize("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL") == "communication"
     assert categorize("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") == "eager elementwise"
     assert categorize("some_custom_kernel") == "other"
