@@ -3,7 +3,8 @@
 # the device machine; JSON lines go to $OUT (plot the parity run here with `python docs/bench/loss_parity.py`).
 # PART names one part or several, comma-separated, run in order in one call (PART=train,loader):
 #   PART=train   `dz train` at the 5B DROID shape (the cache of docs/bench/train_vs_bench_run.sh, micro-batch 21,
-#                compiled, elementwise recompute): STEPS (default 12) steps in bf16, then the same in fp8
+#                compiled, elementwise recompute): STEPS (default 12) steps in bf16, then the same in fp8, then, where
+#                FP8_BF16_LAYERS is set (a JSON list: '["self_attn.o","cross_attn"]'), in fp8 with those linears bf16
 #   PART=parity  the same seed and data for PARITY_STEPS (default 500) steps at micro-batch PARITY_MB (default 4),
 #                for each of PARITY_PRECISIONS (default "bf16 fp8"), in order; no checkpoints (a 5B one with its AdamW
 #                state is about 60 GB), so a run must finish within its call: name one precision per call if need be.
@@ -55,7 +56,13 @@ case "$part" in
       rm -rf "$WORK/speed_$p"
       train_5b "speed_$p" "$p" "${STEPS:-12}" 21 0 2>&1 | tee "$OUT/train_5b_${p}_$GPU.log" | tail -3
       cp "$WORK/speed_$p/metrics.jsonl" "$OUT/train_5b_${p}_$GPU.jsonl"
-    done ;;
+    done
+    if [ -n "${FP8_BF16_LAYERS:-}" ]; then
+      rm -rf "$WORK/speed_fp8_kept"
+      train_5b speed_fp8_kept fp8 "${STEPS:-12}" 21 0 --set fp8_bf16_layers="$FP8_BF16_LAYERS" 2>&1 \
+        | tee "$OUT/train_5b_fp8_kept_$GPU.log" | tail -3
+      cp "$WORK/speed_fp8_kept/metrics.jsonl" "$OUT/train_5b_fp8_kept_$GPU.jsonl"
+    fi ;;
   parity)
     learnable parity_train 64 0
     learnable parity_heldout 16 1

@@ -127,19 +127,38 @@ def convertible(module: nn.Module) -> bool:
     return (type(module) is nn.Linear and module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0)
 
 
-def _block_linears(model: nn.Module, also: tuple[type, ...] = ()) -> list[tuple[nn.Module, str, nn.Module]]:
+def _kept(name: str, keep: tuple[str, ...]) -> bool:
+    return any(name == k or name.startswith(k + ".") for k in keep)
+
+
+def _block_linears(model: nn.Module, also: tuple[type, ...] = (),
+                   keep: tuple[str, ...] = ()) -> list[tuple[nn.Module, str, nn.Module]]:
     """(parent, attribute, linear) for each linear of `model.blocks` that FP8 can take (and each of the types
-    `also`); refused when there is none."""
-    found = [(parent, name, child) for block in model.blocks for parent in block.modules()
-             for name, child in parent.named_children() if convertible(child) or type(child) in also]
+    `also`), but those named in `keep` (a name within a block, or its prefix: "cross_attn"); refused when there is
+    none, or when a name of `keep` names no linear of a block."""
+    found, names = [], set()
+    for block in model.blocks:
+        for parent_name, parent in block.named_modules():
+            for name, child in parent.named_children():
+                qualified = f"{parent_name}.{name}" if parent_name else name
+                if convertible(child) or type(child) in also:
+                    names.add(qualified)
+                    if not _kept(qualified, keep):
+                        found.append((parent, name, child))
+    unknown = [k for k in keep if not any(_kept(n, (k,)) for n in names)]
+    if unknown:
+        raise ValueError(f"train.fp8_bf16_layers: {unknown} name no linear of a block; the block's linears are "
+                         f"{sorted(names)}")
     if not found:
-        raise ValueError("precision fp8: no linear of the model's blocks has dims that are multiples of 16")
+        raise ValueError("precision fp8: no linear of the model's blocks has dims that are multiples of 16"
+                         + (" and is left out of train.fp8_bf16_layers" if keep else ""))
     return found
 
 
-def convert_blocks_to_fp8(model: nn.Module) -> int:
-    """Turn the linears of `model.blocks` into Float8Linear in place (their parameters stay); returns how many."""
-    found = _block_linears(model)
+def convert_blocks_to_fp8(model: nn.Module, keep: tuple[str, ...] | list[str] = ()) -> int:
+    """Turn the linears of `model.blocks` into Float8Linear in place (their parameters stay), but those named in
+    `keep` (names within a block, or their prefixes); returns how many."""
+    found = _block_linears(model, keep=tuple(keep))
     for _, _, linear in found:
         linear.__class__ = Float8Linear
     return len(found)

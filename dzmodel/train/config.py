@@ -92,6 +92,9 @@ class TrainConfig:
     # systems
     precision: str = "fp32"                 # compute dtype: fp32 | bf16 | fp8 (the blocks' linears in FP8, the rest
                                             # bf16; bf16 where the device has no FP8); master weights and Adam stay fp32
+    # under precision fp8, the blocks' linears that stay bf16, by their names in a block or a prefix of them
+    # ("self_attn.o", "cross_attn" for its projections); empty: every linear of the blocks runs FP8
+    fp8_bf16_layers: list[str] = field(default_factory=list)
     # the tokens between blocks in the compute dtype (bf16), as inference with bf16 weights and FSDP2 training run
     # them; off, one process under autocast keeps them in fp32 (the action and state tokens' fp32 biases make the
     # stream fp32). At the libero_object shape on one H100: 4.5 % faster, two rows each on one machine (docs/results.md,

@@ -187,10 +187,11 @@ class Trainer:
             self.base = base_reference(cfg, dev)
             apply_lora(model, cfg.lora, base_dtype=DTYPES[precision] if precision != "fp32" else None)
         if precision == "fp8":  # before compile, so the compiled blocks see the FP8 matmuls
-            converted = convert_blocks_to_fp8(model)
+            converted = convert_blocks_to_fp8(model, cfg.fp8_bf16_layers)
             if self.info.rank == 0:
+                kept = f", and the blocks' {', '.join(cfg.fp8_bf16_layers)}" if cfg.fp8_bf16_layers else ""
                 print(f"precision fp8: {converted} linears of the blocks run FP8 matmuls; the embeddings, the head "
-                      "and the action and state layers stay bf16")
+                      f"and the action and state layers stay bf16{kept}")
         model.to(dev).train()
         self.sharded = cfg.sharding != "none" and (self.info.world_size > 1 or shard_one_process)
         if cfg.cuda_graphs and self.sharded:

@@ -82,6 +82,22 @@ def test_only_the_blocks_linears_are_converted_and_keys_stay(monkeypatch):
     assert len(calls) == len(model.blocks) * (per_block - 2) + split
 
 
+def test_named_linears_stay_bf16_and_a_wrong_name_is_one_clear_error():
+    model = tiny_model(ffn_dim=96)
+    per_block = sum(isinstance(m, nn.Linear) for m in model.blocks[0].modules())
+    converted = convert_blocks_to_fp8(model, keep=["self_attn.o", "cross_attn"])
+    block = model.blocks[0]
+    assert type(block.self_attn.o) is nn.Linear and type(block.cross_attn.q) is nn.Linear
+    assert type(block.self_attn.q) is Float8Linear and type(block.ffn[0]) is Float8Linear
+    cross = sum(isinstance(m, nn.Linear) for m in block.cross_attn.modules())
+    assert converted == (per_block - 1 - cross) * len(model.blocks) == fp8_linears(model)
+    with pytest.raises(ValueError, match=r"train.fp8_bf16_layers: \['cross'\] name no linear of a block; .*"
+                                         r"'self_attn.o'"):
+        convert_blocks_to_fp8(tiny_model(), keep=["cross"])  # a prefix of whole names only
+    with pytest.raises(ValueError, match="left out of train.fp8_bf16_layers"):
+        convert_blocks_to_fp8(tiny_model(), keep=["self_attn", "cross_attn", "ffn"])
+
+
 def test_a_converted_model_trains_close_to_the_full_precision_one():
     torch.manual_seed(0)
     model = tiny_model()

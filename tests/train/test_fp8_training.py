@@ -46,6 +46,9 @@ def test_where_fp8_runs_the_blocks_train_through_fp8_matmuls(data, tmp_path, mon
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # master weights stay fp32
     fp8_run = train(_cfg(data, tmp_path / "fp8"))
     assert "linears of the blocks run FP8 matmuls" in capsys.readouterr().out
+    kept = train(_cfg(data, tmp_path / "kept", fp8_bf16_layers=["cross_attn"]))
+    assert "and the blocks' cross_attn" in capsys.readouterr().out
+    assert kept[0]["loss"] != fp8_run[0]["loss"]  # the cross-attention's projections ran in bf16
     bf16_run = train(_cfg(data, tmp_path / "bf16", precision="bf16"))
     assert all(math.isfinite(h["loss"]) for h in fp8_run)
     assert fp8_run[0]["loss"] != bf16_run[0]["loss"]  # the FP8 path did run
