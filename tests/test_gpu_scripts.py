@@ -107,3 +107,26 @@ def test_the_14b_projection_adds_the_layers_to_the_rest_of_the_step(tmp_path):
     out, = project_14b.project(rows)
     assert out["layer_ms"] == 60.0 and out["rest_ms"] == 20.0 and out["step_ms"] == 20.0 + 40 * 60.0
     assert out["gpus"] == 2 and out["precision"] == "fp8" and 0 < out["mfu_vs_bf16_peak"] < 1
+
+
+def test_the_fp8_backward_variants_compute_the_same_gradients():
+    """docs/bench/fp8_backward_variants.py: the fused version is the library's arithmetic with the transposes
+    inline (equal results), the bf16 weight gradient differs from it only in dW."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("variants", RESULTS.parent / "bench" / "fp8_backward_variants.py")
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+    grads = {}
+    for name, fn in variants.VARIANTS.items():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(37, 64, generator=g, requires_grad=True)
+        w = torch.randn(32, 64, generator=g, requires_grad=True)
+        fn.apply(x, w, torch.float32).square().sum().backward()
+        grads[name] = (x.grad, w.grad)
+    torch.testing.assert_close(grads["fused"], grads["library"], rtol=0, atol=0)
+    torch.testing.assert_close(grads["bf16_weight_grad"][0], grads["library"][0], rtol=0, atol=0)
+    dw, ref = grads["bf16_weight_grad"][1], grads["library"][1]
+    assert 0 < ((dw - ref).norm() / ref.norm()).item() < 0.1

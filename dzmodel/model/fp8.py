@@ -134,8 +134,9 @@ def _kept(name: str, keep: tuple[str, ...]) -> bool:
 def _block_linears(model: nn.Module, also: tuple[type, ...] = (),
                    keep: tuple[str, ...] = ()) -> list[tuple[nn.Module, str, nn.Module]]:
     """(parent, attribute, linear) for each linear of `model.blocks` that FP8 can take (and each of the types
-    `also`), but those named in `keep` (a name within a block, or its prefix: "cross_attn"); refused when there is
-    none, or when a name of `keep` names no linear of a block."""
+    `also`), but those named in `keep` (a linear's dotted name within a block, or a leading part of it:
+    "cross_attn"). Refused when there is none, when a name of `keep` matches no linear, and when it keeps some of
+    an attention's q, k and v but not all (they run as one matmul, which needs one kind of layer)."""
     found, names = [], set()
     for block in model.blocks:
         for parent_name, parent in block.named_modules():
@@ -145,19 +146,34 @@ def _block_linears(model: nn.Module, also: tuple[type, ...] = (),
                     names.add(qualified)
                     if not _kept(qualified, keep):
                         found.append((parent, name, child))
-    unknown = [k for k in keep if not any(_kept(n, (k,)) for n in names)]
-    if unknown:
-        raise ValueError(f"train.fp8_bf16_layers: {unknown} name no linear of a block; the block's linears are "
-                         f"{sorted(names)}")
+    setting = "train.fp8_bf16_layers"
+    for k in keep:
+        if not any(_kept(n, (k,)) for n in names):
+            raise ValueError(f"{setting}: {k!r} matches no FP8 linear of the blocks (a name matches a linear's dotted "
+                             f"name or a leading part of it, e.g. 'cross_attn' or 'cross_attn.q'); they are: "
+                             f"{', '.join(sorted(names))}")
+    for attention in sorted({n.rsplit(".", 1)[0] for n in names if n.endswith((".q", ".k", ".v"))}):
+        qkv = [f"{attention}.{p}" for p in "qkv" if f"{attention}.{p}" in names]
+        if 0 < sum(_kept(n, keep) for n in qkv) < len(qkv):
+            raise ValueError(f"{setting} keeps some of {', '.join(qkv)} but not all: they run as one matmul, in one "
+                             f"precision; name all three or {attention!r}")
     if not found:
         raise ValueError("precision fp8: no linear of the model's blocks has dims that are multiples of 16"
-                         + (" and is left out of train.fp8_bf16_layers" if keep else ""))
+                         + (f" and is left out of {setting}" if keep else ""))
     return found
+
+
+def check_bf16_layers(model: nn.Module, keep: list[str]) -> None:
+    """The errors convert_blocks_to_fp8 would give for `keep`, without converting (where FP8 falls back to bf16,
+    a wrong name is still refused on the machine where it was written)."""
+    _block_linears(model, keep=tuple(keep))
 
 
 def convert_blocks_to_fp8(model: nn.Module, keep: tuple[str, ...] | list[str] = ()) -> int:
     """Turn the linears of `model.blocks` into Float8Linear in place (their parameters stay), but those named in
     `keep` (names within a block, or their prefixes); returns how many."""
+    if isinstance(keep, str):  # a name, not a list of them
+        raise TypeError(f"keep is a list of names, got the string {keep!r}")
     found = _block_linears(model, keep=tuple(keep))
     for _, _, linear in found:
         linear.__class__ = Float8Linear

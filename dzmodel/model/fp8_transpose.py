@@ -17,12 +17,13 @@ TILE = 64
 
 
 def padded_rows(rows: int) -> int:
-    return rows + (-rows % ALIGN)
+    return (rows + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _torch_transpose_padded(t: torch.Tensor) -> torch.Tensor:
     extra = padded_rows(t.shape[0]) - t.shape[0]
-    return (F.pad(t, (0, 0, 0, extra)) if extra else t).t().contiguous()
+    # a new tensor even where t.t() is already contiguous: a custom op's output must not alias its input
+    return (F.pad(t, (0, 0, 0, extra)) if extra else t).t().clone(memory_format=torch.contiguous_format)
 
 
 try:  # Triton comes with CUDA builds of torch; CPU builds run the plain copy
@@ -46,22 +47,28 @@ def uses_triton(t: torch.Tensor) -> bool:
     return triton is not None and t.is_cuda
 
 
+def _check(t: torch.Tensor) -> None:
+    if t.dim() != 2 or t.element_size() != 1:
+        raise ValueError(f"transpose_padded takes a 2-d tensor of one-byte elements, got {tuple(t.shape)} {t.dtype}")
+
+
 @torch.library.custom_op("dzmodel::transpose_padded", mutates_args=())
 def transpose_padded(t: torch.Tensor) -> torch.Tensor:
     """t [M, N] of one-byte elements (an FP8 tensor viewed as uint8) as a contiguous [N, M'], M' = M rounded up to
     a multiple of 16, the extra columns zero (they add nothing to a product over M)."""
-    if t.dim() != 2 or t.element_size() != 1:
-        raise ValueError(f"transpose_padded takes a 2-d tensor of one-byte elements, got {tuple(t.shape)} {t.dtype}")
-    if not uses_triton(t):
+    _check(t)
+    if not uses_triton(t) or t.numel() == 0:
         return _torch_transpose_padded(t)
     rows, cols = t.shape
     t = t.contiguous()
     out = torch.empty(cols, padded_rows(rows), dtype=t.dtype, device=t.device)
     grid = (triton.cdiv(out.shape[1], TILE), triton.cdiv(cols, TILE))
-    _transpose_padded_kernel[grid](t, out, rows, cols, out.shape[1], TILE=TILE)
+    with torch.cuda.device(t.device):  # Triton launches on the current device
+        _transpose_padded_kernel[grid](t, out, rows, cols, out.shape[1], TILE=TILE)
     return out
 
 
 @transpose_padded.register_fake
 def _(t: torch.Tensor) -> torch.Tensor:
+    _check(t)
     return t.new_empty(t.shape[1], padded_rows(t.shape[0]))

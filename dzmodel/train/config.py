@@ -144,6 +144,9 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"train.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.fp8_bf16_layers and self.precision != "fp8":
+            raise ValueError(f"train.fp8_bf16_layers names linears kept in bf16 under precision fp8; precision is "
+                             f"{self.precision!r}: leave it out, or set precision: fp8")
         if self.precision == "fp8" and self.lora.enabled:
             raise ValueError("train.precision fp8 converts the blocks' plain linears, and LoRA adapts those same "
                              "layers: train LoRA with precision bf16, or fp8 without train.lora")

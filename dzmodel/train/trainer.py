@@ -32,7 +32,7 @@ from ..data.video import worker_init_fn
 from ..dirlock import directory_lock
 from ..model.args import OFFLINE_PRESETS, preset
 from ..model.conditioning import NULL_PROMPT, encode_prompts
-from ..model.fp8 import convert_blocks_to_fp8, resolve_precision
+from ..model.fp8 import check_bf16_layers, convert_blocks_to_fp8, resolve_precision
 from ..model.lora import apply_lora, trainable_parameters
 from ..model.state_dict import load_wan_dit
 from ..model.vae import WanVideoVAE38
@@ -186,6 +186,8 @@ class Trainer:
         if cfg.lora.enabled:  # the base is frozen (in the compute dtype) and referenced by checkpoints, not copied
             self.base = base_reference(cfg, dev)
             apply_lora(model, cfg.lora, base_dtype=DTYPES[precision] if precision != "fp32" else None)
+        if cfg.fp8_bf16_layers and precision != "fp8":  # fell back to bf16: the names are still checked
+            check_bf16_layers(model, cfg.fp8_bf16_layers)
         if precision == "fp8":  # before compile, so the compiled blocks see the FP8 matmuls
             converted = convert_blocks_to_fp8(model, cfg.fp8_bf16_layers)
             if self.info.rank == 0:

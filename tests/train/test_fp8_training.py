@@ -103,3 +103,13 @@ def test_elementwise_recompute_keeps_the_fp8_matmuls():
 def test_fp8_with_lora_is_one_clear_error(data, tmp_path):
     with pytest.raises(ValueError, match="train LoRA with precision bf16"):
         _cfg(data, tmp_path, lora={"rank": 4})
+
+
+def test_bf16_layers_are_checked_without_fp8_too(data, tmp_path):
+    with pytest.raises(ValueError, match="fp8_bf16_layers names linears kept in bf16 under precision fp8; "
+                                         "precision is 'bf16'"):
+        _cfg(data, tmp_path, precision="bf16", fp8_bf16_layers=["cross_attn"])
+    # on this CPU fp8 falls back to bf16, and a wrong name is still refused where it was written
+    trainer = Trainer(_cfg(data, tmp_path, fp8_bf16_layers=["cross"]))
+    with pytest.raises(ValueError, match="'cross' matches no FP8 linear of the blocks"):
+        trainer.build_model()

@@ -1,0 +1,67 @@
+"""Versions of the FP8 linear's backward in the 5B step, profiled one per process (`dz bench profile`'s step):
+    PYTHONPATH=$PWD python docs/bench/fp8_backward_variants.py VARIANT [LAYERS]    (on a GPU with FP8)
+VARIANT:
+  library          dzmodel/model/fp8.py as it is: dW's transposed, padded FP8 operands as one custom op each
+  fused            those transposes written inline, so Inductor fuses them into the FP8 casts (the first version)
+  bf16_weight_grad dW = dY^T X in bf16 from the unrounded tensors: no FP8 transposes at all
+Prints the kernel summary and appends a JSON line to $OUT/fp8_backward_variants.jsonl."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from dzmodel.bench import train_profile
+from dzmodel.model import fp8
+from dzmodel.model.fp8 import E4M3, E5M2, _quantize
+
+
+def _grad_x(gq, g_inv, weight, ctx, grad_out):
+    wq, w_inv = _quantize(weight, E4M3)
+    return torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=g_inv, scale_b=w_inv,
+                            out_dtype=grad_out.dtype).to(ctx.x_dtype)
+
+
+class Fused(fp8._Float8Matmul):
+    @staticmethod
+    def backward(ctx, grad_out):
+        xq, x_inv, weight = ctx.saved_tensors
+        gq, g_inv = _quantize(grad_out, E5M2)
+        extra = -xq.shape[0] % 16
+        g_t = F.pad(gq.view(torch.uint8), (0, 0, 0, extra)).view(gq.dtype).t().contiguous()
+        x_cm = F.pad(xq.view(torch.uint8), (0, 0, 0, extra)).view(xq.dtype).t().contiguous().t()
+        grad_w = torch._scaled_mm(g_t, x_cm, scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)
+        return _grad_x(gq, g_inv, weight, ctx, grad_out), grad_w.to(ctx.weight_dtype), None
+
+
+class Bf16WeightGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, out_dtype):
+        xq, x_inv = _quantize(x, E4M3)
+        wq, w_inv = _quantize(weight, E4M3)
+        ctx.save_for_backward(x, weight)  # unrounded: recomputed under elementwise recompute
+        ctx.weight_dtype, ctx.x_dtype = weight.dtype, x.dtype
+        return torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        gq, g_inv = _quantize(grad_out, E5M2)
+        grad_w = (grad_out.t() @ x.to(grad_out.dtype)).to(ctx.weight_dtype)
+        return _grad_x(gq, g_inv, weight, ctx, grad_out), grad_w, None
+
+
+VARIANTS = {"library": fp8._Float8Matmul, "fused": Fused, "bf16_weight_grad": Bf16WeightGrad}
+
+if __name__ == "__main__":
+    name, layers = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    fp8._Float8Matmul = VARIANTS[name]  # float8_linear looks it up at each call
+    s = train_profile.profile_step("dreamzero_5b", layers, 21, True, "elementwise", "segments", (11, 20),
+                                   precision="fp8")
+    print(f"variant {name}, {layers} layers:")
+    train_profile.print_summary(s)
+    with open(os.path.join(os.environ.get("OUT", "."), "fp8_backward_variants.jsonl"), "a") as f:
+        f.write(json.dumps({"variant": name, "layers": layers, "step_ms": s.step_ms, "by_category": s.by_category,
+                            "top": s.top}) + "\n")
