@@ -171,7 +171,7 @@ def check_bf16_layers(model: nn.Module, keep: list[str]) -> None:
 
 def convert_blocks_to_fp8(model: nn.Module, keep: tuple[str, ...] | list[str] = ()) -> int:
     """Turn the linears of `model.blocks` into Float8Linear in place (their parameters stay), but those named in
-    `keep` (names within a block, or their prefixes); returns how many."""
+    `keep` (dotted names within a block, or leading parts of them); returns how many."""
     if isinstance(keep, str):  # a name, not a list of them
         raise TypeError(f"keep is a list of names, got the string {keep!r}")
     found = _block_linears(model, keep=tuple(keep))

@@ -92,7 +92,7 @@ class TrainConfig:
     # systems
     precision: str = "fp32"                 # compute dtype: fp32 | bf16 | fp8 (the blocks' linears in FP8, the rest
                                             # bf16; bf16 where the device has no FP8); master weights and Adam stay fp32
-    # under precision fp8, the blocks' linears that stay bf16, by their names in a block or a prefix of them
+    # under precision fp8, the blocks' linears that stay bf16, by their dotted names in a block or a leading part
     # ("self_attn.o", "cross_attn" for its projections); empty: every linear of the blocks runs FP8
     fp8_bf16_layers: list[str] = field(default_factory=list)
     # the tokens between blocks in the compute dtype (bf16), as inference with bf16 weights and FSDP2 training run
