@@ -81,10 +81,10 @@ $(LIBERO_STAMP): $(STAMP)
 test: setup libero
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# End-to-end tests marked `slow`; CI runs them after `make test`. Exit 5 = none collected. Debian's Chromium
-# renders the offline `dvc plots show` page headless (tests/test_dvc.py).
+# End-to-end tests marked `slow`; CI runs them before `make test` and lists the slowest. Exit 5 = none collected.
+# Debian's Chromium renders the offline `dvc plots show` page headless (tests/test_dvc.py).
 test-slow: setup libero browser
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m slow --durations=15 $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-all: test test-slow
 

@@ -19,6 +19,8 @@ from tests.flows.servers import BIN, QUIET, background, free_port, mlflow_server
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
+# the demo's 1000 steps take 4-10 minutes on 2 cores; these tests are about the servers, and make demo trains fully
+SHORT_TRAIN = ["train.steps=30", "train.save_every=10"]
 
 
 def _json(url: str, body: dict | None = None) -> dict | list:
@@ -48,13 +50,14 @@ def servers(tmp_path_factory):
 def test_scheduled_deployment_run_is_created_and_completes(servers):
     env, api, project = servers["env"], servers["prefect"], servers["project"]
     out = subprocess.run([str(BIN / "dz"), "deploy", "--cron", "* * * * *", "--param", "profile=demo",
-                          "--param", f"root={project}"], env=env, capture_output=True, text=True, cwd=ROOT)
+                          "--param", f"root={project}", "--param", f"overrides={json.dumps(SHORT_TRAIN)}"],
+                         env=env, capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "created work pool gpu-pool" in out.stdout and "gpu-pool = 1" in out.stdout
     deployment = _json(f"{api}/deployments/name/sft-pipeline/nightly")
     crons = {s["schedule"].get("cron") for s in deployment["schedules"]}
     assert {"0 2 * * *", "* * * * *"} <= crons  # prefect.yaml's nightly schedule, plus the test's every-minute one
-    assert deployment["parameters"] == {"profile": "demo", "root": str(project)}
+    assert deployment["parameters"] == {"profile": "demo", "root": str(project), "overrides": SHORT_TRAIN}
     limits = _json(f"{api}/concurrency_limits/filter", {})
     assert any(c["tag"] == "gpu-pool" and c["concurrency_limit"] == 1 for c in limits)
 
@@ -77,7 +80,7 @@ def test_scheduled_deployment_run_is_created_and_completes(servers):
         _json(f"{api}/deployments/{deployment['id']}/pause_deployment", {})  # no more runs while tearing down
     assert done is not None, worker_log.read_text()[-4000:]
     assert done["auto_scheduled"] is True  # created by the server's scheduler from the cron schedule
-    assert done["parameters"]["profile"] == "demo"
+    assert done["parameters"]["profile"] == "demo" and done["parameters"]["overrides"] == SHORT_TRAIN
     tasks = _json(f"{api}/task_runs/filter", {"flow_runs": {"id": {"any_": [done["id"]]}}})
     names = {t["name"].rsplit("-", 1)[0] for t in tasks if t["state_type"] == "COMPLETED"}
     assert {"fetch", "metadata", "cache", "train", "convert", "eval", "package", "register-and-promote"} <= names
@@ -88,7 +91,7 @@ def test_scheduled_deployment_run_is_created_and_completes(servers):
 
 def test_mlflow_server_compares_two_demo_runs(servers):
     env, project, mlf = servers["env"], servers["project"], servers["mlflow"]
-    short = ["--set", "train.steps=30", "--set", "train.save_every=10"]  # the demo's 1000 steps take minutes
+    short = [arg for item in SHORT_TRAIN for arg in ("--set", item)]
     for extra in (short, [*short, "--set", "train.lr=1.0e-3"]):
         out = subprocess.run([str(BIN / "dz"), "pipeline", "run", "--profile", "demo", "--root", str(project), *extra],
                              env=env, capture_output=True, text=True, cwd=ROOT)
