@@ -1,9 +1,11 @@
 """Versions of the FP8 linear's backward in the 5B step, profiled one per process (`dz bench profile`'s step):
     PYTHONPATH=$PWD python docs/bench/fp8_backward_variants.py VARIANT [LAYERS]    (on a GPU with FP8)
 VARIANT:
-  library          dzmodel/model/fp8.py as it is: dW's transposed, padded FP8 operands as one custom op each
-  fused            those transposes written inline, so Inductor fuses them into the FP8 casts (the first version)
-  bf16_weight_grad dW = dY^T X in bf16 from the unrounded tensors: no FP8 transposes at all
+  library          dzmodel/model/fp8.py as it is: every transposed FP8 operand (dW's dY and X, dX's W) one custom
+                   op each
+  weight_inline    dW's operands by the custom op, dX's transposed W inline (fused into its cast by Inductor)
+  fused            all the transposes inline, so Inductor fuses them into the FP8 casts (the first version)
+  bf16_weight_grad dW = dY^T X in bf16 from the unrounded tensors, dX's W inline: no FP8 transposes for dW
 Prints the kernel summary and appends a JSON line to $OUT/fp8_backward_variants.jsonl."""
 
 import json
@@ -16,12 +18,24 @@ import torch.nn.functional as F
 from dzmodel.bench import train_profile
 from dzmodel.model import fp8
 from dzmodel.model.fp8 import E4M3, E5M2, _quantize
+from dzmodel.model.fp8_transpose import transpose_padded
 
 
 def _grad_x(gq, g_inv, weight, ctx, grad_out):
     wq, w_inv = _quantize(weight, E4M3)
     return torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=g_inv, scale_b=w_inv,
                             out_dtype=grad_out.dtype).to(ctx.x_dtype)
+
+
+class WeightInline(fp8._Float8Matmul):
+    @staticmethod
+    def backward(ctx, grad_out):
+        xq, x_inv, weight = ctx.saved_tensors
+        gq, g_inv = _quantize(grad_out, E5M2)
+        g_t = transpose_padded(gq.view(torch.uint8)).view(gq.dtype)
+        x_t = transpose_padded(xq.view(torch.uint8)).view(xq.dtype)
+        grad_w = torch._scaled_mm(g_t, x_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)
+        return _grad_x(gq, g_inv, weight, ctx, grad_out), grad_w.to(ctx.weight_dtype), None
 
 
 class Fused(fp8._Float8Matmul):
@@ -53,7 +67,8 @@ class Bf16WeightGrad(torch.autograd.Function):
         return _grad_x(gq, g_inv, weight, ctx, grad_out), grad_w, None
 
 
-VARIANTS = {"library": fp8._Float8Matmul, "fused": Fused, "bf16_weight_grad": Bf16WeightGrad}
+VARIANTS = {"library": fp8._Float8Matmul, "weight_inline": WeightInline, "fused": Fused,
+            "bf16_weight_grad": Bf16WeightGrad}
 
 if __name__ == "__main__":
     name, layers = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 4

@@ -90,7 +90,10 @@ class _Float8Matmul(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # dX = dY [M, N] @ W [N, K]: W as a column-major [N, K]
             wq, w_inv = _quantize(weight, E4M3)
-            grad_x = torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=g_inv, scale_b=w_inv,
+            # W^T row-major [K, N] (N is a multiple of 16: no padding) by the same opaque copy: a transpose left to
+            # the compiler fused into the cast, at about 200 GB/s on an H200
+            w_t = transpose_padded(wq.view(torch.uint8)).view(wq.dtype)
+            grad_x = torch._scaled_mm(gq, w_t.t(), scale_a=g_inv, scale_b=w_inv,
                                       out_dtype=grad_out.dtype).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:  # dW = dY^T [N, M] @ X [M, K], the token dimension padded to a multiple of 16
             g_t = transpose_padded(gq.view(torch.uint8)).view(gq.dtype)  # dY^T, row-major
