@@ -22,6 +22,8 @@
 #   PART=profile where a 5B step's GPU time goes, bf16 then fp8 (`dz bench profile`: PROFILE_LAYERS (default 4) of the
 #                30 layers, micro-batch 21, compiled, elementwise recompute; kernels by category and the top 20), and
 #                each linear layer of a block alone, forward + backward, bf16 against the FP8 layer (`--linears`)
+#   PART=variants versions of the FP8 linear's backward in the same 4-layer step, one process each
+#                (docs/bench/fp8_backward_variants.py; BACKWARD_VARIANTS, default "library weight_inline")
 #   PART=loader  `dz bench data --trainer-loader` on this machine's cores at the 5B DROID shape, the videos decoded by
 #                the loader workers (cpu) and then by the GPU (nvdec), LOADER_WORKERS (default 0,2,4) workers each,
 #                nvdec on NVDEC_THREADS (default 1,4) decoding threads (train.nvdec_threads).
@@ -102,6 +104,10 @@ for line in sys.stdin:
         --variant "name=$p,mbs=21,compile=1,ac=elementwise,attn=segments,prec=$p" \
         --out "$OUT/profile_5b_fp8_$GPU.jsonl" 2>&1 | grep -v -i warn
     done ;;
+  variants)
+    for v in ${BACKWARD_VARIANTS:-library weight_inline}; do
+      python docs/bench/fp8_backward_variants.py "$v" "${PROFILE_LAYERS:-4}" 2>&1 | grep -v -i warn
+    done ;;
   loader)
     python -m pip install -q --no-index --no-deps --no-compile --target /tmp/nvdec .nvdec_wheels/*.whl
     for decode in cpu nvdec; do
@@ -110,6 +116,7 @@ for line in sys.stdin:
         --out "$OUT/loader_droid_$GPU.jsonl" || true
     done
     echo "cores: $(nproc)" ;;
-  *) echo "PART must be train, parity, policy, 14b, tail, profile or loader (or several, comma-separated)" >&2; exit 2 ;;
+  *) echo "PART must be train, parity, policy, 14b, tail, profile, variants or loader (or several, comma-separated)" >&2
+     exit 2 ;;
 esac
 done
