@@ -131,3 +131,47 @@ def test_the_fp8_backward_variants_compute_the_same_gradients():
     torch.testing.assert_close(grads["bf16_weight_grad"][0], grads["library"][0], rtol=0, atol=0)
     dw, ref = grads["bf16_weight_grad"][1], grads["library"][1]
     assert 0 < ((dw - ref).norm() / ref.norm()).item() < 0.1
+
+
+def test_the_saving_variant_keeps_the_fp8_inputs_out_of_the_recompute():
+    """fp8_backward_variants.py save_fp8_inputs: under elementwise recompute the backward reads the forward's e4m3
+    input (no cast of it again); the library recomputes it, with the weight's cast. The gradients are the same."""
+    import importlib.util
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dzmodel.model.fp8 import E4M3, Float8Linear
+    from dzmodel.train import parallelize
+
+    spec = importlib.util.spec_from_file_location("variants", RESULTS.parent / "bench" / "fp8_backward_variants.py")
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+
+    class CountCasts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.casts += func is torch.ops.aten._to_copy.default and (kwargs or {}).get("dtype") == E4M3
+            return func(*args, **(kwargs or {}))
+
+    layer = torch.nn.Linear(32, 16)
+    layer.__class__ = Float8Linear
+    counts, grads = {}, {}
+    for name, policy in (("library", parallelize._recompute_elementwise_policy),
+                         ("save_fp8_inputs", variants.POLICIES["save_fp8_inputs"])):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        layer.zero_grad()
+        original = parallelize._recompute_elementwise_policy
+        parallelize._recompute_elementwise_policy = policy
+        try:
+            with CountCasts() as count:
+                parallelize._elementwise_checkpointed(lambda t: torch.nn.functional.gelu(layer(t)), x).sum().backward()
+        finally:
+            parallelize._recompute_elementwise_policy = original
+        counts[name], grads[name] = count.casts, (x.grad, layer.weight.grad.clone())
+    # forward: x and W; the backward's own W (for dX); the library's recompute: x and W again
+    assert counts == {"library": 5, "save_fp8_inputs": 3}
+    torch.testing.assert_close(grads["save_fp8_inputs"], grads["library"], rtol=0, atol=0)

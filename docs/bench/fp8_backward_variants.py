@@ -6,6 +6,8 @@ VARIANT:
   weight_inline    dW's operands by the custom op, dX's transposed W inline (fused into its cast by Inductor)
   fused            all the transposes inline, so Inductor fuses them into the FP8 casts (the first version)
   bf16_weight_grad dW = dY^T X in bf16 from the unrounded tensors, dX's W inline: no FP8 transposes for dW
+  save_fp8_inputs  the library's backward, with elementwise recompute keeping the linears' e4m3 inputs and their
+                   absolute maxima instead of recomputing both in the backward (1 byte an element more memory)
 Prints the kernel summary and appends a JSON line to $OUT/fp8_backward_variants.jsonl."""
 
 import json
@@ -19,6 +21,7 @@ from dzmodel.bench import train_profile
 from dzmodel.model import fp8
 from dzmodel.model.fp8 import E4M3, E5M2, _quantize
 from dzmodel.model.fp8_transpose import transpose_padded
+from dzmodel.train import parallelize
 
 
 def _grad_x(gq, g_inv, weight, ctx, grad_out):
@@ -67,12 +70,31 @@ class Bf16WeightGrad(torch.autograd.Function):
         return _grad_x(gq, g_inv, weight, ctx, grad_out), grad_w, None
 
 
+def saving_fp8_inputs_policy(library_policy=parallelize._recompute_elementwise_policy):
+    """The elementwise recompute policy, but the e4m3 casts and the absolute maxima are kept (saved in the forward,
+    not recomputed in the backward). The weight's cast is never read by the backward, which rounds the weight
+    again: compiled, only what the backward reads is saved."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    policy, aten = library_policy(), torch.ops.aten
+
+    def save_fp8(ctx, op, *args, **kwargs):
+        if (op is aten._to_copy.default and kwargs.get("dtype") == E4M3) or op is aten.amax.default:
+            return CheckpointPolicy.MUST_SAVE
+        return policy(ctx, op, *args, **kwargs)
+
+    return save_fp8
+
+
 VARIANTS = {"library": fp8._Float8Matmul, "weight_inline": WeightInline, "fused": Fused,
-            "bf16_weight_grad": Bf16WeightGrad}
+            "bf16_weight_grad": Bf16WeightGrad, "save_fp8_inputs": fp8._Float8Matmul}
+POLICIES = {"save_fp8_inputs": saving_fp8_inputs_policy}
 
 if __name__ == "__main__":
     name, layers = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 4
     fp8._Float8Matmul = VARIANTS[name]  # float8_linear looks it up at each call
+    if name in POLICIES:  # _elementwise_checkpointed looks it up at each call
+        parallelize._recompute_elementwise_policy = POLICIES[name]
     s = train_profile.profile_step("dreamzero_5b", layers, 21, True, "elementwise", "segments", (11, 20),
                                    precision="fp8")
     print(f"variant {name}, {layers} layers:")

@@ -23,7 +23,7 @@
 #                30 layers, micro-batch 21, compiled, elementwise recompute; kernels by category and the top 20), and
 #                each linear layer of a block alone, forward + backward, bf16 against the FP8 layer (`--linears`)
 #   PART=variants versions of the FP8 linear's backward in the same 4-layer step, one process each
-#                (docs/bench/fp8_backward_variants.py; BACKWARD_VARIANTS, default "library weight_inline")
+#                (docs/bench/fp8_backward_variants.py; BACKWARD_VARIANTS, default "library weight_inline save_fp8_inputs")
 #   PART=loader  `dz bench data --trainer-loader` on this machine's cores at the 5B DROID shape, the videos decoded by
 #                the loader workers (cpu) and then by the GPU (nvdec), LOADER_WORKERS (default 0,2,4) workers each,
 #                nvdec on NVDEC_THREADS (default 1,4) decoding threads (train.nvdec_threads).
@@ -105,7 +105,7 @@ for line in sys.stdin:
         --out "$OUT/profile_5b_fp8_$GPU.jsonl" 2>&1 | grep -v -i warn
     done ;;
   variants)
-    for v in ${BACKWARD_VARIANTS:-library weight_inline}; do
+    for v in ${BACKWARD_VARIANTS:-library weight_inline save_fp8_inputs}; do
       python docs/bench/fp8_backward_variants.py "$v" "${PROFILE_LAYERS:-4}" 2>&1 | grep -v -i warn
     done ;;
   loader)
