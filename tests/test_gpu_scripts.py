@@ -133,45 +133,105 @@ def test_the_fp8_backward_variants_compute_the_same_gradients():
     assert 0 < ((dw - ref).norm() / ref.norm()).item() < 0.1
 
 
-def test_the_saving_variant_keeps_the_fp8_inputs_out_of_the_recompute():
-    """fp8_backward_variants.py save_fp8_inputs: under elementwise recompute the backward reads the forward's e4m3
-    input (no cast of it again); the library recomputes it, with the weight's cast. The gradients are the same."""
+def _variants():
     import importlib.util
+    import sys
 
+    if "fp8_backward_variants" not in sys.modules:  # registered: the compiler looks its functions' module up
+        path = RESULTS.parent / "bench" / "fp8_backward_variants.py"
+        spec = importlib.util.spec_from_file_location("fp8_backward_variants", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["fp8_backward_variants"] = module
+    return sys.modules["fp8_backward_variants"]
+
+
+def _with_variant(variants, name, fn):
+    """fn() with fp8_backward_variants.py's `name` in place, as its __main__ puts it."""
+    from dzmodel.model import fp8
+    from dzmodel.train import parallelize
+
+    saved = fp8._Float8Matmul, parallelize._recompute_elementwise_policy
+    fp8._Float8Matmul = variants.VARIANTS[name]
+    parallelize._recompute_elementwise_policy = variants.POLICIES.get(name, saved[1])
+    try:
+        return fn()
+    finally:
+        fp8._Float8Matmul, parallelize._recompute_elementwise_policy = saved
+
+
+def test_the_saving_variant_keeps_the_fp8_input_out_of_the_recompute_but_not_the_weight():
+    """fp8_backward_variants.py save_fp8_inputs, eager: under elementwise recompute the input's e4m3 cast runs once
+    (the library runs it again in the backward); the weight's runs three times in both (forward, recompute, the
+    backward's own): its copy is not kept. The gradients are the same."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from dzmodel.model.fp8 import E4M3, Float8Linear
     from dzmodel.train import parallelize
 
-    spec = importlib.util.spec_from_file_location("variants", RESULTS.parent / "bench" / "fp8_backward_variants.py")
-    variants = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(variants)
+    variants = _variants()
+    aten = torch.ops.aten
 
     class CountCasts(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.casts = 0
+            self.shapes = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.casts += func is torch.ops.aten._to_copy.default and (kwargs or {}).get("dtype") == E4M3
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if func in (aten._to_copy.default, aten.copy_.default) and out.dtype == E4M3:
+                self.shapes.append(tuple(out.shape))
+            return out
 
     layer = torch.nn.Linear(32, 16)
     layer.__class__ = Float8Linear
-    counts, grads = {}, {}
-    for name, policy in (("library", parallelize._recompute_elementwise_policy),
-                         ("save_fp8_inputs", variants.POLICIES["save_fp8_inputs"])):
+    casts, grads = {}, {}
+    for name in ("library", "save_fp8_inputs"):
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
         layer.zero_grad()
-        original = parallelize._recompute_elementwise_policy
-        parallelize._recompute_elementwise_policy = policy
-        try:
+
+        def run():
             with CountCasts() as count:
                 parallelize._elementwise_checkpointed(lambda t: torch.nn.functional.gelu(layer(t)), x).sum().backward()
-        finally:
-            parallelize._recompute_elementwise_policy = original
-        counts[name], grads[name] = count.casts, (x.grad, layer.weight.grad.clone())
-    # forward: x and W; the backward's own W (for dX); the library's recompute: x and W again
-    assert counts == {"library": 5, "save_fp8_inputs": 3}
+            return count.shapes
+
+        shapes = _with_variant(variants, name, run)
+        casts[name] = shapes.count((8, 32)), shapes.count((16, 32))
+        grads[name] = (x.grad, layer.weight.grad.clone())
+    assert casts == {"library": (2, 3), "save_fp8_inputs": (1, 3)}
     torch.testing.assert_close(grads["save_fp8_inputs"], grads["library"], rtol=0, atol=0)
+
+
+def test_compiled_the_saving_variant_saves_the_fp8_input_and_not_the_weights_copy():
+    """Compiled, what the forward saves for the backward holds the input's e4m3 copy (the library's policy saves
+    none) and no e4m3 copy of the weight."""
+    import torch
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from dzmodel.model.fp8 import E4M3, Float8Linear
+    from dzmodel.train import parallelize
+
+    variants = _variants()
+    saved = []
+
+    def record_forward(gm, _):
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        saved.extend((tuple(o.meta["val"].shape), o.meta["val"].dtype) for o in outputs if hasattr(o, "meta"))
+        return make_boxed_func(gm.forward)
+
+    layer = torch.nn.Linear(32, 16)
+    layer.__class__ = Float8Linear
+    x = torch.randn(8, 32, requires_grad=True)
+
+    def run():
+        torch._dynamo.reset()
+        fn = torch.compile(lambda t: parallelize._elementwise_checkpointed(
+            lambda u: torch.nn.functional.gelu(layer(u)), t),
+            backend=aot_autograd(fw_compiler=record_forward, bw_compiler=lambda gm, _: make_boxed_func(gm.forward)))
+        fn(x).sum().backward()
+
+    _with_variant(variants, "save_fp8_inputs", run)
+    fp8_saved = [shape for shape, dtype in saved if dtype == E4M3]
+    assert fp8_saved == [(8, 32)], saved

@@ -7,7 +7,8 @@ VARIANT:
   fused            all the transposes inline, so Inductor fuses them into the FP8 casts (the first version)
   bf16_weight_grad dW = dY^T X in bf16 from the unrounded tensors, dX's W inline: no FP8 transposes for dW
   save_fp8_inputs  the library's backward, with elementwise recompute keeping the linears' e4m3 inputs and their
-                   absolute maxima instead of recomputing both in the backward (1 byte an element more memory)
+                   absolute maxima instead of recomputing both in the backward (1 byte more memory for each element
+                   of a linear's input; the weights' e4m3 copies are not kept)
 Prints the kernel summary and appends a JSON line to $OUT/fp8_backward_variants.jsonl."""
 
 import json
@@ -70,10 +71,33 @@ class Bf16WeightGrad(torch.autograd.Function):
         return _grad_x(gq, g_inv, weight, ctx, grad_out), grad_w, None
 
 
+def _quantize_by_copy(t, dtype):
+    """_quantize's arithmetic with the rounding written as a copy into a new tensor (aten.copy_, not
+    aten._to_copy), so that the saving policy below keeps the input's cast and not the weight's."""
+    top = torch.finfo(dtype).max
+    amax = t.detach().abs().amax().float().clamp(min=1e-12)
+    scale = top / amax
+    out = torch.empty(t.shape, dtype=dtype, device=t.device)
+    out.copy_((t.float() * scale).clamp(-top, top))
+    return out, scale.reciprocal()
+
+
+class SaveInputs(fp8._Float8Matmul):
+    """The library's backward; the forward rounds the weight by _quantize_by_copy (the same bytes)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, out_dtype):
+        xq, x_inv = _quantize(x, E4M3)
+        wq, w_inv = _quantize_by_copy(weight, E4M3)
+        ctx.save_for_backward(xq, x_inv, weight)
+        ctx.weight_dtype, ctx.x_dtype = weight.dtype, x.dtype
+        return torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype)
+
+
 def saving_fp8_inputs_policy(library_policy=parallelize._recompute_elementwise_policy):
-    """The elementwise recompute policy, but the e4m3 casts and the absolute maxima are kept (saved in the forward,
-    not recomputed in the backward). The weight's cast is never read by the backward, which rounds the weight
-    again: compiled, only what the backward reads is saved."""
+    """The elementwise recompute policy, but each linear's e4m3 input (the aten._to_copy to e4m3 of SaveInputs)
+    and the absolute maxima (scalars) are kept, not recomputed in the backward. The weight's e4m3 copy is not
+    kept: the backward rounds the weight again, as in the library."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     policy, aten = library_policy(), torch.ops.aten
@@ -87,7 +111,7 @@ def saving_fp8_inputs_policy(library_policy=parallelize._recompute_elementwise_p
 
 
 VARIANTS = {"library": fp8._Float8Matmul, "weight_inline": WeightInline, "fused": Fused,
-            "bf16_weight_grad": Bf16WeightGrad, "save_fp8_inputs": fp8._Float8Matmul}
+            "bf16_weight_grad": Bf16WeightGrad, "save_fp8_inputs": SaveInputs}
 POLICIES = {"save_fp8_inputs": saving_fp8_inputs_policy}
 
 if __name__ == "__main__":
