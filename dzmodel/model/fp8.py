@@ -105,6 +105,9 @@ class _Float8Matmul(torch.autograd.Function):
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with its matmul in FP8 (and its backward, under autograd)."""
+    if weight.shape[0] % ALIGN or weight.shape[1] % ALIGN:  # CUDA's _scaled_mm refuses them; the CPU's may not
+        raise ValueError(f"float8_linear: the weight is {tuple(weight.shape)}; FP8 matmuls need both dims multiples "
+                         f"of {ALIGN}")
     out_dtype = _out_dtype(x)
     flat = x.reshape(-1, x.shape[-1])
     if flat.dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -3,8 +3,9 @@
 The FP8 weight gradient dW = dY^T X takes both operands with the token dimension inner and padded to a multiple of
 16 (`torch._scaled_mm`'s layout), and the input gradient dX = dY W takes W column-major. Left to Inductor, each
 transpose fused into the cast that produced the FP8 tensor, and the fused kernels ran at about a twentieth of the
-memory bandwidth: a 5B training step spent more time in dW's than in its FP8 matmuls. As a custom op, the copy is its own kernel on the GPU (Triton, square tiles: both the reads
-and the writes are contiguous rows) and a plain strided copy elsewhere.
+memory bandwidth: a 5B training step spent more time in dW's than in its FP8 matmuls. As a custom op, the copy
+is its own kernel on the GPU (Triton, square tiles: both the reads and the writes are contiguous rows) and a plain
+strided copy elsewhere.
 """
 
 from __future__ import annotations

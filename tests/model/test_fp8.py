@@ -42,6 +42,13 @@ def test_forward_and_backward_are_the_fp8_products(rows):
     assert 0.005 < ((y - exact).norm() / exact.norm()).item() < 0.1
 
 
+def test_a_weight_whose_dims_are_not_multiples_of_16_is_refused():
+    for shape in ((20, 64), (32, 40)):
+        with pytest.raises(ValueError, match=rf"the weight is \({shape[0]}, {shape[1]}\); FP8 matmuls need both dims "
+                                             "multiples of 16"):
+            float8_linear(torch.randn(8, shape[1]), torch.randn(*shape))
+
+
 def test_under_autocast_the_output_is_in_the_compute_dtype():
     x, w = torch.randn(16, 32), torch.randn(16, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
