@@ -112,13 +112,9 @@ def test_the_14b_projection_adds_the_layers_to_the_rest_of_the_step(tmp_path):
 def test_the_fp8_backward_variants_compute_the_same_gradients():
     """docs/bench/fp8_backward_variants.py: the inline versions are the library's arithmetic with some or all of
     the transposes inline (equal results), the bf16 weight gradient differs from it only in dW."""
-    import importlib.util
-
     import torch
 
-    spec = importlib.util.spec_from_file_location("variants", RESULTS.parent / "bench" / "fp8_backward_variants.py")
-    variants = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(variants)
+    variants = _variants()
     grads = {}
     for name, fn in variants.VARIANTS.items():
         g = torch.Generator().manual_seed(0)
