@@ -143,14 +143,13 @@ def _variants():
 
 
 def _with_variant(variants, name, fn):
-    """fn() with fp8_backward_variants.py's `name` in place, as its __main__ puts it."""
+    """fn() with fp8_backward_variants.py's `name` put in place by the script's own `use`, then the library's back."""
     from dzmodel.model import fp8
     from dzmodel.train import parallelize
 
     saved = fp8._Float8Matmul, parallelize._recompute_elementwise_policy
-    fp8._Float8Matmul = variants.VARIANTS[name]
-    parallelize._recompute_elementwise_policy = variants.POLICIES.get(name, saved[1])
     try:
+        variants.use(name)
         return fn()
     finally:
         fp8._Float8Matmul, parallelize._recompute_elementwise_policy = saved

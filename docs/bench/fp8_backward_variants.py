@@ -114,11 +114,17 @@ VARIANTS = {"library": fp8._Float8Matmul, "weight_inline": WeightInline, "fused"
             "bf16_weight_grad": Bf16WeightGrad, "save_fp8_inputs": SaveInputs}
 POLICIES = {"save_fp8_inputs": saving_fp8_inputs_policy}
 
-if __name__ == "__main__":
-    name, layers = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 4
+
+def use(name):
+    """Put variant `name` in place of the library's FP8 matmul (and recompute policy, where it has one)."""
     fp8._Float8Matmul = VARIANTS[name]  # float8_linear looks it up at each call
     if name in POLICIES:  # _elementwise_checkpointed looks it up at each call
         parallelize._recompute_elementwise_policy = POLICIES[name]
+
+
+if __name__ == "__main__":
+    name, layers = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    use(name)
     s = train_profile.profile_step("dreamzero_5b", layers, 21, True, "elementwise", "segments", (11, 20),
                                    precision="fp8")
     print(f"variant {name}, {layers} layers:")
