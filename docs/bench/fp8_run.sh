@@ -3,8 +3,10 @@
 # the device machine; JSON lines go to $OUT (plot the parity run here with `python docs/bench/loss_parity.py`).
 # PART names one part or several, comma-separated, run in order in one call (PART=train,loader):
 #   PART=train   `dz train` at the 5B DROID shape (the cache of docs/bench/train_vs_bench_run.sh, micro-batch 21,
-#                compiled, elementwise recompute): STEPS (default 12) steps in bf16, then the same in fp8, then, where
-#                FP8_BF16_LAYERS is set (a JSON list: '["self_attn.o","cross_attn"]'), in fp8 with those linears bf16
+#                compiled, elementwise recompute): STEPS (default 12) steps in bf16, then the same in fp8
+#                (TRAIN_PRECISIONS, default "bf16 fp8"), then, where FP8_BF16_LAYERS is set (a JSON list:
+#                '["self_attn.o","cross_attn"]'), in fp8 with those linears bf16, then, for each micro-batch of
+#                FP8_KEEP_INPUTS_MB ("21 18"), in fp8 with train.fp8_keep_inputs
 #   PART=parity  the same seed and data for PARITY_STEPS (default 500) steps at micro-batch PARITY_MB (default 4),
 #                for each of PARITY_PRECISIONS (default "bf16 fp8"), in order; no checkpoints (a 5B one with its AdamW
 #                state is about 60 GB), so a run must finish within its call: name one precision per call if need be.
@@ -23,7 +25,8 @@
 #                30 layers, micro-batch 21, compiled, elementwise recompute; kernels by category and the top 20), and
 #                each linear layer of a block alone, forward + backward, bf16 against the FP8 layer (`--linears`)
 #   PART=variants versions of the FP8 linear's backward in the same 4-layer step, one process each
-#                (docs/bench/fp8_backward_variants.py; BACKWARD_VARIANTS, default "library weight_inline save_fp8_inputs")
+#                (docs/bench/fp8_backward_variants.py; BACKWARD_VARIANTS, default "library:0 library weight_inline":
+#                NAME:0 with the linears' e4m3 inputs recomputed, not kept (train.fp8_keep_inputs))
 #   PART=loader  `dz bench data --trainer-loader` on this machine's cores at the 5B DROID shape, the videos decoded by
 #                the loader workers (cpu) and then by the GPU (nvdec), LOADER_WORKERS (default 0,2,4) workers each,
 #                nvdec on NVDEC_THREADS (default 1,4) decoding threads (train.nvdec_threads).
@@ -54,7 +57,7 @@ for part in ${PART//,/ }; do  # PART=train,loader: several parts in one call, in
 case "$part" in
   train)
     cache
-    for p in bf16 fp8; do
+    for p in ${TRAIN_PRECISIONS:-bf16 fp8}; do
       rm -rf "$WORK/speed_$p"
       train_5b "speed_$p" "$p" "${STEPS:-12}" 21 0 2>&1 | tee "$OUT/train_5b_${p}_$GPU.log" | tail -3
       cp "$WORK/speed_$p/metrics.jsonl" "$OUT/train_5b_${p}_$GPU.jsonl"
@@ -64,7 +67,13 @@ case "$part" in
       train_5b speed_fp8_kept fp8 "${STEPS:-12}" 21 0 --set fp8_bf16_layers="$FP8_BF16_LAYERS" 2>&1 \
         | tee "$OUT/train_5b_fp8_kept_$GPU.log" | tail -3
       cp "$WORK/speed_fp8_kept/metrics.jsonl" "$OUT/train_5b_fp8_kept_$GPU.jsonl"
-    fi ;;
+    fi
+    for mb in ${FP8_KEEP_INPUTS_MB:-}; do  # micro-batches: fp8 with train.fp8_keep_inputs (memory: peak_mem_gib)
+      rm -rf "$WORK/speed_fp8_inputs_$mb"
+      train_5b "speed_fp8_inputs_$mb" fp8 "${STEPS:-12}" "$mb" 0 --set fp8_keep_inputs=true 2>&1 \
+        | tee "$OUT/train_5b_fp8_keep_inputs_mb${mb}_$GPU.log" | tail -3 || true
+      cp "$WORK/speed_fp8_inputs_$mb/metrics.jsonl" "$OUT/train_5b_fp8_keep_inputs_mb${mb}_$GPU.jsonl" || true
+    done ;;
   parity)
     learnable parity_train 64 0
     learnable parity_heldout 16 1
@@ -105,8 +114,9 @@ for line in sys.stdin:
         --out "$OUT/profile_5b_fp8_$GPU.jsonl" 2>&1 | grep -v -i warn
     done ;;
   variants)
-    for v in ${BACKWARD_VARIANTS:-library weight_inline save_fp8_inputs}; do
-      python docs/bench/fp8_backward_variants.py "$v" "${PROFILE_LAYERS:-4}" 2>&1 | grep -v -i warn
+    for v in ${BACKWARD_VARIANTS:-library:0 library weight_inline}; do  # NAME or NAME:KEEP_INPUTS (default 1)
+      python docs/bench/fp8_backward_variants.py "${v%%:*}" "${PROFILE_LAYERS:-4}" "$([[ $v == *:* ]] && echo "${v#*:}" || echo 1)" 2>&1 \
+        | grep -v -i warn
     done ;;
   loader)
     python -m pip install -q --no-index --no-deps --no-compile --target /tmp/nvdec .nvdec_wheels/*.whl

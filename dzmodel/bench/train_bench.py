@@ -65,10 +65,11 @@ ENCODER_MODES = ("cache", "online_per_sample", "online_batched")
 
 def build_trainer(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
                   attention: str, encoders: str, accumulation: int = 1, fsdp: bool = False, lora_rank: int = 0,
-                  ema_decay: float = 0.0, precision: str = "bf16"):
+                  ema_decay: float = 0.0, precision: str = "bf16", fp8_keep_inputs: bool = False):
     """The Trainer of `dz train` at one configuration (bf16, one process or FSDP2 over the torchrun group), its
     model, optimizer and step built; no data. fsdp: FSDP2 in a one-process group too. lora_rank > 0: LoRA
-    adapters of that rank (alpha = rank) on the frozen bf16 base; ema_decay > 0: an EMA of the trained weights."""
+    adapters of that rank (alpha = rank) on the frozen bf16 base; ema_decay > 0: an EMA of the trained weights;
+    fp8_keep_inputs: `train.fp8_keep_inputs`."""
     from ..train.trainer import Trainer
 
     if encoders not in ENCODER_MODES:
@@ -77,6 +78,7 @@ def build_trainer(preset_name: str, num_layers: int | None, micro_batch: int, co
     cfg = TrainConfig(preset=preset_name, model_overrides={"num_layers": num_layers} if num_layers else {},
                       micro_batch=micro_batch, global_batch=micro_batch * accumulation * world, compile=compile,
                       activation_checkpointing=ac, attn_backend=attention, precision=precision,
+                      fp8_keep_inputs=fp8_keep_inputs,
                       out_dir=tempfile.gettempdir(), progress=False, save_every=0, ema_decay=ema_decay,
                       lora={"rank": lora_rank, "alpha": float(lora_rank or 16)})
     trainer = Trainer(cfg)
@@ -87,11 +89,12 @@ def build_trainer(preset_name: str, num_layers: int | None, micro_batch: int, co
 
 def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
                      attention: str, encoders: str, latent_hw=(11, 20), accumulation: int = 1, fsdp: bool = False,
-                     lora_rank: int = 0, ema_decay: float = 0.0, precision: str = "bf16"):
+                     lora_rank: int = 0, ema_decay: float = 0.0, precision: str = "bf16",
+                     fp8_keep_inputs: bool = False):
     """The trainer's step at one configuration, fed synthetic batches, as a closure: (step, trainer). Used by the
     bench and by `train_profile`."""
     trainer = build_trainer(preset_name, num_layers, micro_batch, compile, ac, attention, encoders, accumulation,
-                            fsdp, lora_rank, ema_decay, precision)
+                            fsdp, lora_rank, ema_decay, precision, fp8_keep_inputs)
     batches = synthetic_batches(trainer.args, micro_batch, latent_hw, trainer.info.device, encoders)
 
     def step():

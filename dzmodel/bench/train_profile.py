@@ -102,7 +102,7 @@ def print_summary(s: KernelSummary) -> None:
 
 def profile_step(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str, attention: str,
                  latent_hw, trace_out: str | None = None, warmup: int = 3, fsdp: bool = False,
-                 precision: str = "bf16") -> KernelSummary | None:
+                 precision: str = "bf16", fp8_keep_inputs: bool = False) -> KernelSummary | None:
     """Profiles one step after `warmup` steps. Under torchrun every rank steps; rank 0 returns the summary."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -112,7 +112,7 @@ def profile_step(preset_name: str, num_layers: int | None, micro_batch: int, com
 
     init_distributed(fsdp)  # under torchrun: FSDP2 over all GPUs, as `dz bench train` runs it
     step, _ = build_train_step(preset_name, num_layers, micro_batch, compile, ac, attention, "cache", latent_hw,
-                               fsdp=fsdp, precision=precision)
+                               fsdp=fsdp, precision=precision, fp8_keep_inputs=fp8_keep_inputs)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()

@@ -52,14 +52,30 @@ def resolve_precision(requested: str, device: torch.device | str,
     return fallback, f"precision fp8 falls back to {fallback}: {why}"
 
 
-def _quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """t in `dtype` scaled so that its largest magnitude meets the format's largest value, and the inverse scale
-    (what _scaled_mm multiplies back)."""
+def _scaled(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """t in fp32 scaled so that its largest magnitude meets `dtype`'s largest value, and the inverse scale (what
+    _scaled_mm multiplies back)."""
     top = torch.finfo(dtype).max
     amax = t.detach().abs().amax().float().clamp(min=1e-12)
     scale = top / amax
+    return (t.float() * scale).clamp(-top, top), scale.reciprocal()
+
+
+def _quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """t rounded to `dtype` at its own scale (a cast, aten._to_copy), and the inverse scale."""
+    scaled, inverse = _scaled(t, dtype)
     # row-major whatever t's layout (a transposed gradient): _scaled_mm's first operand must be
-    return (t.float() * scale).clamp(-top, top).to(dtype).contiguous(), scale.reciprocal()
+    return scaled.to(dtype).contiguous(), inverse
+
+
+def _quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_quantize(weight, E4M3), the rounding written as a copy into a new tensor (aten.copy_) rather than a cast.
+    Elementwise recompute can keep the e4m3 casts of the linears' inputs for the backward
+    (`train.fp8_keep_inputs`); by this it tells the weights' e4m3 copies apart and does not keep them."""
+    scaled, inverse = _scaled(weight, E4M3)
+    out = torch.empty(weight.shape, dtype=E4M3, device=weight.device)
+    out.copy_(scaled)
+    return out, inverse
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -77,7 +93,7 @@ class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         xq, x_inv = _quantize(x, E4M3)
-        wq, w_inv = _quantize(weight, E4M3)
+        wq, w_inv = _quantize_weight(weight)
         ctx.save_for_backward(xq, x_inv, weight)
         ctx.weight_dtype, ctx.x_dtype = weight.dtype, x.dtype
         # _scaled_mm: the first operand row-major, the second column-major (wq.t() is)

@@ -95,6 +95,10 @@ class TrainConfig:
     # under precision fp8, the blocks' linears that stay bf16, by their dotted names in a block or a leading part
     # ("self_attn.o", "cross_attn" for its projections); empty: every linear of the blocks runs FP8
     fp8_bf16_layers: list[str] = field(default_factory=list)
+    # under precision fp8 and activation_checkpointing elementwise, keep each FP8 linear's e4m3 input for the
+    # backward rather than recompute it from the bf16 input: 1 byte more per element of those inputs, for two
+    # passes over them fewer (docs/performance.md)
+    fp8_keep_inputs: bool = False
     # the tokens between blocks in the compute dtype (bf16), as inference with bf16 weights and FSDP2 training run
     # them; off, one process under autocast keeps them in fp32 (the action and state tokens' fp32 biases make the
     # stream fp32). At the libero_object shape on one H100: 4.5 % faster, two rows each on one machine (docs/results.md,

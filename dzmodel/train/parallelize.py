@@ -22,10 +22,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16,
 AC_MODES = ("none", "elementwise", "selective", "full")
 
 
-def _recompute_elementwise_policy():
+def _recompute_elementwise_policy(keep_fp8_inputs: bool = False):
     """Keep the outputs of matmuls and attention kernels; recompute everything else (norms, modulation,
-    RoPE, GELU, gates, casts) in backward, where it fuses into the backward kernels."""
+    RoPE, GELU, gates, casts) in backward, where it fuses into the backward kernels.
+    keep_fp8_inputs: keep the FP8 linears' e4m3 inputs and their absolute maxima too (`train.fp8_keep_inputs`):
+    1 byte per element of each such linear's input, for not reading its bf16 input twice more in the backward
+    (the maximum, then the cast). The weights' e4m3 copies are not kept (fp8.py rounds them by a copy, not a
+    cast): the backward rounds the weight again, as FSDP2 frees it between forward and backward."""
     from torch.utils.checkpoint import CheckpointPolicy
+
+    from ..model.fp8 import E4M3
 
     aten = torch.ops.aten
     keep = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
@@ -40,9 +46,16 @@ def _recompute_elementwise_policy():
 
     linears = {aten.mm.default: 0, aten.addmm.default: 1}  # where the (left, right) operands start
 
+    def fp8_input(op, args, kwargs) -> bool:
+        if op is aten._to_copy.default:
+            return kwargs.get("dtype") == E4M3
+        return op is aten.amax.default and (len(args) < 2 or not args[1])  # the whole tensor's: a scalar
+
     def policy(ctx, op, *args, **kwargs):
         if op in linears and up_projection(*args[linears[op]:linears[op] + 2]):
             return CheckpointPolicy.PREFER_RECOMPUTE
+        if keep_fp8_inputs and fp8_input(op, args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
@@ -59,10 +72,10 @@ def up_projection(left: torch.Tensor, right: torch.Tensor) -> bool:
     return r <= LOW_RANK and right.shape[-1] >= 8 * r
 
 
-def _elementwise_checkpointed(forward, *args, **kwargs):
+def _elementwise_checkpointed(forward, *args, keep_fp8_inputs: bool = False, **kwargs):
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    context = functools.partial(create_selective_checkpoint_contexts, _recompute_elementwise_policy())
+    context = functools.partial(create_selective_checkpoint_contexts, _recompute_elementwise_policy(keep_fp8_inputs))
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
 
 
@@ -100,12 +113,14 @@ COMPILE_SCOPES = ("blocks", "step")
 
 
 def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool, cuda_graphs: bool = False,
-                                compile_options: dict | None = None, scope: str = "blocks") -> None:
+                                compile_options: dict | None = None, scope: str = "blocks",
+                                keep_fp8_inputs: bool = False) -> None:
     """Activation recompute per block (see `block_recompute_plan`), and optionally `torch.compile` of each
     block's forward, with `cuda_graphs` in reduce-overhead mode (each compiled forward and backward replayed as a
     CUDA graph; on CUDA only) and `compile_options` (Inductor settings, `train.compile_options`). The forward is
     replaced in place, so module names and state-dict keys do not change. scope "step": the blocks get their
     recompute and Inductor's settings for this model, and are compiled as part of the step (`TrainStep.compile`).
+    keep_fp8_inputs: elementwise recompute keeps the FP8 linears' e4m3 inputs (`_recompute_elementwise_policy`).
 
     Order matters. The elementwise policy must sit inside the compiled region, so the compiler sees it.
     A whole-block checkpoint must wrap the compiled forward: compiling a checkpoint-wrapped forward
@@ -124,7 +139,7 @@ def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool, cuda
     for block, plan in zip(model.blocks, block_recompute_plan(mode, len(model.blocks))):
         forward = block.forward
         if plan == "elementwise":
-            forward = functools.partial(_elementwise_checkpointed, forward)
+            forward = functools.partial(_elementwise_checkpointed, forward, keep_fp8_inputs=keep_fp8_inputs)
         if compile_blocks:
             block._dz_eager_forward = forward  # kept for `eager_blocks` (the trainer's compile check)
             forward = torch.compile(forward, **compile_kwargs(cuda_graphs, compile_options))

@@ -205,7 +205,8 @@ class Trainer:
                              "compile_scope: blocks")
         apply_recompute_and_compile(model, cfg.activation_checkpointing, cfg.compile,
                                     cuda_graphs=cfg.cuda_graphs and dev.type == "cuda",
-                                    compile_options=cfg.compile_options, scope=cfg.compile_scope)
+                                    compile_options=cfg.compile_options, scope=cfg.compile_scope,
+                                    keep_fp8_inputs=cfg.fp8_keep_inputs)
         if self.sharded:
             apply_fsdp(model, cfg.sharding, precision, cfg.reduce_dtype, dev.type)
         elif self.info.world_size > 1:

@@ -113,3 +113,88 @@ def test_bf16_layers_are_checked_without_fp8_too(data, tmp_path):
     trainer = Trainer(_cfg(data, tmp_path, fp8_bf16_layers=["cross"]))
     with pytest.raises(ValueError, match="'cross' matches no FP8 linear of the blocks"):
         trainer.build_model()
+
+
+def _fp8_casts_under_elementwise_recompute(keep_fp8_inputs: bool):
+    """An FP8 linear under elementwise recompute, forward and backward: the shapes of its e4m3 roundings in the
+    order they ran (the input is [8, 32], the weight [16, 32]) and the gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dzmodel.model.fp8 import E4M3, Float8Linear
+    from dzmodel.train.parallelize import _elementwise_checkpointed
+
+    aten = torch.ops.aten
+
+    class CountCasts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (aten._to_copy.default, aten.copy_.default) and out.dtype == E4M3:
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(32, 16)
+    layer.__class__ = Float8Linear
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(16, 32, generator=g))
+        layer.bias.copy_(torch.randn(16, generator=g))
+    x = torch.randn(8, 32, generator=g, requires_grad=True)
+    with CountCasts() as count:
+        _elementwise_checkpointed(lambda t: torch.nn.functional.gelu(layer(t)), x,
+                                  keep_fp8_inputs=keep_fp8_inputs).sum().backward()
+    return count.shapes, (x.grad, layer.weight.grad)
+
+
+def test_keeping_the_fp8_inputs_rounds_the_input_once_and_the_weight_as_before():
+    """train.fp8_keep_inputs: the input's e4m3 cast runs once (without it, again in the backward's recompute); the
+    weight's runs three times either way (forward, recompute, the backward's own): its e4m3 copy is not kept, as
+    FSDP2 frees the gathered weight between forward and backward. The gradients are the same."""
+    casts, grads = {}, {}
+    for keep in (False, True):
+        shapes, grads[keep] = _fp8_casts_under_elementwise_recompute(keep)
+        casts[keep] = shapes.count((8, 32)), shapes.count((16, 32))
+    assert casts == {False: (2, 3), True: (1, 3)}
+    torch.testing.assert_close(grads[True], grads[False], rtol=0, atol=0)
+
+
+def test_compiled_keeping_the_fp8_inputs_saves_the_inputs_copy_and_not_the_weights():
+    """Compiled, what the forward saves for the backward holds the input's e4m3 copy with train.fp8_keep_inputs
+    (none without) and never an e4m3 copy of the weight."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from dzmodel.model.fp8 import E4M3, Float8Linear
+    from dzmodel.train.parallelize import _elementwise_checkpointed
+
+    layer = torch.nn.Linear(32, 16)
+    layer.__class__ = Float8Linear
+    saved_fp8 = {}
+    for keep in (False, True):
+        saved = []
+
+        def record_forward(gm, _):
+            outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+            saved.extend((tuple(o.meta["val"].shape), o.meta["val"].dtype) for o in outputs if hasattr(o, "meta"))
+            return make_boxed_func(gm.forward)
+
+        torch._dynamo.reset()
+        fn = torch.compile(lambda t: _elementwise_checkpointed(
+            lambda u: torch.nn.functional.gelu(layer(u)), t, keep_fp8_inputs=keep),
+            backend=aot_autograd(fw_compiler=record_forward, bw_compiler=lambda gm, _: make_boxed_func(gm.forward)))
+        fn(torch.randn(8, 32, requires_grad=True)).sum().backward()
+        saved_fp8[keep] = [shape for shape, dtype in saved if dtype == E4M3]
+    torch._dynamo.reset()
+    assert saved_fp8 == {False: [], True: [(8, 32)]}
+
+
+def test_the_setting_reaches_every_elementwise_recomputed_block(data, tmp_path):
+    trainer = Trainer(_cfg(data, tmp_path / "keep", precision="bf16", activation_checkpointing="elementwise",
+                           fp8_keep_inputs=True))
+    trainer.build_model()
+    assert [b.forward.keywords for b in trainer.model.blocks] == [{"keep_fp8_inputs": True}] * len(
+        trainer.model.blocks)
+
