@@ -29,7 +29,7 @@
 #                NAME:0 with the linears' e4m3 inputs recomputed, not kept (train.fp8_keep_inputs))
 #   PART=loader  `dz bench data --trainer-loader` on this machine's cores at the 5B DROID shape, the videos decoded by
 #                the loader workers (cpu) and then by the GPU (nvdec), LOADER_WORKERS (default 0,2,4) workers each,
-#                nvdec on NVDEC_THREADS (default 1,4) decoding threads (train.nvdec_threads).
+#                nvdec on NVDEC_THREADS (default 4,8) decoding threads (train.nvdec_threads).
 #                Carry build/bench_data (the DROID-shaped recording, written here by one CPU run of the same
 #                command: the GPU image cannot encode H.264) and .nvdec_wheels (the pynvvideocodec wheel, cp312)
 set -euo pipefail
@@ -122,7 +122,7 @@ for line in sys.stdin:
     python -m pip install -q --no-index --no-deps --no-compile --target /tmp/nvdec .nvdec_wheels/*.whl
     for decode in cpu nvdec; do
       PYTHONPATH=$PYTHONPATH:/tmp/nvdec dz bench data --trainer-loader --workdir build/bench_data --video-decode "$decode" \
-        --workers "${LOADER_WORKERS:-0,2,4}" --decode-threads "${NVDEC_THREADS:-1,4}" --batches 30 \
+        --workers "${LOADER_WORKERS:-0,2,4}" --decode-threads "${NVDEC_THREADS:-4,8}" --batches 30 \
         --out "$OUT/loader_droid_$GPU.jsonl" || true
     done
     echo "cores: $(nproc)" ;;

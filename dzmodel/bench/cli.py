@@ -273,7 +273,7 @@ def add_commands(sub):
     p.add_argument("--video-decode", choices=["cpu", "nvdec"], default="cpu",
                    help="with --trainer-loader: where the videos are decoded (train.video_decode); nvdec: on the GPU, "
                         "the workers read only the vectors")
-    p.add_argument("--decode-threads", default="4",
+    p.add_argument("--decode-threads", default="8",
                    help="with --video-decode nvdec: threads decoding files side by side (train.nvdec_threads); "
                         "comma-separated for a row each")
     p.add_argument("--out", help="write the numbers as JSON")

@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from dzmodel.proctree import alive, descendants, kill_tree
+
 BIN = Path(sys.executable).parent
 QUIET = {"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
          "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -40,7 +42,9 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen, log: Path) -> No
 
 @contextlib.contextmanager
 def background(cmd: list[str], env: dict, log: Path, health: str | None = None, timeout: float = 90):
-    """Run `cmd` in its own process group; on exit SIGTERM the group (SIGKILL if it lingers)."""
+    """Run `cmd` in its own process group; on exit SIGTERM the group (SIGKILL if it lingers), and kill what it
+    started in sessions of their own (a Prefect worker's flow runs, their training processes), which the group's
+    signals miss and which would otherwise run on into the next tests."""
     f = log.open("w")
     proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -48,6 +52,7 @@ def background(cmd: list[str], env: dict, log: Path, health: str | None = None, 
             wait_http(health, timeout, proc, log)
         yield proc
     finally:
+        started = descendants(proc.pid)  # now: once `cmd` exits, they are no longer below it
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -55,8 +60,11 @@ def background(cmd: list[str], env: dict, log: Path, health: str | None = None, 
         except subprocess.TimeoutExpired:
             pass
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # children too (uvicorn/gunicorn workers, flow runs)
+            os.killpg(proc.pid, signal.SIGKILL)  # children too (uvicorn/gunicorn workers)
         proc.wait()
+        for pid in started:
+            if alive(pid):
+                kill_tree(pid)
         f.close()
 
 
