@@ -41,11 +41,13 @@ def import_nvc():
 
 
 class NvdecDecoder:
-    """Frames of video files decoded on `device` by NVDEC, on `threads` decoding threads (lanes). Each file is
-    decoded by one lane (its decoders are not shared between threads), so the reads of a micro-batch's files run
-    side by side: a GPU has several NVDEC engines, and one thread waiting on each frame keeps only one busy. A lane
-    keeps one decoder open per file (the `cache_size` most recently used, split over the lanes): a LeRobot v3 file
-    holds many episodes, so windows of nearby episodes reuse one."""
+    """Frames of video files decoded on `device` by NVDEC, on `threads` decoding threads (lanes). Within a batch each
+    file is decoded by one lane (its decoders are not shared between threads), so the reads of a micro-batch's files
+    run side by side: a GPU has several NVDEC engines, and one thread waiting on each frame keeps only one busy. A
+    batch's files are spread evenly over the lanes; a file stays on the lane that read it last, where its decoder is
+    open, unless that lane already has more of the batch than another. A lane keeps one decoder open per file (the
+    `cache_size` most recently used, split over the lanes): a LeRobot v3 file holds many episodes, so windows of
+    nearby episodes reuse one."""
 
     def __init__(self, device: torch.device | str, cache_size: int = 32, threads: int = 4):
         import threading
@@ -60,6 +62,7 @@ class NvdecDecoder:
         self._lanes = [(ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nvdec-lane{i}"), OrderedDict())
                        for i in range(threads)]
         self._lock = threading.Lock()
+        self._home: dict[str, int] = {}  # the lane that read each file last
         self.opened = 0   # decoders created
 
     @property
@@ -67,10 +70,21 @@ class NvdecDecoder:
         """The open decoders of a one-lane decoder, least recently used first (for tests)."""
         return self._lanes[0][1]
 
-    def _lane(self, path: str) -> int:
-        import zlib
-
-        return zlib.crc32(path.encode()) % self.threads  # stable: a file always goes to the same lane
+    def _assign(self, paths: Sequence[str]) -> dict[str, int]:
+        """A lane for each file of a batch, the files with the most reads first: the file's last lane while that
+        lane is among the least loaded, else the first least loaded lane. (A fixed lane per file, from a hash of its
+        path, can leave lanes idle while one reads two or three files of the batch in turn.)"""
+        reads: dict[str, int] = {}
+        for path in paths:
+            reads[path] = reads.get(path, 0) + 1
+        load, lanes = [0] * self.threads, {}
+        for path in sorted(reads, key=lambda p: -reads[p]):  # stable: ties in the order of the batch
+            least = min(load)
+            home = self._home.get(path)
+            lane = home if home is not None and load[home] == least else load.index(least)
+            lanes[path] = self._home[path] = lane
+            load[lane] += reads[path]
+        return lanes
 
     def _decoder(self, path: str, decoders: OrderedDict):
         dec = decoders.get(path)
@@ -98,9 +112,9 @@ class NvdecDecoder:
         """`read` of each (path, indices), the files' lanes running side by side; the results in request order. On
         CUDA the copies run on the caller's current stream."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        futures = []
+        futures, lanes = [], self._assign([path for path, _ in requests])
         for path, indices in requests:
-            executor, decoders = self._lanes[self._lane(path)]
+            executor, decoders = self._lanes[lanes[path]]
             futures.append(executor.submit(self._read_on_lane, path, indices, decoders, stream))
         return [f.result() for f in futures]
 

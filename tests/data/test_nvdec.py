@@ -245,3 +245,46 @@ def test_the_files_of_a_batch_decode_side_by_side_each_on_one_lane(tmp_path, fak
         fake_nvc.SimpleDecoder.get_batch_frames_by_index = real
     with pytest.raises(ValueError, match="threads must be >= 1"):
         NvdecDecoder("cpu", threads=0)
+
+
+def test_a_batchs_files_are_spread_over_the_lanes_and_stay_where_their_decoders_are(tmp_path, fake_nvc):
+    """Four files whose paths hash to one lane of four (as a lane per path hash would place them) still decode on
+    four lanes; the next batch keeps each file on its lane (no decoder opened again); a file read twice in a batch
+    counts twice against its lane; of two files last read on one lane, one moves."""
+    import threading
+    import zlib
+
+    from dzmodel.data.lerobot_writer import encode_mp4
+    from dzmodel.data.nvdec import NvdecDecoder
+
+    names = [f"v{k}.mp4" for k in range(200)]
+    lane_of = lambda name: zlib.crc32(str(tmp_path / name).encode()) % 4  # noqa: E731
+    same = [n for n in names if lane_of(n) == lane_of(names[0])][:4]
+    paths = []
+    for k, name in enumerate(same):
+        encode_mp4(tmp_path / name, np.full((4, 16, 16, 3), 30 * (k + 1), dtype=np.uint8), fps=10, codec="libx264",
+                   crf=0)
+        paths.append(str(tmp_path / name))
+    thread_of = {}
+    real = _FakeSimpleDecoder.get_batch_frames_by_index
+
+    def record(self, indices):
+        thread_of.setdefault(self.path, set()).add(threading.get_ident())
+        return real(self, indices)
+
+    fake_nvc.SimpleDecoder.get_batch_frames_by_index = record
+    try:
+        decoder = NvdecDecoder("cpu", threads=4)
+        decoder.read_many([(p, [0]) for p in paths])
+        first = {p: next(iter(t)) for p, t in thread_of.items()}
+        assert len(set(first.values())) == 4  # four lanes, not one
+        decoder.read_many([(p, [1]) for p in reversed(paths)])
+        assert {p: t for p, t in thread_of.items()} == {p: {first[p]} for p in paths} and decoder.opened == 4
+        assert decoder._assign([paths[0], paths[0], paths[1], paths[2]]) == {paths[0]: 0, paths[1]: 1, paths[2]: 2}
+        decoder.close()
+        two = NvdecDecoder("cpu", threads=2)
+        assert two._assign([paths[0]]) == {paths[0]: 0} and two._assign([paths[1]]) == {paths[1]: 0}
+        assert two._assign([paths[0], paths[1]]) == {paths[0]: 0, paths[1]: 1}  # both lived on lane 0: one moves
+        two.close()
+    finally:
+        fake_nvc.SimpleDecoder.get_batch_frames_by_index = real
