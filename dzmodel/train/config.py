@@ -162,6 +162,10 @@ class TrainConfig:
         ac = self.activation_checkpointing
         if ac not in AC_MODES and not (ac.startswith("full:") and ac[5:].isdigit()):
             raise ValueError(f"train.activation_checkpointing must be one of {AC_MODES} or full:N, got {ac!r}")
+        if self.fp8_keep_inputs and (self.precision != "fp8" or not (ac == "elementwise" or ac.startswith("full:"))):
+            raise ValueError(f"train.fp8_keep_inputs keeps the FP8 linears' inputs through elementwise recompute: it "
+                             f"needs precision: fp8 and activation_checkpointing: elementwise (or full:N); got "
+                             f"precision {self.precision!r} and activation_checkpointing {ac!r}")
         self._check_compile_options()
         if self.cuda_graphs and not self.compile:
             raise ValueError("train.cuda_graphs captures the compiled blocks: it needs train.compile: true")

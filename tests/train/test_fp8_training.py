@@ -192,9 +192,16 @@ def test_compiled_keeping_the_fp8_inputs_saves_the_inputs_copy_and_not_the_weigh
 
 
 def test_the_setting_reaches_every_elementwise_recomputed_block(data, tmp_path):
-    trainer = Trainer(_cfg(data, tmp_path / "keep", precision="bf16", activation_checkpointing="elementwise",
-                           fp8_keep_inputs=True))
+    trainer = Trainer(_cfg(data, tmp_path / "keep", activation_checkpointing="elementwise", fp8_keep_inputs=True))
     trainer.build_model()
     assert [b.forward.keywords for b in trainer.model.blocks] == [{"keep_fp8_inputs": True}] * len(
         trainer.model.blocks)
+
+
+@pytest.mark.parametrize("settings", [{"precision": "bf16", "activation_checkpointing": "elementwise"},
+                                      {"activation_checkpointing": "none"}, {"activation_checkpointing": "full"}])
+def test_keeping_fp8_inputs_without_fp8_or_elementwise_recompute_is_one_clear_error(data, tmp_path, settings):
+    with pytest.raises(ValueError, match="train.fp8_keep_inputs .* needs precision: fp8 and "
+                                         "activation_checkpointing: elementwise"):
+        _cfg(data, tmp_path, fp8_keep_inputs=True, **settings)
 
