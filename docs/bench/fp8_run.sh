@@ -15,9 +15,10 @@
 #                (`train.val_cache`: val_action_loss)
 #   PART=policy  `dz bench policy --precision fp8` for the 5B and the 14B at the deployed setting (16 steps, DiT
 #                caching, CFG 5, CUDA graphs, compile), batches 1 and 4: bf16 and FP8 rows with their chunk difference
-#   PART=14b     FSDP2 over every GPU of the machine (2 or more): `dz bench train` slices of the 14B (8 and 16 layers,
-#                DROID's 44x80 latent, micro-batch 1, compiled, elementwise recompute), bf16 and fp8; project the
-#                full preset here with `python docs/bench/project_14b.py $OUT/train_14b_fp8_slices_*.jsonl`
+#   PART=14b     FSDP2 over every GPU of the machine: `dz bench train` slices of the 14B (LAYERS_14B, default "8 16"
+#                layers, DROID's 44x80 latent, micro-batch 1, compiled, elementwise recompute), bf16 and fp8; project
+#                the full preset here with `python docs/bench/project_14b.py $OUT/train_14b_fp8_slices_*.jsonl`.
+#                On one GPU the slices have no FSDP2 communication: their projection is the compute alone
 #   PART=tail    the 5B at the deployed setting, bf16, TAIL_CALLS (default 100) timed calls, without and then with
 #                the heap frozen after the warm-up (`--gc-freeze`, as dz serve does): every call's time in order and
 #                what the timed calls paid for (garbage collections, new device memory, CUDA-graph captures)
@@ -28,8 +29,9 @@
 #                (docs/bench/fp8_backward_variants.py; BACKWARD_VARIANTS, default "library:0 library weight_inline":
 #                NAME:0 with the linears' e4m3 inputs recomputed, not kept (train.fp8_keep_inputs))
 #   PART=loader  `dz bench data --trainer-loader` on this machine's cores at the 5B DROID shape, the videos decoded by
-#                the loader workers (cpu) and then by the GPU (nvdec), LOADER_WORKERS (default 0,2,4) workers each,
-#                nvdec on NVDEC_THREADS (default 4,8) decoding threads (train.nvdec_threads).
+#                the loader workers (cpu) and then by the GPU (nvdec) (LOADER_DECODE, default "cpu nvdec"),
+#                LOADER_WORKERS (default 0,2,4) workers each, nvdec on NVDEC_THREADS (default 4,8) decoding threads
+#                (train.nvdec_threads); LOADER_BATCHES (default 30) timed micro-batches of LOADER_MB (default 2).
 #                Carry build/bench_data (the DROID-shaped recording, written here by one CPU run of the same
 #                command: the GPU image cannot encode H.264) and .nvdec_wheels (the pynvvideocodec wheel, cp312)
 set -euo pipefail
@@ -90,7 +92,7 @@ case "$part" in
     done ;;
   14b)
     n=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
-    for layers in 8 16; do
+    for layers in ${LAYERS_14B:-8 16}; do
       NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node "$n" --master_addr 127.0.0.1 --master_port 29541 -m dzmodel.cli \
         bench train --preset dreamzero_14b --layers "$layers" --latent-hw 44,80 --steps 3 --warmup 2 --no-baseline \
         --variant name=bf16,mbs=1,compile=1,ac=elementwise,attn=segments \
@@ -120,9 +122,10 @@ for line in sys.stdin:
     done ;;
   loader)
     python -m pip install -q --no-index --no-deps --no-compile --target /tmp/nvdec .nvdec_wheels/*.whl
-    for decode in cpu nvdec; do
+    for decode in ${LOADER_DECODE:-cpu nvdec}; do
       PYTHONPATH=$PYTHONPATH:/tmp/nvdec dz bench data --trainer-loader --workdir build/bench_data --video-decode "$decode" \
-        --workers "${LOADER_WORKERS:-0,2,4}" --decode-threads "${NVDEC_THREADS:-4,8}" --batches 30 \
+        --workers "${LOADER_WORKERS:-0,2,4}" --decode-threads "${NVDEC_THREADS:-4,8}" \
+        --batches "${LOADER_BATCHES:-30}" --micro-batch "${LOADER_MB:-2}" \
         --out "$OUT/loader_droid_$GPU.jsonl" || true
     done
     echo "cores: $(nproc)" ;;

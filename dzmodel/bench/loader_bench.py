@@ -104,7 +104,7 @@ def trainer_dataset(dataset: Path, micro_batch: int, workdir: Path):
 
 
 def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, workdir: Path,
-                video_decode: str = "cpu", device: str = "cuda", decode_threads: int = 4) -> dict:
+                video_decode: str = "cpu", device: str = "cuda", decode_threads: int = 8) -> dict:
     """samples/s of the trainer's DataLoader with `workers` workers (the first 2 batches, the workers' start, not
     timed), and the main process's CPU time per sample. video_decode "nvdec": the workers name the frames and the
     main process decodes and augments them on `device` (`train.video_decode: nvdec`; waited for before the clock
@@ -147,7 +147,7 @@ def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, wor
 def run_loader_bench(workdir: str | Path, codec: str = "h264", gop: int = 2, workers: tuple[int, ...] = (0, 2),
                      batches: int = 30, micro_batch: int = 2, episodes: int = 4, progress=None,
                      video_decode: str = "cpu", device: str = "cuda",
-                     decode_threads: tuple[int, ...] = (4,)) -> list[dict]:
+                     decode_threads: tuple[int, ...] = (8,)) -> list[dict]:
     """A row per number of workers (and, for nvdec, per number of decoding threads)."""
     workdir = Path(workdir)
     dataset = droid_dataset(workdir / f"droid_{codec}_g{gop}", codec, gop, episodes)

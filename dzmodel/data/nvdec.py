@@ -41,15 +41,14 @@ def import_nvc():
 
 
 class NvdecDecoder:
-    """Frames of video files decoded on `device` by NVDEC, on `threads` decoding threads (lanes). Within a batch each
-    file is decoded by one lane (its decoders are not shared between threads), so the reads of a micro-batch's files
-    run side by side: a GPU has several NVDEC engines, and one thread waiting on each frame keeps only one busy. A
-    batch's files are spread evenly over the lanes; a file stays on the lane that read it last, where its decoder is
-    open, unless that lane already has more of the batch than another. A lane keeps one decoder open per file (the
-    `cache_size` most recently used, split over the lanes): a LeRobot v3 file holds many episodes, so windows of
-    nearby episodes reuse one."""
+    """Frames of video files decoded on `device` by NVDEC, on `threads` decoding threads (lanes), so the reads of a
+    micro-batch run side by side: a GPU has several NVDEC engines, and one thread waiting on each frame keeps only one
+    busy. A batch's reads (one per sample and camera) are spread evenly over the lanes (`_assign`). Each lane has
+    decoders of its own (they are not shared between threads): one per file, the `cache_size` most recently used
+    split over the lanes (at least two each). A LeRobot v3 file holds many episodes, so windows of nearby episodes
+    reuse one."""
 
-    def __init__(self, device: torch.device | str, cache_size: int = 32, threads: int = 4):
+    def __init__(self, device: torch.device | str, cache_size: int = 32, threads: int = 8):
         import threading
         from concurrent.futures import ThreadPoolExecutor
 
@@ -58,11 +57,10 @@ class NvdecDecoder:
         self.device = torch.device(device)
         self.nvc = import_nvc()
         self.threads = threads
-        self.cache_size = max(1, cache_size // threads)  # per lane
+        self.cache_size = max(2, cache_size // threads)  # per lane: a lane's run of reads can span two files
         self._lanes = [(ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nvdec-lane{i}"), OrderedDict())
                        for i in range(threads)]
         self._lock = threading.Lock()
-        self._home: dict[str, int] = {}  # the lane that read each file last
         self.opened = 0   # decoders created
 
     @property
@@ -70,20 +68,18 @@ class NvdecDecoder:
         """The open decoders of a one-lane decoder, least recently used first (for tests)."""
         return self._lanes[0][1]
 
-    def _assign(self, paths: Sequence[str]) -> dict[str, int]:
-        """A lane for each file of a batch, the files with the most reads first: the file's last lane while that
-        lane is among the least loaded, else the first least loaded lane. (A fixed lane per file, from a hash of its
-        path, can leave lanes idle while one reads two or three files of the batch in turn.)"""
-        reads: dict[str, int] = {}
-        for path in paths:
-            reads[path] = reads.get(path, 0) + 1
-        load, lanes = [0] * self.threads, {}
-        for path in sorted(reads, key=lambda p: -reads[p]):  # stable: ties in the order of the batch
-            least = min(load)
-            home = self._home.get(path)
-            lane = home if home is not None and load[home] == least else load.index(least)
-            lanes[path] = self._home[path] = lane
-            load[lane] += reads[path]
+    def _assign(self, requests: Sequence[tuple[str, Sequence[int]]]) -> list[int]:
+        """A lane for each (path, indices) of a batch: the reads in order of file and first frame, cut into `threads`
+        runs of equal frames. Each lane reads about as much, and from few files: a file's reads are split over
+        lanes only where it has more than a lane's share (a LeRobot v3 recording holds a camera's episodes in one
+        file, so a micro-batch may read only three files), and the same files fall on the same lanes from one batch
+        to the next, where their decoders are open."""
+        order = sorted(range(len(requests)), key=lambda i: (requests[i][0], min(requests[i][1], default=0)))
+        total, done, lanes = sum(len(r[1]) for r in requests) or 1, 0, [0] * len(requests)
+        for i in order:
+            size = len(requests[i][1])
+            lanes[i] = min(self.threads - 1, (2 * done + size) * self.threads // (2 * total))  # the read's middle
+            done += size
         return lanes
 
     def _decoder(self, path: str, decoders: OrderedDict):
@@ -112,9 +108,9 @@ class NvdecDecoder:
         """`read` of each (path, indices), the files' lanes running side by side; the results in request order. On
         CUDA the copies run on the caller's current stream."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        futures, lanes = [], self._assign([path for path, _ in requests])
-        for path, indices in requests:
-            executor, decoders = self._lanes[lanes[path]]
+        futures = []
+        for (path, indices), lane in zip(requests, self._assign(requests)):
+            executor, decoders = self._lanes[lane]
             futures.append(executor.submit(self._read_on_lane, path, indices, decoders, stream))
         return [f.result() for f in futures]
 
@@ -157,7 +153,7 @@ class VideoImages:
 
     @classmethod
     def attach(cls, datasets: Sequence, device: torch.device | str, train: bool, seed: int,
-               threads: int = 4) -> "VideoImages":
+               threads: int = 8) -> "VideoImages":
         """Switch `datasets` (`WindowDataset`s) to naming their frames, and return what decodes them on `device`
         (on `threads` decoding threads)."""
         for d in datasets:

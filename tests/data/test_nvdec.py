@@ -247,10 +247,11 @@ def test_the_files_of_a_batch_decode_side_by_side_each_on_one_lane(tmp_path, fak
         NvdecDecoder("cpu", threads=0)
 
 
-def test_a_batchs_files_are_spread_over_the_lanes_and_stay_where_their_decoders_are(tmp_path, fake_nvc):
+def test_a_batchs_reads_are_spread_over_the_lanes_and_stay_where_their_decoders_are(tmp_path, fake_nvc):
     """Four files whose paths hash to one lane of four (as a lane per path hash would place them) still decode on
-    four lanes; the next batch keeps each file on its lane (no decoder opened again); a file read twice in a batch
-    counts twice against its lane; of two files last read on one lane, one moves."""
+    four lanes; the next batch keeps each file on its lane (no decoder opened again). A LeRobot v3 recording holds
+    a camera's episodes in one file: eight windows of one file decode on four lanes, not one, each lane opening the
+    file once. Three files' 63 reads over 16 lanes: 3-5 reads a lane, at most two files each."""
     import threading
     import zlib
 
@@ -262,7 +263,7 @@ def test_a_batchs_files_are_spread_over_the_lanes_and_stay_where_their_decoders_
     same = [n for n in names if lane_of(n) == lane_of(names[0])][:4]
     paths = []
     for k, name in enumerate(same):
-        encode_mp4(tmp_path / name, np.full((4, 16, 16, 3), 30 * (k + 1), dtype=np.uint8), fps=10, codec="libx264",
+        encode_mp4(tmp_path / name, np.full((8, 16, 16, 3), 30 * (k + 1), dtype=np.uint8), fps=10, codec="libx264",
                    crf=0)
         paths.append(str(tmp_path / name))
     thread_of = {}
@@ -280,11 +281,42 @@ def test_a_batchs_files_are_spread_over_the_lanes_and_stay_where_their_decoders_
         assert len(set(first.values())) == 4  # four lanes, not one
         decoder.read_many([(p, [1]) for p in reversed(paths)])
         assert {p: t for p, t in thread_of.items()} == {p: {first[p]} for p in paths} and decoder.opened == 4
-        assert decoder._assign([paths[0], paths[0], paths[1], paths[2]]) == {paths[0]: 0, paths[1]: 1, paths[2]: 2}
         decoder.close()
-        two = NvdecDecoder("cpu", threads=2)
-        assert two._assign([paths[0]]) == {paths[0]: 0} and two._assign([paths[1]]) == {paths[1]: 0}
-        assert two._assign([paths[0], paths[1]]) == {paths[0]: 0, paths[1]: 1}  # both lived on lane 0: one moves
-        two.close()
+
+        thread_of.clear()
+        one_file = NvdecDecoder("cpu", threads=4)
+        frames = one_file.read_many([(paths[0], [k]) for k in range(8)])
+        assert [int(f[0, 0, 0, 0]) for f in frames] == [30] * 8
+        assert len(thread_of[paths[0]]) == 4 and one_file.opened == 4  # four lanes, each with its own decoder
+        one_file.read_many([(paths[0], [k]) for k in range(8)])
+        assert one_file.opened == 4
+        one_file.close()
+
+        lanes16 = NvdecDecoder("cpu", threads=16)  # a micro-batch of 21 samples from three files, one per camera
+        batch = [(paths[c], list(range(k, k + 5))) for k in range(21) for c in range(3)]
+        lanes = lanes16._assign(batch)
+        reads = [lanes.count(k) for k in range(16)]
+        assert min(reads) >= 3 and max(reads) <= 5  # 63 reads over 16 lanes
+        assert all(len({batch[i][0] for i in range(63) if lanes[i] == k}) <= 2 for k in range(16))
+        assert all(len({lanes[i] for i in range(63) if batch[i][0] == paths[c]}) >= 5 for c in range(3))
+        assert lanes16._assign(batch[::-1]) == lanes[::-1]  # the same files on the same lanes, whatever the order
+        assert lanes16._assign([(paths[0], [0, 1, 2])]) == [8]  # one read: the lane at its middle
+        lanes16.close()
     finally:
         fake_nvc.SimpleDecoder.get_batch_frames_by_index = real
+
+
+def test_the_librarys_thread_defaults_follow_the_training_setting():
+    """`NvdecDecoder`, `VideoImages.attach` and `dz bench data` decode on as many threads as `train.nvdec_threads`
+    defaults to, so a caller that leaves the count out measures what training runs."""
+    import inspect
+
+    from dzmodel.bench.loader_bench import loader_rate, run_loader_bench
+    from dzmodel.data.nvdec import NvdecDecoder, VideoImages
+    from dzmodel.train.config import TrainConfig
+
+    setting = TrainConfig().nvdec_threads
+    assert inspect.signature(NvdecDecoder).parameters["threads"].default == setting
+    assert inspect.signature(VideoImages.attach).parameters["threads"].default == setting
+    assert inspect.signature(loader_rate).parameters["decode_threads"].default == setting
+    assert inspect.signature(run_loader_bench).parameters["decode_threads"].default == (setting,)
