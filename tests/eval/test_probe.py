@@ -23,10 +23,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = make_libero32_data(tmp_path_factory.mktemp("probe"))
+    # 12 episodes: with 6 (4 fitted) the probe's r2 ranged 0.26-0.55 over training seeds (0.15-0.77 after 48 steps)
+    root = make_libero32_data(tmp_path_factory.mktemp("probe"), num_episodes=12)
     cfg = TrainConfig(preset="tiny", datasets=[str(root / "ds")], metadata=str(root / "meta.json"),
                       embodiment="libero_sim_32", embodiment_files=[str(root / "emb.yaml")])
-    pretrain_vae(cfg, root / "vision", steps=8, batch_size=2, lr=3e-3, clip_frames=5, heldout_episodes=2,
+    pretrain_vae(cfg, root / "vision", steps=8, batch_size=2, lr=3e-3, clip_frames=5, heldout_episodes=3,
                  device="cpu", frame_cache_mib=64, eval_clips=4, norm_clips=8, progress=False, log=lambda line: None)
     return root
 
@@ -38,14 +39,14 @@ def _emb(root):
 def test_a_pretrained_vae_predicts_the_eef_position_on_heldout_episodes(data, tmp_path):
     vae_file = str(data / "vision" / "vae.safetensors")
     result = run_probe(data / "ds", _emb(data), ["random", vae_file], tmp_path, preset_name="tiny",
-                       heldout_episodes=2, progress=False)
-    assert result["fit_episodes"] == [0, 1, 2, 3] and result["heldout_episodes"] == [4, 5]
-    assert result["heldout_frames"] == 40 and set(result["targets"]) == {"eef_pos", "gripper"}
+                       heldout_episodes=3, progress=False)
+    assert result["fit_episodes"] == list(range(9)) and result["heldout_episodes"] == [9, 10, 11]
+    assert result["heldout_frames"] == 60 and set(result["targets"]) == {"eef_pos", "gripper"}
     trained, random = result["results"][vae_file]["eef_pos"], result["results"]["random(tiny, seed 0)"]["eef_pos"]
-    # measured on one core: trained 0.54 (0.52-0.70 after 8-16 steps), the random VAE 0.21, the constant -0.03;
+    # measured on one core over training seeds 0-3: trained 0.70-0.82, the random VAE 0.27, the constant -0.01;
     # the random VAE fails the first bound
-    assert trained["r2"] > trained["constant_r2"] + 0.4, result
-    assert trained["r2"] > random["r2"] + 0.2, result
+    assert trained["r2"] > trained["constant_r2"] + 0.5, result
+    assert trained["r2"] > random["r2"] + 0.3, result
     assert trained["nrmse"] == pytest.approx(np.sqrt(1 - trained["r2"]))
     assert trained["features"] == 8 * 2 * 4  # z 8 on the 2 x 4 latent grid of a 32 x 64 frame
     assert any("observation.objects" in n for n in result["notes"])
@@ -61,7 +62,7 @@ def test_the_cli_prints_one_line_per_target(data, tmp_path, capsys):
                "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0 and (tmp_path / "probe.json").is_file()
-    assert len([line for line in out.splitlines() if " xy " in line]) == 1 and "scored on [5]" in out
+    assert len([line for line in out.splitlines() if " xy " in line]) == 1 and "scored on [11]" in out
     assert main(["eval", "probe", str(data / "ds"), "--embodiment", "libero_sim_32", "--embodiments",
                  str(data / "emb.yaml"), "--vae", "random", "--out", str(tmp_path)]) == 2  # random needs --preset
 
