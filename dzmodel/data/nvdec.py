@@ -7,8 +7,8 @@ At the 5B DROID shape a sample is 3 cameras x 33 frames; a CPU worker that decod
 
 * `WindowDataset.decode_on_host = False` makes `sample` return `frame_refs` ({view: (video file, frame indices in
   that file)}) instead of `images`; the collator passes them through as a list.
-* `NvdecDecoder` keeps an LRU of open decoders (one per file) and returns the frames as uint8 [N, H, W, 3] on the
-  device, in the order asked (duplicates allowed).
+* `NvdecDecoder` keeps an LRU of open decoders (one per file) on each decoding thread and returns the frames as
+  uint8 [N, H, W, 3] on the device, in the order asked (duplicates allowed).
 * `VideoImages.fill(batch)` replaces a batch's `frame_refs` with `images`, augmented as the device-resident path
   augments (`augment.draw` from the run's seed and each sample's stream position, `augment.augment_view`, then
   `transforms.compose_layout`): with augmentation off the images equal the CPU loader's.
@@ -105,7 +105,7 @@ class NvdecDecoder:
         return self.read_many([(path, indices)])[0]
 
     def read_many(self, requests: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
-        """`read` of each (path, indices), the files' lanes running side by side; the results in request order. On
+        """`read` of each (path, indices), the lanes running side by side; the results in request order. On
         CUDA the copies run on the caller's current stream."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         futures = []
