@@ -6,6 +6,7 @@ VARIANT:
   weight_inline    dW's operands by the custom op, dX's transposed W inline (fused into its cast by Inductor)
   fused            all the transposes inline, so Inductor fuses them into the FP8 casts (the first version)
   bf16_weight_grad dW = dY^T X in bf16 from the unrounded tensors, dX's W inline: no FP8 transposes for dW
+  rowamax          the library with each cast's absolute maximum taken per row, then over the rows
 KEEP_INPUTS: 1 (default): elementwise recompute keeps the linears' e4m3 inputs (`train.fp8_keep_inputs`); 0:
 recomputes them in the backward.
 Prints the kernel summary and appends a JSON line to $OUT/fp8_backward_variants.jsonl."""
@@ -73,8 +74,18 @@ VARIANTS = {"library": fp8._Float8Matmul, "weight_inline": WeightInline, "fused"
             "bf16_weight_grad": Bf16WeightGrad}
 
 
+def _rows_scaled(t, dtype):
+    top = torch.finfo(dtype).max
+    amax = t.detach().abs().amax(dim=-1).amax().float().clamp(min=1e-12)
+    scale = top / amax
+    return (t.float() * scale).clamp(-top, top), scale.reciprocal()
+
+
 def use(name):
     """Put variant `name` in place of the library's FP8 matmul."""
+    if name == "rowamax":
+        fp8._scaled = _rows_scaled  # _quantize looks it up at each call
+        return
     fp8._Float8Matmul = VARIANTS[name]  # float8_linear looks it up at each call
 
 
