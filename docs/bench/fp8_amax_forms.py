@@ -3,8 +3,9 @@
 
 Each case is compiled alone: a producer (the FFN's GELU, the modulated norm, a gradient, a weight) and the scaled
 cast of its output to FP8 in one function, with the absolute maximum taken
-  full   as dzmodel/model/fp8.py takes it: t.abs().amax(), one reduction over the whole tensor
-  rows   per row, then over the rows: t.abs().amax(-1).amax() (the same value: a maximum is exact)
+  full   t.abs().amax(), one reduction over the whole tensor (dzmodel/model/fp8.py's form for weights)
+  rows   per row, then over the rows: t.abs().amax(-1).amax(), the same value (a maximum is exact); the library's
+         form for activations and gradients since this measurement
 and, for scale, the producer alone (its output in bf16, no cast). Then the FFN (up, GELU, down) forward and
 backward through Float8Linear with each form, and in bf16. Prints a table and appends JSON lines to
 $OUT/fp8_amax_forms.jsonl."""
@@ -21,14 +22,15 @@ import torch.nn.functional as F
 from dzmodel.model import fp8
 from dzmodel.model.fp8 import E4M3, E5M2
 
-_full_scaled = fp8._scaled
+_library_scaled = fp8._scaled
 
 
-def _rows_scaled(t, dtype):
-    top = torch.finfo(dtype).max
-    amax = t.detach().abs().amax(dim=-1).amax().float().clamp(min=1e-12)
-    scale = top / amax
-    return (t.float() * scale).clamp(-top, top), scale.reciprocal()
+def _full_scaled(t, dtype, by_rows=True):
+    return _library_scaled(t, dtype, by_rows=False)
+
+
+def _rows_scaled(t, dtype, by_rows=True):
+    return _library_scaled(t, dtype, by_rows=True)
 
 
 FORMS = {"full": _full_scaled, "rows": _rows_scaled}
@@ -110,7 +112,7 @@ def main():
                 loss = step(x)
             loss.backward()
         ms = timed(fwd_bwd, x, iters=20)
-        fp8._scaled = _full_scaled
+        fp8._scaled = _library_scaled
         rows.append({"case": "ffn forward+backward", "tokens": tokens, "form": form, "ms": ms})
         print(f"ffn forward+backward {form:5s} {ms:.3f} ms", flush=True)
     with open(out, "a") as f:

@@ -6,9 +6,11 @@ VARIANT:
   weight_inline    dW's operands by the custom op, dX's transposed W inline (fused into its cast by Inductor)
   fused            all the transposes inline, so Inductor fuses them into the FP8 casts (the first version)
   bf16_weight_grad dW = dY^T X in bf16 from the unrounded tensors, dX's W inline: no FP8 transposes for dW
-  rowamax          the library with each cast's absolute maximum taken per row, then over the rows
+  wholeamax        the library with every cast's absolute maximum as one reduction over the whole tensor (the
+                   library's form before; it now takes activations' and gradients' per row, then over the rows)
 KEEP_INPUTS: 1 (default): elementwise recompute keeps the linears' e4m3 inputs (`train.fp8_keep_inputs`); 0:
 recomputes them in the backward.
+TOP (environment, default 20): how many kernels the summary lists.
 Prints the kernel summary and appends a JSON line to $OUT/fp8_backward_variants.jsonl."""
 
 import json
@@ -70,21 +72,19 @@ class Bf16WeightGrad(torch.autograd.Function):
         return _grad_x(gq, g_inv, weight, ctx, grad_out), grad_w, None
 
 
+_library_scaled = fp8._scaled
 VARIANTS = {"library": fp8._Float8Matmul, "weight_inline": WeightInline, "fused": Fused,
             "bf16_weight_grad": Bf16WeightGrad}
 
 
-def _rows_scaled(t, dtype):
-    top = torch.finfo(dtype).max
-    amax = t.detach().abs().amax(dim=-1).amax().float().clamp(min=1e-12)
-    scale = top / amax
-    return (t.float() * scale).clamp(-top, top), scale.reciprocal()
+def _whole_scaled(t, dtype, by_rows=True):
+    return _library_scaled(t, dtype, by_rows=False)
 
 
 def use(name):
     """Put variant `name` in place of the library's FP8 matmul."""
-    if name == "rowamax":
-        fp8._scaled = _rows_scaled  # _quantize looks it up at each call
+    if name == "wholeamax":
+        fp8._scaled = _whole_scaled  # _quantize looks it up at each call
         return
     fp8._Float8Matmul = VARIANTS[name]  # float8_linear looks it up at each call
 
@@ -94,7 +94,8 @@ if __name__ == "__main__":
     keep_inputs = sys.argv[3] != "0" if len(sys.argv) > 3 else True
     use(name)
     s = train_profile.profile_step("dreamzero_5b", layers, 21, True, "elementwise", "segments", (11, 20),
-                                   precision="fp8", fp8_keep_inputs=keep_inputs)
+                                   precision="fp8", fp8_keep_inputs=keep_inputs,
+                                   top=int(os.environ.get("TOP", "20")))
     print(f"variant {name}, {layers} layers{', e4m3 inputs kept' if keep_inputs else ''}:")
     train_profile.print_summary(s)
     with open(os.path.join(os.environ.get("OUT", "."), "fp8_backward_variants.jsonl"), "a") as f:

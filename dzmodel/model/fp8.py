@@ -52,18 +52,26 @@ def resolve_precision(requested: str, device: torch.device | str,
     return fallback, f"precision fp8 falls back to {fallback}: {why}"
 
 
-def _scaled(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _amax(t: torch.Tensor, by_rows: bool = True) -> torch.Tensor:
+    """t's largest magnitude. by_rows: each row's, then the largest of those: the same value, but Inductor fuses
+    a row reduction into the kernel that produces t and runs it at about twice the bandwidth of one reduction over
+    the whole tensor (a 5B FP8 step on an H200: compiled elementwise work 460 -> 434 ms). Weights take the one
+    reduction, which was the faster for them (0.096 against 0.111 ms for a 14336 x 3072 fp32 weight)."""
+    magnitude = t.detach().abs()
+    return magnitude.amax(dim=-1).amax() if by_rows and t.dim() > 1 else magnitude.amax()
+
+
+def _scaled(t: torch.Tensor, dtype: torch.dtype, by_rows: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """t in fp32 scaled so that its largest magnitude meets `dtype`'s largest value, and the inverse scale (what
     _scaled_mm multiplies back)."""
     top = torch.finfo(dtype).max
-    amax = t.detach().abs().amax().float().clamp(min=1e-12)
-    scale = top / amax
+    scale = top / _amax(t, by_rows).float().clamp(min=1e-12)
     return (t.float() * scale).clamp(-top, top), scale.reciprocal()
 
 
-def _quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """t rounded to `dtype` at its own scale (a cast, aten._to_copy), and the inverse scale."""
-    scaled, inverse = _scaled(t, dtype)
+def _quantize(t: torch.Tensor, dtype: torch.dtype, by_rows: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """t rounded to `dtype` at its own scale (a cast, aten._to_copy), and the inverse scale (`_amax`'s by_rows)."""
+    scaled, inverse = _scaled(t, dtype, by_rows)
     # row-major whatever t's layout (a transposed gradient): _scaled_mm's first operand must be
     return scaled.to(dtype).contiguous(), inverse
 
@@ -72,7 +80,7 @@ def _quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """_quantize(weight, E4M3), the rounding written as a copy into a new tensor (aten.copy_) rather than a cast.
     Elementwise recompute can keep the e4m3 casts of the linears' inputs for the backward
     (`train.fp8_keep_inputs`); by this it tells the weights' e4m3 copies apart and does not keep them."""
-    scaled, inverse = _scaled(weight, E4M3)
+    scaled, inverse = _scaled(weight, E4M3, by_rows=False)
     out = torch.empty(weight.shape, dtype=E4M3, device=weight.device)
     out.copy_(scaled)
     return out, inverse
@@ -105,7 +113,7 @@ class _Float8Matmul(torch.autograd.Function):
         gq, g_inv = _quantize(grad_out, E5M2)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # dX = dY [M, N] @ W [N, K]: W as a column-major [N, K]
-            wq, w_inv = _quantize(weight, E4M3)
+            wq, w_inv = _quantize(weight, E4M3, by_rows=False)
             # W^T row-major [K, N] (N is a multiple of 16: no padding) by the same opaque copy: a transpose left to
             # the compiler fused into the cast, at about 200 GB/s on an H200
             w_t = transpose_padded(wq.view(torch.uint8)).view(wq.dtype)

@@ -276,3 +276,25 @@ def test_the_gpu_kernel_copies_like_the_reference():
         assert torch.equal(transpose_padded(t), _transposed_reference(t))
         assert torch.equal(transpose_padded(t.t()), _transposed_reference(t.t()))  # a strided input
     assert transpose_padded(torch.zeros(0, 48, dtype=torch.uint8, device="cuda")).shape == (48, 0)
+
+
+def test_activations_take_their_maximum_per_row_and_weights_over_the_whole_tensor():
+    """The cast's absolute maximum: per row, then over the rows, for activations and gradients (Inductor fuses a
+    row reduction into the producer's kernel: the 5B FP8 step's compiled elementwise work fell from 460 to 434 ms on
+    an H200); one reduction for weights (faster for them). Either way the same value, so the same FP8 tensor."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def reductions(fn, t):
+        graph = make_fx(fn)(t).graph
+        return [tuple(node.args[1]) if len(node.args) > 1 else () for node in graph.nodes
+                if node.target is torch.ops.aten.amax.default]
+
+    x = torch.randn(37, 64)
+    x[5, 7] = 40.0  # the largest magnitude in one row
+    assert reductions(lambda t: fp8._quantize(t, fp8.E4M3), x) == [(-1,), ()]
+    assert reductions(lambda t: fp8._quantize(t, fp8.E4M3, by_rows=False), x) == [()]
+    assert reductions(lambda t: fp8._quantize_weight(t), x) == [()]
+    for dtype in (fp8.E4M3, fp8.E5M2):
+        by_rows, whole = fp8._quantize(x, dtype), fp8._quantize(x, dtype, by_rows=False)
+        assert torch.equal(by_rows[0].view(torch.uint8), whole[0].view(torch.uint8))
+        assert torch.equal(by_rows[1], whole[1]) and by_rows[1].item() == pytest.approx(40.0 / torch.finfo(dtype).max)
