@@ -20,6 +20,20 @@ def test_builtins_match_the_reference():
     assert p.endswith("The robot put the bowl on the plate")
 
 
+def test_droid_in_the_5b_frame_is_droid_at_the_5b_encoders_size():
+    """oxe_droid_5b lays DROID's views out in the 5B's input frame (upstream resizes the 352x640 layout to it), and
+    differs from oxe_droid in nothing else."""
+    from dataclasses import replace
+
+    from dzmodel.model.components import ENCODERS
+
+    reg = load_embodiments()
+    droid, droid_5b = reg["oxe_droid"], reg["oxe_droid_5b"]
+    assert droid_5b.image_size == ENCODERS["dreamzero_5b"].image_size == (176, 320)
+    assert droid.image_size == ENCODERS["dreamzero_14b"].image_size
+    assert replace(droid_5b, tag=droid.tag, view_size=droid.view_size, source=droid.source) == droid
+
+
 def test_a_new_embodiment_from_yaml_alone(tmp_path):
     path = tmp_path / "my_robots.yaml"
     path.write_text("""
