@@ -31,7 +31,8 @@
 #   PART=loader  `dz bench data --trainer-loader` on this machine's cores at the 5B DROID shape, the videos decoded by
 #                the loader workers (cpu) and then by the GPU (nvdec) (LOADER_DECODE, default "cpu nvdec"),
 #                LOADER_WORKERS (default 0,2,4) workers each, nvdec on NVDEC_THREADS (default 4,8) decoding threads
-#                (train.nvdec_threads); LOADER_BATCHES (default 30) timed micro-batches of LOADER_MB (default 2).
+#                (train.nvdec_threads); LOADER_BATCHES (default 30) timed micro-batches of LOADER_MB (default 2);
+#                LOADER_EMBODIMENT (default oxe_droid; oxe_droid_5b: the 5B's 176x320 frame).
 #                Carry build/bench_data (the DROID-shaped recording, written here by one CPU run of the same
 #                command: the GPU image cannot encode H.264) and .nvdec_wheels (the pynvvideocodec wheel, cp312)
 set -euo pipefail
@@ -125,7 +126,7 @@ for line in sys.stdin:
     for decode in ${LOADER_DECODE:-cpu nvdec}; do
       PYTHONPATH=$PYTHONPATH:/tmp/nvdec dz bench data --trainer-loader --workdir build/bench_data --video-decode "$decode" \
         --workers "${LOADER_WORKERS:-0,2,4}" --decode-threads "${NVDEC_THREADS:-4,8}" \
-        --batches "${LOADER_BATCHES:-30}" --micro-batch "${LOADER_MB:-2}" \
+        --batches "${LOADER_BATCHES:-30}" --micro-batch "${LOADER_MB:-2}" --embodiment "${LOADER_EMBODIMENT:-oxe_droid}" \
         --out "$OUT/loader_droid_$GPU.jsonl" || true
     done
     echo "cores: $(nproc)" ;;

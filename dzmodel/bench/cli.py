@@ -155,7 +155,8 @@ def cmd_bench_data(ns: argparse.Namespace) -> int:
         if min(threads) < 1:
             raise CLIError(f"--decode-threads must be >= 1, got {ns.decode_threads!r}")
         run_loader_bench(ns.workdir, ns.codec, ns.gop, workers, ns.batches, ns.micro_batch, ns.episodes,
-                         progress=row_printer(ns.out), video_decode=ns.video_decode, decode_threads=threads)
+                         progress=row_printer(ns.out), video_decode=ns.video_decode, decode_threads=threads,
+                         embodiment=ns.embodiment)
         return EXIT_OK
     result = run_data_bench(ns.workdir, workers=_integers("--workers", ns.workers),
                             decode_samples=ns.samples, loader_samples=ns.loader_samples)
@@ -273,6 +274,9 @@ def add_commands(sub):
     p.add_argument("--video-decode", choices=["cpu", "nvdec"], default="cpu",
                    help="with --trainer-loader: where the videos are decoded (train.video_decode); nvdec: on the GPU, "
                         "the workers read only the vectors")
+    p.add_argument("--embodiment", choices=["oxe_droid", "oxe_droid_5b"], default="oxe_droid",
+                   help="with --trainer-loader: the layout: oxe_droid 352x640 (the 14B's frame), oxe_droid_5b "
+                        "176x320 (upstream's 5B frame)")
     p.add_argument("--decode-threads", default="8",
                    help="with --video-decode nvdec: threads decoding files side by side (train.nvdec_threads); "
                         "comma-separated for a row each")

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 DROID_H, DROID_W, DROID_FPS = 180, 320, 15
+DROID_EMBODIMENTS = ("oxe_droid", "oxe_droid_5b")  # the built-in layouts of DROID's three cameras (the first: the default)
 
 
 def _texture(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
@@ -50,9 +51,9 @@ def _camera(rng: np.random.Generator, frames: int) -> np.ndarray:
 
 
 def droid_dataset(out: str | Path, codec: str = "h264", gop: int = 2, episodes: int = 4, length: int = 300,
-                  seed: int = 0) -> Path:
-    """A DROID-shaped LeRobot v3.0 dataset (written once: an existing one is reused) and its `oxe_droid` metadata
-    (`out`.metadata.json, beside it: metadata is never written into a dataset)."""
+                  seed: int = 0, embodiment: str = DROID_EMBODIMENTS[0]) -> Path:
+    """A DROID-shaped LeRobot v3.0 dataset (written once: an existing one is reused) and its metadata for
+    `embodiment` (`metadata_path`, beside it: metadata is never written into a dataset)."""
     from ..data import synth
     from ..data.dataset import embodiment_metadata
     from ..data.embodiments import get_embodiment
@@ -69,17 +70,25 @@ def droid_dataset(out: str | Path, codec: str = "h264", gop: int = 2, episodes: 
             writer.add_episode(synth.TASKS[ep % len(synth.TASKS)], {k: _camera(rng, length) for k in synth.DROID_VIEWS},
                                synth._droid_vectors(traj, 64))
         writer.finish()
-    if not metadata_path(out).is_file():
-        embodiment_metadata(out, get_embodiment("oxe_droid"), metadata_path(out))
+    if not metadata_path(out, embodiment).is_file():
+        embodiment_metadata(out, get_embodiment(embodiment), metadata_path(out, embodiment))
     return out
 
 
-def metadata_path(dataset: Path) -> Path:
-    return dataset.with_name(dataset.name + ".metadata.json")
+def metadata_path(dataset: Path, embodiment: str = DROID_EMBODIMENTS[0]) -> Path:
+    """<dataset>.metadata.json for oxe_droid, <dataset>.<embodiment>.metadata.json for another."""
+    infix = "" if embodiment == DROID_EMBODIMENTS[0] else f".{embodiment}"
+    return dataset.with_name(f"{dataset.name}{infix}.metadata.json")
 
 
-def trainer_dataset(dataset: Path, micro_batch: int, workdir: Path):
-    """(dataset, sampler, collate) as `Trainer.build_data` and `Trainer.loader` make them, for the 5B on DROID."""
+def usable_cores() -> int:
+    """The cores this process may run on (taskset's limit), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def trainer_dataset(dataset: Path, micro_batch: int, workdir: Path, embodiment: str = DROID_EMBODIMENTS[0]):
+    """(dataset, sampler, collate) as `Trainer.build_data` and `Trainer.loader` make them, for the 5B on DROID laid
+    out by `embodiment`."""
     from ..data.collate import Collator
     from ..data.dataset import MixtureDataset, StreamSampler, load_statistics
     from ..data.embodiments import get_embodiment
@@ -89,8 +98,9 @@ def trainer_dataset(dataset: Path, micro_batch: int, workdir: Path):
     from ..train.config import TrainConfig
     from ..train.windows import training_windows
 
-    cfg = TrainConfig(preset="dreamzero_5b", datasets=[str(dataset)], embodiment="oxe_droid",
-                      metadata=str(metadata_path(dataset)), micro_batch=micro_batch, global_batch=micro_batch)
+    cfg = TrainConfig(preset="dreamzero_5b", datasets=[str(dataset)], embodiment=embodiment,
+                      metadata=str(metadata_path(dataset, embodiment)), micro_batch=micro_batch,
+                      global_batch=micro_batch)
     a = preset(cfg.preset)
     emb = get_embodiment(cfg.embodiment)
     spec = WindowSpec(a.max_chunk_size, emb.action_horizon, 4 * a.num_frame_per_block, emb.sampling)
@@ -104,14 +114,15 @@ def trainer_dataset(dataset: Path, micro_batch: int, workdir: Path):
 
 
 def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, workdir: Path,
-                video_decode: str = "cpu", device: str = "cuda", decode_threads: int = 8) -> dict:
+                video_decode: str = "cpu", device: str = "cuda", decode_threads: int = 8,
+                embodiment: str = DROID_EMBODIMENTS[0]) -> dict:
     """samples/s of the trainer's DataLoader with `workers` workers (the first 2 batches, the workers' start, not
     timed), and the main process's CPU time per sample. video_decode "nvdec": the workers name the frames and the
     main process decodes and augments them on `device` (`train.video_decode: nvdec`; waited for before the clock
     stops), on `decode_threads` threads (`train.nvdec_threads`)."""
     from ..data.video import worker_init_fn
 
-    ds, sampler, collate = trainer_dataset(dataset, micro_batch, workdir)
+    ds, sampler, collate = trainer_dataset(dataset, micro_batch, workdir, embodiment)
     video = None
     if video_decode == "nvdec":
         from ..data.nvdec import VideoImages
@@ -147,16 +158,21 @@ def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, wor
 def run_loader_bench(workdir: str | Path, codec: str = "h264", gop: int = 2, workers: tuple[int, ...] = (0, 2),
                      batches: int = 30, micro_batch: int = 2, episodes: int = 4, progress=None,
                      video_decode: str = "cpu", device: str = "cuda",
-                     decode_threads: tuple[int, ...] = (8,)) -> list[dict]:
+                     decode_threads: tuple[int, ...] = (8,), embodiment: str = DROID_EMBODIMENTS[0]) -> list[dict]:
     """A row per number of workers (and, for nvdec, per number of decoding threads)."""
+    if embodiment not in DROID_EMBODIMENTS:
+        raise ValueError(f"the loader bench lays out DROID's cameras: embodiment must be one of "
+                         f"{', '.join(DROID_EMBODIMENTS)}, got {embodiment!r}")
     workdir = Path(workdir)
-    dataset = droid_dataset(workdir / f"droid_{codec}_g{gop}", codec, gop, episodes)
+    dataset = droid_dataset(workdir / f"droid_{codec}_g{gop}", codec, gop, episodes, embodiment=embodiment)
     rows = []
     for threads in decode_threads if video_decode == "nvdec" else decode_threads[:1]:
         for w in workers:
-            row = {"codec": codec, "gop": gop, "micro_batch": micro_batch, "cpu_count": os.cpu_count(),
+            row = {"codec": codec, "gop": gop, "micro_batch": micro_batch, "embodiment": embodiment,
+                   "cpu_count": usable_cores(),
                    "date": time.strftime("%Y-%m-%d"),
-                   **loader_rate(dataset, w, batches, micro_batch, workdir, video_decode, device, threads)}
+                   **loader_rate(dataset, w, batches, micro_batch, workdir, video_decode, device, threads,
+                                 embodiment)}
             rows.append(row)
             if progress is not None:
                 progress(row)

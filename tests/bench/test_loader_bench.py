@@ -16,11 +16,28 @@ def test_the_trainer_loader_bench_reads_droid_windows_through_the_trainers_loade
     assert len(videos) == 3 and (video_info(videos[0])["height"], video_info(videos[0])["width"]) == (180, 320)
 
 
+def test_droid_in_the_5b_frame_lays_the_same_videos_out_at_176x320(tmp_path):
+    import os
+
+    import pytest
+
+    row, = run_loader_bench(tmp_path, workers=(0,), batches=1, micro_batch=1, episodes=1, embodiment="oxe_droid_5b")
+    assert row["images"] == [1, 33, 176, 320, 3] and row["embodiment"] == "oxe_droid_5b"
+    assert (tmp_path / "droid_h264_g2.oxe_droid_5b.metadata.json").is_file()  # beside oxe_droid's, not over it
+    assert not (tmp_path / "droid_h264_g2.metadata.json").exists()
+    assert row["cpu_count"] == len(os.sched_getaffinity(0))  # the cores taskset leaves, not the machine's
+    with pytest.raises(ValueError, match="embodiment must be one of oxe_droid, oxe_droid_5b, got 'libero_sim'"):
+        run_loader_bench(tmp_path, workers=(0,), batches=1, micro_batch=1, episodes=1, embodiment="libero_sim")
+
+
 def test_the_cli_appends_one_line_per_worker_count(tmp_path, capsys):
     out = tmp_path / "rows.jsonl"
     assert main(["bench", "data", "--trainer-loader", "--workdir", str(tmp_path), "--workers", "0",
                  "--batches", "1", "--micro-batch", "1", "--episodes", "1", "--out", str(out)]) == 0
     assert [json.loads(line)["workers"] for line in out.read_text().splitlines()] == [0]
+    assert main(["bench", "data", "--trainer-loader", "--workdir", str(tmp_path), "--workers", "0", "--batches", "1",
+                 "--micro-batch", "1", "--episodes", "1", "--embodiment", "oxe_droid_5b", "--out", str(out)]) == 0
+    assert json.loads(out.read_text().splitlines()[-1])["images"] == [1, 33, 176, 320, 3]
     assert main(["bench", "data", "--trainer-loader", "--workers", "two"]) != 0
     assert "--workers takes comma-separated integers" in capsys.readouterr().err
     assert main(["bench", "data", "--trainer-loader", "--video-decode", "nvdec", "--decode-threads", "1,x"]) != 0
