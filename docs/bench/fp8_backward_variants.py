@@ -1,5 +1,7 @@
 """Versions of the FP8 linear's backward in the 5B step, profiled one per process (`dz bench profile`'s step):
     PYTHONPATH=$PWD python docs/bench/fp8_backward_variants.py VARIANT [LAYERS [KEEP_INPUTS]]  (on a GPU with FP8)
+or `dz train` with the variant in place:
+    PYTHONPATH=$PWD python docs/bench/fp8_backward_variants.py VARIANT train [dz train's arguments]
 VARIANT:
   library          dzmodel/model/fp8.py as it is: every transposed FP8 operand (dW's dY and X, dX's W) one custom
                    op each
@@ -8,6 +10,9 @@ VARIANT:
   bf16_weight_grad dW = dY^T X in bf16 from the unrounded tensors, dX's W inline: no FP8 transposes for dW
   wholeamax        the library with every cast's absolute maximum as one reduction over the whole tensor (the
                    library's form before; it now takes activations' and gradients' per row, then over the rows)
+  keep_wide        the library, elementwise recompute keeping the e4m3 inputs of the linears at least
+                   WIDE_INPUT wide (the FFN's down projection) and every cast's scale, not the others' inputs:
+                   about a third of `train.fp8_keep_inputs`' memory for its largest recompute (run with KEEP_INPUTS 0)
 KEEP_INPUTS: 1 (default): elementwise recompute keeps the linears' e4m3 inputs (`train.fp8_keep_inputs`); 0:
 recomputes them in the backward.
 TOP (environment, default 20): how many kernels the summary lists.
@@ -24,6 +29,7 @@ from dzmodel.bench import train_profile
 from dzmodel.model import fp8
 from dzmodel.model.fp8 import E4M3, E5M2, _quantize
 from dzmodel.model.fp8_transpose import transpose_padded
+from dzmodel.train import parallelize
 
 
 def _grad_x(gq, g_inv, weight, ctx, grad_out):
@@ -81,8 +87,30 @@ def _whole_scaled(t, dtype, by_rows=True):
     return _library_scaled(t, dtype, by_rows=False)
 
 
+WIDE_INPUT = 8192
+_library_policy = parallelize._recompute_elementwise_policy
+
+
+def _keep_wide_policy(keep_fp8_inputs: bool = False):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten, base = torch.ops.aten, _library_policy(keep_fp8_inputs)
+
+    def policy(ctx, op, *args, **kwargs):
+        if op is aten._to_copy.default and kwargs.get("dtype") == E4M3 and args[0].shape[-1] >= WIDE_INPUT:
+            return CheckpointPolicy.MUST_SAVE
+        if op is aten.amax.default and (len(args) < 2 or not args[1]):  # a scale's maximum: a scalar
+            return CheckpointPolicy.MUST_SAVE
+        return base(ctx, op, *args, **kwargs)
+
+    return policy
+
+
 def use(name):
     """Put variant `name` in place of the library's FP8 matmul."""
+    if name == "keep_wide":
+        parallelize._recompute_elementwise_policy = _keep_wide_policy  # looked up at each checkpointed call
+        return
     if name == "wholeamax":
         fp8._scaled = _whole_scaled  # _quantize looks it up at each call
         return
@@ -90,6 +118,11 @@ def use(name):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[2] == "train":
+        from dzmodel.cli import main
+
+        use(sys.argv[1])
+        sys.exit(main(["train", *sys.argv[3:]]))
     name, layers = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 4
     keep_inputs = sys.argv[3] != "0" if len(sys.argv) > 3 else True
     use(name)
