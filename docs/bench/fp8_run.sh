@@ -6,7 +6,8 @@
 #                compiled, elementwise recompute): STEPS (default 12) steps in bf16, then the same in fp8
 #                (TRAIN_PRECISIONS, default "bf16 fp8"), then, where FP8_BF16_LAYERS is set (a JSON list:
 #                '["self_attn.o","cross_attn"]'), in fp8 with those linears bf16, then, for each micro-batch of
-#                FP8_KEEP_INPUTS_MB ("21 18"), in fp8 with train.fp8_keep_inputs
+#                FP8_KEEP_INPUTS_MB ("21 18"), in fp8 with train.fp8_keep_inputs, then, for each of FP8_VARIANTS
+#                ("wholeamax keep_wide"), in fp8 with that version of docs/bench/fp8_backward_variants.py in place
 #   PART=parity  the same seed and data for PARITY_STEPS (default 500) steps at micro-batch PARITY_MB (default 4),
 #                for each of PARITY_PRECISIONS (default "bf16 fp8"), in order; no checkpoints (a 5B one with its AdamW
 #                state is about 60 GB), so a run must finish within its call: name one precision per call if need be.
@@ -25,6 +26,10 @@
 #   PART=profile where a 5B step's GPU time goes, bf16 then fp8 (`dz bench profile`: PROFILE_LAYERS (default 4) of the
 #                30 layers, micro-batch 21, compiled, elementwise recompute; kernels by category and the top 20), and
 #                each linear layer of a block alone, forward + backward, bf16 against the FP8 layer (`--linears`)
+#   PART=video   `dz train` of the 5B from the loader part's DROID-shaped recording, frames decoded by NVDEC, the
+#                frozen encoders in the step, fp8, VIDEO_STEPS (12) steps at micro-batch VIDEO_MB (2), laid out by
+#                VIDEO_EMBODIMENT (oxe_droid_5b: the 5B's 176x320 frame; oxe_droid: 352x640). Carry build/bench_data
+#                and .nvdec_wheels, as for the loader part
 #   PART=variants versions of the FP8 linear's backward in the same 4-layer step, one process each
 #                (docs/bench/fp8_backward_variants.py; BACKWARD_VARIANTS, default "library:0 library weight_inline":
 #                NAME:0 with the linears' e4m3 inputs recomputed, not kept (train.fp8_keep_inputs))
@@ -76,7 +81,30 @@ case "$part" in
       train_5b "speed_fp8_inputs_$mb" fp8 "${STEPS:-12}" "$mb" 0 --set fp8_keep_inputs=true 2>&1 \
         | tee "$OUT/train_5b_fp8_keep_inputs_mb${mb}_$GPU.log" | tail -3 || true
       cp "$WORK/speed_fp8_inputs_$mb/metrics.jsonl" "$OUT/train_5b_fp8_keep_inputs_mb${mb}_$GPU.jsonl" || true
+    done
+    for v in ${FP8_VARIANTS:-}; do  # dz train in fp8 with a version of docs/bench/fp8_backward_variants.py
+      rm -rf "$WORK/speed_fp8_$v"
+      dz() { python docs/bench/fp8_backward_variants.py "$v" "$@"; }
+      train_5b "speed_fp8_$v" fp8 "${STEPS:-12}" 21 0 2>&1 | tee "$OUT/train_5b_fp8_${v}_$GPU.log" | tail -3 || true
+      cp "$WORK/speed_fp8_$v/metrics.jsonl" "$OUT/train_5b_fp8_${v}_$GPU.jsonl" || true
+      dz() { python -m dzmodel.cli "$@"; }
     done ;;
+  video)
+    python -m pip install -q --no-index --no-deps --no-compile --target /tmp/nvdec .nvdec_wheels/*.whl
+    emb=${VIDEO_EMBODIMENT:-oxe_droid_5b}
+    PYTHONPATH=$PYTHONPATH:/tmp/nvdec dz bench data --trainer-loader --workdir build/bench_data --video-decode nvdec \
+      --workers 0 --decode-threads 8 --batches 12 --micro-batch 21 --embodiment "$emb" \
+      --out "$OUT/loader_droid_${emb}_$GPU.jsonl" || true
+    meta=build/bench_data/droid_h264_g2.metadata.json
+    [ "$emb" = oxe_droid ] || meta=build/bench_data/droid_h264_g2.$emb.metadata.json
+    rm -rf "$WORK/video_$emb"
+    PYTHONPATH=$PYTHONPATH:/tmp/nvdec dz train --preset dreamzero_5b --steps "${VIDEO_STEPS:-12}" --out "$WORK/video_$emb" \
+      --set datasets='["build/bench_data/droid_h264_g2"]' --set embodiment="$emb" --set metadata="$meta" \
+      --set tokenizer=build/bench_data/tokenizer --set micro_batch="${VIDEO_MB:-2}" --set global_batch="${VIDEO_MB:-2}" \
+      --set video_decode=nvdec --set nvdec_threads=8 --set num_workers=2 --set compile=true \
+      --set activation_checkpointing=elementwise --set attn_backend=segments --set precision=fp8 --set save_every=0 \
+      --set progress=false --set seed=0 2>&1 | tee "$OUT/train_5b_video_${emb}_mb${VIDEO_MB:-2}_$GPU.log" | tail -3 || true
+    cp "$WORK/video_$emb/metrics.jsonl" "$OUT/train_5b_video_${emb}_mb${VIDEO_MB:-2}_$GPU.jsonl" || true ;;
   parity)
     learnable parity_train 64 0
     learnable parity_heldout 16 1
@@ -130,7 +158,7 @@ for line in sys.stdin:
         --out "$OUT/loader_droid_$GPU.jsonl" || true
     done
     echo "cores: $(nproc)" ;;
-  *) echo "PART must be train, parity, policy, 14b, tail, profile, variants or loader (or several, comma-separated)" >&2
+  *) echo "PART must be train, parity, policy, 14b, tail, profile, variants, loader or video (or several, comma-separated)" >&2
      exit 2 ;;
 esac
 done
