@@ -95,7 +95,7 @@ def main():
         row["min_bytes_gb"] = nbytes / 1e9
         rows.append(row)
         print(f"{name:36s} producer {row['producer_ms']:.3f} ms  full {row['full_ms']:.3f}  rows {row['rows_ms']:.3f}"
-              f"  (producer alone at {nbytes / row['producer_ms'] / 1e9:.0f} GB/s)", flush=True)
+              f"  (producer alone at {nbytes / row['producer_ms'] / 1e6:.0f} GB/s)", flush=True)
 
     # the FFN, forward and backward, as a block runs it
     x = torch.randn(tokens, 3072, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)

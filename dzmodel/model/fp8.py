@@ -225,7 +225,7 @@ class Float8InferenceLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight_fp8, weight_inv_scale = _quantize(linear.weight.detach(), E4M3)
+        weight_fp8, weight_inv_scale = _quantize(linear.weight.detach(), E4M3, by_rows=False)
         self.register_buffer("weight_fp8", weight_fp8)
         self.register_buffer("weight_inv_scale", weight_inv_scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())

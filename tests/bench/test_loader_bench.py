@@ -1,6 +1,9 @@
 """`dz bench data --trainer-loader`: dz train's own DataLoader over a DROID-shaped dataset (3 cameras at 180x320)."""
 
 import json
+import os
+
+import pytest
 
 from dzmodel.bench.loader_bench import run_loader_bench
 from dzmodel.cli import main
@@ -17,10 +20,6 @@ def test_the_trainer_loader_bench_reads_droid_windows_through_the_trainers_loade
 
 
 def test_droid_in_the_5b_frame_lays_the_same_videos_out_at_176x320(tmp_path):
-    import os
-
-    import pytest
-
     row, = run_loader_bench(tmp_path, workers=(0,), batches=1, micro_batch=1, episodes=1, embodiment="oxe_droid_5b")
     assert row["images"] == [1, 33, 176, 320, 3] and row["embodiment"] == "oxe_droid_5b"
     assert (tmp_path / "droid_h264_g2.oxe_droid_5b.metadata.json").is_file()  # beside oxe_droid's, not over it
