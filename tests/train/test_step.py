@@ -309,3 +309,60 @@ def test_the_whole_step_traces_as_one_graph(recompute):
     with step.compute_dtype():
         explained = torch._dynamo.explain(step.model_losses)(inputs, step.mask(targets[0].shape), targets)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+class OpNames(TorchDispatchMode):
+    """The names of the ops that run within it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_fused_adamw_clips_by_its_grad_scale_as_clip_grad_norm_would(sharded, tmp_path):
+    """Clipping by the fused AdamW's grad_scale (no pass of its own over the gradients) gives clip_grad_norm_'s
+    weights; under FSDP2 too (DTensor gradients and parameters, a plain scale)."""
+    import torch.distributed as dist
+
+    if sharded:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        runs = _clip_runs(sharded)
+    finally:
+        if sharded:
+            dist.destroy_process_group()
+    (plain, plain_norms, plain_scaling), (fused, fused_norms, fused_scaling) = runs[False], runs[True]
+    assert plain_scaling == [["_foreach_mul_.Tensor"]] * 2  # clip_grad_norm_ scales the gradients itself
+    assert fused_scaling == [[], []]  # the fused AdamW scales them as it reads them
+    torch.testing.assert_close(plain_norms, fused_norms, rtol=1e-5, atol=0)
+    assert bool((plain_norms > 1e-3).all())
+    for a, b in zip(plain, fused):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _clip_runs(sharded: bool) -> dict:
+    runs = {}
+    for fused in (False, True):
+        # fp32: in bf16 the weights' last-bit differences (a division for a product) grow over steps
+        trainer = build_trainer("tiny", None, 2, False, "none", "sdpa", "cache", fsdp=sharded, precision="fp32")
+        batches = synthetic_batches(trainer.args, 2, (4, 6), trainer.info.device, "cache")
+        step = trainer.step
+        # eps near the clipped gradients' size: Adam's update is otherwise blind to a gradient's scale
+        step.optimizer = torch.optim.AdamW(step.params, lr=1e-2, eps=1e-6, weight_decay=0.1, fused=fused or None)
+        step.grad_clip = 1e-3  # far below the tiny model's gradient norm: every step clips
+        norms, scaling = [], []
+        for _ in range(2):
+            step.forward_backward(batches)
+            with OpNames() as ops:
+                norms.append(step.clip_gradients())
+            scaling.append([n for n in ops.names if n.startswith("_foreach_mul")])
+            step.optimizer.step()
+            step.optimizer.zero_grad(set_to_none=True)
+        weights = [p.detach().full_tensor() if sharded else p.detach().clone() for p in step.params]
+        runs[fused] = weights, torch.stack(norms), scaling
+    return runs
