@@ -12,7 +12,13 @@ VARIANT:
                    library's form before; it now takes activations' and gradients' per row, then over the rows)
   keep_wide        the library, elementwise recompute keeping the e4m3 inputs of the linears at least
                    WIDE_INPUT wide (the FFN's down projection) and every cast's scale, not the others' inputs:
-                   about a third of `train.fp8_keep_inputs`' memory for its largest recompute (run with KEEP_INPUTS 0)
+                   about a third of `train.fp8_keep_inputs`' memory for its largest recompute (run with KEEP_INPUTS 0);
+                   the library's `train.fp8_keep_inputs: wide` since
+  keep_weights     the weight's e4m3 copy saved for the backward and kept by elementwise recompute, not rounded
+                   again there (one process: the weight is whole in memory anyway; 1 byte per weight more)
+  clip_apart       gradient clipping by clip_grad_norm_'s own scaling pass (the trainer before it folded the
+                   scaling into the fused AdamW's grad_scale)
+  A+B              several of them at once (keep_wide+keep_weights)
 KEEP_INPUTS: 1 (default): elementwise recompute keeps the linears' e4m3 inputs (`train.fp8_keep_inputs`); 0:
 recomputes them in the backward.
 TOP (environment, default 20): how many kernels the summary lists.
@@ -78,9 +84,36 @@ class Bf16WeightGrad(torch.autograd.Function):
         return _grad_x(gq, g_inv, weight, ctx, grad_out), grad_w, None
 
 
+class KeepWeight(fp8._Float8Matmul):
+    """The library, the weight's e4m3 copy and scale saved for the backward rather than the weight rounded again
+    there (with `keep_weights`' recompute policy, which keeps that copy)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, out_dtype):
+        xq, x_inv = _quantize(x, E4M3)
+        scaled, w_inv = fp8._scaled(weight, E4M3, by_rows=False)
+        # the functional copy into a new e4m3 tensor: the policy tells it from the inputs' casts, and eager
+        # selective checkpointing refuses to keep the output of an in-place copy_
+        wq = torch.ops.aten.copy.default(torch.empty(weight.shape, dtype=E4M3, device=weight.device), scaled)
+        ctx.save_for_backward(xq, x_inv, wq, w_inv)
+        ctx.weight_dtype, ctx.x_dtype = weight.dtype, x.dtype
+        return torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xq, x_inv, wq, w_inv = ctx.saved_tensors
+        gq, g_inv = _quantize(grad_out, E5M2)
+        w_t = transpose_padded(wq.view(torch.uint8)).view(wq.dtype)
+        grad_x = torch._scaled_mm(gq, w_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=grad_out.dtype).to(ctx.x_dtype)
+        g_t = transpose_padded(gq.view(torch.uint8)).view(gq.dtype)
+        x_t = transpose_padded(xq.view(torch.uint8)).view(xq.dtype)
+        grad_w = torch._scaled_mm(g_t, x_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)
+        return grad_x, grad_w.to(ctx.weight_dtype), None
+
+
 _library_scaled = fp8._scaled
 VARIANTS = {"library": fp8._Float8Matmul, "weight_inline": WeightInline, "fused": Fused,
-            "bf16_weight_grad": Bf16WeightGrad}
+            "bf16_weight_grad": Bf16WeightGrad, "keep_weights": KeepWeight}
 
 
 def _whole_scaled(t, dtype, by_rows=True):
@@ -88,33 +121,56 @@ def _whole_scaled(t, dtype, by_rows=True):
 
 
 WIDE_INPUT = 8192
-_library_policy = parallelize._recompute_elementwise_policy
 
 
-def _keep_wide_policy(keep_fp8_inputs: bool = False):
+def _keeping(base_policy, wide_inputs: bool, weights: bool):
+    """base_policy (a `_recompute_elementwise_policy`) that also keeps the e4m3 inputs at least WIDE_INPUT wide
+    and/or the weights' e4m3 copies (fp8.py writes them by a copy into an e4m3 tensor), with every cast's scalar
+    maximum."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    aten, base = torch.ops.aten, _library_policy(keep_fp8_inputs)
+    aten = torch.ops.aten
 
-    def policy(ctx, op, *args, **kwargs):
-        if op is aten._to_copy.default and kwargs.get("dtype") == E4M3 and args[0].shape[-1] >= WIDE_INPUT:
-            return CheckpointPolicy.MUST_SAVE
-        if op is aten.amax.default and (len(args) < 2 or not args[1]):  # a scale's maximum: a scalar
-            return CheckpointPolicy.MUST_SAVE
-        return base(ctx, op, *args, **kwargs)
+    def make(keep_fp8_inputs: bool = False):
+        base = base_policy(keep_fp8_inputs)
 
-    return policy
+        def policy(ctx, op, *args, **kwargs):
+            if (wide_inputs and op is aten._to_copy.default and kwargs.get("dtype") == E4M3
+                    and args[0].shape[-1] >= WIDE_INPUT):
+                return CheckpointPolicy.MUST_SAVE
+            if weights and op is aten.copy.default and args[0].dtype == E4M3:
+                return CheckpointPolicy.MUST_SAVE
+            if op is aten.amax.default and (len(args) < 2 or not args[1]):  # a scale's maximum: a scalar
+                return CheckpointPolicy.MUST_SAVE
+            return base(ctx, op, *args, **kwargs)
+
+        return policy
+
+    return make
+
+
+def _clip_apart(self):
+    """TrainStep.clip_gradients as before: clip_grad_norm_ scales the gradients in a pass of its own."""
+    norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def use(name):
-    """Put variant `name` in place of the library's FP8 matmul."""
-    if name == "keep_wide":
-        parallelize._recompute_elementwise_policy = _keep_wide_policy  # looked up at each checkpointed call
-        return
-    if name == "wholeamax":
-        fp8._scaled = _whole_scaled  # _quantize looks it up at each call
-        return
-    fp8._Float8Matmul = VARIANTS[name]  # float8_linear looks it up at each call
+    """Put variant `name` in place (NAME+NAME: several)."""
+    for part in name.split("+"):
+        if part in ("keep_wide", "keep_weights"):  # the policy, looked up at each checkpointed call
+            parallelize._recompute_elementwise_policy = _keeping(parallelize._recompute_elementwise_policy,
+                                                                 part == "keep_wide", part == "keep_weights")
+        if part == "keep_weights" or part in VARIANTS:
+            fp8._Float8Matmul = VARIANTS[part]  # float8_linear looks it up at each call
+        elif part == "wholeamax":
+            fp8._scaled = _whole_scaled  # _quantize looks it up at each call
+        elif part == "clip_apart":
+            from dzmodel.train.step import TrainStep
+
+            TrainStep.clip_gradients = _clip_apart
+        elif part != "keep_wide":
+            raise ValueError(f"unknown variant {part!r}")
 
 
 if __name__ == "__main__":

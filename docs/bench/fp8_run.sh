@@ -6,8 +6,9 @@
 #                compiled, elementwise recompute): STEPS (default 12) steps in bf16, then the same in fp8
 #                (TRAIN_PRECISIONS, default "bf16 fp8"), then, where FP8_BF16_LAYERS is set (a JSON list:
 #                '["self_attn.o","cross_attn"]'), in fp8 with those linears bf16, then, for each micro-batch of
-#                FP8_KEEP_INPUTS_MB ("21 18"), in fp8 with train.fp8_keep_inputs, then, for each of FP8_VARIANTS
-#                ("wholeamax keep_wide"), in fp8 with that version of docs/bench/fp8_backward_variants.py in place
+#                FP8_KEEP_INPUTS_MB ("21 18", or MB:MODE, "21:wide"), in fp8 with train.fp8_keep_inputs (true, or
+#                MODE), then, for each of FP8_VARIANTS ("keep_weights clip_apart", A+B for both), in fp8 with that
+#                version of docs/bench/fp8_backward_variants.py in place
 #   PART=parity  the same seed and data for PARITY_STEPS (default 500) steps at micro-batch PARITY_MB (default 4),
 #                for each of PARITY_PRECISIONS (default "bf16 fp8"), in order; no checkpoints (a 5B one with its AdamW
 #                state is about 60 GB), so a run must finish within its call: name one precision per call if need be.
@@ -76,17 +77,21 @@ case "$part" in
         | tee "$OUT/train_5b_fp8_kept_$GPU.log" | tail -3
       cp "$WORK/speed_fp8_kept/metrics.jsonl" "$OUT/train_5b_fp8_kept_$GPU.jsonl"
     fi
-    for mb in ${FP8_KEEP_INPUTS_MB:-}; do  # micro-batches: fp8 with train.fp8_keep_inputs (memory: peak_mem_gib)
-      rm -rf "$WORK/speed_fp8_inputs_$mb"
-      train_5b "speed_fp8_inputs_$mb" fp8 "${STEPS:-12}" "$mb" 0 --set fp8_keep_inputs=true 2>&1 \
-        | tee "$OUT/train_5b_fp8_keep_inputs_mb${mb}_$GPU.log" | tail -3 || true
-      cp "$WORK/speed_fp8_inputs_$mb/metrics.jsonl" "$OUT/train_5b_fp8_keep_inputs_mb${mb}_$GPU.jsonl" || true
+    for entry in ${FP8_KEEP_INPUTS_MB:-}; do  # MB or MB:MODE: fp8 with train.fp8_keep_inputs MODE (true; wide)
+      mb=${entry%%:*} mode=true
+      [[ $entry == *:* ]] && mode=${entry#*:}
+      name=speed_fp8_inputs_${mode}_mb$mb
+      rm -rf "${WORK:?}/$name"
+      train_5b "$name" fp8 "${STEPS:-12}" "$mb" 0 --set fp8_keep_inputs="$mode" 2>&1 \
+        | tee "$OUT/train_5b_fp8_keep_inputs_${mode}_mb${mb}_$GPU.log" | tail -3 || true
+      cp "$WORK/$name/metrics.jsonl" "$OUT/train_5b_fp8_keep_inputs_${mode}_mb${mb}_$GPU.jsonl" || true
     done
     for v in ${FP8_VARIANTS:-}; do  # dz train in fp8 with a version of docs/bench/fp8_backward_variants.py
-      rm -rf "$WORK/speed_fp8_$v"
+      f=${v//+/_and_}  # A+B: the device's file names take no '+'
+      rm -rf "$WORK/speed_fp8_$f"
       dz() { python docs/bench/fp8_backward_variants.py "$v" "$@"; }
-      train_5b "speed_fp8_$v" fp8 "${STEPS:-12}" 21 0 2>&1 | tee "$OUT/train_5b_fp8_${v}_$GPU.log" | tail -3 || true
-      cp "$WORK/speed_fp8_$v/metrics.jsonl" "$OUT/train_5b_fp8_${v}_$GPU.jsonl" || true
+      train_5b "speed_fp8_$f" fp8 "${STEPS:-12}" 21 0 2>&1 | tee "$OUT/train_5b_fp8_${f}_$GPU.log" | tail -3 || true
+      cp "$WORK/speed_fp8_$f/metrics.jsonl" "$OUT/train_5b_fp8_${f}_$GPU.jsonl" || true
       dz() { python -m dzmodel.cli "$@"; }
     done ;;
   video)

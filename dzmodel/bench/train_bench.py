@@ -65,7 +65,7 @@ ENCODER_MODES = ("cache", "online_per_sample", "online_batched")
 
 def build_trainer(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
                   attention: str, encoders: str, accumulation: int = 1, fsdp: bool = False, lora_rank: int = 0,
-                  ema_decay: float = 0.0, precision: str = "bf16", fp8_keep_inputs: bool = False):
+                  ema_decay: float = 0.0, precision: str = "bf16", fp8_keep_inputs: bool | str = False):
     """The Trainer of `dz train` at one configuration (bf16, one process or FSDP2 over the torchrun group), its
     model, optimizer and step built; no data. fsdp: FSDP2 in a one-process group too. lora_rank > 0: LoRA
     adapters of that rank (alpha = rank) on the frozen bf16 base; ema_decay > 0: an EMA of the trained weights;
@@ -90,7 +90,7 @@ def build_trainer(preset_name: str, num_layers: int | None, micro_batch: int, co
 def build_train_step(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str,
                      attention: str, encoders: str, latent_hw=(11, 20), accumulation: int = 1, fsdp: bool = False,
                      lora_rank: int = 0, ema_decay: float = 0.0, precision: str = "bf16",
-                     fp8_keep_inputs: bool = False):
+                     fp8_keep_inputs: bool | str = False):
     """The trainer's step at one configuration, fed synthetic batches, as a closure: (step, trainer). Used by the
     bench and by `train_profile`."""
     trainer = build_trainer(preset_name, num_layers, micro_batch, compile, ac, attention, encoders, accumulation,

@@ -102,7 +102,7 @@ def print_summary(s: KernelSummary) -> None:
 
 def profile_step(preset_name: str, num_layers: int | None, micro_batch: int, compile: bool, ac: str, attention: str,
                  latent_hw, trace_out: str | None = None, warmup: int = 3, fsdp: bool = False,
-                 precision: str = "bf16", fp8_keep_inputs: bool = False, top: int = 20) -> KernelSummary | None:
+                 precision: str = "bf16", fp8_keep_inputs: bool | str = False, top: int = 20) -> KernelSummary | None:
     """Profiles one step after `warmup` steps. Under torchrun every rank steps; rank 0 returns the summary (its
     `top` kernels by time)."""
     from torch.profiler import ProfilerActivity, profile

@@ -5,7 +5,7 @@ built in code."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..model.lora import LoRAConfig
 
@@ -98,8 +98,9 @@ class TrainConfig:
     fp8_bf16_layers: list[str] = field(default_factory=list)
     # under precision fp8 and activation_checkpointing elementwise, keep each FP8 linear's e4m3 input for the
     # backward rather than recompute it from the bf16 input: 1 byte more per element of those inputs, for two
-    # passes over them fewer (docs/performance.md)
-    fp8_keep_inputs: bool = False
+    # passes over them fewer (docs/performance.md); wide: only the inputs at least 8192 wide (the FFN's down
+    # projection's), about half the memory of true for most of its gain
+    fp8_keep_inputs: bool | Literal["wide"] = False
     # the tokens between blocks in the compute dtype (bf16), as inference with bf16 weights and FSDP2 training run
     # them; off, one process under autocast keeps them in fp32 (the action and state tokens' fp32 biases make the
     # stream fp32). At the libero_object shape on one H100: 4.5 % faster, two rows each on one machine (docs/results.md,
@@ -162,6 +163,8 @@ class TrainConfig:
         ac = self.activation_checkpointing
         if ac not in AC_MODES and not (ac.startswith("full:") and ac[5:].isdigit()):
             raise ValueError(f"train.activation_checkpointing must be one of {AC_MODES} or full:N, got {ac!r}")
+        if not (isinstance(self.fp8_keep_inputs, bool) or self.fp8_keep_inputs == "wide"):
+            raise ValueError(f"train.fp8_keep_inputs must be true, false or wide, got {self.fp8_keep_inputs!r}")
         if self.fp8_keep_inputs and (self.precision != "fp8" or not (ac == "elementwise" or ac.startswith("full:"))):
             raise ValueError(f"train.fp8_keep_inputs keeps the FP8 linears' inputs through elementwise recompute: it "
                              f"needs precision: fp8 and activation_checkpointing: elementwise (or full:N); got "

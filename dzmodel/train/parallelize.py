@@ -22,13 +22,19 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16,
 AC_MODES = ("none", "elementwise", "selective", "full")
 
 
-def _recompute_elementwise_policy(keep_fp8_inputs: bool = False):
+# `train.fp8_keep_inputs: wide` keeps the e4m3 inputs at least this wide: the FFN's down projection's (14336 in
+# the 5B, 13824 in the 14B), the largest and the costliest to recompute (its GELU), not the hidden-wide ones
+WIDE_FP8_INPUT = 8192
+
+
+def _recompute_elementwise_policy(keep_fp8_inputs: bool | str = False):
     """Keep the outputs of matmuls and attention kernels; recompute everything else (norms, modulation,
     RoPE, GELU, gates, casts) in backward, where it fuses into the backward kernels.
     keep_fp8_inputs: keep the FP8 linears' e4m3 inputs and their absolute maxima too (`train.fp8_keep_inputs`):
     1 byte per element of each such linear's input, for not reading its bf16 input twice more in the backward
-    (the maximum, then the cast). The weights' e4m3 copies are not kept (fp8.py rounds them by a copy, not a
-    cast): the backward rounds the weight again, as FSDP2 frees it between forward and backward."""
+    (the maximum, then the cast); "wide": only the inputs at least WIDE_FP8_INPUT wide (and every maximum, a
+    scalar). The weights' e4m3 copies are not kept (fp8.py rounds them by a copy, not a cast): the backward
+    rounds the weight again, as FSDP2 frees it between forward and backward."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     from ..model.fp8 import E4M3
@@ -48,7 +54,7 @@ def _recompute_elementwise_policy(keep_fp8_inputs: bool = False):
 
     def fp8_input(op, args, kwargs) -> bool:
         if op is aten._to_copy.default:
-            return kwargs.get("dtype") == E4M3
+            return kwargs.get("dtype") == E4M3 and (keep_fp8_inputs is True or args[0].shape[-1] >= WIDE_FP8_INPUT)
         return op is aten.amax.default and (len(args) < 2 or not args[1])  # the whole tensor's: a scalar
 
     def policy(ctx, op, *args, **kwargs):
@@ -72,7 +78,7 @@ def up_projection(left: torch.Tensor, right: torch.Tensor) -> bool:
     return r <= LOW_RANK and right.shape[-1] >= 8 * r
 
 
-def _elementwise_checkpointed(forward, *args, keep_fp8_inputs: bool = False, **kwargs):
+def _elementwise_checkpointed(forward, *args, keep_fp8_inputs: bool | str = False, **kwargs):
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     context = functools.partial(create_selective_checkpoint_contexts, _recompute_elementwise_policy(keep_fp8_inputs))
@@ -114,7 +120,7 @@ COMPILE_SCOPES = ("blocks", "step")
 
 def apply_recompute_and_compile(model: nn.Module, mode: str, compile: bool, cuda_graphs: bool = False,
                                 compile_options: dict | None = None, scope: str = "blocks",
-                                keep_fp8_inputs: bool = False) -> None:
+                                keep_fp8_inputs: bool | str = False) -> None:
     """Activation recompute per block (see `block_recompute_plan`), and optionally `torch.compile` of each
     block's forward, with `cuda_graphs` in reduce-overhead mode (each compiled forward and backward replayed as a
     CUDA graph; on CUDA only) and `compile_options` (Inductor settings, `train.compile_options`). The forward is

@@ -115,9 +115,10 @@ def test_bf16_layers_are_checked_without_fp8_too(data, tmp_path):
         trainer.build_model()
 
 
-def _fp8_casts_under_elementwise_recompute(keep_fp8_inputs: bool):
+def _fp8_casts_under_elementwise_recompute(keep_fp8_inputs: bool | str, hidden: int | None = None):
     """An FP8 linear under elementwise recompute, forward and backward: the shapes of its e4m3 roundings in the
-    order they ran (the input is [8, 32], the weight [16, 32]) and the gradients."""
+    order they ran (the input is [8, 32], the weight [16, 32]) and the gradients. hidden: an FFN instead,
+    32 -> hidden -> 16 with a GELU between (the down projection's input is [8, hidden])."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from dzmodel.model.fp8 import E4M3, Float8Linear
@@ -137,16 +138,21 @@ def _fp8_casts_under_elementwise_recompute(keep_fp8_inputs: bool):
             return out
 
     g = torch.Generator().manual_seed(0)
-    layer = torch.nn.Linear(32, 16)
-    layer.__class__ = Float8Linear
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(16, 32, generator=g))
-        layer.bias.copy_(torch.randn(16, generator=g))
+    layers = [torch.nn.Linear(32, 16)] if hidden is None else [torch.nn.Linear(32, hidden), torch.nn.Linear(hidden, 16)]
+    for layer in layers:
+        layer.__class__ = Float8Linear
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=g))
+            layer.bias.copy_(torch.randn(layer.bias.shape, generator=g))
+
+    def forward(t):
+        t = torch.nn.functional.gelu(layers[0](t))
+        return t if hidden is None else layers[1](t)
+
     x = torch.randn(8, 32, generator=g, requires_grad=True)
     with CountCasts() as count:
-        _elementwise_checkpointed(lambda t: torch.nn.functional.gelu(layer(t)), x,
-                                  keep_fp8_inputs=keep_fp8_inputs).sum().backward()
-    return count.shapes, (x.grad, layer.weight.grad)
+        _elementwise_checkpointed(forward, x, keep_fp8_inputs=keep_fp8_inputs).sum().backward()
+    return count.shapes, (x.grad, *(layer.weight.grad for layer in layers))
 
 
 def test_keeping_the_fp8_inputs_rounds_the_input_once_and_the_weight_as_before():
@@ -159,6 +165,27 @@ def test_keeping_the_fp8_inputs_rounds_the_input_once_and_the_weight_as_before()
         casts[keep] = shapes.count((8, 32)), shapes.count((16, 32))
     assert casts == {False: (2, 3), True: (1, 3)}
     torch.testing.assert_close(grads[True], grads[False], rtol=0, atol=0)
+
+
+def test_keeping_the_wide_fp8_inputs_rounds_the_ffn_down_input_once_and_the_narrow_one_twice():
+    """train.fp8_keep_inputs: wide keeps the inputs at least WIDE_FP8_INPUT wide (the FFN's down projection's),
+    rounded once; the 32-wide input of the up projection is rounded again in the backward's recompute, as
+    without keeping. The gradients are the same."""
+    from dzmodel.train.parallelize import WIDE_FP8_INPUT
+
+    wide, narrow = (8, WIDE_FP8_INPUT), (8, 32)
+    casts, grads = {}, {}
+    for keep in (False, "wide", True):
+        shapes, grads[keep] = _fp8_casts_under_elementwise_recompute(keep, hidden=WIDE_FP8_INPUT)
+        casts[keep] = shapes.count(narrow), shapes.count(wide)
+    assert casts == {False: (2, 2), "wide": (2, 1), True: (1, 1)}
+    torch.testing.assert_close(grads["wide"], grads[False], rtol=0, atol=0)
+
+
+def test_fp8_keep_inputs_takes_true_false_or_wide_by_name(data, tmp_path):
+    assert _cfg(data, tmp_path, activation_checkpointing="elementwise", fp8_keep_inputs="wide").fp8_keep_inputs == "wide"
+    with pytest.raises(ValueError, match="train.fp8_keep_inputs must be true, false or wide, got 'all'"):
+        _cfg(data, tmp_path, activation_checkpointing="elementwise", fp8_keep_inputs="all")
 
 
 def test_compiled_keeping_the_fp8_inputs_saves_the_inputs_copy_and_not_the_weights():
