@@ -9,6 +9,7 @@
 #                FP8_KEEP_INPUTS_MB ("21 18", or MB:MODE, "21:wide"), in fp8 with train.fp8_keep_inputs (true, or
 #                MODE), then, for each of FP8_VARIANTS ("keep_weights clip_apart", A+B for both), in fp8 with that
 #                version of docs/bench/fp8_backward_variants.py in place
+#                TRAIN_SET ("residual_in_compute_dtype=true") adds settings to every run of this part and of parity
 #   PART=parity  the same seed and data for PARITY_STEPS (default 500) steps at micro-batch PARITY_MB (default 4),
 #                for each of PARITY_PRECISIONS (default "bf16 fp8"), in order; no checkpoints (a 5B one with its AdamW
 #                state is about 60 GB), so a run must finish within its call: name one precision per call if need be.
@@ -60,8 +61,11 @@ train_5b() {  # NAME PRECISION STEPS MICRO_BATCH SAVE_EVERY [--set K=V ..]
   dz train --preset dreamzero_5b --steps "$steps" --out "$WORK/$name" --set cache="${CACHE:-$WORK/cache_5b}" \
     --set micro_batch="$mb" \
     --set global_batch="$mb" --set compile=true --set activation_checkpointing=elementwise --set attn_backend=segments \
-    --set precision="$precision" --set num_workers=2 --set save_every="$save" --set progress=false --set seed=0 "$@"
+    --set precision="$precision" --set num_workers=2 --set save_every="$save" --set progress=false --set seed=0 \
+    "${extra_sets[@]}" "$@"
 }
+extra_sets=()  # TRAIN_SET="K=V K=V": more train settings for every dz train of the train and parity parts
+for kv in ${TRAIN_SET:-}; do extra_sets+=(--set "$kv"); done
 for part in ${PART//,/ }; do  # PART=train,loader: several parts in one call, in order
 case "$part" in
   train)
