@@ -225,7 +225,7 @@ def _add_oracle(ev) -> None:
     p.add_argument("--out", required=True, help="summary.json (oracle_success_rate), results.csv, episodes.csv")
     p.add_argument("--overwrite", action="store_true", help="write into an --out directory that dz did not write")
     p.add_argument("--metadata", help="the run's metadata.json (q99 statistics); default: computed from the dataset")
-    p.add_argument("--embodiment", default="libero_sim", help="libero_sim | libero_sim_tiny")
+    p.add_argument("--embodiment", default="libero_sim", help="libero_sim | libero_sim_5b (the 5B's 160x320 frame) | libero_sim_tiny")
     p.add_argument("--max-episodes", type=int, help="replay N recorded episodes, evenly spread over the recording")
     p.add_argument("--workers", type=int, default=2, help="env worker processes (0: one per CPU core)")
     p.add_argument("--camera-size", type=int, help="default: the recorded image size")

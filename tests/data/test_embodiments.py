@@ -34,6 +34,18 @@ def test_droid_in_the_5b_frame_is_droid_at_the_5b_encoders_size():
     assert replace(droid_5b, tag=droid.tag, view_size=droid.view_size, source=droid.source) == droid
 
 
+@pytest.mark.parametrize("name, base", [("libero_sim_5b", "libero_sim"), ("franka_pnp_5b", "franka_pnp")])
+def test_libero_and_franka_in_upstreams_5b_frame(name, base):
+    """Upstream's 5B LIBERO and Franka configs resize the two 256x256 views' 256x512 layout to 160x320 (an even
+    latent height, unlike 176x320): the _5b embodiments lay them out so, and differ from theirs in nothing else."""
+    from dataclasses import replace
+
+    reg = load_embodiments()
+    five_b, full = reg[name], reg[base]
+    assert full.image_size == (256, 512) and five_b.image_size == (160, 320)
+    assert replace(five_b, tag=full.tag, view_size=full.view_size, source=full.source) == full
+
+
 def test_a_new_embodiment_from_yaml_alone(tmp_path):
     path = tmp_path / "my_robots.yaml"
     path.write_text("""
