@@ -104,8 +104,8 @@ case "$part" in
     PYTHONPATH=$PYTHONPATH:/tmp/nvdec dz bench data --trainer-loader --workdir build/bench_data --video-decode nvdec \
       --workers 0 --decode-threads 8 --batches 12 --micro-batch 21 --embodiment "$emb" \
       --out "$OUT/loader_droid_${emb}_$GPU.jsonl" || true
-    meta=build/bench_data/droid_h264_g2.metadata.json
-    [ "$emb" = oxe_droid ] || meta=build/bench_data/droid_h264_g2.$emb.metadata.json
+    meta=$(python -c 'import sys, pathlib; from dzmodel.bench.loader_bench import metadata_path
+print(metadata_path(pathlib.Path(sys.argv[1]), sys.argv[2]))' build/bench_data/droid_h264_g2 "$emb")
     rm -rf "$WORK/video_$emb"
     PYTHONPATH=$PYTHONPATH:/tmp/nvdec dz train --preset dreamzero_5b --steps "${VIDEO_STEPS:-12}" --out "$WORK/video_$emb" \
       --set datasets='["build/bench_data/droid_h264_g2"]' --set embodiment="$emb" --set metadata="$meta" \

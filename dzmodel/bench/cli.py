@@ -6,6 +6,7 @@ import argparse
 import os
 
 from ..clitools import EXIT_OK, CLIError, latent_hw_arg, row_printer
+from ..data.embodiments import DROID_EMBODIMENTS
 from ..model.cli import add_solver_arguments
 
 
@@ -274,7 +275,7 @@ def add_commands(sub):
     p.add_argument("--video-decode", choices=["cpu", "nvdec"], default="cpu",
                    help="with --trainer-loader: where the videos are decoded (train.video_decode); nvdec: on the GPU, "
                         "the workers read only the vectors")
-    p.add_argument("--embodiment", choices=["oxe_droid", "oxe_droid_5b"], default="oxe_droid",
+    p.add_argument("--embodiment", choices=DROID_EMBODIMENTS, default=DROID_EMBODIMENTS[0],
                    help="with --trainer-loader: the layout: oxe_droid 352x640 (the 14B's frame), oxe_droid_5b "
                         "176x320 (upstream's 5B frame)")
     p.add_argument("--decode-threads", default="8",

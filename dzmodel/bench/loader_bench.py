@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..data.embodiments import DROID_EMBODIMENTS
+
 DROID_H, DROID_W, DROID_FPS = 180, 320, 15
-DROID_EMBODIMENTS = ("oxe_droid", "oxe_droid_5b")  # the built-in layouts of DROID's three cameras (the first: the default)
 
 
 def _texture(rng: np.random.Generator, h: int, w: int) -> np.ndarray:

@@ -16,6 +16,8 @@ from typing import Any, Iterable, Mapping
 from .errors import DataError
 
 BUILTIN_YAML = Path(__file__).with_name("embodiments.yaml")
+# the built-in layouts of DROID's three cameras (the first: the 14B's 352x640 frame; then the 5B's 176x320)
+DROID_EMBODIMENTS = ("oxe_droid", "oxe_droid_5b")
 SAMPLING_MODES = ("multi_anchor", "fixed_window")
 
 
