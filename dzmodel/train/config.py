@@ -99,7 +99,7 @@ class TrainConfig:
     # under precision fp8 and activation_checkpointing elementwise, keep each FP8 linear's e4m3 input for the
     # backward rather than recompute it from the bf16 input: 1 byte more per element of those inputs, for two
     # passes over them fewer (docs/performance.md); wide: only the inputs at least 8192 wide (the FFN's down
-    # projection's), about half the memory of true for most of its gain
+    # projection's), less than half the memory of true (docs/training.md)
     fp8_keep_inputs: bool | Literal["wide"] = False
     # the tokens between blocks in the compute dtype (bf16), as inference with bf16 weights and FSDP2 training run
     # them; off, one process under autocast keeps them in fp32 (the action and state tokens' fp32 biases make the
