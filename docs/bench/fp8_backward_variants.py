@@ -10,10 +10,9 @@ VARIANT:
   bf16_weight_grad dW = dY^T X in bf16 from the unrounded tensors, dX's W inline: no FP8 transposes for dW
   wholeamax        the library with every cast's absolute maximum as one reduction over the whole tensor (the
                    library's form before; it now takes activations' and gradients' per row, then over the rows)
-  keep_wide        the library, elementwise recompute keeping the e4m3 inputs of the linears at least
-                   WIDE_INPUT wide (the FFN's down projection) and every cast's scale, not the others' inputs:
-                   about a third of `train.fp8_keep_inputs`' memory for its largest recompute (run with KEEP_INPUTS 0);
-                   the library's `train.fp8_keep_inputs: wide` since
+  keep_wide        the library's `train.fp8_keep_inputs: wide` (it began here as this variant): elementwise
+                   recompute keeps the e4m3 inputs of the linears at least 8192 wide (the FFN's down projection)
+                   and every cast's scale, not the others' inputs (run with KEEP_INPUTS 0)
   keep_weights     the weight's e4m3 copy saved for the backward and kept by elementwise recompute, not rounded
                    again there (one process: the weight is whole in memory anyway; 1 byte per weight more)
   clip_apart       gradient clipping by clip_grad_norm_'s own scaling pass (the trainer before it folded the
@@ -120,25 +119,23 @@ def _whole_scaled(t, dtype, by_rows=True):
     return _library_scaled(t, dtype, by_rows=False)
 
 
-WIDE_INPUT = 8192
+def _keeping_wide(base_policy):
+    """base_policy (a `_recompute_elementwise_policy`) asked for the wide inputs where it was asked for none."""
+    return lambda keep_fp8_inputs=False: base_policy(keep_fp8_inputs or "wide")
 
 
-def _keeping(base_policy, wide_inputs: bool, weights: bool):
-    """base_policy (a `_recompute_elementwise_policy`) that also keeps the e4m3 inputs at least WIDE_INPUT wide
-    and/or the weights' e4m3 copies (fp8.py writes them by a copy into an e4m3 tensor), with every cast's scalar
-    maximum."""
+def _keeping_weights(base_policy):
+    """base_policy that also keeps the weights' e4m3 copies (KeepWeight writes them by the functional copy into
+    an e4m3 tensor), with every cast's scalar maximum."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
 
-    def make(keep_fp8_inputs: bool = False):
+    def make(keep_fp8_inputs=False):
         base = base_policy(keep_fp8_inputs)
 
         def policy(ctx, op, *args, **kwargs):
-            if (wide_inputs and op is aten._to_copy.default and kwargs.get("dtype") == E4M3
-                    and args[0].shape[-1] >= WIDE_INPUT):
-                return CheckpointPolicy.MUST_SAVE
-            if weights and op is aten.copy.default and args[0].dtype == E4M3:
+            if op is aten.copy.default and args[0].dtype == E4M3:
                 return CheckpointPolicy.MUST_SAVE
             if op is aten.amax.default and (len(args) < 2 or not args[1]):  # a scale's maximum: a scalar
                 return CheckpointPolicy.MUST_SAVE
@@ -158,10 +155,12 @@ def _clip_apart(self):
 def use(name):
     """Put variant `name` in place (NAME+NAME: several)."""
     for part in name.split("+"):
-        if part in ("keep_wide", "keep_weights"):  # the policy, looked up at each checkpointed call
-            parallelize._recompute_elementwise_policy = _keeping(parallelize._recompute_elementwise_policy,
-                                                                 part == "keep_wide", part == "keep_weights")
-        if part == "keep_weights" or part in VARIANTS:
+        # the policy is looked up at each checkpointed call
+        if part == "keep_wide":
+            parallelize._recompute_elementwise_policy = _keeping_wide(parallelize._recompute_elementwise_policy)
+        elif part == "keep_weights":
+            parallelize._recompute_elementwise_policy = _keeping_weights(parallelize._recompute_elementwise_policy)
+        if part in VARIANTS:
             fp8._Float8Matmul = VARIANTS[part]  # float8_linear looks it up at each call
         elif part == "wholeamax":
             fp8._scaled = _whole_scaled  # _quantize looks it up at each call
