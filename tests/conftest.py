@@ -13,6 +13,23 @@ def pytest_configure(config):
     import tempfile
 
     os.environ.setdefault("DZ_BUNDLE_CACHE", tempfile.mkdtemp(prefix="dz-bundle-cache-"))
+    from tests.leftovers import mark_session
+
+    mark_session()
+
+
+@pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down (their servers stopped)
+def pytest_sessionfinish(session, exitstatus):
+    from tests.leftovers import MARK, end_leftovers
+
+    found = end_leftovers(os.environ[MARK])
+    if found:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"processes started by the tests were still running at the end (killed now): {len(found)}"]
+        lines += [f"  {pid}: {cmd[:300]}" for pid, cmd in sorted(found.items())]
+        if reporter is not None:
+            reporter.write_line("\n".join(lines), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def shared_dir() -> Path:
