@@ -102,7 +102,6 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
     (the oracle replays recorded episodes from their recorded init states this way).
     `timing`, if given, receives the seconds spent in the policy and in env steps, the chunks and the forwards."""
     from .libero_env import get_suite, list_tasks
-    from .libero_workers import EnvWorkerPool
 
     tasks = list_tasks(cfg.suite) if tasks is None else tasks
     if cfg.tasks is not None:
@@ -128,7 +127,7 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
     bar = Progress(len(todo), enabled=progress, desc=f"LIBERO {tag}".strip(), unit="episode")
     if pool_factory is None:
         def pool_factory(n):
-            return EnvWorkerPool(n, camera_size=cfg.camera_size, timeout_s=cfg.worker_timeout_s, seed=cfg.seed)
+            return _env_pool(cfg, n)
     clock = timing if timing is not None else {}
     for key in ("policy_s", "env_s", "chunks", "forwards"):
         clock.setdefault(key, 0)
@@ -137,6 +136,41 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
         run.run(pool)
     bar.close()
     return sorted(run.results, key=lambda r: (r.task, r.episode))
+
+
+def _env_pool(cfg: EvalConfig, num_workers: int):
+    from .libero_workers import EnvWorkerPool
+
+    return EnvWorkerPool(num_workers, camera_size=cfg.camera_size, timeout_s=cfg.worker_timeout_s, seed=cfg.seed)
+
+
+class _OnePool:
+    """One env worker pool for all the checkpoints of an evaluation (`pool_factory` of each): its workers start
+    and build their tasks' envs once, where a pool per checkpoint would again spend ~8 s per worker on 2 CPU
+    cores. Episodes still start from their own seeded reset and init state."""
+
+    def __init__(self, cfg: EvalConfig):
+        self.cfg, self.pool = cfg, None
+
+    def __call__(self, num_workers: int):
+        import contextlib
+
+        if self.pool is None:
+            self.pool = _env_pool(self.cfg, num_workers)
+        elif self.pool.num_workers != num_workers:
+            raise ValueError(f"the shared env pool has {self.pool.num_workers} workers; asked for {num_workers}")
+        return contextlib.nullcontext(self.pool)
+
+    @property
+    def workers_started(self) -> int:
+        return self.pool.workers_started if self.pool is not None else 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.pool is not None:
+            self.pool.close()
 
 
 class _Evaluation:
@@ -412,7 +446,8 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
     `weights`: raw or ema), or one converted model directory. `embodiment`, if given, must be the one the
     checkpoint trained on.
     Writes results.csv, episodes.csv, per_episode.csv (seed,task,init_state,checkpoint_step,success), summary.json,
-    success_vs_step.png, timing.json (wall, policy and env seconds per step) and videos/ under out_dir."""
+    success_vs_step.png, timing.json (wall, policy and env seconds per step; env workers started: one pool serves
+    every step) and videos/ under out_dir."""
     from .libero_env import check_libero, ensure_libero_config
     from .policy import PolicyLoadError, load_policy, read_train_config
 
@@ -421,25 +456,28 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
     src, out = Path(run_or_model), Path(out_dir)
     models = _models_to_evaluate(src, out, steps, weights)
     rows, episodes, timings = [], [], []
-    for step, model_dir in models:
-        policy = load_policy(model_dir, device=device, embodiment=embodiment, solver=solver, seed=cfg.seed)
-        policy.policy.set_compile(compile)
-        if "image" not in policy.embodiment.views or "wrist_image" not in policy.embodiment.views:
-            raise PolicyLoadError(f"{model_dir}: embodiment {policy.embodiment.tag!r} has views "
-                                  f"{sorted(policy.embodiment.views)}; LIBERO gives 'image' and 'wrist_image'")
-        started, timing = time.perf_counter(), {}
-        results = evaluate_policy(policy, cfg, out, progress=progress, tag=f"step{step}", timing=timing)
-        wall = time.perf_counter() - started
-        graphs = policy.policy.graphs  # a capture costs a few forwards: many per step means the shapes thrash
-        timing.update(graph_captures=graphs.captures, graph_replays=graphs.replays)
-        timings.append({"step": step, "wall_s": round(wall, 1), "episodes_per_min": round(len(results) * 60 / wall, 2),
-                        "batch_policy": cfg.batch_policy,
-                        **{k: round(v, 2) if isinstance(v, float) else v for k, v in timing.items()}})
-        rows += summarize(results, step)
-        seed = read_train_config(model_dir)[0].seed
-        episodes += [{"step": step, "train_seed": seed, **asdict(r)} for r in results]
-        write_results(out, rows, episodes)  # after every step: a long evaluation keeps what it has
-        atomic_write_text(out / "timing.json", json.dumps(timings, indent=1))
+    with _OnePool(cfg) as pools:
+        for step, model_dir in models:
+            policy = load_policy(model_dir, device=device, embodiment=embodiment, solver=solver, seed=cfg.seed)
+            policy.policy.set_compile(compile)
+            if "image" not in policy.embodiment.views or "wrist_image" not in policy.embodiment.views:
+                raise PolicyLoadError(f"{model_dir}: embodiment {policy.embodiment.tag!r} has views "
+                                      f"{sorted(policy.embodiment.views)}; LIBERO gives 'image' and 'wrist_image'")
+            started, timing, before = time.perf_counter(), {}, pools.workers_started
+            results = evaluate_policy(policy, cfg, out, progress=progress, tag=f"step{step}", timing=timing,
+                                      pool_factory=pools)
+            wall = time.perf_counter() - started
+            graphs = policy.policy.graphs  # a capture costs a few forwards: many per step means the shapes thrash
+            timing.update(graph_captures=graphs.captures, graph_replays=graphs.replays,
+                          env_workers_started=pools.workers_started - before)
+            timings.append({"step": step, "wall_s": round(wall, 1),
+                            "episodes_per_min": round(len(results) * 60 / wall, 2), "batch_policy": cfg.batch_policy,
+                            **{k: round(v, 2) if isinstance(v, float) else v for k, v in timing.items()}})
+            rows += summarize(results, step)
+            seed = read_train_config(model_dir)[0].seed
+            episodes += [{"step": step, "train_seed": seed, **asdict(r)} for r in results]
+            write_results(out, rows, episodes)  # after every step: a long evaluation keeps what it has
+            atomic_write_text(out / "timing.json", json.dumps(timings, indent=1))
     plot_success(rows, out / "success_vs_step.png", f"LIBERO-{cfg.suite}: success vs training step")
     return rows
 

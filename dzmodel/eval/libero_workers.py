@@ -262,6 +262,7 @@ class EnvWorkerPool:
         self._in_flight: dict[int, tuple[str, float, str | None]] = {}  # worker -> (command, deadline, bddl file)
         self._answered: dict = {}  # replies known before any wait (a send that failed)
         self._closed = False
+        self.workers_started = 0  # restarts after a crash included
         try:
             for w in range(num_workers):
                 self._start(w)
@@ -375,6 +376,7 @@ class EnvWorkerPool:
         p.start()
         child.close()  # so that the worker's death reads as EOF here
         self._workers[w] = _Worker(p, parent)
+        self.workers_started += 1
 
     def _crash(self, w: int, reason: str) -> WorkerCrashed:
         wk = self._workers[w]

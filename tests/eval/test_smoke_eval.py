@@ -47,6 +47,8 @@ def test_smoke_eval_across_checkpoint_steps(run, capsys):
     timing = json.loads((out / "timing.json").read_text())
     assert [t["step"] for t in timing] == [1, 2] and all(t["chunks"] >= t["forwards"] >= 1 for t in timing)
     assert all(t["graph_captures"] == 0 for t in timing)  # CUDA graphs only on CUDA
+    # one pool of env workers for both steps: the second step starts none (no process start, no env rebuilt)
+    assert [t["env_workers_started"] for t in timing] == [2, 0]
 
 
 def test_eval_errors_are_one_clear_line(run, tmp_path, capsys):
