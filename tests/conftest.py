@@ -54,3 +54,14 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def demo_repro(tmp_path_factory):
+    """`dvc repro` of the demo, as params.yaml has it, on a fresh clone of the project: (clone, dvc's log). Shared by
+    the DVC tests (tests/test_dvc.py, which go on to change it) and the demo's learnability tests, which read its
+    trained and converted model (tests/eval/test_action_error_learnability.py): the demo trains once."""
+    from tests.demo_clone import clone, run
+
+    dest = clone(tmp_path_factory.mktemp("clone") / "project")
+    return dest, run(["dvc", "repro"], dest)

@@ -1,4 +1,4 @@
-"""DVC end to end on a fresh copy of the project: `dvc repro` reproduces the demo (trained for 100 steps) and logs it
+"""DVC end to end on a fresh copy of the project: `dvc repro` reproduces the demo and logs it
 to MLflow as a flow run would, a changed parameter (in params.yaml or through `dvc exp run --set-param`) reruns only the stages that
 depend on it, and the data goes to and comes back from the local remote and an S3 remote (a local moto S3
 server)."""
@@ -6,7 +6,6 @@ server)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -15,21 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.flows.servers import QUIET, background, free_port
+from tests.demo_clone import env as _env
+from tests.demo_clone import run as _run
+from tests.flows.servers import background, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
-
-
-def _env(**extra) -> dict:
-    return dict(os.environ, **QUIET, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", **extra)
-
-
-def _run(cmd: list[str], cwd: Path, **env) -> str:
-    out = subprocess.run(cmd, cwd=cwd, env=_env(**env), capture_output=True, text=True)
-    assert out.returncode == 0, f"{' '.join(cmd)}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    return out.stdout + out.stderr
 
 
 def _ran(log: str) -> list[str]:
@@ -43,23 +33,9 @@ def _set_param(project: Path, old: str, new: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    """The project as a fresh clone has it (tracked files), then `dvc repro`."""
-    dest = tmp_path_factory.mktemp("clone") / "project"
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True).stdout.split("\0")
-    for rel in filter(None, files):
-        if (ROOT / rel).is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, dest / rel)
-    # the demo's stages with 100 training steps, not 1000: these tests are about DVC; what the demo learns in its
-    # 1000 steps is tested in tests/eval/test_action_error_learnability.py
-    _set_param(dest, "      steps: 1000\n      save_every: 500", "      steps: 100\n      save_every: 50")
-    # an identity of its own: `dvc exp run` commits experiments, also where git has no global identity
-    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "t@t"], ["git", "config", "user.name", "t"],
-                ["git", "add", "-A"], ["git", "commit", "-qm", "clone"]):
-        _run(cmd, dest)
-    log = _run(["dvc", "repro"], dest)
-    return dest, log
+def project(demo_repro):
+    """The project as a fresh clone has it (tracked files), then `dvc repro` (the session's, tests/conftest.py)."""
+    return demo_repro
 
 
 def _mlflow(dest: Path):

@@ -20,7 +20,8 @@ from tests.flows.servers import BIN, QUIET, background, free_port, mlflow_server
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 # the demo's 1000 steps take 4-10 minutes on 2 cores; these tests are about the servers, and make demo trains fully
-SHORT_TRAIN = ["train.steps=30", "train.save_every=10"]
+# (two checkpoints: the eval stage's LIBERO episodes are most of a short run)
+SHORT_TRAIN = ["train.steps=30", "train.save_every=15"]
 
 
 def _json(url: str, body: dict | None = None) -> dict | list:
@@ -64,6 +65,7 @@ def test_scheduled_deployment_run_is_created_and_completes(servers):
     worker_log = servers["base"] / "worker.log"
     assert deployment["job_variables"]["env"]["DZ_PROJECT_DIR"] == str(ROOT)  # `dz deploy` records the checkout
     worker_env = {k: v for k, v in env.items() if k != "DZ_PROJECT_DIR"}  # the worker's machine need not set it
+    worker_env["PREFECT_WORKER_QUERY_SECONDS"] = "2"  # picks the run up within 2 s of its start time, not 10
     with background([str(BIN / "prefect"), "worker", "start", "--pool", "gpu-pool"], worker_env, worker_log):
         deadline, done = time.time() + 540, None
         while time.time() < deadline and done is None:
@@ -115,7 +117,7 @@ def test_mlflow_server_compares_two_demo_runs(servers):
         history = _json(f"{mlf}/api/2.0/mlflow/metrics/get-history?{q}")["metrics"]
         assert sorted({h["step"] for h in history}) == list(range(1, 31))  # every training step
         q = urllib.parse.urlencode({"run_id": run["info"]["run_id"], "metric_key": "eval.success_rate"})
-        assert sorted(h["step"] for h in _json(f"{mlf}/api/2.0/mlflow/metrics/get-history?{q}")["metrics"]) == [10, 20, 30]
+        assert sorted(h["step"] for h in _json(f"{mlf}/api/2.0/mlflow/metrics/get-history?{q}")["metrics"]) == [15, 30]
         latest.append((params["train.lr"], metrics["train.final_loss"]))
     assert latest[0][0] == "0.001" and latest[1][0] == "0.003"
     assert latest[0][1] != latest[1][1]  # the changed learning rate shows in the comparison

@@ -1,4 +1,4 @@
-"""The fast inference path (issue 14) gives the reference's chunks: batched sessions, the CUDA-graph code path
+"""The fast inference path gives the reference's chunks: batched sessions, the CUDA-graph code path
 (run without capture on CPU), streamed VAE encoding, and the bounded error of bf16 weights and DiT caching."""
 
 import copy

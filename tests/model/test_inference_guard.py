@@ -1,4 +1,4 @@
-"""The cost guard of one action chunk (issue 14): what a chunk costs in model calls, attention calls and FLOPs,
+"""The cost guard of one action chunk: what a chunk costs in model calls, attention calls and FLOPs,
 counted on CPU for a fixed configuration (the tiny policy, 16 solver steps, with and without CFG). An extra
 forward, a mask rebuilt per call or a second prefill changes these counts; timing is left to `dz bench policy`.
 An optimisation that lowers them updates the numbers here, with the measured speed-up in docs/performance.md."""
