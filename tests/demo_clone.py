@@ -6,13 +6,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-from tests.flows.servers import QUIET
+from tests.flows.servers import BIN, QUIET
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 
 
 def env(**extra) -> dict:

@@ -9,16 +9,14 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.demo_clone import env as _env
 from tests.demo_clone import run as _run
-from tests.flows.servers import background, free_port
+from tests.flows.servers import BIN, background, free_port
 
-BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
 
 

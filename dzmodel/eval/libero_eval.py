@@ -14,6 +14,7 @@ with a note. Nothing waits forever: every worker reply has a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -153,8 +154,6 @@ class _OnePool:
         self.cfg, self.pool = cfg, None
 
     def __call__(self, num_workers: int):
-        import contextlib
-
         if self.pool is None:
             self.pool = _env_pool(self.cfg, num_workers)
         elif self.pool.num_workers != num_workers:

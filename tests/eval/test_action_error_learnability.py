@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-# the demo's stages up to the encoder cache: what a run with other train parameters shares with it
-UPSTREAM = ("data/demo/dataset", "runs/demo/metadata", "runs/demo/vision", "runs/demo/cache", "runs/demo/tokenizer")
+def _before_train(paths: StagePaths) -> tuple[Path, ...]:
+    """The outputs of the stages up to the encoder cache: what a run with other train parameters shares."""
+    return paths.dataset, paths.metadata.parent, paths.stage("vision"), paths.stage("cache"), paths.tokenizer
 
 
 def _demo_action_error(root: Path, overrides: list[str], upstream: Path) -> dict:
@@ -28,10 +29,10 @@ def _demo_action_error(root: Path, overrides: list[str], upstream: Path) -> dict
     from dzmodel.stages.eval import stage_action_error
 
     shutil.copy(ROOT / "params.yaml", root / "params.yaml")
-    for rel in UPSTREAM:
-        shutil.copytree(upstream / rel, root / rel)
     prof = load_params(root / "params.yaml", overrides, profile="demo").selected("demo")
     paths = StagePaths(root, "demo")
+    for src, dst in zip(_before_train(StagePaths(upstream, "demo")), _before_train(paths)):
+        shutil.copytree(src, dst)
     for stage in ("train", "convert"):
         run_stage(stage, prof, paths, log=lambda line: None)
     result = stage_action_error(prof, paths, root / "action_error", log=print)
