@@ -80,10 +80,13 @@ def test_loss_parity_compares_the_last_window_and_plots(tmp_path):
     assert result["reference_mean_loss"] == 1.0 and abs(result["relative_difference"] - 0.01) < 1e-12
     for name, rows in (("a", ref), ("b", other)):
         (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    out = subprocess.run([sys.executable, str(RESULTS.parent / "bench" / "loss_parity.py"), str(tmp_path / "a.jsonl"),
-                          str(tmp_path / "b.jsonl"), "--out", str(tmp_path / "p.png")], capture_output=True, text=True)
+    cmd = [sys.executable, str(RESULTS.parent / "bench" / "loss_parity.py"), str(tmp_path / "a.jsonl"),
+           str(tmp_path / "b.jsonl"), "--out", str(tmp_path / "p.png")]
+    out = subprocess.run(cmd + ["--labels", "bf16", "fp8, bf16 stream"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "p.png").stat().st_size > 1000 and json.loads(out.stdout.splitlines()[0])["window_steps"] == 100
+    one_label = subprocess.run(cmd + ["--labels", "bf16"], capture_output=True, text=True)
+    assert one_label.returncode == 2 and "--labels" in one_label.stderr
     for rows, value in ((ref, 0.50), (other, 0.52)):  # held-out scores (train.val_cache) at steps 100 and 200
         rows[99]["val_action_loss"], rows[199]["val_action_loss"] = 0.9, value
     result = loss_parity.parity(ref, other, window=100)

@@ -2,7 +2,8 @@
 logged steps of each, their relative difference, the held-out action loss of each run's last scored step
 (`train.val_cache`: val_action_loss) and its relative difference, and the curves in one PNG.
 
-    python docs/bench/loss_parity.py BF16_METRICS.jsonl FP8_METRICS.jsonl --out docs/bench/fp8_parity.png
+    python docs/bench/loss_parity.py BF16_METRICS.jsonl FP8_METRICS.jsonl --out docs/bench/fp8_parity.png \
+        [--labels bf16 "fp8 (bf16 stream)"]
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def main() -> None:
     ap.add_argument("other")
     ap.add_argument("--window", type=int, default=100)
     ap.add_argument("--out", default="fp8_parity.png")
+    ap.add_argument("--labels", nargs=2, default=["bf16", "fp8"], metavar=("REFERENCE", "OTHER"),
+                    help="the two runs' names in the plot")
     ns = ap.parse_args()
+    labels = ns.labels
     reference, other = read(ns.reference), read(ns.other)
     result = parity(reference, other, ns.window)
     print(json.dumps(result))
@@ -53,21 +57,21 @@ def main() -> None:
     held = "heldout_step" in result
     fig, axes = plt.subplots(1, 2 if held else 1, figsize=(12 if held else 7, 4), squeeze=False)
     ax = axes[0][0]
-    for rows, label in ((reference, "bf16"), (other, "fp8")):
+    for rows, label in zip((reference, other), labels):
         ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=label, linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title(f"last {ns.window} steps: fp8 {100 * result['relative_difference']:+.2f} % against bf16")
+    ax.set_title(f"last {ns.window} steps: {labels[1]} {100 * result['relative_difference']:+.2f} % against {labels[0]}")
     ax.legend()
     if held:
         ax = axes[0][1]
-        for rows, label in ((reference, "bf16"), (other, "fp8")):
+        for rows, label in zip((reference, other), labels):
             scored = [r for r in rows if "val_action_loss" in r]
             ax.plot([r["step"] for r in scored], [r["val_action_loss"] for r in scored], "o-", label=label)
         ax.set_xlabel("step")
         ax.set_ylabel("held-out action loss")
-        ax.set_title(f"step {result['heldout_step']}: fp8 {100 * result['heldout_relative_difference']:+.2f} % "
-                     "against bf16")
+        ax.set_title(f"step {result['heldout_step']}: {labels[1]} {100 * result['heldout_relative_difference']:+.2f} % "
+                     f"against {labels[0]}")
         ax.legend()
     fig.tight_layout()
     fig.savefig(ns.out, dpi=120)

@@ -107,10 +107,10 @@ def test_encoded_copies_refuse_what_cannot_work(kw, match):
 
 
 @pytest.mark.parametrize("precision, on, want", [("bf16", True, torch.bfloat16), ("bf16", False, None),
-                                                 ("fp32", True, None)])
+                                                 ("fp8", True, torch.bfloat16), ("fp32", True, None)])
 def test_residual_in_compute_dtype_reaches_the_step(data, tmp_path, precision, on, want):
-    """train.residual_in_compute_dtype: the step casts the tokens between blocks to the compute dtype (bf16);
-    off, or in fp32, it leaves them as the embeddings give them."""
+    """train.residual_in_compute_dtype: the step casts the tokens between blocks to the compute dtype (bf16, also
+    under fp8, whose non-FP8 work computes in bf16); off, or in fp32, it leaves them as the embeddings give them."""
     trainer = Trainer(_cfg(data, tmp_path / "r", precision=precision, residual_in_compute_dtype=on))
     trainer.build_model()
     assert trainer.step.residual_dtype == want
