@@ -14,6 +14,11 @@ Each row also says what the timed calls paid for besides the GPU's work (`TailWa
 device memory, CUDA-graph captures) and lists every call's time in order, to find what makes the slow ones slow;
 `--gc-freeze` freezes the heap after the warm-up, as `dz serve` does.
 
+Each row also counts the model FLOPs of one call (`torch.utils.flop_counter`, in one extra call run eagerly without
+CUDA graphs, whose kernels a counter cannot see): the matmuls, convolutions and attention of every stage, by op, and
+from them the call's TFLOP/s at its p50 and its share of the device's dense bf16 peak (`mfu`, as the training rows
+count it), which says how far a setting is from what the GPU can do.
+
 `--precision fp8` measures the setting twice on one model: with bf16 weights, then with the DiT blocks' linears
 rounded to e4m3 (`model.fp8.freeze_blocks_to_fp8`); the FP8 row also gives how far its chunks are from the bf16
 ones for the same observations and noise (`chunk_diff_vs_bf16`). A device without FP8 gives the row's reason.
@@ -37,6 +42,7 @@ from ..model.inference import STAGES, NormStats, StageTimer
 from ..model.sampler import SolverConfig
 from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer
 from ..model.wam import DreamZeroWAM
+from ..train.metrics import peak_flops
 
 WEIGHTS = ("autocast", "bf16", "fp32", "fp8")  # autocast: fp32 weights under bf16 autocast (the old GPU path);
 # fp8: bf16 weights, the DiT blocks' linears in e4m3 (irreversible on the model: FP8 settings run last)
@@ -187,6 +193,34 @@ class TailWatch:
             "graph_captures_timed": self.policy.graphs.captures - self._captures0}
 
 
+def _sdpa_for_cpu_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+# attention on a CPU runs this op, which torch's counter leaves out (it counts the CUDA ones)
+_EXTRA_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_for_cpu_flops}
+
+
+def count_call_flops(policy, call) -> tuple[int, dict[str, int]]:
+    """Model FLOPs of `call()` (one policy call), eager and without CUDA graphs (a graph replay or a compiled
+    block hides its ops from the counter): the total and the FLOPs per op. The policy's compiled block runner and
+    graph cache are put back afterwards, so the timed calls before and after it are unchanged."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    runner, graphs = policy.model.block_runner, policy.graphs
+    policy.model.block_runner, policy.graphs = None, GraphCache(enabled=False)
+    try:
+        counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
+        with counter:
+            call()
+    finally:
+        policy.model.block_runner, policy.graphs = runner, graphs
+    by_op = {str(op): int(n) for op, n in counter.get_flop_counts().get("Global", {}).items()}
+    return counter.get_total_flops(), by_op
+
+
 def _measure(policy, setting: PolicySetting, device: str, batch: int, calls: int, warmup: int,
              breakdown_calls: int, seed: int, gc_freeze: bool = False) -> dict:
     import gc
@@ -194,13 +228,16 @@ def _measure(policy, setting: PolicySetting, device: str, batch: int, calls: int
     rng = np.random.default_rng(seed)
     cuda = device.startswith("cuda")
 
+    def predict(obs: list[dict]) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and setting.weights == "autocast"):
+            policy.predict_batch(obs)
+
     def one_call() -> float:
         obs = _observations(policy, rng, batch, "bench")
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and setting.weights == "autocast"):
-            policy.predict_batch(obs)
+        predict(obs)
         if cuda:
             torch.cuda.synchronize()
         return (time.perf_counter() - t0) * 1e3
@@ -223,11 +260,16 @@ def _measure(policy, setting: PolicySetting, device: str, batch: int, calls: int
     parts = {s: round(statistics.median(c[s] for c in policy.timer.calls), 1) for s in STAGES} if breakdown_calls else {}
     policy.timer = None
     p50 = statistics.median(times)
+    flops, flops_by_op = count_call_flops(policy, lambda: predict(_observations(policy, rng, batch, "bench")))
+    peak = peak_flops(torch.device(device))
     solver = setting.solver()
     return {**asdict(setting), "dit_forwards": solver.dit_forwards, "batch": batch,
             # p95 interpolated between ranks (numpy's default); with fewer than 20 calls it lies near the slowest
             "calls": calls, "p50_ms": round(p50, 1), "p95_ms": round(float(np.percentile(times, 95)), 1),
             "max_ms": round(times[-1], 1), "chunks_per_s": round(batch * 1e3 / p50, 2), "breakdown_ms": parts,
+            "model_gflops_per_call": round(flops / 1e9, 3),
+            "model_gflops_by_op": {op: round(n / 1e9, 3) for op, n in sorted(flops_by_op.items(), key=lambda kv: -kv[1])},
+            "model_tflops_per_s": round(flops / p50 / 1e9, 3), "mfu": round(flops / p50 * 1e3 / peak, 4) if peak else None,
             "per_call_ms": [round(t, 2) for t in in_order], "gc_freeze": gc_freeze, **watch.report,
             "graph_captures": policy.graphs.captures,
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
