@@ -76,7 +76,8 @@ def split_episodes(cfg, where: str, need_heldout: bool = True) -> list[tuple[str
     out = []
     for path in cfg.datasets:
         if not Path(path).exists():
-            raise ActionErrorError(f"{where}: the run's dataset {path} is not there")
+            raise ActionErrorError(f"{where}: the run's dataset {path} is not there (a relative path is looked up "
+                                   "from each folder above the model, then from the working directory)")
         episodes = [e.index for e in open_dataset(path).episodes]
         train, held = (heldout_split(episodes, cfg.heldout_episodes, f"train.heldout_episodes ({path})")
                        if cfg.heldout_episodes else (episodes, []))

@@ -106,7 +106,19 @@ def read_train_config(model_dir: Path) -> tuple[TrainConfig, int | None]:
     raw = json.loads(path.read_text())
     step = raw.pop("step", None)
     raw.pop("weights", None)  # raw or ema: which weights dz convert exported
-    return TrainConfig.from_dict(raw), step
+    cfg = TrainConfig.from_dict(raw)
+    cfg.datasets = [str(locate_dataset(d, model_dir)) for d in cfg.datasets]
+    return cfg, step
+
+
+def locate_dataset(path: str, model_dir: Path) -> Path:
+    """A run's dataset as its config names it. A DVC or Prefect stage records it relative to the project, so a
+    relative path is looked up first from each folder above the model, nearest first (the project that made it,
+    whatever the working directory), then from the working directory."""
+    given = Path(path)
+    if given.is_absolute():
+        return given
+    return next((base / given for base in Path(model_dir).resolve().parents if (base / given).exists()), given)
 
 
 def model_embodiment(model_dir: Path, cfg: TrainConfig, embodiment_files: list[str] | None = None) -> Embodiment:

@@ -46,7 +46,7 @@ def action_error(demo_repro):
     paths = StagePaths(clone, "demo")
     measured = json.loads((paths.stage("eval") / "action_error" / "action_error.json").read_text())
     prof = load_params(ROOT / "params.yaml", [], profile="demo").selected("demo")
-    return {**measured, "model": paths.stage("converted") / "step_0001000", "eval": prof.eval, "project": clone}
+    return {**measured, "model": paths.stage("converted") / "step_0001000", "eval": prof.eval}
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +78,15 @@ def test_a_lora_run_learns_too(lora_action_error, action_error):
           f"full {action_error['steps'][-1]['trained']:.4f}, mean predictor {action_error['mean_predictor']:.4f}")
 
 
-def test_the_head_to_head_scores_two_runs_on_the_same_windows(action_error, lora_action_error, monkeypatch):
+def test_the_head_to_head_scores_two_runs_on_the_same_windows(action_error, lora_action_error):
     """Promotion's comparison (`compare_action_error`): the full and the LoRA run trained on the same episodes, so
     on the candidate's held-out windows each model scores what its own evaluation measured, and the better one
-    shows as better."""
+    shows as better. Run from this checkout, not the DVC project: its runs record project-relative datasets, found
+    from the folders above the models."""
     from dzmodel.eval.action_error import compare_action_error
     from dzmodel.stages.eval import eval_solver
 
     e = action_error["eval"]
-    monkeypatch.chdir(action_error["project"])  # where `dz stage` ran: DVC's runs record project-relative paths
     both = compare_action_error(action_error["model"], lora_action_error["model"], stride=e.action_error_stride,
                                 max_windows=e.action_error_windows, device=e.device, solver=eval_solver(e), seed=e.seed)
     assert both["windows"] == action_error["windows"] and both["episodes"] == [18, 19]

@@ -102,3 +102,28 @@ def test_a_dataset_sample_and_the_same_observation_sent_to_the_policy_give_ident
         np.testing.assert_array_equal(state[0, 0, :width].cpu().numpy(), sample["state"][0].numpy())
         checked += 1
     assert checked == 3
+
+
+def test_a_project_relative_dataset_is_found_from_another_directory(tmp_path, monkeypatch):
+    """A DVC or Prefect stage records its dataset relative to the project; evaluating the model from elsewhere
+    finds the project's dataset, from the folders above the model, before one in the working directory."""
+    import json
+
+    from dzmodel.eval.policy import read_train_config
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    for folder in ("data/demo", "data/both"):
+        (project / folder).mkdir(parents=True)
+    for folder in ("data/local", "data/both"):
+        (elsewhere / folder).mkdir(parents=True)
+    model = project / "runs" / "demo" / "hf"
+    (model / "experiment_cfg").mkdir(parents=True)
+    raw = TrainConfig(datasets=["data/demo", "data/both", "data/local", "data/gone"]).to_dict()
+    (model / "experiment_cfg" / "train_config.json").write_text(json.dumps({**raw, "step": 3}))
+    monkeypatch.chdir(elsewhere)
+    cfg, step = read_train_config(model)
+    assert step == 3
+    # above the model (first, also where the working directory has one too); else as given: from the working
+    # directory, or for the error to name
+    assert cfg.datasets == [str(project.resolve() / "data" / "demo"), str(project.resolve() / "data" / "both"),
+                            "data/local", "data/gone"]
