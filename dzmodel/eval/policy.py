@@ -9,6 +9,7 @@ Inference goes through the model's own API (`DreamZeroPolicy.predict_actions`, a
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from ..data.dataset import load_statistics
+from ..data.remote import is_remote
 from ..data.embodiments import Embodiment, get_embodiment, load_embodiments
 from ..data.transforms import (NormStats, action_key_stats, compose_layout, embodiment_stats, from_relative,
                                relative_action_dims, transform_view)
@@ -111,14 +113,15 @@ def read_train_config(model_dir: Path) -> tuple[TrainConfig, int | None]:
     return cfg, step
 
 
-def locate_dataset(path: str, model_dir: Path) -> Path:
+def locate_dataset(path: str, model_dir: Path) -> Path | str:
     """A run's dataset as its config names it. A DVC or Prefect stage records it relative to the project, so a
     relative path is looked up first from each folder above the model, nearest first (the project that made it,
     whatever the working directory), then from the working directory."""
     given = Path(path)
-    if given.is_absolute():
-        return given
-    return next((base / given for base in Path(model_dir).resolve().parents if (base / given).exists()), given)
+    if is_remote(path) or given.is_absolute():
+        return path  # a URI as it is (Path would fold its '//')
+    model = Path(os.path.abspath(model_dir))  # the path as the user sees it, not a link's target
+    return next((base / given for base in model.parents if (base / given).exists()), given)
 
 
 def model_embodiment(model_dir: Path, cfg: TrainConfig, embodiment_files: list[str] | None = None) -> Embodiment:

@@ -79,3 +79,13 @@ def test_each_row_reports_the_call_s_flops_and_no_mfu_without_a_known_peak():
     assert row["model_gflops_per_call"] > 0 and row["model_tflops_per_s"] > 0
     assert row["mfu"] is None  # a CPU has no peak in the table: no made-up MFU
     assert abs(sum(row["model_gflops_by_op"].values()) - row["model_gflops_per_call"]) < 0.01
+
+
+def test_a_count_that_fails_leaves_the_row_s_timings(monkeypatch):
+    def fails(policy, call):
+        raise RuntimeError("out of memory in the eager call")
+
+    monkeypatch.setattr(policy_bench, "count_call_flops", fails)
+    row, = run_policy_bench("tiny", "cpu", [SETTING], calls=2, warmup=0, breakdown_calls=0)
+    assert row["p50_ms"] > 0 and "error" not in row
+    assert row["model_gflops_per_call"] is None and "out of memory" in row["flops_error"]

@@ -118,12 +118,12 @@ def test_a_project_relative_dataset_is_found_from_another_directory(tmp_path, mo
         (elsewhere / folder).mkdir(parents=True)
     model = project / "runs" / "demo" / "hf"
     (model / "experiment_cfg").mkdir(parents=True)
-    raw = TrainConfig(datasets=["data/demo", "data/both", "data/local", "data/gone"]).to_dict()
+    raw = TrainConfig(datasets=["data/demo", "data/both", "data/local", "data/gone", "s3://bucket/ds"]).to_dict()
     (model / "experiment_cfg" / "train_config.json").write_text(json.dumps({**raw, "step": 3}))
     monkeypatch.chdir(elsewhere)
     cfg, step = read_train_config(model)
     assert step == 3
     # above the model (first, also where the working directory has one too); else as given: from the working
     # directory, or for the error to name
-    assert cfg.datasets == [str(project.resolve() / "data" / "demo"), str(project.resolve() / "data" / "both"),
-                            "data/local", "data/gone"]
+    assert cfg.datasets == [str(project / "data" / "demo"), str(project / "data" / "both"), "data/local", "data/gone",
+                            "s3://bucket/ds"]  # a URI as it was
