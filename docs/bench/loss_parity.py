@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--labels", nargs=2, default=["bf16", "fp8"], metavar=("REFERENCE", "OTHER"),
                     help="the two runs' names in the plot")
     ns = ap.parse_args()
-    labels = ns.labels
+    labels = ns.labels  # reference, other
     reference, other = read(ns.reference), read(ns.other)
     result = parity(reference, other, ns.window)
     print(json.dumps(result))

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
+from torch.utils import flop_counter
 
 from ..model.args import preset
 from ..model.components import build_encoders, build_policy
@@ -194,12 +195,11 @@ class TailWatch:
 
 
 def _sdpa_for_cpu_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    from torch.utils.flop_counter import sdpa_flop_count
-
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
+    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-# attention on a CPU runs this op, which torch's counter leaves out (it counts the CUDA ones)
+# attention on a CPU runs this op, which torch's counter leaves out (it counts the CUDA ones; its registered
+# formula cannot be passed again: the counter would wrap it a second time)
 _EXTRA_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_for_cpu_flops}
 
 
@@ -207,12 +207,10 @@ def count_call_flops(policy, call) -> tuple[int, dict[str, int]]:
     """Model FLOPs of `call()` (one policy call), eager and without CUDA graphs (a graph replay or a compiled
     block hides its ops from the counter): the total and the FLOPs per op. The policy's compiled block runner and
     graph cache are put back afterwards, so the timed calls before and after it are unchanged."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     runner, graphs = policy.model.block_runner, policy.graphs
     policy.model.block_runner, policy.graphs = None, GraphCache(enabled=False)
     try:
-        counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
+        counter = flop_counter.FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
         with counter:
             call()
     finally:
@@ -261,13 +259,15 @@ def _measure(policy, setting: PolicySetting, device: str, batch: int, calls: int
     policy.timer = None
     p50 = statistics.median(times)
     peak_mem = round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None  # before the eager count call
+    peak = peak_flops(torch.device(device))
     try:  # eager: no padding of the batch to the graphs' sizes, so it counts the work the batch asked for
         flops, flops_by_op = count_call_flops(policy, lambda: predict(_observations(policy, rng, batch, "bench")))
+        flops_per_s = flops / (p50 / 1e3)
         counted = {"model_gflops_per_call": round(flops / 1e9, 3),
                    "model_gflops_by_op": {op: round(n / 1e9, 3) for op, n in sorted(flops_by_op.items(),
                                                                                    key=lambda kv: -kv[1])},
-                   "model_tflops_per_s": round(flops / p50 / 1e9, 3),
-                   "mfu": round(flops / p50 * 1e3 / peak, 4) if (peak := peak_flops(torch.device(device))) else None}
+                   "model_tflops_per_s": round(flops_per_s / 1e12, 3),
+                   "mfu": round(flops_per_s / peak, 4) if peak else None}
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # the timings stand without the count
         counted = {"model_gflops_per_call": None, "flops_error": f"{type(exc).__name__}: {exc}"[:300]}
         if cuda:

@@ -109,11 +109,11 @@ def read_train_config(model_dir: Path) -> tuple[TrainConfig, int | None]:
     step = raw.pop("step", None)
     raw.pop("weights", None)  # raw or ema: which weights dz convert exported
     cfg = TrainConfig.from_dict(raw)
-    cfg.datasets = [str(locate_dataset(d, model_dir)) for d in cfg.datasets]
+    cfg.datasets = [locate_dataset(d, model_dir) for d in cfg.datasets]
     return cfg, step
 
 
-def locate_dataset(path: str, model_dir: Path) -> Path | str:
+def locate_dataset(path: str, model_dir: Path) -> str:
     """A run's dataset as its config names it. A DVC or Prefect stage records it relative to the project, so a
     relative path is looked up first from each folder above the model, nearest first (the project that made it,
     whatever the working directory), then from the working directory."""
@@ -121,7 +121,7 @@ def locate_dataset(path: str, model_dir: Path) -> Path | str:
     if is_remote(path) or given.is_absolute():
         return path  # a URI as it is (Path would fold its '//')
     model = Path(os.path.abspath(model_dir))  # the path as the user sees it, not a link's target
-    return next((base / given for base in model.parents if (base / given).exists()), given)
+    return str(next((base / given for base in model.parents if (base / given).exists()), given))
 
 
 def model_embodiment(model_dir: Path, cfg: TrainConfig, embodiment_files: list[str] | None = None) -> Embodiment:
