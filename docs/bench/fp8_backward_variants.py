@@ -51,7 +51,7 @@ class WeightInline(fp8._Float8Matmul):
         g_t = transpose_padded(gq.view(torch.uint8)).view(gq.dtype)
         x_t = transpose_padded(xq.view(torch.uint8)).view(xq.dtype)
         grad_w = torch._scaled_mm(g_t, x_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)
-        return _grad_x(gq, g_inv, weight, ctx, grad_out), grad_w.to(ctx.weight_dtype), None
+        return _grad_x(gq, g_inv, weight, ctx, grad_out), grad_w.to(ctx.weight_dtype), None, None
 
 
 class Fused(fp8._Float8Matmul):
@@ -63,13 +63,13 @@ class Fused(fp8._Float8Matmul):
         g_t = F.pad(gq.view(torch.uint8), (0, 0, 0, extra)).view(gq.dtype).t().contiguous()
         x_cm = F.pad(xq.view(torch.uint8), (0, 0, 0, extra)).view(xq.dtype).t().contiguous().t()
         grad_w = torch._scaled_mm(g_t, x_cm, scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)
-        return _grad_x(gq, g_inv, weight, ctx, grad_out), grad_w.to(ctx.weight_dtype), None
+        return _grad_x(gq, g_inv, weight, ctx, grad_out), grad_w.to(ctx.weight_dtype), None, None
 
 
 class Bf16WeightGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, out_dtype):
-        xq, x_inv = _quantize(x, E4M3)
+    def forward(ctx, x, weight, out_dtype, keep_input=True):
+        xq, x_inv = _quantize(x, E4M3, as_copy=not keep_input)
         wq, w_inv = _quantize(weight, E4M3)
         ctx.save_for_backward(x, weight)  # unrounded: recomputed under elementwise recompute
         ctx.weight_dtype, ctx.x_dtype = weight.dtype, x.dtype
@@ -80,7 +80,7 @@ class Bf16WeightGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         gq, g_inv = _quantize(grad_out, E5M2)
         grad_w = (grad_out.t() @ x.to(grad_out.dtype)).to(ctx.weight_dtype)
-        return _grad_x(gq, g_inv, weight, ctx, grad_out), grad_w, None
+        return _grad_x(gq, g_inv, weight, ctx, grad_out), grad_w, None, None
 
 
 class KeepWeight(fp8._Float8Matmul):
@@ -88,8 +88,8 @@ class KeepWeight(fp8._Float8Matmul):
     there (with `keep_weights`' recompute policy, which keeps that copy)."""
 
     @staticmethod
-    def forward(ctx, x, weight, out_dtype):
-        xq, x_inv = _quantize(x, E4M3)
+    def forward(ctx, x, weight, out_dtype, keep_input=True):
+        xq, x_inv = _quantize(x, E4M3, as_copy=not keep_input)
         scaled, w_inv = fp8._scaled(weight, E4M3, by_rows=False)
         # the functional copy into a new e4m3 tensor: the policy tells it from the inputs' casts, and eager
         # selective checkpointing refuses to keep the output of an in-place copy_
@@ -107,7 +107,7 @@ class KeepWeight(fp8._Float8Matmul):
         g_t = transpose_padded(gq.view(torch.uint8)).view(gq.dtype)
         x_t = transpose_padded(xq.view(torch.uint8)).view(xq.dtype)
         grad_w = torch._scaled_mm(g_t, x_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)
-        return grad_x, grad_w.to(ctx.weight_dtype), None
+        return grad_x, grad_w.to(ctx.weight_dtype), None, None
 
 
 _library_scaled = fp8._scaled

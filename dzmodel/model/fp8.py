@@ -69,21 +69,25 @@ def _scaled(t: torch.Tensor, dtype: torch.dtype, by_rows: bool = True) -> tuple[
     return (t.float() * scale).clamp(-top, top), scale.reciprocal()
 
 
-def _quantize(t: torch.Tensor, dtype: torch.dtype, by_rows: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """t rounded to `dtype` at its own scale (a cast, aten._to_copy), and the inverse scale (`_amax`'s by_rows)."""
+def _quantize(t: torch.Tensor, dtype: torch.dtype, by_rows: bool = True,
+              as_copy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """t rounded to `dtype` at its own scale (a cast, aten._to_copy), and the inverse scale (`_amax`'s by_rows).
+    as_copy: the rounding written as a copy into a new tensor (aten.copy_) rather than a cast. Elementwise
+    recompute can keep the e4m3 casts of the linears' inputs for the backward (`train.fp8_keep_inputs`); by this
+    it tells apart the e4m3 copies it must not keep (the weights', the context's)."""
     scaled, inverse = _scaled(t, dtype, by_rows)
+    if as_copy:
+        out = torch.empty(t.shape, dtype=dtype, device=t.device)
+        out.copy_(scaled)
+        return out, inverse
     # row-major whatever t's layout (a transposed gradient): _scaled_mm's first operand must be
     return scaled.to(dtype).contiguous(), inverse
 
 
 def _quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """_quantize(weight, E4M3), the rounding written as a copy into a new tensor (aten.copy_) rather than a cast.
-    Elementwise recompute can keep the e4m3 casts of the linears' inputs for the backward
-    (`train.fp8_keep_inputs`); by this it tells the weights' e4m3 copies apart and does not keep them."""
-    scaled, inverse = _scaled(weight, E4M3, by_rows=False)
-    out = torch.empty(weight.shape, dtype=E4M3, device=weight.device)
-    out.copy_(scaled)
-    return out, inverse
+    """_quantize(weight, E4M3) as a copy: never kept by elementwise recompute (FSDP2 frees the gathered weight
+    between forward and backward; a kept copy would hold every block's weights)."""
+    return _quantize(weight, E4M3, by_rows=False, as_copy=True)
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -99,8 +103,9 @@ class _Float8Matmul(torch.autograd.Function):
     gathered again for the backward, and a saved copy would keep every block's weights whole until then."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        xq, x_inv = _quantize(x, E4M3)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+                keep_input: bool = True) -> torch.Tensor:
+        xq, x_inv = _quantize(x, E4M3, as_copy=not keep_input)
         wq, w_inv = _quantize_weight(weight)
         ctx.save_for_backward(xq, x_inv, weight)
         ctx.weight_dtype, ctx.x_dtype = weight.dtype, x.dtype
@@ -124,11 +129,13 @@ class _Float8Matmul(torch.autograd.Function):
             x_t = transpose_padded(xq.view(torch.uint8)).view(xq.dtype)  # X^T, whose .t() is X column-major
             grad_w = torch._scaled_mm(g_t, x_t.t(), scale_a=g_inv, scale_b=x_inv,
                                       out_dtype=torch.float32).to(ctx.weight_dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
-def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear with its matmul in FP8 (and its backward, under autograd)."""
+def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  keep_input: bool = True) -> torch.Tensor:
+    """F.linear with its matmul in FP8 (and its backward, under autograd). keep_input False: elementwise
+    recompute never keeps x's e4m3 cast (`Float8Linear.keep_input`)."""
     if weight.shape[0] % ALIGN or weight.shape[1] % ALIGN:  # CUDA's _scaled_mm refuses them; the CPU's may not
         raise ValueError(f"float8_linear: the weight is {tuple(weight.shape)}; FP8 matmuls need both dims multiples "
                          f"of {ALIGN}")
@@ -139,17 +146,22 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if flat.shape[0] == 0:
         out = flat.new_zeros(0, weight.shape[0], dtype=out_dtype)
     else:
-        out = _Float8Matmul.apply(flat, weight, out_dtype)
+        out = _Float8Matmul.apply(flat, weight, out_dtype, keep_input)
     if bias is not None:
         out = out + bias.to(out_dtype)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class Float8Linear(nn.Linear):
-    """An nn.Linear whose matmul runs in FP8 (`float8_linear`); the same parameters and checkpoint keys."""
+    """An nn.Linear whose matmul runs in FP8 (`float8_linear`); the same parameters and checkpoint keys.
+    keep_input: whether `train.fp8_keep_inputs` may keep this layer's e4m3 input for the backward. Not for the
+    cross-attention's context projections: every block projects the same few hundred context rows per sample, so
+    a kept cast is a copy per block (2.8 GiB in a 5B step at micro-batch 21) that saves almost no work."""
+
+    keep_input = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return float8_linear(x, self.weight, self.bias)
+        return float8_linear(x, self.weight, self.bias, self.keep_input)
 
 
 def convertible(module: nn.Module) -> bool:
@@ -205,8 +217,10 @@ def convert_blocks_to_fp8(model: nn.Module, keep: tuple[str, ...] | list[str] = 
     if isinstance(keep, str):  # a name, not a list of them
         raise TypeError(f"keep is a list of names, got the string {keep!r}")
     found = _block_linears(model, keep=tuple(keep))
-    for _, _, linear in found:
+    for parent, name, linear in found:
         linear.__class__ = Float8Linear
+        if name in getattr(parent, "context_projections", ()):
+            linear.keep_input = False
     return len(found)
 
 

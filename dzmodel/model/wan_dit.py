@@ -197,6 +197,8 @@ class WanSelfAttention(AttentionProjections):
 class WanT2VCrossAttention(AttentionProjections):
     """Text cross-attention. No RoPE and no key mask: T5 padding rows are zeros and are attended (WAN)."""
 
+    context_projections = ("k", "v")  # the linears that read the context, not the tokens (fp8.Float8Linear)
+
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], -1, self.num_heads, self.head_dim)
 
@@ -216,6 +218,8 @@ class WanT2VCrossAttention(AttentionProjections):
 
 class WanI2VCrossAttention(WanT2VCrossAttention):
     """Text + CLIP-image cross-attention: out = o(Attn(q, text) + Attn(q, image))."""
+
+    context_projections = ("k", "v", "k_img", "v_img")
 
     def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6):
         super().__init__(dim, num_heads, qk_norm, eps)

@@ -115,10 +115,12 @@ def test_bf16_layers_are_checked_without_fp8_too(data, tmp_path):
         trainer.build_model()
 
 
-def _fp8_casts_under_elementwise_recompute(keep_fp8_inputs: bool | str, hidden: int | None = None):
+def _fp8_casts_under_elementwise_recompute(keep_fp8_inputs: bool | str, hidden: int | None = None,
+                                          keep_input: bool = True):
     """An FP8 linear under elementwise recompute, forward and backward: the shapes of its e4m3 roundings in the
     order they ran (the input is [8, 32], the weight [16, 32]) and the gradients. hidden: an FFN instead,
-    32 -> hidden -> 16 with a GELU between (the down projection's input is [8, hidden])."""
+    32 -> hidden -> 16 with a GELU between (the down projection's input is [8, hidden]). keep_input: the layers'
+    Float8Linear.keep_input (False for a context projection)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from dzmodel.model.fp8 import E4M3, Float8Linear
@@ -141,6 +143,7 @@ def _fp8_casts_under_elementwise_recompute(keep_fp8_inputs: bool | str, hidden: 
     layers = [torch.nn.Linear(32, 16)] if hidden is None else [torch.nn.Linear(32, hidden), torch.nn.Linear(hidden, 16)]
     for layer in layers:
         layer.__class__ = Float8Linear
+        layer.keep_input = keep_input
         with torch.no_grad():
             layer.weight.copy_(torch.randn(layer.weight.shape, generator=g))
             layer.bias.copy_(torch.randn(layer.bias.shape, generator=g))
@@ -167,6 +170,28 @@ def test_keeping_the_fp8_inputs_rounds_the_input_once_and_the_weight_as_before()
     torch.testing.assert_close(grads[True], grads[False], rtol=0, atol=0)
 
 
+def test_a_context_projections_input_is_rounded_again_in_the_backward_even_when_inputs_are_kept():
+    """Float8Linear.keep_input False (the cross-attention's context projections): with train.fp8_keep_inputs
+    true its input is rounded in the forward and again in the recompute, as without keeping; the gradients are
+    the same as a kept input's."""
+    shapes, grads = _fp8_casts_under_elementwise_recompute(True, keep_input=False)
+    kept_shapes, kept_grads = _fp8_casts_under_elementwise_recompute(True)
+    assert (shapes.count((8, 32)), kept_shapes.count((8, 32))) == (2, 1)
+    torch.testing.assert_close(grads, kept_grads, rtol=0, atol=0)
+
+
+def test_converting_marks_only_the_cross_attentions_context_projections_as_not_kept():
+    from dzmodel.model.args import preset
+    from dzmodel.model.fp8 import Float8Linear, convert_blocks_to_fp8
+    from dzmodel.model.wam import DreamZeroWAM
+
+    model = DreamZeroWAM(preset("tiny"))
+    convert_blocks_to_fp8(model)
+    not_kept = sorted({name.split(".", 2)[2] for name, m in model.named_modules()
+                       if isinstance(m, Float8Linear) and not m.keep_input})
+    assert not_kept == ["cross_attn.k", "cross_attn.k_img", "cross_attn.v", "cross_attn.v_img"]
+
+
 def test_keeping_the_wide_fp8_inputs_rounds_the_ffn_down_input_once_and_the_narrow_one_twice():
     """train.fp8_keep_inputs: wide keeps the inputs at least WIDE_FP8_INPUT wide (the FFN's down projection's),
     rounded once; the 32-wide input of the up projection is rounded again in the backward's recompute, as
@@ -190,7 +215,7 @@ def test_fp8_keep_inputs_takes_true_false_or_wide_by_name(data, tmp_path):
 
 def test_compiled_keeping_the_fp8_inputs_saves_the_inputs_copy_and_not_the_weights():
     """Compiled, what the forward saves for the backward holds the input's e4m3 copy with train.fp8_keep_inputs
-    (none without) and never an e4m3 copy of the weight."""
+    (none without, none for a context projection) and never an e4m3 copy of the weight."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -200,7 +225,8 @@ def test_compiled_keeping_the_fp8_inputs_saves_the_inputs_copy_and_not_the_weigh
     layer = torch.nn.Linear(32, 16)
     layer.__class__ = Float8Linear
     saved_fp8 = {}
-    for keep in (False, True):
+    for keep in (False, True, "context"):
+        layer.keep_input = keep != "context"  # a context projection's input: not kept
         saved = []
 
         def record_forward(gm, _):
@@ -210,12 +236,12 @@ def test_compiled_keeping_the_fp8_inputs_saves_the_inputs_copy_and_not_the_weigh
 
         torch._dynamo.reset()
         fn = torch.compile(lambda t: _elementwise_checkpointed(
-            lambda u: torch.nn.functional.gelu(layer(u)), t, keep_fp8_inputs=keep),
+            lambda u: torch.nn.functional.gelu(layer(u)), t, keep_fp8_inputs=bool(keep)),
             backend=aot_autograd(fw_compiler=record_forward, bw_compiler=lambda gm, _: make_boxed_func(gm.forward)))
         fn(torch.randn(8, 32, requires_grad=True)).sum().backward()
         saved_fp8[keep] = [shape for shape, dtype in saved if dtype == E4M3]
     torch._dynamo.reset()
-    assert saved_fp8 == {False: [], True: [(8, 32)]}
+    assert saved_fp8 == {False: [], True: [(8, 32)], "context": []}
 
 
 def test_the_setting_reaches_every_elementwise_recomputed_block(data, tmp_path):
