@@ -131,6 +131,24 @@ class Rope:
 # --- attention -----------------------------------------------------------------
 
 
+def project_together(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+    """Each of `linears` applied to x. Plain Linears with biases (or all FP8 ones) run as one matmul over their
+    stacked weights: x is read (and in FP8 rounded) once, and its gradient is one matmul instead of several summed
+    in the compute dtype. Adapted layers (LoRA) run one by one."""
+    kinds = {type(m) for m in linears}
+    if kinds == {Float8InferenceLinear}:  # served in FP8: x rounded once for all
+        return tuple(frozen_fp8_matmuls(x, linears))
+    if len(kinds) != 1 or not kinds <= {nn.Linear, Float8Linear} or any(m.bias is None for m in linears):
+        return tuple(m(x) for m in linears)
+    weight = torch.cat([m.weight for m in linears])
+    bias = torch.cat([m.bias for m in linears])
+    if kinds == {Float8Linear}:
+        out = float8_linear(x, weight, bias, keep_input=all(m.keep_input for m in linears))
+    else:
+        out = F.linear(x, weight, bias)
+    return out.chunk(len(linears), dim=-1)
+
+
 class AttentionProjections(nn.Module):
     """q, k, v, o Linears (with bias) and RMSNorms on q and k over the full dim: WAN's attention weights."""
 
@@ -160,26 +178,11 @@ class WanSelfAttention(AttentionProjections):
 
     def project_qkv(self, x: torch.Tensor,
                     rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q(x), k(x), v(x), q only of the token `rows` when given. Plain Linears run as one matmul over their
-        stacked weights: x is read once, and its gradient is one matmul instead of three summed in the compute
-        dtype. The weights keep WAN's names; adapted layers (LoRA) run one by one."""
-        x_q = x if rows is None else x[:, rows[0]:rows[1]]
-        kinds = {type(m) for m in (self.q, self.k, self.v)}
-        if kinds == {Float8InferenceLinear}:  # served in FP8: x rounded once for the three
-            if rows is None:
-                return tuple(frozen_fp8_matmuls(x, (self.q, self.k, self.v)))
-            return (frozen_fp8_matmuls(x_q, (self.q,))[0], *frozen_fp8_matmuls(x, (self.k, self.v)))
-        if len(kinds) != 1 or not kinds <= {nn.Linear, Float8Linear} or \
-                any(m.bias is None for m in (self.q, self.k, self.v)):
-            return self.q(x_q), self.k(x), self.v(x)
-        linear = float8_linear if kinds == {Float8Linear} else F.linear
-        if rows is not None:
-            weight = torch.cat([self.k.weight, self.v.weight])
-            bias = torch.cat([self.k.bias, self.v.bias])
-            return (linear(x_q, self.q.weight, self.q.bias), *linear(x, weight, bias).chunk(2, dim=-1))
-        weight = torch.cat([self.q.weight, self.k.weight, self.v.weight])
-        bias = torch.cat([self.q.bias, self.k.bias, self.v.bias])
-        return linear(x, weight, bias).chunk(3, dim=-1)
+        """q(x), k(x), v(x), q only of the token `rows` when given; as one matmul where they can
+        (`project_together`). The weights keep WAN's names."""
+        if rows is None:
+            return project_together(x, (self.q, self.k, self.v))
+        return (self.q(x[:, rows[0]:rows[1]]), *project_together(x, (self.k, self.v)))
 
     def forward(self, x: torch.Tensor, rope: Rope, mask: AttnMask = None,
                 past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -205,7 +208,8 @@ class WanT2VCrossAttention(AttentionProjections):
     def context_kv(self, text: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """The context's K and V as [B, L, H, D]. They depend on the context only, so a solver computes them once
         per chunk and passes them to every step (`kv`)."""
-        return self._heads(self.norm_k(self.k(text))), self._heads(self.v(text))
+        k, v = project_together(text, (self.k, self.v))
+        return self._heads(self.norm_k(k)), self._heads(v)
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None,
                 kv: tuple[torch.Tensor, ...] | None = None,
@@ -230,8 +234,8 @@ class WanI2VCrossAttention(WanT2VCrossAttention):
     def context_kv(self, text: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         if image is None:
             raise ValueError("i2v cross-attention needs CLIP image tokens")
-        return (*super().context_kv(text), self._heads(self.norm_k_img(self.k_img(image))),
-                self._heads(self.v_img(image)))
+        k_img, v_img = project_together(image, (self.k_img, self.v_img))
+        return (*super().context_kv(text), self._heads(self.norm_k_img(k_img)), self._heads(v_img))
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None,
                 kv: tuple[torch.Tensor, ...] | None = None,

@@ -82,11 +82,11 @@ def test_only_the_blocks_linears_are_converted_and_keys_stay(monkeypatch):
     with torch.no_grad():
         model(**batch)
     # per block: q, k and v as one matmul (the last block, which computes only the rows the loss reads: q, and k
-    # with v), o; the cross-attention's q, text k and v, image k and v, o; the FFN's two
-    dim = model.args.dim
-    fused, split = calls.count((3 * dim, dim)), calls.count((2 * dim, dim))
-    assert fused == len(model.blocks) - 1 and split == 1
-    assert len(calls) == len(model.blocks) * (per_block - 2) + split
+    # with v), o; the cross-attention's q, text k with v, image k with v, o; the FFN's two
+    dim, blocks = model.args.dim, len(model.blocks)
+    fused, pairs = calls.count((3 * dim, dim)), calls.count((2 * dim, dim))
+    assert fused == blocks - 1 and pairs == 2 * blocks + 1
+    assert len(calls) == blocks * (per_block - 4) + 1
 
 
 def test_named_linears_stay_bf16_and_a_wrong_name_is_one_clear_error():
@@ -163,9 +163,9 @@ def test_served_fp8_weights_are_rounded_once_and_share_the_input_rounding(monkey
     for x, y in ((b.video_pred, a.video_pred), (b.action_pred, a.action_pred)):
         assert 0 < ((x - y).norm() / y.norm()).item() < 0.1
     # inputs rounded per block: q/k/v's tokens once (the last block, which computes only the rows the loss reads:
-    # its q rows, then k/v), the attention output, the cross-attention's queries, text (k, v), image (k, v), its
-    # output, the FFN's two; three separate q, k and v roundings would add two per block
-    assert len(roundings) == 10 * len(served.blocks) + 1
+    # its q rows, then k/v), the attention output, the cross-attention's queries, text (once for k and v), image
+    # (once for k and v), its output, the FFN's two; separate q, k and v roundings would add two per block
+    assert len(roundings) == 8 * len(served.blocks) + 1
 
 
 def test_the_policy_bench_puts_fp8_beside_bf16_with_the_chunk_difference(monkeypatch):

@@ -275,3 +275,26 @@ def test_self_attention_projects_q_k_v_in_one_matmul_forward_and_backward():
     holder.blocks[0].self_attn = attn
     apply_lora(holder, LoRAConfig(rank=2, targets=("self_attn.q", "self_attn.k", "self_attn.v")))
     assert _matmuls(lambda: attn.project_qkv(x)) > 1
+
+
+def test_the_cross_attentions_context_k_and_v_are_one_matmul_each_for_text_and_image():
+    """The context's k and v (text, and CLIP image for i2v) run as one matmul each, with the values of the separate
+    Linears, forward and backward."""
+    from dzmodel.model.wan_dit import WanI2VCrossAttention
+
+    torch.manual_seed(0)
+    attn = WanI2VCrossAttention(16, 2).double()
+    text = torch.randn(2, 6, 16, dtype=torch.float64, requires_grad=True)
+    image = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
+    heads = lambda t: t.view(2, -1, 2, 8)  # noqa: E731
+    expected = (heads(attn.norm_k(attn.k(text))), heads(attn.v(text)), heads(attn.norm_k_img(attn.k_img(image))),
+                heads(attn.v_img(image)))
+    got = attn.context_kv(text, image)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-12, rtol=0)
+    grads = torch.autograd.grad(sum(g.square().sum() for g in got), (text, image, attn.k.weight, attn.v_img.weight))
+    want = torch.autograd.grad(sum(e.square().sum() for e in expected),
+                               (text, image, attn.k.weight, attn.v_img.weight))
+    for g, e in zip(grads, want):
+        torch.testing.assert_close(g, e, atol=1e-10, rtol=0)
+    assert _matmuls(lambda: attn.context_kv(text, image)) == 2
