@@ -50,7 +50,13 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_')
 echo "$GPU torch $(python -c 'import torch; print(torch.__version__)')"
 mkdir -p "$WORK"
 dz() { python -m dzmodel.cli "$@"; }
-cache() { [ -d "$WORK/cache_5b" ] || dz cache --synthetic 64 --preset dreamzero_5b --latent-hw 11,20 --out "$WORK/cache_5b"; }
+# PROMPT_TOKENS=T: the train part's cache has prompts of up to T tokens, zero past their length as umT5 leaves them
+# (`dz cache --prompt-tokens`); by default every one of the 512 text rows is random
+CACHE_5B=$WORK/cache_5b${PROMPT_TOKENS:+_prompts$PROMPT_TOKENS}
+cache() {
+  [ -d "$CACHE_5B" ] || dz cache --synthetic 64 --preset dreamzero_5b --latent-hw 11,20 --out "$CACHE_5B" \
+    ${PROMPT_TOKENS:+--prompt-tokens "$PROMPT_TOKENS"}
+}
 learnable() {  # DIR SAMPLES SEED
   [ -d "$WORK/$1" ] || dz cache --synthetic "$2" --learnable --set seed="$3" --preset dreamzero_5b --latent-hw 11,20 \
     --out "$WORK/$1"
@@ -58,7 +64,7 @@ learnable() {  # DIR SAMPLES SEED
 train_5b() {  # NAME PRECISION STEPS MICRO_BATCH SAVE_EVERY [--set K=V ..]
   local name=$1 precision=$2 steps=$3 mb=$4 save=$5
   shift 5
-  dz train --preset dreamzero_5b --steps "$steps" --out "$WORK/$name" --set cache="${CACHE:-$WORK/cache_5b}" \
+  dz train --preset dreamzero_5b --steps "$steps" --out "$WORK/$name" --set cache="${CACHE:-$CACHE_5B}" \
     --set micro_batch="$mb" \
     --set global_batch="$mb" --set compile=true --set activation_checkpointing=elementwise --set attn_backend=segments \
     --set precision="$precision" --set num_workers=2 --set save_every="$save" --set progress=false --set seed=0 \

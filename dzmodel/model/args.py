@@ -96,15 +96,16 @@ class DreamZeroArgs(WanDiTArgs):
     def local_attn_size(self) -> int:
         return self.max_chunk_size * self.num_frame_per_block + 1
 
-    def flops(self, latent_hw: tuple[int, int], num_frames: int | None = None, noisy_first_frame: bool = True):
+    def flops(self, latent_hw: tuple[int, int], num_frames: int | None = None, noisy_first_frame: bool = True,
+              text_rows: int | None = None):
         """Forward FLOPs of one sample over a latent grid (H, W before patching), counting what `forward` runs
-        (`dzmodel.model.flops`; equal to torch's FlopCounterMode on the tiny preset, tested). `.train()` of the
-        result is the training step's model FLOPs per sample (3 x forward)."""
+        (`dzmodel.model.flops`; equal to torch's FlopCounterMode on the tiny preset, tested), with its
+        `text_rows`. `.train()` of the result is the training step's model FLOPs per sample (3 x forward)."""
         from .attention import latent_layout
         from .flops import wam_forward_flops
 
         return wam_forward_flops(self, latent_layout(self, latent_hw, num_frames,
-                                                     noisy_first_frame=noisy_first_frame))
+                                                     noisy_first_frame=noisy_first_frame), text_rows)
 
 
 # --- presets -----------------------------------------------------------------

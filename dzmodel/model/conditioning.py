@@ -32,6 +32,18 @@ def encode_prompts(tokenizer, text_encoder, prompts: list[str], text_len: int, d
     return zero_beyond_lengths(text_encoder(ids, mask), mask)
 
 
+def prompt_rows(*contexts: torch.Tensor) -> int:
+    """The rows that hold the prompts of `contexts` (each [P, text_len, text_dim]): every row from this one on is
+    zero in each of them, as `encode_prompts` leaves a prompt's padding. text_len where some prompt fills it
+    (or the rows past a prompt are not zero: nothing can be left out)."""
+    last = 0
+    for context in contexts:
+        used = context.detach().abs().amax(dim=-1) != 0  # [P, text_len]
+        positions = torch.arange(1, used.shape[-1] + 1)
+        last = max(last, int((used.cpu() * positions).amax()))
+    return last
+
+
 @dataclass
 class EncodedBatch:
     clean_latents: torch.Tensor        # [B, z, F, h, w], normalised

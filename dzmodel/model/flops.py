@@ -1,7 +1,8 @@
 """Model FLOPs per training sample (reference §3.3), for throughput and MFU reporting.
 
 Forward FLOPs, counting a multiply-add as 2:
-  per layer: linear  = 2·L·(4d² + 2d² + 2d·ffn) + 2·C·2d²   (self qkvo, cross q/o, FFN; cross K/V on C context tokens)
+  per layer: linear  = 2·L·(4d² + 2d² + 2d·ffn) + 2·C'·2d²  (self qkvo, cross q/o, FFN; cross K/V on the C' context
+                                                             rows projected: C, or the prompts' rows + 1 + CLIP's)
              self    = 4·d·P                                   (P = allowed (query, key) pairs of the mask)
              cross   = 4·d·L·C
   the last layer: the same for its R output rows (the noisy video and the actions, what the loss reads), with
@@ -54,16 +55,20 @@ def output_pairs(layout: TeacherForcingLayout) -> int:
     return noisy0 + sum((bs + A) * (fs + i * bs + bs + A + S) for i in range(K))
 
 
-def wam_forward_flops(args: Any, layout: TeacherForcingLayout) -> FlopsBreakdown:
-    """args: a DreamZeroArgs (not imported: `DreamZeroArgs.flops` calls this, so this module sits below args.py)."""
+def wam_forward_flops(args: Any, layout: TeacherForcingLayout, text_rows: int | None = None) -> FlopsBreakdown:
+    """args: a DreamZeroArgs (not imported: `DreamZeroArgs.flops` calls this, so this module sits below args.py).
+    text_rows: the forward's `text_rows` (the prompts' rows; K and V and the text embedding run on those and one
+    zero row); the attention still reads all text_len keys."""
     d, ffn, n = args.dim, args.ffn_dim, args.num_layers
     L = layout.seq_len
     R = layout.video_len + layout.action_len  # the last layer's output rows
     C = args.text_len + args.clip_tokens
+    text_projected = text_rows + 1 if text_rows is not None and 0 < text_rows < args.text_len else args.text_len
+    C_projected = text_projected + args.clip_tokens
     # a one-token state block attends only itself: its output is its value, and no attention is computed for it
     P = allowed_pairs(layout) - (layout.num_blocks if layout.num_state_per_block == 1 else 0)
     linear = ((n - 1) * 2 * L * (4 * d * d + 2 * d * d + 2 * d * ffn) + 2 * L * 2 * d * d
-              + 2 * R * (2 * d * d + 2 * d * d + 2 * d * ffn) + n * 2 * C * 2 * d * d)
+              + 2 * R * (2 * d * d + 2 * d * d + 2 * d * ffn) + n * 2 * C_projected * 2 * d * d)
     self_attn = (n - 1) * 4 * d * P + 4 * d * output_pairs(layout)
     cross_attn = (n - 1) * 4 * d * L * C + 4 * d * R * C
     patch = 2 * (layout.clean_len + layout.video_len) * args.in_dim * 4 * d * 1  # both copies; kernel (1,2,2)
@@ -72,7 +77,7 @@ def wam_forward_flops(args: Any, layout: TeacherForcingLayout) -> FlopsBreakdown
     # frame, and each action and state token; not once per token
     time_rows = 1 + layout.noisy_frames + layout.action_len + layout.state_len
     time_mlp = 2 * time_rows * (args.freq_dim * d + 7 * d * d)
-    text = 2 * args.text_len * (args.text_dim * d + d * d)
+    text = 2 * text_projected * (args.text_dim * d + d * d)
     image = 2 * args.clip_tokens * (args.clip_dim * args.clip_dim + args.clip_dim * d)
     action = 2 * layout.action_len * (args.action_dim * d + 2 * d * d + d * d + d * args.hidden_size + args.hidden_size * args.action_dim)
     state = 2 * layout.state_len * (args.max_state_dim * args.hidden_size + args.hidden_size * d)

@@ -161,7 +161,7 @@ class DreamZeroWAM(WanModel):
                 context: torch.Tensor, clip_feature: torch.Tensor, y: torch.Tensor | None = None,
                 embodiment_id: torch.Tensor | None = None, attn_backend: str = "auto",
                 mask: AttnMask = None, residual_dtype: torch.dtype | None = None,
-                noisy_first_frame: bool = True) -> WAMOutput:
+                noisy_first_frame: bool = True, text_rows: int | None = None) -> WAMOutput:
         """Teacher-forcing forward.
 
         noisy_latents, clean_latents: [B, C, F, H, W]; timestep: [B, F] (per frame, the clean copy uses 0);
@@ -171,11 +171,13 @@ class DreamZeroWAM(WanModel):
         embeddings give them (fp32 under autocast with fp32 weights, bf16 with bf16 weights).
         noisy_first_frame: False leaves the noisy copy of frame 0 out of the sequence (`attention` module docstring):
         video_pred then holds frames 1..F-1, and `mask` must be built for that layout.
+        text_rows: every row of `context` from this one on is zero (`embed_context`): the same outputs, with the
+        cross-attention's K and V projected for the rows before it and one zero row.
         """
         seq = self.embed_sequence(noisy_latents, clean_latents, timestep, noisy_actions, timestep_action, state, y,
                                   residual_dtype, noisy_first_frame)
         layout, x = seq.layout, seq.tokens
-        text, image = self.embed_context(context, clip_feature)
+        text, image = self.embed_context(context, clip_feature, text_rows)
         if mask is None:
             mask = self.make_mask(layout, attn_backend, x.device)
 

@@ -197,6 +197,34 @@ class WanSelfAttention(AttentionProjections):
         return self.o(attention(q, k, v, mask).flatten(2)), own
 
 
+class PaddedText:
+    """A batch's embedded text context [B, length, dim] whose rows from `rows.shape[1]` on are all `pad`: T5 pads
+    each prompt with zero rows, and the text embedding maps each zero row to one vector. The cross-attention then
+    projects K and V of the distinct rows only (rows.shape[1] a sample, and `pad` once) and repeats the pad's:
+    the same values as the whole context, for a fraction of its projections (a DROID prompt holds tens of the
+    512 rows). `WanModel.embed_context(text_rows=...)` builds it."""
+
+    def __init__(self, rows: torch.Tensor, pad: torch.Tensor, length: int):
+        if rows.dim() != 3 or pad.shape != (1, 1, rows.shape[-1]) or not 0 < rows.shape[1] < length:
+            raise ValueError(f"PaddedText: rows [B, T, dim] with 0 < T < {length} and pad [1, 1, dim], got "
+                             f"{tuple(rows.shape)} and {tuple(pad.shape)}")
+        self.rows, self.pad, self.length = rows, pad, length
+
+    def distinct(self) -> torch.Tensor:
+        """[B·T + 1, dim]: every sample's distinct rows, then the pad row."""
+        return torch.cat([self.rows.flatten(0, 1), self.pad.flatten(0, 1).to(self.rows.dtype)])
+
+    def repeat_pad(self, projected: torch.Tensor) -> torch.Tensor:
+        """A row-wise function of `distinct()` [B·T + 1, n] -> its value on the whole context [B, length, n]."""
+        b, t = self.rows.shape[:2]
+        pad = projected[b * t:].view(1, 1, -1).expand(b, self.length - t, -1)
+        return torch.cat([projected[:b * t].view(b, t, -1), pad], dim=1)
+
+    def full(self) -> torch.Tensor:
+        """The whole context [B, length, dim] (for tests and the paths that take a tensor)."""
+        return self.repeat_pad(self.distinct())
+
+
 class WanT2VCrossAttention(AttentionProjections):
     """Text cross-attention. No RoPE and no key mask: T5 padding rows are zeros and are attended (WAN)."""
 
@@ -205,13 +233,17 @@ class WanT2VCrossAttention(AttentionProjections):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], -1, self.num_heads, self.head_dim)
 
-    def context_kv(self, text: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    def context_kv(self, text: torch.Tensor | PaddedText,
+                   image: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """The context's K and V as [B, L, H, D]. They depend on the context only, so a solver computes them once
-        per chunk and passes them to every step (`kv`)."""
+        per chunk and passes them to every step (`kv`). A PaddedText's are projected for its distinct rows."""
+        if isinstance(text, PaddedText):
+            k, v = project_together(text.distinct(), (self.k, self.v))
+            return self._heads(text.repeat_pad(self.norm_k(k))), self._heads(text.repeat_pad(v))
         k, v = project_together(text, (self.k, self.v))
         return self._heads(self.norm_k(k)), self._heads(v)
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, text: torch.Tensor | PaddedText, image: torch.Tensor | None = None,
                 kv: tuple[torch.Tensor, ...] | None = None,
                 mask: tuple[AttnMask, AttnMask] | None = None) -> torch.Tensor:
         """mask: (text mask, image mask) where a packed sequence's samples each attend their own context only."""
@@ -231,13 +263,13 @@ class WanI2VCrossAttention(WanT2VCrossAttention):
         self.v_img = nn.Linear(dim, dim)
         self.norm_k_img = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
 
-    def context_kv(self, text: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    def context_kv(self, text: torch.Tensor | PaddedText, image: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         if image is None:
             raise ValueError("i2v cross-attention needs CLIP image tokens")
         k_img, v_img = project_together(image, (self.k_img, self.v_img))
         return (*super().context_kv(text), self._heads(self.norm_k_img(k_img)), self._heads(v_img))
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, text: torch.Tensor | PaddedText, image: torch.Tensor | None = None,
                 kv: tuple[torch.Tensor, ...] | None = None,
                 mask: tuple[AttnMask, AttnMask] | None = None) -> torch.Tensor:
         k, v, k_img, v_img = self.context_kv(text, image) if kv is None else kv
@@ -355,13 +387,13 @@ class WanAttentionBlock(nn.Module):
             return (self.modulation.float().unsqueeze(0) + e0.e0.float()).unbind(dim=2), e0.runs
         return (self.modulation.float().unsqueeze(0) + e0.float()).unbind(dim=2), None
 
-    def forward(self, x: torch.Tensor, e0: Modulation, rope: Rope, text: torch.Tensor,
+    def forward(self, x: torch.Tensor, e0: Modulation, rope: Rope, text: torch.Tensor | PaddedText,
                 image: torch.Tensor | None = None, mask: AttnMask = None,
                 rows: tuple[int, int] | None = None,
                 cross_mask: tuple[AttnMask, AttnMask] | None = None) -> torch.Tensor:
         return self.forward_with_kv(x, e0, rope, text, image, mask, rows=rows, cross_mask=cross_mask)[0]
 
-    def forward_with_kv(self, x: torch.Tensor, e0: Modulation, rope: Rope, text: torch.Tensor,
+    def forward_with_kv(self, x: torch.Tensor, e0: Modulation, rope: Rope, text: torch.Tensor | PaddedText,
                         image: torch.Tensor | None = None, mask: AttnMask = None,
                         past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                         cross_kv: tuple[torch.Tensor, ...] | None = None, *,
@@ -451,17 +483,25 @@ class WanModel(nn.Module):
         e0 = self.time_projection(e.to(w.dtype)).float().unflatten(-1, (6, self.args.dim))
         return e, e0
 
-    def embed_context(self, context: torch.Tensor, clip_feature: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Text [B, L_txt, text_dim] zero-padded to text_len -> [B, text_len, dim]; CLIP -> [B, 257, dim]."""
+    def embed_context(self, context: torch.Tensor, clip_feature: torch.Tensor | None,
+                      text_rows: int | None = None) -> tuple[torch.Tensor | PaddedText, torch.Tensor | None]:
+        """Text [B, L_txt, text_dim] zero-padded to text_len -> [B, text_len, dim]; CLIP -> [B, 257, dim].
+        text_rows: the caller knows every row of `context` from this one on to be zero (`conditioning.prompt_rows`
+        of its prompts): the text comes back as a PaddedText, whose K and V cost text_rows + 1 rows a sample."""
         a = self.args
         if context.dim() != 3 or context.shape[-1] != a.text_dim:
             raise ValueError(f"expected text context [B, L, {a.text_dim}], got {tuple(context.shape)}")
         if context.shape[1] > a.text_len:
             raise ValueError(f"text context has {context.shape[1]} tokens, more than text_len {a.text_len}")
-        if context.shape[1] < a.text_len:
-            context = F.pad(context, (0, 0, 0, a.text_len - context.shape[1]))
         w = self.text_embedding[0].weight
-        text = self.text_embedding(context.to(w.dtype))
+        if text_rows is not None and 0 < text_rows < a.text_len:
+            zero = context.new_zeros(1, 1, a.text_dim, dtype=w.dtype)
+            text = PaddedText(self.text_embedding(context[:, :text_rows].to(w.dtype)), self.text_embedding(zero),
+                              a.text_len)
+        else:
+            if context.shape[1] < a.text_len:
+                context = F.pad(context, (0, 0, 0, a.text_len - context.shape[1]))
+            text = self.text_embedding(context.to(w.dtype))
         image = None
         if a.cross_attn_type == "i2v":
             if clip_feature is None:

@@ -154,24 +154,39 @@ def learnable_actions(clean_latents: torch.Tensor, state: torch.Tensor, chunk_ro
 def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_hw: tuple[int, int] = (11, 20),
                     prompts: int = 4, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                     model_overrides: dict | None = None, progress: bool = True, overwrite: bool = False,
-                    learnable: bool = False) -> Path:
+                    learnable: bool = False, prompt_tokens: int | None = None) -> Path:
     """A cache of `samples` random windows with a preset's real shapes (latent grid `latent_hw`, the encoders'
     output widths, `prompts` distinct prompts), stored in `dtype` as a bf16 encoder writes them. For measuring
     `dz train`'s throughput where neither data nor encoder weights are at hand (the numbers do not depend on
     the values); its index says it is synthetic. Drawn in batches of 16, so memory stays small.
     learnable: the actions follow from frame 0 and the state (`learnable_actions`) instead of being drawn, so a
-    held-out cache of another seed measures what a run learned (`train.val_cache`)."""
+    held-out cache of another seed measures what a run learned (`train.val_cache`).
+    prompt_tokens: each prompt's rows zero past its own length, as `encode_prompts` leaves them: the first prompt
+    `prompt_tokens` long, the others drawn from half that to it, the null prompt one row (umT5's end token);
+    None: every row random."""
     from ..model.synthetic import random_inputs
 
     a = preset(preset_name, **(model_overrides or {}))
+    if prompt_tokens is not None and not 1 <= prompt_tokens <= a.text_len:
+        raise ValueError(f"prompt_tokens must be in [1, {a.text_len}] (the preset's text_len), got {prompt_tokens}")
     g = torch.Generator().manual_seed(seed)
+    lengths = None
+    if prompt_tokens is not None:
+        lengths = [prompt_tokens] + torch.randint(max(1, prompt_tokens // 2), prompt_tokens + 1, (prompts - 1,),
+                                                  generator=g).tolist()
+    null = torch.randn(1, a.text_len, a.text_dim, generator=g)  # a synthetic null prompt
+    if lengths is not None:
+        null[:, 1:] = 0
     with publish_dir(out_dir, "cache", overwrite=overwrite) as tmp:
-        writer = CacheWriter(tmp, torch.randn(1, a.text_len, a.text_dim, generator=g).to(dtype))  # a synthetic null
+        writer = CacheWriter(tmp, null.to(dtype))
         K, A = a.max_chunk_size, a.num_action_per_block
         bar = Progress(samples, enabled=progress, desc="cache", unit="sample")
         for start in range(0, samples, 16):
             n = min(16, samples - start)
             x = random_inputs(a, n, latent_hw, "cpu", dtype, g)
+            if lengths is not None:
+                for j in range(n):
+                    x["context"][j, lengths[(start + j) % prompts]:] = 0
             index = [writer.prompt_index(f"synthetic prompt {(start + j) % prompts}", x["context"][j]) for j in range(n)]
             action = torch.rand(n, K * A, a.action_dim, generator=g) * 2 - 1
             state = torch.rand(n, K * a.num_state_per_block, a.max_state_dim, generator=g) * 2 - 1
@@ -188,7 +203,7 @@ def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_
         bar.close()
         writer.finish(preset=preset_name, model_overrides=model_overrides or {}, embodiment="synthetic",
                       datasets=[], stride=1, heldout_episodes=0, metadata=None, synthetic=True,
-                      latent_hw=list(latent_hw), learnable=learnable, seed=seed)
+                      latent_hw=list(latent_hw), learnable=learnable, seed=seed, prompt_tokens=prompt_tokens)
     return Path(out_dir)
 
 

@@ -59,13 +59,17 @@ def cmd_cache(ns: argparse.Namespace) -> int:
     from ..train.cache import build_cache, synthetic_cache
 
     cfg = load_train_config(ns)
+    if ns.prompt_tokens is not None and ns.synthetic is None:
+        raise CLIError("--prompt-tokens shapes a synthetic cache's prompts: it goes with --synthetic N")
     if ns.synthetic is not None:
         if ns.synthetic < 1:
             raise CLIError(f"--synthetic wants a number of samples >= 1, got {ns.synthetic}")
         out = synthetic_cache(cfg.preset, ns.cache_out, ns.synthetic, latent_hw_arg(ns.latent_hw),
                               seed=cfg.seed, model_overrides=cfg.model_overrides, overwrite=ns.overwrite,
-                              learnable=ns.learnable)
+                              learnable=ns.learnable, prompt_tokens=ns.prompt_tokens)
         kind = "random samples whose actions follow from frame 0 and the state" if ns.learnable else "random samples"
+        if ns.prompt_tokens:
+            kind += f", prompts of up to {ns.prompt_tokens} tokens"
         print(f"wrote a synthetic cache of {ns.synthetic} {cfg.preset} {kind} (seed {cfg.seed}): {out}")
         return EXIT_OK
     if not cfg.tokenizer:
@@ -121,6 +125,9 @@ def add_commands(sub) -> None:
     p.add_argument("--learnable", action="store_true",
                    help="with --synthetic: actions a fixed function of frame 0 and the state (the same for every "
                         "seed), so a cache of another seed (--set seed=N) is held-out data (train.val_cache)")
+    p.add_argument("--prompt-tokens", type=int, metavar="T",
+                   help="with --synthetic: each prompt's embedding zero past its own length, the longest T rows "
+                        "(as umT5 pads a prompt); by default every row of text_len is random")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out even if dz did not write it (by default only an earlier dz output is replaced)")
     p.set_defaults(func=cmd_cache, steps=None, out_dir=None)

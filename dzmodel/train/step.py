@@ -78,6 +78,7 @@ class TrainStep:
         self.ema: dict[str, torch.Tensor] | None = None  # `enable_ema`
         self.prompt_dropout, self.null_context = 0.0, None  # `enable_prompt_dropout`
         self.pack_capacity: int | None = None  # tokens per buffer for packed micro-batches (lists of samples)
+        self.text_rows: int | None = None  # every context row from this one on is zero (the trainer's `prompt_rows`)
         self.schedule = FlowMatchSchedule()
         if noise_on not in ("device", "cpu"):
             raise ValueError(f"noise_on must be 'device' or 'cpu', got {noise_on!r}")
@@ -214,7 +215,8 @@ class TrainStep:
         """The model's forward and the flow-matching losses (loss, dynamics, action) of one noised micro-batch:
         what `compile` compiles as one graph."""
         out = self.model(*(inputs[k] for k in FORWARD_POSITIONAL), y=inputs["y"], mask=mask,
-                         residual_dtype=self.residual_dtype, noisy_first_frame=self.denoise_first_frame)
+                         residual_dtype=self.residual_dtype, noisy_first_frame=self.denoise_first_frame,
+                         text_rows=self.text_rows)
         first = 0 if self.denoise_first_frame else 1  # the frames video_pred holds
         latents, noise, actions, noise_a, ids, aids, action_mask, has_real_action = targets
         losses = flow_matching_losses(self.schedule, out.video_pred, out.action_pred, latents[:, :, first:],

@@ -31,7 +31,7 @@ from ..data.sampling import SampleStream, WindowSpec
 from ..data.video import worker_init_fn
 from ..dirlock import directory_lock
 from ..model.args import OFFLINE_PRESETS, preset
-from ..model.conditioning import NULL_PROMPT, encode_prompts
+from ..model.conditioning import NULL_PROMPT, encode_prompts, prompt_rows
 from ..model.fp8 import check_bf16_layers, convert_blocks_to_fp8, resolve_precision
 from ..model.lora import apply_lora, trainable_parameters
 from ..model.state_dict import load_wan_dit
@@ -254,13 +254,18 @@ class Trainer:
             self.stream = SampleStream([len(self.cached)], seed=cfg.seed, rank=self.info.rank,
                                        world_size=self.info.world_size)
             self.collate = collate_cached
-            self.flops_per_sample = a.flops(tuple(self.cached[0]["clean_latents"].shape[-2:]),
-                                            noisy_first_frame=cfg.denoise_first_frame).train()
             if cfg.prompt_dropout:
                 if self.cached.null_context is None:
                     raise DataError(f"{cfg.cache}: has no null-prompt context, which train.prompt_dropout needs "
                                     "(built before prompt dropout); rebuild it with `dz cache`")
                 self.step.enable_prompt_dropout(cfg.prompt_dropout, self.cached.null_context)
+            # every context the step can see: the prompts of the cache and of the held-out cache, and the null one
+            tables = [c.text for c in (self.cached, self.val) if c is not None]
+            tables += [self.step.null_context] if self.step.null_context is not None else []
+            self.step.text_rows = prompt_rows(*tables)
+            self.flops_per_sample = a.flops(tuple(self.cached[0]["clean_latents"].shape[-2:]),
+                                            noisy_first_frame=cfg.denoise_first_frame,
+                                            text_rows=self.step.text_rows).train()
             return
         self.cached = None
         if not cfg.datasets:

@@ -30,3 +30,18 @@ def test_peaks_per_device_and_no_mfu_without_one(monkeypatch):
                        ("NVIDIA L40S", 362e12), ("NVIDIA B200", 2250e12), ("Some Future GPU", None)):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
         assert peak_flops(torch.device("cuda")) == peak, name
+
+
+def test_forward_flops_with_text_rows_equal_what_torch_counts_and_are_fewer():
+    model = tiny_model()
+    b = tiny_batch(model.args, batch=2)
+    b["context"][:, 5:] = 0
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(**b, attn_backend="segments", text_rows=5)
+    latents = b["noisy_latents"]
+    ours = model.args.flops(tuple(latents.shape[-2:]), latents.shape[2], text_rows=5)
+    # per sample: the pad row's text embedding and K/V run once for the batch, not once a sample
+    a, d = model.args, model.args.dim
+    pad_row_once = 2 * (a.text_dim * d + d * d) + a.num_layers * 2 * 2 * d * d
+    assert ours.forward * 2 - pad_row_once == counter.get_total_flops()
+    assert ours.forward < model.args.flops(tuple(latents.shape[-2:]), latents.shape[2]).forward

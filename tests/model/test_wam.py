@@ -281,3 +281,59 @@ def test_last_layer_computing_only_the_loss_rows_gives_the_same_outputs_and_grad
         # WAN's modulation runs in fp32, and the narrowed block sums its gradient in two parts
         tol = dict(atol=1e-6, rtol=1e-6) if n.endswith(".modulation") else dict(atol=1e-12, rtol=1e-9)
         torch.testing.assert_close(g_narrowed[n], g_whole[n], **tol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def _linear_rows(fn) -> list[tuple[int, int]]:
+    """(rows, in_features) of every linear matmul that `fn` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Rows(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                left = args[1] if func is torch.ops.aten.addmm.default else args[0]
+                Rows.seen.append(tuple(left.shape))
+            return func(*args, **(kwargs or {}))
+
+    with Rows():
+        fn()
+    return Rows.seen
+
+
+def test_a_context_known_zero_past_its_prompts_gives_the_same_outputs_and_gradients_for_less_work():
+    """text_rows T (every context row from T on zero, as umT5 pads a prompt): the same outputs and gradients as the
+    whole context, with the text embedding and the cross-attention's text K and V run on B·T + 1 rows, not
+    B·text_len."""
+    model = tiny_model().double().train()
+    b = {k: v.double() for k, v in tiny_batch(model.args).items()}
+    T, B, text_len = 5, b["context"].shape[0], model.args.text_len
+    b["context"][:, T:] = 0
+    b["context"][1, 3:] = 0  # a shorter prompt
+    results = {}
+    for rows in (None, T):
+        model.zero_grad()
+        out = model(**b, attn_backend="sdpa", text_rows=rows)
+        (out.video_pred.square().mean() + out.action_pred.square().mean()).backward()
+        results[rows] = (out.video_pred, out.action_pred, {n: p.grad.clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(results[T][0], results[None][0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(results[T][1], results[None][1], rtol=1e-10, atol=1e-10)
+    for name, grad in results[None][2].items():  # the norms compute in fp32: the pad rows' gradients summed in
+        torch.testing.assert_close(results[T][2][name], grad, rtol=1e-6, atol=1e-8, msg=name)  # another order
+    dim = model.args.dim
+    with torch.no_grad():
+        whole = _linear_rows(lambda: model(**b, attn_backend="sdpa"))
+        padded = _linear_rows(lambda: model(**b, attn_backend="sdpa", text_rows=T))
+    text_kv = lambda seen: [r for r, k in seen if k == dim and r in (B * text_len, B * T + 1)]  # noqa: E731
+    assert text_kv(whole) == [B * text_len] * (1 + len(model.blocks))  # the text embedding's second layer too
+    assert text_kv(padded) == [B * T + 1] * len(model.blocks)
+
+
+def test_text_rows_of_the_whole_context_or_none_take_the_plain_path():
+    model = tiny_model()
+    b = tiny_batch(model.args)
+    with torch.no_grad():
+        plain = model(**b, attn_backend="sdpa")
+        for rows in (model.args.text_len, 0):
+            torch.testing.assert_close(model(**b, attn_backend="sdpa", text_rows=rows).action_pred, plain.action_pred,
+                                       rtol=0, atol=0)

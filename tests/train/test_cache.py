@@ -101,3 +101,46 @@ def test_held_out_losses_are_logged_at_fixed_draws_whatever_the_scoring_micro_ba
     assert three.validate() == pytest.approx(first, rel=2e-3)  # bf16 sums in other groupings
     one.step.noise_seed = 4  # other draws: other numbers (the draws are the seed's, not fixed by accident)
     assert one.validate()["val_action_loss"] != first["val_action_loss"]
+
+
+def test_prompts_of_a_few_tokens_are_zero_past_their_length_and_train_on_those_rows_alone(tmp_path, monkeypatch):
+    """--prompt-tokens: each synthetic prompt zero past its own length (the longest that many rows), the null
+    prompt one row. The trainer finds the rows every prompt fits in (`prompt_rows`), runs the cross-attention's text
+    K and V on them, and trains to the same losses as on the whole context."""
+    from dzmodel.model.conditioning import prompt_rows
+    from dzmodel.train.config import TrainConfig
+    from dzmodel.train.trainer import Trainer, train
+
+    cache = tmp_path / "cache"
+    assert main(["cache", "--synthetic", "8", "--preset", "tiny", "--latent-hw", "4,6", "--prompt-tokens", "6",
+                 "--out", str(cache)]) == 0
+    windows = CachedWindows(cache)
+    used = (windows.text.abs().amax(-1) != 0).sum(-1).tolist()
+    assert max(used) == 6 and all(3 <= n <= 6 for n in used) and len(used) == 4
+    assert (windows.null_context.abs().amax(-1) != 0).sum().item() == 1
+    assert json.loads((cache / "index.json").read_text())["prompt_tokens"] == 6
+    assert prompt_rows(windows.text, windows.null_context) == 6
+
+    def cfg(name, **kw):
+        return TrainConfig(preset="tiny", cache=str(cache), steps=2, micro_batch=2, global_batch=2, save_every=0,
+                           out_dir=str(tmp_path / name), progress=False, lr=1e-3, **kw)
+
+    trainer = Trainer(cfg("probe", prompt_dropout=0.5))
+    trainer.build_model()
+    trainer.build_data()
+    assert trainer.step.text_rows == 6
+    rows = [r["loss"] for r in train(cfg("rows"))]
+    import dzmodel.train.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "prompt_rows", lambda *tables: preset("tiny").text_len)  # the whole context
+    assert rows == pytest.approx([r["loss"] for r in train(cfg("whole"))], rel=1e-5)
+
+
+def test_prompt_tokens_without_synthetic_or_past_text_len_is_one_clear_error(tmp_path, capsys):
+    assert main(["cache", "--prompt-tokens", "6", "--preset", "tiny", "--out", str(tmp_path / "c")]) != 0
+    assert "--prompt-tokens shapes a synthetic cache's prompts: it goes with --synthetic N" in capsys.readouterr().err
+    text_len = preset("tiny").text_len
+    assert main(["cache", "--synthetic", "2", "--preset", "tiny", "--prompt-tokens", str(text_len + 1),
+                 "--out", str(tmp_path / "c")]) != 0
+    assert f"prompt_tokens must be in [1, {text_len}]" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
