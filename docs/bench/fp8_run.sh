@@ -15,7 +15,8 @@
 #                state is about 60 GB), so a run must finish within its call: name one precision per call if need be.
 #                The data: 64 learnable synthetic samples (`dz cache --synthetic --learnable`: actions a fixed function
 #                of frame 0 and the state), scored every 100 steps on 16 held-out samples of another seed
-#                (`train.val_cache`: val_action_loss)
+#                (`train.val_cache`: val_action_loss); PARITY_PROMPT_TOKENS=T: both caches' prompts zero past their
+#                length (the longest T rows), so the runs leave the text's padding rows out of the projections
 #   PART=policy  `dz bench policy --precision fp8` for the 5B and the 14B at the deployed setting (16 steps, DiT
 #                caching, CFG 5, CUDA graphs, compile), batches 1 and 4: bf16 and FP8 rows with their chunk difference
 #   PART=14b     FSDP2 over every GPU of the machine: `dz bench train` slices of the 14B (LAYERS_14B, default "8 16"
@@ -57,9 +58,9 @@ cache() {
   [ -d "$CACHE_5B" ] || dz cache --synthetic 64 --preset dreamzero_5b --latent-hw 11,20 --out "$CACHE_5B" \
     ${PROMPT_TOKENS:+--prompt-tokens "$PROMPT_TOKENS"}
 }
-learnable() {  # DIR SAMPLES SEED
+learnable() {  # DIR SAMPLES SEED (PARITY_PROMPT_TOKENS=T: prompts zero past their length, as PROMPT_TOKENS)
   [ -d "$WORK/$1" ] || dz cache --synthetic "$2" --learnable --set seed="$3" --preset dreamzero_5b --latent-hw 11,20 \
-    --out "$WORK/$1"
+    --out "$WORK/$1" ${PARITY_PROMPT_TOKENS:+--prompt-tokens "$PARITY_PROMPT_TOKENS"}
 }
 train_5b() {  # NAME PRECISION STEPS MICRO_BATCH SAVE_EVERY [--set K=V ..]
   local name=$1 precision=$2 steps=$3 mb=$4 save=$5
@@ -121,13 +122,14 @@ print(metadata_path(pathlib.Path(sys.argv[1]), sys.argv[2]))' build/bench_data/d
       --set progress=false --set seed=0 2>&1 | tee "$OUT/train_5b_video_${emb}_mb${VIDEO_MB:-2}_$GPU.log" | tail -3 || true
     cp "$WORK/video_$emb/metrics.jsonl" "$OUT/train_5b_video_${emb}_mb${VIDEO_MB:-2}_$GPU.jsonl" || true ;;
   parity)
-    learnable parity_train 64 0
-    learnable parity_heldout 16 1
+    tag=${PARITY_PROMPT_TOKENS:+_prompts$PARITY_PROMPT_TOKENS}
+    learnable "parity_train$tag" 64 0
+    learnable "parity_heldout$tag" 16 1
     for p in ${PARITY_PRECISIONS:-bf16 fp8}; do
       rm -rf "$WORK/parity_$p"
-      CACHE=$WORK/parity_train train_5b "parity_$p" "$p" "${PARITY_STEPS:-500}" "${PARITY_MB:-4}" 0 \
-        --set val_cache="$WORK/parity_heldout" --set val_every=100 2>&1 | tail -3
-      cp "$WORK/parity_$p/metrics.jsonl" "$OUT/parity_5b_${p}_$GPU.jsonl"
+      CACHE=$WORK/parity_train$tag train_5b "parity_$p" "$p" "${PARITY_STEPS:-500}" "${PARITY_MB:-4}" 0 \
+        --set val_cache="$WORK/parity_heldout$tag" --set val_every=100 2>&1 | tail -3
+      cp "$WORK/parity_$p/metrics.jsonl" "$OUT/parity_5b_${p}${tag}_$GPU.jsonl"
     done ;;
   policy)
     for preset in dreamzero_5b dreamzero_14b; do
