@@ -99,8 +99,9 @@ class DreamZeroArgs(WanDiTArgs):
     def flops(self, latent_hw: tuple[int, int], num_frames: int | None = None, noisy_first_frame: bool = True,
               text_rows: int | None = None):
         """Forward FLOPs of one sample over a latent grid (H, W before patching), counting what `forward` runs
-        (`dzmodel.model.flops`; equal to torch's FlopCounterMode on the tiny preset, tested), with its
-        `text_rows`. `.train()` of the result is the training step's model FLOPs per sample (3 x forward)."""
+        (`dzmodel.model.flops`; equal to torch's FlopCounterMode on the tiny preset, tested). With `text_rows`, the
+        text's rows projected: those and the pad row, counted per sample though the pad row runs once a batch.
+        `.train()` of the result is the training step's model FLOPs per sample (3 x forward)."""
         from .attention import latent_layout
         from .flops import wam_forward_flops
 

@@ -38,9 +38,10 @@ def prompt_rows(*contexts: torch.Tensor) -> int:
     (or the rows past a prompt are not zero: nothing can be left out)."""
     last = 0
     for context in contexts:
-        used = context.detach().abs().amax(dim=-1) != 0  # [P, text_len]
-        positions = torch.arange(1, used.shape[-1] + 1)
-        last = max(last, int((used.cpu() * positions).amax()))
+        for chunk in context.detach().split(64):  # a few prompts at a time: no copy of a large table
+            used = (chunk.amax(dim=-1) != 0) | (chunk.amin(dim=-1) != 0)  # [p, text_len]
+            positions = torch.arange(1, used.shape[-1] + 1, device=used.device)
+            last = max(last, int((used * positions).amax()))
     return last
 
 

@@ -197,12 +197,20 @@ class WanSelfAttention(AttentionProjections):
         return self.o(attention(q, k, v, mask).flatten(2)), own
 
 
+def draws_noise(modules: tuple[nn.Module, ...]) -> bool:
+    """Whether any of `modules` draws random numbers in this forward (a training LoRA adapter's dropout): then each
+    row must be computed on its own, not once for all the rows it equals."""
+    return any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for module in modules for m in module.modules())
+
+
 class PaddedText:
     """A batch's embedded text context [B, length, dim] whose rows from `rows.shape[1]` on are all `pad`: T5 pads
     each prompt with zero rows, and the text embedding maps each zero row to one vector. The cross-attention then
     projects K and V of the distinct rows only (rows.shape[1] a sample, and `pad` once) and repeats the pad's:
-    the same values as the whole context, for a fraction of its projections (a DROID prompt holds tens of the
-    512 rows). `WanModel.embed_context(text_rows=...)` builds it."""
+    the forward's values of the whole context, for a fraction of its projections (a DROID prompt holds tens of the
+    512 rows). In the backward the padding rows' gradients reach the pad row summed (in FP8, rounded to e5m2 once,
+    as a sum). Where an adapter's dropout draws noise, the cross-attention projects the whole context instead
+    (`draws_noise`). `WanModel.embed_context(text_rows=...)` builds it; the caller vouches for the zero rows."""
 
     def __init__(self, rows: torch.Tensor, pad: torch.Tensor, length: int):
         if rows.dim() != 3 or pad.shape != (1, 1, rows.shape[-1]) or not 0 < rows.shape[1] < length:
@@ -237,6 +245,8 @@ class WanT2VCrossAttention(AttentionProjections):
                    image: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """The context's K and V as [B, L, H, D]. They depend on the context only, so a solver computes them once
         per chunk and passes them to every step (`kv`). A PaddedText's are projected for its distinct rows."""
+        if isinstance(text, PaddedText) and draws_noise((self.k, self.v)):
+            text = text.full()  # each padding row its own dropout draw, as on the whole context
         if isinstance(text, PaddedText):
             k, v = project_together(text.distinct(), (self.k, self.v))
             return self._heads(text.repeat_pad(self.norm_k(k))), self._heads(text.repeat_pad(v))

@@ -171,9 +171,9 @@ def synthetic_cache(preset_name: str, out_dir: str | Path, samples: int, latent_
         raise ValueError(f"prompt_tokens must be in [1, {a.text_len}] (the preset's text_len), got {prompt_tokens}")
     g = torch.Generator().manual_seed(seed)
     lengths = None
-    if prompt_tokens is not None:
+    if prompt_tokens is not None:  # from a generator of their own: the samples are those of the plain cache
         lengths = [prompt_tokens] + torch.randint(max(1, prompt_tokens // 2), prompt_tokens + 1, (prompts - 1,),
-                                                  generator=g).tolist()
+                                                  generator=torch.Generator().manual_seed(seed + 1)).tolist()
     null = torch.randn(1, a.text_len, a.text_dim, generator=g)  # a synthetic null prompt
     if lengths is not None:
         null[:, 1:] = 0

@@ -298,3 +298,25 @@ def test_the_cross_attentions_context_k_and_v_are_one_matmul_each_for_text_and_i
     for g, e in zip(grads, want):
         torch.testing.assert_close(g, e, atol=1e-10, rtol=0)
     assert _matmuls(lambda: attn.context_kv(text, image)) == 2
+
+
+def test_padded_text_is_projected_whole_where_an_adapters_dropout_draws_noise():
+    """A LoRA adapter with dropout on the text K or V, training: each padding row gets its own dropout draw, so the
+    whole context is projected; evaluating (no draw), only the distinct rows and the pad row."""
+    from dzmodel.model.lora import LoRAConfig, apply_lora
+    from dzmodel.model.wan_dit import PaddedText, WanT2VCrossAttention
+
+    torch.manual_seed(0)
+    attn = WanT2VCrossAttention(16, 2)
+    holder = torch.nn.Module()
+    holder.blocks = torch.nn.ModuleList([torch.nn.Module()])
+    holder.blocks[0].cross_attn = attn
+    apply_lora(holder, LoRAConfig(rank=2, dropout=0.5, targets=("cross_attn.k",)))
+    seen = []
+    attn.k.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    text = PaddedText(torch.randn(2, 3, 16), torch.randn(1, 1, 16), 8)
+    attn.train()
+    attn.context_kv(text)
+    attn.eval()
+    attn.context_kv(text)
+    assert seen == [(2, 8, 16), (2 * 3 + 1, 16)]

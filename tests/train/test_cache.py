@@ -129,7 +129,22 @@ def test_prompts_of_a_few_tokens_are_zero_past_their_length_and_train_on_those_r
     trainer.build_model()
     trainer.build_data()
     assert trainer.step.text_rows == 6
+    # a held-out cache with longer prompts: the rows cover its prompts too
+    held_out = tmp_path / "held_out"
+    assert main(["cache", "--synthetic", "4", "--preset", "tiny", "--latent-hw", "4,6", "--prompt-tokens", "9",
+                 "--set", "seed=1", "--out", str(held_out)]) == 0
+    trainer = Trainer(cfg("probe_val", val_cache=str(held_out)))
+    trainer.build_model()
+    trainer.build_data()
+    assert trainer.step.text_rows == 9
+
+    from dzmodel.model.wam import DreamZeroWAM
+
+    passed, forward = [], DreamZeroWAM.forward
+    monkeypatch.setattr(DreamZeroWAM, "forward",
+                        lambda self, *a, **kw: passed.append(kw.get("text_rows")) or forward(self, *a, **kw))
     rows = [r["loss"] for r in train(cfg("rows"))]
+    assert passed and set(passed) == {6}  # every step's forward left the padding rows out
     import dzmodel.train.trainer as trainer_module
 
     monkeypatch.setattr(trainer_module, "prompt_rows", lambda *tables: preset("tiny").text_len)  # the whole context
