@@ -51,6 +51,11 @@ class WanDiTArgs:
     def head_dim(self) -> int:
         return self.dim // self.num_heads
 
+    def padded_text_rows(self, text_rows: int | None) -> int | None:
+        """`text_rows` where it leaves padding rows out of the text's projections (0 < text_rows < text_len),
+        else None: the forward (`WanModel.embed_context`) and the FLOP count (`flops.py`) read it from here."""
+        return text_rows if text_rows is not None and 0 < text_rows < self.text_len else None
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["patch_size"] = list(self.patch_size)

@@ -63,7 +63,8 @@ def wam_forward_flops(args: Any, layout: TeacherForcingLayout, text_rows: int | 
     L = layout.seq_len
     R = layout.video_len + layout.action_len  # the last layer's output rows
     C = args.text_len + args.clip_tokens
-    text_projected = text_rows + 1 if text_rows is not None and 0 < text_rows < args.text_len else args.text_len
+    rows = args.padded_text_rows(text_rows)
+    text_projected = args.text_len if rows is None else rows + 1
     C_projected = text_projected + args.clip_tokens
     # a one-token state block attends only itself: its output is its value, and no attention is computed for it
     P = allowed_pairs(layout) - (layout.num_blocks if layout.num_state_per_block == 1 else 0)

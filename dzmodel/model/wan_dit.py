@@ -504,7 +504,8 @@ class WanModel(nn.Module):
         if context.shape[1] > a.text_len:
             raise ValueError(f"text context has {context.shape[1]} tokens, more than text_len {a.text_len}")
         w = self.text_embedding[0].weight
-        if text_rows is not None and 0 < text_rows < a.text_len:
+        text_rows = a.padded_text_rows(text_rows)
+        if text_rows is not None:
             zero = context.new_zeros(1, 1, a.text_dim, dtype=w.dtype)
             text = PaddedText(self.text_embedding(context[:, :text_rows].to(w.dtype)), self.text_embedding(zero),
                               a.text_len)
