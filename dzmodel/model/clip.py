@@ -167,9 +167,8 @@ def preprocess_images(images: torch.Tensor, image_size: int = 224) -> torch.Tens
     x = images if images.dtype == torch.float64 else images.float()
     x = F.interpolate(x, size=(image_size, image_size), mode="bicubic", align_corners=False)
     x = x * 0.5 + 0.5
-    mean = torch.tensor(CLIP_MEAN, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(CLIP_STD, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
-    return (x - mean) / std
+    # per channel with Python scalars: no host-to-device copy, so a CUDA graph can capture it (the same values)
+    return torch.cat([(x[:, c:c + 1] - m) / s for c, (m, s) in enumerate(zip(CLIP_MEAN, CLIP_STD))], dim=1)
 
 
 class WanCLIPVisual(nn.Module):

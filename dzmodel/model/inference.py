@@ -25,10 +25,10 @@ from ..data.transforms import NormStats  # noqa: F401  (re-exported: the policy'
 from .conditioning import video_to_unit_range
 from .cuda_graphs import GraphCache
 from .sampler import (Conditioning, KVCache, SolverConfig, check_prefill, draw_noise, prefill, prefill_kv, solve,
-                      solve_two_passes, split_cfg)
+                      solve_two_passes, split_cfg, text_rows_for)
 from .vae import FRAMES_PER_LATENT, StreamState
 from .wam import DreamZeroWAM
-from .wan_dit import WanAttentionBlock
+from .wan_dit import PaddedText, WanAttentionBlock
 
 
 
@@ -135,7 +135,9 @@ class DreamZeroPolicy:
     sessions: dict[str, _Session] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._texts: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._texts: OrderedDict[str, tuple[torch.Tensor, int]] = OrderedDict()
+        self._text_rows = 0  # text rows a conditioning keeps (`_conditioning`)
+        self._vae_layouts: dict = {}  # per captured VAE start: its stream state's layout (`_encode_start`)
         self.graphs = GraphCache(enabled=self.cuda_graphs and self.device.type == "cuda")
         self.set_compile(self.compile)
 
@@ -156,8 +158,9 @@ class DreamZeroPolicy:
 
     # -- conditioning --
 
-    def _text(self, prompt: str) -> torch.Tensor:
-        """umT5 embedding [1, text_len, text_dim] of a prompt, cached: a robot repeats its prompt every call."""
+    def _text(self, prompt: str) -> tuple[torch.Tensor, int]:
+        """umT5 embedding [1, text_len, text_dim] of a prompt (zero past its tokens) and its token count, cached: a
+        robot repeats its prompt every call."""
         from .t5 import zero_beyond_lengths
 
         hit = self._texts.get(prompt)
@@ -166,12 +169,20 @@ class DreamZeroPolicy:
             return hit
         ids, mask = self.tokenizer([prompt], max_length=self.model.args.text_len)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        emb = zero_beyond_lengths(self.text_encoder(ids, mask), mask.sum(dim=1))
+        tokens = mask.sum(dim=1)
+        entry = zero_beyond_lengths(self.text_encoder(ids, mask), tokens), int(tokens.max())
         if self.text_cache_size > 0:
-            self._texts[prompt] = emb
+            self._texts[prompt] = entry
             while len(self._texts) > self.text_cache_size:
                 self._texts.popitem(last=False)
-        return emb
+        return entry
+
+    def _image_tokens(self, frame0: torch.Tensor) -> torch.Tensor:
+        """CLIP tokens of the first frames [B, 3, H, W]: one CUDA graph per batch size on the GPU (the image
+        encoder's ~600 kernels, launched one by one, cost more host time than the GPU spends on them)."""
+        if not self.graphs.enabled:
+            return self.image_encoder.encode_images(frame0)
+        return self.graphs.run(("clip",), lambda: lambda x: (self.image_encoder.encode_images(x),), [frame0])[0]
 
     def _conditioning(self, prompts: list[str], frame0: torch.Tensor) -> tuple[Conditioning, StreamState | None]:
         """Batch B of prompts and first frames [B, 3, H, W] -> the conditioning, [cond, uncond] interleaved
@@ -186,8 +197,13 @@ class DreamZeroPolicy:
             if self.guided:
                 neg = self._text(self.negative_prompt)
                 texts = [t for pos in texts for t in (pos, neg)]
-            clip = self.image_encoder.encode_images(frame0).repeat_interleave(pair, 0)
-            text, image = self.model.embed_context(torch.cat(texts), clip)
+            clip = self._image_tokens(frame0).repeat_interleave(pair, 0)
+            # the text's rows past the longest prompt are all one padding row: its K and V are projected once. The
+            # rows kept only grow (with the longest prompt seen), so the graphs and compiled code see one shape
+            self._text_rows = max(self._text_rows, text_rows_for(max(n for _, n in texts), self.model.args.text_len))
+            text, image = self.model.embed_context(torch.cat([t for t, _ in texts]), clip, text_rows=self._text_rows)
+            if isinstance(text, PaddedText):
+                text = text.rows
         if not self.model.args.concat_first_frame_latent:
             return Conditioning(text=text, image=image), None
         with self._stage("vae"):
@@ -218,11 +234,33 @@ class DreamZeroPolicy:
 
     def _encode(self, video: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         """VAE latents cropped to whole patches: the patch conv drops an odd last row or column anyway
-        (e.g. 176 px -> 11 latent rows with 2x2 patches), and the solver's latents must match its output."""
-        lat = self.vae.encode(video.to(next(self.vae.parameters()).dtype), state)
+        (e.g. 176 px -> 11 latent rows with 2x2 patches), and the solver's latents must match its output.
+        A stream's start (every reset) runs as a CUDA graph per shape on the GPU, its state among the outputs."""
+        video = video.to(next(self.vae.parameters()).dtype)
+        if self.graphs.enabled and state is not None and not state.started:
+            lat = self._encode_start(video, state)
+        else:
+            lat = self.vae.encode(video, state)
         _, ph, pw = self.model.args.patch_size
         h, w = lat.shape[-2:]
         return lat[..., : h - h % ph, : w - w % pw]
+
+    def _encode_start(self, video: torch.Tensor, state: StreamState) -> torch.Tensor:
+        """`vae.encode` of a stream's first frames into the fresh `state`, through the graphs: the state's tensors
+        are graph outputs, and its layout (which layers, which markers) is recorded when the shape is captured."""
+        key = ("vae start", tuple(video.shape))
+
+        def make():
+            def fn(x):
+                fresh = StreamState()
+                lat = self.vae.encode(x, fresh)
+                self._vae_layouts[key], tensors = fresh.flatten()
+                return (lat, *tensors)
+            return fn
+
+        lat, *tensors = self.graphs.run(key, make, [video])
+        state.restore(self._vae_layouts[key], tensors)
+        return lat
 
     def _frames(self, images: np.ndarray) -> torch.Tensor:
         arr = np.asarray(images)

@@ -18,7 +18,7 @@ import torch
 
 from .objective import FlowMatchSchedule
 from .wam import DreamZeroWAM
-from .wan_dit import GroupedModulation, Rope
+from .wan_dit import GroupedModulation, PaddedText, Rope
 
 # --- model-level cached inference -------------------------------------------------------
 
@@ -71,7 +71,8 @@ class KVCache:
 
 @dataclass
 class Conditioning:
-    text: torch.Tensor               # [B, text_len, dim] after text_embedding
+    text: torch.Tensor               # [B, T, dim] after text_embedding: the first T rows of the text_len context; with
+    #                                  T < text_len the rows from T on are the embedded zero row (`block_text`)
     image: torch.Tensor | None       # [B, clip_tokens, dim] after img_emb
     y: torch.Tensor | None = None    # [B, 4+z, F_window, h, w] first-frame condition (14B only)
 
@@ -86,13 +87,37 @@ class Conditioning:
 
     @staticmethod
     def stack(conds: list["Conditioning"]) -> "Conditioning":
+        """One batch of many sessions' conditionings; texts of fewer rows are extended with their last row, a
+        padding row wherever the text is shorter than text_len (`text_rows_for`)."""
         if len(conds) == 1:
             return conds[0]
+        rows = max(c.text.shape[1] for c in conds)
+        conds = [c if c.text.shape[1] == rows else
+                 c.rebuild([torch.cat([c.text, c.text[:, -1:].expand(-1, rows - c.text.shape[1], -1)], dim=1),
+                            *c.tensors()[1:]]) for c in conds]
         return conds[0].rebuild([torch.cat(ts) for ts in zip(*(c.tensors() for c in conds))])
 
     def split(self, size: int) -> list["Conditioning"]:
         batch = self.text.shape[0]
         return [self.rebuild([t[i:i + size] for t in self.tensors()]) for i in range(0, batch, size)]
+
+
+def text_rows_for(prompt_tokens: int, text_len: int) -> int:
+    """Rows of a text context to keep for prompts of up to `prompt_tokens` tokens: a power of two (a few shapes for
+    the CUDA graphs and compiled code to see) above the longest prompt, so that the last row kept is always a padding
+    row (`Conditioning.stack` extends shorter texts with it); text_len where that would not leave rows out."""
+    rows = max(8, 1 << prompt_tokens.bit_length())
+    return rows if rows < text_len else text_len
+
+
+def block_text(model: DreamZeroWAM, text: torch.Tensor) -> torch.Tensor | PaddedText:
+    """`Conditioning.text` as the blocks take it: the whole text_len context, or, for fewer rows, a PaddedText whose
+    rows past them are the embedded zero row (the cross-attention then projects only the rows kept and the pad)."""
+    n = model.args.text_len
+    if text.shape[1] >= n:
+        return text
+    w = model.text_embedding[0].weight
+    return PaddedText(text, model.text_embedding(text.new_zeros(1, 1, model.args.text_dim, dtype=w.dtype)), n)
 
 
 def _y_slice(model: DreamZeroWAM, cond: Conditioning, start: int, count: int) -> torch.Tensor | None:
@@ -126,7 +151,8 @@ def prefill_kv(model: DreamZeroWAM, cache: KVCache, latents: torch.Tensor, cond:
     _, e0 = model.embed_time(torch.zeros(B, 1, device=tokens.device))
     e0 = GroupedModulation(e0, ((1, tokens.shape[1]),))  # one timestep for every token
     rope = model.video_rope(grid, start_frame=cache.num_frames)
-    _, own = model.run_blocks(tokens, e0, rope, cond.text, cond.image, mask=None, cache=cache.layers)
+    _, own = model.run_blocks(tokens, e0, rope, block_text(model, cond.text), cond.image, mask=None,
+                              cache=cache.layers)
     return own
 
 
@@ -155,7 +181,8 @@ def denoise_velocity(model: DreamZeroWAM, cache: KVCache, noisy_video: torch.Ten
     n_new, n_cache = x.shape[1], cache.num_tokens
     mask = torch.ones(n_new, n_cache + n_new, dtype=torch.bool, device=x.device)
     mask[n_new - S:, : n_cache + n_new - S] = False  # state tokens attend only themselves
-    x, _ = model.run_blocks(x, e0, rope, cond.text, cond.image, mask=mask, cache=cache.layers, cross=cross)
+    text = cond.text if cross is not None else block_text(model, cond.text)  # with `cross` the blocks read no text
+    x, _ = model.run_blocks(x, e0, rope, text, cond.image, mask=mask, cache=cache.layers, cross=cross)
     video_vel = model.unpatchify(model.head(x[:, :nv], e.expand(B, nv, a.dim)), grid)
     action_vel = model.action_decoder(x[:, nv:nv + A])
     return video_vel, action_vel
@@ -252,7 +279,7 @@ def solve(model: DreamZeroWAM, cache: KVCache, cond: Conditioning, state: torch.
     actions = torch.where(real, actions, 0.0)
     pair = 2 if guided else 1
     state_in = state.to(dtype).repeat_interleave(pair, 0)
-    cross = model.cross_kv(cond.text, cond.image) if solver.reuse_cross_kv else None  # once per chunk
+    cross = model.cross_kv(block_text(model, cond.text), cond.image) if solver.reuse_cross_kv else None  # once per chunk
     v_video = v_action = None
     for run, s, s_next in zip(solver.dit_mask(), sigmas[:-1], sigmas[1:]):
         if run:
@@ -275,7 +302,7 @@ def solve_two_passes(model: DreamZeroWAM, caches: tuple[KVCache, KVCache], conds
     sigmas = solver.sigmas()
     real = real_action_dims(actions, action_dims)
     actions = torch.where(real, actions, 0.0)
-    cross = [model.cross_kv(c.text, c.image) if solver.reuse_cross_kv else None for c in conds]
+    cross = [model.cross_kv(block_text(model, c.text), c.image) if solver.reuse_cross_kv else None for c in conds]
     for run, s, s_next in zip(solver.dit_mask(), sigmas[:-1], sigmas[1:]):
         if run:
             t = torch.full((video.shape[0],), s * 1000.0, device=video.device)

@@ -33,6 +33,16 @@ class StreamState:
     def started(self) -> bool:
         return bool(self._memory)
 
+    def flatten(self) -> tuple[list, list[torch.Tensor]]:
+        """(layout, tensors): the state as tensors (a CUDA graph's outputs) and what rebuilds it (`unflatten`)."""
+        layout = [(layer, None if isinstance(v, torch.Tensor) else v) for layer, v in self._memory.items()]
+        return layout, [v for v in self._memory.values() if isinstance(v, torch.Tensor)]
+
+    def restore(self, layout: list, tensors: list[torch.Tensor]) -> None:
+        """Become the state that `flatten` gave (layout, tensors)."""
+        it = iter(tensors)
+        self._memory = {layer: next(it) if marker is None else marker for layer, marker in layout}
+
     def select(self, index: int) -> "StreamState":
         """The state of one sample of a batch (tensors sliced to batch 1; markers copied)."""
         out = StreamState()

@@ -52,6 +52,8 @@ def test_the_graph_code_path_equals_the_direct_one(tmp_path):
     for g, d in zip(graphed.predict_batch(batch), direct.predict_batch(batch)):
         np.testing.assert_allclose(g, d, rtol=1e-4, atol=1e-5)
     assert not any(sid.startswith("b3") for sid in graphed.sessions)
+    # the image encoder goes through the graphs too: one shape per padded batch
+    assert sorted(shapes[0][0][0] for key, shapes in graphed.graphs._graphs if key == ("clip",)) == [1, 4]
 
 
 def test_frames_sent_in_pieces_equal_frames_sent_at_once(tmp_path):
@@ -235,3 +237,74 @@ def test_an_evaluation_captures_each_shape_once(tmp_path):
     assert _libero_like_captures(tmp_path / "b", max_graphs=MAX_GRAPHS) == (unbounded, calls)
     assert unbounded >= 12 and calls > 4 * unbounded  # the schedule meets many shapes, and mostly replays
     assert _libero_like_captures(tmp_path / "c", max_graphs=unbounded // 2)[0] > unbounded
+
+
+def test_text_rows_kept_are_a_power_of_two_above_the_longest_prompt():
+    from dzmodel.model.sampler import text_rows_for
+
+    assert [text_rows_for(n, 512) for n in (0, 1, 7, 8, 15, 16, 100, 255)] == [8, 8, 8, 16, 16, 32, 128, 256]
+    assert text_rows_for(256, 512) == 512 and text_rows_for(8, 16) == 16  # no rows left out: the whole context
+
+
+def _chunk_and_flops(policy, obs):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        chunk = policy.predict_actions(dict(obs))
+    return chunk, counter.get_total_flops()
+
+
+def test_a_short_prompt_projects_only_its_rows_with_the_same_chunk(tmp_path, monkeypatch):
+    """A prompt's rows past its tokens are one padding row: the policy keeps the first rows (a power of two above the
+    longest prompt) and projects the pad's K and V once. Same chunk as the whole context, fewer FLOPs; a prompt
+    that leaves no row out costs what it did."""
+    from dzmodel.model import inference
+
+    solver = SolverConfig(num_steps=4, cfg_scale=5.0)
+    padded, whole = (build_tiny_policy(tmp_path, solver=solver) for _ in range(2))
+    monkeypatch.setattr(inference, "text_rows_for", lambda tokens, text_len: text_len)  # the whole context
+    obs = _obs(0, prompt="pick up the red block")  # 6 tokens of the tiny preset's 16
+    expected, whole_flops = _chunk_and_flops(whole, obs)
+    monkeypatch.undo()
+    got, padded_flops = _chunk_and_flops(padded, obs)
+    assert padded.sessions["s"].cond.text.shape[1] == 8 and whole.sessions["s"].cond.text.shape[1] == 16
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert padded_flops < whole_flops
+    long_prompt = _obs(1, prompt="pick up the bowl and place it on the plate", session="long")  # 11 tokens: 16 rows
+    monkeypatch.setattr(inference, "text_rows_for", lambda tokens, text_len: text_len)
+    _, whole_long = _chunk_and_flops(whole, long_prompt)
+    monkeypatch.undo()
+    assert _chunk_and_flops(padded, long_prompt)[1] == whole_long
+
+
+def test_sessions_with_fewer_text_rows_batch_with_longer_ones(tmp_path):
+    """The rows kept only grow with the longest prompt seen, and a session conditioned on fewer rows (before a longer
+    prompt came) is extended with its padding row when batched with newer ones: the same chunks as one call each."""
+    solver = SolverConfig(num_steps=4, cfg_scale=5.0)
+    singles, batched = (build_tiny_policy(tmp_path, solver=solver) for _ in range(2))
+    first = _obs(0, prompt="open", session="short")
+    for p in (singles, batched):
+        p.predict_actions(first)
+    assert batched.sessions["short"].cond.text.shape[1] == 8
+    batched.predict_actions(_obs(1, prompt="pick up the bowl and place it on the plate", session="long"))
+    assert batched.sessions["long"].cond.text.shape[1] == 16
+    later = [_obs(2, frames=8, prompt="open", session="short"), _obs(3, prompt="open the drawer", session="new")]
+    singles.predict_actions(_obs(1, prompt="pick up the bowl and place it on the plate", session="long"))
+    expected = [singles.predict_actions(o) for o in later]
+    for e, g in zip(expected, batched.predict_batch(later)):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+    assert batched.sessions["new"].cond.text.shape[1] == 16  # not back to 8: one shape for the graphs
+
+
+def test_conditionings_of_different_text_rows_stack_to_their_whole_contexts():
+    from dzmodel.model.sampler import block_text
+
+    torch.manual_seed(0)
+    model = tiny_model()
+    a = model.args
+    pad = model.text_embedding(torch.zeros(1, 1, a.text_dim))
+    short = torch.cat([torch.randn(2, 3, a.dim), pad.expand(2, 5, -1)], dim=1)  # 3 prompt rows, kept 8
+    longer = torch.cat([torch.randn(1, 9, a.dim), pad.expand(1, 7, -1)], dim=1)  # 9 rows, the whole 16
+    stacked = Conditioning.stack([Conditioning(text=short, image=None), Conditioning(text=longer, image=None)])
+    assert stacked.text.shape == (3, 16, a.dim)
+    torch.testing.assert_close(stacked.text, torch.cat([block_text(model, short).full(), longer]))

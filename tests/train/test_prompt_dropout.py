@@ -74,7 +74,7 @@ def test_the_null_context_is_what_inference_encodes_for_its_negative_prompt(tmp_
     assert DreamZeroPolicy.__dataclass_fields__["negative_prompt"].default == NULL_PROMPT
     a = policy.model.args
     null = encode_prompts(policy.tokenizer, policy.text_encoder, [NULL_PROMPT], a.text_len, "cpu")
-    assert torch.equal(null, policy._text(policy.negative_prompt))
+    assert torch.equal(null, policy._text(policy.negative_prompt)[0])
     assert null[0, 0].abs().sum() > 0 and not null[0, 1:].any()  # "</s>" alone, zero past it
     collate = Collator(policy.tokenizer, a.text_len, a.max_state_dim, a.action_dim)
     sample = {"images": torch.zeros(1, 64, 64, 3, dtype=torch.uint8), "state": torch.zeros(1, 8),
