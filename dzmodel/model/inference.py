@@ -29,6 +29,7 @@ from .sampler import (Conditioning, KVCache, SolverConfig, check_prefill, draw_n
 from .vae import FRAMES_PER_LATENT, StreamState
 from .wam import DreamZeroWAM
 from .wan_dit import PaddedText, WanAttentionBlock
+from .weight_stacks import share_weight_stacks
 
 
 
@@ -139,6 +140,7 @@ class DreamZeroPolicy:
         self._text_rows = 0  # text rows a conditioning keeps (`_conditioning`)
         self._vae_layouts: dict = {}  # per captured VAE start: its stream state's layout (`_encode_start`)
         self.graphs = GraphCache(enabled=self.cuda_graphs and self.device.type == "cuda")
+        share_weight_stacks(self.model)  # the matmuls that read several Linears read their stacked weights as they are
         self.set_compile(self.compile)
 
     def set_compile(self, on: bool) -> None:

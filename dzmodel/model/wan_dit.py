@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from .args import WanDiTArgs
 from .attention import AttnMask, attention
 from .fp8 import Float8InferenceLinear, Float8Linear, float8_linear, frozen_fp8_matmuls
+from .weight_stacks import weight_stack
 
 # --- small pieces --------------------------------------------------------------
 
@@ -131,15 +132,19 @@ class Rope:
 # --- attention -----------------------------------------------------------------
 
 
-def project_together(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+def project_together(x: torch.Tensor, linears: tuple[nn.Module, ...],
+                     stack: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """Each of `linears` applied to x. Plain Linears with biases (or all FP8 ones) run as one matmul over their
     stacked weights: x is read (and in FP8 rounded) once, and its gradient is one matmul instead of several summed
-    in the compute dtype. Adapted layers (LoRA) run one by one."""
+    in the compute dtype. Adapted layers (LoRA) run one by one. stack: the weights' stack, kept for inference
+    (`weight_stacks.weight_stack`), used as it is for plain Linears."""
     kinds = {type(m) for m in linears}
     if kinds == {Float8InferenceLinear}:  # served in FP8: x rounded once for all
         return tuple(frozen_fp8_matmuls(x, linears))
     if len(kinds) != 1 or not kinds <= {nn.Linear, Float8Linear} or any(m.bias is None for m in linears):
         return tuple(m(x) for m in linears)
+    if stack is not None and kinds == {nn.Linear}:
+        return F.linear(x, *stack).chunk(len(linears), dim=-1)
     weight = torch.cat([m.weight for m in linears])
     bias = torch.cat([m.bias for m in linears])
     if kinds == {Float8Linear}:
@@ -166,6 +171,8 @@ class AttentionProjections(nn.Module):
 
 class WanSelfAttention(AttentionProjections):
 
+    stacked_projections = (("q", "k", "v"),)  # one matmul (`project_together`), one weight stack in inference
+
     def qkv(self, x: torch.Tensor, rope: Rope,
             rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Roped q, k and v as [B, L, H, D]; with `rows`, q of those token rows only."""
@@ -181,7 +188,7 @@ class WanSelfAttention(AttentionProjections):
         """q(x), k(x), v(x), q only of the token `rows` when given; as one matmul where they can
         (`project_together`). The weights keep WAN's names."""
         if rows is None:
-            return project_together(x, (self.q, self.k, self.v))
+            return project_together(x, (self.q, self.k, self.v), weight_stack(self, ("q", "k", "v")))
         return (self.q(x[:, rows[0]:rows[1]]), *project_together(x, (self.k, self.v)))
 
     def forward(self, x: torch.Tensor, rope: Rope, mask: AttnMask = None,
@@ -237,6 +244,7 @@ class WanT2VCrossAttention(AttentionProjections):
     """Text cross-attention. No RoPE and no key mask: T5 padding rows are zeros and are attended (WAN)."""
 
     context_projections = ("k", "v")  # the linears that read the context, not the tokens (fp8.Float8Linear)
+    stacked_projections = (("k", "v"),)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], -1, self.num_heads, self.head_dim)
@@ -248,9 +256,9 @@ class WanT2VCrossAttention(AttentionProjections):
         if isinstance(text, PaddedText) and draws_noise((self.k, self.v)):
             text = text.full()  # each padding row its own dropout draw, as on the whole context
         if isinstance(text, PaddedText):
-            k, v = project_together(text.distinct(), (self.k, self.v))
+            k, v = project_together(text.distinct(), (self.k, self.v), weight_stack(self, ("k", "v")))
             return self._heads(text.repeat_pad(self.norm_k(k))), self._heads(text.repeat_pad(v))
-        k, v = project_together(text, (self.k, self.v))
+        k, v = project_together(text, (self.k, self.v), weight_stack(self, ("k", "v")))
         return self._heads(self.norm_k(k)), self._heads(v)
 
     def forward(self, x: torch.Tensor, text: torch.Tensor | PaddedText, image: torch.Tensor | None = None,
@@ -266,6 +274,7 @@ class WanI2VCrossAttention(WanT2VCrossAttention):
     """Text + CLIP-image cross-attention: out = o(Attn(q, text) + Attn(q, image))."""
 
     context_projections = ("k", "v", "k_img", "v_img")
+    stacked_projections = (("k", "v"), ("k_img", "v_img"))
 
     def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6):
         super().__init__(dim, num_heads, qk_norm, eps)
@@ -276,7 +285,7 @@ class WanI2VCrossAttention(WanT2VCrossAttention):
     def context_kv(self, text: torch.Tensor | PaddedText, image: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         if image is None:
             raise ValueError("i2v cross-attention needs CLIP image tokens")
-        k_img, v_img = project_together(image, (self.k_img, self.v_img))
+        k_img, v_img = project_together(image, (self.k_img, self.v_img), weight_stack(self, ("k_img", "v_img")))
         return (*super().context_kv(text), self._heads(self.norm_k_img(k_img)), self._heads(v_img))
 
     def forward(self, x: torch.Tensor, text: torch.Tensor | PaddedText, image: torch.Tensor | None = None,
