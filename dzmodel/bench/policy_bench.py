@@ -266,7 +266,7 @@ def _measure(policy, setting: PolicySetting, device: str, batch: int, calls: int
         counted = {"model_gflops_per_call": round(flops / 1e9, 3),
                    "model_gflops_by_op": {op: round(n / 1e9, 3) for op, n in sorted(flops_by_op.items(),
                                                                                    key=lambda kv: -kv[1])},
-                   "model_tflops_per_s": round(flops_per_s / 1e12, 3),
+                   "model_tflops_per_s": float(f"{flops_per_s / 1e12:.4g}"),  # 4 digits: a CPU call makes ~1e-4
                    "mfu": round(flops_per_s / peak, 4) if peak else None}
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # the timings stand without the count
         counted = {"model_gflops_per_call": None, "flops_error": f"{type(exc).__name__}: {exc}"[:300]}

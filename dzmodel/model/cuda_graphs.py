@@ -15,10 +15,11 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 
-# Graphs kept before the least recently used one is dropped. A LIBERO evaluation of the small preset meets 20 shapes
-# (solver and prefill, two cache lengths each, batches of 1-16 padded to powers of two): a cap below that recaptures
-# in a cycle (380 captures for 1,930 calls at 16). Each kept graph holds copies of its inputs (the KV cache it reads).
-MAX_GRAPHS = 32
+# Graphs kept before the least recently used one is dropped. A LIBERO evaluation of the small preset meets 30 shapes
+# (solver and prefill, two cache lengths each, and the image encoder and the VAE's start, batches of 1-16 padded to
+# powers of two), more when a longer prompt raises the text rows kept: a cap below that recaptures in a cycle (380
+# captures for 1,930 calls at 16 with 20 shapes). Each kept graph holds copies of its inputs (the KV cache it reads).
+MAX_GRAPHS = 48
 
 
 class GraphCache:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from .weight_stacks import restack
 
 # A block's linears by their name inside it (WanAttentionBlock): the attention projections and the FFN.
 LORA_TARGETS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.k",
@@ -105,6 +106,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, base_dtype: torch.dtype | None
             trainable.append(name)
         elif base_dtype is not None and p.is_floating_point():
             p.data = p.data.to(base_dtype)
+    restack(model)  # an inference weight stack of adapted layers is dropped (weight_stacks.py)
     return trainable
 
 
@@ -124,6 +126,7 @@ def merge_lora(model: nn.Module) -> int:
                 plain.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
         setattr(parent, leaf, plain)
         merged += 1
+    restack(model)  # an inference weight stack is made again from the merged Linears (weight_stacks.py)
     return merged
 
 

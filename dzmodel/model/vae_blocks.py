@@ -34,7 +34,7 @@ class StreamState:
         return bool(self._memory)
 
     def flatten(self) -> tuple[list, list[torch.Tensor]]:
-        """(layout, tensors): the state as tensors (a CUDA graph's outputs) and what rebuilds it (`unflatten`)."""
+        """(layout, tensors): the state as tensors (a CUDA graph's outputs) and what rebuilds it (`restore`)."""
         layout = [(layer, None if isinstance(v, torch.Tensor) else v) for layer, v in self._memory.items()]
         return layout, [v for v in self._memory.values() if isinstance(v, torch.Tensor)]
 

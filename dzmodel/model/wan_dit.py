@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .args import WanDiTArgs
 from .attention import AttnMask, attention
 from .fp8 import Float8InferenceLinear, Float8Linear, float8_linear, frozen_fp8_matmuls
-from .weight_stacks import weight_stack
+from .weight_stacks import restack, weight_stack
 
 # --- small pieces --------------------------------------------------------------
 
@@ -167,6 +167,17 @@ class AttentionProjections(nn.Module):
         self.o = nn.Linear(dim, dim)
         self.norm_q = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
         self.norm_k = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+
+        self.register_load_state_dict_post_hook(_restack_after_load)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        restack(self)  # the inference weight stacks stay the Linears' storage (weight_stacks.py)
+        return out
+
+
+def _restack_after_load(module: nn.Module, incompatible_keys) -> None:
+    restack(module)
 
 
 class WanSelfAttention(AttentionProjections):

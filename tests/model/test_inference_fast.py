@@ -154,6 +154,34 @@ def test_first_frame_condition_is_encoded_only_as_far_as_needed(tmp_path):
     assert (session.cond.y[:, :4, 0] == 1).all() and (session.cond.y[:, :4, 1:] == 0).all()
 
 
+def test_the_14b_style_graph_path_equals_the_direct_one(tmp_path):
+    """A 14B-style model encodes frame 0 and y's window through the graphs at each reset (two VAE starts, their stream
+    states among the outputs); batched sessions, a growing y and later resets give the direct path's chunks."""
+    from dzmodel.model.args import preset
+    from dzmodel.model.components import build_encoders, build_policy
+    from dzmodel.model.inference import NormStats
+    from dzmodel.model.tokenizer import build_tiny_tokenizer, load_tokenizer
+    from dzmodel.model.wam import DreamZeroWAM
+
+    tokenizer = load_tokenizer(build_tiny_tokenizer(tmp_path))
+
+    def policy():
+        torch.manual_seed(0)
+        model = DreamZeroWAM(preset("tiny", in_dim=8 + 4 + 8, concat_first_frame_latent=True))
+        return build_policy(model, build_encoders("tiny"), tokenizer, NormStats(q01=-np.ones(7), q99=np.ones(7)),
+                            NormStats(q01=-np.ones(8), q99=np.ones(8)), solver=SolverConfig(num_steps=2, cfg_scale=5.0))
+
+    graphed, direct = policy(), policy()
+    graphed.graphs = GraphCache(enabled=True, capture=False)
+    calls = [[_obs(0, session="a"), _obs(1, session="b", prompt="pick up the bowl and place it on the plate")],
+             [_obs(2, frames=8, session="a"), _obs(3, frames=4, session="b")],
+             [_obs(4, session="a")]]
+    for obs in calls:
+        for g, d in zip(graphed.predict_batch([dict(o) for o in obs]), direct.predict_batch([dict(o) for o in obs])):
+            np.testing.assert_allclose(g, d, rtol=1e-5, atol=1e-6)
+    assert sum(key[0] == "vae start" for key, _ in graphed.graphs._graphs) == 4  # frame 0 and y, batches 2 and 1
+
+
 def test_cross_attention_kv_computed_once_equals_per_step():
     """The solver computes every layer's text/image K/V once per chunk; a step given them equals one that
     computes them itself."""

@@ -37,7 +37,7 @@ def _stacked_copy(model):
     return stacked, groups
 
 
-def test_stacked_weights_give_the_same_forward_without_concatenating():
+def test_stacked_weights_give_the_same_forward():
     model = tiny_model().eval()
     batch = tiny_batch(model.args)
     stacked, groups = _stacked_copy(model)
@@ -84,13 +84,47 @@ def test_training_through_a_stacked_model_is_unchanged():
             torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
 
 
-def test_a_stacked_model_moved_to_another_dtype_keeps_its_values():
+def _are_views(model) -> bool:
+    attn = model.blocks[0].self_attn
+    stack = attn.q_k_v_weight_stack
+    row = attn.q.out_features * stack.stride(0) * stack.element_size()
+    return attn.q.weight.data_ptr() == stack.data_ptr() and attn.k.weight.data_ptr() == stack.data_ptr() + row
+
+
+def test_a_stacked_model_moved_to_another_dtype_keeps_its_views_and_values():
     model = tiny_model().eval()
     batch = tiny_batch(model.args)
     stacked, _ = _stacked_copy(model)
     stacked.to(torch.float64)
     model.to(torch.float64)
+    assert _are_views(stacked) and stacked.blocks[0].self_attn.q_k_v_weight_stack.dtype == torch.float64
     batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+    with torch.no_grad():
+        assert torch.equal(_forward(stacked, batch), _forward(model, batch))
+
+
+def test_weights_loaded_or_merged_later_are_what_a_stacked_model_reads():
+    """A state dict loaded with assign=True gives the Linears new tensors, and merging LoRA adapters gives new
+    Linears: the stacks follow them (a stale stack would give the old weights' forward)."""
+    from dzmodel.model.lora import LoRAConfig, apply_lora, merge_lora
+
+    model, other = tiny_model(seed=0).eval(), tiny_model(seed=1).eval()
+    batch = tiny_batch(model.args)
+    stacked, _ = _stacked_copy(model)
+    stacked.load_state_dict(copy.deepcopy(other.state_dict()), assign=True)
+    assert _are_views(stacked)
+    with torch.no_grad():
+        assert torch.equal(_forward(stacked, batch), _forward(other, batch))
+    stacked.load_state_dict(model.state_dict())  # copied into the views: the stacks hold the new values too
+    with torch.no_grad():
+        assert torch.equal(_forward(stacked, batch), _forward(model, batch))
+    for m in (model, stacked):
+        torch.manual_seed(2)
+        apply_lora(m, LoRAConfig(rank=4, alpha=4.0))
+        for name, p in m.named_parameters():
+            if ".lora_b" in name:
+                p.data.normal_()  # adapters that change the weights when merged
+        merge_lora(m)
     with torch.no_grad():
         assert torch.equal(_forward(stacked, batch), _forward(model, batch))
 
