@@ -36,6 +36,7 @@ from .weight_stacks import share_weight_stacks
 # --- timing ----------------------------------------------------------------------------
 
 STAGES = ("encoders", "vae", "prefill", "solver", "decode")
+COMPILED_SHAPES = 64  # compiled variants of the DiT block kept (`DreamZeroPolicy.set_compile`)
 
 
 class StageTimer:
@@ -145,6 +146,9 @@ class DreamZeroPolicy:
 
     def set_compile(self, on: bool) -> None:
         self.compile = on
+        if on:  # a compiled block per shape the graphs meet (prefill and solver, batch sizes, cache lengths, text
+            # rows): dynamo's default of 8 is met by a server batching 1-8 sessions, and past it the block runs eager
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_SHAPES)
         self.model.block_runner = torch.compile(WanAttentionBlock.forward_with_kv, dynamic=False) if on else None
 
     @property
