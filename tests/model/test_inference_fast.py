@@ -338,13 +338,13 @@ def test_conditionings_of_different_text_rows_stack_to_their_whole_contexts():
     torch.testing.assert_close(stacked.text, torch.cat([block_text(model, short).full(), longer]))
 
 
-def test_a_compiled_policy_keeps_a_compiled_block_for_every_shape_it_meets(tmp_path, monkeypatch):
+def test_a_compiled_policy_keeps_a_compiled_block_for_every_shape_it_meets(tmp_path):
     """Batches of 1-8 sessions (prefill and solver, each batch size with CFG) are more shapes than dynamo's default
     recompile limit of 8, past which the block would run eagerly inside the graphs."""
     from dzmodel.model.inference import COMPILED_SHAPES
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     policy = build_tiny_policy(tmp_path)
-    policy.set_compile(True)
-    assert torch._dynamo.config.recompile_limit == COMPILED_SHAPES >= 2 * 4 * 2  # (prefill, solver) x batches x rows
+    with torch._dynamo.config.patch(recompile_limit=8):  # dynamo's default; the process's value comes back after
+        policy.set_compile(True)
+        assert torch._dynamo.config.recompile_limit == COMPILED_SHAPES >= 2 * 4 * 2  # (prefill, solver) x batches x rows
     policy.set_compile(False)
