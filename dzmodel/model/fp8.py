@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from .fp8_transpose import ALIGN, transpose_padded
-from .weight_stacks import drop_weight_stacks
+from .weight_stacks import restack
 
 E4M3, E5M2 = getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first NVIDIA GPUs with FP8 tensor cores
@@ -275,5 +275,5 @@ def freeze_blocks_to_fp8(model: nn.Module) -> int:
     found = _block_linears(model, also=(Float8Linear,))
     for parent, name, linear in found:
         setattr(parent, name, Float8InferenceLinear(linear))
-    drop_weight_stacks(model)  # they would keep the dropped weights' memory
+    restack(model)  # drops the weight stacks of the replaced Linears (they would keep the old weights' memory)
     return len(found)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 from .weight_stacks import restack
 
 # A block's linears by their name inside it (WanAttentionBlock): the attention projections and the FFN.

@@ -6,7 +6,7 @@ chunk's GPU time). Values, parameters and state_dict keys stay; no memory is add
 
 The policy makes the stacks (`share_weight_stacks`) when it is built. Whatever later gives the Linears other
 tensors is followed by `restack`: the attention modules call it after `.to()` and after loading a state dict, and
-LoRA's `apply_lora` / `merge_lora` on the model they change. Training never reads a stack: with autograd on, the
+LoRA's `apply_lora` / `merge_lora` and FP8's freezing on the model they change. Training never reads a stack: with autograd on, the
 Linears' own weights are used."""
 
 from __future__ import annotations
@@ -63,29 +63,24 @@ def _stack(module: nn.Module, names: tuple[str, ...], create: bool) -> bool:
     return True
 
 
+def _stack_all(model: nn.Module, create: bool) -> int:
+    return sum(_stack(module, names, create) for module in model.modules()
+               for names in getattr(type(module), "stacked_projections", ()))
+
+
 def share_weight_stacks(model: nn.Module) -> int:
     """Stack each group of every module's `stacked_projections` (plain Linears with biases); returns how many groups
     were stacked (0 when called again)."""
-    return sum(_stack(module, names, create=True) for module in model.modules()
-               for names in getattr(type(module), "stacked_projections", ()))
+    return _stack_all(model, create=True)
 
 
 def restack(model: nn.Module) -> None:
     """Keep the existing stacks in `model` (its modules) its Linears' storage after something gave them other tensors:
     `.to()` (which converts the stacks and the weights apart: the same values), a state dict loaded with
-    assign=True, adapters added or merged. The attention modules call it after `_apply` and after loading a state
-    dict; LoRA's `apply_lora` and `merge_lora` after changing the model."""
-    for module in model.modules():
-        for names in getattr(type(module), "stacked_projections", ()):
-            _stack(module, names, create=False)
-
-
-def drop_weight_stacks(model: nn.Module) -> None:
-    """Remove the stacks (where the Linears are replaced, as by FP8 inference: the stacks would keep the old weights'
-    memory)."""
-    for module in model.modules():
-        for name in [n for n in module._buffers if n.endswith(SUFFIX)]:
-            del module._buffers[name]
+    assign=True, adapters added or merged, Linears replaced by FP8 ones (their stacks are dropped: they would keep
+    the old weights' memory). The attention modules call it after `_apply` and after loading a state dict; LoRA's
+    `apply_lora` and `merge_lora` and `fp8.freeze_blocks_to_fp8` after changing the model."""
+    _stack_all(model, create=False)
 
 
 def weight_stack(module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:

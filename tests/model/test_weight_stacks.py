@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dzmodel.model.components import build_tiny_policy
 from dzmodel.model.fp8 import freeze_blocks_to_fp8
 from dzmodel.model.sampler import SolverConfig
-from dzmodel.model.weight_stacks import SUFFIX, drop_weight_stacks, share_weight_stacks
+from dzmodel.model.weight_stacks import SUFFIX, share_weight_stacks
 
 from .helpers import tiny_batch, tiny_model
 
@@ -58,7 +58,9 @@ def test_a_chunk_reads_the_stacks_instead_of_concatenating_weights(tmp_path):
     context's two K/V pairs, the chunk's K/V pairs once, and q/k/v at each denoiser forward."""
     solver = SolverConfig(num_steps=4, cfg_scale=2.0)
     stacked, plain = (build_tiny_policy(tmp_path, solver=solver) for _ in range(2))
-    drop_weight_stacks(plain.model)
+    for module in plain.model.modules():  # back to concatenating the weights at every forward
+        for name in [n for n in module._buffers if n.endswith(SUFFIX)]:
+            del module._buffers[name]
     obs = {"images": np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8), "state": np.zeros(8),
            "prompt": "open the drawer", "session_id": "s"}
     counts = []
