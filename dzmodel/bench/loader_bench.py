@@ -120,7 +120,8 @@ def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, wor
     """samples/s of the trainer's DataLoader with `workers` workers (the first 2 batches, the workers' start, not
     timed), and the main process's CPU time per sample. video_decode "nvdec": the workers name the frames and the
     main process decodes and augments them on `device` (`train.video_decode: nvdec`; waited for before the clock
-    stops), on `decode_threads` threads (`train.nvdec_threads`)."""
+    stops), on `decode_threads` threads (`train.nvdec_threads`); its row counts the decoders opened and those of
+    them whose NV12 frames were converted here (`nvdec.nv12_to_rgb`)."""
     from ..data.video import worker_init_fn
 
     ds, sampler, collate = trainer_dataset(dataset, micro_batch, workdir, embodiment)
@@ -150,8 +151,9 @@ def loader_rate(dataset: Path, workers: int, batches: int, micro_batch: int, wor
         if video is not None:
             video.decoder.close()
     n = batches * micro_batch
-    return {"workers": workers, "video_decode": video_decode,
-            **({"decode_threads": decode_threads} if video_decode == "nvdec" else {}),
+    nvdec = {} if video is None else {"decode_threads": decode_threads, "decoders": video.decoder.opened,
+                                      "nv12_decoders": video.decoder.native_files}
+    return {"workers": workers, "video_decode": video_decode, **nvdec,
             "samples": n, "samples_per_s": round(n / wall, 2),
             "main_cpu_ms_per_sample": round(1e3 * cpu / n, 1), "images": list(batch["images"].shape)}
 

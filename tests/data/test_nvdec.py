@@ -25,31 +25,67 @@ setup = test_device_dataset.setup  # the recording and robots of the device-resi
 
 
 class _FakeSimpleDecoder:
+    """NVDEC's decoder as the project's tests need it: RGB frames as PyAV's rgb24, NATIVE frames as NV12 built from
+    PyAV's yuv420p planes (`native_layout = "yuv444"`: planar 4:4:4 instead, a layout the library may give)."""
     opened: list = []
+    native_layout = "nv12"
 
-    def __init__(self, path, gpu_id=0, use_device_memory=True, output_color_type=None, **_):
+    def __init__(self, path, gpu_id=0, use_device_memory=True, output_color_type=None, cuda_stream=0, **_):
         import av
 
-        assert use_device_memory and output_color_type == "RGB"
-        self.path = path
+        assert use_device_memory and output_color_type in ("RGB", "NATIVE") and cuda_stream == 0  # no stream on a CPU
+        self.path, self.output = path, output_color_type
         with av.open(str(path)) as c:  # every frame, in order
-            self.frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
-        _FakeSimpleDecoder.opened.append(path)
+            decoded = list(c.decode(c.streams.video[0]))
+            self.frames = np.stack([f.to_ndarray(format="rgb24") for f in decoded])
+            self.native = np.stack([self._native(f.to_ndarray(format="yuv420p")) for f in decoded])
+        _FakeSimpleDecoder.opened.append((path, output_color_type))
+
+    def _native(self, planes):
+        h, w = planes.shape[0] * 2 // 3, planes.shape[1]
+        y, rest = planes[:h], planes[h:].reshape(2, h // 2, w // 2)
+        if self.native_layout == "yuv444":
+            return np.concatenate([y] + [p.repeat(2, 0).repeat(2, 1) for p in rest])
+        return np.concatenate([y, np.stack(list(rest), -1).reshape(h // 2, w)])
 
     def __len__(self):
         return len(self.frames)
 
+    def get_stream_metadata(self):
+        return types.SimpleNamespace(height=self.frames.shape[1], width=self.frames.shape[2])
+
     def get_batch_frames_by_index(self, indices):
         assert list(indices) == sorted(set(indices)), "the library asks sorted unique indices"
-        return [torch.from_numpy(self.frames[i].copy()) for i in indices]  # tensors export DLPack
+        frames = self.frames if self.output == "RGB" else self.native
+        return [torch.from_numpy(frames[i].copy()) for i in indices]  # tensors export DLPack
+
+
+class _FakeDemuxer:
+    colour = ("UNSPEC", "UDEF")  # (space, range), the library's names for untagged, as LeRobot's encoders leave it
+
+    def __init__(self, filename):
+        self.filename = filename
+
+    def ColorSpace(self):  # noqa: N802 (the library's names)
+        return types.SimpleNamespace(name=self.colour[0])
+
+    def ColorRange(self):  # noqa: N802
+        return types.SimpleNamespace(name=self.colour[1])
 
 
 @pytest.fixture
 def fake_nvc(monkeypatch):
-    module = types.SimpleNamespace(SimpleDecoder=_FakeSimpleDecoder, OutputColorType=types.SimpleNamespace(RGB="RGB"))
+    module = types.SimpleNamespace(SimpleDecoder=_FakeSimpleDecoder, CreateDemuxer=_FakeDemuxer,
+                                   OutputColorType=types.SimpleNamespace(RGB="RGB", NATIVE="NATIVE"))
     monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module)
+    monkeypatch.setattr(_FakeDemuxer, "colour", ("UNSPEC", "UDEF"))
+    monkeypatch.setattr(_FakeSimpleDecoder, "native_layout", "nv12")
     _FakeSimpleDecoder.opened = []
     return module
+
+
+def _paths(opened):
+    return [path for path, _ in opened]
 
 
 def _loaders(setup, tag, train):
@@ -65,7 +101,12 @@ def _loaders(setup, tag, train):
 
 
 @pytest.mark.parametrize("tag", ["plain", "relative"])
-def test_without_augmentation_the_decoded_batch_is_the_cpu_loaders(setup, fake_nvc, tag):
+@pytest.mark.parametrize("colour", [("BT_709", "MPEG"), ("UNSPEC", "UDEF"), ("BT_601", "JPEG")])
+def test_without_augmentation_the_decoded_batch_is_the_cpu_loaders(setup, fake_nvc, tag, colour, monkeypatch):
+    """BT.709 or full-range video keeps the library's RGB: the batch equals the CPU loader's. Untagged video comes
+    out as NV12 and is converted here: the images within 2 levels of the CPU decoder's (FFmpeg's fixed-point
+    rounding), the rest equal."""
+    monkeypatch.setattr(_FakeDemuxer, "colour", colour)
     host, named, collate, video = _loaders(setup, tag, train=False)
     stream = SampleStream([len(host)], seed=3)
     for start in (0, len(host) - 2):
@@ -76,11 +117,80 @@ def test_without_augmentation_the_decoded_batch_is_the_cpu_loaders(setup, fake_n
         gpu = video.fill(refs)
         assert set(gpu) == set(cpu)
         for key in cpu:
-            assert gpu[key].dtype == cpu[key].dtype and torch.equal(gpu[key], cpu[key]), key
+            assert gpu[key].dtype == cpu[key].dtype and gpu[key].shape == cpu[key].shape, key
+            if key == "images" and colour == ("UNSPEC", "UDEF"):
+                assert (gpu[key].int() - cpu[key].int()).abs().max() <= 2
+            else:
+                assert torch.equal(gpu[key], cpu[key]), key
+    outputs = {output for _, output in _FakeSimpleDecoder.opened}
+    native = colour == ("UNSPEC", "UDEF")  # BT.709 or full range: the library's RGB
+    assert outputs == ({"NATIVE"} if native else {"RGB"})
+    assert video.decoder.native_files == (video.decoder.opened if native else 0)
 
 
-def test_a_file_is_opened_once_and_frames_come_back_in_the_order_asked(setup, fake_nvc):
+def test_nv12_frames_convert_as_the_cpu_decoder_does(tmp_path):
+    """`nv12_to_rgb` on the NV12 planes of real H.264 frames against PyAV's own RGB (FFmpeg's converter): within
+    2 levels everywhere and under 1 on average (FFmpeg rounds in fixed point); chroma read in the wrong order is
+    far outside that."""
+    import av
+
+    from dzmodel.data.lerobot_writer import encode_mp4
+    from dzmodel.data.nvdec import nv12_to_rgb
+
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, (8, 24, 40, 3), dtype=np.uint8).repeat(2, 1).repeat(2, 2)  # colour in 2x2 blocks
+    encode_mp4(tmp_path / "v.mp4", base, fps=10, codec="libx264", crf=18)
+    fake = _FakeSimpleDecoder.__new__(_FakeSimpleDecoder)
+    fake.native_layout = "nv12"
+    with av.open(str(tmp_path / "v.mp4")) as c:
+        decoded = list(c.decode(c.streams.video[0]))
+        rgb = torch.from_numpy(np.stack([f.to_ndarray(format="rgb24") for f in decoded])).int()
+        nv12 = torch.from_numpy(np.stack([fake._native(f.to_ndarray(format="yuv420p")) for f in decoded]))
+    assert nv12.shape == (8, 72, 80)
+    ours = nv12_to_rgb(nv12)
+    assert ours.shape == (8, 48, 80, 3) and ours.dtype == torch.uint8
+    diff = (ours.int() - rgb).abs()
+    assert diff.max() <= 2 and diff.float().mean() < 1.0
+    assert torch.equal(nv12_to_rgb(nv12[..., None]), ours)  # the library's trailing dimension of 1
+    swapped = nv12.clone()  # V before U: the conversion must read NV12's order
+    swapped[:, 48:] = nv12[:, 48:].reshape(8, 24, 40, 2).flip(-1).reshape(8, 24, 80)
+    assert (nv12_to_rgb(swapped).int() - rgb).abs().float().mean() > 5
+
+
+def test_a_native_layout_other_than_nv12_falls_back_to_the_librarys_rgb(setup, fake_nvc, monkeypatch):
+    monkeypatch.setattr(_FakeSimpleDecoder, "native_layout", "yuv444")
+    host, named, collate, video = _loaders(setup, "plain", train=False)
+    items = [SampleStream([len(host)], seed=3).peek(i) for i in range(2)]
+    cpu = collate([MixtureDataset([host])[item] for item in items])
+    gpu = video.fill(collate([MixtureDataset([named])[item] for item in items]))
+    assert torch.equal(gpu["images"], cpu["images"])
+    files = set(_paths(_FakeSimpleDecoder.opened))
+    assert len(files) == 2 and set(_FakeSimpleDecoder.opened) == {(p, o) for p in files for o in ("NATIVE", "RGB")}
+    assert video.decoder.native_files == 0 and video.decoder.opened == len(_FakeSimpleDecoder.opened)
+
+
+def test_a_file_found_not_nv12_opens_with_rgb_next_time(tmp_path, fake_nvc, monkeypatch):
+    from dzmodel.data.lerobot_writer import encode_mp4
     from dzmodel.data.nvdec import NvdecDecoder
+
+    monkeypatch.setattr(_FakeSimpleDecoder, "native_layout", "yuv444")
+    paths = []
+    for k in range(3):
+        encode_mp4(tmp_path / f"v{k}.mp4", np.full((4, 16, 16, 3), 40 * (k + 1), dtype=np.uint8), fps=10,
+                   codec="libx264", crf=0)
+        paths.append(str(tmp_path / f"v{k}.mp4"))
+    decoder = NvdecDecoder("cpu", cache_size=2, threads=1)
+    first = decoder.read(paths[0], [1])
+    for path in paths[1:]:  # v0's decoder is evicted
+        decoder.read(path, [0])
+    assert torch.equal(decoder.read(paths[0], [1]), first)
+    assert [o for p, o in _FakeSimpleDecoder.opened if p == paths[0]] == ["NATIVE", "RGB", "RGB"]
+
+
+def test_a_file_is_opened_once_and_frames_come_back_in_the_order_asked(setup, fake_nvc, monkeypatch):
+    from dzmodel.data.nvdec import NvdecDecoder
+
+    monkeypatch.setattr(_FakeDemuxer, "colour", ("BT_709", "MPEG"))  # the library's RGB: equal to the CPU decoder's
 
     ds = _windows(setup, "plain", train=False)
     path, first = ds.reader.video_frames(1, "observation.images.image", [5, 2, 5, 0])
@@ -89,7 +199,7 @@ def test_a_file_is_opened_once_and_frames_come_back_in_the_order_asked(setup, fa
     want = ds.reader.read_frames(1, "observation.images.image", [5, 2, 5, 0])
     assert frames.shape == want.shape and torch.equal(frames, torch.from_numpy(want))
     dec.read(path, first[:2])
-    assert dec.opened == 1 and _FakeSimpleDecoder.opened == [path]
+    assert dec.opened == 1 and _paths(_FakeSimpleDecoder.opened) == [path]
     with pytest.raises(DataError, match="out of range"):
         dec.read(path, [10_000])
 
@@ -150,6 +260,7 @@ def test_the_loader_bench_measures_the_nvdec_path(tmp_path, fake_nvc):
     assert [r["decode_threads"] for r in rows] == [1, 3]
     for row in rows:
         assert row["video_decode"] == "nvdec" and row["images"] == [1, 33, 352, 640, 3] and row["samples_per_s"] > 0
+        assert row["decoders"] == row["nv12_decoders"] == 3  # untagged video: NV12, converted here
     assert len(_FakeSimpleDecoder.opened) == 2 * 3  # one file per camera, in each row
 
 
