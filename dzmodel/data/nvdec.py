@@ -93,7 +93,7 @@ class NvdecDecoder:
         self._lock = threading.Lock()
         self.opened = 0   # decoders created
         self.native_files = 0  # of them, decoders whose NV12 frames are turned into RGB here (`nv12_to_rgb`)
-        self._not_nv12: set[str] = set()  # files whose native frames turned out not to be NV12
+        self._native: dict[str, bool] = {}  # per file: NV12 out (its colour allows it, and its frames are NV12)
 
     @property
     def _decoders(self) -> OrderedDict:
@@ -139,7 +139,9 @@ class NvdecDecoder:
         """(decoder, native) for `path` on a lane: native decoders give NV12 frames, the others RGB."""
         entry = decoders.get(path)
         if entry is None:
-            native = path not in self._not_nv12 and self._native_colour(path)
+            native = self._native.get(path)
+            if native is None:  # asked once a file: a decoder opened again after eviction does not ask again
+                native = self._native[path] = self._native_colour(path)
             entry = (self._open(path, stream, native), native)
             decoders[path] = entry
             with self._lock:
@@ -189,7 +191,7 @@ class NvdecDecoder:
                     with self._lock:
                         self.opened += 1
                         self.native_files -= 1
-                        self._not_nv12.add(path)
+                        self._native[path] = False
                     return self._read_on_lane(path, indices, decoders, lane_stream, caller_stream)
                 out = nv12_to_rgb(out)
             if out.dim() != 4 or out.shape[-1] != 3 or out.dtype != torch.uint8:

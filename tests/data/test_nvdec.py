@@ -62,9 +62,11 @@ class _FakeSimpleDecoder:
 
 class _FakeDemuxer:
     colour = ("UNSPEC", "UDEF")  # (space, range), the library's names for untagged, as LeRobot's encoders leave it
+    opened: list = []
 
     def __init__(self, filename):
         self.filename = filename
+        _FakeDemuxer.opened.append(filename)
 
     def ColorSpace(self):  # noqa: N802 (the library's names)
         return types.SimpleNamespace(name=self.colour[0])
@@ -81,6 +83,7 @@ def fake_nvc(monkeypatch):
     monkeypatch.setattr(_FakeDemuxer, "colour", ("UNSPEC", "UDEF"))
     monkeypatch.setattr(_FakeSimpleDecoder, "native_layout", "nv12")
     _FakeSimpleDecoder.opened = []
+    _FakeDemuxer.opened = []
     return module
 
 
@@ -307,6 +310,7 @@ def test_the_decoder_keeps_the_most_recently_used_files_open_and_names_a_file_it
     assert decoder.opened == 3 and list(decoder._decoders) == [paths[0], paths[2]]
     decoder.read(paths[1], [3, 1])  # evicted, so opened again; v0 goes
     assert decoder.opened == 4 and list(decoder._decoders) == [paths[2], paths[1]]
+    assert _FakeDemuxer.opened == paths  # each file's colour read once, not again when its decoder is reopened
     with pytest.raises(DataError, match=r"missing\.mp4: NVDEC cannot open this video .*video_decode: cpu"):
         decoder.read(str(tmp_path / "missing.mp4"), [0])
     with pytest.raises(DataError, match="frame index out of range"):
