@@ -16,11 +16,13 @@ At the 5B DROID shape a sample is 3 cameras x 33 frames; a CPU worker that decod
   1.4-1.5x faster at the 5B DROID shape, and `dz train` from video 1.28x (docs/performance.md).
 * `VideoImages.fill(batch)` replaces a batch's `frame_refs` with `images`, augmented as the device-resident path
   augments (`augment.draw` from the run's seed and each sample's stream position, `augment.augment_view`, then
-  `transforms.compose_layout`): with augmentation off the images equal the CPU loader's.
+  `transforms.compose_layout`): with augmentation off the images equal the CPU loader's where the library converts
+  to RGB, and are within 2 levels of them through NV12.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Sequence
 
@@ -39,6 +41,15 @@ _LUMA = 255 / 219
 _CHROMA = torch.tensor([[0.0, 1.596027], [-0.391762, -0.812968], [2.017232, 0.0]])
 
 
+@functools.lru_cache(maxsize=None)
+def _chroma_on(device: torch.device) -> torch.Tensor:
+    """`_CHROMA` on `device`, copied once (not at every read); waited for, as other threads' streams read it."""
+    chroma = _CHROMA.to(device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return chroma
+
+
 def nv12_to_rgb(frames: torch.Tensor) -> torch.Tensor:
     """8-bit NV12 frames uint8 [N, 3H/2, W] (a trailing dimension of 1 allowed) -> RGB uint8 [N, H, W, 3]: BT.601
     limited range, each chroma sample over its 2x2 pixels, truncated as FFmpeg's converter does (within 2 levels
@@ -49,7 +60,7 @@ def nv12_to_rgb(frames: torch.Tensor) -> torch.Tensor:
     luma = x[:, :h].float().sub_(16.0).mul_(_LUMA).unsqueeze(-1)
     chroma = x[:, h:].reshape(n, h // 2, w // 2, 2).float().sub_(128.0)
     chroma = chroma.repeat_interleave(2, 1).repeat_interleave(2, 2)
-    rgb = torch.matmul(chroma, _CHROMA.to(chroma.device).T).add_(luma)
+    rgb = torch.matmul(chroma, _chroma_on(chroma.device).T).add_(luma)
     return rgb.floor_().clamp_(0, 255).to(torch.uint8)
 
 
@@ -159,7 +170,8 @@ class NvdecDecoder:
 
     def read_many(self, requests: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
         """`read` of each (path, indices), the lanes running side by side; the results in request order. On
-        CUDA the copies run on the caller's current stream."""
+        CUDA each lane works on its own stream and has finished when its result comes back; the results are marked
+        as used on the caller's current stream."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         futures = []
         for (path, indices), lane in zip(requests, self._assign(requests)):

@@ -6,8 +6,8 @@ chunk's GPU time). Values, parameters and state_dict keys stay; no memory is add
 
 The policy makes the stacks (`share_weight_stacks`) when it is built. Whatever later gives the Linears other
 tensors is followed by `restack`: the attention modules call it after `.to()` and after loading a state dict, and
-LoRA's `apply_lora` / `merge_lora` and FP8's freezing on the model they change. Training never reads a stack: with autograd on, the
-Linears' own weights are used."""
+LoRA's `apply_lora` / `merge_lora` and FP8's freezing on the model they change. Training never reads a stack:
+with autograd on, the Linears' own weights are used."""
 
 from __future__ import annotations
 

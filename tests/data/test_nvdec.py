@@ -24,6 +24,16 @@ from .test_device_dataset import MAX_ACTION, MAX_STATE, TEXT_LEN, _windows
 setup = test_device_dataset.setup  # the recording and robots of the device-resident path's tests (a fixture)
 
 
+def _native_planes(planes: np.ndarray, layout: str) -> np.ndarray:
+    """PyAV's yuv420p planes [3H/2, W] as NVDEC's native output: NV12 (Y, then U and V interleaved) or, for
+    "yuv444", planar 4:4:4."""
+    h, w = planes.shape[0] * 2 // 3, planes.shape[1]
+    y, rest = planes[:h], planes[h:].reshape(2, h // 2, w // 2)
+    if layout == "yuv444":
+        return np.concatenate([y] + [p.repeat(2, 0).repeat(2, 1) for p in rest])
+    return np.concatenate([y, np.stack(list(rest), -1).reshape(h // 2, w)])
+
+
 class _FakeSimpleDecoder:
     """NVDEC's decoder as the project's tests need it: RGB frames as PyAV's rgb24, NATIVE frames as NV12 built from
     PyAV's yuv420p planes (`native_layout = "yuv444"`: planar 4:4:4 instead, a layout the library may give)."""
@@ -38,15 +48,9 @@ class _FakeSimpleDecoder:
         with av.open(str(path)) as c:  # every frame, in order
             decoded = list(c.decode(c.streams.video[0]))
             self.frames = np.stack([f.to_ndarray(format="rgb24") for f in decoded])
-            self.native = np.stack([self._native(f.to_ndarray(format="yuv420p")) for f in decoded])
+            self.native = np.stack([_native_planes(f.to_ndarray(format="yuv420p"), self.native_layout)
+                                    for f in decoded])
         _FakeSimpleDecoder.opened.append((path, output_color_type))
-
-    def _native(self, planes):
-        h, w = planes.shape[0] * 2 // 3, planes.shape[1]
-        y, rest = planes[:h], planes[h:].reshape(2, h // 2, w // 2)
-        if self.native_layout == "yuv444":
-            return np.concatenate([y] + [p.repeat(2, 0).repeat(2, 1) for p in rest])
-        return np.concatenate([y, np.stack(list(rest), -1).reshape(h // 2, w)])
 
     def __len__(self):
         return len(self.frames)
@@ -143,12 +147,10 @@ def test_nv12_frames_convert_as_the_cpu_decoder_does(tmp_path):
     rng = np.random.default_rng(0)
     base = rng.integers(0, 256, (8, 24, 40, 3), dtype=np.uint8).repeat(2, 1).repeat(2, 2)  # colour in 2x2 blocks
     encode_mp4(tmp_path / "v.mp4", base, fps=10, codec="libx264", crf=18)
-    fake = _FakeSimpleDecoder.__new__(_FakeSimpleDecoder)
-    fake.native_layout = "nv12"
     with av.open(str(tmp_path / "v.mp4")) as c:
         decoded = list(c.decode(c.streams.video[0]))
         rgb = torch.from_numpy(np.stack([f.to_ndarray(format="rgb24") for f in decoded])).int()
-        nv12 = torch.from_numpy(np.stack([fake._native(f.to_ndarray(format="yuv420p")) for f in decoded]))
+        nv12 = torch.from_numpy(np.stack([_native_planes(f.to_ndarray(format="yuv420p"), "nv12") for f in decoded]))
     assert nv12.shape == (8, 72, 80)
     ours = nv12_to_rgb(nv12)
     assert ours.shape == (8, 48, 80, 3) and ours.dtype == torch.uint8
