@@ -32,16 +32,43 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def shared_dir() -> Path:
-    return Path(os.environ.get("DZ_SHARED_DIR", REPO_ROOT.parent / "shared"))
+FIXTURES_DIR = REPO_ROOT / "tests" / "fixtures"  # the reference fixtures the parity tests read (tests/fixtures/README.md)
+
+
+def extra_fixture_files() -> list[Path]:
+    """Reference fixtures of the same format from `$DZ_SHARED_DIR/fixtures`, when that variable is set: never needed,
+    but each one found is reproduced too (other dims, other seeds). A set variable naming no such folder fails the
+    tests that read it instead of being ignored."""
+    root = os.environ.get("DZ_SHARED_DIR")
+    if not root:
+        return []
+    path = Path(root) / "fixtures"
+    if not path.is_dir():
+        raise FileNotFoundError(f"DZ_SHARED_DIR={root}: no fixtures/ folder there (unset DZ_SHARED_DIR to use only "
+                                f"the fixtures in {FIXTURES_DIR})")
+    return sorted(path.glob("*.safetensors"))
+
+
+def all_fixture_files() -> list[Path]:
+    """The project's fixtures, then any extra ones whose content differs from all of them."""
+    import hashlib
+
+    files = sorted(FIXTURES_DIR.glob("*.safetensors"))
+    seen = {hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    for f in extra_fixture_files():
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        if digest not in seen:
+            seen.add(digest)
+            files.append(f)
+    return files
 
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
-    path = shared_dir() / "fixtures"
-    if not path.is_dir():
-        pytest.fail(f"reference fixtures not found at {path}; set DZ_SHARED_DIR to the shared/ folder")
-    return path
+    """The folder of the project's own reference fixtures (committed with the tests)."""
+    if not FIXTURES_DIR.is_dir():
+        pytest.fail(f"the reference fixtures are part of the checkout, but {FIXTURES_DIR} is missing")
+    return FIXTURES_DIR
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,29 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dzmodel.cli import main
+from tests.conftest import all_fixture_files
 
 FIXTURES = ["wan22_dit_tiny_reference", "wan22_vae_tiny_reference", "dreamzero_wam_tiny_reference"]
 
 
-@pytest.mark.parametrize("name", FIXTURES)
-def test_parity_passes_on_each_shared_fixture(fixtures_dir, name, capsys):
-    rc = main(["model", "parity", str(fixtures_dir / f"{name}.safetensors")])
+def test_the_checkout_carries_its_reference_fixtures(fixtures_dir):
+    for name in FIXTURES:
+        assert (fixtures_dir / f"{name}.safetensors").is_file(), name
+    import hashlib
+    import re
+
+    # the note says where each came from, with its sha256: the files are the ones recorded
+    sums = dict(re.findall(r"`([\w.]+\.safetensors)` \| `([0-9a-f]{64})`", (fixtures_dir / "README.md").read_text()))
+    assert set(sums) == {f"{n}.safetensors" for n in FIXTURES}
+    for name, digest in sums.items():
+        assert hashlib.sha256((fixtures_dir / name).read_bytes()).hexdigest() == digest, name
+
+
+@pytest.mark.parametrize("path", all_fixture_files(), ids=lambda p: f"{p.parent.parent.name}/{p.name}")
+def test_parity_passes_on_each_fixture(path, capsys):
+    """The checkout's fixtures, plus any of the same format in $DZ_SHARED_DIR/fixtures (other dims are read from
+    each file's metadata)."""
+    rc = main(["model", "parity", str(path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "PASS" in out and "max abs err" in out
