@@ -27,7 +27,7 @@ from ..model.inference import DreamZeroPolicy
 from ..model.sampler import SolverConfig
 from ..model.state_dict import load_dreamzero_dir
 from ..model.tokenizer import load_tokenizer
-from ..train.config import TrainConfig
+from ..train.config import TrainConfig, locate, located
 from ..train.parallelize import DTYPES
 
 
@@ -108,20 +108,21 @@ def read_train_config(model_dir: Path) -> tuple[TrainConfig, int | None]:
     raw = json.loads(path.read_text())
     step = raw.pop("step", None)
     raw.pop("weights", None)  # raw or ema: which weights dz convert exported
-    cfg = TrainConfig.from_dict(raw)
-    cfg.datasets = [locate_dataset(d, model_dir) for d in cfg.datasets]
-    return cfg, step
+    return located(TrainConfig.from_dict(raw), model_search_dirs(model_dir)), step
+
+
+def model_search_dirs(model_dir: Path) -> list[Path]:
+    """Where a converted model's relative paths (datasets, encoder weights, ...) are looked up. A DVC or Prefect
+    stage records them relative to the project, so first each folder above the model, nearest first (the project
+    that made it, whatever the working directory); a path found in none of them stays as given (relative to the
+    working directory, or for the error to name)."""
+    model = Path(os.path.abspath(model_dir))  # the path as the user sees it, not a link's target
+    return list(model.parents)
 
 
 def locate_dataset(path: str, model_dir: Path) -> str:
-    """A run's dataset as its config names it. A DVC or Prefect stage records it relative to the project, so a
-    relative path is looked up first from each folder above the model, nearest first (the project that made it,
-    whatever the working directory), then from the working directory."""
-    given = Path(path)
-    if is_remote(path) or given.is_absolute():
-        return path  # a URI as it is (Path would fold its '//')
-    model = Path(os.path.abspath(model_dir))  # the path as the user sees it, not a link's target
-    return str(next((base / given for base in model.parents if (base / given).exists()), given))
+    """A run's dataset as its config names it, looked up as `model_search_dirs` says (a URI as it is)."""
+    return path if is_remote(path) else locate(path, model_search_dirs(model_dir))
 
 
 def model_embodiment(model_dir: Path, cfg: TrainConfig, embodiment_files: list[str] | None = None) -> Embodiment:

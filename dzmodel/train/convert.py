@@ -6,6 +6,10 @@
     <out>/experiment_cfg/train_config.json the run's TrainConfig
     <out>/experiment_cfg/embodiments/      copies of the run's embodiment YAML files (if any)
     <out>/tokenizer/                       the run's tokenizer directory
+The config's relative paths are looked up from the directory the run trained in (trainer_state.json's `workdir`),
+then from the folders above the checkpoint and the working directory, so a run converts from anywhere. A file the
+config names that is not there (statistics, an embodiment file, the tokenizer) is refused by name: a model without
+it could not be packaged.
 A LoRA run's adapters are merged into the base by default, so the result is a plain model that packages and
 `dz serve` take as they are; `adapters_only` writes `adapters.safetensors` (the trainable tensors, with the
 base's reference in its metadata) plus the same config files instead.
@@ -18,6 +22,7 @@ existing `<out>` is replaced only if dz wrote it (dzmodel/outputs.py), or with `
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -28,7 +33,7 @@ from ..model.state_dict import save_dreamzero_dir, save_safetensors_atomic
 from ..model.wam import DreamZeroWAM
 from ..outputs import check_output_dir, publish_dir
 from .checkpoint import MARKER, latest_checkpoint, list_checkpoints, load_checkpoint
-from .config import TrainConfig
+from .config import TrainConfig, located
 
 
 def resolve_checkpoint(path: str | Path, step: int | None = None) -> Path:
@@ -54,10 +59,11 @@ def lora_base(cfg: TrainConfig, base: dict | None, where: Path) -> DreamZeroWAM:
     if not base:
         raise ValueError(f"{where}: a LoRA checkpoint without the reference to its base weights")
     if "init_dit" in base:
-        if not Path(base["init_dit"]).is_file():
-            raise FileNotFoundError(f"{where}: the base weights {base['init_dit']} are not here")
-        if files_sha256(base["init_dit"]) != base["sha256"]:
-            raise ValueError(f"{where}: the base weights {base['init_dit']} changed since training (sha256 differs)")
+        path = cfg.init_dit or base["init_dit"]  # the run's config, its relative path located (`search_dirs`)
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{where}: the base weights {path} are not here")
+        if files_sha256(path) != base["sha256"]:
+            raise ValueError(f"{where}: the base weights {path} changed since training (sha256 differs)")
         return initial_model(cfg, "cpu")
     if base != base_reference(cfg, base["device"]):
         raise ValueError(f"{where}: base reference {base} does not match the run's config")
@@ -69,6 +75,32 @@ def lora_base(cfg: TrainConfig, base: dict | None, where: Path) -> DreamZeroWAM:
 WEIGHTS = ("raw", "ema")
 
 
+def search_dirs(state: dict, ckpt: Path) -> list[Path]:
+    """Where a checkpoint's relative paths are looked up, in order: the directory the run trained in (recorded in
+    trainer_state.json), the folders above the checkpoint (nearest first); else the path stays as given (relative
+    to the working directory)."""
+    trained_in = [Path(state["workdir"])] if state.get("workdir") else []
+    return trained_in + list(Path(os.path.abspath(ckpt)).parents)
+
+
+def check_carried_files(cfg: TrainConfig, ckpt: Path, state: dict) -> None:
+    """The files the converted model carries must be there: the statistics, each embodiment file and a configured
+    tokenizer. One FileNotFoundError naming the first one missing and its config field."""
+    wanted = [(f"train.embodiment_files[{i}]", f, "") for i, f in enumerate(cfg.embodiment_files)]
+    wanted += [("train.metadata", cfg.metadata, "")] if cfg.metadata else []
+    wanted += [("train.tokenizer", cfg.tokenizer, "tokenizer.json")] if cfg.tokenizer else []
+    for field, path, inside in wanted:
+        if (Path(path) / inside).is_file():
+            continue
+        where = ""
+        if not Path(path).is_absolute():
+            trained_in = f"{state['workdir']} (where the run trained), " if state.get("workdir") else ""
+            where = f" (looked up from {trained_in}the folders above the checkpoint and {Path.cwd()})"
+        raise FileNotFoundError(f"{ckpt}: {field} names {path}{f'/{inside}' if inside else ''}, which is not "
+                                f"there{where}. dz convert copies it into the model, and `dz package` needs it: "
+                                "restore the file, then convert again")
+
+
 def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes: int = 5 * 2**30,
                        adapters_only: bool = False, weights: str = "raw", overwrite: bool = False) -> Path:
     """weights: "raw" (the optimizer's) or "ema" (the moving average a run with train.ema_decay kept).
@@ -76,7 +108,9 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes:
     ckpt = Path(checkpoint)
     out = check_output_dir(out, overwrite=overwrite, command="convert")  # before the minutes of loading
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    cfg = TrainConfig.from_dict(state["config"])
+    given = TrainConfig.from_dict(state["config"])
+    cfg = located(given, search_dirs(state, ckpt))  # the files; the model keeps the config as the run gave it
+    check_carried_files(cfg, ckpt, state)
     if adapters_only and not cfg.lora.enabled:
         raise ValueError(f"{ckpt}: --adapters-only needs a LoRA run (train.lora.rank > 0)")
     if weights not in WEIGHTS:
@@ -99,12 +133,13 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes:
                 if name in ema:
                     p.copy_(ema[name])
     with publish_dir(out, "convert", overwrite=overwrite) as tmp:
-        _write_converted(tmp, model, cfg, state, ckpt, adapters_only, max_shard_bytes, weights)
+        _write_converted(tmp, model, cfg, given, state, ckpt, adapters_only, max_shard_bytes, weights)
     return out
 
 
-def _write_converted(tmp: Path, model: DreamZeroWAM, cfg: TrainConfig, state: dict, ckpt: Path, adapters_only: bool,
-                     max_shard_bytes: int, weights: str) -> None:
+def _write_converted(tmp: Path, model: DreamZeroWAM, cfg: TrainConfig, given: TrainConfig, state: dict, ckpt: Path,
+                     adapters_only: bool, max_shard_bytes: int, weights: str) -> None:
+    """cfg: the run's config with its files located; given: as the run gave it (what train_config.json holds)."""
     if adapters_only:
         save_safetensors_atomic({k: v.contiguous() for k, v in lora_state(model).items()}, tmp / "adapters.safetensors",
                                 {"format": "pt", "base": json.dumps(state["base"]), "lora": json.dumps(cfg.to_dict()["lora"])})
@@ -114,14 +149,13 @@ def _write_converted(tmp: Path, model: DreamZeroWAM, cfg: TrainConfig, state: di
         save_dreamzero_dir(model, tmp, max_shard_bytes=max_shard_bytes)
     exp = tmp / "experiment_cfg"
     exp.mkdir(exist_ok=True)
-    if cfg.metadata and Path(cfg.metadata).is_file():
+    if cfg.metadata:  # present: check_carried_files
         shutil.copyfile(cfg.metadata, exp / "metadata.json")
-    (exp / "train_config.json").write_text(json.dumps({"step": state["step"], "weights": weights, **cfg.to_dict()},
+    (exp / "train_config.json").write_text(json.dumps({"step": state["step"], "weights": weights, **given.to_dict()},
                                                       indent=1))
     for i, f in enumerate(cfg.embodiment_files):  # the embodiment definitions travel with the weights
-        if Path(f).is_file():
-            (exp / "embodiments").mkdir(exist_ok=True)
-            shutil.copyfile(f, exp / "embodiments" / f"{i:02d}_{Path(f).name}")
+        (exp / "embodiments").mkdir(exist_ok=True)
+        shutil.copyfile(f, exp / "embodiments" / f"{i:02d}_{Path(f).name}")
     tokenizer = Path(cfg.tokenizer) if cfg.tokenizer else ckpt.parent.parent / "tokenizer"  # the trainer's default
     if (tokenizer / "tokenizer.json").is_file():
         shutil.copytree(tokenizer, tmp / "tokenizer")

@@ -505,6 +505,8 @@ class Trainer:
                 save_checkpoint(self.out, step + 1, self.model, self.optimizer,
                                 {"step": step + 1, "samples": sum(all_consumed.values()), "consumed": all_consumed,
                                  "world_size": info.world_size, "config": cfg.to_dict(),
+                                 # where the config's relative paths are (`dz convert` finds the files from anywhere)
+                                 "workdir": os.getcwd(),
                                  **({"base": self.base} if self.base else {})},
                                 self._rng_states(), ema=self.step.ema)
             if not pending:  # just read back (and saved): the next window's clock starts here
