@@ -9,9 +9,9 @@ Backends:
   torchcodec  one batched ``VideoDecoder.get_frames_at(indices=...)`` call for the sorted unique
               frames, re-expanded to the requested order; decoders are cached per thread.
   pyav        seek + decode per requested frame (the baseline the benchmark compares against).
-  opencv      OpenCV's own FFmpeg (opencv-python wheels): H.264 only (its wheels cannot decode AV1),
-              sequential reads from the nearest requested frame. For machines with neither of the
-              above, such as the GPU image, which has opencv-python-headless.
+  opencv      OpenCV's own FFmpeg (opencv-python wheels): the codecs its build has (every build reads
+              H.264; AV1 depends on the build), sequential reads from the nearest requested frame. For
+              machines with neither of the above, such as the GPU image, which has opencv-python-headless.
   auto        torchcodec when it imports (it needs FFmpeg shared libraries), else PyAV, else OpenCV.
 
 torchcodec, av, cv2 and PIL are imported lazily: the GPU image lacks most of them, and the model code
@@ -253,8 +253,7 @@ def _decode_opencv(path: Path, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     try:
         fps, n = cap.get(cv2.CAP_PROP_FPS), int(cap.get(cv2.CAP_PROP_FRAME_COUNT))
         if not cap.isOpened() or not fps or n <= 0:
-            raise DataError(f"{path}: OpenCV cannot open this video (its wheels decode H.264, not AV1; "
-                            "re-encode with --codec h264, or install PyAV / torchcodec)")
+            raise DataError(f"{path}: OpenCV cannot open this video ({_opencv_cannot(path, cap)})")
         idx = np.clip(np.rint(ts * fps).astype(np.int64), 0, n - 1)
         frames, pos = [], -1
         for i in idx:  # ts is sorted and unique
@@ -264,13 +263,31 @@ def _decode_opencv(path: Path, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             while pos < i:
                 ok, bgr = cap.read()
                 if not ok:
-                    raise DataError(f"{path}: OpenCV could not decode frame {pos + 1} of {n} (its wheels decode "
-                                    "H.264, not AV1; re-encode with --codec h264, or install PyAV / torchcodec)")
+                    raise DataError(f"{path}: OpenCV could not decode frame {pos + 1} of {n} "
+                                    f"({_opencv_cannot(path, cap)})")
                 pos += 1
             frames.append(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
     finally:
         cap.release()
     return _rgb_check(path, np.stack(frames)), idx / fps
+
+
+def _opencv_cannot(path: Path, cap) -> str:
+    """Why OpenCV may fail on a file, naming its codec: the build decides which codecs OpenCV reads."""
+    import cv2
+
+    codec = None
+    try:
+        import av
+
+        with av.open(str(path)) as container:
+            codec = container.streams.video[0].codec_context.name
+    except Exception:  # no PyAV (the GPU image) or not a video PyAV reads: ask OpenCV's demuxer
+        fourcc = int(cap.get(cv2.CAP_PROP_FOURCC))
+        codec = fourcc.to_bytes(4, "little").decode("latin-1").strip("\x00 ") if fourcc > 0 else None
+    what = f"codec {codec}" if codec else "its codec is unknown"
+    return (f"{what}; this OpenCV build, {cv2.__version__}, cannot decode it: re-encode with --codec h264, or "
+            "install PyAV / torchcodec")
 
 
 def _rgb_check(path: Path, frames: np.ndarray) -> np.ndarray:
