@@ -76,11 +76,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         except BundleError as exc:
             raise CLIError(str(exc)) from None
     try:
+        frame_cap = None if ns.max_frame_mib is None else int(ns.max_frame_mib * 2**20)
         limits = ServerLimits(max_sessions=ns.max_sessions, sessions_per_connection=ns.sessions_per_connection,
-                              max_connections=ns.max_connections, max_frame_bytes=int(ns.max_frame_mib * 2**20),
+                              max_connections=ns.max_connections, max_frame_bytes=frame_cap,
                               max_connections_per_client=ns.max_connections_per_client, idle_timeout_s=ns.idle_timeout,
                               max_batch=ns.max_batch, batch_window_ms=ns.batch_window_ms,
-                              request=RequestLimits(max_frames=ns.max_frames))
+                              request=RequestLimits(max_frames=ns.max_frames, max_image_pixels=ns.max_image_pixels))
         bundle, manifest_sha256 = resolve_bundle_source(ns.bundle)
         serve_bundle(bundle, token, ns.host, ns.port, ns.device, limits, solver_from(ns), ns.certfile, ns.keyfile,
                      compile=False if ns.no_compile else None, trust=trust, manifest_sha256=manifest_sha256,
@@ -183,9 +184,13 @@ def add_commands(sub) -> None:
                    help="per remote address (loopback, e.g. a reverse proxy, is not capped)")
     p.add_argument("--idle-timeout", type=float, default=600.0,
                    help="seconds without a request before a connection is closed (0: never)")
-    p.add_argument("--max-frame-mib", type=float, default=32.0,
-                   help="cap on a request frame; the limit follows the bundle's views and --max-frames")
+    p.add_argument("--max-frame-mib", type=float, default=None,
+                   help="cap on a request frame (default 32, or more if one frame of --max-image-pixels per camera "
+                        "needs it); the limit itself follows the bundle's views, --max-frames and --max-image-pixels")
     p.add_argument("--max-frames", type=int, default=33, help="most camera frames per view in one request")
+    p.add_argument("--max-image-pixels", type=int, default=None,
+                   help="largest camera frame (height x width pixels) accepted; frames are resized to the model's "
+                        "view on the server (default: 1920x1080 = 2,073,600, or 16x the model's view if more)")
     p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
                    help="fp8: the DiT blocks' linears in FP8 on GPUs that have it (H100, H200, L40S); "
                         "elsewhere bf16, with a log line that says why")

@@ -30,13 +30,14 @@ import math
 import os
 import shutil
 import tarfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_text, temp_sibling
 from ..data.embodiments import finite_numbers, robot_limits_problem
 from ..outputs import OWNER_MARKER, claim_dir
+from . import franka
 from .bundles import (MANIFEST, SIGNATURE, TRUST_ENV, BundleError, cached_bundle, check_signature, evict, file_sha256,
                       load_signing_key, parse_manifest, sign_manifest, tarball_manifest)
 
@@ -58,6 +59,12 @@ class RobotConfig:
     workspace_max: tuple[float, float, float]
     control_rate_hz: float = 15.0
     gripper_threshold: float = 0.5           # gripper command above it closes (reference §6.2)
+    joint_min: tuple[float, ...] | None = None   # rad per joint: tighter than the Panda's published limits (franka.py)
+    joint_max: tuple[float, ...] | None = None
+    # written by `dz package` (`for_embodiment`): the actions' space and the range `dz serve` clips them to
+    action_space: str | None = None          # joint | end_effector
+    action_min: tuple[float, ...] | None = None
+    action_max: tuple[float, ...] | None = None
 
     @classmethod
     def from_dict(cls, raw: Any, source: str = "robot config") -> "RobotConfig":
@@ -97,7 +104,8 @@ class RobotConfig:
         thr = raw.get("gripper_threshold", cls.gripper_threshold)
         if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0 <= thr <= 1:
             raise PackageError(f"{source}: gripper_threshold must be in [0, 1], got {thr!r}")
-        return cls(ip, tuple(s.strip() for s in serials), pose, lo, hi, float(rate), float(thr))
+        return cls(ip, tuple(s.strip() for s in serials), pose, lo, hi, float(rate), float(thr),
+                   *_joint_limits(raw, source), *_served_limits(raw, source))
 
     @classmethod
     def load(cls, path: str | Path) -> "RobotConfig":
@@ -119,6 +127,57 @@ class RobotConfig:
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
+    def for_embodiment(self, emb, action_dim: int) -> "RobotConfig":
+        """This site config with the action limits `dz serve` enforces for `emb`'s actions (franka.py): for joint
+        positions, the Panda's published joint limits (or the tighter joint_min/joint_max) and the gripper's
+        range; for end-effector actions none (the workspace is for the robot's own controller)."""
+        if self.action_space is not None or self.action_min is not None:
+            raise PackageError("robot config: action_space, action_min and action_max are written by dz package; "
+                               "give joint_min and joint_max to tighten the joint limits")
+        space = franka.action_space(emb)
+        if space != "joint":
+            if self.joint_min is not None:
+                raise PackageError(f"robot config: joint_min and joint_max apply to joint-position actions; "
+                                   f"embodiment {emb.tag!r} sends end-effector actions")
+            return replace(self, action_space=space)
+        try:
+            lo, hi = franka.action_limits(emb, action_dim, self.joint_min, self.joint_max)
+        except franka.FrankaLimitsError as exc:
+            raise PackageError(str(exc)) from None
+        return replace(self, action_space=space, action_min=tuple(lo), action_max=tuple(hi))
+
+
+def _optional_numbers(raw: dict, name: str, source: str) -> tuple[float, ...] | None:
+    if raw.get(name) is None:
+        return None
+    numbers = finite_numbers(raw[name])
+    if numbers is None:
+        raise PackageError(f"{source}: {name} must be a list of finite numbers, got {raw[name]!r}")
+    return numbers
+
+
+def _joint_limits(raw: dict, source: str) -> tuple:
+    """(joint_min, joint_max): both or neither, inside the Franka Panda's published limits."""
+    lo, hi = _optional_numbers(raw, "joint_min", source), _optional_numbers(raw, "joint_max", source)
+    if (lo is None) != (hi is None):
+        raise PackageError(f"{source}: joint_min and joint_max come together")
+    problem = franka.tightened_problem(lo, hi) if lo is not None else None
+    if problem:
+        raise PackageError(f"{source}: {problem}")
+    return lo, hi
+
+
+def _served_limits(raw: dict, source: str) -> tuple:
+    """(action_space, action_min, action_max) as `dz package` wrote them into robot.json."""
+    space = raw.get("action_space")
+    if space not in (None, "joint", "end_effector"):
+        raise PackageError(f"{source}: action_space must be joint or end_effector, got {space!r}")
+    lo, hi = _optional_numbers(raw, "action_min", source), _optional_numbers(raw, "action_max", source)
+    problem = robot_limits_problem(lo, hi, None, None)
+    if problem:
+        raise PackageError(f"{source}: {problem}")
+    return space, lo, hi
+
 
 # --- building -----------------------------------------------------------------------------------
 
@@ -134,7 +193,8 @@ def _robot_lines(robot: "RobotConfig | dict") -> tuple[str, list[str]]:
     if isinstance(robot, RobotConfig):
         return "a Franka arm", [f"- robot {robot.robot_ip}, cameras {', '.join(robot.camera_serials)}, "
                                 f"{robot.control_rate_hz:g} Hz, gripper threshold {robot.gripper_threshold:g}",
-                                f"- workspace {list(robot.workspace_min)} .. {list(robot.workspace_max)} m"]
+                                f"- workspace {list(robot.workspace_min)} .. {list(robot.workspace_max)} m",
+                                _franka_limits_line(robot)]
     space = robot["action_space"].replace("_", "-")
     lines = [f"- {robot['name']} ({robot['kind'].replace('_', ' ')}): {robot['action_dim']} {space}-space actions, "
              f"{robot['action_mode']}, at {robot['control_rate_hz']:g} Hz",
@@ -144,6 +204,17 @@ def _robot_lines(robot: "RobotConfig | dict") -> tuple[str, list[str]]:
         lines.append(f"- at most [{', '.join(f'{v:g}' for v in robot['max_step_change'])}] of change from one row "
                      "of a chunk to the next (`dz serve` limits it; a chunk's first row only by the range)")
     return f"a {robot['name']}", lines
+
+
+def _franka_limits_line(robot: RobotConfig) -> str:
+    if robot.action_min is None:
+        return ("- end-effector actions: `dz serve` refuses a chunk with a NaN; the workspace above is for the "
+                "robot's own controller")
+    source = ("the robot config's joint_min/joint_max" if robot.joint_min
+              else f"the {franka.ROBOT_NAME}'s published limits")
+    return (f"- every action is clipped to [{', '.join(f'{v:g}' for v in robot.action_min)}] .. "
+            f"[{', '.join(f'{v:g}' for v in robot.action_max)}] (joint positions in rad, {source}; gripper 0..1) "
+            "by `dz serve`, and a chunk with a NaN is refused")
 
 
 def _model_card(name: str, version: str, train: dict, emb: dict, robot: "RobotConfig | dict",
@@ -180,7 +251,7 @@ def robot_description(emb, robot: RobotConfig | None, action_dim: int) -> "Robot
         if robot is None:
             raise PackageError(f"embodiment {emb.tag!r} drives a Franka arm: give its robot config (robot_ip, "
                                "camera_serials, target_ee_pose, workspace_min, workspace_max)")
-        return robot
+        return robot.for_embodiment(emb, action_dim)
     if robot is not None:
         raise PackageError(f"embodiment {emb.tag!r} drives a {spec.kind} ({spec.name}): its robot description is "
                            "the embodiment's `robot:` block; a Franka robot config does not apply to it")

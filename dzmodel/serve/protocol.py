@@ -10,6 +10,11 @@ optional `endpoint` ("infer", the default, as openpi's client sends none; or "re
 episode). Images are uint8 (H, W, 3), or (T, H, W, 3) for the frames observed since the previous call
 (upstream DreamZero's client sends 4).
 
+Camera frames of any size from 8 pixels a side up to `RequestLimits.max_image_pixels` (H x W) are accepted and
+resized to the model's view on the server (the policy's own crop and resize, as in training). That cap follows the
+bundle (`max_camera_pixels`): a 1080p frame (1920x1080, either way round) or 16 times the model's view (4 times
+per side), whichever is larger; `dz serve --max-image-pixels` raises it.
+
 A frame is refused before anything is built from it when it is larger or shaped otherwise than a request of
 the policy can be (`FrameLimits`, from the embodiment's keys and `RequestLimits`): byte size, string and binary
 lengths, map and array lengths, nesting depth and the number of maps and arrays. msgpack itself bounds the
@@ -21,7 +26,7 @@ anything has been allocated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import numpy as np
@@ -35,16 +40,32 @@ class ProtocolError(ValueError):
     """A malformed request; the text names the field and what was expected."""
 
 
+CAMERA_PIXELS = 1920 * 1080  # a 1080p camera frame: accepted by every server
+VIEW_UPSCALE = 16            # and a frame of up to 4x the model's view per side (16x its pixels)
+
+
+def max_camera_pixels(image_pixels: int) -> int:
+    """The largest camera frame (H x W pixels) a server accepts by default, for a policy whose views have
+    `image_pixels`: a 1080p frame, or 16x the view (4x per side), whichever is larger."""
+    return max(CAMERA_PIXELS, VIEW_UPSCALE * image_pixels)
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     min_image_side: int = 8
-    max_image_side: int = 1024
+    max_image_pixels: int | None = None  # H x W of one camera frame; None: max_camera_pixels of the policy's views
     max_frames: int = 33            # one training window of raw frames, 4 * (local_attn_size - 1) + 1 at most
     max_prompt_chars: int = 2000
     max_abs_state: float = 1e4      # robot units (rad, m); anything larger is a unit or sensor error
     # the camera frame a frame-size limit is budgeted for (openpi sends 224x224, RoboArena 180x320); larger
     # images are fine while the whole request stays within the limit
     budget_image_pixels: int = 240 * 320
+
+    def for_views(self, image_pixels: int) -> "RequestLimits":
+        """These limits with max_image_pixels resolved for a policy whose views have `image_pixels`."""
+        if self.max_image_pixels is not None:
+            return self
+        return replace(self, max_image_pixels=max_camera_pixels(image_pixels))
 
 
 @dataclass(frozen=True)
@@ -58,25 +79,39 @@ class FrameLimits:
     max_map_len: int        # entries
     max_depth: int          # maps and arrays inside each other
     max_containers: int     # maps and arrays in the whole frame
+    raised_by: str = "--max-frame-mib"  # the `dz serve` setting(s) that raise max_bytes, for the refusal's text
 
 
 FRAME_OVERHEAD = 64 << 10   # prompt, state, keys and msgpack headers beside the images
+DEFAULT_FRAME_CAP = 32 << 20  # the default cap on max_bytes, unless one largest camera frame per view needs more
 
 
 def frame_limits(spec: ServeSpec, state_dims: Mapping[str, int], limits: RequestLimits, image_pixels: int,
-                 cap_bytes: int) -> FrameLimits:
-    """The limits that a request of this embodiment fits with room to spare: max_frames camera frames per view
-    (of the policy's own image size, or limits.budget_image_pixels if larger) plus FRAME_OVERHEAD bytes, at
-    most cap_bytes; request maps of the protocol keys plus as many unknown ones (accepted and unused); ndarray
-    maps nested inside them."""
+                 cap_bytes: int | None = None) -> FrameLimits:
+    """The limits that a request of this embodiment fits with room to spare: per view, max_frames camera frames
+    (of the policy's own image size, or limits.budget_image_pixels if larger) or one frame of the largest size
+    accepted (limits.max_image_pixels), whichever is more, plus FRAME_OVERHEAD bytes; at most cap_bytes (None:
+    DEFAULT_FRAME_CAP, or one largest frame per view if that needs more); request maps of the protocol keys plus
+    as many unknown ones (accepted and unused); ndarray maps nested inside them."""
     views = len(spec.images)
-    images = views * limits.max_frames * max(image_pixels, limits.budget_image_pixels) * 3
-    max_bytes = min(images + FRAME_OVERHEAD, cap_bytes)
+    largest = limits.for_views(image_pixels).max_image_pixels
+    budget = limits.max_frames * max(image_pixels, limits.budget_image_pixels)
+    images = views * max(budget, largest) * 3 + FRAME_OVERHEAD
+    if cap_bytes is None:
+        cap_bytes = max(DEFAULT_FRAME_CAP, views * largest * 3 + FRAME_OVERHEAD)
+    max_bytes = min(images, cap_bytes)
+    raised_by = "--max-frame-mib" if images > cap_bytes else "--max-frames or --max-image-pixels"
     keys = views + len(spec.state) + len(spec.ignored) + 3  # + prompt, session_id, endpoint
     max_map_len = max(64, 2 * keys)
     return FrameLimits(max_bytes=max_bytes, max_str_len=max(1024, 4 * limits.max_prompt_chars),
                        max_bin_len=max_bytes, max_array_len=max(64, 2 * max(state_dims.values(), default=0)),
-                       max_map_len=max_map_len, max_depth=8, max_containers=4 * max_map_len)
+                       max_map_len=max_map_len, max_depth=8, max_containers=4 * max_map_len, raised_by=raised_by)
+
+
+def frame_too_big(size: int, limits: FrameLimits) -> str:
+    """The refusal of a frame over limits.max_bytes, naming the limit and the setting that raises it."""
+    return (f"frame too big: {size:,} bytes, over this server's limit of {limits.max_bytes:,} bytes; send fewer or "
+            f"smaller camera frames, or raise the limit (dz serve {limits.raised_by})")
 
 
 def _pack_default(obj):
@@ -122,7 +157,7 @@ _SIZED = {0xc4: (1, "bin"), 0xc5: (2, "bin"), 0xc6: (4, "bin"), 0xc7: (1, "ext")
 def check_structure(data: bytes, limits: FrameLimits) -> None:
     """Refuse a frame over `limits` from its msgpack headers alone (see the module docstring)."""
     if len(data) > limits.max_bytes:
-        raise ProtocolError(f"a frame of {len(data)} bytes (at most {limits.max_bytes})")
+        raise ProtocolError(frame_too_big(len(data), limits))
     caps = {"string": limits.max_str_len, "bin": limits.max_bin_len, "ext": limits.max_bin_len,
             "array": limits.max_array_len, "map": limits.max_map_len}
     end, pos, containers = len(data), 0, 0
@@ -235,8 +270,12 @@ def _image(key: str, img, limits: RequestLimits) -> np.ndarray:
         raise ProtocolError(f"{key} must be uint8 (H, W, 3) or (T, H, W, 3), got {got}")
     frames = img[None] if img.ndim == 3 else img
     h, w = frames.shape[1:3]
-    if not limits.min_image_side <= min(h, w) <= max(h, w) <= limits.max_image_side:
-        raise ProtocolError(f"{key}: {h}x{w} is outside {limits.min_image_side}..{limits.max_image_side} pixels per side")
+    if min(h, w) < limits.min_image_side:
+        raise ProtocolError(f"{key}: a {h}x{w} image; each side needs at least {limits.min_image_side} pixels")
+    cap = limits.max_image_pixels or CAMERA_PIXELS
+    if h * w > cap:
+        raise ProtocolError(f"{key}: a {h}x{w} image has {h * w:,} pixels, over this server's limit of {cap:,} per "
+                            "camera frame; resize it on the client, or raise the limit (dz serve --max-image-pixels)")
     if not 1 <= frames.shape[0] <= limits.max_frames:
         raise ProtocolError(f"{key}: {frames.shape[0]} frames; send 1..{limits.max_frames}")
     return frames

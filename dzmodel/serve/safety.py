@@ -8,7 +8,9 @@
   the limit bounds the change between consecutive deltas.
 
 Each clip or rate limit is one log line with the session, how many values and which dims. A Franka bundle's
-robot.json describes its site (IP, cameras, workspace) and no action-space limits: only the NaN refusal applies.
+robot.json describes its site (IP, cameras, workspace) and, for joint-position actions (DROID's), the Franka Panda's
+published joint limits and the gripper's range as action_min/action_max (`franka.py`), clipped to as a humanoid's;
+a Franka of end-effector actions has no action-space limits: only the NaN refusal applies.
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ class ActionSafety:
 
     @classmethod
     def from_robot(cls, robot) -> "ActionSafety":
-        """From a package's robot (`package.Package.robot`): a dict with limits, or a Franka's site config."""
+        """From a package's robot (`package.Package.robot`): a dict with limits, or a Franka's site config (with
+        the limits `dz package` wrote for joint-position actions, or none)."""
         if not isinstance(robot, dict):
-            return cls()
+            robot = {"action_min": getattr(robot, "action_min", None), "action_max": getattr(robot, "action_max", None)}
         arr = lambda key: None if robot.get(key) is None else np.asarray(robot[key], np.float32)  # noqa: E731
         return cls(arr("action_min"), arr("action_max"), arr("max_step_change"))
 

@@ -14,9 +14,14 @@
 - Errors go out as one text frame with the reason, then a close: 1008 for a bad request, 1011 when inference
   failed, 1013 when the server is full (what openpi's and RoboArena's clients raise on).
 - Limits (`ServerLimits`), each refusal one log line with its reason:
-  - frame size: max_frames camera frames per view of the policy's image size (at least 240x320) plus 64 KiB,
-    at most `max_frame_bytes`; a larger frame is refused from its header, before it is read: close 1009, and
-    the connection is dropped rather than read to its end;
+  - camera frames: any size from 8 pixels a side up to `request.max_image_pixels` (default: a 1080p frame, or
+    16x the policy's view if more; `protocol.max_camera_pixels`), resized to the view by the policy;
+  - frame size: per view, max_frames camera frames of the policy's image size (at least 240x320) or one camera
+    frame of the largest size, whichever is more, plus 64 KiB; at most `max_frame_bytes` (default 32 MiB, or
+    one largest frame per view if that needs more). A larger frame is refused from its header, before anything
+    of it is kept: the reason goes out as a text frame, then close 1009. A frame of up to twice the limit is
+    read to its end and thrown away, so that a client still sending it (openpi's) can read the reason; a larger
+    one is dropped at once, unread (`_connection_type`);
   - frame structure: string, binary, map and array lengths, nesting depth and the number of maps and arrays
     (protocol.FrameLimits), checked before anything is decoded (1008), so a small frame cannot decode into
     gigabytes; decoding runs on a small thread pool, off the event loop;
@@ -53,13 +58,14 @@ import weakref
 from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
 from ..data.embodiments import ROBOARENA_ACTION_SPACES, ServeSpec
 from .batching import DynamicBatcher
-from .protocol import ProtocolError, Request, RequestLimits, frame_limits, pack, parse_request, unpack
+from .protocol import (ProtocolError, Request, RequestLimits, frame_limits, frame_too_big, pack, parse_request,
+                       unpack)
 from .safety import ActionSafety, UnsafeActions
 
 log = logging.getLogger("dzmodel.serve")
@@ -67,6 +73,7 @@ log = logging.getLogger("dzmodel.serve")
 CLOSE_GOING_AWAY, CLOSE_BAD_REQUEST, CLOSE_TOO_BIG, CLOSE_INTERNAL, CLOSE_TRY_AGAIN = 1001, 1008, 1009, 1011, 1013
 QUEUED_FRAMES = 2     # per connection, beyond the one being handled
 DECODE_THREADS = 2
+DRAIN_FACTOR = 2      # a frame over the size limit, up to this many times it, is read to its end (and thrown away)
 
 
 class ServeError(RuntimeError):
@@ -188,7 +195,8 @@ class ServerLimits:
     max_connections: int = 64
     max_connections_per_client: int = 16  # per remote address
     cap_loopback: bool = False            # loopback too: by default it may be a proxy for many clients
-    max_frame_bytes: int = 32 << 20       # the cap; the limit itself follows the policy's views (frame_limits)
+    max_frame_bytes: int | None = None    # the cap (None: 32 MiB, or more for one largest camera frame per view);
+                                          # the limit itself follows the policy's views (protocol.frame_limits)
     idle_timeout_s: float = 600.0         # no request for this long: closed; 0 never
     ping_interval_s: float = 20.0         # 0: no keepalive pings
     ping_timeout_s: float = 20.0          # to answer a ping, or a close
@@ -199,8 +207,11 @@ class ServerLimits:
     def __post_init__(self):
         for name in ("max_sessions", "sessions_per_connection", "max_connections", "max_connections_per_client",
                      "max_frame_bytes", "max_batch"):
-            if not getattr(self, name) >= 1:
+            if getattr(self, name) is not None and not getattr(self, name) >= 1:
                 raise ServeError(f"{name} must be >= 1, got {getattr(self, name)}")
+        pixels, side = self.request.max_image_pixels, self.request.min_image_side
+        if pixels is not None and not pixels >= side * side:
+            raise ServeError(f"max_image_pixels must be at least {side * side} (a {side}x{side} image), got {pixels}")
         for name in ("idle_timeout_s", "ping_interval_s", "ping_timeout_s", "batch_window_ms"):
             value = getattr(self, name)
             if not (value >= 0 and value != float("inf")):  # NaN fails both
@@ -259,8 +270,10 @@ class _RequestFailed(Exception):
 class PolicyServer:
     def __init__(self, policy: Policy, auth: TokenAuth | None, limits: ServerLimits = ServerLimits()):
         self.policy, self.auth, self.limits = policy, auth, limits
-        self.frame_limits = frame_limits(policy.spec, policy.state_dims, limits.request,
-                                         getattr(policy, "image_pixels", 0), limits.max_frame_bytes)
+        image_pixels = getattr(policy, "image_pixels", 0)
+        self.request_limits = limits.request.for_views(image_pixels)  # max_image_pixels resolved for its views
+        self.frame_limits = frame_limits(policy.spec, policy.state_dims, self.request_limits, image_pixels,
+                                         limits.max_frame_bytes)
         self.stats = ServerStats()
         self._lock = threading.Lock()
         self._owner: dict[str, int] = {}     # session -> connection that holds it
@@ -363,7 +376,7 @@ class PolicyServer:
     def _decode(self, message: bytes) -> Request:
         try:
             return parse_request(unpack(message, self.frame_limits), self.policy.spec, self.policy.state_dims,
-                                 self.limits.request)
+                                 self.request_limits)
         except ProtocolError:
             raise
         except Exception as exc:  # a frame the checks missed is still the client's bad request, not our failure
@@ -389,17 +402,21 @@ class PolicyServer:
             return f"too many connections from {client} (at most {per_client} per client address)"
         return None
 
-    def _log_close(self, peer: str, exc: Exception) -> None:
+    def _log_close(self, peer: str, exc: Exception, ws=None) -> None:
         from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 
         sent = exc.sent if isinstance(exc, ConnectionClosed) else None
-        if sent is not None and sent.code == CLOSE_TOO_BIG:  # websockets refused it from the frame's header
-            self.stats.errors += 1
-            log.info(f"{peer} refused: frame too big: {sent.reason} ({sent.code})")
+        if sent is not None and sent.code == CLOSE_TOO_BIG:  # refused from the frame's header (_connection_type)
+            if not getattr(ws, "refusal_logged", False):
+                self._refused_too_big(peer, f"frame too big: {sent.reason}")
         elif sent is not None and sent.code not in (1000, CLOSE_GOING_AWAY):  # a keepalive timeout, a protocol error
             log.info(f"{peer} closed: {sent.reason or 'protocol error'} ({sent.code})")
         elif not isinstance(exc, ConnectionClosedOK):  # the client went away (openpi's never sends a close frame)
             log.info(f"{peer} disconnected ({type(exc).__name__})")
+
+    def _refused_too_big(self, peer: str, reason: str) -> None:
+        self.stats.errors += 1
+        log.info(f"{peer} refused: {reason} ({CLOSE_TOO_BIG})")
 
     async def _handler(self, ws):
         peer, client = _peer(ws), _client(ws)
@@ -455,7 +472,7 @@ class PolicyServer:
                 prev_total_ms = (time.perf_counter() - t0) * 1e3
                 self._access(peer, endpoint, sid, "ok", t0)
         except Exception as exc:
-            self._log_close(peer, exc)
+            self._log_close(peer, exc, ws)
         finally:
             self.stats.connections -= 1
             if self._batcher is not None:
@@ -486,7 +503,9 @@ class PolicyServer:
             async with serve(self._handler, host, port, process_request=self._process_request,
                              max_size=self.frame_limits.max_bytes, max_queue=QUEUED_FRAMES, compression=None,
                              ping_interval=limits.ping_interval_s or None, ping_timeout=limits.ping_timeout_s or None,
-                             close_timeout=limits.ping_timeout_s or None, create_connection=_connection_type(),
+                             close_timeout=limits.ping_timeout_s or None,
+                             create_connection=_connection_type(lambda size: frame_too_big(size, self.frame_limits),
+                                                                self.frame_limits.max_bytes, self._refused_too_big),
                              ssl=ssl, logger=_OneLine(logging.getLogger("dzmodel.serve.ws"), self._answered)) as server:
                 if bound is not None:
                     bound.append(server.sockets[0].getsockname()[1])
@@ -500,23 +519,86 @@ class PolicyServer:
             self._decoder.shutdown(wait=False, cancel_futures=True)
 
 
-def _connection_type():
+def _connection_type(too_big: Callable[[int], str], max_bytes: int, refused: Callable[[str, str], None]):
+    """websockets' server connection, refusing a frame over `max_bytes` from its header with the reason
+    (`too_big(size)`) as a text frame, then close 1009; `refused(peer, reason)` logs it once they are sent.
+
+    websockets alone sends only the close and stops reading; a client still writing the frame, as openpi's does
+    (it reads nothing until its send is done), then gets a reset and never sees why. So a frame of up to
+    DRAIN_FACTOR times the limit is read to its end and thrown away as it comes (never held: it costs the server
+    the bandwidth of a valid request, and no memory), within the close timeout; the client's send completes and
+    it reads the reason. A larger frame is dropped at once, unread (its close carries the reason's start)."""
     from websockets.asyncio.server import ServerConnection
+    from websockets.exceptions import PayloadTooBig
+    from websockets.protocol import State
+    from websockets.server import ServerProtocol
+
+    class RefusingProtocol(ServerProtocol):
+        refusal: str | None = None   # the reason a frame was refused, for the log
+        read_to_end = False          # the refused frame is being (or was) read and thrown away
+
+        def fail(self, code: int, reason: str = "") -> None:
+            exc = sys.exc_info()[1]  # called by parse() while it handles PayloadTooBig
+            size = getattr(exc, "size", None) if isinstance(exc, PayloadTooBig) else None
+            if code != CLOSE_TOO_BIG or not isinstance(size, int) or self.state is not State.OPEN:
+                return super().fail(code, reason)
+            self.refusal = too_big(size)
+            if size > DRAIN_FACTOR * max_bytes or self.cur_size is not None or self.expect_continuation_frame:
+                return super().fail(code, _close_reason(self.refusal))
+            self.read_to_end = True
+            self.send_text(self.refusal.encode())
+            self.send_close(code, _close_reason(self.refusal))
+            self.parser = self._throw_away(4 + size)  # the frame's mask, then its payload
+            next(self.parser)
+
+        def _throw_away(self, n: int):
+            reader = self.reader
+            while n > 0 and (reader.buffer or not reader.eof):
+                if not reader.buffer:
+                    yield
+                    continue
+                taken = min(n, len(reader.buffer))
+                del reader.buffer[:taken]
+                n -= taken
+            self.send_eof()  # then, as websockets' own refusal: wait for the client to close
+            yield from self.discard()
 
     class Connection(ServerConnection):
-        """Drops a client as soon as it is refused a frame over the size limit: websockets would go on reading
-        (and throwing away) the rest of it until the client stops sending. The client still gets the close."""
+        def __init__(self, protocol, *args, **kwargs):
+            protocol.__class__ = RefusingProtocol
+            super().__init__(protocol, *args, **kwargs)
+            self._drain_timer = None
+            self.refusal_logged = False
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             sent = self.protocol.close_sent
-            if sent is not None and sent.code == CLOSE_TOO_BIG and not self.transport.is_closing():
-                if self.transport.get_write_buffer_size():  # a client that reads nothing would keep it open
-                    self.transport.abort()
-                else:
-                    self.transport.close()
+            if sent is None or sent.code != CLOSE_TOO_BIG:
+                return
+            if self.protocol.refusal is not None and not self.refusal_logged:
+                self.refusal_logged = True
+                refused(_peer(self), self.protocol.refusal)
+            if self.transport.is_closing():
+                return
+            if self.protocol.read_to_end:
+                if self._drain_timer is None:  # a client that stops sending is dropped after the close timeout
+                    self._drain_timer = self.loop.call_later(self.close_timeout or 20.0, self.transport.abort)
+            elif self.transport.get_write_buffer_size():  # dropped unread; a client that reads nothing would
+                self.transport.abort()                     # keep it open
+            else:
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            if self._drain_timer is not None:
+                self._drain_timer.cancel()
+            super().connection_lost(exc)
 
     return Connection
+
+
+def _close_reason(text: str) -> str:
+    """`text` cut to what a close frame's reason holds (123 bytes of UTF-8)."""
+    return text.encode()[:120].decode(errors="ignore")
 
 
 def _peer(ws) -> str:
@@ -542,7 +624,7 @@ async def _fail(ws, code: int, message: str) -> None:
     """The reason as a text frame (openpi's and RoboArena's clients raise it), then the close."""
     try:
         await ws.send(message)
-        await ws.close(code, message.encode()[:120].decode(errors="ignore"))  # a close reason fits 123 bytes
+        await ws.close(code, _close_reason(message))
     except Exception:
         pass
 
@@ -656,7 +738,8 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
     log.info(f"clients send {sorted(policy.spec.images)} + {sorted(policy.spec.state)} + prompt"
              + (f"; RoboArena handshake {policy.handshake}" if policy.spec.roboarena else ""))
     server = PolicyServer(policy, auth, limits)
-    log.info(f"limits: frames up to {server.frame_limits.max_bytes / 2**20:.1f} MiB, {limits.max_connections} "
+    log.info(f"limits: camera frames up to {server.request_limits.max_image_pixels:,} pixels (--max-image-pixels), "
+             f"requests up to {server.frame_limits.max_bytes / 2**20:.1f} MiB, {limits.max_connections} "
              f"connections ({limits.max_connections_per_client} per client address), idle timeout "
              f"{f'{limits.idle_timeout_s:g} s' if limits.idle_timeout_s else 'off'}")
     log.info(f"batching: up to {limits.max_batch} sessions a forward, {limits.batch_window_ms:g} ms window"

@@ -282,8 +282,10 @@ def test_a_slow_decode_does_not_hold_up_other_clients(monkeypatch):
 def test_the_frame_limit_follows_the_policys_views_and_frames_with_the_flat_value_as_a_cap():
     two_views = PolicyServer(FakePolicy(), None).frame_limits.max_bytes
     assert 2 * 33 * 224 * 224 * 3 < two_views < 31 * MiB  # 33 frames of openpi's 224x224 per view fit; the bomb not
-    assert PolicyServer(FakePolicy(), None, ServerLimits(request=RequestLimits(max_frames=4))).frame_limits.max_bytes \
-        < two_views / 4
+    # fewer frames, a smaller limit (with small cameras: one largest camera frame per view, 1080p by default, is
+    # the floor; tests/serve/test_frame_sizes.py)
+    few = RequestLimits(max_frames=4, max_image_pixels=64 * 64)
+    assert PolicyServer(FakePolicy(), None, ServerLimits(request=few)).frame_limits.max_bytes < two_views / 4
     assert PolicyServer(FakePolicy(), None, ServerLimits(max_frame_bytes=MiB)).frame_limits.max_bytes == MiB
     with ServerThread(FakePolicy(), TOKEN) as srv, PolicyClient(srv.url, TOKEN) as c:
         assert c.infer(libero_obs(frames=33))["actions"].shape == (12, 8)  # the largest valid request passes

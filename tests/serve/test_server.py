@@ -102,7 +102,8 @@ def test_requests_in_both_protocols_parse():
 @pytest.mark.parametrize("change, field", [
     ({"observation/wrist_image": None}, "missing 'observation/wrist_image'.*this policy reads"),
     ({"observation/image": np.zeros((64, 64, 3), np.float32)}, "observation/image must be uint8"),
-    ({"observation/image": np.zeros((2000, 64, 3), np.uint8)}, "outside 8..1024"),
+    ({"observation/image": np.zeros((4, 64, 3), np.uint8)}, "each side needs at least 8 pixels"),
+    ({"observation/image": np.zeros((1500, 1500, 3), np.uint8)}, r"2,250,000 pixels, over .*--max-image-pixels"),
     ({"observation/image": np.zeros((40, 64, 64, 3), np.uint8)}, "40 frames; send 1..33"),
     ({"observation/image": np.zeros((4, 64, 64, 3), np.uint8)}, "same number of frames"),
     ({"observation/state": np.zeros(6)}, r"observation/state must be 8 numbers"),
