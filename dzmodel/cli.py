@@ -6,7 +6,7 @@
     dz model tokenizer OUT                  build the small offline tokenizer of the embedded default
     dz data fetch|synth|metadata|check ...  datasets (see `dz data -h`)
     dz data record libero --suite S --out D LIBERO demonstrations from the scripted expert (DART noise, DAgger)
-    dz embodiment init DATASET [--out F]     draft an embodiment YAML (cameras, state, action, dims) to review
+    dz embodiment init DATASET --preset P   draft an embodiment YAML (cameras, state, action, robot) to review
     dz train [--config FILE] [--set k=v]    SFT; under torchrun: FSDP2 over all ranks; resumes from out_dir
     dz convert RUN|CKPT --out DIR           DCP -> config.json + model.safetensors (+ experiment_cfg/)
     dz eval libero RUN|MODEL --out DIR      LIBERO success rate across checkpoint steps
@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_commands as bench
     from .data.cli import add_commands as data
     from .eval.cli import add_commands as evaluation, add_data_commands as data_record
+    from .model.args import action_horizons
     from .model.cli import add_commands as model
     from .pipeline_cli import add_commands as params_and_stage
     from .serve.cli import add_bench_commands as serve_bench, add_commands as serving
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the traceback of any error")
     sub = parser.add_subparsers(dest="group", required=True)
     model(sub)
-    data_record(data(sub, recorder=_record_libero))
+    data_record(data(sub, recorder=_record_libero, presets=action_horizons()))
     training(sub)
     serving(sub)
     evaluation(sub)

@@ -114,18 +114,26 @@ def cmd_embodiment_init(ns: argparse.Namespace) -> int:
     from ..data.embodiments import load_embodiments
 
     tag, path = write_draft(ns.dataset, ns.out, tag=ns.tag, action_horizon=ns.action_horizon,
-                            view_size=tuple(ns.view_size) if ns.view_size else None, overwrite=ns.overwrite)
+                            view_size=tuple(ns.view_size) if ns.view_size else None, overwrite=ns.overwrite,
+                            presets=ns.presets, preset=getattr(ns, "preset", None))
     emb = load_embodiments([path])[tag]
     print(f"wrote {path} [{tag}]: views {list(emb.views)} at {list(emb.view_size)}, state "
           f"{[(k.name, k.dim) for k in emb.state]}, action {[(k.name, k.dim) for k in emb.action]}, "
-          f"action_horizon {emb.action_horizon}")
-    print(f"review it, then: dz data check {ns.dataset} --embodiment {tag} --embodiments {path}")
+          f"action_horizon {emb.action_horizon}, robot: {emb.robot.kind} ({emb.robot.name})")
+    print(f"review it (the robot: block above all), then: dz data check {ns.dataset} --embodiment {tag} "
+          f"--embodiments {path}")
     return EXIT_OK
 
 
-def add_commands(sub, recorder=None):
+def _horizon_table(presets: dict[str, int]) -> str:
+    return ", ".join(f"{name} {n}" for name, n in presets.items())
+
+
+def add_commands(sub, recorder=None, presets: dict[str, int] | None = None):
     """`dz data ...`. recorder: how `dz data fetch libero` records (`fetch_dataset`'s; LIBERO lives above this
-    layer). Returns the group's subparsers, to which other packages add (`dz data record`)."""
+    layer). presets: each model preset's num_action_per_block, first the default (`dz embodiment init --preset`;
+    the presets live above this layer). Returns the group's subparsers, to which other packages add (`dz data
+    record`)."""
 
     data = sub.add_parser("data", help="datasets: fetch, synth, metadata, check").add_subparsers(dest="cmd", required=True)
     p = data.add_parser("fetch", help="fetch a dataset (hub id at a revision, a local path, or 'synthetic')")
@@ -185,11 +193,18 @@ def add_commands(sub, recorder=None):
     p.add_argument("dataset")
     p.add_argument("--tag", help="the embodiment's name (default: the dataset directory's)")
     p.add_argument("--out", help="the YAML file to write (default: TAG.yaml here; never inside the dataset)")
-    p.add_argument("--action-horizon", type=int, default=24,
-                   help="actions per chunk = the model's num_action_per_block (24: dreamzero_5b/14b; 16: tiny/small)")
+    presets = dict(presets or {})
+    if presets:
+        table = _horizon_table(presets)
+        p.add_argument("--preset", choices=list(presets), default=next(iter(presets)),
+                       help=f"the model preset you will train: the draft's action_horizon is its num_action_per_block "
+                            f"({table}; default %(default)s)")
+    p.add_argument("--action-horizon", type=int, required=not presets,
+                   help="actions per chunk, instead of the preset's num_action_per_block; train the model with "
+                        "train.model_overrides.num_action_per_block set to it")
     p.add_argument("--view-size", type=int, nargs=2, metavar=("H", "W"),
                    help="each view's size after crop and resize (default: the first camera's aspect, <= 256)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    p.set_defaults(func=cmd_embodiment_init)
+    p.set_defaults(func=cmd_embodiment_init, presets=presets)
 
     return data

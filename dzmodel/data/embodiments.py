@@ -86,13 +86,15 @@ class RobotSpec:
     action_min: tuple[float, ...] | None = None    # per action dim: clipped to [min, max]
     action_max: tuple[float, ...] | None = None
     max_step_change: tuple[float, ...] | None = None  # per action dim: most change from one row of a chunk to the next
+    joint_names: tuple[str, ...] | None = None     # per action dim: what it drives (robot.json names the limits)
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "name": self.name, "action_space": self.action_space,
-                "action_mode": self.action_mode, "control_rate_hz": self.control_rate_hz,
-                "action_min": None if self.action_min is None else list(self.action_min),
-                "action_max": None if self.action_max is None else list(self.action_max),
-                "max_step_change": None if self.max_step_change is None else list(self.max_step_change)}
+        d = {"kind": self.kind, "name": self.name, "action_space": self.action_space,
+             "action_mode": self.action_mode, "control_rate_hz": self.control_rate_hz,
+             "action_min": None if self.action_min is None else list(self.action_min),
+             "action_max": None if self.action_max is None else list(self.action_max),
+             "max_step_change": None if self.max_step_change is None else list(self.max_step_change)}
+        return {**d, "joint_names": list(self.joint_names)} if self.joint_names else d
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,14 @@ class Embodiment:
 
     def columns(self) -> list[str]:
         return sorted({k.column for k in self.state + self.action})
+
+    def horizon_mismatch(self, per_block: int, model: str, trained: bool = False) -> str:
+        """The error for a model (`model` says which) whose num_action_per_block is not this action_horizon: it
+        names both settings that fix it (`trained`: the model exists, so the other one means training again)."""
+        again = " and train again" if trained else ""
+        return (f"embodiment {self.tag!r} ({self.source}) has action_horizon {self.action_horizon}, {model} has "
+                f"num_action_per_block {per_block}: set the embodiment's action_horizon to {per_block}, or "
+                f"train.model_overrides.num_action_per_block to {self.action_horizon}{again}")
 
     @property
     def wire(self) -> ServeSpec:
@@ -248,7 +258,7 @@ def robot_limits_problem(lo, hi, step, width: int | None) -> str | None:
 
 def _robot_spec(raw: Any, source: str, tag: str, action: tuple[KeySpec, ...]) -> RobotSpec:
     fields_ = {"kind", "name", "action_space", "action_mode", "control_rate_hz", "action_min", "action_max",
-               "max_step_change"}
+               "max_step_change", "joint_names"}
     if not isinstance(raw, Mapping):
         raise _fail(source, tag, "robot", f"must be a mapping of {sorted(fields_)}")
     unknown = set(raw) - fields_
@@ -292,7 +302,23 @@ def _robot_spec(raw: Any, source: str, tag: str, action: tuple[KeySpec, ...]) ->
                                                      "limits `dz serve` clips every action to)")
     return RobotSpec(kind=raw["kind"], name=name.strip(), action_space=raw["action_space"],
                      action_mode=raw["action_mode"], control_rate_hz=float(rate), action_min=lo, action_max=hi,
-                     max_step_change=step)
+                     max_step_change=step, joint_names=_joint_names(raw, source, tag, width))
+
+
+def _joint_names(raw: Mapping, source: str, tag: str, width: int | None) -> tuple[str, ...] | None:
+    names = raw.get("joint_names")
+    if names is None:
+        return None
+    if raw["kind"] == "franka":
+        raise _fail(source, tag, "robot.joint_names", "a Franka is described by its site config (dz package --robot); "
+                                                      "joint names are for the other kinds")
+    if (not isinstance(names, list) or not names or not all(isinstance(n, str) and n.strip() for n in names)
+            or len(set(names)) != len(names)):
+        raise _fail(source, tag, "robot.joint_names", f"must be a list of distinct names, one per action dim, got "
+                                                      f"{names!r:.80}")
+    if width is not None and len(names) != width:
+        raise _fail(source, tag, "robot.joint_names", f"has {len(names)} names; the action has {width} dims")
+    return tuple(names)
 
 
 def parse_embodiment(tag: str, raw: Mapping[str, Any], source: str = "<dict>") -> Embodiment:

@@ -168,8 +168,8 @@ def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embod
 
     model = load_dreamzero_dir(model_dir, device)
     if model.args.num_action_per_block != emb.action_horizon:
-        raise PolicyLoadError(f"{model_dir}: the model predicts {model.args.num_action_per_block} actions per chunk, "
-                              f"embodiment {emb.tag!r} executes {emb.action_horizon}")
+        raise PolicyLoadError(f"{model_dir}: " + emb.horizon_mismatch(model.args.num_action_per_block, "the model",
+                                                                      trained=True))
     saved = model_dir / "encoders"
     encoders = load_saved_encoders(cfg.preset, saved, device) if saved.is_dir() else frozen_encoders(cfg, device)
     tok_dir = model_dir / "tokenizer"

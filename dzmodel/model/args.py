@@ -171,6 +171,16 @@ PRESETS = {
     "wan2.1_i2v_14b": _wan21_i2v_14b,
 }
 
+# The DreamZero presets in the order `dz embodiment init --preset` lists them (the first is its default: the docs'
+# first run trains tiny).
+DREAMZERO_PRESETS = ("tiny", "small", "dreamzero_5b", "dreamzero_14b")
+
+
+def action_horizons() -> dict[str, int]:
+    """Each DreamZero preset's num_action_per_block: the action_horizon an embodiment trained with it must have."""
+    return {name: PRESETS[name]().num_action_per_block for name in DREAMZERO_PRESETS}
+
+
 # Presets whose frozen encoders and tokenizer are the project's small offline ones (no WAN files exist for them).
 OFFLINE_PRESETS = ("tiny", "small")
 

@@ -16,7 +16,7 @@ def cmd_package(ns: argparse.Namespace) -> int:
 
     robot = RobotConfig.load(ns.robot) if ns.robot else None
     bundle, tarball = build_package(ns.model, ns.out, robot, ns.version, ns.eval_dir, ns.name,
-                                    overwrite=ns.overwrite, sign_key=ns.sign)
+                                    overwrite=ns.overwrite, sign_key=ns.sign, embodiment_files=ns.embodiments)
     print(f"bundle {bundle}\ntarball {tarball}")
     return EXIT_OK
 
@@ -153,6 +153,10 @@ def add_commands(sub) -> None:
     p.add_argument("--robot", help="a Franka's robot config (YAML or JSON): robot_ip, camera_serials, "
                    "target_ee_pose, workspace_min, workspace_max, control_rate_hz, gripper_threshold; required for "
                    "a Franka embodiment, refused for others (their robot: block describes them)")
+    p.add_argument("--embodiments", action="append", metavar="FILE",
+                   help="a reviewed embodiment YAML (repeatable) whose definition of the model's embodiment replaces "
+                        "the converted copy's: a robot: or serve: block added after training (the fields training "
+                        "fixed must stay as they were); the bundle carries it")
     p.add_argument("--version", required=True)
     p.add_argument("--eval", dest="eval_dir", help="a dz eval libero output directory to ship as evidence")
     p.add_argument("--name", help="bundle name (default dreamzero-<embodiment>)")

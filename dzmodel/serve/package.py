@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_text, temp_sibling
-from ..data.embodiments import finite_numbers, robot_limits_problem
+from ..data.embodiments import BUILTIN_YAML, finite_numbers, get_embodiment, load_embodiments, robot_limits_problem
+from ..data.errors import DataError
 from ..outputs import OWNER_MARKER, claim_dir
 from . import franka
 from .bundles import (MANIFEST, SIGNATURE, TRUST_ENV, BundleError, cached_bundle, check_signature, evict, file_sha256,
@@ -200,6 +201,8 @@ def _robot_lines(robot: "RobotConfig | dict") -> tuple[str, list[str]]:
              f"{robot['action_mode']}, at {robot['control_rate_hz']:g} Hz",
              f"- every action is clipped to [{', '.join(f'{v:g}' for v in robot['action_min'])}] .. "
              f"[{', '.join(f'{v:g}' for v in robot['action_max'])}] by `dz serve`, and a chunk with a NaN is refused"]
+    if robot.get("joint_names"):
+        lines.append(f"- action dims, in order: {', '.join(robot['joint_names'])}")
     if robot.get("max_step_change"):
         lines.append(f"- at most [{', '.join(f'{v:g}' for v in robot['max_step_change'])}] of change from one row "
                      "of a chunk to the next (`dz serve` limits it; a chunk's first row only by the range)")
@@ -244,9 +247,18 @@ def _model_card(name: str, version: str, train: dict, emb: dict, robot: "RobotCo
 
 
 def robot_description(emb, robot: RobotConfig | None, action_dim: int) -> "RobotConfig | dict":
-    """What robot.json holds: a Franka's site config (the embodiment has no `robot:` block, or a franka one), or
-    the embodiment's robot description with its action limits, checked against the model's action dims."""
+    """What robot.json holds: a Franka's site config (a franka `robot:` block, or none on a built-in embodiment or
+    with a site config given), or the embodiment's robot description with its action limits and joint names,
+    checked against the model's action dims. A user's embodiment without a `robot:` block and no site config is
+    refused: what it drives is not known, and it is not asked for a Franka's fields."""
     spec = emb.robot
+    source = getattr(emb, "source", "")
+    if spec is None and robot is None and source != str(BUILTIN_YAML):
+        raise PackageError(f"embodiment {emb.tag!r} ({source}) has no robot: block, so what it drives is not "
+                           "known: add one to the embodiment's YAML (kind humanoid, arm or mobile_manipulator with "
+                           "its name, action_space, action_mode, control_rate_hz, action_min and action_max; "
+                           "`dz embodiment init` drafts it) and give that file to `dz package --embodiments FILE`; "
+                           "for a Franka arm, give its site config with --robot instead")
     if spec is None or spec.kind == "franka":
         if robot is None:
             raise PackageError(f"embodiment {emb.tag!r} drives a Franka arm: give its robot config (robot_ip, "
@@ -256,19 +268,67 @@ def robot_description(emb, robot: RobotConfig | None, action_dim: int) -> "Robot
         raise PackageError(f"embodiment {emb.tag!r} drives a {spec.kind} ({spec.name}): its robot description is "
                            "the embodiment's `robot:` block; a Franka robot config does not apply to it")
     problem = robot_limits_problem(spec.action_min, spec.action_max, spec.max_step_change, action_dim)
+    if spec.joint_names is not None and len(spec.joint_names) != action_dim:
+        problem = problem or f"joint_names has {len(spec.joint_names)} names"
     if problem:
         raise PackageError(f"embodiment {emb.tag!r}, robot: against the model's {action_dim} action dims, {problem}")
     return {**spec.to_dict(), "embodiment": emb.tag, "action_dim": action_dim}
 
 
+# what training fixed: a reviewed embodiment (`dz package --embodiments`) may change only its robot: and serve: blocks
+TRAINED_FIELDS = ("tag_id", "views", "view_size", "layout", "state", "action", "action_horizon",
+                  "relative_action_keys", "layout_sentence", "prompt_template", "crop_scale", "color_jitter",
+                  "sampling")
+
+
+def packaged_embodiment(model_dir: Path, cfg, embodiment_files) -> Any:
+    """The embodiment a bundle serves: the converted model's copy, or its definition in the reviewed
+    `embodiment_files` (which may add or change only the robot: and serve: blocks)."""
+    from ..eval.policy import model_embodiment
+
+    hint = "; give its YAML with `dz package --embodiments FILE`"
+    try:
+        trained = model_embodiment(model_dir, cfg)
+    except DataError as exc:
+        if not embodiment_files:
+            raise PackageError(f"{model_dir}: {exc}{hint}") from None
+        trained = None  # a model converted without its embodiment file: the reviewed one is all there is
+    if not embodiment_files:
+        return trained
+    copies = sorted(str(p) for p in (model_dir / "experiment_cfg" / "embodiments").glob("*.yaml"))
+    try:
+        emb = get_embodiment(cfg.embodiment, load_embodiments([*copies, *map(str, embodiment_files)]))
+    except DataError as exc:
+        raise PackageError(str(exc)) from None
+    for name in TRAINED_FIELDS if trained is not None else ():
+        if getattr(emb, name) != getattr(trained, name):
+            raise PackageError(f"{emb.source}: embodiment {emb.tag!r}, field {name!r} is {getattr(emb, name)!r:.200}; "
+                               f"the model was trained with {getattr(trained, name)!r:.200}. --embodiments may "
+                               "change only the robot: and serve: blocks: set it back (or train again with it)")
+    return emb
+
+
+def _carry_embodiments(folder: Path, files) -> None:
+    """Copy the reviewed embodiment files into a bundle's model, named to sort after its own copies: the policy
+    loads them in name order (`model_embodiment`), so the reviewed definitions win, as they did when packaging."""
+    folder.mkdir(parents=True, exist_ok=True)
+    taken = [int(p.name.split("_", 1)[0]) for p in folder.glob("*.yaml") if p.name.split("_", 1)[0].isdigit()]
+    start = max(taken, default=-1) + 1
+    for i, f in enumerate(files):
+        shutil.copyfile(f, folder / f"{start + i:02d}_{Path(f).name}")
+
+
 def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig | None, version: str,
                   eval_dir: str | Path | None = None, name: str | None = None,
-                  overwrite: bool = False, sign_key: str | Path | None = None) -> tuple[Path, Path]:
+                  overwrite: bool = False, sign_key: str | Path | None = None,
+                  embodiment_files: list[str | Path] | None = None) -> tuple[Path, Path]:
     """Bundle directory and tarball from a converted model directory (`dz convert`); sign_key: an ed25519
-    private key file that signs the MANIFEST (MANIFEST.sig)."""
+    private key file that signs the MANIFEST (MANIFEST.sig); embodiment_files: reviewed embodiment YAML that
+    overrides the model's copies (a robot: or serve: block added after training), carried into the bundle."""
     import csv
 
-    from ..eval.policy import model_embodiment, policy_statistics, read_train_config
+    from ..eval.policy import policy_statistics, read_train_config
+    from ..model.state_dict import read_config
     from ..train.encoders import frozen_encoders, save_encoders
 
     model_dir = Path(model_dir)
@@ -278,7 +338,10 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
         raise PackageError(f"version must be a plain string like 1.0.0, got {version!r}")
     key = _signing_key(sign_key) if sign_key is not None else None  # a bad key fails before any work
     cfg, step = read_train_config(model_dir)
-    emb = model_embodiment(model_dir, cfg)
+    emb = packaged_embodiment(model_dir, cfg, embodiment_files or [])
+    per_block = getattr(read_config(model_dir), "num_action_per_block", emb.action_horizon)
+    if per_block != emb.action_horizon:
+        raise PackageError(f"{model_dir}: " + emb.horizon_mismatch(per_block, "the model", trained=True))
     meta = model_dir / "experiment_cfg" / "metadata.json"
     if not meta.is_file():
         raise PackageError(f"{model_dir}: no experiment_cfg/metadata.json (normalisation statistics)")
@@ -293,6 +356,8 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         shutil.copytree(model_dir, tmp / "model", ignore=shutil.ignore_patterns(OWNER_MARKER))
+        if embodiment_files:
+            _carry_embodiments(tmp / "model" / "experiment_cfg" / "embodiments", embodiment_files)
         if not (tmp / "model" / "encoders").is_dir():
             save_encoders(frozen_encoders(cfg), tmp / "model" / "encoders")
         shutil.copyfile(model_dir / "config.json", tmp / "config.json")
@@ -458,6 +523,9 @@ def _checked_robot(raw: dict, source: Path) -> dict:
         raise PackageError(f"{source}: a {raw.get('kind')} robot needs action_min and action_max (and "
                            "max_step_change, if any) as lists of finite numbers")
     problem = robot_limits_problem(lo, hi, step, n)
+    names = raw.get("joint_names")
+    if names is not None and not (isinstance(names, list) and len(names) == n and all(isinstance(x, str) for x in names)):
+        problem = problem or f"joint_names must be {n} names, one per action dim"
     if problem:
         raise PackageError(f"{source}: {problem}")
     return raw

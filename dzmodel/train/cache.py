@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from ..data.collate import Collator
 from ..data.dataset import load_statistics
 from ..data.embodiments import get_embodiment, load_embodiments
+from ..data.errors import DataError
 from ..data.remote import is_remote
 from ..data.sampling import WindowSpec
 from ..model.args import preset
@@ -97,6 +98,8 @@ def build_cache(cfg: TrainConfig, out_dir: str | Path, stride: int = 1, batch_si
     cfg = size_to_embodiment(cfg)  # the same widths the trainer will build
     a = preset(cfg.preset, **cfg.model_overrides)
     emb = get_embodiment(cfg.embodiment, load_embodiments(cfg.embodiment_files))
+    if emb.action_horizon != a.num_action_per_block:
+        raise DataError(emb.horizon_mismatch(a.num_action_per_block, f"the model (preset {cfg.preset!r})"))
     stats = load_statistics(cfg.metadata, emb.tag)
     spec = WindowSpec(a.max_chunk_size, emb.action_horizon, 4 * a.num_frame_per_block, emb.sampling)
     datasets = [training_windows(p, emb, spec, stats, cfg, train=False) for p in cfg.datasets]  # no held-out

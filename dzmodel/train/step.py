@@ -186,7 +186,10 @@ class TrainStep:
         blocks = (latents.shape[2] - 1) // a.num_frame_per_block
         if actions.shape[1] != blocks * a.num_action_per_block:
             raise ValueError(f"the batch has {actions.shape[1]} action rows, the model wants {blocks} chunks x "
-                             f"{a.num_action_per_block} (embodiment action_horizon must equal num_action_per_block)")
+                             f"{a.num_action_per_block}: the embodiment's action_horizon must equal the model's "
+                             f"num_action_per_block; set the embodiment's action_horizon to {a.num_action_per_block} "
+                             f"(and rebuild a cache with it), or train.model_overrides.num_action_per_block to "
+                             f"{actions.shape[1] // max(blocks, 1)}")
         ids, aids, noise, noise_a = self.draws(positions, latents.shape, actions.shape)
         # padded action dims: zero noise, so their noisy input is zero (and their target, masked anyway, too)
         noise_a = noise_a * batch["action_mask"]

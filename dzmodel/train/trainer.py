@@ -277,8 +277,7 @@ class Trainer:
         embodiments = [get_embodiment(tag, known) for tag in tags]
         for emb in embodiments:
             if emb.action_horizon != a.num_action_per_block:
-                raise DataError(f"embodiment {emb.tag!r} has action_horizon {emb.action_horizon}, the model preset "
-                                f"{cfg.preset!r} has num_action_per_block {a.num_action_per_block}")
+                raise DataError(emb.horizon_mismatch(a.num_action_per_block, f"the model (preset {cfg.preset!r})"))
         self.datasets = [
             training_windows(path, emb, WindowSpec(a.max_chunk_size, emb.action_horizon, 4 * a.num_frame_per_block,
                                                    emb.sampling), load_statistics(cfg.metadata, emb.tag), cfg)

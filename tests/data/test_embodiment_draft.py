@@ -47,12 +47,12 @@ def test_the_draft_refuses_to_replace_a_file_or_write_into_the_dataset(droid_lik
     out = tmp_path / "mine.yaml"
     out.write_text("kept: 1\n")
     with pytest.raises(DataError, match="exists; pass --overwrite"):
-        write_draft(droid_like, out)
+        write_draft(droid_like, out, action_horizon=4)
     assert out.read_text() == "kept: 1\n"
     with pytest.raises(DataError, match="inside the dataset"):
-        write_draft(droid_like, droid_like / "meta" / "robot.yaml")
+        write_draft(droid_like, droid_like / "meta" / "robot.yaml", action_horizon=4)
     assert not (droid_like / "meta" / "robot.yaml").exists()
-    write_draft(droid_like, out, overwrite=True)
+    write_draft(droid_like, out, action_horizon=4, overwrite=True)
     assert '"droid_like":' in out.read_text()
 
 
@@ -84,13 +84,96 @@ def test_cli_writes_the_draft_and_prints_the_next_command(droid_like, tmp_path, 
 def test_tags_load_back_as_the_strings_written(droid_like, tmp_path):
     """A tag YAML would read as a boolean is quoted; a directory name that is a number gets a prefix; a tag that
     is no name is refused."""
-    tag, path = write_draft(droid_like, tmp_path / "yes.yaml", tag="yes")
+    tag, path = write_draft(droid_like, tmp_path / "yes.yaml", tag="yes", action_horizon=4)
     assert tag == "yes" and "yes" in load_embodiments([path])
     import shutil
 
     numbered = tmp_path / "2024"
     shutil.copytree(droid_like, numbered)
-    tag, path = write_draft(numbered, tmp_path / "n.yaml")
+    tag, path = write_draft(numbered, tmp_path / "n.yaml", action_horizon=4)
     assert tag == "robot_2024" and tag in load_embodiments([path])
     with pytest.raises(DataError, match="--tag 'a: b'"):
         draft_embodiment(droid_like, tag="a: b")
+
+
+# --- the robot: block, the action horizon of a preset -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def g1_like(tmp_path_factory):
+    """A humanoid's layout: one head camera, 26 joint positions (named joint_0..joint_25) as state and action."""
+    return make_synthetic_dataset(tmp_path_factory.mktemp("g") / "g1_walk", num_episodes=2, episode_length=30,
+                                  image_size=32, codec="libx264", embodiment="unitree_g1")
+
+
+def _action_range(dataset):
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    rows = np.concatenate([np.stack(pq.read_table(f, columns=["action"])["action"].to_numpy(zero_copy_only=False))
+                           for f in sorted((dataset / "data").glob("**/*.parquet"))])
+    return rows.min(axis=0), rows.max(axis=0)
+
+
+def test_a_humanoid_gets_a_humanoid_robot_block_with_the_datas_range_and_joint_names(g1_like, tmp_path):
+    import numpy as np
+
+    tag, path = write_draft(g1_like, tmp_path / "g1.yaml", action_horizon=4)
+    robot = load_embodiments([path])[tag].robot
+    assert robot is not None and robot.kind == "humanoid" and robot.action_space == "joint"
+    assert robot.action_mode == "absolute" and robot.control_rate_hz == 10 and robot.name
+    lo, hi = _action_range(g1_like)
+    margin = 0.05 * (hi - lo)
+    np.testing.assert_allclose(robot.action_min, lo - margin, atol=2e-4)
+    np.testing.assert_allclose(robot.action_max, hi + margin, atol=2e-4)
+    assert all(a <= b for a, b in zip(robot.action_min, lo - margin + 1e-9))  # rounded outwards, never inwards
+    assert robot.joint_names == tuple(f"joint_{i}" for i in range(26))
+    comment = path.read_text().split("  robot:")[0].rsplit("sampling: multi_anchor", 1)[1]
+    assert "guessed from 26 action dims" in comment and "Check every field" in comment
+
+
+def test_a_franka_like_dataset_gets_a_franka_block_without_limits(droid_like, tmp_path):
+    tag, path = write_draft(droid_like, tmp_path / "droid.yaml", action_horizon=4)
+    robot = load_embodiments([path])[tag].robot
+    assert robot.kind == "franka" and robot.action_min is None and robot.joint_names is None
+    assert "--robot" in path.read_text()  # a Franka's site config goes to dz package
+
+
+def test_a_small_arm_gets_a_generic_arm_block(tmp_path):
+    from tests.data.lerobot_writers import write_v21
+
+    root = write_v21(tmp_path / "arm_ds", lengths=(6, 5), codec="libx264")
+    tag, path = write_draft(root, tmp_path / "arm.yaml", action_horizon=4)
+    robot = load_embodiments([path])[tag].robot
+    assert robot.kind == "arm" and robot.joint_names == ("a0", "a1", "a2") and len(robot.action_min) == 3
+
+
+def test_the_preset_sets_the_action_horizon_and_the_advice_comes_from_the_presets(g1_like, tmp_path, capsys):
+    from dzmodel.model.args import preset
+
+    tiny = preset("tiny").num_action_per_block
+    for name in ("tiny", "small", "dreamzero_5b", "dreamzero_14b"):
+        out = tmp_path / f"{name}.yaml"
+        assert main(["embodiment", "init", str(g1_like), "--out", str(out), "--preset", name]) == 0
+        assert load_embodiments([out])["g1_walk"].action_horizon == preset(name).num_action_per_block
+    default = tmp_path / "default.yaml"
+    assert main(["embodiment", "init", str(g1_like), "--out", str(default)]) == 0  # the docs' first run: tiny
+    assert load_embodiments([default])["g1_walk"].action_horizon == tiny
+    text = default.read_text()
+    advice = ", ".join(f"{n} {preset(n).num_action_per_block}" for n in ("tiny", "small", "dreamzero_5b",
+                                                                          "dreamzero_14b"))
+    assert advice in text and "16 for tiny" not in text
+    with pytest.raises(SystemExit):
+        main(["embodiment", "init", "--help"])
+    helptext = " ".join(capsys.readouterr().out.split())
+    assert advice in helptext and "16: tiny" not in helptext
+    # another horizon than the preset's: the draft says which model setting then matches it
+    other = tmp_path / "other.yaml"
+    assert main(["embodiment", "init", str(g1_like), "--out", str(other), "--action-horizon", "16"]) == 0
+    assert "train.model_overrides.num_action_per_block: 16" in other.read_text()
+
+
+def test_the_layout_sentence_counts_views_in_good_english(g1_like, droid_like):
+    _, one = draft_embodiment(g1_like, action_horizon=4)
+    _, three = draft_embodiment(droid_like, action_horizon=4)
+    assert "The video shows one view: the head camera." in one and "1 horizontal views" not in one
+    assert "3 horizontal views" in three

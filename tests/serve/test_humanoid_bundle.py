@@ -1,10 +1,11 @@
 """A humanoid end to end, as a lab adds one: a Unitree G1-shaped dataset (one head camera, 26 joint positions as
-state and absolute joint targets as action) goes `dz embodiment init` -> (the lab adds its robot: block) ->
-`dz data check` -> `dz data metadata` -> train -> convert -> `dz package` (no Franka config) -> serve, and
-openpi's client gets (chunk, 26) actions inside the robot's limits, the clipping logged."""
+state and absolute joint targets as action) goes `dz embodiment init` -> (the lab's review narrows the drafted
+robot: block's limits) -> `dz data check` -> `dz data metadata` -> train -> convert -> `dz package` (no Franka
+config) -> serve, and openpi's client gets (chunk, 26) actions inside the robot's limits, the clipping logged."""
 
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -42,7 +43,10 @@ def g1(tmp_path_factory):
     yaml_file = root / "g1.yaml"
     assert main(["embodiment", "init", str(ds), "--out", str(yaml_file), "--tag", "g1", "--action-horizon",
                  "16"]) == 0
-    yaml_file.write_text(yaml_file.read_text() + ROBOT_BLOCK)  # the lab's review: what robot, what limits
+    drafted = yaml_file.read_text()
+    assert "\n  robot:\n    kind: humanoid\n" in drafted  # drafted as a humanoid, with the data's range
+    # the lab's review: what robot, what limits
+    yaml_file.write_text(re.sub(r"  robot:\n(    .*\n)+", lambda _: ROBOT_BLOCK, drafted))
     assert main(["data", "check", str(ds), "--embodiment", "g1", "--embodiments", str(yaml_file), "--chunks",
                  "2"]) == 0
     assert main(["data", "metadata", str(ds), "--embodiment", "g1", "--embodiments", str(yaml_file), "--out",

@@ -43,8 +43,8 @@ def test_package_builds_verifies_and_serves_a_policy(model, tmp_path):
         assert (bundle / f).is_file(), f
     card = (bundle / "MODEL_CARD.md").read_text()
     assert "| 1 | all | 2 | 1 | 0.5 |" in card and "packaged for a Franka arm" in card
-    # an embodiment without a robot: block is a Franka: its site config is required
-    with pytest.raises(PackageError, match="drives a Franka arm: give its robot config"):
+    # a user's embodiment without a robot: block and no site config: what it drives is not known
+    with pytest.raises(PackageError, match="has no robot: block.*--embodiments FILE.*for a Franka arm, give its site"):
         build_package(hf, tmp_path / "none", None, "1.0.1")
     assert main(["package", str(hf), "--version", "1.0.2", "--out", str(tmp_path / "none2")]) == 2
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -100,6 +100,15 @@ def test_tarball_members_escaping_the_target_are_refused(tmp_path):
 def test_robot_config_schema(change, field):
     with pytest.raises(PackageError, match=field):
         RobotConfig.from_dict({**ROBOT, **change})
+
+
+def test_a_built_in_franka_embodiment_asks_for_its_site_config():
+    from dzmodel.data.embodiments import get_embodiment
+    from dzmodel.serve.package import robot_description
+
+    with pytest.raises(PackageError, match="drives a Franka arm: give its robot config"):
+        robot_description(get_embodiment("libero_sim"), None, 7)
+    assert robot_description(get_embodiment("libero_sim"), RobotConfig.from_dict(ROBOT), 7).robot_ip == "172.16.0.2"
 
 
 def test_robot_limits_must_cover_the_models_action_dims():
