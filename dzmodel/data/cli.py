@@ -50,17 +50,29 @@ def _is_metadata_json(path: Path) -> bool:
 
 
 def cmd_data_metadata(ns: argparse.Namespace) -> int:
-    from ..data.dataset import embodiment_metadata
+    from ..data.dataset import embodiment_metadata, missing_videos
     from ..data.embodiments import get_embodiment
+    from ..data.lerobot_format import open_dataset
 
     from ..outputs import check_output_file
 
     check_output_file(ns.out, _is_metadata_json, overwrite=ns.overwrite, what="a metadata.json")  # --merge too
     emb = get_embodiment(ns.embodiment, registry_of(ns))
+    missing = sorted({ep for ep, _ in missing_videos(open_dataset(ns.dataset), emb)})
     doc = embodiment_metadata(ns.dataset, emb, ns.out, merge=ns.merge, max_episodes=ns.max_episodes,
-                              heldout_episodes=ns.heldout_episodes)
-    stats = doc[emb.tag]["statistics"]
-    print(f"wrote {ns.out} [{emb.tag}], statistics from {doc[emb.tag]['statistics_episodes']} episodes")
+                              heldout_episodes=ns.heldout_episodes, skipped_episodes=missing if ns.skip_missing else ())
+    entry = doc[emb.tag]
+    stats = entry["statistics"]
+    print(f"wrote {ns.out} [{emb.tag}], statistics from {entry['statistics_episodes']} episodes"
+          + (f" (the first --max-episodes {ns.max_episodes})" if ns.max_episodes else ""))
+    left = ([f"{entry['skipped_episodes']} (missing video files)"] if entry.get("skipped_episodes") else []) + (
+        [f"{entry['heldout_episodes']} (held out: --heldout-episodes {ns.heldout_episodes})"]
+        if entry["heldout_episodes"] else [])
+    if left:
+        print(f"left out episode(s) {', '.join(left)}")
+    if missing and not ns.skip_missing:
+        print(f"note: episode(s) {missing} lack video files of the views in use, and their rows are in these "
+              "statistics; --skip-missing leaves them out, as train.skip_missing leaves them out of training")
     for group, entries in stats.items():
         for key, st in entries.items():
             print(f"  {group}.{key}: {len(st['mean'])} dims, q01 {[round(v, 3) for v in st['q01'][:4]]}..., "
@@ -80,12 +92,21 @@ def cmd_data_check(ns: argparse.Namespace) -> int:
     print(f"{where}: LeRobot {reader.version}, {len(reader.episodes)} episodes, "
           f"{sum(e.length for e in reader.episodes)} frames at {reader.fps:g} fps, views {reader.video_keys}")
     try:
-        reader.check()
-        print("all promised data and video files are present")
+        reader.check(allow_missing_videos=ns.skip_missing)  # with --skip-missing, the missing videos are listed below
+        complete = True
     except DataError as exc:
         if not ns.skip_missing:
             raise
         print(f"warning: {exc}")
+        complete = False
+    missing = reader.missing_video_files() if ns.skip_missing else []
+    if missing:
+        files = list(dict.fromkeys(str(path) for _, path in missing))  # a v3.0 file holds several episodes
+        shown = ", ".join(files[:10]) + (f" and {len(files) - 10} more" if len(files) > 10 else "")
+        print(f"warning: {len(files)} video file(s) missing ({shown}): episode(s) "
+              f"{sorted({ep for ep, _ in missing})} are skipped")
+    elif complete:
+        print("all promised data and video files are present")
     from ..data.check import dataset_problems, deep_check, raise_problems
 
     raise_problems(reader, deep_check(reader) if ns.deep else dataset_problems(reader), shown=None)
@@ -100,7 +121,8 @@ def cmd_data_check(ns: argparse.Namespace) -> int:
         spec = WindowSpec(ns.chunks, emb.action_horizon, 4 * ns.frames_per_block, emb.sampling)
         ds = WindowDataset(reader, emb, spec, statistics=None, train=False, skip_missing=ns.skip_missing)
         if ds.missing:
-            print(f"skipping {len({ep for ep, _ in ds.missing})} episodes with missing video files")
+            print(f"embodiment {emb.tag}: episode(s) {sorted({ep for ep, _ in ds.missing})} skipped (video files of "
+                  "its views missing)")
         sample = ds.sample(0)
         print(f"embodiment {emb.tag}: {len(ds)} anchors ({len(ds.index.skipped)} segments too short), "
               f"state {ds.keys.state_dim} dims, action {ds.keys.action_dim} dims, "
@@ -174,6 +196,9 @@ def add_commands(sub, recorder=None, presets: dict[str, int] | None = None):
     p.add_argument("--max-episodes", type=int)
     p.add_argument("--heldout-episodes", type=int, default=0,
                    help="leave out the last N episodes (train.heldout_episodes): statistics of the training episodes")
+    p.add_argument("--skip-missing", action="store_true",
+                   help="leave out the episodes whose video files are missing, as training with --skip-missing "
+                        "does (they are listed, and recorded as skipped_episodes)")
     p.set_defaults(func=cmd_data_metadata)
     p = data.add_parser("check", help="verify a dataset's files and, with --embodiment, its keys and one sample")
     p.add_argument("dataset")

@@ -46,9 +46,11 @@ def load_statistics(metadata_path: str | Path, tag: str) -> dict:
 
 
 def embodiment_metadata(dataset: str | Path, emb: Embodiment, out: str | Path | None, merge: bool = False,
-                        max_episodes: int | None = None, heldout_episodes: int = 0) -> dict:
+                        max_episodes: int | None = None, heldout_episodes: int = 0,
+                        skipped_episodes: Sequence[int] = ()) -> dict:
     """metadata.json for one dataset seen through one embodiment (its keys, slices and relative keys), its
-    statistics over the training episodes: all but the last `heldout_episodes` (`heldout_split`)."""
+    statistics over the training episodes: all but the last `heldout_episodes` (`heldout_split`) and the
+    `skipped_episodes` (those `missing_videos` names, which training with skip_missing leaves out too)."""
     from .metadata import compute_metadata
 
     def keys(group):
@@ -59,7 +61,14 @@ def embodiment_metadata(dataset: str | Path, emb: Embodiment, out: str | Path | 
     return compute_metadata(dataset, emb.tag, keys(emb.state), keys(emb.action), out,
                             relative_action_keys=emb.relative_action_keys, action_horizon=emb.action_horizon,
                             video_keys=emb.views, merge=merge, max_episodes=max_episodes, declared_dims=declared,
-                            heldout_episodes=heldout_episodes)
+                            heldout_episodes=heldout_episodes, skipped_episodes=skipped_episodes)
+
+
+def missing_videos(reader: Any, emb: Embodiment) -> list[tuple[int, Path]]:
+    """(episode, path) of every mp4 of the embodiment's views that the dataset lacks (image views have none)."""
+    mp4_keys = [k for k in emb.views.values() if k in reader.features and reader.features[k].dtype == "video"]
+    return [(ep.index, path) for ep in reader.episodes for key in mp4_keys
+            if not reader.has_file(path := reader.video_file(ep.index, key))]
 
 
 def key_vectors(cols: dict, keys, rows) -> np.ndarray:
@@ -147,14 +156,7 @@ class WindowDataset:
 
     def _missing_files(self) -> list[tuple[int, Path]]:
         """(episode, path) of every mp4 of the views in use that the dataset lacks (image views have none)."""
-        mp4_keys = [k for k in self.emb.views.values() if self.reader.features[k].dtype == "video"]
-        out = []
-        for ep in self.reader.episodes:
-            for key in mp4_keys:
-                path = self.reader.video_file(ep.index, key)
-                if not self.reader.has_file(path):
-                    out.append((ep.index, path))
-        return out
+        return missing_videos(self.reader, self.emb)
 
     def _check_keys(self) -> KeyLayout:
         feats = self.reader.features

@@ -552,6 +552,11 @@ class LeRobotReader:
         for rel in sorted({self.episodes.strings[i] for i in np.unique(self.episodes.data_file)}):
             yield self.root / rel
 
+    def missing_video_files(self) -> list[tuple[int, Path]]:
+        """(episode, path) of every video file the episode table promises that the dataset lacks."""
+        return [(ep.index, path) for ep in self.episodes for key in self._mp4_keys
+                if not self.has_file(path := self.video_file(ep.index, key))]
+
     def check(self, allow_missing_videos: bool = False) -> None:
         """Raise DataError if a file that info.json / the episode table promises is missing (video files excepted
         with allow_missing_videos: training's skip_missing skips their episodes)."""

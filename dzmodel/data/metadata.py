@@ -49,6 +49,8 @@ time, so memory is bounded by the longest episode x horizon).
 Held-out episodes. ``heldout_episodes=N`` leaves out the last N episodes by index (the split training and the
 held-out evaluation use, ``dzmodel.data.dataset.heldout_split``): the statistics come from the training episodes
 only, and the entry says which (``statistics_episodes``: how many were used; ``heldout_episodes``: the indices).
+``skipped_episodes`` leaves out more (those whose videos are missing, which training with ``skip_missing`` skips),
+recorded under that name when there are any.
 
 Every number must be finite: a NaN or infinity in a state or action column is a DataError naming the file, episode,
 column and frame, and so are statistics that overflow float64; metadata.json is strict JSON (no NaN, no Infinity).
@@ -189,6 +191,7 @@ def compute_metadata(
     merge: bool = False,
     max_episodes: int | None = None,
     heldout_episodes: int = 0,
+    skipped_episodes: Sequence[int] = (),
     progress: bool = True,
     quantile_bins: int = DEFAULT_QUANTILE_BINS,
     exact_threshold: int = DEFAULT_EXACT_THRESHOLD,
@@ -213,6 +216,8 @@ def compute_metadata(
         max_episodes: use only the first N episodes met in the data files (quick looks).
         heldout_episodes: leave out the last N episodes by index, as training does (``train.heldout_episodes``,
             ``heldout_split``), so the held-out evaluation's episodes do not shape the normalisation.
+        skipped_episodes: leave out these episodes too (those whose videos are missing, which training with
+            ``skip_missing`` skips); the entry records them as ``skipped_episodes``.
         quantile_bins: histogram bins per dimension for q01/q99 above ``exact_threshold`` rows;
             the error is at most (max - min) / quantile_bins per dimension.
         exact_threshold: at most this many rows (values per dimension) per key -> exact quantiles.
@@ -239,7 +244,7 @@ def compute_metadata(
             raise DataError(f"relative action key {k!r}: must be both a state key and an action key")
 
     acc = _Statistics(root, specs, relative_action_keys, action_horizon, heldout_episodes, max_episodes, batch_rows,
-                      exact_threshold, quantile_bins, progress)
+                      exact_threshold, quantile_bins, progress, skipped_episodes)
     if acc.run_pass(hist=False) == 0:
         raise DataError(f"{root}: no data rows")
     for (group, key), want in (declared_dims or {}).items():
@@ -266,6 +271,7 @@ def compute_metadata(
         "embodiment_tag": embodiment_tag,
         "statistics_episodes": len(acc.used_episodes),
         "heldout_episodes": acc.heldout,
+        **({"skipped_episodes": acc.skipped} if acc.skipped else {}),
     }
     doc = {embodiment_tag: entry}
     if out is not None:
@@ -322,7 +328,8 @@ class _Statistics:
     quantiles (`RunningStats`)."""
 
     def __init__(self, root: Path, specs: dict, relative_action_keys, action_horizon: int, heldout_episodes: int,
-                 max_episodes, batch_rows: int, exact_threshold: int, quantile_bins: int, progress: bool):
+                 max_episodes, batch_rows: int, exact_threshold: int, quantile_bins: int, progress: bool,
+                 skipped: Sequence[int] = ()):
         self.root, self.specs = root, specs
         self.relative_action_keys, self.action_horizon = tuple(relative_action_keys), action_horizon
         self.max_episodes, self.batch_rows, self.progress = max_episodes, batch_rows, progress
@@ -334,6 +341,7 @@ class _Statistics:
             from .sampling import heldout_split
 
             _, self.heldout = heldout_split(episode_indices(self.files), heldout_episodes, "train.heldout_episodes")
+        self.skipped = sorted(set(int(e) for e in skipped) - set(self.heldout))
         self.used_episodes: set[int] = set()
         self.stats = {g: {k: RunningStats(f"{g}.{k}", exact_threshold, quantile_bins) for k in specs[g]}
                       for g in specs}
@@ -387,7 +395,7 @@ class _Statistics:
         bar = Progress(total, desc="statistics" + (" (quantiles)" if hist else ""), unit="row", enabled=self.progress)
         try:  # closed on an error too, so the error starts on its own line
             for path, ep, fi, cols in iter_batches(self.files, self.columns, self.batch_rows, self.max_episodes,
-                                                   self.heldout):
+                                                   self.heldout + self.skipped):
                 rows += len(ep)
                 self.used_episodes.update(np.unique(ep).tolist())
                 bar.update(n=len(ep))

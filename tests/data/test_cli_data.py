@@ -38,3 +38,38 @@ def test_errors_are_one_line(tmp_path, capsys):
     assert "info.json" in capsys.readouterr().err
     assert main(["data", "metadata", str(tmp_path), "--embodiment", "nope", "--out", str(tmp_path / "x.json")]) == 2
     assert "unknown embodiment tag 'nope'" in capsys.readouterr().err
+
+
+def _v21_missing_one_video(tmp_path):
+    """A v2.1 dataset of three episodes whose episode 1 lacks one camera's video, and its embodiment file."""
+    from dzmodel.data.lerobot_format import open_dataset
+    from tests.data.lerobot_writers import CAMERAS, write_test_arm_yaml, write_v21
+
+    root = write_v21(tmp_path / "v21", lengths=(12, 11, 13), codec="libx264")
+    open_dataset(root).video_file(1, CAMERAS[-1]).unlink()
+    return root, write_test_arm_yaml(tmp_path / "arm.yaml")
+
+
+def test_metadata_names_the_episodes_it_leaves_out(tmp_path, capsys):
+    root, arm = _v21_missing_one_video(tmp_path)
+    base = ["data", "metadata", str(root), "--embodiment", "test_arm", "--embodiments", str(arm)]
+    assert main(base + ["--out", str(tmp_path / "all.json")]) == 0
+    out = capsys.readouterr().out
+    assert "episode(s) [1]" in out and "--skip-missing" in out  # in the statistics, and how to leave them out
+    assert main(base + ["--out", str(tmp_path / "m.json"), "--skip-missing", "--heldout-episodes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "statistics from 1 episodes" in out and "left out episode(s) [1] (missing video files)" in out
+    assert "[2] (held out" in out
+    entry = json.loads((tmp_path / "m.json").read_text())["test_arm"]
+    assert entry["skipped_episodes"] == [1] and entry["heldout_episodes"] == [2]
+
+
+def test_check_with_skip_missing_lists_the_skipped_episodes_without_advising_the_flag(tmp_path, capsys):
+    root, arm = _v21_missing_one_video(tmp_path)
+    assert main(["data", "check", str(root)]) == 2
+    assert "`--skip-missing`" in capsys.readouterr().err  # not given: advised
+    assert main(["data", "check", str(root), "--skip-missing", "--embodiment", "test_arm", "--embodiments",
+                 str(arm), "--chunks", "2"]) == 0
+    out = capsys.readouterr().out.replace(str(tmp_path), "")
+    assert "--skip-missing" not in out and "skip_missing" not in out
+    assert "episode(s) [1]" in out
