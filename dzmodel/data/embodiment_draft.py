@@ -35,6 +35,8 @@ HUMANOID_WORDS = ("hip", "knee", "ankle", "waist", "torso", "pelvis", "leg")
 FRANKA_WORDS = ("franka", "panda", "droid", "fr3")
 MOBILE_WORDS = ("wheel", "base", "odom", "chassis")
 CARTESIAN_NAMES = {"x", "y", "z", "roll", "pitch", "yaw", "rx", "ry", "rz"}
+DELTA_NAME = re.compile(r"d_?(x|y|z|roll|pitch|yaw|rx|ry|rz)")   # dx, d_roll: an end-effector delta
+FRANKA_JOINTS = 7
 HUMANOID_DIMS = 20    # at least this many action dims and no Franka sign: a humanoid
 
 
@@ -129,36 +131,67 @@ def _numbers(values: list[float]) -> str:
     return "[" + ", ".join(f"{v:.{LIMIT_DECIMALS}f}" for v in values) + "]"
 
 
-def draft_robot(reader, action: list, tag: str) -> tuple[dict, list[str]]:
-    """(the robot: entry, its YAML lines with comments) for the dataset's action columns."""
+def _space_and_mode(names: list[str] | None) -> tuple[str, str]:
+    """(action_space, action_mode) as the action's names suggest them: end_effector for x, y, z, roll, ... (or
+    their d-prefixed deltas), delta for delta, velocity or d-prefixed names; joint and absolute otherwise."""
+    lower = [n.lower() for n in names or []]
+    deltas = [n for n in lower if "delta" in n or "vel" in n or DELTA_NAME.fullmatch(n)]
+    axes = [n for n in lower if n in CARTESIAN_NAMES or DELTA_NAME.fullmatch(n) or "eef" in n or "cartesian" in n]
+    cartesian = bool(axes) and not any("joint" in n for n in lower)
+    return ("end_effector" if cartesian else "joint"), ("delta" if deltas else "absolute")
+
+
+def _franka_action(action: list) -> dict | None:
+    """A Franka's absolute joint positions as the keys its published limits apply to (joint_position, and
+    gripper_position for an 8th dim), when the action is one column of 7 or 8 dims; else None."""
+    if len(action) != 1 or int(action[0].shape[0]) not in (FRANKA_JOINTS, FRANKA_JOINTS + 1):
+        return None
+    column = action[0].key
+    keys = {"joint_position": {"column": column, "slice": [0, FRANKA_JOINTS], "dim": FRANKA_JOINTS}}
+    if int(action[0].shape[0]) > FRANKA_JOINTS:
+        keys["gripper_position"] = {"column": column, "slice": [FRANKA_JOINTS, FRANKA_JOINTS + 1], "dim": 1}
+    return keys
+
+
+def draft_robot(reader, action: list, tag: str) -> tuple[dict, list[str], dict | None]:
+    """(the robot: entry, its YAML lines with comments, the action keys a Franka's joint limits need or None) for
+    the dataset's action columns."""
     names = _action_names(action)
     width = sum(int(f.shape[0]) for f in action)
     robot_type = str(reader.info.get("robot_type") or "")
     kind, why = _robot_kind(names, width, robot_type)
-    lower = [n.lower() for n in names or []]
-    cartesian = bool(lower) and not any("joint" in n for n in lower) and any(n in CARTESIAN_NAMES for n in lower)
-    entry = {"kind": kind,
-             "name": robot_type if robot_type and robot_type.lower() != "unknown" else tag,
-             "action_space": "end_effector" if cartesian else "joint",
-             "action_mode": "delta" if any("delta" in n or "vel" in n for n in lower) else "absolute",
-             "control_rate_hz": float(reader.fps)}
-    if kind == "franka":
-        intro = [f"  # the robot it drives: a Franka arm, guessed from {why}. Check it (another arm: kind arm, with",
-                 "  # action_min/action_max). `dz package` takes a Franka's site config: --robot SITE.yaml (robot_ip,",
-                 "  # camera_serials, target_ee_pose, workspace_min, workspace_max)"]
-    else:
+    space, mode = _space_and_mode(names)
+    franka_keys = None
+    if kind == "franka" and (space, mode) == ("joint", "absolute"):
+        franka_keys = _franka_action(action)  # `dz serve` clips them to the Panda's published joint limits
+        if franka_keys is None:
+            kind, why = "arm", f"{why}, but its joint positions are not a Franka's 7 + 1 (then its limits would apply)"
+    entry = {"kind": kind, "name": robot_type if robot_type and robot_type.lower() != "unknown" else tag,
+             "action_space": space, "action_mode": mode, "control_rate_hz": float(reader.fps)}
+    if kind != "franka":
         lo, hi = _limits(*_action_range(reader, [f.key for f in action]))
         entry.update(action_min=[float(f"{v:.{LIMIT_DECIMALS}f}") for v in lo],
                      action_max=[float(f"{v:.{LIMIT_DECIMALS}f}") for v in hi])
         if names:
             entry["joint_names"] = names
-        intro = [f"  # the robot it drives: a {kind.replace('_', ' ')}, guessed from {why}. Check every field: kind",
-                 "  # (franka | arm | humanoid | mobile_manipulator), action_space (joint | end_effector), action_mode",
-                 "  # (absolute | delta). `dz serve` clips every action to [action_min, action_max], drafted from the",
-                 f"  # data's range widened by {LIMIT_MARGIN:.0%} of it on each side; an optional max_step_change (one "
-                 "number per",
-                 "  # dim) limits the change from one row of a chunk to the next"]
-    lines = [*intro, "  robot:", f"    kind: {kind}", f"    name: {json.dumps(entry['name'])}",
+    return entry, _robot_comment(kind, why) + _robot_yaml(entry), franka_keys
+
+
+def _robot_comment(kind: str, why: str) -> list[str]:
+    if kind == "franka":
+        return [f"  # the robot it drives: a Franka arm, guessed from {why}. Check it (another arm: kind",
+                "  # arm, with action_min/action_max). `dz package` takes a Franka's site config: --robot SITE.yaml",
+                "  # (robot_ip, camera_serials, target_ee_pose, workspace_min, workspace_max)"]
+    return [f"  # the robot it drives: a {kind.replace('_', ' ')}, guessed from {why}. Check every field: kind",
+            "  # (franka | arm | humanoid | mobile_manipulator), action_space (joint | end_effector), action_mode",
+            "  # (absolute | delta). `dz serve` clips every action to [action_min, action_max], drafted from the",
+            f"  # data's range widened by {LIMIT_MARGIN:.0%} of it on each side; an optional max_step_change (one "
+            "number per",
+            "  # dim) limits the change from one row of a chunk to the next"]
+
+
+def _robot_yaml(entry: dict) -> list[str]:
+    lines = ["  robot:", f"    kind: {entry['kind']}", f"    name: {json.dumps(entry['name'])}",
              f"    action_space: {entry['action_space']}", f"    action_mode: {entry['action_mode']}",
              f"    control_rate_hz: {entry['control_rate_hz']}"]
     if "action_min" in entry:
@@ -166,7 +199,7 @@ def draft_robot(reader, action: list, tag: str) -> tuple[dict, list[str]]:
                   f"    action_max: {_numbers(entry['action_max'])}"]
     if "joint_names" in entry:
         lines.append(f"    joint_names: {json.dumps(entry['joint_names'])}")
-    return entry, lines
+    return lines
 
 
 def _horizon_lines(action_horizon: int, presets: Mapping[str, int], preset: str | None) -> list[str]:
@@ -232,14 +265,14 @@ def draft_embodiment(dataset: str | Path, tag: str | None = None, action_horizon
             f"view {i + 1} shows the {v.replace('_', ' ')} camera" for i, v in enumerate(views)) + ".")
     presets = dict(presets or {})
     action_horizon = _horizon(action_horizon, presets, preset)
-    robot, robot_lines = draft_robot(reader, action, tag)
+    robot, robot_lines, franka_keys = draft_robot(reader, action, tag)
     entry = {
         "tag_id": 0,
         "views": {view_names[f.key]: f.key for f in cameras},
         "view_size": size,
         "layout": [views],
         "state": {state_names[f.key]: {"column": f.key, "dim": int(f.shape[0])} for f in state},
-        "action": {action_names[f.key]: {"column": f.key, "dim": int(f.shape[0])} for f in action},
+        "action": franka_keys or {action_names[f.key]: {"column": f.key, "dim": int(f.shape[0])} for f in action},
         "action_horizon": int(action_horizon),
         "relative_action_keys": [],
         "layout_sentence": sentence,
@@ -267,6 +300,8 @@ def draft_embodiment(dataset: str | Path, tag: str | None = None, action_horizon
         "  # every float vector column under observation.*: keep what the policy should see (slice: [a, b] takes "
         "part of one)",
         f"  state: {flow(entry['state'])}",
+        *(["  # a Franka's absolute joint positions, as the keys `dz serve` clips to its published joint limits"]
+          if franka_keys else []),
         f"  action: {flow(entry['action'])}",
         *_horizon_lines(action_horizon, presets, preset),
         f"  action_horizon: {int(action_horizon)}",

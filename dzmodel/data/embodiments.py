@@ -76,7 +76,8 @@ ACTION_MODES = ("absolute", "delta")
 @dataclass(frozen=True)
 class RobotSpec:
     """What robot an embodiment drives and the limits `dz serve` enforces on every action it sends (`robot:` in
-    the YAML). Without a `robot:` block an embodiment is a Franka arm, packaged with a site robot config."""
+    the YAML; `dz embodiment init` drafts it). A built-in embodiment without a `robot:` block is a Franka arm,
+    packaged with a site robot config; `dz package` refuses a user's without one unless given such a config."""
 
     kind: str                                  # franka | arm | humanoid | mobile_manipulator
     name: str                                  # e.g. "Unitree G1": the model card and robot.json say it

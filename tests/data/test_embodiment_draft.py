@@ -177,3 +177,27 @@ def test_the_layout_sentence_counts_views_in_good_english(g1_like, droid_like):
     _, three = draft_embodiment(droid_like, action_horizon=4)
     assert "The video shows one view: the head camera." in one and "1 horizontal views" not in one
     assert "3 horizontal views" in three
+
+
+def test_a_franka_of_joint_positions_gets_the_keys_its_published_limits_apply_to(tmp_path):
+    """Seven absolute joint positions named as such: the draft splits the action into joint_position, which a Franka
+    bundle clips to the Panda's published joint limits; LIBERO-like end-effector deltas stay one key."""
+    import shutil
+
+    libero = make_synthetic_dataset(tmp_path / "libero_like", num_episodes=1, episode_length=20, image_size=32,
+                                    codec="libx264")
+    tag, path = write_draft(libero, tmp_path / "libero.yaml", action_horizon=4)
+    emb = load_embodiments([path])[tag]
+    assert emb.robot.kind == "franka" and (emb.robot.action_space, emb.robot.action_mode) == ("end_effector", "delta")
+    joints = tmp_path / "panda_joints"
+    shutil.copytree(libero, joints)
+    info = json.loads((joints / "meta/info.json").read_text())
+    info["features"]["action"]["names"] = [f"joint_{i}" for i in range(1, 8)]
+    (joints / "meta/info.json").write_text(json.dumps(info))
+    tag, path = write_draft(joints, tmp_path / "panda.yaml", action_horizon=4)
+    emb = load_embodiments([path])[tag]
+    assert emb.robot.kind == "franka" and (emb.robot.action_space, emb.robot.action_mode) == ("joint", "absolute")
+    assert [(k.name, k.column, k.start, k.end) for k in emb.action] == [("joint_position", "action", 0, 7)]
+    from dzmodel.serve.franka import JOINT_MAX, JOINT_MIN, action_limits
+
+    assert action_limits(emb, 7) == (list(JOINT_MIN), list(JOINT_MAX))
