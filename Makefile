@@ -46,6 +46,7 @@ $(STAMP): pyproject.toml Makefile $(LOCK) $(APT_LOCK)
 	$(PIP_LOCKED) -r $(LOCK)
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(PY) infra/lock.py verify $(LOCK)
+	echo "$(abspath $(LOCK_DIR))" > $(VENV)/lock-dir
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -79,7 +80,7 @@ lock:
 # Not a gate: the tests against the newest releases the requests admit, in their own venv (.venv-latest), from a
 # lock written to .latest-lock/; prints what moved against the committed lock and whether the tests passed.
 test-latest:
-	python3 infra/lock.py lock --venv .venv-latest-build --out-dir .latest-lock
+	python3 infra/lock.py lock --venv .venv-latest --out-dir .latest-lock
 	@$(MAKE) --no-print-directory test VENV=.venv-latest LOCK_DIR=.latest-lock; rc=$$?; \
 	  python3 infra/lock.py diff requirements.lock .latest-lock/requirements.lock; \
 	  python3 infra/lock.py diff requirements-libero.lock .latest-lock/requirements-libero.lock; \
@@ -113,4 +114,4 @@ repro: setup libero
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/dvc repro
 
 clean:
-	rm -rf $(VENV) .venv-lock .venv-latest .venv-latest-build .latest-lock .pytest_cache build *.egg-info .prefect
+	rm -rf $(VENV) .venv-lock .venv-latest .latest-lock .pytest_cache build *.egg-info .prefect
