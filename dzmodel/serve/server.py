@@ -716,9 +716,13 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
     ssl = tls_context(certfile, keyfile)
     auth = TokenAuth(token) if token is not None else None
     pkg = load_package(bundle, trust=trust, manifest_sha256=manifest_sha256)
-    policy = BundlePolicy(load_policy(pkg.model_dir, device=device, solver=solver, precision=precision),
-                          safety=ActionSafety.from_robot(pkg.robot))
+    embodied = load_policy(pkg.model_dir, device=device, solver=solver, precision=precision)
+    robot, derived = served_robot(pkg.robot, embodied)
+    policy = BundlePolicy(embodied, safety=ActionSafety.from_robot(robot))
     configure_logging()
+    if derived:
+        log.info(f"safety: {pkg.root.name} was packaged without its Franka's joint limits; serving with the "
+                 f"{derived}'s published limits")
     if policy.embodied.precision_note:
         log.warning(policy.embodied.precision_note)
     elif policy.embodied.precision == "fp8":
@@ -746,6 +750,21 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
              if limits.max_batch > 1 else "batching: off, one request at a time (--max-batch N to solve the "
                                           "requests of several robots together)")
     run_server(server, host, port, ssl)
+
+
+def served_robot(robot, embodied):
+    """(the robot whose limits `dz serve` enforces, the robot named if its limits were derived here, else None):
+    a Franka bundle packaged before bundles carried a Franka's joint limits gets them from its embodiment now."""
+    from . import franka
+    from .package import PackageError, RobotConfig
+
+    if not isinstance(robot, RobotConfig) or robot.action_space is not None or robot.joint_min is not None:
+        return robot, None
+    try:
+        described = robot.for_embodiment(embodied.embodiment, embodied.action_dim)
+    except PackageError as exc:
+        raise ServeError(str(exc)) from None
+    return described, franka.ROBOT_NAME if described.action_min is not None else None
 
 
 def freeze_heap() -> int:

@@ -81,6 +81,30 @@ def test_dz_serve_enforces_the_bundles_franka_limits(droid_bundle, monkeypatch):
     assert safety.describe() == "non-finite chunks refused, actions clipped to the robot's range (8 dims)"
 
 
+def test_a_franka_bundle_packaged_without_the_limits_is_served_with_them(droid_bundle, tmp_path, monkeypatch, caplog):
+    """A DROID bundle whose robot.json predates the limits: `dz serve` takes them from its embodiment."""
+    import shutil
+
+    from dzmodel.serve import server
+    from dzmodel.serve.package import MANIFEST, _manifest_lines
+
+    old = tmp_path / "dreamzero-oxe_droid_tiny-0.0.9"
+    shutil.copytree(load_package(droid_bundle).root, old)
+    site = {k: v for k, v in json.loads((old / "robot.json").read_text()).items() if k in ROBOT}
+    (old / "robot.json").write_text(json.dumps(site))
+    (old / MANIFEST).write_text("\n".join(_manifest_lines(old)) + "\n")
+    served = []
+    monkeypatch.setattr(server, "run_server", lambda srv, *args, **kwargs: served.append(srv))
+    monkeypatch.setattr(server, "configure_logging", lambda: None)
+    try:
+        with caplog.at_level(logging.INFO, "dzmodel.serve"):
+            server.serve_bundle(str(old), TOKEN, port=0)
+    finally:
+        gc.unfreeze()
+    assert list(served[0].policy.safety.action_min) == pytest.approx(Q_MIN + [0.0])
+    assert "was packaged without its Franka's joint limits; serving with the Franka Panda's" in caplog.text
+
+
 def test_a_tightened_robot_config_clips_tighter(droid_bundle, tmp_path, caplog):
     _, tarball = build_package(_hf(droid_bundle), tmp_path, RobotConfig.from_dict({**ROBOT, **TIGHT}), "0.2.0")
     assert "the robot config's joint_min/joint_max" in (tmp_path / "dreamzero-oxe_droid_tiny-0.2.0" /
