@@ -95,7 +95,7 @@ def _robot_kind(names: list[str] | None, width: int, robot_type: str) -> tuple[s
     if any(w in robot_type.lower() for w in FRANKA_WORDS):
         return "franka", f"robot_type {robot_type!r}"
     if width in (7, 8) and (not names or any("joint" in n or "gripper" in n for n in lower)):
-        return "franka", f"a {width}-dim action of arm joints and a gripper"
+        return "franka", f"a {width}-dim action (an arm of 7 joints or axes, and a gripper)"
     if width >= HUMANOID_DIMS:
         return "humanoid", f"{width} action dims"
     if any(w in n for n in lower for w in MOBILE_WORDS):
