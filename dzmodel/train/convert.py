@@ -6,8 +6,8 @@
     <out>/experiment_cfg/train_config.json the run's TrainConfig
     <out>/experiment_cfg/embodiments/      copies of the run's embodiment YAML files (if any)
     <out>/tokenizer/                       the run's tokenizer directory
-The config's relative paths are looked up from the directory the run trained in (trainer_state.json's `workdir`),
-then from the folders above the checkpoint and the working directory, so a run converts from anywhere. A file the
+The config's relative paths are looked up from the directory the run trained in (trainer_state.json's `workdir`;
+for a run moved since, from the folders above the checkpoint), so a run converts from anywhere. A file the
 config names that is not there (statistics, an embodiment file, the tokenizer) is refused by name: a model without
 it could not be packaged.
 A LoRA run's adapters are merged into the base by default, so the result is a plain model that packages and
@@ -76,11 +76,13 @@ WEIGHTS = ("raw", "ema")
 
 
 def search_dirs(state: dict, ckpt: Path) -> list[Path]:
-    """Where a checkpoint's relative paths are looked up, in order: the directory the run trained in (recorded in
-    trainer_state.json), the folders above the checkpoint (nearest first); else the path stays as given (relative
-    to the working directory)."""
-    trained_in = [Path(state["workdir"])] if state.get("workdir") else []
-    return trained_in + list(Path(os.path.abspath(ckpt)).parents)
+    """Where a checkpoint's relative paths are looked up: the directory the run trained in (recorded in
+    trainer_state.json) while it exists; only for a run that was moved, or one from before that record, the folders
+    above the checkpoint (nearest first). A path found nowhere stays as given (relative to the working directory)."""
+    trained_in = Path(state["workdir"]) if state.get("workdir") else None
+    if trained_in is not None and trained_in.is_dir():
+        return [trained_in]
+    return list(Path(os.path.abspath(ckpt)).parents)
 
 
 def check_carried_files(cfg: TrainConfig, ckpt: Path, state: dict) -> None:
@@ -94,8 +96,7 @@ def check_carried_files(cfg: TrainConfig, ckpt: Path, state: dict) -> None:
             continue
         where = ""
         if not Path(path).is_absolute():
-            trained_in = f"{state['workdir']} (where the run trained), " if state.get("workdir") else ""
-            where = f" (looked up from {trained_in}the folders above the checkpoint and {Path.cwd()})"
+            where = f" (looked up from {', '.join(map(str, search_dirs(state, ckpt)))} and {Path.cwd()})"
         raise FileNotFoundError(f"{ckpt}: {field} names {path}{f'/{inside}' if inside else ''}, which is not "
                                 f"there{where}. dz convert copies it into the model, and `dz package` needs it: "
                                 "restore the file, then convert again")

@@ -72,6 +72,20 @@ def test_a_configured_file_that_is_gone_is_refused_by_name(relative_run, tmp_pat
         shutil.move(moved / name, relative_run / name)
 
 
+def test_a_file_gone_from_where_the_run_trained_is_not_taken_from_a_folder_above(relative_run, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """While the run's directory exists, its relative paths mean files there: a same-named file in a folder above
+    the checkpoint (another run's statistics) is not copied in their place."""
+    decoy = relative_run / "run" / "meta.json"  # above the checkpoint (run/step_*), not where the run trained
+    shutil.move(relative_run / "meta.json", decoy)
+    try:
+        monkeypatch.chdir(tmp_path)
+        assert main(["convert", str(relative_run / "run"), "--out", str(tmp_path / "hf")]) == 2
+        assert "train.metadata names meta.json, which is not there" in capsys.readouterr().err
+    finally:
+        shutil.move(decoy, relative_run / "meta.json")
+
+
 def _franka(tmp_path):
     from tests.serve.helpers import ROBOT
 
