@@ -432,5 +432,5 @@ def summarize(root: str | os.PathLike) -> str:
     return (
         f"{root}: LeRobot {info['codebase_version']}, {info['total_episodes']} episodes, "
         f"{info['total_frames']} frames @ {info['fps']} fps, {info['total_tasks']} tasks, "
-        f"{len(vids)} views ({', '.join(vids)}; {'/'.join(sorted(codecs))}), {size / 1e6:.2f} MB"
+        f"{len(vids)} view{'s' if len(vids) != 1 else ''} ({', '.join(vids)}; {'/'.join(sorted(codecs))}), {size / 1e6:.2f} MB"
     )

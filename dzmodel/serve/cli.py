@@ -151,8 +151,10 @@ def add_commands(sub) -> None:
                        "or for the robot the embodiment's robot: block describes")
     p.add_argument("model", help="a converted model directory (dz convert)")
     p.add_argument("--robot", help="a Franka's robot config (YAML or JSON): robot_ip, camera_serials, "
-                   "target_ee_pose, workspace_min, workspace_max, control_rate_hz, gripper_threshold; required for "
-                   "a Franka embodiment, refused for others (their robot: block describes them)")
+                   "target_ee_pose, workspace_min, workspace_max, control_rate_hz, gripper_threshold, and optionally "
+                   "joint_min/joint_max (rad, within the Panda's published limits) to tighten the joint limits a "
+                   "joint-position bundle enforces; required for a Franka embodiment, refused for others (their "
+                   "robot: block describes them)")
     p.add_argument("--embodiments", action="append", metavar="FILE",
                    help="a reviewed embodiment YAML (repeatable) whose definition of the model's embodiment replaces "
                         "the converted copy's: a robot: or serve: block added after training (the fields training "

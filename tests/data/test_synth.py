@@ -250,3 +250,19 @@ def test_droid_layout_reads_as_oxe_droid(tmp_path):
     assert len(stats["state"]["joint_position"]["q01"]) == 7 and len(stats["action"]["gripper_position"]["q99"]) == 1
     LeRobotDatasetMetadata, _ = import_lerobot_dataset()
     assert set(LeRobotDatasetMetadata("dzmodel/droid", root=root).video_keys) == views
+
+
+def test_summary_counts_views_in_words(tmp_path):
+    import json
+
+    from dzmodel.data.synth import summarize
+
+    root = tmp_path / "one_camera"
+    (root / "meta").mkdir(parents=True)
+    info = {"codebase_version": "v3.0", "total_episodes": 1, "total_frames": 2, "fps": 10, "total_tasks": 1,
+            "features": {"observation.images.front": {"dtype": "video", "info": {"video.codec": "av1"}}}}
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    assert "1 view (observation.images.front; av1)" in summarize(root)
+    info["features"]["observation.images.wrist"] = info["features"]["observation.images.front"]
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    assert "2 views (" in summarize(root)
