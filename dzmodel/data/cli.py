@@ -228,7 +228,8 @@ def add_commands(sub, recorder=None, presets: dict[str, int] | None = None):
                    help="actions per chunk, instead of the preset's num_action_per_block; train the model with "
                         "train.model_overrides.num_action_per_block set to it")
     p.add_argument("--view-size", type=int, nargs=2, metavar=("H", "W"),
-                   help="each view's size after crop and resize (default: the first camera's aspect, <= 256)")
+                   help="each view's size after crop and resize (default: the first camera's aspect, the longer side at "
+                        "most 64 for --preset tiny, 128 for small, 256 otherwise)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.set_defaults(func=cmd_embodiment_init, presets=presets)
 

@@ -25,7 +25,10 @@ from .lerobot_format import open_dataset
 BOOKKEEPING = {"timestamp", "frame_index", "episode_index", "index", "task_index"}
 FLOAT_DTYPES = {"float16", "float32", "float64", "bfloat16"}
 TAG = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
-MAX_VIEW_SIDE = 256   # a draft's view_size: the camera's aspect, longer side at most this
+MAX_VIEW_SIDE = 256   # a draft's view_size: the camera's aspect, longer side at most this ...
+# ... or, for the presets meant for a CPU or a quick first run, at most these (the built-in libero_sim_tiny and
+# libero_sim_small views): the frame's pixels drive a step's cost
+PRESET_VIEW_SIDE = {"tiny": 64, "small": 128}
 VIEW_MULTIPLE = 32    # ... and both sides a multiple of this (VAE 16x down, 2x2 patches)
 LIMIT_MARGIN = 0.05   # the drafted action limits: the data's range widened by this fraction of it on each side
 MIN_MARGIN = 1e-3     # ... and by at least this (a dimension the data never moves)
@@ -50,8 +53,8 @@ def _short_names(keys: list[str]) -> dict[str, str]:
     return {k: f"key{i}" for i, k in enumerate(keys)}
 
 
-def _view_size(height: int, width: int) -> list[int]:
-    scale = min(1.0, MAX_VIEW_SIDE / max(height, width))
+def _view_size(height: int, width: int, max_side: int = MAX_VIEW_SIDE) -> list[int]:
+    scale = min(1.0, max_side / max(height, width))
     return [max(VIEW_MULTIPLE, round(side * scale / VIEW_MULTIPLE) * VIEW_MULTIPLE) for side in (height, width)]
 
 
@@ -182,12 +185,14 @@ def _robot_comment(kind: str, why: str) -> list[str]:
         return [f"  # the robot it drives: a Franka arm, guessed from {why}. Check it (another arm: kind",
                 "  # arm, with action_min/action_max). `dz package` takes a Franka's site config: --robot SITE.yaml",
                 "  # (robot_ip, camera_serials, target_ee_pose, workspace_min, workspace_max)"]
-    return [f"  # the robot it drives: a {kind.replace('_', ' ')}, guessed from {why}. Check every field: kind",
+    article = "an" if kind[0] in "aeiou" else "a"
+    return [f"  # the robot it drives: {article} {kind.replace('_', ' ')}, guessed from {why}. Check every field: kind",
             "  # (franka | arm | humanoid | mobile_manipulator), action_space (joint | end_effector), action_mode",
             "  # (absolute | delta). `dz serve` clips every action to [action_min, action_max], drafted from the",
-            f"  # data's range widened by {LIMIT_MARGIN:.0%} of it on each side; an optional max_step_change (one "
-            "number per",
-            "  # dim) limits the change from one row of a chunk to the next"]
+            f"  # data's range widened by {LIMIT_MARGIN:.0%} of it on each side: where a joint has a hard stop (a "
+            "gripper's",
+            "  # travel, say), set its limit back to the stop. An optional max_step_change (one number per dim)",
+            "  # limits the change from one row of a chunk to the next"]
 
 
 def _robot_yaml(entry: dict) -> list[str]:
@@ -256,7 +261,8 @@ def draft_embodiment(dataset: str | Path, tag: str | None = None, action_horizon
     action_names = _short_names([f.key for f in action])
     sizes = {f.key: _camera_hw(f) for f in cameras}
     first = cameras[0].key
-    size = list(view_size) if view_size else _view_size(*sizes[first])
+    max_side = PRESET_VIEW_SIDE.get(preset, MAX_VIEW_SIDE)
+    size = list(view_size) if view_size else _view_size(*sizes[first], max_side)
     views = [view_names[f.key] for f in cameras]
     if len(views) == 1:
         sentence = f"The video shows one view: the {views[0].replace('_', ' ')} camera."
@@ -293,7 +299,8 @@ def draft_embodiment(dataset: str | Path, tag: str | None = None, action_horizon
         f"  # cameras: {cams}",
         f"  views: {flow(entry['views'])}",
         f"  # every view is cropped, then resized to [H, W]; drafted from {first}'s aspect, longer side <= "
-        f"{MAX_VIEW_SIDE}",
+        + (f"{max_side} (for preset {preset}; --view-size H W for another size)" if preset in PRESET_VIEW_SIDE
+           else f"{max_side}"),
         f"  view_size: {flow(size)}",
         "  # rows of views; 'name*2' stretches a view over two widths (all rows of equal width)",
         f"  layout: {flow(entry['layout'])}",

@@ -100,7 +100,8 @@ def frame_limits(spec: ServeSpec, state_dims: Mapping[str, int], limits: Request
     if cap_bytes is None:
         cap_bytes = max(DEFAULT_FRAME_CAP, views * largest * 3 + FRAME_OVERHEAD)
     max_bytes = min(images, cap_bytes)
-    raised_by = "--max-frame-mib" if images > cap_bytes else "--max-frames or --max-image-pixels"
+    raised_by = ("--max-frame-mib" if images > cap_bytes
+                 else "--max-image-pixels for larger camera frames, --max-frames for more of them")
     keys = views + len(spec.state) + len(spec.ignored) + 3  # + prompt, session_id, endpoint
     max_map_len = max(64, 2 * keys)
     return FrameLimits(max_bytes=max_bytes, max_str_len=max(1024, 4 * limits.max_prompt_chars),

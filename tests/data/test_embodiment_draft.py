@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import yaml
 
 from dzmodel.cli import main
 from dzmodel.data.dataset import WindowDataset
@@ -41,6 +42,21 @@ def test_view_size_keeps_the_cameras_aspect_at_most_256():
     from dzmodel.data.embodiment_draft import _view_size
 
     assert _view_size(480, 640) == [192, 256] and _view_size(64, 64) == [64, 64] and _view_size(720, 1280) == [128, 256]
+    assert _view_size(480, 640, 64) == [64, 64] and _view_size(480, 640, 128) == [96, 128]
+
+
+def test_the_drafted_views_fit_the_preset(droid_like, tmp_path):
+    """A CPU preset gets views of its built-in embodiments' scale (the frame's pixels drive a step's cost); the
+    large ones keep the camera's aspect at up to 256."""
+    from dzmodel.data.embodiment_draft import draft_embodiment
+    from dzmodel.data.embodiments import parse_embodiment
+
+    presets = {"tiny": 4, "small": 16, "dreamzero_5b": 24}
+    for preset, longest in [("tiny", 64), ("small", 128), ("dreamzero_5b", 256)]:
+        tag, text = draft_embodiment(droid_like, presets=presets, preset=preset)
+        emb = parse_embodiment(tag, yaml.safe_load(text)[tag])
+        assert max(emb.view_size) <= longest, (preset, emb.view_size)
+        assert (f"for preset {preset}; --view-size H W" in text) == (preset in ("tiny", "small"))
 
 
 def test_the_draft_refuses_to_replace_a_file_or_write_into_the_dataset(droid_like, tmp_path):
@@ -201,3 +217,59 @@ def test_a_franka_of_joint_positions_gets_the_keys_its_published_limits_apply_to
     from dzmodel.serve.franka import JOINT_MAX, JOINT_MIN, action_limits
 
     assert action_limits(emb, 7) == (list(JOINT_MIN), list(JOINT_MAX))
+
+
+def test_a_dataset_written_by_lerobot_itself_drafts_as_an_arm_with_its_joint_names(tmp_path):
+    """An SO-101 arm recorded with lerobot's own writer (as docs/data.md says to import it), then drafted: six named
+    joints are an arm of the data's limits, at the tiny preset's view scale."""
+    import numpy as np
+
+    pytest.importorskip("lerobot")
+    from dzmodel.data.embodiment_draft import draft_embodiment
+    from dzmodel.data.embodiments import parse_embodiment
+    from dzmodel.data.lerobot_compat import import_lerobot_dataset
+
+    _, LeRobotDataset = import_lerobot_dataset()
+    names = ["shoulder_pan.pos", "shoulder_lift.pos", "elbow_flex.pos", "wrist_flex.pos", "wrist_roll.pos",
+             "gripper.pos"]
+    features = {"action": {"dtype": "float32", "shape": (6,), "names": names},
+                "observation.state": {"dtype": "float32", "shape": (6,), "names": names},
+                "observation.images.front": {"dtype": "video", "shape": (48, 64, 3),
+                                             "names": ["height", "width", "channels"]}}
+    ds = LeRobotDataset.create(repo_id="lab/so101", fps=30, root=tmp_path / "so101", robot_type="so101_follower",
+                               features=features, use_videos=True)
+    t = np.arange(12, dtype=np.float32)[:, None]
+    traj = np.concatenate([80 * np.sin(t / 4 + np.arange(5)), 50 + 50 * np.sin(t / 3)], axis=1).astype(np.float32)
+    for _ in range(2):
+        for i in range(len(traj) - 1):
+            ds.add_frame({"action": traj[i + 1], "observation.state": traj[i], "task": "pick up the cube",
+                          "observation.images.front": np.full((48, 64, 3), 10 * i, np.uint8)})
+        ds.save_episode()
+    if hasattr(ds, "finalize"):
+        ds.finalize()
+    tag, text = draft_embodiment(tmp_path / "so101", presets={"tiny": 4}, preset="tiny")
+    emb = parse_embodiment(tag, yaml.safe_load(text)[tag])
+    robot = yaml.safe_load(text)[tag]["robot"]
+    assert robot["kind"] == "arm" and robot["joint_names"] == names and robot["name"] == "so101_follower"
+    low, high = traj[1:].min(0), traj[1:].max(0)
+    assert np.all(np.array(robot["action_min"]) < low) and np.all(np.array(robot["action_max"]) > high)
+    assert emb.action_horizon == 4 and max(emb.view_size) <= 64
+    assert "an arm, guessed from" in text and "a gripper's" in text
+
+
+def test_lerobot_imports_only_through_the_helper_in_this_venv():
+    """The claim docs/data.md makes: in the project's venv a plain import of lerobot's dataset module fails on
+    torchvision (lerobot's CUDA build beside the CPU torch), and the helper makes it import."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("lerobot")
+    plain = subprocess.run([sys.executable, "-c", "import lerobot.datasets.lerobot_dataset"], capture_output=True,
+                           text=True, timeout=300)
+    if plain.returncode == 0:
+        pytest.skip("lerobot imports plainly here (a torchvision that matches torch); the helper is not needed")
+    assert "torchvision::nms" in plain.stderr
+    helped = subprocess.run([sys.executable, "-c", "from dzmodel.data.lerobot_compat import import_lerobot_dataset;"
+                             " print(import_lerobot_dataset()[1].__name__)"], capture_output=True, text=True,
+                            timeout=300)
+    assert helped.returncode == 0 and helped.stdout.strip() == "LeRobotDataset", helped.stderr

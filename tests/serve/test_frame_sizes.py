@@ -106,8 +106,8 @@ def test_openpi_client_reads_a_frame_over_the_byte_limit_as_one_message(libero_b
         client = WebsocketClientPolicy("127.0.0.1", srv.port, api_key=TOKEN)
         assert 2 * 2 * 1080 * 1920 * 3 > limit  # two 1080p frames per camera: over the limit that 33 frames give
         with pytest.raises(RuntimeError, match=rf"^Error in inference server:\nframe too big: [\d,]+ bytes, over "
-                                               rf"this server's limit of {limit:,} bytes; .*\(dz serve --max-frames "
-                                               r"or --max-image-pixels\)$"):
+                                               rf"this server's limit of {limit:,} bytes; .*\(dz serve --max-image-pixels "
+                                               r"for larger camera frames, --max-frames for more of them\)$"):
             client.infer(libero_observation((2, 1080, 1920)))
         client = WebsocketClientPolicy("127.0.0.1", srv.port, api_key=TOKEN)  # the server carries on
         assert client.infer(libero_observation((1080, 1920)))["actions"].shape == (16, 7)
