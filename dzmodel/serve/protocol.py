@@ -131,7 +131,19 @@ def _unpack_hook(obj):
         dtype = np.dtype(obj[b"dtype"])
         if dtype.kind in "VOc":
             raise ProtocolError(f"unsupported dtype {dtype}")
-        return np.ndarray(buffer=obj[b"data"], dtype=dtype, shape=tuple(obj[b"shape"])).copy()
+        if dtype.itemsize == 0:  # any shape fits zero bytes, and the copy would be one byte an element
+            raise ProtocolError(f"unsupported dtype {dtype} (zero bytes an element)")
+        shape, data = obj[b"shape"], obj[b"data"]
+        if (not isinstance(shape, (list, tuple)) or not all(type(n) is int and n >= 0 for n in shape)
+                or not isinstance(data, (bytes, bytearray))):
+            raise ProtocolError("an ndarray needs a shape of non-negative integers and its data as bytes")
+        size = 1
+        for n in shape:
+            size *= n
+        if size * dtype.itemsize != len(data):  # the data holds exactly the array: its size bounds the shape
+            raise ProtocolError(f"an ndarray of shape {list(shape)} and dtype {dtype} is "
+                                f"{size * dtype.itemsize:,} bytes; its data has {len(data):,}")
+        return np.ndarray(buffer=data, dtype=dtype, shape=tuple(shape)).copy()
     if b"__npgeneric__" in obj:
         dtype = np.dtype(obj[b"dtype"])
         if dtype.kind in "VOc":

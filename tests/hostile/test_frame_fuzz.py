@@ -206,3 +206,26 @@ def test_a_live_server_answers_every_generated_frame_with_a_reply_or_a_bad_reque
             assert info.value.rcvd.code == 1008
         else:
             assert unpack(reply)["actions"].shape == (12, 8)
+
+
+@pytest.mark.parametrize("dtype, shape, data", [
+    ("|S0", [2**30], b""),          # zero bytes an element: any shape "fits" the data (a 69-byte frame froze the
+    ("<U0", [2**20, 2**10], b""),   # server for ~49 s building a one-byte-an-element copy)
+    ("<f4", [4], b"\0" * 20),       # more data than the shape: the data must hold exactly the array
+    ("<f4", [-1, 4], b"\0" * 16),   # negative, float and bool dims
+    ("<f4", [2.0, 2], b"\0" * 16),
+    ("<f4", [True, 4], b"\0" * 16),
+    ("<f4", 4, b"\0" * 16),         # a shape that is not a list
+])
+def test_ndarrays_whose_shape_the_data_does_not_hold_exactly_are_refused(dtype, shape, data):
+    frame = msgpack.packb({"observation/state": {b"__ndarray__": True, b"data": data, b"dtype": dtype,
+                                                 b"shape": shape}}, use_bin_type=True)
+    assert len(frame) < 100
+    with pytest.raises(ProtocolError):
+        unpack(frame, FRAME_LIMITS)
+
+
+def test_an_ndarray_of_exactly_its_data_decodes():
+    frame = msgpack.packb({"x": {b"__ndarray__": True, b"data": np.arange(6, dtype="<f4").tobytes(),
+                                 b"dtype": "<f4", b"shape": [2, 3]}}, use_bin_type=True)
+    assert unpack(frame, FRAME_LIMITS)["x"].tolist() == [[0, 1, 2], [3, 4, 5]]
