@@ -66,9 +66,7 @@ def embodiment_metadata(dataset: str | Path, emb: Embodiment, out: str | Path | 
 
 def missing_videos(reader: Any, emb: Embodiment) -> list[tuple[int, Path]]:
     """(episode, path) of every mp4 of the embodiment's views that the dataset lacks (image views have none)."""
-    mp4_keys = [k for k in emb.views.values() if k in reader.features and reader.features[k].dtype == "video"]
-    return [(ep.index, path) for ep in reader.episodes for key in mp4_keys
-            if not reader.has_file(path := reader.video_file(ep.index, key))]
+    return reader.missing_video_files(emb.views.values())
 
 
 def key_vectors(cols: dict, keys, rows) -> np.ndarray:

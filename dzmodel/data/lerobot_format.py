@@ -552,9 +552,11 @@ class LeRobotReader:
         for rel in sorted({self.episodes.strings[i] for i in np.unique(self.episodes.data_file)}):
             yield self.root / rel
 
-    def missing_video_files(self) -> list[tuple[int, Path]]:
-        """(episode, path) of every video file the episode table promises that the dataset lacks."""
-        return [(ep.index, path) for ep in self.episodes for key in self._mp4_keys
+    def missing_video_files(self, keys=None) -> list[tuple[int, Path]]:
+        """(episode, path) of every video file the episode table promises that the dataset lacks: of every video
+        feature, or of those among `keys` (image features have no files)."""
+        mp4_keys = self._mp4_keys if keys is None else [k for k in keys if k in self._mp4_keys]
+        return [(ep.index, path) for ep in self.episodes for key in mp4_keys
                 if not self.has_file(path := self.video_file(ep.index, key))]
 
     def check(self, allow_missing_videos: bool = False) -> None:

@@ -266,16 +266,6 @@ class TrainConfig:
 # A train config names them as given: a relative path is relative to the directory the run trained in, which the
 # checkpoint records (trainer_state.json's `workdir`), so `dz convert` finds them from anywhere.
 
-def input_paths(cfg: TrainConfig) -> list[tuple[str, str]]:
-    """(field, path) of every file or folder the run reads, e.g. ("train.embodiment_files[0]", "robots.yaml")."""
-    found = [(f"train.datasets[{i}]", p) for i, p in enumerate(cfg.datasets)]
-    found += [(f"train.embodiment_files[{i}]", p) for i, p in enumerate(cfg.embodiment_files)]
-    found += [(f"train.{name}", getattr(cfg, name)) for name in ("metadata", "tokenizer", "init_dit", "cache",
-                                                                  "val_cache") if getattr(cfg, name)]
-    found += [(f"train.encoder_weights.{k}", v) for k, v in cfg.encoder_weights.items() if v]
-    return found
-
-
 def locate(path: str, bases) -> str:
     """`path` as it is if it is a URI or absolute; else the first of base/path (for each base in order) that
     exists; else as given."""
