@@ -79,7 +79,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         frame_cap = None if ns.max_frame_mib is None else int(ns.max_frame_mib * 2**20)
         limits = ServerLimits(max_sessions=ns.max_sessions, sessions_per_connection=ns.sessions_per_connection,
                               max_connections=ns.max_connections, max_frame_bytes=frame_cap,
-                              max_connections_per_client=ns.max_connections_per_client, idle_timeout_s=ns.idle_timeout,
+                              max_connections_per_client=ns.max_connections_per_client,
+                              max_sessions_per_client=ns.max_sessions_per_client, idle_timeout_s=ns.idle_timeout,
                               max_batch=ns.max_batch, batch_window_ms=ns.batch_window_ms,
                               request=RequestLimits(max_frames=ns.max_frames, max_image_pixels=ns.max_image_pixels))
         bundle, manifest_sha256 = resolve_bundle_source(ns.bundle)
@@ -188,6 +189,9 @@ def add_commands(sub) -> None:
     p.add_argument("--max-connections", type=int, default=64)
     p.add_argument("--max-connections-per-client", type=int, default=16,
                    help="per remote address (loopback, e.g. a reverse proxy, is not capped)")
+    p.add_argument("--max-sessions-per-client", type=int, default=16,
+                   help="sessions per remote address, across its connections, so that one address cannot take "
+                        "every session (loopback, e.g. a reverse proxy, is not capped)")
     p.add_argument("--idle-timeout", type=float, default=600.0,
                    help="seconds without a request before a connection is closed (0: never)")
     p.add_argument("--max-frame-mib", type=float, default=None,

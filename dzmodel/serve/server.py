@@ -1,7 +1,8 @@
 """`dz serve`: the policy server that openpi's client, RoboArena's evaluator and DreamZero's client use unchanged.
 
 - Auth: `Authorization: Api-Key <token>` (openpi's client) or `Bearer <token>`, compared in constant time;
-  anything else gets HTTP 401. RoboArena's client sends no header: serving it needs `--no-auth`, named explicitly.
+  anything else gets HTTP 401, as does a request with more than one `Authorization` header. RoboArena's client
+  sends no header: serving it needs `--no-auth`, named explicitly.
 - `GET /healthz` (no token): status, sessions, requests and latency percentiles. `GET /metadata` (token): the
   policy's own metadata (embodiment, protocol keys, action shape, step).
 - On connect the server sends the handshake metadata: RoboArena's PolicyServerConfig fields when the embodiment
@@ -10,7 +11,9 @@
   ends the session named (or all of the connection's) and gets the text "reset successful", as RoboArena's
   server answers.
 - A session (KV cache) is per `session_id` (default: one per connection). New frames extend it; a connection
-  keeps at most `sessions_per_connection` (the least recently used is ended), the server `max_sessions`.
+  keeps at most `sessions_per_connection` (the least recently used is ended), one client address
+  `max_sessions_per_client` (default 16 of the server's 64, so that one address cannot take them all; loopback as
+  for connections, below), the server `max_sessions`.
 - Errors go out as one text frame with the reason, then a close: 1008 for a bad request, 1011 when inference
   failed, 1013 when the server is full (what openpi's and RoboArena's clients raise on).
 - Limits (`ServerLimits`), each refusal one log line with its reason:
@@ -26,8 +29,9 @@
     (protocol.FrameLimits), checked before anything is decoded (1008), so a small frame cannot decode into
     gigabytes; decoding runs on a small thread pool, off the event loop;
   - two frames queue per connection beyond the one being handled; then reading stops (TCP backpressure);
-  - `max_connections`, and `max_connections_per_client` per remote address (1013). Loopback clients are not
-    capped unless `cap_loopback`: they are this host's own processes, or a reverse proxy or SSH tunnel whose
+  - `max_connections`, and `max_connections_per_client` per remote address (1013); `max_sessions_per_client`
+    sessions per remote address (1013). Loopback clients are capped by neither unless `cap_loopback`: they are
+    this host's own processes (which could take every connection anyway), or a reverse proxy or SSH tunnel whose
     clients all share its address (limit per client there, e.g. nginx's limit_conn);
   - idle timeout: a connection that sends no request for `idle_timeout_s` is closed (1001). It counts only the
     time the server waits for the next request, never the time a request spends queued or in inference; the
@@ -36,7 +40,9 @@
     (1011), as is one that does not answer a close. openpi's and RoboArena's clients answer pings from a
     background thread, even mid-episode.
 - One access-log line per request; a health check is one line (`GET /healthz 200`); a port probe or a failed
-  handshake is one line, never a traceback; a wrong or non-ASCII token is one `HTTP 401` line.
+  handshake is one line, never a traceback; a wrong or non-ASCII token is one `HTTP 401` line. No credential is
+  ever logged: websockets' own lines (a bad request line, a bad header, its debug lines) have query strings and
+  credentials replaced by `<redacted>` (`redact`).
 - Inference runs in a worker thread behind one lock, so the event loop keeps answering health checks and pings.
 - Dynamic batching (`max_batch` > 1, off by default): requests of different sessions that arrive within
   `batch_window_ms` of each other are solved in one batched forward (`batching.DynamicBatcher`); `server_timing`
@@ -50,6 +56,7 @@ import gc
 import hmac
 import json
 import logging
+import re
 import sys
 import threading
 import time
@@ -194,7 +201,8 @@ class ServerLimits:
     sessions_per_connection: int = 4      # beyond it, the connection's least recently used session ends
     max_connections: int = 64
     max_connections_per_client: int = 16  # per remote address
-    cap_loopback: bool = False            # loopback too: by default it may be a proxy for many clients
+    max_sessions_per_client: int = 16     # per remote address, across its connections: room for others
+    cap_loopback: bool = False            # loopback too (both caps): by default it may be a proxy for many clients
     max_frame_bytes: int | None = None    # the cap (None: 32 MiB, or more for one largest camera frame per view);
                                           # the limit itself follows the policy's views (protocol.frame_limits)
     idle_timeout_s: float = 600.0         # no request for this long: closed; 0 never
@@ -206,7 +214,7 @@ class ServerLimits:
 
     def __post_init__(self):
         for name in ("max_sessions", "sessions_per_connection", "max_connections", "max_connections_per_client",
-                     "max_frame_bytes", "max_batch"):
+                     "max_sessions_per_client", "max_frame_bytes", "max_batch"):
             if getattr(self, name) is not None and not getattr(self, name) >= 1:
                 raise ServeError(f"{name} must be >= 1, got {getattr(self, name)}")
         pixels, side = self.request.max_image_pixels, self.request.min_image_side
@@ -235,8 +243,29 @@ class ServerStats:
             {"max": round(float(arr.max()), 2)}
 
 
+_SECRET_HEADERS = r"(?:proxy-)?authorization|cookie|set-cookie|x-api-key|x-auth-token|api-key"
+_REDACTIONS = (
+    # a request target's query string (?token=..., ?api_key=...), wherever a request line is quoted
+    (re.compile(r"\?[^\s\"']+"), "?<redacted>"),
+    # a secret header, as websockets' debug lines write headers ("< Authorization: Api-Key ...")
+    (re.compile(rf"(?i)\b({_SECRET_HEADERS})\s*:.*"), r"\1: <redacted>"),
+    # a header websockets could not parse: its name or value may be a credential
+    (re.compile(r"(?i)(invalid HTTP header (?:line|name|value)): .*"), r"\1: <redacted>"),
+    # a credential after its scheme, wherever it appears
+    (re.compile(r"(?i)\b(api-key|bearer|basic)(\s+)\S+"), r"\1\2<redacted>"),
+)
+
+
+def redact(text: str) -> str:
+    """`text` with query strings, secret headers and credentials replaced by `<redacted>`."""
+    for pattern, replacement in _REDACTIONS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
 class _OneLine(logging.LoggerAdapter):
-    """websockets' own log (failed handshakes, probes) as single lines: the exception's message, no traceback.
+    """websockets' own log (failed handshakes, probes) as single lines: the exception's message, no traceback,
+    with every credential redacted (`redact`): its messages quote request lines and header values.
     Its "connection rejected" line is left out for HTTP answers of ours (health, metadata, 401), which log
     their own line."""
 
@@ -248,17 +277,23 @@ class _OneLine(logging.LoggerAdapter):
         connection = (kwargs.get("extra") or {}).get("websocket")  # websockets names the connection here
         if isinstance(msg, str) and msg.startswith("connection rejected") and connection in self.answered:
             return
-        super().log(level, msg, *args, **kwargs)
+        if args:  # formatted here, so that the arguments (a request path, a header) are redacted too
+            try:
+                msg = str(msg) % args
+            except (TypeError, ValueError):
+                msg = " ".join(map(str, (msg, *args)))
+        super().log(level, msg, **kwargs)
 
     def process(self, msg, kwargs):
         exc = kwargs.pop("exc_info", None)
+        kwargs.pop("stack_info", None)
         if exc:
             err = sys.exc_info()[1] if exc is True else exc[1] if isinstance(exc, tuple) else exc
             while err is not None and err.__cause__ is not None:
                 err = err.__cause__
             if err is not None:
                 msg = f"{msg}: {type(err).__name__}: {err}"
-        return msg, kwargs
+        return redact(str(msg)), kwargs
 
 
 class _RequestFailed(Exception):
@@ -276,8 +311,9 @@ class PolicyServer:
                                          limits.max_frame_bytes)
         self.stats = ServerStats()
         self._lock = threading.Lock()
-        self._owner: dict[str, int] = {}     # session -> connection that holds it
+        self._owner: dict[str, tuple[int, str]] = {}  # session -> (connection, remote address) that holds it
         self._per_client: Counter[str] = Counter()  # remote address -> open connections
+        self._client_sessions: Counter[str] = Counter()  # remote address -> open sessions
         self._answered = weakref.WeakSet()   # connections answered over HTTP by _process_request
         self._decoder: ThreadPoolExecutor | None = None
         self._batcher: DynamicBatcher | None = None   # made in `serve` when limits.max_batch > 1
@@ -295,7 +331,12 @@ class PolicyServer:
                                     **self._batcher.stats.as_dict()}
             log.info(f"{peer} GET /healthz 200")
             return self._answer(connection, 200, json.dumps(body) + "\n")
-        if self.auth is not None and not self.auth.accepts(request.headers.get("Authorization")):
+        credentials = request.headers.get_all("Authorization")
+        if self.auth is not None and len(credentials) > 1:
+            log.info(f"{peer} refused: {len(credentials)} Authorization headers (HTTP 401)")
+            return self._answer(connection, 401, "send one Authorization header, 'Authorization: Api-Key <token>' "
+                                                 "or 'Bearer <token>'\n")
+        if self.auth is not None and not self.auth.accepts(credentials[0] if credentials else None):
             log.info(f"{peer} refused: missing or wrong token (HTTP 401)")
             return self._answer(connection, 401, "missing or wrong token: send 'Authorization: Api-Key <token>' "
                                                  "or 'Bearer <token>'\n")
@@ -339,34 +380,54 @@ class PolicyServer:
     def _end(self, sid: str) -> None:
         with self._lock:
             self.policy.end_session(sid)
-        if self._owner.pop(sid, None) is not None:
-            self.stats.sessions -= 1
 
-    async def _open_session(self, conn_id: int, sessions: OrderedDict, sid: str) -> None:
-        """Register `sid` for this connection: bounded per connection (LRU) and across the server."""
+    async def _end_session(self, sid: str) -> None:
+        """End `sid` in the policy (on a worker thread), then release its place; the counts change only on the
+        event loop."""
+        await asyncio.to_thread(self._end, sid)
+        owner = self._owner.pop(sid, None)
+        if owner is not None:
+            self.stats.sessions -= 1
+            client = owner[1]
+            self._client_sessions[client] -= 1
+            if not self._client_sessions[client]:
+                del self._client_sessions[client]
+
+    def _capped(self, client: str) -> bool:
+        """Whether the per-address limits apply to `client` (loopback only with cap_loopback)."""
+        return self.limits.cap_loopback or not _is_loopback(client)
+
+    async def _open_session(self, conn_id: int, client: str, sessions: OrderedDict, sid: str) -> None:
+        """Register `sid` for this connection: bounded per connection (LRU), per client address and across the
+        server."""
         if sid in sessions:
             sessions.move_to_end(sid)
             return
         owner = self._owner.get(sid)
-        if owner is not None and owner != conn_id:
+        if owner is not None and owner[0] != conn_id:
             raise _RequestFailed(CLOSE_BAD_REQUEST, f"session_id {sid!r} is in use by another connection")
         if len(sessions) >= self.limits.sessions_per_connection:
             old, _ = sessions.popitem(last=False)
-            await asyncio.to_thread(self._end, old)
+            await self._end_session(old)
+        per_client = self.limits.max_sessions_per_client
+        if self._capped(client) and self._client_sessions[client] >= per_client:
+            raise _RequestFailed(CLOSE_TRY_AGAIN, f"too many sessions from {client} (at most {per_client} per "
+                                                  "client address)")
         if self.stats.sessions >= self.limits.max_sessions:
             raise _RequestFailed(CLOSE_TRY_AGAIN, f"server full: {self.limits.max_sessions} sessions open")
         sessions[sid] = True
-        self._owner[sid] = conn_id
+        self._owner[sid] = (conn_id, client)
+        self._client_sessions[client] += 1
         self.stats.sessions += 1
 
-    async def _handle(self, request: Request, conn_id: int, sessions: OrderedDict, sid: str):
+    async def _handle(self, request: Request, conn_id: int, client: str, sessions: OrderedDict, sid: str):
         if request.endpoint == "reset":  # RoboArena: the end of an episode; without a session_id, of them all
             for ended in ([request.session_id] if request.session_id else list(sessions)):
                 if sessions.pop(ended, None) is not None:
-                    await asyncio.to_thread(self._end, ended)
+                    await self._end_session(ended)
             return "reset successful", {}
         self.policy.check_request(request)
-        await self._open_session(conn_id, sessions, sid)
+        await self._open_session(conn_id, client, sessions, sid)
         if self._batcher is not None:
             return await self._infer_batched(request, sid)
         return await asyncio.to_thread(self._infer, request, sid)
@@ -397,8 +458,7 @@ class PolicyServer:
         if self.stats.connections >= self.limits.max_connections:
             return f"server full: {self.limits.max_connections} connections"
         per_client = self.limits.max_connections_per_client
-        capped = self.limits.cap_loopback or not _is_loopback(client)
-        if capped and self._per_client[client] >= per_client:
+        if self._capped(client) and self._per_client[client] >= per_client:
             return f"too many connections from {client} (at most {per_client} per client address)"
         return None
 
@@ -450,7 +510,7 @@ class PolicyServer:
                     del message  # the raw frame (up to the frame limit) is not needed during inference
                     endpoint = request.endpoint
                     sid = request.session_id or (default_sid if endpoint == "infer" else "all")
-                    result, timing = await self._handle(request, conn_id, sessions, sid)
+                    result, timing = await self._handle(request, conn_id, client, sessions, sid)
                 except (ProtocolError, _RequestFailed) as exc:
                     code = exc.code if isinstance(exc, _RequestFailed) else CLOSE_BAD_REQUEST
                     self._access(peer, endpoint, sid, f"error {code}", t0, str(exc))
@@ -481,7 +541,7 @@ class PolicyServer:
             if not self._per_client[client]:
                 del self._per_client[client]
             for sid in list(sessions):
-                await asyncio.to_thread(self._end, sid)
+                await self._end_session(sid)
 
     def _access(self, peer: str, endpoint: str, sid: str | None, status: str, t0: float, detail: str = "") -> None:
         if status != "ok":
@@ -708,6 +768,9 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
     trust: an ed25519 public key file; the bundle must carry its valid MANIFEST.sig (default: DZ_TRUST_KEY).
     manifest_sha256: the MANIFEST's digest a registry pinned (checked again as the files are read).
     precision: "fp8" serves the DiT blocks' linears in FP8 where the GPU has it (else bf16, with a log line)."""
+    import shutil
+    import tempfile
+
     import torch
 
     from ..eval.policy import load_policy
@@ -715,8 +778,14 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
 
     ssl = tls_context(certfile, keyfile)
     auth = TokenAuth(token) if token is not None else None
-    pkg = load_package(bundle, trust=trust, manifest_sha256=manifest_sha256)
-    embodied = load_policy(pkg.model_dir, device=device, solver=solver, precision=precision)
+    # the bundle is verified by copying it into a private folder, and the model is built from that copy: what is
+    # served is what was verified, even if a file of the bundle (or of the bundle cache) is replaced meanwhile
+    private = tempfile.mkdtemp(prefix="dz-serve-")
+    try:
+        pkg = load_package(bundle, trust=trust, manifest_sha256=manifest_sha256, copy_to=private)
+        embodied = load_policy(pkg.model_dir, device=device, solver=solver, precision=precision)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
     robot, derived = served_robot(pkg.robot, embodied)
     policy = BundlePolicy(embodied, safety=ActionSafety.from_robot(robot))
     configure_logging()
