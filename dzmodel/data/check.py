@@ -5,9 +5,10 @@ download fails here, not mid-run or never), every video file is a video containe
 pointer checked in instead of the video is named as such.
 
 `dz data check` opens the dataset (the reader checks the meta/info.json fields it parses: a hostile value is one
-DataError naming the file and field, `lerobot_format.info_problems`), then reports `dataset_problems`: the above,
-episode indices 0..N-1 as LeRobot numbers them, and no NaN or infinity in any float column (one line per file,
-episode and column). `deep_check` (`--deep`) adds the videos: every frame of every file is decoded with FFmpeg's
+DataError naming the file and field, `lerobot_format.info_problems`; its path templates place every file inside the
+dataset; each declared episode length matches the data parquet's rows), then reports `dataset_problems`: the above,
+episode indices 0..N-1 as LeRobot numbers them, every numeric column as wide as info.json declares, and no NaN or
+infinity in any float column (one line per file, episode and column). `deep_check` (`--deep`) adds the videos: every frame of every file is decoded with FFmpeg's
 strict error detection (damage in the middle of a stream stops the decode; the file and frame are named), the decoded
 frame count against the episode table, and the frame rate against info.json.
 """
@@ -144,10 +145,49 @@ def value_problems(reader) -> list[str]:
     return problems
 
 
+NUMERIC_DTYPES = ("float", "int", "uint", "bool")  # info.json dtypes held as numbers (or lists of them)
+
+
+def _row_widths(column) -> np.ndarray:
+    """Values per row of a (nested) list column; 1 per row of a scalar column."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    n, rows = len(array), np.arange(len(array))
+    while pa.types.is_list(array.type) or pa.types.is_large_list(array.type) or pa.types.is_fixed_size_list(array.type):
+        rows = rows[np.asarray(pc.list_parent_indices(array))]
+        array = pc.list_flatten(array)
+    return np.bincount(rows, minlength=n)
+
+
+def width_problems(reader) -> list[str]:
+    """One line per (data file, numeric column) whose rows hold another number of values than info.json's
+    features.<column>.shape declares."""
+    import pyarrow.parquet as pq
+
+    declared = {k: int(np.prod(f.shape)) for k, f in reader.features.items()
+                if f.shape and f.dtype.startswith(NUMERIC_DTYPES)}
+    problems = []
+    for path in reader.iter_data_files():
+        if not reader.has_file(path) or _parquet_problem(reader.local(path)):
+            continue  # missing or unreadable: named by reader.check and file_problems
+        path = reader.local(path)
+        columns = [c for c in pq.read_schema(path).names if c in declared]
+        table = pq.read_table(path, columns=columns) if columns else None
+        for name in columns:
+            widths = _row_widths(table[name])
+            bad = np.flatnonzero(widths != declared[name])
+            if bad.size:
+                problems.append(f"{path}: column {name!r} holds {int(widths[bad[0]])} values per row (row {int(bad[0])}) "
+                                f"but meta/info.json declares features.{name}.shape {list(reader.features[name].shape)}")
+    return problems
+
+
 def dataset_problems(reader) -> list[str]:
-    """What `dz data check` reports: `file_problems`, episode indices outside 0..N-1, and NaN or infinity anywhere
-    in the data files' float columns."""
-    return file_problems(reader) + episode_index_problems(reader) + value_problems(reader)
+    """What `dz data check` reports: `file_problems`, episode indices outside 0..N-1, numeric columns of another
+    width than info.json declares, and NaN or infinity anywhere in the data files' float columns."""
+    return file_problems(reader) + episode_index_problems(reader) + width_problems(reader) + value_problems(reader)
 
 
 def raise_problems(reader, problems: list[str], shown: int | None = 10) -> None:

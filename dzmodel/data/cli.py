@@ -58,9 +58,11 @@ def cmd_data_metadata(ns: argparse.Namespace) -> int:
 
     check_output_file(ns.out, _is_metadata_json, overwrite=ns.overwrite, what="a metadata.json")  # --merge too
     emb = get_embodiment(ns.embodiment, registry_of(ns))
-    missing = sorted({ep for ep, _ in missing_videos(open_dataset(ns.dataset), emb)})
+    reader = open_dataset(ns.dataset, allow_outside=ns.allow_outside_root)
+    missing = sorted({ep for ep, _ in missing_videos(reader, emb)})
     doc = embodiment_metadata(ns.dataset, emb, ns.out, merge=ns.merge, max_episodes=ns.max_episodes,
-                              heldout_episodes=ns.heldout_episodes, skipped_episodes=missing if ns.skip_missing else ())
+                              heldout_episodes=ns.heldout_episodes, skipped_episodes=missing if ns.skip_missing else (),
+                              reader=reader)
     entry = doc[emb.tag]
     stats = entry["statistics"]
     print(f"wrote {ns.out} [{emb.tag}], statistics from {entry['statistics_episodes']} episodes"
@@ -87,10 +89,11 @@ def cmd_data_check(ns: argparse.Namespace) -> int:
     from ..data.lerobot_format import open_dataset
     from ..data.sampling import WindowSpec
 
-    reader = open_dataset(ns.dataset)
+    reader = open_dataset(ns.dataset, allow_outside=ns.allow_outside_root)
     where = f"{reader.remote.uri} (cached in {reader.root})" if reader.remote is not None else reader.root
     print(f"{where}: LeRobot {reader.version}, {len(reader.episodes)} episodes, "
           f"{sum(e.length for e in reader.episodes)} frames at {reader.fps:g} fps, views {reader.video_keys}")
+    reader.check_lengths()  # before --skip-missing can make the other problems warnings
     try:
         reader.check(allow_missing_videos=ns.skip_missing)  # with --skip-missing, the missing videos are listed below
         complete = True
@@ -199,6 +202,9 @@ def add_commands(sub, recorder=None, presets: dict[str, int] | None = None):
     p.add_argument("--skip-missing", action="store_true",
                    help="leave out the episodes whose video files are missing, as training with --skip-missing "
                         "does (they are listed, and recorded as skipped_episodes)")
+    p.add_argument("--allow-outside-root", action="store_true",
+                   help="read data and video files that meta/info.json's path templates place outside the dataset's "
+                        "folder (after symlinks); refused by default")
     p.set_defaults(func=cmd_data_metadata)
     p = data.add_parser("check", help="verify a dataset's files and, with --embodiment, its keys and one sample")
     p.add_argument("dataset")
@@ -210,6 +216,9 @@ def add_commands(sub, recorder=None, presets: dict[str, int] | None = None):
     p.add_argument("--deep", action="store_true",
                    help="also decode every frame of every video (strict): the first frame that does not decode, "
                         "frame counts against the episode table")
+    p.add_argument("--allow-outside-root", action="store_true",
+                   help="read data and video files that meta/info.json's path templates place outside the dataset's "
+                        "folder (after symlinks); refused by default")
     p.set_defaults(func=cmd_data_check)
 
     robots = sub.add_parser("embodiment", help="robot descriptions: draft one from a dataset").add_subparsers(

@@ -47,11 +47,15 @@ def load_statistics(metadata_path: str | Path, tag: str) -> dict:
 
 def embodiment_metadata(dataset: str | Path, emb: Embodiment, out: str | Path | None, merge: bool = False,
                         max_episodes: int | None = None, heldout_episodes: int = 0,
-                        skipped_episodes: Sequence[int] = ()) -> dict:
+                        skipped_episodes: Sequence[int] = (), reader: Any = None) -> dict:
     """metadata.json for one dataset seen through one embodiment (its keys, slices and relative keys), its
     statistics over the training episodes: all but the last `heldout_episodes` (`heldout_split`) and the
-    `skipped_episodes` (those `missing_videos` names, which training with skip_missing leaves out too)."""
+    `skipped_episodes` (those `missing_videos` names, which training with skip_missing leaves out too). The
+    dataset's reader (`reader`, or one opened here) checks its files' places and episode lengths first."""
+    from .lerobot_format import open_dataset
     from .metadata import compute_metadata
+
+    (reader if reader is not None else open_dataset(dataset)).check_lengths()
 
     def keys(group):
         return {k.name: (k.column, None if k.start is None else slice(k.start, k.end)) for k in group}
@@ -140,6 +144,8 @@ class WindowDataset:
             more = f"\n  ... and {len(self.missing) - 10} more" if len(self.missing) > 10 else ""
             raise DataError(f"{reader.root}: {len(self.missing)} video files of the views in use are missing:\n  "
                             f"{shown}{more}\n(skip those episodes with skip_missing=True / --skip-missing)")
+        if getattr(reader, "remote", None) is None:  # a remote dataset's files are checked as they arrive
+            reader.check_lengths()  # before the declared lengths size anything
         skipped_eps = {ep for ep, _ in self.missing}
         segments = []
         for ep in reader.episodes:
@@ -147,6 +153,8 @@ class WindowDataset:
                 continue
             per_frame = reader.task_per_frame(ep.index) if len(set(ep.tasks)) > 1 else None
             segments += task_segments(ep.index, per_frame, ep.length)
+        if segments:  # the columns in use hold the widths info.json declares (each episode read checks its own)
+            reader.read_columns(segments[0].episode, sorted({k.column for k in embodiment.state + embodiment.action}))
         self.index = AnchorIndex(segments, spec)
         self.state_stats = self.action_stats = None
         if statistics is not None:

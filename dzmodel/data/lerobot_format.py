@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import string
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -274,9 +276,75 @@ def _column_to_numpy(col, where: str) -> np.ndarray:
 
 
 MAX_FPS = 1000
+MAX_EPISODE_LENGTH = 10_000_000  # frames: more than three days at 30 fps
+MAX_TEMPLATE_WIDTH = 32  # digits of a zero-padded field in data_path / video_path
+# the fields each layout formats its path templates with
+TEMPLATE_FIELDS = {
+    "v2": {"data_path": ("episode_chunk", "episode_index", "chunk_index"),
+           "video_path": ("episode_chunk", "episode_index", "chunk_index", "video_key")},
+    "v3": {"data_path": ("chunk_index", "file_index"),
+           "video_path": ("chunk_index", "file_index", "video_key")},
+}
+_WIDTH_SPEC = re.compile(r"(0?)(\d*)(d?)")
+
+
+def template_problem(template: str, fields: Sequence[str]) -> str | None:
+    """What makes a path template unusable, or None. A template is a relative path whose replacement fields are
+    among `fields`, each bare or with a width (`{episode_index:06d}`, at most MAX_TEMPLATE_WIDTH digits; a
+    `video_key` without one): no conversions, attributes, indexes, nested fields or other format specs."""
+    if os.path.isabs(template) or template.startswith("\\"):
+        return "an absolute path; a template is a path inside the dataset"
+    if "\0" in template:
+        return "holds a NUL character"
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as e:
+        return f"not a format template ({e})"
+    for _, name, spec, conversion in parts:
+        if name is None:
+            continue
+        if name not in fields:
+            return f"field {{{name:.40}}} is not one of {', '.join(fields)}"
+        if conversion:
+            return f"{{{name}!{conversion:.10}}}: a conversion is not supported"
+        if not spec:
+            continue
+        width = _WIDTH_SPEC.fullmatch(spec)
+        if width is None or name == "video_key":
+            return (f"format spec {spec!r:.40} of {{{name}}}: only a width is supported, such as "
+                    "{episode_index:06d}" + (" (none on video_key)" if name == "video_key" else ""))
+        digits = width.group(2).lstrip("0")
+        if len(digits) > 2 or int(digits or 0) > MAX_TEMPLATE_WIDTH:
+            return f"{{{name}}} has width {digits[:12]}{'...' if len(digits) > 12 else ''}; at most {MAX_TEMPLATE_WIDTH}"
+    return None
+
+
+def _resolve_in(root: str, rel: str, parents: dict[str, str]) -> str:
+    """`root`/`rel` with every symlink resolved (os.path.realpath); the directories' resolutions are kept in
+    `parents`, so a file costs one lstat."""
+    head, tail = os.path.split(rel)
+    parent = parents.get(head)
+    if parent is None:
+        parent = parents[head] = os.path.realpath(os.path.join(root, head))
+    path = os.path.join(parent, tail)
+    if tail in ("", ".", "..") or os.path.islink(path):
+        path = os.path.realpath(path)
+    return path
+
+
+def _short(text: str, limit: int = 240) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 MISSING_SHOWN = 20  # missing files named in the error; a longer list goes to a file
+
+
+def _check_width(path: Path, key: str, values: np.ndarray, feature: Feature, episode: int) -> None:
+    """A column's values per row against info.json's features.<key>.shape."""
+    declared, held = int(np.prod(feature.shape)), int(np.prod(values.shape[1:]))
+    if declared != held and len(values):
+        raise DataError(f"{path}: column {key!r} holds {held} values per row (episode {episode}) but {INFO_PATH} "
+                        f"declares features.{key}.shape {list(feature.shape)}")
 
 
 def _missing_files_report(missing: list[str], episodes: "EpisodeIndex") -> str:
@@ -302,6 +370,24 @@ def _missing_files_report(missing: list[str], episodes: "EpisodeIndex") -> str:
 
 def _is_int(value: Any, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _check_length(table: Path, episode: Any, length: Any) -> None:
+    """An episode table's declared length: an integer in 0..MAX_EPISODE_LENGTH (nothing is sized by it before it
+    is checked against the data parquet's rows, `LeRobotReader.length_problems`)."""
+    if not (_is_int(length, 0) and length <= MAX_EPISODE_LENGTH):
+        raise DataError(f"{table}: episode {_short(str(episode), 40)}: length {_short(repr(length), 40)} must be an "
+                        f"integer in 0..{MAX_EPISODE_LENGTH}")
+
+
+def _bad_lengths(lengths: np.ndarray, episodes: np.ndarray) -> list[tuple[Any, Any]]:
+    """(length, episode) of the first length of a column that `_check_length` refuses (none: [])."""
+    values = lengths.astype(np.float64)
+    bad = np.flatnonzero((values < 0) | (values > MAX_EPISODE_LENGTH) | (values != np.floor(values)))
+    if not bad.size:
+        return []
+    value = lengths[bad[0]].item()
+    return [(value if not float(value).is_integer() else int(value), int(episodes[bad[0]]))]
 
 
 def info_problems(info: Any) -> list[str]:
@@ -339,7 +425,10 @@ class LeRobotReader:
     ``info`` (the raw info.json).
     """
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, allow_outside: bool = False):
+        """allow_outside: read files that the path templates place outside the dataset's folder (after symlinks);
+        by default such a path is a DataError before any file is read."""
+        self.allow_outside = allow_outside
         # an s3:// URI reads through a local cache of bounded size: `root` is then its local mirror
         self.remote = S3Mirror(str(root)) if is_remote(root) else None
         self.root = self.remote.root if self.remote is not None else Path(root)
@@ -384,14 +473,45 @@ class LeRobotReader:
         if self._mp4_keys and not self.video_path:
             raise DataError(f"{info_path}: features {self._mp4_keys} are videos but 'video_path' is missing")
         self.chunks_size = int(info.get("chunks_size") or 1000)
+        self._check_templates(info_path)
         self._cache = _ColumnCache()
         self._rows: dict[tuple[str, int], np.ndarray] = {}
         self._rg_starts: dict[Path, np.ndarray] = {}
         self._rg_cache: OrderedDict[tuple[str, str, int], Any] = OrderedDict()
+        self._lengths_checked = False
         if self.version == "v3.0":
             self._load_v3()
         else:
             self._load_v2()
+        if not allow_outside:
+            self._check_inside(info_path)
+
+    def _check_templates(self, info_path: Path) -> None:
+        """data_path and video_path: relative paths formatted only with the fields this layout supplies."""
+        fields = TEMPLATE_FIELDS["v3" if self.version == "v3.0" else "v2"]
+        for key, template in (("data_path", self.data_path), ("video_path", self.video_path)):
+            problem = template_problem(template, fields[key]) if isinstance(template, str) else None
+            if problem:
+                raise DataError(f"{info_path}: {key}: {problem} (template {_short(repr(template), 100)})")
+
+    def _check_inside(self, info_path: Path) -> None:
+        """Every data and video file the templates and the episode table name resolves inside the dataset's folder
+        after symlinks; else a DataError naming the field and the resolved path."""
+        root = os.path.realpath(self.root)
+        parents: dict[str, str] = {}
+        named = [("data_path", self.episodes.data_file), *(("video_path", v) for v in self.episodes.video_file.values())]
+        for key, ids in named:
+            for i in np.unique(ids).tolist():
+                rel = self.episodes.strings[i]
+                try:
+                    resolved = _resolve_in(str(self.root), rel, parents)
+                except (OSError, ValueError) as e:
+                    raise DataError(f"{info_path}: {key}: {_short(repr(rel), 100)} is not a usable path ({e})") from e
+                if os.path.commonpath([root, resolved]) != root:
+                    raise DataError(
+                        f"{info_path}: {key} gives {_short(repr(rel), 100)}, which resolves to {_short(resolved)}: "
+                        f"outside the dataset {_short(root)} (a dataset whose files live elsewhere: copy them in with "
+                        "`dz data fetch PATH`, or pass --allow-outside-root)")
 
     # ---------------------------------------------------------------- metadata loading
 
@@ -405,9 +525,13 @@ class LeRobotReader:
         ep_path = self.root / V2_EPISODES_PATH
         rows: dict[int, tuple] = {}
         for row in _load_jsonl(ep_path):
-            if "episode_index" not in row or "length" not in row:
-                raise DataError(f"{ep_path}: each line needs 'episode_index' and 'length', got {row}")
+            if not isinstance(row, dict) or "episode_index" not in row or "length" not in row:
+                raise DataError(f"{ep_path}: each line needs 'episode_index' and 'length', got {_short(repr(row), 100)}")
+            if not _is_int(row["episode_index"], 0):
+                raise DataError(f"{ep_path}: episode_index must be an integer >= 0, got "
+                                f"{_short(repr(row['episode_index']), 40)}")
             ep = int(row["episode_index"])
+            _check_length(ep_path, ep, row["length"])
             tasks = row.get("tasks") or []
             if isinstance(tasks, str):
                 tasks = [tasks]
@@ -470,6 +594,8 @@ class LeRobotReader:
                 raise DataError(f"{f}: episode table lacks column(s) {missing}")
             t = read_parquet(f, columns=need + (["tasks"] if "tasks" in names else []))
             col = {c: _column_to_numpy(t.column(c), f"{f}: {c}") for c in need}
+            for value, ep in _bad_lengths(col["length"], col["episode_index"]):
+                _check_length(f, ep, value)
             parts["index"].append(col["episode_index"].astype(np.int64))
             parts["length"].append(col["length"].astype(np.int64))
             counts, ids = np.zeros(t.num_rows, dtype=np.int64), np.zeros(0, dtype=np.int32)
@@ -572,6 +698,10 @@ class LeRobotReader:
                     seen.add(rel)
                     if not self.has_file(self.root / rel):
                         missing.append(rel)
+        if not self._lengths_checked:
+            lengths = self.length_problems()
+            problems += lengths[:5] + ([f"and {len(lengths) - 5} more episode(s) of other lengths"]
+                                       if len(lengths) > 5 else [])
         total_eps = self.info.get("total_episodes")
         if total_eps is not None and int(total_eps) != len(self.episodes):
             problems.append(f"info.json total_episodes={total_eps} but the episode table has {len(self.episodes)}")
@@ -583,6 +713,53 @@ class LeRobotReader:
             problems.insert(0, _missing_files_report(missing, self.episodes))
         if problems:
             raise DataError(f"{self.root}: " + "; ".join(problems))
+
+    def length_problems(self) -> list[str]:
+        """One line per episode whose declared length differs from its rows in its data parquet (files that are
+        missing or unreadable are left to `check` and `check.file_problems`). Reads parquet footers (v2.x) or the
+        episode_index column (v3.0) of every data file; a remote dataset's files are fetched."""
+        table = V3_EPISODES_DIR if self.version == "v3.0" else V2_EPISODES_PATH
+        counts: dict[int, dict[int, int] | int | None] = {}  # data file id -> rows (per episode in v3.0)
+        problems = []
+        for position in range(len(self.episodes)):
+            file_id = int(self.episodes.data_file[position])
+            if file_id not in counts:
+                counts[file_id] = self._file_rows(self.root / self.episodes.strings[file_id])
+            rows = counts[file_id]
+            if rows is None:
+                continue
+            episode, declared = int(self.episodes.index[position]), int(self.episodes.length[position])
+            actual = rows.get(episode, 0) if isinstance(rows, dict) else rows
+            if actual != declared:
+                problems.append(f"{self.root / self.episodes.strings[file_id]}: episode {episode} has {actual} rows "
+                                f"but {self.root / table} says length {declared}")
+        return problems
+
+    def _file_rows(self, path: Path) -> dict[int, int] | int | None:
+        """A data file's rows: per episode (v3.0) or in all (v2.x); None when it is missing or unreadable."""
+        if not self.has_file(path):
+            return None
+        try:
+            path = self.local(path)
+            if self.version != "v3.0":
+                return _num_rows(path)
+            episodes = _column_to_numpy(read_parquet(path, columns=["episode_index"]).column("episode_index"),
+                                        f"{path}: episode_index")
+        except DataError:
+            return None
+        values, n = np.unique(episodes.astype(np.int64), return_counts=True)
+        return dict(zip(values.tolist(), n.tolist()))
+
+    def check_lengths(self) -> None:
+        """A DataError naming the first episode whose declared length differs from its data parquet's rows (once
+        per reader: what a training dataset runs before anything is sized by the lengths)."""
+        if self._lengths_checked:
+            return
+        problems = self.length_problems()
+        if problems:
+            more = f" (and {len(problems) - 1} more episode(s))" if len(problems) > 1 else ""
+            raise DataError(problems[0] + more)
+        self._lengths_checked = True
 
     # ---------------------------------------------------------------- rows
 
@@ -638,6 +815,9 @@ class LeRobotReader:
                     raise DataError(f"{where}: contains NaN")
             elif np.issubdtype(arr.dtype, np.integer):
                 arr = arr.astype(np.int64, copy=False)
+            f = self.features.get(k)
+            if f is not None and f.dtype != "string" and f.shape:
+                _check_width(path, k, arr, f, episode)
             out[k] = arr
         return out
 
@@ -735,6 +915,19 @@ class LeRobotReader:
             out.append(arr[row - int(starts[rg])].as_py())
         return out
 
+    def _image_path(self, path: str, where: str) -> Path:
+        """An image cell's file: relative to the dataset and inside it after symlinks (unless allow_outside)."""
+        if self.allow_outside:
+            return Path(path) if os.path.isabs(path) else self.root / path
+        root = os.path.realpath(self.root)
+        try:
+            resolved = None if os.path.isabs(path) else _resolve_in(str(self.root), path, {})
+        except (OSError, ValueError):
+            resolved = None
+        if resolved is None or os.path.commonpath([root, resolved]) != root:
+            raise DataError(f"{where}: image path {_short(repr(path), 100)} is outside the dataset {_short(root)}")
+        return Path(resolved)
+
     def _read_images(self, episode: int, key: str, idx: np.ndarray) -> np.ndarray:
         from dzmodel.data.video import decode_image_bytes
 
@@ -747,8 +940,7 @@ class LeRobotReader:
             if isinstance(cell, dict):
                 data = cell.get("bytes")
                 if data is None and cell.get("path"):
-                    p = Path(cell["path"])
-                    p = p if p.is_absolute() else self.root / p
+                    p = self._image_path(str(cell["path"]), where)
                     if not p.is_file():
                         raise DataError(f"{where}: image has no bytes and its path {p} is missing")
                     data = p.read_bytes()
@@ -767,9 +959,10 @@ class LeRobotReader:
         return np.stack(images)[inv]
 
 
-def open_dataset(root: str | Path) -> LeRobotReader:
-    """Open the LeRobot dataset at ``root`` (v2.0, v2.1 or v3.0); DataError naming the path if not."""
-    return LeRobotReader(root)
+def open_dataset(root: str | Path, allow_outside: bool = False) -> LeRobotReader:
+    """Open the LeRobot dataset at ``root`` (v2.0, v2.1 or v3.0); DataError naming the path if not. Its files must
+    resolve inside ``root`` unless ``allow_outside``."""
+    return LeRobotReader(root, allow_outside=allow_outside)
 
 
 def crosscheck_with_lerobot(reader: "LeRobotReader") -> str:
