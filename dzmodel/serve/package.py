@@ -446,37 +446,46 @@ class Package:
 
 
 def _authentic_manifest(root: Path, trust: str | Path | None = None,
-                        manifest_sha256: str | None = None) -> dict[str, tuple[str, int]]:
-    """root's MANIFEST, read once: checked against the expected sha256 and the trusted key's signature."""
+                        *pins: str) -> tuple[bytes, dict[str, tuple[str, int]]]:
+    """root's MANIFEST, read once (its bytes and its entries): checked against each expected sha256 in `pins`
+    and the trusted key's signature."""
     manifest = root / MANIFEST
     if not manifest.is_file():
         raise PackageError(f"{root}: no {MANIFEST} (not a dz package)")
     data = manifest.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
-    if manifest_sha256 is not None and digest != manifest_sha256:
-        raise PackageError(f"{manifest}: sha256 {digest} does not match the expected {manifest_sha256} "
-                           "(the bundle was changed)")
+    for pin in pins:
+        if digest != pin:
+            raise PackageError(f"{manifest}: sha256 {digest} does not match the expected {pin} "
+                               "(the bundle was changed)")
     try:
         if trust:
             check_signature(root, data, trust)
-        return parse_manifest(data.decode("utf-8", errors="replace"), str(manifest))
+        return data, parse_manifest(data.decode("utf-8", errors="replace"), str(manifest))
     except BundleError as exc:
         raise PackageError(str(exc)) from None
 
 
-def verify_package(root: str | Path, trust: str | Path | None = None, manifest_sha256: str | None = None) -> int:
-    """Check every file against MANIFEST; returns the number of files. Raises PackageError naming the file.
-
-    trust: an ed25519 public key file; MANIFEST.sig must then be its valid signature of MANIFEST.
-    manifest_sha256: the sha256 MANIFEST must have (a registry's record, or the tarball's own MANIFEST)."""
-    root = Path(root)
-    expected = _authentic_manifest(root, trust, manifest_sha256)
+def _listed_files(root: Path, trust: str | Path | None, pins: tuple[str, ...]) -> tuple[bytes, dict]:
+    """root's authentic MANIFEST (bytes, entries), refusing a listed file that is missing or a file not listed."""
+    data, expected = _authentic_manifest(root, trust, *pins)
     present = {rel for p in root.rglob("*")
                if p.is_file() and (rel := p.relative_to(root).as_posix()) not in (MANIFEST, SIGNATURE)}
     for rel in sorted(set(expected) - present):
         raise PackageError(f"{root / rel}: listed in {MANIFEST} but missing")
     for rel in sorted(present - set(expected)):
         raise PackageError(f"{root / rel}: not listed in {MANIFEST} (an added file)")
+    return data, expected
+
+
+def verify_package(root: str | Path, trust: str | Path | None = None, manifest_sha256: str | None = None) -> int:
+    """Check every file against MANIFEST; returns the number of files. Raises PackageError naming the file.
+
+    trust: an ed25519 public key file; MANIFEST.sig must then be its valid signature of MANIFEST.
+    manifest_sha256: the sha256 MANIFEST must have (a registry's record, or the tarball's own MANIFEST).
+    The files stay where they are: to use what was checked, whatever happens to root later, `verified_copy`."""
+    root = Path(root)
+    _, expected = _listed_files(root, trust, (manifest_sha256,) if manifest_sha256 else ())
     for rel, (digest, size) in sorted(expected.items()):
         path = root / rel
         if path.stat().st_size != size or file_sha256(path) != digest:
@@ -484,31 +493,80 @@ def verify_package(root: str | Path, trust: str | Path | None = None, manifest_s
     return len(expected)
 
 
+def _copy_checked(src: Path, dest: Path, digest: str, size: int) -> None:
+    """Read `src` once, hashing each block as it is written to `dest` (a new file); refuse a copy that does not
+    match its MANIFEST entry. What `dest` holds is then exactly what was checked."""
+    h, n = hashlib.sha256(), 0
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(src, "rb") as f, open(dest, "xb") as out:
+        while n <= size and (block := f.read(min(1 << 20, size + 1 - n))):  # one byte past `size` is enough to refuse
+            h.update(block)
+            out.write(block)
+            n += len(block)
+    if n != size or h.hexdigest() != digest:
+        raise PackageError(f"{src}: checksum mismatch against {MANIFEST} (the file was modified)")
+
+
+def verified_copy(root: str | Path, dest: str | Path, trust: str | Path | None = None, *pins: str) -> int:
+    """Verify root against its MANIFEST by copying it: each listed file is read once and hashed as it is written
+    under `dest` (a new folder in a private one, such as a fresh mkdtemp), and MANIFEST is written there as the
+    bytes that were checked. Whatever loads from `dest` then gets exactly what was verified: a file renamed over
+    or rewritten in root after its check is never read. Returns the number of files.
+
+    trust: an ed25519 public key file (MANIFEST.sig must be its valid signature of MANIFEST); pins: the sha256s
+    MANIFEST must have (a registry's record, the tarball's own MANIFEST)."""
+    root, dest = Path(root), Path(dest)
+    data, expected = _listed_files(root, trust, pins)
+    dest.mkdir()
+    for rel, (digest, size) in sorted(expected.items()):
+        _copy_checked(root / rel, dest / rel, digest, size)
+    (dest / MANIFEST).write_bytes(data)
+    return len(expected)
+
+
 def load_package(path: str | Path, cache_dir: str | Path | None = None, trust: str | Path | None = None,
-                 manifest_sha256: str | None = None) -> Package:
+                 manifest_sha256: str | None = None, copy_to: str | Path | None = None) -> Package:
     """A bundle directory, or its .tar.gz extracted into the bundle cache (`bundles.cached_bundle`); verified
     against MANIFEST either way. A cached copy is checked against the tarball's own MANIFEST on every load;
     one that no longer matches is logged, dropped and extracted again.
 
     trust: an ed25519 public key file (default: the DZ_TRUST_KEY variable); the bundle must then carry a valid
-    MANIFEST.sig by that key. manifest_sha256: the sha256 its MANIFEST must have."""
+    MANIFEST.sig by that key. manifest_sha256: the sha256 its MANIFEST must have.
+    copy_to: a private folder (the caller's fresh mkdtemp, which it removes once the model is loaded): the
+    bundle is verified by copying it there (`verified_copy`) and the Package is that copy, so what is loaded
+    from it is exactly what was verified, even if the bundle or the cache is changed meanwhile."""
     path = Path(path)
     trust = trust or os.environ.get(TRUST_ENV) or None
+    pins = (manifest_sha256,) if manifest_sha256 else ()
     if path.name.endswith(".tar.gz"):
+        tarball = path
         try:
             path, files = _cached_package(path, cache_dir)
         except BundleError as exc:
             raise PackageError(str(exc)) from None
-        if trust or manifest_sha256:
-            _authentic_manifest(path, trust, manifest_sha256)
+        if copy_to is not None:  # the cached files are read again: they must still be the tarball's
+            pins += (_tarball_manifest_sha256(tarball),)
+        elif pins or trust:
+            _authentic_manifest(path, trust, *pins)
     elif path.is_dir():
-        files = verify_package(path, trust, manifest_sha256)
+        if copy_to is None:
+            files = verify_package(path, trust, manifest_sha256)
     else:
         raise PackageError(f"{path}: no such bundle directory or .tar.gz")
+    if copy_to is not None:
+        files = verified_copy(path, Path(copy_to) / path.name, trust, *pins)
+        path = Path(copy_to) / path.name
     raw = json.loads((path / "robot.json").read_text())
     franka = not isinstance(raw, dict) or raw.get("kind", "franka") == "franka"  # a non-dict: RobotConfig says so
     robot = RobotConfig.from_dict(raw, str(path / "robot.json")) if franka else _checked_robot(raw, path / "robot.json")
     return Package(path, robot, json.loads((path / "embodiment.json").read_text()), files)
+
+
+def _tarball_manifest_sha256(tarball: Path) -> str:
+    try:
+        return hashlib.sha256(tarball_manifest(tarball)).hexdigest()
+    except BundleError as exc:
+        raise PackageError(str(exc)) from None
 
 
 def _checked_robot(raw: dict, source: Path) -> dict:
