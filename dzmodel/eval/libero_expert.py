@@ -7,10 +7,12 @@ simulator, but acts only through LIBERO's standard 7-dim OSC_POSE action: delta 
 Design choices, each because of how the recordings are used (open-loop replay after float32 rounding and clipping
 every action dim to its 1st..99th percentile over the whole dataset):
 
-* Rotation is never commanded (always exactly 0): the gripper keeps its reset orientation (pointing down, fingers
-  closing along world y). Every object in LIBERO-Object and LIBERO-Spatial sits at a fixed yaw in which a
-  top-down grasp with that finger axis works, so no rotation is needed, and rare rotation commands would be
-  clipped to ~0 on replay anyway.
+* Rotation is commanded only when the grasp needs it (otherwise always exactly 0): the gripper keeps its reset
+  orientation (pointing down, fingers closing along world y) wherever the open fingers have room around the grasp
+  point at that yaw, which is every LIBERO-Object task and most LIBERO-Spatial ones. Where they do not (a bowl in
+  an open drawer: the drawer's front and back walls leave no room for the outer finger beside the rim), the
+  expert picks the grasp yaw (see `_choose_grasp`) and turns the hand to it through the rotation dims while it
+  approaches, before it descends.
 * Position commands are a saturating proportional law, so most travel happens at exactly +-1: the 1 % tails of
   each position dim sit at the saturation value and clipping changes nothing. The one direction that is rare
   (-x, towards the robot) is capped at NEG_X_CAP, so that its tail is a point mass at the cap instead.
@@ -24,7 +26,9 @@ every action dim to its 1st..99th percentile over the whole dataset):
 
 Grasps come from the object's collision geometry (world AABB of its geoms): upright and flat objects are grasped
 from above at a height below their top; bowls (too wide for the gripper) by their rim, offset from the centre by
-about the radius along the finger axis. During transport the eef target is corrected by the object's measured
+about the radius along the finger axis. The finger axis is world y unless the open fingers would touch something
+there (distances to the oriented collision boxes of everything around); then the rim grasp's yaw, side and
+inset are searched for the most room, e.g. along the diagonal of an open drawer. During transport the eef target is corrected by the object's measured
 offset from the eef, so the object (not the hand) is placed over the target. A grasp that did not lift the object
 is retried.
 
@@ -49,6 +53,11 @@ RELEASE_STEPS = 6
 MAX_GRASP_TRIES = 3
 ROT_OUTPUT_MAX = 0.5      # rad per unit rotation action (LIBERO's OSC_POSE output_max for the rotation dims)
 ROT_GAIN = 0.5            # hold_orientation: fraction of the orientation error commanded per step
+YAW_MIN_CLEARANCE = 0.006  # the default (unrotated) grasp is kept when its open fingers have at least this much room
+YAW_CANDIDATES_DEG = tuple(range(-75, 91, 15))  # grasp yaws searched when the default grasp has no room (mod 180)
+RIM_INSETS = (BOWL_RIM_INSET, 0.014, 0.020)  # rim grasp insets searched with the yaw: deeper leaves the outer
+                                             # finger more room outside the rim
+YAW_TOLERANCE = 0.05      # rad: the hand's yaw error under which it may descend to a rotated grasp
 
 
 class ExpertUnsupported(ValueError):
@@ -114,6 +123,44 @@ def _body_box(sim, root_body: str) -> tuple[np.ndarray, np.ndarray]:
     return np.min([b[1] for b in boxes], axis=0), np.max([b[2] for b in boxes], axis=0)
 
 
+def _geom_oriented_boxes(sim, body_ids: set[int]):
+    """Oriented boxes (centre [G, 3], rotation [G, 3, 3], half extents [G, 3]) of the colliding geoms of the given
+    bodies: each geom's own bounding box in its frame, placed in the world (exact for box geoms)."""
+    m, d = sim.model._model, sim.data._data
+    ids = [g for g in range(m.ngeom) if int(m.geom_bodyid[g]) in body_ids
+           and not (m.geom_contype[g] == 0 and m.geom_conaffinity[g] == 0)]
+    if not ids:
+        return np.zeros((0, 3)), np.zeros((0, 3, 3)), np.zeros((0, 3))
+    rot = np.stack([d.geom_xmat[g].reshape(3, 3) for g in ids])
+    centre = np.stack([d.geom_xpos[g] + rot[i] @ m.geom_aabb[g, :3] for i, g in enumerate(ids)])
+    return centre, rot, np.stack([m.geom_aabb[g, 3:] for g in ids])
+
+
+def _distance_to_boxes(points: np.ndarray, boxes) -> np.ndarray:
+    """Per point [P, 3]: the distance to the nearest of the oriented boxes (inf without boxes)."""
+    centre, rot, half = boxes
+    if len(centre) == 0:
+        return np.full(len(points), np.inf)
+    local = np.einsum("pgi,gij->pgj", points[:, None, :] - centre[None], rot)  # world -> each box's frame
+    outside = np.maximum(np.abs(local) - half[None], 0.0)
+    return np.linalg.norm(outside, axis=-1).min(axis=1)
+
+
+def _box_points(boxes, per_axis: int = 4) -> np.ndarray:
+    """Sample points [N, 3] filling the oriented boxes (a grid of per_axis^3 points in each)."""
+    centre, rot, half = boxes
+    grid = np.linspace(-1.0, 1.0, per_axis)
+    unit = np.stack(np.meshgrid(grid, grid, grid, indexing="ij"), axis=-1).reshape(-1, 3)
+    return np.concatenate([c + (unit * h) @ r.T for c, r, h in zip(centre, rot, half)]) if len(centre) \
+        else np.zeros((0, 3))
+
+
+def finger_axis(yaw: float) -> np.ndarray:
+    """The world xy direction the fingers close along, with the hand turned by `yaw` (rad, counter-clockwise seen
+    from above) from its reset orientation (fingers along world y)."""
+    return np.array([-np.sin(yaw), np.cos(yaw)])
+
+
 # --- the expert --------------------------------------------------------------------------------------------------
 
 
@@ -137,18 +184,7 @@ class ScriptedExpert:
         self.obj_height = hi[2] - lo[2]
         size = hi - lo
         self.is_bowl = "bowl" in self.obj or (size[1] > MAX_GRIPPER_OPENING and size[2] < 0.6 * size[1])
-        centre_xy = (lo[:2] + hi[:2]) / 2
-        if self.is_bowl:
-            # a rim grasp: the fingers straddle the wall where it crosses the finger axis (world y)
-            radius = size[1] / 2
-            grasp_z = hi[2] - BOWL_GRASP_BELOW_TOP
-            candidates = [centre_xy + [0.0, side * (radius - BOWL_RIM_INSET)] for side in (1.0, -1.0)]
-        else:
-            # from above, below the top; anywhere along the object's x extent (perpendicular to the fingers)
-            grasp_z = max(hi[2] - 0.035, lo[2] + 0.5 * min(self.obj_height, 0.03) + 0.006)
-            reach = max(0.0, size[0] / 2 - 0.02)
-            candidates = [centre_xy + [dx, 0.0] for dx in np.linspace(-reach, reach, 5 if reach > 0 else 1)]
-        grasp_xy = self._roomiest(candidates, centre_xy, grasp_z)
+        grasp_xy, grasp_z, self.grasp_yaw = self._choose_grasp(lo, hi)
         self.grasp_offset = np.array([*(grasp_xy - origin[:2]), grasp_z - origin[2]])
         self.hover = 0.08 + 0.02 * self.rng.random()
 
@@ -200,6 +236,69 @@ class ScriptedExpert:
         tops = [hi[2] for _, lo, hi in _geom_world_boxes(self.sim, _bodies_under(self.sim.model._model, root))
                 if lo[0] <= xy[0] <= hi[0] and lo[1] <= xy[1] <= hi[1]]
         return float(min(tops)) if tops else float(self.sim.data.get_site_xpos(self.target)[2])
+
+    def _choose_grasp(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, float, float]:
+        """(grasp xy, grasp z, yaw) of the grip site. The default grasp keeps the reset yaw (fingers along world y);
+        a bowl whose default rim grasp leaves the open fingers less than YAW_MIN_CLEARANCE of room is grasped at the
+        rim point, yaw and inset with the most room instead."""
+        size = hi - lo
+        centre_xy = (lo[:2] + hi[:2]) / 2
+        if self.is_bowl:
+            # a rim grasp: the fingers straddle the wall where it crosses the finger axis (world y)
+            radius = size[1] / 2
+            grasp_z = hi[2] - BOWL_GRASP_BELOW_TOP
+            candidates = [centre_xy + [0.0, side * (radius - BOWL_RIM_INSET)] for side in (1.0, -1.0)]
+        else:
+            # from above, below the top; anywhere along the object's x extent (perpendicular to the fingers)
+            grasp_z = max(hi[2] - 0.035, lo[2] + 0.5 * min(self.obj_height, 0.03) + 0.006)
+            reach = max(0.0, size[0] / 2 - 0.02)
+            candidates = [centre_xy + [dx, 0.0] for dx in np.linspace(-reach, reach, 5 if reach > 0 else 1)]
+        grasp_xy = self._roomiest(candidates, centre_xy, grasp_z)
+        if not self.is_bowl:
+            return grasp_xy, grasp_z, 0.0
+        boxes = self._foreign_oriented_boxes()
+        room = self._finger_room(boxes, grasp_xy, grasp_z, 0.0)
+        if room >= YAW_MIN_CLEARANCE:
+            return grasp_xy, grasp_z, 0.0
+        radius = (size[0] + size[1]) / 4
+        best, best_score = (grasp_xy, 0.0), room
+        for yaw in np.deg2rad(YAW_CANDIDATES_DEG):
+            for inset in RIM_INSETS:
+                for side in (1.0, -1.0):
+                    gxy = centre_xy + side * (radius - inset) * finger_axis(yaw)
+                    # the most room wins; among grasps with enough, the shallower inset and the smaller turn
+                    score = min(self._finger_room(boxes, gxy, grasp_z, yaw), 0.015) \
+                        - 0.05 * (inset - BOWL_RIM_INSET) - 0.001 * abs(yaw)
+                    if score > best_score + 1e-9:
+                        best, best_score = (gxy, float(yaw)), score
+        return best[0], grasp_z, best[1]
+
+    def _foreign_oriented_boxes(self):
+        """Oriented collision boxes of everything but the object, the robot and the world body's large geoms."""
+        own = _bodies_under(self.sim.model._model, self.obj_body_id)
+        others = {b for b in range(1, self.sim.model.nbody)
+                  if b not in own and not (self.sim.model.body_id2name(b) or "").startswith(("robot", "gripper", "mount"))}
+        centre, rot, half = _geom_oriented_boxes(self.sim, others)
+        small = np.all(half < 0.225, axis=1)  # tables and floors are not obstacles for the fingers
+        return centre[small], rot[small], half[small]
+
+    def _hand_points(self) -> np.ndarray:
+        """Points filling the hand's and the open fingers' collision geometry, relative to the grip site (the eef),
+        as they are now (at reset: pointing down, open). Measured once."""
+        if getattr(self, "_hand_cache", None) is None:
+            model = self.sim.model
+            hand = {b for b in range(model.nbody) if (model.body_id2name(b) or "").startswith("gripper")}
+            site = self.env.env.robots[0].eef_site_id
+            self._hand_cache = _box_points(_geom_oriented_boxes(self.sim, hand)) - self.sim.data.site_xpos[site]
+        return self._hand_cache
+
+    def _finger_room(self, boxes, grasp_xy, grasp_z: float, yaw: float) -> float:
+        """The open hand's distance to the nearest foreign geometry with its grip site at (grasp_xy, grasp_z),
+        turned by `yaw` from its reset orientation."""
+        c, s = np.cos(yaw), np.sin(yaw)
+        points = self._hand_points() @ np.array([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]]).T
+        points = points + np.array([grasp_xy[0], grasp_xy[1], grasp_z])
+        return float(_distance_to_boxes(points, boxes).min())
 
     def _foreign_boxes(self):
         own = _bodies_under(self.sim.model._model, self.obj_body_id)
@@ -272,7 +371,7 @@ class ScriptedExpert:
             xy_err = np.linalg.norm(grasp[:2] - eef[:2])
             z_goal = max(hover_z, eef[2]) if xy_err > 0.1 else hover_z
             move = self._move(eef, [grasp[0], grasp[1], z_goal])
-            if xy_err < 0.012 and abs(eef[2] - hover_z) < 0.03:
+            if xy_err < 0.012 and abs(eef[2] - hover_z) < 0.03 and self._yaw_reached(raw_obs["robot0_eef_quat"]):
                 self._set("descend")
         if self.phase == "descend":
             near = eef[2] - grasp[2] < 0.04
@@ -328,7 +427,7 @@ class ScriptedExpert:
         action = np.zeros(7, dtype=np.float64)
         action[:3] = move
         action[6] = gripper
-        if self.hold_orientation:
+        if self.hold_orientation or self.grasp_yaw != 0.0:
             action[3:6] = self._hold_orientation(raw_obs["robot0_eef_quat"])
         return action
 
@@ -338,13 +437,26 @@ class ScriptedExpert:
         MAX_GRASP_TRIES failed grasps; never with `recover`)."""
         return not self.gave_up
 
-    def _hold_orientation(self, quat) -> np.ndarray:
-        """Rotation action back towards the reference orientation (OSC deltas are world-frame axis-angle)."""
-        rot = quat_to_matrix(quat)
+    def _target_rot(self, quat) -> np.ndarray:
+        """The hand's goal orientation: its reset one (the first act()'s), turned by the grasp yaw about world z."""
         if self.ref_rot is None:
-            self.ref_rot = rot
-        err = matrix_to_rotvec(self.ref_rot @ rot.T)
+            self.ref_rot = quat_to_matrix(quat)
+        c, s = np.cos(self.grasp_yaw), np.sin(self.grasp_yaw)
+        return np.array([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]]) @ self.ref_rot
+
+    def _hold_orientation(self, quat) -> np.ndarray:
+        """Rotation action towards the goal orientation (OSC deltas are world-frame axis-angle): the reset one, or
+        with a grasp yaw, the reset one turned by it."""
+        target = self._target_rot(quat)
+        err = matrix_to_rotvec(target @ quat_to_matrix(quat).T)
         return np.clip(ROT_GAIN * err / ROT_OUTPUT_MAX, -1.0, 1.0)
+
+    def _yaw_reached(self, quat) -> bool:
+        """Whether the hand is turned to the grasp yaw (always, for the unrotated grasp)."""
+        if self.grasp_yaw == 0.0:
+            return True
+        err = matrix_to_rotvec(self._target_rot(quat) @ quat_to_matrix(quat).T)
+        return bool(np.linalg.norm(err) < YAW_TOLERANCE)
 
     def _replan(self, raw_obs, eef, obj, grasp) -> None:
         """`recover`: put the phase machine back in line with the state when something else moved the hand or the
