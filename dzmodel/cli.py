@@ -32,6 +32,7 @@ import argparse
 import sys
 
 from .clitools import EXIT_FAIL, EXIT_OK, EXIT_USAGE, CLIError  # noqa: F401  (the exit codes callers compare with)
+from .outputs import NoSpaceError
 
 __all__ = ["EXIT_FAIL", "EXIT_OK", "EXIT_USAGE", "CLIError", "build_parser", "main"]
 
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as exc:
         print(f"dz: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except NoSpaceError as exc:  # a full disk is no usage error
+        print(f"dz: error: {exc}", file=sys.stderr)
+        return EXIT_FAIL
     except (ValueError, FileNotFoundError) as exc:  # DataError, ParamsError, ...: one clear message
         print(f"dz: error: {exc}", file=sys.stderr)
         if not _deliberate(exc):  # a ValueError we did not raise on purpose may be a bug

@@ -34,6 +34,10 @@ class OutputError(ValueError):
     """An output path that must not be written; one line names the path and what to do."""
 
 
+class NoSpaceError(OutputError):
+    """The disk (or quota) filled up while an output was written; the partial output is gone (exit 1, not 2)."""
+
+
 def owner(path: str | os.PathLike) -> str | None:
     """The command whose marker `path` carries (None: no marker, or one that is not ours to read)."""
     try:
@@ -138,7 +142,7 @@ def no_space_message(path: str | os.PathLike) -> Iterator[None]:
     except OSError as exc:
         if exc.errno not in NO_SPACE:
             raise
-        raise OutputError(f"{path}: no space left on the device while writing ({os.strerror(exc.errno)}); "
+        raise NoSpaceError(f"{path}: no space left on the device while writing ({os.strerror(exc.errno)}); "
                           "the partial output was removed and nothing earlier was replaced") from None
 
 

@@ -13,6 +13,8 @@ Loading runs no code from the checkpoint. DCP's `.metadata` is a pickle, and its
 optimizer's hyperparameters) are `torch.save` pickles that DCP would load with `weights_only=False`: here the
 metadata goes through an unpickler that admits only DCP's own record classes, torch sizes, dtypes and layouts,
 and the items through `torch.load(weights_only=True)`. Anything else is a CheckpointError naming the file.
+A shard file (`__<rank>_0.distcp`) that is missing, shorter than the metadata says or unreadable is a
+CheckpointError naming that file, checked before and while each file is read.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ import pathlib
 import pickle
 import re
 import shutil
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
@@ -99,7 +104,9 @@ def read_metadata_safely(path: Path) -> Metadata:
 
 
 class SafeReader(FileSystemReader):
-    """FileSystemReader whose metadata is read by `read_metadata_safely` instead of `pickle.load`."""
+    """FileSystemReader whose metadata is read by `read_metadata_safely` instead of `pickle.load`, and whose
+    shard files are read one at a time, each checked first: a missing, short or unreadable one is a
+    CheckpointError naming it."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         metadata = read_metadata_safely(Path(self._get_metadata_path(kwargs.get("rank"))))
@@ -107,6 +114,69 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan, planner):
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            shard = Path(str(self.path)) / name
+            self._check_length(shard, items)
+            try:
+                super().read_data(replace(plan, items=items), planner)  # done when it returns
+            except CheckpointError:
+                raise
+            except Exception as exc:
+                raise CheckpointError(f"{shard}: truncated or unreadable checkpoint shard ({_brief(exc)})") from None
+        return super().read_data(replace(plan, items=[]), planner)  # DCP's own completed future
+
+    def _check_length(self, shard: Path, items: list) -> None:
+        """The shard is there and holds every byte the metadata places in it for `items`."""
+        try:
+            size = shard.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{shard}: missing checkpoint shard (the checkpoint's metadata lists it)") from None
+        needed = max(self.storage_data[item.storage_index].offset + self.storage_data[item.storage_index].length
+                     for item in items)
+        if size < needed:
+            raise CheckpointError(f"{shard}: truncated or unreadable checkpoint shard ({size:,} bytes; the "
+                                  f"checkpoint's metadata needs at least {needed:,})")
+
+
+def _brief(exc: BaseException) -> str:
+    """An exception as one short line: its type and the first sentence of its message."""
+    text = " ".join(str(exc).split())
+    first = text.split(". ")[0]
+    if len(first) > 160:
+        first = first[:157] + "..."
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _wrapped_refusal(exc: BaseException) -> CheckpointError | None:
+    """The CheckpointError inside DCP's CheckpointException (which wraps each rank's error), if any."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    for failure in (getattr(exc, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, CheckpointError):
+            return inner
+    return None
+
+
+@contextmanager
+def safetensors_os_errors(where: str | os.PathLike):
+    """safetensors reports a failed write (a full disk, a denied permission) as a SafetensorError with the OS
+    message; here it becomes that OSError (errno, message, the path it names or `where`), so that a full disk is
+    handled as every other one."""
+    try:
+        yield
+    except SafetensorError as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        named = re.search(r'at path "([^"]*)"', str(exc))
+        err = int(code.group(1))
+        raise OSError(err, os.strerror(err), named.group(1) if named else str(where)) from None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -179,7 +249,8 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opti
     if ema is not None:
         state["ema"] = ema
     dcp.save(state, checkpoint_id=str(tmp))
-    save_file({k: v.contiguous() for k, v in rng_states.items()}, str(tmp / f"rng_rank{rank}.safetensors"))
+    with safetensors_os_errors(tmp):
+        save_file({k: v.contiguous() for k, v in rng_states.items()}, str(tmp / f"rng_rank{rank}.safetensors"))
     _barrier()
     if rank == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
@@ -225,9 +296,10 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     planner = SafeLoadPlanner(path)
     try:
         dcp.load(state, storage_reader=SafeReader(path), planner=planner)
-    except BaseException:  # DCP's CheckpointException is a BaseException
-        if planner.refused is not None:
-            raise planner.refused from None
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        refused = planner.refused or _wrapped_refusal(exc)
+        if refused is not None:
+            raise refused from None
         raise
     set_model_state_dict(model, state["model"], options=options)
     if optimizer is not None:

@@ -16,7 +16,9 @@ base's reference in its metadata) plus the same config files instead.
 The frozen encoders are not copied (they are the run's WAN files or seeded weights, rebuilt from the
 config; `dz package` writes them into the bundle).
 Built in a temporary sibling of `<out>` and renamed, so a half-written conversion is never picked up; an
-existing `<out>` is replaced only if dz wrote it (dzmodel/outputs.py), or with `overwrite`.
+existing `<out>` is replaced only if dz wrote it (dzmodel/outputs.py), or with `overwrite`. A write that fails
+(a full disk, a denied permission; safetensors' own errors included) is one OutputError naming `<out>`, the
+temporary removed and an earlier `<out>` intact. A damaged checkpoint is a CheckpointError naming its file.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import torch
 from ..model.lora import apply_lora, lora_state, merge_lora, trainable_parameters
 from ..model.state_dict import save_dreamzero_dir, save_safetensors_atomic
 from ..model.wam import DreamZeroWAM
-from ..outputs import check_output_dir, publish_dir
-from .checkpoint import MARKER, latest_checkpoint, list_checkpoints, load_checkpoint
+from ..outputs import OutputError, check_output_dir, publish_dir
+from .checkpoint import MARKER, latest_checkpoint, list_checkpoints, load_checkpoint, safetensors_os_errors
 from .config import TrainConfig, located
 
 
@@ -133,8 +135,12 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes:
             for name, p in model.named_parameters():
                 if name in ema:
                     p.copy_(ema[name])
-    with publish_dir(out, "convert", overwrite=overwrite) as tmp:
-        _write_converted(tmp, model, cfg, given, state, ckpt, adapters_only, max_shard_bytes, weights)
+    try:
+        with publish_dir(out, "convert", overwrite=overwrite) as tmp, safetensors_os_errors(tmp):
+            _write_converted(tmp, model, cfg, given, state, ckpt, adapters_only, max_shard_bytes, weights)
+    except OSError as exc:  # a full disk is publish_dir's own message; any other failed write, one line here
+        raise OutputError(f"{out}: cannot write the converted model: {exc.strerror or exc}"
+                          f"{f' ({exc.filename})' if exc.filename else ''}; nothing earlier was replaced") from None
     return out
 
 
