@@ -687,7 +687,8 @@ class LeRobotReader:
 
     def check(self, allow_missing_videos: bool = False) -> None:
         """Raise DataError if a file that info.json / the episode table promises is missing (video files excepted
-        with allow_missing_videos: training's skip_missing skips their episodes)."""
+        with allow_missing_videos: training's skip_missing skips their episodes), or, for a local dataset, a
+        declared episode length differs from the data parquet's rows."""
         problems: list[str] = []
         missing: list[str] = []
         seen: set[str] = set()
@@ -698,7 +699,7 @@ class LeRobotReader:
                     seen.add(rel)
                     if not self.has_file(self.root / rel):
                         missing.append(rel)
-        if not self._lengths_checked:
+        if not self._lengths_checked and self.remote is None:  # a remote dataset's data files are not fetched here
             lengths = self.length_problems()
             problems += lengths[:5] + ([f"and {len(lengths) - 5} more episode(s) of other lengths"]
                                        if len(lengths) > 5 else [])
