@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..atomic import NEW_FILE_MODE, atomic_write_text, temp_sibling
+from ..schema import SchemaError
 from .args import DreamZeroArgs, WanDiTArgs
 
 DREAMZERO_PREFIX = "action_head.model."
@@ -197,14 +198,18 @@ def read_config(model_dir: str | Path) -> WanDiTArgs:
         raise FileNotFoundError(f"{model_dir}: no {CONFIG_NAME} (not a DreamZero model directory)")
     try:
         config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise StateDictError(f"{path}: not valid JSON: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise StateDictError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise StateDictError(f"{path}: expected a mapping of the model class and its args")
     args = config.get("args", config)
     cls = WanDiTArgs if config.get("model_class") == "WanModel" else DreamZeroArgs
-    try:
+    try:  # every dimension typed and in range, and the model within max_model_bytes, before anything is built
         return cls.from_dict(args)
+    except SchemaError as exc:
+        raise StateDictError(f"{path}: " + "; ".join(exc.problems)) from None
     except (TypeError, ValueError) as exc:
-        raise StateDictError(f"{path}: bad model config: {exc}") from exc
+        raise StateDictError(f"{path}: {exc}") from None
 
 
 def load_dreamzero_dir(model_dir: str | Path, device: torch.device | str = "cpu") -> nn.Module:

@@ -228,17 +228,22 @@ class TrainConfig:
                                  f"{default!r}), got {value!r}")
 
     def _check_model(self) -> None:
-        """A known preset, and overrides that build its args: every numeric model dimension is positive."""
+        """A known preset, and overrides that build its args: each dimension an integer in its range, and the model
+        within what a device holds (`dzmodel.model.args.max_model_bytes`)."""
         from ..model.args import PRESETS, preset
+        from ..schema import SchemaError
 
         if self.preset not in PRESETS:
             raise ValueError(f"train.preset: must be one of {', '.join(repr(p) for p in PRESETS)}, got {self.preset!r}")
         for key, value in self.model_overrides.items():
-            values = value if isinstance(value, (list, tuple)) else [value]
-            if any(isinstance(v, (int, float)) and not isinstance(v, bool) and not v > 0 for v in values):
-                raise ValueError(f"train.model_overrides.{key}: must be > 0, got {value!r}")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not value > 0:
+                raise ValueError(f"train.model_overrides.{key}: must be > 0, got {value}")
         try:
             preset(self.preset, **self.model_overrides)
+        except SchemaError as exc:  # "dim: must be ..." -> "train.model_overrides.dim: must be ..."
+            named = [f"train.model_overrides.{p}" if p.split(":", 1)[0] in self.model_overrides else
+                     f"train.model_overrides: {p}" for p in exc.problems]
+            raise ValueError("; ".join(named)) from None
         except (ValueError, TypeError, ArithmeticError) as exc:
             raise ValueError(f"train.model_overrides: {exc}") from None
 
