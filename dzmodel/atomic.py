@@ -23,31 +23,49 @@ NEW_FILE_MODE = 0o666 & ~_UMASK
 NEW_DIR_MODE = 0o777 & ~_UMASK
 
 
-def temp_sibling(path: str | os.PathLike) -> Path:
-    """A new empty temporary file beside `path` (same filesystem, so os.replace is atomic), with the mode a
-    plainly created file would have. The caller writes it, renames it over `path`, or unlinks it on failure."""
+def temp_file(path: str | os.PathLike, suffix: str = ".tmp") -> tuple[int, Path]:
+    """(an open descriptor, its name): a new empty file beside `path` (same filesystem, so os.replace is atomic)
+    with a name no one could have guessed, created with O_EXCL (never a file or a link planted in advance), and
+    the mode a plainly created file would have. The caller writes through the descriptor, closes it and renames
+    the file over `path`, or unlinks it on failure."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     try:
         os.fchmod(fd, NEW_FILE_MODE)
-    finally:
+    except BaseException:
         os.close(fd)
-    return Path(tmp)
+        os.unlink(tmp)
+        raise
+    return fd, Path(tmp)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+def temp_sibling(path: str | os.PathLike) -> Path:
+    """A new empty temporary file beside `path`, as `temp_file` makes it, closed. The caller writes it, renames it
+    over `path`, or unlinks it on failure."""
+    fd, tmp = temp_file(path)
+    os.close(fd)
+    return tmp
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `path` whole: through a new temporary sibling (`temp_file`), fsynced, then renamed over it. A link
+    at `path` is replaced, never written through."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_sibling(path)
+    fd, tmp = temp_file(path)
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
 
 
 def replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> None:
@@ -70,11 +88,17 @@ def replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> None:
 
 
 def save_figure(fig, path: Path) -> Path:
-    """A matplotlib figure as a PNG, renamed into place whole (a reader never sees half an image)."""
+    """A matplotlib figure as a PNG, renamed into place whole (a reader never sees half an image), written
+    through a new temporary sibling (`temp_file`), never through a file or link already there."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    fd, tmp = temp_file(path, suffix=".tmp.png")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=110)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path

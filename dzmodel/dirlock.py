@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 from pathlib import Path
+from typing import Callable
 
 
 class DirectoryBusy(RuntimeError):
@@ -18,9 +19,11 @@ class DirectoryBusy(RuntimeError):
 
 
 @contextlib.contextmanager
-def directory_lock(directory: str | os.PathLike, wait: bool = True, what: str = "another process"):
+def directory_lock(directory: str | os.PathLike, wait: bool = True, what: str = "another process",
+                   waiting: Callable[[], None] | None = None):
     """Hold an exclusive flock on `directory` (created if missing). wait=False raises DirectoryBusy at once
-    when another process holds it. A no-op where the platform or filesystem has no flock."""
+    when another process holds it; otherwise `waiting` (if given) is called once before waiting for it.
+    A no-op where the platform or filesystem has no flock."""
     try:
         import fcntl
     except ImportError:
@@ -31,7 +34,7 @@ def directory_lock(directory: str | os.PathLike, wait: bool = True, what: str = 
     fd = os.open(directory, os.O_RDONLY)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            _take(fcntl, fd, wait, waiting)
         except BlockingIOError:
             raise DirectoryBusy(f"{directory}: {what} is writing to this directory; wait for it to finish or stop "
                                 "it (under torchrun, stop its worker processes too: they run in their own "
@@ -46,3 +49,16 @@ def directory_lock(directory: str | os.PathLike, wait: bool = True, what: str = 
             fcntl.flock(fd, fcntl.LOCK_UN)  # now, even where forked children (data-loader workers) share the descriptor
         finally:
             os.close(fd)
+
+
+def _take(fcntl, fd: int, wait: bool, waiting: Callable[[], None] | None) -> None:
+    """flock(fd) exclusively; BlockingIOError if it is held elsewhere and wait is False."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        if not wait:
+            raise
+    if waiting is not None:
+        waiting()
+    fcntl.flock(fd, fcntl.LOCK_EX)

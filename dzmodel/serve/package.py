@@ -14,7 +14,9 @@ describes (`robot:`: a humanoid, another arm), with the action limits `dz serve`
         MANIFEST.sig      with `--sign KEY`: the lab's ed25519 signature over MANIFEST (`bundles.py`)
     <out>/<name>-<version>.tar.gz
 
-Both are built in a temporary place and renamed. Loading verifies every file against MANIFEST and refuses a
+Both are built under fresh temporary names in <out> (never a fixed name, so never through a link planted
+there), one `dz package` at a time per folder, and put in place only when complete, never over an existing
+version. Loading verifies every file against MANIFEST and refuses a
 missing, extra or modified file; a tarball is verified while it is extracted into the bundle cache, never
 beside itself, and its cached copy again on every later load (`bundles.py`). Given a trusted public key
 (`trust`, or DZ_TRUST_KEY), loading also refuses a bundle whose MANIFEST.sig is missing or not by that key.
@@ -22,6 +24,8 @@ beside itself, and its cached copy again on every later load (`bundles.py`). Giv
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import ipaddress
 import json
@@ -34,10 +38,11 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_write_text, temp_sibling
+from ..atomic import atomic_write_bytes, atomic_write_text, temp_file
 from ..data.embodiments import BUILTIN_YAML, finite_numbers, get_embodiment, load_embodiments, robot_limits_problem
 from ..data.errors import DataError
-from ..outputs import OWNER_MARKER, claim_dir
+from ..dirlock import directory_lock
+from ..outputs import OWNER_MARKER, check_output_dir, claim_dir, new_temp_dir
 from . import franka
 from .bundles import (MANIFEST, SIGNATURE, TRUST_ENV, BundleError, cached_bundle, check_signature, evict, file_sha256,
                       load_signing_key, parse_manifest, sign_manifest, tarball_manifest)
@@ -347,14 +352,19 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
         raise PackageError(f"{model_dir}: no experiment_cfg/metadata.json (normalisation statistics)")
     robot = robot_description(emb, robot, len(policy_statistics(emb, meta)[1].q01))
     name = name or f"dreamzero-{emb.tag}"
-    out = Path(out_dir)
-    claim_dir(out, "package", overwrite=overwrite)  # a releases folder of dz's own (or empty, or --overwrite)
+    out = check_output_dir(out_dir)  # a folder, or nothing yet: made by the lock, claimed under it
     final, tarball = out / f"{name}-{version}", out / f"{name}-{version}.tar.gz"
-    if final.exists() or tarball.exists():
-        raise PackageError(f"{final} already exists: versions are immutable, pick a new --version")
-    tmp = out / f".{name}-{version}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    locked = contextlib.ExitStack()
+    locked.enter_context(_release_lock(out))
+    tmp = tar_tmp = tar_file = None
     try:
+        claim_dir(out, "package", overwrite=overwrite)  # a releases folder of dz's own (or empty, or --overwrite)
+        if os.path.lexists(final) or os.path.lexists(tarball):
+            raise PackageError(f"{final} already exists: versions are immutable, pick a new --version")
+        # built under names no one could have planted a link at, in this folder (so publishing is a rename)
+        tmp = new_temp_dir(final)
+        tar_fd, tar_tmp = temp_file(tarball)
+        tar_file = os.fdopen(tar_fd, "wb")
         shutil.copytree(model_dir, tmp / "model", ignore=shutil.ignore_patterns(OWNER_MARKER))
         if embodiment_files:
             _carry_embodiments(tmp / "model" / "experiment_cfg" / "embodiments", embodiment_files)
@@ -386,21 +396,68 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
         atomic_write_text(tmp / MANIFEST, "\n".join(_manifest_lines(tmp)) + "\n")
         if key is not None:
             sign_bundle(tmp, key)
-        tar_tmp = out / f".{name}-{version}.tar.gz.tmp"
-        with tarfile.open(tar_tmp, "w:gz") as tar:
+        with tarfile.open(fileobj=tar_file, mode="w:gz") as tar:
             # MANIFEST first, so that loading checks every later member against it as it is extracted
             tar.add(tmp, arcname=f"{name}-{version}", recursive=False)
             tar.add(tmp / MANIFEST, arcname=f"{name}-{version}/{MANIFEST}")
+            if (tmp / SIGNATURE).is_file():  # right after MANIFEST: a trusting loader checks it before the rest
+                tar.add(tmp / SIGNATURE, arcname=f"{name}-{version}/{SIGNATURE}")
             for child in sorted(tmp.iterdir()):
-                if child.name != MANIFEST:
+                if child.name not in (MANIFEST, SIGNATURE):
                     tar.add(child, arcname=f"{name}-{version}/{child.name}")
-        os.replace(tmp, final)
-        os.replace(tar_tmp, tarball)
+        _synced(tar_file)
+        _publish(tmp, tar_tmp, final, tarball)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (out / f".{name}-{version}.tar.gz.tmp").unlink(missing_ok=True)
+        if tar_file is not None:
+            tar_file.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if tar_tmp is not None:
+            tar_tmp.unlink(missing_ok=True)
         raise
+    finally:
+        locked.close()
     return final, tarball
+
+
+@contextlib.contextmanager
+def _release_lock(out: Path):
+    """One `dz package` at a time writes into a releases folder: an flock on the folder itself, so there is no
+    lock file to plant a link at or to leave behind. Another run waits for it, then finds its version there
+    (and says so in one line) or builds its own."""
+    with directory_lock(out, waiting=lambda: log.info(f"waiting for another dz package writing into {out}")):
+        yield
+
+
+def _synced(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+
+
+def _publish(tmp: Path, tar_tmp: Path, final: Path, tarball: Path) -> None:
+    """Put a finished bundle and its tarball in place, never over anything: the tarball is hard-linked to its
+    name (which fails if that name exists), then the folder renamed to its own. A version is thus complete or
+    absent, and an existing one, or a file someone put at its name, is never replaced."""
+    taken = PackageError(f"{final} already exists: versions are immutable, pick a new --version")
+    try:
+        os.link(tar_tmp, tarball)
+    except FileExistsError:
+        raise taken from None
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+            raise
+        if os.path.lexists(tarball):  # a filesystem without hard links: the lock keeps the name free meanwhile
+            raise taken from None
+        os.rename(tar_tmp, tarball)
+    try:
+        if os.path.lexists(final):
+            raise taken
+        os.rename(tmp, final)
+    except BaseException:
+        tarball.unlink()  # linked above by this run: the version stays absent
+        raise
+    tar_tmp.unlink(missing_ok=True)
 
 
 # --- signing ------------------------------------------------------------------------------------
@@ -420,13 +477,8 @@ def sign_bundle(root: str | Path, key) -> Path:
         key = _signing_key(key)
     if not (root / MANIFEST).is_file():
         raise PackageError(f"{root}: no {MANIFEST} to sign")
-    sig, tmp = root / SIGNATURE, temp_sibling(root / SIGNATURE)
-    try:
-        tmp.write_bytes(sign_manifest((root / MANIFEST).read_bytes(), key))
-        os.replace(tmp, sig)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    sig = root / SIGNATURE
+    atomic_write_bytes(sig, sign_manifest((root / MANIFEST).read_bytes(), key))
     return sig
 
 
@@ -541,7 +593,7 @@ def load_package(path: str | Path, cache_dir: str | Path | None = None, trust: s
     if path.name.endswith(".tar.gz"):
         tarball = path
         try:
-            path, files = _cached_package(path, cache_dir)
+            path, files = _cached_package(path, cache_dir, trust)
         except BundleError as exc:
             raise PackageError(str(exc)) from None
         if copy_to is not None:  # the cached files are read again: they must still be the tarball's
@@ -589,10 +641,12 @@ def _checked_robot(raw: dict, source: Path) -> dict:
     return raw
 
 
-def _cached_package(tarball: Path, cache_dir: str | Path | None) -> tuple[Path, int]:
+def _cached_package(tarball: Path, cache_dir: str | Path | None,
+                    trust: str | Path | None = None) -> tuple[Path, int]:
     """The tarball's bundle directory in the cache and its number of files. Whoever can write the cache can
-    rewrite a cached file and its MANIFEST together, so a cached copy must match the tarball's own MANIFEST."""
-    root, fresh = cached_bundle(tarball, cache_dir)
+    rewrite a cached file and its MANIFEST together, so a cached copy must match the tarball's own MANIFEST.
+    trust: a fresh extraction checks MANIFEST.sig by this key before it writes any other file."""
+    root, fresh = cached_bundle(tarball, cache_dir, trusted_key=trust)
     if not fresh:
         expected = hashlib.sha256(tarball_manifest(tarball)).hexdigest()
         try:
@@ -600,5 +654,5 @@ def _cached_package(tarball: Path, cache_dir: str | Path | None) -> tuple[Path, 
         except PackageError as exc:
             log.warning(f"refused the cached copy of {tarball}: {exc}; extracting the tarball again")
             evict(root.parent)
-        root, _ = cached_bundle(tarball, cache_dir)
+        root, _ = cached_bundle(tarball, cache_dir, trusted_key=trust)
     return root, len(parse_manifest((root / MANIFEST).read_text(), str(root / MANIFEST)))
