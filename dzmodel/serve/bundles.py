@@ -25,8 +25,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tarfile
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -34,8 +34,13 @@ MANIFEST = "MANIFEST"
 SIGNATURE = "MANIFEST.sig"      # optional: ed25519 signature over the MANIFEST bytes, not listed in MANIFEST
 TRUST_ENV = "DZ_TRUST_KEY"      # a public key file: when set, every bundle load needs a valid SIGNATURE by it
 COMPLETE = ".complete"          # written last: a cache entry without it is an interrupted extraction
-MAX_MANIFEST_BYTES = 64 << 20
+MAX_MANIFEST_BYTES = 8 << 20    # 20,000 lines of 400 bytes
+MAX_MANIFEST_LINE = 8 << 10     # "sha256  size  path" with a path of up to 4096 bytes
 MAX_SIGNATURE_BYTES = 1024
+MAX_NAME_BYTES = 4096           # a member's path, as the filesystem takes it
+MAX_EXTENDED_HEADER = 64 << 10  # one pax or GNU long-name header
+MAX_HEADER_BYTES = 64 << 20     # all extended headers of a tarball together
+QUOTE_CHARS = 100               # what an error message quotes of a line or a name
 
 
 class BundleError(ValueError):
@@ -65,13 +70,29 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _quote(text: str | bytes) -> str:
+    """repr of the start of `text`: an error message never carries a whole hostile line or name."""
+    if len(text) <= QUOTE_CHARS:
+        return repr(text)
+    return f"{text[:QUOTE_CHARS]!r}... ({len(text)} in all)"
+
+
+def _clip(text: str) -> str:
+    """`text` as it is, or its start if it is long."""
+    return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS]}... ({len(text)} characters)"
+
+
 def parse_manifest(text: str, source: str) -> dict[str, tuple[str, int]]:
     """MANIFEST lines "sha256  size  path" -> {path: (sha256, size)}."""
     entries = {}
     for i, line in enumerate(text.splitlines(), 1):
+        if len(line) > MAX_MANIFEST_LINE:
+            raise BundleError(f"{source}:{i}: MANIFEST line of {len(line)} characters, over the limit of "
+                              f"{MAX_MANIFEST_LINE}: {_quote(line)}")
         parts = line.split("  ", 2)
-        if len(parts) != 3 or len(parts[0]) != 64 or not parts[1].isdigit():
-            raise BundleError(f"{source}:{i}: malformed MANIFEST line {line!r}")
+        if (len(parts) != 3 or len(parts[0]) != 64 or not all(c in "0123456789abcdefABCDEF" for c in parts[0])
+                or not (parts[1].isascii() and parts[1].isdigit() and len(parts[1]) <= 20) or not parts[2]):
+            raise BundleError(f"{source}:{i}: malformed MANIFEST line {_quote(line)}")
         entries[parts[2]] = (parts[0], int(parts[1]))
     return entries
 
@@ -79,92 +100,365 @@ def parse_manifest(text: str, source: str) -> dict[str, tuple[str, int]]:
 def _member_path(tarball: Path, name: str) -> PurePosixPath:
     path = PurePosixPath(name)
     if path.is_absolute() or ".." in path.parts or not path.parts or "\\" in name:
-        raise BundleError(f"{tarball}: member {name!r} escapes the extraction directory")
+        raise BundleError(f"{tarball}: member {_quote(name)} escapes the extraction directory")
+    if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES or any(
+            len(part.encode("utf-8", "surrogateescape")) > 255 for part in path.parts):
+        raise BundleError(f"{tarball}: member name {_quote(name)} is too long for a file name")
     return path
 
 
-def _extract_verified(tarball: Path, dest: Path, limits: ExtractLimits) -> Path:
-    """Stream the tarball into `dest` (empty), checking every member; returns the bundle directory."""
-    budget = min(limits.max_total_bytes, shutil.disk_usage(dest).free - limits.keep_free_bytes)
-    top: str | None = None
-    manifest: dict[str, tuple[str, int]] | None = None
-    written: dict[str, tuple[str, int]] = {}
-    total = members = 0
-    try:
-        tar = tarfile.open(tarball, "r|gz")     # streaming: a member is read once, in order, never seeked
-    except (tarfile.TarError, OSError) as exc:
-        raise BundleError(f"{tarball}: not a gzip tarball ({exc})") from None
-    with tar:
+# --- reading a tarball ----------------------------------------------------------------------------
+
+
+BLOCK = 512
+_FILE, _DIR = "file", "dir"
+_LINK_TYPES = frozenset(b"12346")  # hard link, symlink, character and block device, fifo
+_USTAR, _GNU = b"ustar\x0000", b"ustar  \x00"
+
+
+@dataclass(frozen=True)
+class _Member:
+    name: str
+    kind: str       # _FILE or _DIR
+    size: int
+
+
+class _TarReader:
+    """The members of a gzip tarball, in order, from its decompressed stream.
+
+    Only the ustar subset that tar writers use for plain files is read: regular files and directories, with
+    pax ('x', 'g') and GNU long-name ('L', 'K') headers of at most MAX_EXTENDED_HEADER bytes each, parsed by
+    plain code (no regular expressions). Header checksums are checked; links, devices and sparse files are
+    refused. Nothing is read ahead of what the caller asks for, so memory stays within a header and a block of
+    data, and a member can be refused from its header before any of its data is decompressed."""
+
+    def __init__(self, f, source: str):
+        self._f, self._source = f, source
+        self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)   # gzip
+        self._out = 0                # decompressed bytes so far
+        self._left = 0               # unread data bytes of the current member
+        self._size = 0               # the current member's size (its data is padded to a whole block)
+        self._header_bytes = 0       # extended header bytes so far
+        self._globals: dict[str, bytes] = {}
+        self.index = 0               # the current header's number, counting every header from 1
+
+    def _refuse(self, what: str) -> BundleError:
+        return BundleError(f"{self._source}: {what}; refused")
+
+    def _read(self, n: int) -> bytes:
+        """Exactly n decompressed bytes (fewer only at the end of the gzip stream)."""
+        out = bytearray()
+        while len(out) < n:
+            if self._z.eof:
+                rest = self._z.unused_data or self._f.read(1 << 16)
+                if not rest:
+                    break
+                self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)    # a further gzip member
+                data = rest
+            else:
+                data = self._z.unconsumed_tail or self._f.read(1 << 16)
+                if not data:
+                    raise BundleError(f"{self._source}: corrupt or truncated tarball (the gzip stream ends early)")
+            try:
+                out += self._z.decompress(data, n - len(out))
+            except zlib.error as exc:
+                what = "corrupt or truncated tarball" if self._out else "not a gzip tarball"
+                raise BundleError(f"{self._source}: {what} ({exc})") from None
+        self._out += len(out)
+        return bytes(out)
+
+    def _exact(self, n: int, what: str) -> bytes:
+        data = self._read(n)
+        if len(data) != n:
+            raise BundleError(f"{self._source}: corrupt or truncated tarball ({what} ends early)")
+        return data
+
+    def read(self, n: int) -> bytes:
+        """Up to n bytes of the current member's data; b"" once it is all read."""
+        n = min(n, self._left)
+        if n == 0:
+            return b""
+        data = self._exact(n, "a member's data")
+        self._left -= n
+        if self._left == 0:
+            self._exact(-self._size % BLOCK, "a member's padding")
+        return data
+
+    def next(self) -> _Member | None:
+        """The next member's header (after the current member's data, which must have been read), or None at the
+        end of the archive."""
+        if self._left:
+            raise RuntimeError("the current member's data was not read")
+        records: dict[str, bytes] = {}
+        long_name: bytes | None = None
+        while True:
+            block = self._read(BLOCK)
+            if not block.strip(b"\0"):
+                if records or long_name is not None:
+                    raise self._refuse(f"header #{self.index}: an extended header with no member after it")
+                return None                                     # the end-of-archive blocks (or the stream's end)
+            if len(block) != BLOCK:
+                raise BundleError(f"{self._source}: corrupt or truncated tarball (a header ends early)")
+            self.index += 1
+            name, kind, size = self._header(block)
+            if kind in b"xgLK":
+                data = self._extended(kind, size, name)
+                if kind == ord("x"):
+                    records.update(self._pax_records(data))
+                elif kind == ord("g"):
+                    self._globals.update(self._pax_records(data))
+                elif kind == ord("L"):
+                    long_name = data.split(b"\0", 1)[0]
+                continue
+            return self._member(name, kind, size, {**self._globals, **records}, long_name)
+
+    def _header(self, block: bytes) -> tuple[bytes, int, int]:
+        """(name, type byte, size) of a checked ustar header block."""
+        stored = _number(block[148:156])
+        unsigned = sum(block) - sum(block[148:156]) + 8 * 32
+        signed = unsigned - 256 * sum(1 for b in block[:148] + block[156:] if b > 127)
+        if stored not in (unsigned, signed):
+            raise self._refuse(f"header #{self.index}: header checksum mismatch (not a tar header, or a damaged one)")
+        magic = block[257:265]
+        if magic not in (_USTAR, _GNU):
+            raise self._refuse(f"header #{self.index}: not a ustar header")
+        name = block[:100].split(b"\0", 1)[0]
+        prefix = block[345:500].split(b"\0", 1)[0] if magic == _USTAR else b""
+        if prefix:
+            name = prefix + b"/" + name
+        size = _number(block[124:136])
+        if size is None or stored is None:
+            raise self._refuse(f"header #{self.index} ({_quote(name)}): a malformed number field")
+        return name, block[156], size
+
+    def _extended(self, kind: int, size: int, name: bytes) -> bytes:
+        what = "pax" if kind in b"xg" else "GNU long-name"
+        if size > MAX_EXTENDED_HEADER:
+            raise self._refuse(f"header #{self.index}: {what} extended header of {size} bytes, over the limit of "
+                               f"{MAX_EXTENDED_HEADER}")
+        self._header_bytes += size
+        if self._header_bytes > MAX_HEADER_BYTES:
+            raise self._refuse(f"header #{self.index}: more than {MAX_HEADER_BYTES} bytes of extended headers")
+        data = self._exact(size, f"{what} extended header")
+        self._exact(-size % BLOCK, "a header's padding")
+        return data
+
+    def _pax_records(self, data: bytes) -> dict[str, bytes]:
+        """pax records "LEN key=value\\n" (LEN counts the whole record), read by position."""
+        records, pos = {}, 0
+        while pos < len(data) and data[pos:].strip(b"\0"):
+            space = data.find(b" ", pos, pos + 21)
+            digits = data[pos:space] if space > pos else b""
+            end = pos + int(digits) if digits.isdigit() else -1
+            key, eq, value = data[space + 1:end - 1].partition(b"=")
+            if end > len(data) or end <= space + 1 or data[end - 1:end] != b"\n" or not key or not eq:
+                raise self._refuse(f"header #{self.index}: malformed pax header at byte {pos} "
+                                   f"({_quote(data[pos:pos + QUOTE_CHARS])})")
+            records[key.decode("utf-8", "replace")] = value
+            pos = end
+        return records
+
+    def _member(self, name: bytes, kind: int, size: int, records: dict[str, bytes],
+                long_name: bytes | None) -> _Member:
+        name = records.get("path") or long_name or name
         try:
-            for m in tar:
-                members += 1
-                if members > limits.max_members:
-                    raise BundleError(f"{tarball}: more than {limits.max_members} members; refused")
-                path = _member_path(tarball, m.name)
-                if top is None:
-                    top = path.parts[0]
-                elif path.parts[0] != top:
-                    raise BundleError(f"{tarball}: expected one top-level bundle directory, found {top!r} and "
-                                      f"{path.parts[0]!r}")
-                target = dest.joinpath(*path.parts)
-                if m.isdir():
-                    target.mkdir(parents=True, exist_ok=True)
-                    continue
-                if not m.isfile():
-                    raise BundleError(f"{tarball}: member {m.name!r} is a link or device; refused")
-                rel = PurePosixPath(*path.parts[1:]).as_posix()
-                if rel == SIGNATURE:
-                    if m.size > MAX_SIGNATURE_BYTES:
-                        raise BundleError(f"{tarball}: {SIGNATURE} has {m.size} bytes; a signature has 64")
-                elif manifest is not None:
-                    if rel not in manifest:
-                        raise BundleError(f"{tarball}: {rel} is not listed in {MANIFEST} (an added file)")
-                    if manifest[rel][1] != m.size:
-                        raise BundleError(f"{tarball}: {rel} has {m.size} bytes, {MANIFEST} says {manifest[rel][1]}")
-                if m.size > limits.max_member_bytes or total + m.size > budget:
-                    raise BundleError(f"{tarball}: member {m.name!r} ({m.size} bytes) exceeds the extraction cap "
-                                      f"({budget} bytes in all, {limits.max_member_bytes} per file); refused")
-                if rel in written or (rel in (MANIFEST, SIGNATURE) and target.exists()):
-                    raise BundleError(f"{tarball}: {rel} appears twice")
-                total += m.size
-                target.parent.mkdir(parents=True, exist_ok=True)
-                h = hashlib.sha256()
-                src = tar.extractfile(m)
-                with open(target, "wb") as out:
-                    for block in iter(lambda: src.read(1 << 20), b""):
-                        h.update(block)
-                        out.write(block)
-                if rel == MANIFEST:
-                    manifest = parse_manifest(target.read_text(), f"{tarball}:{MANIFEST}")
-                    # members written before MANIFEST are checked against it now, the rest as they come
-                    if sum(size for _, size in manifest.values()) > budget:
-                        raise BundleError(f"{tarball}: {MANIFEST} lists more than the extraction cap ({budget} bytes)")
-                    budget = min(budget, total + sum(size for _, size in manifest.values()) + MAX_SIGNATURE_BYTES)
-                elif rel != SIGNATURE:
-                    written[rel] = (h.hexdigest(), m.size)
-        except (tarfile.TarError, EOFError, OSError) as exc:
-            raise BundleError(f"{tarball}: corrupt or truncated tarball ({exc})") from None
-    if top is None:
-        raise BundleError(f"{tarball}: empty tarball")
-    if manifest is None:
-        raise BundleError(f"{tarball}: no {MANIFEST} (not a dz package)")
-    for rel in sorted(set(manifest) - set(written)):
-        raise BundleError(f"{tarball}: {rel} is listed in {MANIFEST} but missing")
-    for rel, got in sorted(written.items()):
-        if rel not in manifest:
-            raise BundleError(f"{tarball}: {rel} is not listed in {MANIFEST} (an added file)")
-        if got != manifest[rel]:
-            raise BundleError(f"{tarball}: {rel}: checksum mismatch against {MANIFEST} (the file was modified)")
-    return dest / top
+            text = name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self._refuse(f"member {_quote(name)}: its name is not UTF-8") from None
+        if "\0" in text or not text:
+            raise self._refuse(f"member {_quote(text)}: an empty name or one with a NUL byte")
+        if kind == ord("S") or any(key.startswith("GNU.sparse.") for key in records):
+            raise self._refuse(f"member {_quote(text)} is a sparse file")
+        if "size" in records:
+            value = records["size"]
+            if not (value.isdigit() and len(value) <= 20):
+                raise self._refuse(f"member {_quote(text)}: malformed pax size {_quote(value)}")
+            size = int(value)
+        if kind in _LINK_TYPES:
+            raise BundleError(f"{self._source}: member {_quote(text)} is a link or device; refused")
+        if kind == ord("5") or (kind == 0 and text.endswith("/")):
+            if size:
+                raise self._refuse(f"member {_quote(text)}: a directory with {size} bytes of data")
+            return _Member(text, _DIR, 0)
+        if kind not in b"0\0":
+            raise self._refuse(f"member {_quote(text)}: unsupported tar member type {bytes([kind])!r}")
+        self._left = self._size = size
+        return _Member(text, _FILE, size)
+
+
+def _number(field: bytes) -> int | None:
+    """A header's numeric field: octal digits (NUL- or space-terminated) or GNU's base-256; None if malformed."""
+    if field[:1] == b"\x80":
+        return int.from_bytes(field[1:], "big")
+    digits = field.split(b"\0", 1)[0].strip(b" ")
+    if not digits:
+        return 0
+    if not all(c in b"01234567" for c in digits):
+        return None
+    return int(digits, 8)
+
+
+# --- extracting -----------------------------------------------------------------------------------
+
+
+def _read_small(tar: _TarReader, m: _Member, limit: int, tarball: Path, what: str) -> bytes:
+    if m.size > limit:
+        raise BundleError(f"{tarball}: {what} has {m.size} bytes, over the limit of {limit}; refused")
+    return tar.read(m.size)
+
+
+def _write_member(tar: _TarReader, target: Path) -> str:
+    """Stream the current member into `target` (a new file); returns its sha256."""
+    h = hashlib.sha256()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "xb") as out:
+        for block in iter(lambda: tar.read(1 << 20), b""):
+            h.update(block)
+            out.write(block)
+    return h.hexdigest()
+
+
+def _verify_signature(key, signature: bytes, manifest: bytes, where: str, manifest_name: str,
+                      trusted_key_file: str | Path) -> None:
+    from cryptography.exceptions import InvalidSignature
+
+    try:
+        key.verify(signature[:MAX_SIGNATURE_BYTES + 1], manifest)
+    except (InvalidSignature, ValueError):
+        raise BundleError(f"{where}: not a valid signature of {manifest_name} by {trusted_key_file}: the bundle "
+                          "was changed after it was signed, or another key signed it") from None
+
+
+class _Extraction:
+    """One tarball streamed into `dest`: MANIFEST first (capped), then, under a trusted key, MANIFEST.sig
+    (verified), then the files MANIFEST lists, each capped at its listed size as it arrives."""
+
+    def __init__(self, tarball: Path, dest: Path, limits: ExtractLimits, trusted_key: str | Path | None):
+        self.tarball, self.dest, self.limits, self.trusted_key = tarball, dest, limits, trusted_key
+        self.key = load_trusted_key(trusted_key) if trusted_key else None  # a bad key file fails first
+        self.budget = min(limits.max_total_bytes, shutil.disk_usage(dest).free - limits.keep_free_bytes)
+        self.top: str | None = None
+        self.manifest_bytes: bytes | None = None
+        self.manifest: dict[str, tuple[str, int]] = {}
+        self.signed = False
+        self.written: dict[str, tuple[str, int]] = {}
+        self.total = self.members = 0
+
+    def run(self) -> Path:
+        try:
+            with self.tarball.open("rb") as f:
+                tar = _TarReader(f, str(self.tarball))
+                while (m := tar.next()) is not None:
+                    self._member(tar, m)
+        except OSError as exc:
+            raise BundleError(f"{self.tarball}: could not extract ({_quote(str(exc))})") from None
+        return self._finish()
+
+    def _member(self, tar: _TarReader, m: _Member) -> None:
+        tarball = self.tarball
+        self.members += 1
+        if self.members > self.limits.max_members:
+            raise BundleError(f"{tarball}: more than {self.limits.max_members} members; refused")
+        path = _member_path(tarball, m.name)
+        if self.top is None:
+            self.top = path.parts[0]
+        elif path.parts[0] != self.top:
+            raise BundleError(f"{tarball}: expected one top-level bundle directory, found {_quote(self.top)} and "
+                              f"{_quote(path.parts[0])}")
+        rel = PurePosixPath(*path.parts[1:]).as_posix() if len(path.parts) > 1 else ""
+        target = self.dest.joinpath(*path.parts)
+        if self.manifest_bytes is None:
+            if m.kind == _DIR and not rel:
+                target.mkdir(parents=True, exist_ok=True)
+            elif rel == MANIFEST and m.kind == _FILE:
+                self._read_manifest(tar, m, target)
+            else:
+                raise BundleError(f"{tarball}: no {MANIFEST} before member {_quote(m.name)}: a bundle tarball "
+                                  f"starts with {MANIFEST} (`dz package` writes it first), and nothing before it "
+                                  "is extracted; refused")
+            return
+        if self.key is not None and not self.signed and rel != SIGNATURE:
+            raise BundleError(f"{tarball}: {SIGNATURE}: missing right after {MANIFEST}: the bundle is not signed, "
+                              f"and bundles must be signed by the key {self.trusted_key} (--trust or {TRUST_ENV})")
+        if m.kind == _DIR:
+            target.mkdir(parents=True, exist_ok=True)
+        elif rel == SIGNATURE:
+            self._read_signature(tar, m, target)
+        else:
+            self._payload(tar, m, rel, target)
+
+    def _read_manifest(self, tar: _TarReader, m: _Member, target: Path) -> None:
+        data = _read_small(tar, m, MAX_MANIFEST_BYTES, self.tarball, MANIFEST)
+        self.manifest = parse_manifest(data.decode("utf-8", errors="replace"), f"{self.tarball}:{MANIFEST}")
+        listed = sum(size for _, size in self.manifest.values())
+        if listed > self.budget:
+            raise BundleError(f"{self.tarball}: {MANIFEST} lists {listed} bytes, more than the extraction cap "
+                              f"({self.budget} bytes); refused")
+        self.budget = listed                     # every later file is one MANIFEST lists, at its listed size
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        self.manifest_bytes = data
+
+    def _read_signature(self, tar: _TarReader, m: _Member, target: Path) -> None:
+        if target.exists():
+            raise BundleError(f"{self.tarball}: {SIGNATURE} appears twice")
+        data = _read_small(tar, m, MAX_SIGNATURE_BYTES, self.tarball, SIGNATURE)
+        if self.key is not None:
+            if self.signed or self.written:
+                raise BundleError(f"{self.tarball}: {SIGNATURE}: it must come right after {MANIFEST}; refused")
+            _verify_signature(self.key, data, self.manifest_bytes, f"{self.tarball}:{SIGNATURE}", MANIFEST,
+                              self.trusted_key)
+            self.signed = True
+        target.write_bytes(data)
+
+    def _payload(self, tar: _TarReader, m: _Member, rel: str, target: Path) -> None:
+        tarball = self.tarball
+        if rel not in self.manifest:
+            raise BundleError(f"{tarball}: {_clip(rel)} is not listed in {MANIFEST} (an added file)")
+        if self.manifest[rel][1] != m.size:
+            raise BundleError(f"{tarball}: {_clip(rel)} has {m.size} bytes, {MANIFEST} says {self.manifest[rel][1]}")
+        if rel in self.written or rel == MANIFEST:
+            raise BundleError(f"{tarball}: {rel} appears twice")
+        if m.size > self.limits.max_member_bytes or self.total + m.size > self.budget:
+            raise BundleError(f"{tarball}: member {_quote(m.name)} ({m.size} bytes) exceeds the extraction cap "
+                              f"({self.budget} bytes in all, {self.limits.max_member_bytes} per file); refused")
+        self.total += m.size
+        self.written[rel] = (_write_member(tar, target), m.size)
+
+    def _finish(self) -> Path:
+        tarball = self.tarball
+        if self.top is None:
+            raise BundleError(f"{tarball}: empty tarball")
+        if self.manifest_bytes is None:
+            raise BundleError(f"{tarball}: no {MANIFEST} (not a dz package)")
+        if self.key is not None and not self.signed:
+            raise BundleError(f"{tarball}: {SIGNATURE}: missing right after {MANIFEST}: the bundle is not signed, "
+                              f"and bundles must be signed by the key {self.trusted_key} (--trust or {TRUST_ENV})")
+        for rel in sorted(set(self.manifest) - set(self.written)):
+            raise BundleError(f"{tarball}: {rel} is listed in {MANIFEST} but missing")
+        for rel, got in sorted(self.written.items()):
+            if got != self.manifest[rel]:
+                raise BundleError(f"{tarball}: {rel}: checksum mismatch against {MANIFEST} (the file was modified)")
+        return self.dest / self.top
+
+
+def _extract_verified(tarball: Path, dest: Path, limits: ExtractLimits,
+                      trusted_key: str | Path | None = None) -> Path:
+    """Stream the tarball into `dest` (empty), checking every member; returns the bundle directory.
+    trusted_key: an ed25519 public key file; MANIFEST.sig must then follow MANIFEST and be its valid signature,
+    checked before any other file is written."""
+    return _Extraction(tarball, dest, limits, trusted_key).run()
 
 
 def cached_bundle(tarball: str | Path, cache_dir: str | Path | None = None,
-                  limits: ExtractLimits = ExtractLimits()) -> tuple[Path, bool]:
+                  limits: ExtractLimits = ExtractLimits(), trusted_key: str | Path | None = None) -> tuple[Path, bool]:
     """The bundle directory of `tarball` in the cache, extracting and verifying it if needed.
 
     Returns (bundle directory, fresh): fresh is True when it was extracted (and verified) just now; a cached
     directory is for the caller to verify, against the tarball's own MANIFEST (`tarball_manifest`), since anyone
-    who can write the cache can rewrite its files and MANIFEST together; drop it with `evict` if it fails."""
+    who can write the cache can rewrite its files and MANIFEST together; drop it with `evict` if it fails.
+    trusted_key: an ed25519 public key file; an extraction then needs MANIFEST.sig right after MANIFEST, and a
+    valid signature by that key, before any other file is written."""
     tarball = Path(tarball)
     if not tarball.is_file():
         raise BundleError(f"{tarball}: no such bundle tarball")
@@ -177,7 +471,7 @@ def cached_bundle(tarball: str | Path, cache_dir: str | Path | None = None,
             return tops[0], False
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name[:16]}.", suffix=".tmp", dir=cache))
     try:
-        root = _extract_verified(tarball, tmp, limits)
+        root = _extract_verified(tarball, tmp, limits, trusted_key)
         (tmp / COMPLETE).write_text(f"{tarball.resolve()}\n")
         evict(entry)                           # a stale or interrupted entry of the same tarball
         os.replace(tmp, entry)
@@ -196,19 +490,22 @@ def evict(entry: Path) -> None:
 
 
 def tarball_manifest(tarball: str | Path) -> bytes:
-    """The MANIFEST inside a tarball, read without extracting anything else (`dz package` writes it first)."""
+    """The MANIFEST inside a tarball, read without extracting anything (it is the first file: `dz package` writes
+    it first, and an extraction refuses a tarball that does not start with it)."""
     tarball = Path(tarball)
     try:
-        with tarfile.open(tarball, "r|gz") as tar:
-            for m in tar:
+        with tarball.open("rb") as f:
+            tar = _TarReader(f, str(tarball))
+            while (m := tar.next()) is not None:
                 parts = PurePosixPath(m.name).parts
-                if len(parts) == 2 and parts[1] == MANIFEST and m.isfile():
-                    if m.size > MAX_MANIFEST_BYTES:
-                        raise BundleError(f"{tarball}: {MANIFEST} has {m.size} bytes; refused")
-                    return tar.extractfile(m).read()
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise BundleError(f"{tarball}: corrupt or truncated tarball ({exc})") from None
-    raise BundleError(f"{tarball}: no {MANIFEST} (not a dz package)")
+                if m.kind == _DIR and len(parts) == 1:
+                    continue
+                if len(parts) == 2 and parts[1] == MANIFEST and m.kind == _FILE:
+                    return _read_small(tar, m, MAX_MANIFEST_BYTES, tarball, MANIFEST)
+                break
+    except OSError as exc:
+        raise BundleError(f"{tarball}: could not read ({_quote(str(exc))})") from None
+    raise BundleError(f"{tarball}: no {MANIFEST} first (not a dz package)")
 
 
 # --- signatures -----------------------------------------------------------------------------------
@@ -273,15 +570,11 @@ def sign_manifest(manifest: bytes, key) -> bytes:
 
 def check_signature(root: Path, manifest: bytes, trusted_key_file: str | Path) -> None:
     """Raise BundleError unless root/MANIFEST.sig is a valid signature of `manifest` by the trusted key."""
-    from cryptography.exceptions import InvalidSignature
-
     key = load_trusted_key(trusted_key_file)
     sig = root / SIGNATURE
     if not sig.is_file():
         raise BundleError(f"{sig}: missing: the bundle is not signed, and bundles must be signed by the key "
                           f"{trusted_key_file} (--trust or {TRUST_ENV})")
-    try:
-        key.verify(sig.read_bytes()[:MAX_SIGNATURE_BYTES + 1], manifest)
-    except (InvalidSignature, ValueError):
-        raise BundleError(f"{sig}: not a valid signature of {root / MANIFEST} by {trusted_key_file}: the bundle "
-                          "was changed after it was signed, or another key signed it") from None
+    with sig.open("rb") as f:
+        signature = f.read(MAX_SIGNATURE_BYTES + 1)
+    _verify_signature(key, signature, manifest, str(sig), str(root / MANIFEST), trusted_key_file)
