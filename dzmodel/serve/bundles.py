@@ -39,7 +39,8 @@ MAX_MANIFEST_LINE = 8 << 10     # "sha256  size  path" with a path of up to 4096
 MAX_SIGNATURE_BYTES = 1024
 MAX_NAME_BYTES = 4096           # a member's path, as the filesystem takes it
 MAX_EXTENDED_HEADER = 64 << 10  # one pax or GNU long-name header
-MAX_HEADER_BYTES = 64 << 20     # all extended headers of a tarball together
+MAX_HEADER_BYTES = 16 << 20     # all extended headers of a tarball together
+MAX_PAX_RECORDS = 128           # in one pax header (tar writers use a few: path, size, times, owner)
 QUOTE_CHARS = 100               # what an error message quotes of a line or a name
 
 
@@ -77,6 +78,9 @@ def _quote(text: str | bytes) -> str:
     return f"{text[:QUOTE_CHARS]!r}... ({len(text)} in all)"
 
 
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
 def _clip(text: str) -> str:
     """`text` as it is, or its start if it is long."""
     return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS]}... ({len(text)} characters)"
@@ -90,7 +94,7 @@ def parse_manifest(text: str, source: str) -> dict[str, tuple[str, int]]:
             raise BundleError(f"{source}:{i}: MANIFEST line of {len(line)} characters, over the limit of "
                               f"{MAX_MANIFEST_LINE}: {_quote(line)}")
         parts = line.split("  ", 2)
-        if (len(parts) != 3 or len(parts[0]) != 64 or not all(c in "0123456789abcdefABCDEF" for c in parts[0])
+        if (len(parts) != 3 or len(parts[0]) != 64 or not set(parts[0]) <= _HEX
                 or not (parts[1].isascii() and parts[1].isdigit() and len(parts[1]) <= 20) or not parts[2]):
             raise BundleError(f"{source}:{i}: malformed MANIFEST line {_quote(line)}")
         entries[parts[2]] = (parts[0], int(parts[1]))
@@ -157,14 +161,15 @@ class _TarReader:
                 data = rest
             else:
                 data = self._z.unconsumed_tail or self._f.read(1 << 16)
-                if not data:
-                    raise BundleError(f"{self._source}: corrupt or truncated tarball (the gzip stream ends early)")
             try:
-                out += self._z.decompress(data, n - len(out))
+                got = self._z.decompress(data, n - len(out))     # never more than asked for
             except zlib.error as exc:
                 what = "corrupt or truncated tarball" if self._out else "not a gzip tarball"
                 raise BundleError(f"{self._source}: {what} ({exc})") from None
-        self._out += len(out)
+            if not got and not data and not self._z.eof:
+                raise BundleError(f"{self._source}: corrupt or truncated tarball (the gzip stream ends early)")
+            out += got
+            self._out += len(got)
         return bytes(out)
 
     def _exact(self, n: int, what: str) -> bytes:
@@ -236,7 +241,7 @@ class _TarReader:
         if size > MAX_EXTENDED_HEADER:
             raise self._refuse(f"header #{self.index}: {what} extended header of {size} bytes, over the limit of "
                                f"{MAX_EXTENDED_HEADER}")
-        self._header_bytes += size
+        self._header_bytes += BLOCK + size
         if self._header_bytes > MAX_HEADER_BYTES:
             raise self._refuse(f"header #{self.index}: more than {MAX_HEADER_BYTES} bytes of extended headers")
         data = self._exact(size, f"{what} extended header")
@@ -246,14 +251,18 @@ class _TarReader:
     def _pax_records(self, data: bytes) -> dict[str, bytes]:
         """pax records "LEN key=value\\n" (LEN counts the whole record), read by position."""
         records, pos = {}, 0
-        while pos < len(data) and data[pos:].strip(b"\0"):
+        while pos < len(data):
+            if data[pos] == 0 and not data[pos:].strip(b"\0"):
+                break                                           # padding after the last record
             space = data.find(b" ", pos, pos + 21)
             digits = data[pos:space] if space > pos else b""
             end = pos + int(digits) if digits.isdigit() else -1
-            key, eq, value = data[space + 1:end - 1].partition(b"=")
-            if end > len(data) or end <= space + 1 or data[end - 1:end] != b"\n" or not key or not eq:
+            key, eq, value = data[space + 1:end - 1].partition(b"=") if space + 1 < end <= len(data) else (b"",) * 3
+            if not (key and eq and data[end - 1] == 0x0A):
                 raise self._refuse(f"header #{self.index}: malformed pax header at byte {pos} "
                                    f"({_quote(data[pos:pos + QUOTE_CHARS])})")
+            if len(records) == MAX_PAX_RECORDS:
+                raise self._refuse(f"header #{self.index}: a pax header of more than {MAX_PAX_RECORDS} records")
             records[key.decode("utf-8", "replace")] = value
             pos = end
         return records
@@ -404,8 +413,6 @@ class _Extraction:
             raise BundleError(f"{self.tarball}: {SIGNATURE} appears twice")
         data = _read_small(tar, m, MAX_SIGNATURE_BYTES, self.tarball, SIGNATURE)
         if self.key is not None:
-            if self.signed or self.written:
-                raise BundleError(f"{self.tarball}: {SIGNATURE}: it must come right after {MANIFEST}; refused")
             _verify_signature(self.key, data, self.manifest_bytes, f"{self.tarball}:{SIGNATURE}", MANIFEST,
                               self.trusted_key)
             self.signed = True

@@ -5,8 +5,10 @@ MANIFEST comes first and is capped, and with a trusted key MANIFEST.sig is check
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import shutil
 import struct
 import subprocess
 import sys
@@ -334,3 +336,39 @@ def test_a_signed_tarball_extracts_under_its_key_and_an_unsigned_one_leaves_no_c
     with pytest.raises(PackageError, match=r"MANIFEST\.sig: missing"):
         load_package(unsigned, tmp_path / "cache2", trust=pub)
     assert list((tmp_path / "cache2").iterdir()) == []
+
+
+LONG = "model/" + "tokenizer_" * 16 + "/vocab.json"  # fits neither a ustar name nor its prefix
+
+
+@pytest.mark.parametrize("writer", ["tarfile pax", "tarfile gnu", "tar posix", "tar gnu"])
+def test_tarballs_of_tar_writers_with_long_names_extract_under_a_trusted_key(tmp_path, writer):
+    """What the reader must keep reading: ustar headers with pax or GNU long names, MANIFEST and MANIFEST.sig
+    first, as `dz package` (Python's tarfile) or GNU tar writes them."""
+    if writer.startswith("tar ") and shutil.which("tar") is None:
+        pytest.skip("no tar command")
+    key, pub = keypair(tmp_path)
+    files = {**BIG, LONG: b'{"a": 1}'}
+    root = tmp_path / "src" / TOP
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    (root / "MANIFEST").write_bytes(manifest(files))
+    (root / "MANIFEST.sig").write_bytes(key.sign(manifest(files)))
+    order = [TOP, f"{TOP}/MANIFEST", f"{TOP}/MANIFEST.sig"] + [f"{TOP}/{rel}" for rel in sorted(files)]
+    tb = tmp_path / "b.tar.gz"
+    if writer.startswith("tarfile"):
+        with tarfile.open(tb, "w:gz", format=tarfile.PAX_FORMAT if "pax" in writer else tarfile.GNU_FORMAT) as tar:
+            for name in order:
+                tar.add(tmp_path / "src" / name, arcname=name, recursive=False)
+    else:
+        subprocess.run(["tar", "-czf", str(tb), f"--format={writer.split()[1]}", "--no-recursion",
+                        "-C", str(tmp_path / "src"), *order], check=True)
+    assert any(t in gzip.decompress(tb.read_bytes()) for t in (b"path=", b"././@LongLink"))  # an extended header
+    out, fresh = cached_bundle(tb, tmp_path / "cache", trusted_key=pub)
+    assert fresh and all((out / rel).read_bytes() == data for rel, data in files.items())
+    assert len(tarball_manifest(tb)) == len(manifest(files))
+    cut = tmp_path / "cut.tar.gz"
+    cut.write_bytes(tb.read_bytes()[: tb.stat().st_size // 2])
+    with pytest.raises(BundleError, match="corrupt or truncated"):
+        cached_bundle(cut, tmp_path / "cache", trusted_key=pub)
