@@ -277,6 +277,8 @@ class _OneLine(logging.LoggerAdapter):
         connection = (kwargs.get("extra") or {}).get("websocket")  # websockets names the connection here
         if isinstance(msg, str) and msg.startswith("connection rejected") and connection in self.answered:
             return
+        if not self.isEnabledFor(level):
+            return
         if args:  # formatted here, so that the arguments (a request path, a header) are redacted too
             try:
                 msg = str(msg) % args
@@ -773,7 +775,7 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
 
     import torch
 
-    from ..eval.policy import load_policy
+    from ..eval.policy import PolicyLoadError, load_policy
     from .package import load_package
 
     ssl = tls_context(certfile, keyfile)
@@ -783,7 +785,10 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
     private = tempfile.mkdtemp(prefix="dz-serve-")
     try:
         pkg = load_package(bundle, trust=trust, manifest_sha256=manifest_sha256, copy_to=private)
-        embodied = load_policy(pkg.model_dir, device=device, solver=solver, precision=precision)
+        embodied = load_policy(pkg.model_dir, device=device, solver=solver, precision=precision,
+                               self_contained=True)
+    except PolicyLoadError as exc:
+        raise ServeError(str(exc).replace(str(pkg.root), bundle)) from None
     finally:
         shutil.rmtree(private, ignore_errors=True)
     robot, derived = served_robot(pkg.robot, embodied)

@@ -27,6 +27,7 @@ import pathlib
 import pickle
 import re
 import shutil
+import warnings
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -220,6 +221,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
+@contextmanager
+def _single_process_quietly():
+    """DCP warns on every save and load without a process group that it assumes one process: that is meant."""
+    with warnings.catch_warnings():
+        if not _dist():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def checkpoint_dir(out_dir: str | Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
@@ -248,7 +258,8 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opti
              "optim": get_optimizer_state_dict(model, optimizer)}
     if ema is not None:
         state["ema"] = ema
-    dcp.save(state, checkpoint_id=str(tmp))
+    with _single_process_quietly():
+        dcp.save(state, checkpoint_id=str(tmp))
     with safetensors_os_errors(tmp):
         save_file({k: v.contiguous() for k, v in rng_states.items()}, str(tmp / f"rng_rank{rank}.safetensors"))
     _barrier()
@@ -295,7 +306,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     read_metadata_safely(path / ".metadata")  # refused here, before DCP would wrap the error in its own
     planner = SafeLoadPlanner(path)
     try:
-        dcp.load(state, storage_reader=SafeReader(path), planner=planner)
+        with _single_process_quietly():
+            dcp.load(state, storage_reader=SafeReader(path), planner=planner)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         refused = planner.refused or _wrapped_refusal(exc)
         if refused is not None:

@@ -137,3 +137,19 @@ def test_resume_from_a_shard_truncated_in_its_optimizer_state_names_the_shard(ru
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     with pytest.raises(CheckpointError, match=rf"^{shard}: truncated or unreadable checkpoint shard \("):
         load_checkpoint(ckpt, model, optimizer)
+
+
+def test_dz_convert_of_a_truncated_shard_prints_one_line_and_nothing_else(run, tmp_path):
+    """As a user runs it, in its own process: stderr is the one line (no DCP warning, no traceback)."""
+    import subprocess
+    import sys
+
+    copy, ckpt = _copy_run(run, tmp_path)
+    _truncate(ckpt / "__0_0.distcp", 1000)
+    done = subprocess.run([sys.executable, "-m", "dzmodel.cli", "convert", str(copy), "--out", str(tmp_path / "hf")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"dz: error: {ckpt / '__0_0.distcp'}: truncated or unreadable checkpoint shard "
+                               "(1,000 bytes; the checkpoint's metadata needs at least "), lines
