@@ -146,14 +146,17 @@ def policy_statistics(emb: Embodiment, metadata: Path) -> tuple[NormStats, NormS
 
 def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embodiment: str | None = None,
                 embodiment_files: list[str] | None = None, solver: SolverConfig | None = None,
-                seed: int = 0, weights_dtype: torch.dtype | None = None, precision: str = "bf16") -> EmbodiedPolicy:
+                seed: int = 0, weights_dtype: torch.dtype | None = None, precision: str = "bf16",
+                self_contained: bool = False) -> EmbodiedPolicy:
     """A converted model directory (`dz convert`, or a bundle's model/) -> an EmbodiedPolicy.
 
     embodiment: the embodiment the caller evaluates or deploys; it must be the one the run trained on.
     weights_dtype: default bf16 on CUDA (inference reads bf16 weights, no autocast), the saved dtype elsewhere.
     precision: "fp8" rounds the DiT blocks' linear weights to e4m3 once and runs their matmuls in FP8
     (`model.fp8.freeze_blocks_to_fp8`) where the device can; elsewhere it stays as it was and `precision_note`
-    says why."""
+    says why.
+    self_contained: read nothing outside model_dir (a bundle's verified copy, `dz serve`): its encoders must be
+    in model_dir/encoders, or be the preset's seeded ones, never files the run's config names elsewhere."""
     from ..train.encoders import frozen_encoders, load_saved_encoders
 
     model_dir = Path(model_dir)
@@ -171,6 +174,11 @@ def load_policy(model_dir: str | Path, device: torch.device | str = "cpu", embod
         raise PolicyLoadError(f"{model_dir}: " + emb.horizon_mismatch(model.args.num_action_per_block, "the model",
                                                                       trained=True))
     saved = model_dir / "encoders"
+    outside = sorted(k for k, v in cfg.encoder_weights.items() if v)
+    if self_contained and outside and not saved.is_dir():
+        raise PolicyLoadError(f"{model_dir}: no encoders/, and the run's {', '.join(outside)} weights are files "
+                              "outside the bundle, which are not verified; package it again with `dz package` "
+                              "(which carries them in model/encoders/)")
     encoders = load_saved_encoders(cfg.preset, saved, device) if saved.is_dir() else frozen_encoders(cfg, device)
     tok_dir = model_dir / "tokenizer"
     if not (tok_dir / "tokenizer.json").is_file():

@@ -21,7 +21,7 @@ import dzmodel.serve.server as server
 from dzmodel.model.sampler import SolverConfig
 from dzmodel.model.state_dict import strip_prefix
 from dzmodel.serve.package import RobotConfig, build_package
-from tests.hostile.test_bundles_hostile import keypair
+from tests.hostile.test_bundles_hostile import keypair, regenerate_manifest
 from tests.serve.test_package import ROBOT, model  # noqa: F401  (the tiny converted model fixture)
 
 WEIGHTS = Path("model") / "model.safetensors"
@@ -126,6 +126,22 @@ def test_weights_renamed_over_the_bundle_cache_after_verification_are_not_served
 
     policy = serve(monkeypatch, tmp_path, tarball, swap, trust=str(pub) if trusted else None)
     assert_serves(policy, source)
+
+
+def test_a_bundle_naming_encoder_files_outside_itself_is_refused(bundles, tmp_path, monkeypatch):
+    """Everything served comes from the verified bundle: encoder weights named by a path outside it are not."""
+    import json
+
+    unsigned, _, _, others = bundles
+    bundle = shutil.copytree(unsigned, tmp_path / unsigned.name)
+    outside = tmp_path / "vae.safetensors"
+    shutil.move(bundle / VAE, outside)
+    shutil.rmtree(bundle / VAE.parent)
+    config = bundle / "model" / "experiment_cfg" / "train_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "encoder_weights": {"vae": str(outside)}}))
+    regenerate_manifest(bundle)
+    with pytest.raises(server.ServeError, match=rf"^{bundle}/model: no encoders/.*vae weights are files outside"):
+        serve(monkeypatch, tmp_path, bundle, lambda pkg: None)
 
 
 def test_a_plain_converted_directory_still_loads(model):  # noqa: F811
