@@ -87,7 +87,7 @@ def replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def save_figure(fig, path: Path) -> Path:
+def save_figure(fig, path: Path, dpi: int = 110) -> Path:
     """A matplotlib figure as a PNG, renamed into place whole (a reader never sees half an image), written
     through a new temporary sibling (`temp_file`), never through a file or link already there."""
     path = Path(path)
@@ -96,7 +96,7 @@ def save_figure(fig, path: Path) -> Path:
     fd, tmp = temp_file(path, suffix=".tmp.png")
     try:
         with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=110)
+            fig.savefig(f, format="png", dpi=dpi)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

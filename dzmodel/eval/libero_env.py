@@ -177,13 +177,9 @@ def ensure_libero_config(path: str | os.PathLike | None = None) -> Path:
     paths = {"benchmark_root": root, "bddl_files": root / "bddl_files", "init_states": root / "init_files",
              "datasets": root.parent / "datasets", "assets": root / "assets"}
     text = _CONFIG_MARK + "\n" + "".join(f"{k}: {json.dumps(str(v))}\n" for k, v in paths.items())
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".config.yaml.{os.getpid()}.tmp"
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, file)
-    finally:
-        tmp.unlink(missing_ok=True)
+    from ..atomic import atomic_write_text
+
+    atomic_write_text(file, text)  # through a new temporary, never a name a link could be planted at
     return file
 
 

@@ -429,13 +429,11 @@ def plot_success(rows: list[dict], path: str | Path, title: str) -> Path | None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    from ..atomic import save_figure
+
+    save_figure(fig, Path(path), dpi=120)
     plt.close(fig)
-    tmp.replace(path)
-    return path
+    return Path(path)
 
 
 def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path, steps: list[int] | None = None,

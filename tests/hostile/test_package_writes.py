@@ -132,3 +132,14 @@ def test_save_figure_never_writes_through_a_planted_link(tmp_path):
     assert thesis.read_bytes() == THESIS
     assert not path.is_symlink() and path.read_bytes().startswith(b"\x89PNG")
     assert sorted(p.name for p in out.iterdir()) == [".losses.png.tmp.png", "losses.png", "losses.png.tmp"]
+
+
+def test_the_success_plot_never_writes_through_a_planted_link(tmp_path):
+    from dzmodel.eval.libero_eval import plot_success
+
+    thesis, _ = user_files(tmp_path)
+    (tmp_path / ".success.png.tmp.png").symlink_to(thesis)
+    rows = [{"step": s, "task": "all", "episodes": 10, "successes": n, "rate": n / 10} for s, n in ((1, 2), (2, 5))]
+    path = plot_success(rows, tmp_path / "success.png", "t")
+    assert thesis.read_bytes() == THESIS
+    assert path.read_bytes().startswith(b"\x89PNG")
