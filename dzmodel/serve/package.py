@@ -569,10 +569,15 @@ def verified_copy(root: str | Path, dest: str | Path, trust: str | Path | None =
     MANIFEST must have (a registry's record, the tarball's own MANIFEST)."""
     root, dest = Path(root), Path(dest)
     data, expected = _listed_files(root, trust, pins)
-    dest.mkdir()
-    for rel, (digest, size) in sorted(expected.items()):
-        _copy_checked(root / rel, dest / rel, digest, size)
-    (dest / MANIFEST).write_bytes(data)
+    try:
+        dest.mkdir()
+        for rel, (digest, size) in sorted(expected.items()):
+            _copy_checked(root / rel, dest / rel, digest, size)
+        (dest / MANIFEST).write_bytes(data)
+    except OSError as exc:  # a full disk, an unreadable file: one line naming both places
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise PackageError(f"{root}: could not copy it to {dest.parent} to verify it: {exc.strerror or exc}{where}; "
+                           "free that space or set TMPDIR to a folder with room for the bundle") from None
     return len(expected)
 
 
