@@ -16,10 +16,11 @@ describes (`robot:`: a humanoid, another arm), with the action limits `dz serve`
 
 Both are built under fresh temporary names in <out> (never a fixed name, so never through a link planted
 there), one `dz package` at a time per folder, and put in place only when complete, never over an existing
-version. Loading verifies every file against MANIFEST and refuses a
-missing, extra or modified file; a tarball is verified while it is extracted into the bundle cache, never
-beside itself, and its cached copy again on every later load (`bundles.py`). Given a trusted public key
-(`trust`, or DZ_TRUST_KEY), loading also refuses a bundle whose MANIFEST.sig is missing or not by that key.
+version. Loading verifies every file against MANIFEST and refuses a missing, extra or modified file; a tarball
+is verified while it is extracted into the bundle cache, never beside itself, and its cached copy again on every
+later load (`bundles.py`). Given a trusted public key (`trust`, or DZ_TRUST_KEY), loading also refuses a bundle
+whose MANIFEST.sig is missing or not by that key. `dz serve` verifies by copying each file once into a private
+folder and loads from that copy (`verified_copy`): what it serves is what was verified.
 """
 
 from __future__ import annotations
