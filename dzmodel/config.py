@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .schema import SchemaError, build
+from .schema import SchemaError, bounded_repr, build, load_yaml
 from .stage_paths import StagePaths
 
 PROFILE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
@@ -282,8 +282,8 @@ class Profile:
                              "a seeded random VAE, so set vision.enabled: false for real weights")
         preset_name = self.train.get("preset", "tiny") if isinstance(self.train, dict) else "tiny"
         if self.vision.enabled and preset_name not in OFFLINE_PRESETS:
-            raise ValueError(f"vision.enabled: preset {preset_name!r} takes real WAN encoder weights; vision "
-                             f"pretraining is for the offline presets ({', '.join(OFFLINE_PRESETS)})")
+            raise ValueError(f"vision.enabled: preset {bounded_repr(preset_name)} takes real WAN encoder weights; "
+                             f"vision pretraining is for the offline presets ({', '.join(OFFLINE_PRESETS)})")
         if not self.package.robot and not self.metadata.embodiment_files:
             from .data.embodiments import load_embodiments
 
@@ -319,19 +319,6 @@ class Params:
 
 # --- loading ------------------------------------------------------------------------------------------
 
-def _yaml_loader():
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        """YAML 1.2 numbers: PyYAML (YAML 1.1) reads 1e-5 as a string; DVC's ruamel reads it as a float."""
-
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)\.?[0-9_]*(?:[eE][-+]?[0-9]+)$|^[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$"),
-        list("-+0123456789."))
-    return Loader
-
-
 def read_yaml(path: str | Path) -> Any:
     import yaml
 
@@ -339,7 +326,7 @@ def read_yaml(path: str | Path) -> Any:
     if not path.is_file():
         raise ParamsError(f"{path}: no such parameters file")
     try:
-        return yaml.load(path.read_text(), Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+        return load_yaml(path.read_text(), yaml12_numbers=True)
     except yaml.YAMLError as exc:
         raise ParamsError(f"{path}: not valid YAML: {exc}") from None
 
@@ -353,7 +340,7 @@ def apply_overrides(raw: dict, overrides: list[str], profile: str, source: str =
         key, sep, value = item.partition("=")
         parts = key.split(".")
         if not sep or not all(parts):
-            raise ParamsError(f"override {item!r}: expected stage.key=value, e.g. train.steps=20")
+            raise ParamsError(f"override {bounded_repr(item)}: expected stage.key=value, e.g. train.steps=20")
         profiles = raw.setdefault("profiles", {})
         if not isinstance(profiles, dict):
             raise ParamsError(f"{source}: profiles: expected a mapping of profiles, got {type(profiles).__name__}")
@@ -365,11 +352,12 @@ def apply_overrides(raw: dict, overrides: list[str], profile: str, source: str =
             node = node.setdefault(part, {})
             walked.append(part)
         if not isinstance(node, dict):
-            raise ParamsError(f"override {item!r}: {source}'s {'.'.join(walked)} is not a mapping")
-        try:
-            node[parts[-1]] = yaml.load(value, Loader=_yaml_loader())  # noqa: S506
+            raise ParamsError(f"override {bounded_repr(item)}: {source}'s {'.'.join(walked)} is not a mapping")
+        try:  # a one-line value needs no anchors or aliases
+            node[parts[-1]] = load_yaml(value, yaml12_numbers=True, aliases=False)
         except yaml.YAMLError as exc:
-            raise ParamsError(f"override {item!r}: the value is not valid YAML ({str(exc).splitlines()[0]})") from None
+            raise ParamsError(f"override {bounded_repr(item)}: the value is not valid YAML "
+                              f"({str(exc).splitlines()[0]})") from None
     return raw
 
 
@@ -426,7 +414,7 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | None = 
             raise ParamsError(f"{path}: expected a mapping at the top level")
         name = profile or raw.get("profile")
         if not isinstance(name, str):
-            raise ParamsError(f"{path}: profile: expected the name of a profile, got {name!r}")
+            raise ParamsError(f"{path}: profile: expected the name of a profile, got {bounded_repr(name)}")
         raw = apply_overrides(raw, overrides, name, str(path))
     params = parse_params(raw, str(path))
     params.selected(profile)
@@ -451,7 +439,7 @@ def _train_config(train: dict, metadata: MetadataParams, cache_enabled: bool, pa
     for key in LAUNCH_FIELDS:
         value = train.get(key, 1)
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
-            problems.append(f"{where}.{key}: must be an integer in [1, 4096], got {value!r}")
+            problems.append(f"{where}.{key}: must be an integer in [1, 4096], got {bounded_repr(value)}")
     fields = {k: v for k, v in train.items() if k not in LAUNCH_FIELDS and k not in PIPELINE_TRAIN_FIELDS}
     fields.update(datasets=[str(paths.dataset)], metadata=str(paths.metadata), embodiment=metadata.embodiment,
                   embodiment_files=[str(paths.root / f) for f in metadata.embodiment_files],

@@ -7,14 +7,21 @@ A field's range sits in its metadata: `field(default=1, metadata={"min": 1})`, `
 each element. Nested dataclasses, `list[X]`, `dict[str, X]`, `tuple[X, ...]`, `X | None` and `Literal[...]` are
 checked recursively. Every number must be finite (YAML's .nan and .inf are refused, also inside free-form `Any`
 values) and every integer must fit 64 bits. Only the standard library is used (the GPU image has no pydantic).
+
+Values may share parts (YAML aliases): a shared list or mapping is checked once per type, and a message shows at
+most a short, truncated rendering of a value (`bounded_repr`), never the whole of it. `load_yaml` is the one YAML
+loader for what users write (params.yaml, `--set` values, embodiment files, robot configs): PyYAML's safe loader
+with a cap on aliases, nodes and nesting, no recursive aliases, and optionally no aliases at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
+import reprlib
 import types
 import typing
 from typing import Any, Literal, Union
@@ -30,13 +37,16 @@ PLAIN_NAME_RULE = ("a plain name (letters, digits, '.', '_', '-', '+'; starting 
 class SchemaError(ValueError):
     """Every problem found in one mapping, one per line, each led by the field's dotted path."""
 
+    SHOWN = 20  # the message lists this many problems, then counts the rest
+
     def __init__(self, problems: list[str], source: str = ""):
         self.problems = problems
         head = f"{source}: " if source else ""
         if len(problems) == 1:
             super().__init__(head + problems[0])
         else:
-            super().__init__(head + f"{len(problems)} problems:\n  " + "\n  ".join(problems))
+            more = [f"... and {len(problems) - self.SHOWN} more"] if len(problems) > self.SHOWN else []
+            super().__init__(head + f"{len(problems)} problems:\n  " + "\n  ".join(problems[: self.SHOWN] + more))
 
 
 def _type_name(tp: Any) -> str:
@@ -58,9 +68,27 @@ def _type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
-def _convert(value: Any, tp: Any, path: str, problems: list[str], meta: dict | None = None) -> Any:
+def _convert(value: Any, tp: Any, path: str, problems: list[str], meta: dict | None = None,
+             memo: dict | None = None) -> Any:
     """`value` checked against `tp` (problems appended); returns the converted value. `meta` (the field's range)
-    only words the message for a number that is not finite."""
+    only words the message for a number that is not finite. `memo` holds the containers already converted, by
+    (id, type): a list or mapping shared by aliases is checked once (its problems named at its first path)."""
+    if not isinstance(value, (list, tuple, dict)):
+        return _convert_one(value, tp, path, problems, meta, memo)
+    memo = {} if memo is None else memo
+    try:
+        key = (id(value), tp)
+        if key in memo:
+            return memo[key][1]
+    except TypeError:  # an unhashable type annotation: no memo
+        return _convert_one(value, tp, path, problems, meta, memo)
+    memo[key] = (value, value)  # a value that contains itself is not walked again
+    out = _convert_one(value, tp, path, problems, meta, memo)
+    memo[key] = (value, out)  # the value is kept alive so that its id is not reused
+    return out
+
+
+def _convert_one(value: Any, tp: Any, path: str, problems: list[str], meta: dict | None, memo: dict | None) -> Any:
     if tp is Any:
         _check_finite_tree(value, path, problems)
         return value
@@ -68,7 +96,7 @@ def _convert(value: Any, tp: Any, path: str, problems: list[str], meta: dict | N
         if not isinstance(value, dict):
             problems.append(f"{path}: expected a mapping, got {_show(value)}")
             return value
-        return _build(tp, value, path, problems)
+        return _build(tp, value, path, problems, memo)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
         if value is None and _NONE in args:
@@ -76,11 +104,11 @@ def _convert(value: Any, tp: Any, path: str, problems: list[str], meta: dict | N
         options = [a for a in args if a is not _NONE]
         for option in options:  # the first option that takes the value without a problem
             trial: list[str] = []
-            out = _convert(value, option, path, trial, meta)
+            out = _convert(value, option, path, trial, meta, {})
             if not trial:
                 return out
         if len(options) == 1:
-            return _convert(value, options[0], path, problems, meta)
+            return _convert(value, options[0], path, problems, meta, memo)
         problems.append(f"{path}: expected {_type_name(tp)}, got {_show(value)}")
         return value
     if origin is Literal:
@@ -91,22 +119,25 @@ def _convert(value: Any, tp: Any, path: str, problems: list[str], meta: dict | N
         if not isinstance(value, list):
             problems.append(f"{path}: expected {_type_name(tp)}, got {_show(value)}")
             return value
-        return [_convert(v, args[0], f"{path}[{i}]", problems, meta) for i, v in enumerate(value)]
+        return _elements(value, lambda i, v, found: _convert(v, args[0], f"{path}[{i}]", found, meta, memo),
+                         problems, list)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             problems.append(f"{path}: expected a list, got {_show(value)}")
             return value
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(v, args[0], f"{path}[{i}]", problems, meta) for i, v in enumerate(value))
+            return _elements(value, lambda i, v, found: _convert(v, args[0], f"{path}[{i}]", found, meta, memo),
+                             problems, tuple)
         if len(value) != len(args):
             problems.append(f"{path}: expected a list of {len(args)} values, got {len(value)}")
             return value
-        return tuple(_convert(v, a, f"{path}[{i}]", problems, meta) for i, (v, a) in enumerate(zip(value, args)))
+        return tuple(_convert(v, a, f"{path}[{i}]", problems, meta, memo)
+                     for i, (v, a) in enumerate(zip(value, args)))
     if origin is dict:
         if not isinstance(value, dict):
             problems.append(f"{path}: expected a mapping, got {_show(value)}")
             return value
-        return {str(k): _convert(v, args[1], f"{path}.{k}", problems) for k, v in value.items()}
+        return {str(k): _convert(v, args[1], f"{path}.{_key(k)}", problems, None, memo) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             problems.append(f"{path}: expected true or false, got {_show(value)}")
@@ -139,9 +170,41 @@ def _convert(value: Any, tp: Any, path: str, problems: list[str], meta: dict | N
     return value
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 3, 6, 6, 6, 6
+_REPR.maxstring, _REPR.maxlong, _REPR.maxother = 60, 40, 60
+
+
+def bounded_repr(value: Any, limit: int = 120) -> str:
+    """repr() of `value` cut short: at most a few items of a few levels and `limit` characters, however large or
+    shared (YAML aliases) the value is."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails is named by its type
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _key(key: Any) -> str:
+    """A mapping key inside a dotted path."""
+    return key if isinstance(key, str) and len(key) <= 100 else bounded_repr(key, 60)
+
+
+def _elements(value: list | tuple, convert, problems: list[str], kind: type):
+    """Each element converted by `convert(index, element, problems)`; a list whose elements have several problems
+    is one problem: the first, and how many more (a long list of the wrong things stays one line)."""
+    found: list[str] = []
+    out = kind(convert(i, v, found) for i, v in enumerate(value))
+    if len(found) > 1:
+        found = [f"{found[0]} (and {len(found) - 1} more problems in its other elements)"]
+    problems.extend(found)
+    return out
+
+
 def _show(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60]}" if not isinstance(value, (dict, list)) else type(value).__name__
+    if isinstance(value, (dict, list)):
+        return type(value).__name__
+    return f"{type(value).__name__} {bounded_repr(value, 60)}"
 
 
 def _show_number(value: Any) -> str:
@@ -158,7 +221,7 @@ def _check_finite_tree(value: Any, path: str, problems: list[str], seen: set[int
         seen.add(id(value))
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for k, v in items:
-            _check_finite_tree(v, f"{path}.{k}" if isinstance(value, dict) else f"{path}[{k}]", problems, seen)
+            _check_finite_tree(v, f"{path}.{_key(k)}" if isinstance(value, dict) else f"{path}[{k}]", problems, seen)
 
 
 _BOUNDS = (("min", ">=", "["), ("gt", ">", "("), ("max", "<=", "]"), ("lt", "<", ")"))
@@ -184,18 +247,23 @@ def plain_name_problem(value: str) -> str | None:
     """Why `value` cannot be used as a name inside a path (None: it can)."""
     if PLAIN_NAME.fullmatch(value) and ".." not in value:
         return None
-    return f"must be {PLAIN_NAME_RULE}, got {value!r}"
+    return f"must be {PLAIN_NAME_RULE}, got {bounded_repr(value)}"
 
 
-def _check_range(value: Any, meta: dict, path: str, problems: list[str]) -> None:
-    if isinstance(value, (list, tuple)):  # a range on a list field bounds each element
+def _check_range(value: Any, meta: dict, path: str, problems: list[str], seen: set[int] | None = None) -> None:
+    if isinstance(value, (list, tuple)):  # a range on a list field bounds each element; a shared list once
+        seen = set() if seen is None else seen
+        if id(value) in seen:
+            return
+        seen.add(id(value))
         for i, v in enumerate(value):
-            _check_range(v, meta, f"{path}[{i}]", problems)
+            _check_range(v, meta, f"{path}[{i}]", problems, seen)
         return
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return
     if "choices" in meta and value not in meta["choices"]:
-        problems.append(f"{path}: must be one of {', '.join(repr(c) for c in meta['choices'])}, got {value!r}")
+        problems.append(f"{path}: must be one of {', '.join(repr(c) for c in meta['choices'])}, "
+                        f"got {bounded_repr(value)}")
     if isinstance(value, str):
         if meta.get("plain_name") and (problem := plain_name_problem(value)):
             problems.append(f"{path}: {problem}")
@@ -204,16 +272,16 @@ def _check_range(value: Any, meta: dict, path: str, problems: list[str]) -> None
         problems.append(f"{path}: must be {_range_text(meta)}, got {value}")
 
 
-def _build(cls: type, data: dict, path: str, problems: list[str]):
+def _build(cls: type, data: dict, path: str, problems: list[str], memo: dict | None = None):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     prefix = f"{path}." if path else ""
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
-            near = difflib.get_close_matches(str(key), list(fields), n=1)
+            near = difflib.get_close_matches(_key(key), list(fields), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else f" (known: {', '.join(fields)})"
-            problems.append(f"{prefix}{key}: unknown key{hint}")
+            problems.append(f"{prefix}{_key(key)}: unknown key{hint}")
             continue
         before = len(problems)
         meta = dict(fields[key].metadata)
@@ -222,7 +290,7 @@ def _build(cls: type, data: dict, path: str, problems: list[str]):
                 problems.append(f"{prefix}{key}: expected a mapping, got {_show(value)}")
             kwargs[key] = value
             continue
-        converted = _convert(value, hints[key], prefix + key, problems, meta)
+        converted = _convert(value, hints[key], prefix + key, problems, meta, memo)
         if len(problems) == before:
             _check_range(converted, meta, prefix + key, problems)
         kwargs[key] = converted
@@ -249,7 +317,7 @@ def build(cls: type, data: Any, path: str = "", source: str = ""):
     problems: list[str] = []
     if not isinstance(data, dict):
         raise SchemaError([f"{path or 'top level'}: expected a mapping, got {_show(data)}"], source)
-    out = _build(cls, data, path, problems)
+    out = _build(cls, data, path, problems, {})
     if problems:
         raise SchemaError(problems, source)
     return out
@@ -274,3 +342,95 @@ def field_problems(obj: Any, path: str = "") -> list[str]:
         if len(problems) == before:
             _check_range(value, dict(f.metadata), prefix + f.name, problems)
     return problems
+
+
+# --- YAML ---------------------------------------------------------------------------------------------------------
+
+# What one YAML document may hold: a params.yaml, an embodiment file or a robot config has a few hundred to a few
+# thousand nodes, a handful of aliases (`<<: *base` merges) and a nesting of under ten levels.
+MAX_YAML_NODES = 200_000
+MAX_YAML_ALIASES = 1_000
+MAX_YAML_DEPTH = 64
+# YAML 1.2 numbers: PyYAML (YAML 1.1) reads 1e-5 as a string; DVC's ruamel reads it as a float.
+YAML12_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)\.?[0-9_]*(?:[eE][-+]?[0-9]+)$|^[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$")
+
+
+@functools.cache
+def _yaml_classes() -> tuple[type, dict[tuple[bool, bool], type]]:
+    """The limit error (a yaml.YAMLError) and the bounded SafeLoader classes by (yaml12_numbers, aliases); built on
+    first use, so that importing this module does not need PyYAML."""
+    import yaml
+
+    class YAMLLimitError(yaml.YAMLError):
+        """A document past one of the limits: one line, with where in the text."""
+
+    def refuse(event, what: str) -> YAMLLimitError:
+        mark = getattr(event, "start_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        return YAMLLimitError(where + what)
+
+    class BoundedLoader(yaml.SafeLoader):
+        """PyYAML's SafeLoader (aliases stay shared: the loaded value is never expanded) that refuses a document of
+        more than MAX_YAML_NODES nodes, MAX_YAML_ALIASES aliases or MAX_YAML_DEPTH levels, and an alias inside the
+        value it names (a value that contains itself)."""
+
+        allow_aliases = True
+
+        def __init__(self, stream):
+            super().__init__(stream)
+            self.counted_nodes = self.counted_aliases = self.depth = 0
+            self.open_anchors: set[str] = set()
+
+        def compose_node(self, parent, index):
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent):
+                if not self.allow_aliases:
+                    raise refuse(event, "anchors and aliases (&name, *name) are not accepted here")
+                self.counted_aliases += 1
+                if self.counted_aliases > MAX_YAML_ALIASES:
+                    raise refuse(event, f"more than {MAX_YAML_ALIASES} aliases in one document")
+                if event.anchor in self.open_anchors:
+                    raise refuse(event, f"alias *{event.anchor} refers to itself (a value that contains itself)")
+                return super().compose_node(parent, index)
+            anchor = getattr(event, "anchor", None)
+            if anchor is not None and not self.allow_aliases:
+                raise refuse(event, "anchors and aliases (&name, *name) are not accepted here")
+            self.counted_nodes += 1
+            if self.counted_nodes > MAX_YAML_NODES:
+                raise refuse(event, f"more than {MAX_YAML_NODES} values in one document")
+            if self.depth >= MAX_YAML_DEPTH:
+                raise refuse(event, f"nested deeper than {MAX_YAML_DEPTH} levels")
+            self.depth += 1
+            if anchor is not None:
+                self.open_anchors.add(anchor)
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+                self.open_anchors.discard(anchor)
+
+    loaders: dict[tuple[bool, bool], type] = {}
+    for yaml12 in (False, True):
+        for aliases in (True, False):
+            cls = type(f"BoundedLoader{'12' if yaml12 else ''}{'' if aliases else 'NoAliases'}", (BoundedLoader,),
+                       {"allow_aliases": aliases})
+            if yaml12:
+                cls.add_implicit_resolver("tag:yaml.org,2002:float", YAML12_FLOAT, list("-+0123456789."))
+            loaders[(yaml12, aliases)] = cls
+    return YAMLLimitError, loaders
+
+
+def load_yaml(text: str, *, yaml12_numbers: bool = False, aliases: bool = True) -> Any:
+    """The document in `text`, by PyYAML's safe loader within the limits above; `yaml12_numbers` reads 1e-5 as a
+    number (YAML 1.2, as DVC does); `aliases=False` refuses anchors and aliases (a one-line `--set` value needs
+    none). Raises yaml.YAMLError: a syntax error, a limit, or a value YAML cannot build (a 5000-digit integer, the
+    13th month); a limit's message is one line."""
+    import yaml
+
+    limit_error, loaders = _yaml_classes()
+    try:
+        return yaml.load(text, Loader=loaders[(bool(yaml12_numbers), bool(aliases))])  # noqa: S506 - a SafeLoader
+    except RecursionError:
+        raise limit_error("nested too deeply") from None
+    except (ValueError, OverflowError, TypeError) as exc:  # raised while building a scalar
+        raise limit_error(f"a value YAML cannot build: {(str(exc).splitlines() or [''])[0][:200]}") from None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from ..schema import bounded_repr, load_yaml
 from .errors import DataError
 
 BUILTIN_YAML = Path(__file__).with_name("embodiments.yaml")
@@ -174,11 +175,11 @@ def _keyspecs(raw: Any, source: str, tag: str, field_name: str) -> tuple[KeySpec
         if "slice" in spec:
             sl = spec["slice"]
             if not (isinstance(sl, (list, tuple)) and len(sl) == 2 and all(isinstance(v, int) for v in sl) and 0 <= sl[0] < sl[1]):
-                raise _fail(source, tag, f"{field_name}.{name}.slice", f"must be [start, end) with 0 <= start < end, got {sl!r}")
+                raise _fail(source, tag, f"{field_name}.{name}.slice", f"must be [start, end) with 0 <= start < end, got {bounded_repr(sl)}")
             start, end = sl
         dim = spec.get("dim")
         if dim is not None and (not isinstance(dim, int) or dim < 1):
-            raise _fail(source, tag, f"{field_name}.{name}.dim", f"must be a positive int, got {dim!r}")
+            raise _fail(source, tag, f"{field_name}.{name}.dim", f"must be a positive int, got {bounded_repr(dim)}")
         if dim is not None and start is not None and end - start != dim:
             raise _fail(source, tag, f"{field_name}.{name}", f"slice {[start, end]} has {end - start} dims, dim says {dim}")
         out.append(KeySpec(name=str(name), column=str(spec["column"]), start=start, end=end, dim=dim))
@@ -193,10 +194,10 @@ def _serve_spec(raw: Any, source: str, tag: str, views: Mapping, state: tuple[Ke
         raise _fail(source, tag, f"serve.{sorted(unknown)[0]}", "unknown field; allowed: images, state, ignored, roboarena")
     images, states = raw.get("images"), raw.get("state")
     if not isinstance(images, Mapping) or set(images.values()) != set(views) or len(images) != len(views):
-        raise _fail(source, tag, "serve.images", f"must map one protocol key to each view {sorted(views)}, got {images!r}")
+        raise _fail(source, tag, "serve.images", f"must map one protocol key to each view {sorted(views)}, got {bounded_repr(images)}")
     names = {k.name for k in state}
     if not isinstance(states, Mapping) or set(states.values()) != names or len(states) != len(names):
-        raise _fail(source, tag, "serve.state", f"must map one protocol key to each state key {sorted(names)}, got {states!r}")
+        raise _fail(source, tag, "serve.state", f"must map one protocol key to each state key {sorted(names)}, got {bounded_repr(states)}")
     ignored = raw.get("ignored") or []
     if not isinstance(ignored, list) or not all(isinstance(k, str) for k in ignored):
         raise _fail(source, tag, "serve.ignored", "must be a list of protocol keys")
@@ -208,10 +209,10 @@ def _serve_spec(raw: Any, source: str, tag: str, views: Mapping, state: tuple[Ke
             raise _fail(source, tag, "serve.roboarena.action_space", f"must be one of {sorted(ROBOARENA_ACTION_SPACES)}")
         res = arena["image_resolution"]
         if res is not None and not (isinstance(res, list) and len(res) == 2 and all(isinstance(v, int) and v > 0 for v in res)):
-            raise _fail(source, tag, "serve.roboarena.image_resolution", f"must be [H, W] or null, got {res!r}")
+            raise _fail(source, tag, "serve.roboarena.image_resolution", f"must be [H, W] or null, got {bounded_repr(res)}")
         n_ext = arena["n_external_cameras"]
         if n_ext not in (0, 1, 2):
-            raise _fail(source, tag, "serve.roboarena.n_external_cameras", f"must be 0, 1 or 2, got {n_ext!r}")
+            raise _fail(source, tag, "serve.roboarena.n_external_cameras", f"must be 0, 1 or 2, got {bounded_repr(n_ext)}")
         needed = [f"observation/exterior_image_{i}_left" for i in range(n_ext)]
         needed += ["observation/wrist_image_left"] if arena["needs_wrist_camera"] else []
         if sorted(needed) != sorted(images):
@@ -267,13 +268,13 @@ def _robot_spec(raw: Any, source: str, tag: str, action: tuple[KeySpec, ...]) ->
         raise _fail(source, tag, f"robot.{sorted(unknown)[0]}", f"unknown field; allowed: {sorted(fields_)}")
     for name, choices in (("kind", ROBOT_KINDS), ("action_space", ACTION_SPACES), ("action_mode", ACTION_MODES)):
         if raw.get(name) not in choices:
-            raise _fail(source, tag, f"robot.{name}", f"must be one of {list(choices)}, got {raw.get(name)!r}")
+            raise _fail(source, tag, f"robot.{name}", f"must be one of {list(choices)}, got {bounded_repr(raw.get(name))}")
     name = raw.get("name")
     if not isinstance(name, str) or not name.strip():
         raise _fail(source, tag, "robot.name", "must name the robot, e.g. 'Unitree G1'")
     rate = raw.get("control_rate_hz")
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1000:
-        raise _fail(source, tag, "robot.control_rate_hz", f"must be in (0, 1000], got {rate!r}")
+        raise _fail(source, tag, "robot.control_rate_hz", f"must be in (0, 1000], got {bounded_repr(rate)}")
     dims = [k.dim for k in action]
     width = sum(dims) if all(d is not None for d in dims) else None
 
@@ -288,7 +289,7 @@ def _robot_spec(raw: Any, source: str, tag: str, action: tuple[KeySpec, ...]) ->
             v = [v] * width  # one number for every dim
         numbers = finite_numbers(v)
         if numbers is None:
-            raise _fail(source, tag, f"robot.{key}", f"must be a list of finite numbers, one per action dim, got {v!r}")
+            raise _fail(source, tag, f"robot.{key}", f"must be a list of finite numbers, one per action dim, got {bounded_repr(v)}")
         return numbers
 
     lo, hi, step = per_dim("action_min"), per_dim("action_max"), per_dim("max_step_change")
@@ -336,7 +337,7 @@ def parse_embodiment(tag: str, raw: Mapping[str, Any], source: str = "<dict>") -
         raise _fail(source, tag, "views", "must map short names to dataset video keys")
     size = raw["view_size"]
     if not (isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(v, int) and v > 0 for v in size)):
-        raise _fail(source, tag, "view_size", f"must be [H, W] positive ints, got {size!r}")
+        raise _fail(source, tag, "view_size", f"must be [H, W] positive ints, got {bounded_repr(size)}")
     rows = raw["layout"]
     if not isinstance(rows, list) or not rows or not all(isinstance(r, list) and r for r in rows):
         raise _fail(source, tag, "layout", "must be a non-empty list of non-empty rows of view names")
@@ -346,7 +347,7 @@ def parse_embodiment(tag: str, raw: Mapping[str, Any], source: str = "<dict>") -
         for cell in row:
             m = re.fullmatch(r"([^*\s]+)(?:\*(\d+))?", str(cell))
             if not m or m.group(1) not in views:
-                raise _fail(source, tag, "layout", f"{cell!r} is not a view name (views: {sorted(views)})")
+                raise _fail(source, tag, "layout", f"{bounded_repr(cell)} is not a view name (views: {sorted(views)})")
             cells.append(LayoutCell(view=m.group(1), width=int(m.group(2) or 1)))
         layout.append(tuple(cells))
     widths = {sum(c.width for c in row) for row in layout}
@@ -354,7 +355,7 @@ def parse_embodiment(tag: str, raw: Mapping[str, Any], source: str = "<dict>") -
         raise _fail(source, tag, "layout", f"rows must have equal total width, got {sorted(widths)}")
     horizon = raw["action_horizon"]
     if not isinstance(horizon, int) or horizon < 1:
-        raise _fail(source, tag, "action_horizon", f"must be a positive int, got {horizon!r}")
+        raise _fail(source, tag, "action_horizon", f"must be a positive int, got {bounded_repr(horizon)}")
     state = _keyspecs(raw["state"], source, tag, "state")
     action = _keyspecs(raw["action"], source, tag, "action")
     rel = tuple(raw.get("relative_action_keys") or ())
@@ -362,8 +363,11 @@ def parse_embodiment(tag: str, raw: Mapping[str, Any], source: str = "<dict>") -
     action_names = {k.name for k in action}
     for key in rel:
         if key not in action_names or key not in state_names:
-            raise _fail(source, tag, "relative_action_keys", f"{key!r} must name both an action key and a state key")
+            raise _fail(source, tag, "relative_action_keys", f"{bounded_repr(key)} must name both an action key and a state key")
     template = raw.get("prompt_template", "{instruction}")
+    for name in ("prompt_template", "layout_sentence"):  # text, never a list or mapping rendered as text
+        if isinstance(raw.get(name), (list, tuple, dict)):
+            raise _fail(source, tag, name, f"must be a string, got {type(raw[name]).__name__}")
     if "{instruction}" not in str(template):
         raise _fail(source, tag, "prompt_template", "must contain {instruction}")
     scale = float(raw.get("crop_scale", 0.95))
@@ -377,10 +381,10 @@ def parse_embodiment(tag: str, raw: Mapping[str, Any], source: str = "<dict>") -
         raise _fail(source, tag, "color_jitter.hue", "must be in [0, 0.5]")
     sampling = raw.get("sampling", "multi_anchor")
     if sampling not in SAMPLING_MODES:
-        raise _fail(source, tag, "sampling", f"must be one of {SAMPLING_MODES}, got {sampling!r}")
+        raise _fail(source, tag, "sampling", f"must be one of {SAMPLING_MODES}, got {bounded_repr(sampling)}")
     tag_id = raw.get("tag_id", 0)
     if not isinstance(tag_id, int):
-        raise _fail(source, tag, "tag_id", f"must be an int, got {tag_id!r}")
+        raise _fail(source, tag, "tag_id", f"must be an int, got {bounded_repr(tag_id)}")
     serve = _serve_spec(raw["serve"], source, tag, views, state) if raw.get("serve") is not None else None
     robot = _robot_spec(raw["robot"], source, tag, action) if raw.get("robot") is not None else None
     return Embodiment(tag=tag, tag_id=tag_id, views=dict(views), view_size=(size[0], size[1]), layout=tuple(layout),
@@ -396,7 +400,7 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise DataError(f"embodiment file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise DataError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):

@@ -44,6 +44,7 @@ from ..data.embodiments import BUILTIN_YAML, finite_numbers, get_embodiment, loa
 from ..data.errors import DataError
 from ..dirlock import directory_lock
 from ..outputs import OWNER_MARKER, check_output_dir, claim_dir, new_temp_dir
+from ..schema import bounded_repr, load_yaml
 from . import franka
 from .bundles import (MANIFEST, SIGNATURE, TRUST_ENV, BundleError, cached_bundle, check_signature, evict, file_sha256,
                       load_signing_key, parse_manifest, sign_manifest, tarball_manifest)
@@ -90,16 +91,16 @@ class RobotConfig:
             v = raw[name]
             if not isinstance(v, (list, tuple)) or len(v) != n or not all(
                     isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
-                raise PackageError(f"{source}: {name} must be {n} finite numbers, got {v!r}")
+                raise PackageError(f"{source}: {name} must be {n} finite numbers, got {bounded_repr(v)}")
             return tuple(float(x) for x in v)
 
         try:
-            ip = str(ipaddress.ip_address(str(raw["robot_ip"])))
+            ip = str(ipaddress.ip_address(raw["robot_ip"] if isinstance(raw["robot_ip"], str) else ""))
         except ValueError:
-            raise PackageError(f"{source}: robot_ip must be an IPv4 or IPv6 address, got {raw['robot_ip']!r}") from None
+            raise PackageError(f"{source}: robot_ip must be an IPv4 or IPv6 address, got {bounded_repr(raw['robot_ip'])}") from None
         serials = raw["camera_serials"]
         if not isinstance(serials, (list, tuple)) or not serials or not all(isinstance(s, str) and s.strip() for s in serials):
-            raise PackageError(f"{source}: camera_serials must be a non-empty list of non-empty strings, got {serials!r}")
+            raise PackageError(f"{source}: camera_serials must be a non-empty list of non-empty strings, got {bounded_repr(serials)}")
         pose, lo, hi = numbers("target_ee_pose", 6), numbers("workspace_min", 3), numbers("workspace_max", 3)
         if not all(a < b for a, b in zip(lo, hi)):
             raise PackageError(f"{source}: workspace_min {lo} must be below workspace_max {hi} on every axis")
@@ -107,10 +108,10 @@ class RobotConfig:
             raise PackageError(f"{source}: target_ee_pose position {pose[:3]} is outside the workspace {lo}..{hi}")
         rate = raw.get("control_rate_hz", cls.control_rate_hz)
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1000:
-            raise PackageError(f"{source}: control_rate_hz must be in (0, 1000], got {rate!r}")
+            raise PackageError(f"{source}: control_rate_hz must be in (0, 1000], got {bounded_repr(rate)}")
         thr = raw.get("gripper_threshold", cls.gripper_threshold)
         if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0 <= thr <= 1:
-            raise PackageError(f"{source}: gripper_threshold must be in [0, 1], got {thr!r}")
+            raise PackageError(f"{source}: gripper_threshold must be in [0, 1], got {bounded_repr(thr)}")
         return cls(ip, tuple(s.strip() for s in serials), pose, lo, hi, float(rate), float(thr),
                    *_joint_limits(raw, source), *_served_limits(raw, source))
 
@@ -122,9 +123,7 @@ class RobotConfig:
         text = path.read_text()
         try:
             if path.suffix in (".yaml", ".yml"):
-                import yaml
-
-                raw = yaml.safe_load(text)
+                raw = load_yaml(text)
             else:
                 raw = json.loads(text)
         except Exception as exc:
@@ -159,7 +158,7 @@ def _optional_numbers(raw: dict, name: str, source: str) -> tuple[float, ...] | 
         return None
     numbers = finite_numbers(raw[name])
     if numbers is None:
-        raise PackageError(f"{source}: {name} must be a list of finite numbers, got {raw[name]!r}")
+        raise PackageError(f"{source}: {name} must be a list of finite numbers, got {bounded_repr(raw[name])}")
     return numbers
 
 
@@ -178,7 +177,7 @@ def _served_limits(raw: dict, source: str) -> tuple:
     """(action_space, action_min, action_max) as `dz package` wrote them into robot.json."""
     space = raw.get("action_space")
     if space not in (None, "joint", "end_effector"):
-        raise PackageError(f"{source}: action_space must be joint or end_effector, got {space!r}")
+        raise PackageError(f"{source}: action_space must be joint or end_effector, got {bounded_repr(space)}")
     lo, hi = _optional_numbers(raw, "action_min", source), _optional_numbers(raw, "action_max", source)
     problem = robot_limits_problem(lo, hi, None, None)
     if problem:
@@ -632,7 +631,7 @@ def _checked_robot(raw: dict, source: Path) -> dict:
     min < max, positive steps, one per action dim)."""
     n = raw.get("action_dim")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise PackageError(f"{source}: action_dim must be a positive integer, got {n!r}")
+        raise PackageError(f"{source}: action_dim must be a positive integer, got {bounded_repr(n)}")
     lo, hi = finite_numbers(raw.get("action_min")), finite_numbers(raw.get("action_max"))
     step = None if raw.get("max_step_change") is None else finite_numbers(raw["max_step_change"])
     if lo is None or hi is None or (raw.get("max_step_change") is not None and step is None):

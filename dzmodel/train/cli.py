@@ -22,9 +22,16 @@ def load_train_config(ns: argparse.Namespace):
         if path.suffix in (".yaml", ".yml"):
             import yaml
 
-            raw = yaml.safe_load(text) or {}
+            from ..schema import load_yaml
+
+            try:
+                raw = load_yaml(text) or {}
+            except yaml.YAMLError as exc:
+                raise CLIError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
         else:
             raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise CLIError(f"{path}: expected a mapping of train config fields")
     for item in ns.set or []:
         if "=" not in item:
             raise CLIError(f"--set wants key=value, got {item!r}")
