@@ -207,7 +207,7 @@ class _TarReader:
             self.index += 1
             name, kind, size = self._header(block)
             if kind in b"xgLK":
-                data = self._extended(kind, size, name)
+                data = self._extended(kind, size)
                 if kind == ord("x"):
                     records.update(self._pax_records(data))
                 elif kind == ord("g"):
@@ -236,7 +236,7 @@ class _TarReader:
             raise self._refuse(f"header #{self.index} ({_quote(name)}): a malformed number field")
         return name, block[156], size
 
-    def _extended(self, kind: int, size: int, name: bytes) -> bytes:
+    def _extended(self, kind: int, size: int) -> bytes:
         what = "pax" if kind in b"xg" else "GNU long-name"
         if size > MAX_EXTENDED_HEADER:
             raise self._refuse(f"header #{self.index}: {what} extended header of {size} bytes, over the limit of "
