@@ -14,21 +14,25 @@ ROOT = Path(__file__).resolve().parents[2]
 CEILING_KB = 1_500_000  # the child is killed past this resident size (a runaway, not a measurement)
 
 PROLOGUE = """
-import resource, sys, time
-def _rss_kb():
+import sys, time
+def _status_kb(field):
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1])
 """
 
+# The peak is this process's own (VmHWM, reset to the current size before the body: "5" to clear_refs), not
+# getrusage's, which also counts the parent's size at the fork.
 MEASURE = """
-_base = _rss_kb()
+with open("/proc/self/clear_refs", "w") as _f:
+    _f.write("5")
+_base = _status_kb("VmRSS")
 _start = time.perf_counter()
 try:
 {body}
 finally:
     print(f"ELAPSED {{time.perf_counter() - _start:.3f}}")
-    print(f"GROWTH_KB {{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - _base}}")
+    print(f"GROWTH_KB {{_status_kb('VmHWM') - _base}}")
 """
 
 
