@@ -46,8 +46,8 @@ from ..dirlock import directory_lock
 from ..outputs import OWNER_MARKER, check_output_dir, claim_dir, new_temp_dir
 from ..schema import bounded_repr, load_yaml
 from . import franka
-from .bundles import (MANIFEST, SIGNATURE, TRUST_ENV, BundleError, cached_bundle, check_signature, evict, file_sha256,
-                      load_signing_key, parse_manifest, sign_manifest, tarball_manifest)
+from .bundles import (MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, TRUST_ENV, BundleError, cached_bundle, check_signature, evict,
+                      file_sha256, load_signing_key, parse_manifest, sign_manifest, tarball_manifest)
 
 log = logging.getLogger(__name__)
 
@@ -504,7 +504,10 @@ def _authentic_manifest(root: Path, trust: str | Path | None = None,
     manifest = root / MANIFEST
     if not manifest.is_file():
         raise PackageError(f"{root}: no {MANIFEST} (not a dz package)")
-    data = manifest.read_bytes()
+    with manifest.open("rb") as f:
+        data = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise PackageError(f"{manifest}: over the limit of {MAX_MANIFEST_BYTES} bytes for a {MANIFEST}; refused")
     digest = hashlib.sha256(data).hexdigest()
     for pin in pins:
         if digest != pin:

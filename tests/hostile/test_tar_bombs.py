@@ -372,3 +372,21 @@ def test_tarballs_of_tar_writers_with_long_names_extract_under_a_trusted_key(tmp
     cut.write_bytes(tb.read_bytes()[: tb.stat().st_size // 2])
     with pytest.raises(BundleError, match="corrupt or truncated"):
         cached_bundle(cut, tmp_path / "cache", trusted_key=pub)
+
+
+def test_a_bundle_folders_huge_manifest_is_refused_without_reading_it(tmp_path):
+    """A bundle directory (not a tarball) whose MANIFEST is a 2 GiB sparse file: refused after reading at most the
+    cap, not read whole."""
+    from tests.hostile.guarded import run_guarded
+
+    root = tmp_path / "b-1.0"
+    root.mkdir()
+    with open(root / "MANIFEST", "wb") as f:
+        f.truncate(2 << 30)
+    outcome = run_guarded(
+        "from dzmodel.serve.package import PackageError, verify_package",
+        f"    try:\n        verify_package({str(root)!r})\n    except PackageError as exc:\n        print(exc)\n")
+    assert not outcome.killed, outcome.killed
+    lines = outcome.lines()
+    assert len(lines) == 1 and "MANIFEST: over the limit of" in lines[0], lines
+    assert outcome.growth_mb < 300 and outcome.elapsed < 1.0, (outcome.growth_mb, outcome.elapsed)
