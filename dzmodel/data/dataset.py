@@ -55,7 +55,8 @@ def embodiment_metadata(dataset: str | Path, emb: Embodiment, out: str | Path | 
     from .lerobot_format import open_dataset
     from .metadata import compute_metadata
 
-    (reader if reader is not None else open_dataset(dataset)).check_lengths()
+    reader = reader if reader is not None else open_dataset(dataset)
+    reader.check_lengths()
 
     def keys(group):
         return {k.name: (k.column, None if k.start is None else slice(k.start, k.end)) for k in group}
@@ -65,7 +66,8 @@ def embodiment_metadata(dataset: str | Path, emb: Embodiment, out: str | Path | 
     return compute_metadata(dataset, emb.tag, keys(emb.state), keys(emb.action), out,
                             relative_action_keys=emb.relative_action_keys, action_horizon=emb.action_horizon,
                             video_keys=emb.views, merge=merge, max_episodes=max_episodes, declared_dims=declared,
-                            heldout_episodes=heldout_episodes, skipped_episodes=skipped_episodes)
+                            heldout_episodes=heldout_episodes, skipped_episodes=skipped_episodes,
+                            allow_outside=getattr(reader, "allow_outside", False))
 
 
 def missing_videos(reader: Any, emb: Embodiment) -> list[tuple[int, Path]]:

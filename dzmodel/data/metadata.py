@@ -197,6 +197,7 @@ def compute_metadata(
     exact_threshold: int = DEFAULT_EXACT_THRESHOLD,
     batch_rows: int = DEFAULT_BATCH_ROWS,
     declared_dims: Mapping[tuple[str, str], int] | None = None,
+    allow_outside: bool = False,
 ) -> dict:
     """Compute the ``metadata.json`` entry of ``embodiment_tag`` for a LeRobot v3.0 dataset.
 
@@ -224,6 +225,7 @@ def compute_metadata(
         batch_rows: rows per parquet batch read (memory bound of one pass).
         declared_dims: {(group, key): dim} the embodiment declares; a key whose data has another width is a
             DataError, and nothing is written.
+        allow_outside: read data files that symlinks place outside ``dataset_root`` (by default a DataError).
 
     The entry records the episodes its statistics come from: ``statistics_episodes`` (how many) and
     ``heldout_episodes`` (the indices left out).
@@ -244,7 +246,7 @@ def compute_metadata(
             raise DataError(f"relative action key {k!r}: must be both a state key and an action key")
 
     acc = _Statistics(root, specs, relative_action_keys, action_horizon, heldout_episodes, max_episodes, batch_rows,
-                      exact_threshold, quantile_bins, progress, skipped_episodes)
+                      exact_threshold, quantile_bins, progress, skipped_episodes, allow_outside)
     if acc.run_pass(hist=False) == 0:
         raise DataError(f"{root}: no data rows")
     for (group, key), want in (declared_dims or {}).items():
@@ -329,12 +331,12 @@ class _Statistics:
 
     def __init__(self, root: Path, specs: dict, relative_action_keys, action_horizon: int, heldout_episodes: int,
                  max_episodes, batch_rows: int, exact_threshold: int, quantile_bins: int, progress: bool,
-                 skipped: Sequence[int] = ()):
+                 skipped: Sequence[int] = (), allow_outside: bool = False):
         self.root, self.specs = root, specs
         self.relative_action_keys, self.action_horizon = tuple(relative_action_keys), action_horizon
         self.max_episodes, self.batch_rows, self.progress = max_episodes, batch_rows, progress
         self.info = load_info(root)
-        self.files = data_files(root)
+        self.files = data_files(root, allow_outside)
         self.columns = sorted({s.column for group in specs.values() for s in group.values()})
         self.heldout: list[int] = []
         if heldout_episodes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -177,10 +178,20 @@ def feature_shape(info: dict, column: str) -> list[int] | None:
     return shape
 
 
-def data_files(root: Path) -> list[Path]:
+def data_files(root: Path, allow_outside: bool = False) -> list[Path]:
+    """Every parquet file under root/data; one that a symlink places outside the dataset is a DataError (unless
+    allow_outside)."""
     files = sorted((root / "data").glob("**/*.parquet"))
     if not files:
         raise DataError(f"{root / 'data'}: no parquet data files")
+    if not allow_outside:
+        real = os.path.realpath(root)
+        for path in files:
+            resolved = os.path.realpath(path)
+            if os.path.commonpath([real, resolved]) != real:
+                raise DataError(f"{path}: resolves to {resolved[:240]}, outside the dataset {real[:240]} (a dataset "
+                                "whose files live elsewhere: copy them in with `dz data fetch PATH`, or pass "
+                                "--allow-outside-root)")
     return files
 
 

@@ -196,6 +196,23 @@ def test_a_symlinked_directory_reaching_outside_is_refused_unless_allowed(v30, t
     reader = open_dataset(v30, allow_outside=True)  # a deliberate setting: a dataset whose files live elsewhere
     assert reader.data_file(0).resolve() == store / "chunk-000/file-000.parquet"
     assert _dz(["data", "check", v30, "--allow-outside-root"], capsys)[0] == 0
+    arm = write_test_arm_yaml(tmp_path / "arm.yaml")
+    assert _dz(["data", "metadata", v30, "--embodiment", "test_arm", "--embodiments", arm, "--out",
+                tmp_path / "m.json", "--allow-outside-root"], capsys)[0] == 0
+
+
+def test_metadata_refuses_a_data_file_linked_from_outside(v30, arm_yaml, tmp_path, capsys):
+    """The statistics read every parquet under data/, not only those the episode table names."""
+    import shutil
+
+    other = tmp_path / "elsewhere" / "file-001.parquet"
+    other.parent.mkdir()
+    shutil.copy(v30 / "data/chunk-000/file-000.parquet", other)
+    (v30 / "data/chunk-000/file-001.parquet").symlink_to(other)
+    line = _one_error(_dz(["data", "metadata", v30, "--embodiment", "test_arm", "--embodiments", arm_yaml,
+                           "--out", tmp_path / "m.json"], capsys)[2])
+    assert str(v30 / "data/chunk-000/file-001.parquet") in line and str(other) in line and "outside" in line, line
+    assert not (tmp_path / "m.json").exists()
 
 
 # ---------------------------------------------------------------- format specs
