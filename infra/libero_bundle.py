@@ -3,6 +3,9 @@
 no package index, a different Python, and a 64 MiB limit on what travels).
 
     .venv/bin/python infra/libero_bundle.py --suite object --tasks 0,1,2,3 --python 3.12 --out .libero_bundle
+    .venv/bin/python infra/libero_bundle.py --suite object,spatial --tasks 0-9 --python 3.12 --out .libero_bundle
+
+(several suites: the listed tasks of each).
 
 The full install is about 1.2 GB (robosuite ships every robot's meshes, the asset wheels every scene). This keeps:
 * the pure-Python packages LIBERO imports (libero, robosuite, bddl, gymnasium, ...) as .py files, plus the data
@@ -38,6 +41,7 @@ from dzmodel.eval.libero_env import ASSET_PROBE
 PURE_PACKAGES = ("libero", "robosuite", "bddl", "easydict", "gymnasium", "farama_notifications", "dill", "pydot",
                  "future", "past", "OpenGL", "pycparser", "termcolor")
 COMPILED = ("mujoco", "cffi")
+SUITES = ("spatial", "object", "goal", "10")
 # Packages that hold large data trees: only the traced data files are kept from them.
 TRACED_DATA = ("libero", "robosuite")
 
@@ -89,7 +93,7 @@ def member_name(path: Path, roots: dict[Path, str]) -> str | None:
     return None
 
 
-def build(suite: str, tasks: list[int], python: str, out: Path, extra_wheels: list[str]) -> None:
+def build(suites: list[str], tasks: list[int], python: str, out: Path, extra_wheels: list[str]) -> None:
     packages = {package_dir(name): name for name in PURE_PACKAGES}
     libero_root = next(d for d, name in packages.items() if name == "libero")
     # hf-libero finds its scenes at libero/libero/assets (a symlink into the asset wheel): keep that layout
@@ -97,9 +101,10 @@ def build(suite: str, tasks: list[int], python: str, out: Path, extra_wheels: li
     roots = {assets: "libero/libero/assets", **{d: d.name for d in packages}}
 
     traced: set[Path] = set()
-    for index in tasks:
-        print(f"tracing {suite} task {index} ...", flush=True)
-        traced |= trace_task(suite, index)
+    for suite in suites:
+        for index in tasks:
+            print(f"tracing {suite} task {index} ...", flush=True)
+            traced |= trace_task(suite, index)
 
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}
@@ -114,7 +119,7 @@ def build(suite: str, tasks: list[int], python: str, out: Path, extra_wheels: li
             # the task files and init states of the whole suite are small; the meshes and textures are not
             rel = path.relative_to(root)
             if name == "libero" and rel.parts[:2] in (("libero", "bddl_files"), ("libero", "init_files")):
-                keep = keep or f"libero_{suite}" in rel.parts
+                keep = keep or any(f"libero_{suite}" in rel.parts for suite in suites)
             if keep:
                 files[str(Path(name) / rel)] = path
     traced.add((libero_root / "libero" / ASSET_PROBE).resolve())
@@ -170,17 +175,39 @@ echo "LIBERO installed in $dest (dz writes LIBERO's config into \$LIBERO_CONFIG_
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", required=True, choices=("spatial", "object", "goal", "10"))
-    p.add_argument("--tasks", required=True, help="comma-separated task indices, e.g. 0,1,2,3")
+    p.add_argument("--suite", required=True,
+                   help=f"a suite, or comma-separated suites ({', '.join(SUITES)}), e.g. object,spatial")
+    p.add_argument("--tasks", required=True, help="task indices of each suite: comma-separated, ranges allowed "
+                                                  "(e.g. 0,1,2,3 or 0-9)")
     p.add_argument("--python", default="3.12", help="the target machine's Python version (for the wheels)")
     p.add_argument("--extra-wheel", action="append", default=[], help="another wheel to ship, e.g. av==15.1.0")
     p.add_argument("--out", type=Path, required=True)
     ns = p.parse_args()
+    suites = [s.strip() for s in ns.suite.split(",") if s.strip()]
+    bad = [s for s in suites if s not in SUITES]
+    if not suites or bad:
+        raise SystemExit(f"--suite: expected one or more of {', '.join(SUITES)}, got {ns.suite!r}")
     try:
-        tasks = [int(t) for t in ns.tasks.split(",") if t.strip()]
+        tasks = parse_tasks(ns.tasks)
     except ValueError:
-        raise SystemExit(f"--tasks: expected comma-separated integers, got {ns.tasks!r}")
-    build(ns.suite, tasks, ns.python, ns.out, ns.extra_wheel)
+        raise SystemExit(f"--tasks: expected comma-separated integers or ranges (0-9), got {ns.tasks!r}")
+    build(list(dict.fromkeys(suites)), tasks, ns.python, ns.out, ns.extra_wheel)
+
+
+def parse_tasks(text: str) -> list[int]:
+    """'0,1,2' or '0-9' or '0-3,7' -> sorted unique task indices (ValueError otherwise)."""
+    out: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if first < 0 or last < first:
+            raise ValueError(part)
+        out.update(range(first, last + 1))
+    if not out:
+        raise ValueError(text)
+    return sorted(out)
 
 
 if __name__ == "__main__":

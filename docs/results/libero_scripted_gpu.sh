@@ -2,9 +2,10 @@
 # The libero_scripted profile on a GPU machine that has neither LIBERO nor the pipeline's services (the device
 # image: Python 3.12, torch, safetensors, numpy, pyarrow, OpenCV; no package index). Run from the repo root.
 #
-#   setup              install the LIBERO bundle carried in .libero_bundle/ (`infra/libero_bundle.py`: the object
-#                      suite's files, mujoco and cffi wheels) and any wheels in .libero_bundle_extra/ (PyAV for the
-#                      recorder's H.264), into /tmp/libero; then check that an env renders
+#   setup              install the LIBERO bundle carried in .libero_bundle/ (`infra/libero_bundle.py`: the files of
+#                      the profile's suite, e.g. `--suite spatial --tasks 0-9` for PROFILE=libero_spatial, and the
+#                      mujoco and cffi wheels) and any wheels in .libero_bundle_extra/ (PyAV for the recorder's
+#                      H.264), into /tmp/libero; then check that LIBERO imports
 #   record WORKERS     the fetch stage (the scripted expert's recording, WORKERS env processes) and the metadata
 #                      stage of the profile, then its train config ($TRAIN_SET: extra `--set train.K=V` words)
 #   share-data FROM    this profile trains on profile FROM's recording (same fetch params): link the dataset,

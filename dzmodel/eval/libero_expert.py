@@ -55,9 +55,13 @@ ROT_OUTPUT_MAX = 0.5      # rad per unit rotation action (LIBERO's OSC_POSE outp
 ROT_GAIN = 0.5            # hold_orientation: fraction of the orientation error commanded per step
 YAW_MIN_CLEARANCE = 0.006  # the default (unrotated) grasp is kept when its open fingers have at least this much room
 YAW_CANDIDATES_DEG = tuple(range(-75, 91, 15))  # grasp yaws searched when the default grasp has no room (mod 180)
-RIM_INSETS = (BOWL_RIM_INSET, 0.014, 0.020)  # rim grasp insets searched with the yaw: deeper leaves the outer
-                                             # finger more room outside the rim
+RIM_INSETS = (BOWL_RIM_INSET, 0.011, 0.014)  # rim grasp insets searched with the yaw: deeper leaves the outer
+                                             # finger more room outside the rim, but the closing outer finger then
+                                             # pushes the bowl further before the inner one meets the wall
+ROOM_ENOUGH = 0.006       # room beyond this does not make a searched grasp better; a shallower inset and a smaller
+                          # turn do
 YAW_TOLERANCE = 0.05      # rad: the hand's yaw error under which it may descend to a rotated grasp
+YAW_GAIN = 1.0            # fraction of the orientation error commanded per step while turning to a grasp yaw
 
 
 class ExpertUnsupported(ValueError):
@@ -184,8 +188,9 @@ class ScriptedExpert:
         self.obj_height = hi[2] - lo[2]
         size = hi - lo
         self.is_bowl = "bowl" in self.obj or (size[1] > MAX_GRIPPER_OPENING and size[2] < 0.6 * size[1])
-        grasp_xy, grasp_z, self.grasp_yaw = self._choose_grasp(lo, hi)
-        self.grasp_offset = np.array([*(grasp_xy - origin[:2]), grasp_z - origin[2]])
+        self.failed_yaws: list[float] = []
+        self.close_at = None
+        self._plan_grasp()
         self.hover = 0.08 + 0.02 * self.rng.random()
 
         # where the object's origin must end up, and how high above its support to let it go
@@ -237,6 +242,13 @@ class ScriptedExpert:
                 if lo[0] <= xy[0] <= hi[0] and lo[1] <= xy[1] <= hi[1]]
         return float(min(tops)) if tops else float(self.sim.data.get_site_xpos(self.target)[2])
 
+    def _plan_grasp(self) -> None:
+        """Set the grasp (its offset from the object's origin, and its yaw) from the current simulator state."""
+        lo, hi = _body_box(self.sim, self.obj_body)
+        origin = self.sim.data.body_xpos[self.obj_body_id]
+        grasp_xy, grasp_z, self.grasp_yaw = self._choose_grasp(lo, hi)
+        self.grasp_offset = np.array([*(grasp_xy - origin[:2]), grasp_z - origin[2]])
+
     def _choose_grasp(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, float, float]:
         """(grasp xy, grasp z, yaw) of the grip site. The default grasp keeps the reset yaw (fingers along world y);
         a bowl whose default rim grasp leaves the open fingers less than YAW_MIN_CLEARANCE of room is grasped at the
@@ -263,12 +275,14 @@ class ScriptedExpert:
         radius = (size[0] + size[1]) / 4
         best, best_score = (grasp_xy, 0.0), room
         for yaw in np.deg2rad(YAW_CANDIDATES_DEG):
+            if any(abs(yaw - y) < 1e-6 for y in self.failed_yaws):
+                continue
             for inset in RIM_INSETS:
                 for side in (1.0, -1.0):
                     gxy = centre_xy + side * (radius - inset) * finger_axis(yaw)
                     # the most room wins; among grasps with enough, the shallower inset and the smaller turn
-                    score = min(self._finger_room(boxes, gxy, grasp_z, yaw), 0.015) \
-                        - 0.05 * (inset - BOWL_RIM_INSET) - 0.001 * abs(yaw)
+                    score = min(self._finger_room(boxes, gxy, grasp_z, yaw), ROOM_ENOUGH) \
+                        - 0.2 * (inset - BOWL_RIM_INSET) - 0.0005 * abs(yaw)
                     if score > best_score + 1e-9:
                         best, best_score = (gxy, float(yaw)), score
         return best[0], grasp_z, best[1]
@@ -351,6 +365,7 @@ class ScriptedExpert:
 
     def _set(self, phase: str) -> None:
         self.phase, self.phase_steps = phase, 0
+        self.close_at = None  # set again by the next closing
 
     def act(self, raw_obs: dict) -> np.ndarray:
         eef = np.asarray(raw_obs["robot0_eef_pos"], dtype=np.float64)
@@ -382,7 +397,12 @@ class ScriptedExpert:
         if self.phase == "close":
             # close until the fingers stop (on a thin bowl wall that is only when nearly shut)
             gripper = 1.0
-            move = self._move(eef, grasp, 0.3)
+            if self.close_at is None:
+                self.close_at = eef.copy()
+            # a turned grasp holds the hand's xy where closing began: following the object would push it along, as
+            # the outer finger, with little room beside the rim, meets the wall first
+            hold = grasp if self.grasp_yaw == 0.0 else np.array([*self.close_at[:2], grasp[2]])
+            move = self._move(eef, hold, 0.3)
             finger = float(np.sum(np.abs(raw_obs["robot0_gripper_qpos"])))
             settled = self.phase_steps > 1 and abs(finger - self.last_finger) < 0.0008
             self.last_finger = finger
@@ -449,7 +469,8 @@ class ScriptedExpert:
         with a grasp yaw, the reset one turned by it."""
         target = self._target_rot(quat)
         err = matrix_to_rotvec(target @ quat_to_matrix(quat).T)
-        return np.clip(ROT_GAIN * err / ROT_OUTPUT_MAX, -1.0, 1.0)
+        gain = ROT_GAIN if self.grasp_yaw == 0.0 else YAW_GAIN
+        return np.clip(gain * err / ROT_OUTPUT_MAX, -1.0, 1.0)
 
     def _yaw_reached(self, quat) -> bool:
         """Whether the hand is turned to the grasp yaw (always, for the unrotated grasp)."""
@@ -483,6 +504,9 @@ class ScriptedExpert:
 
     def _regrasp(self) -> None:
         self.tries += 1
+        if self.grasp_yaw != 0.0:  # a searched grasp: the failed one moved the object, so search again from here,
+            self.failed_yaws.append(self.grasp_yaw)  # another yaw than the ones that failed
+            self._plan_grasp()
         if self.recover or self.tries < MAX_GRASP_TRIES:
             self._set("approach")
         else:
