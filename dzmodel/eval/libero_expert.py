@@ -58,7 +58,7 @@ YAW_CANDIDATES_DEG = tuple(range(-75, 91, 15))  # grasp yaws searched when the d
 RIM_INSETS = (BOWL_RIM_INSET, 0.011, 0.014)  # rim grasp insets searched with the yaw: deeper leaves the outer
                                              # finger more room outside the rim, but the closing outer finger then
                                              # pushes the bowl further before the inner one meets the wall
-ROOM_ENOUGH = 0.006       # room beyond this does not make a searched grasp better; a shallower inset and a smaller
+ROOM_ENOUGH = 0.009       # room beyond this does not make a searched grasp better; a shallower inset and a smaller
                           # turn do
 YAW_TOLERANCE = 0.05      # rad: the hand's yaw error under which it may descend to a rotated grasp
 YAW_GAIN = 1.0            # fraction of the orientation error commanded per step while turning to a grasp yaw
