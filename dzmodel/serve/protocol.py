@@ -251,15 +251,40 @@ class Request:
     prompt: str
 
 
-def _numbers(value) -> np.ndarray | None:
-    """`value` as an array if it is a number, an array or a list of them; None for anything else (a ragged
-    list, a map, a string)."""
-    if not isinstance(value, (list, tuple, np.ndarray, np.generic, int, float)):
-        return None
-    try:
+def _numbers(value, max_size: int, kinds: str = "iuf") -> np.ndarray | None:
+    """`value` as an array if it is a number, an array or a flat list of at most `max_size` numbers whose dtype
+    kind is in `kinds`; None for anything else (a nested or mixed list, a map, a string, an array of text).
+    Types and sizes are checked before anything is converted: numpy would turn a list of arrays of mixed dtypes
+    into one text array tens of times larger than the frame."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        if value.dtype.kind not in kinds or value.size > max_size:
+            return None
         return np.asarray(value)
+    if type(value) in (int, float):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or len(value) > max_size:
+        return None
+    items = []
+    for v in value:  # only plain numbers, or numpy scalars of those kinds, each on its own
+        if isinstance(v, np.generic) and v.dtype.kind in kinds:
+            v = v.item()
+        if type(v) not in (int, float) or (type(v) is float and "f" not in kinds):
+            return None
+        items.append(v)
+    try:
+        arr = np.asarray(items)
     except (ValueError, TypeError, OverflowError):
         return None
+    return arr if arr.dtype.kind in kinds else None  # ints beyond 64 bits become objects: refused
+
+
+def _described(value) -> str:
+    """What a client sent, in a few words, without converting it."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return f"{value.dtype} {value.shape}"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} items"
+    return type(value).__name__
 
 
 def session_key(raw) -> str | None:
@@ -271,9 +296,9 @@ def session_key(raw) -> str | None:
         if not 0 < len(raw) <= 128:
             raise ProtocolError("session_id must be a string of 1..128 characters")
         return raw
-    arr = _numbers(raw) if not isinstance(raw, float) else None
-    if arr is None or arr.dtype.kind not in "iu" or not 0 < arr.size <= 16:
-        raise ProtocolError(f"session_id must be a string or up to 16 integers, got {type(raw).__name__}")
+    arr = _numbers(raw, 16, kinds="iu")
+    if arr is None or not 0 < arr.size <= 16:
+        raise ProtocolError(f"session_id must be a string or up to 16 integers, got {_described(raw)}")
     return "-".join(str(int(v)) for v in arr.reshape(-1))
 
 
@@ -295,10 +320,9 @@ def _image(key: str, img, limits: RequestLimits) -> np.ndarray:
 
 
 def _vector(key: str, value, dim: int, limits: RequestLimits) -> np.ndarray:
-    arr = _numbers(value)
-    if arr is None or arr.dtype.kind not in "fiu" or arr.size != dim or (arr.ndim > 1 and max(arr.shape) != dim):
-        got = f"{arr.dtype} {arr.shape}" if arr is not None else type(value).__name__
-        raise ProtocolError(f"{key} must be {dim} numbers, shape ({dim},), got {got}")
+    arr = _numbers(value, dim)
+    if arr is None or arr.size != dim or (arr.ndim > 1 and max(arr.shape) != dim):
+        raise ProtocolError(f"{key} must be {dim} numbers, shape ({dim},), got {_described(value)}")
     arr = arr.reshape(-1).astype(np.float64)
     bad = np.flatnonzero(~np.isfinite(arr) | (np.abs(arr) > limits.max_abs_state))
     if bad.size:
