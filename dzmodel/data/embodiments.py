@@ -21,6 +21,17 @@ BUILTIN_YAML = Path(__file__).with_name("embodiments.yaml")
 DROID_EMBODIMENTS = ("oxe_droid", "oxe_droid_5b")
 SAMPLING_MODES = ("multi_anchor", "fixed_window")
 
+# Bounds on an embodiment's sizes: a server derives its camera and frame limits from the view size, and a
+# loader sizes its buffers from the horizon and dims, so a bundle's YAML must not be able to make them absurd.
+MAX_VIEW_SIDE = 1024        # pixels, each side of one view (the built-in ones are 64..320)
+MAX_FRAME_SIDE = 4096       # pixels, each side of the multi-view frame the layout makes
+MAX_VIEWS = 8               # cameras
+MAX_LAYOUT = 8              # rows of the layout, and view widths in one row
+MAX_ACTION_HORIZON = 256    # action rows per chunk (the built-in ones are 12..24)
+MAX_KEYS = 64               # state or action keys
+MAX_DIM = 1024              # dims of one key (its `dim`, or the end of its slice)
+MAX_TAG_ID = 1023
+
 
 @dataclass(frozen=True)
 class KeySpec:
@@ -159,9 +170,15 @@ _ALLOWED = {"robot", "tag_id", "views", "view_size", "layout", "state", "action"
 _REQUIRED = {"views", "view_size", "layout", "state", "action", "action_horizon"}
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _keyspecs(raw: Any, source: str, tag: str, field_name: str) -> tuple[KeySpec, ...]:
     if not isinstance(raw, Mapping) or not raw:
         raise _fail(source, tag, field_name, "must be a non-empty mapping key -> {column, slice?, dim?}")
+    if len(raw) > MAX_KEYS:
+        raise _fail(source, tag, field_name, f"has {len(raw)} keys, at most {MAX_KEYS}")
     out = []
     for name, spec in raw.items():
         if isinstance(spec, str):
@@ -174,12 +191,15 @@ def _keyspecs(raw: Any, source: str, tag: str, field_name: str) -> tuple[KeySpec
         start = end = None
         if "slice" in spec:
             sl = spec["slice"]
-            if not (isinstance(sl, (list, tuple)) and len(sl) == 2 and all(isinstance(v, int) for v in sl) and 0 <= sl[0] < sl[1]):
-                raise _fail(source, tag, f"{field_name}.{name}.slice", f"must be [start, end) with 0 <= start < end, got {bounded_repr(sl)}")
+            if not (isinstance(sl, (list, tuple)) and len(sl) == 2 and all(_is_int(v) for v in sl)
+                    and 0 <= sl[0] < sl[1] <= MAX_DIM):
+                raise _fail(source, tag, f"{field_name}.{name}.slice",
+                            f"must be [start, end) with 0 <= start < end and end at most {MAX_DIM}, got {bounded_repr(sl)}")
             start, end = sl
         dim = spec.get("dim")
-        if dim is not None and (not isinstance(dim, int) or dim < 1):
-            raise _fail(source, tag, f"{field_name}.{name}.dim", f"must be a positive int, got {bounded_repr(dim)}")
+        if dim is not None and not (_is_int(dim) and 1 <= dim <= MAX_DIM):
+            raise _fail(source, tag, f"{field_name}.{name}.dim", f"must be a positive int, at most {MAX_DIM}, got "
+                        f"{bounded_repr(dim)}")
         if dim is not None and start is not None and end - start != dim:
             raise _fail(source, tag, f"{field_name}.{name}", f"slice {[start, end]} has {end - start} dims, dim says {dim}")
         out.append(KeySpec(name=str(name), column=str(spec["column"]), start=start, end=end, dim=dim))
@@ -208,8 +228,10 @@ def _serve_spec(raw: Any, source: str, tag: str, views: Mapping, state: tuple[Ke
         if arena["action_space"] not in ROBOARENA_ACTION_SPACES:
             raise _fail(source, tag, "serve.roboarena.action_space", f"must be one of {sorted(ROBOARENA_ACTION_SPACES)}")
         res = arena["image_resolution"]
-        if res is not None and not (isinstance(res, list) and len(res) == 2 and all(isinstance(v, int) and v > 0 for v in res)):
-            raise _fail(source, tag, "serve.roboarena.image_resolution", f"must be [H, W] or null, got {bounded_repr(res)}")
+        if res is not None and not (isinstance(res, list) and len(res) == 2
+                                    and all(_is_int(v) and 0 < v <= MAX_VIEW_SIDE for v in res)):
+            raise _fail(source, tag, "serve.roboarena.image_resolution",
+                        f"must be [H, W] (positive ints, each at most {MAX_VIEW_SIDE}) or null, got {bounded_repr(res)}")
         n_ext = arena["n_external_cameras"]
         if n_ext not in (0, 1, 2):
             raise _fail(source, tag, "serve.roboarena.n_external_cameras", f"must be 0, 1 or 2, got {bounded_repr(n_ext)}")
@@ -323,6 +345,32 @@ def _joint_names(raw: Mapping, source: str, tag: str, width: int | None) -> tupl
     return tuple(names)
 
 
+def _layout(rows: Any, views: Mapping, source: str, tag: str) -> tuple[tuple[LayoutCell, ...], ...]:
+    """Rows of view names, "name*N" spanning N view widths; at most MAX_LAYOUT rows and widths, rows of equal
+    width."""
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, list) and r for r in rows):
+        raise _fail(source, tag, "layout", "must be a non-empty list of non-empty rows of view names")
+    if len(rows) > MAX_LAYOUT:
+        raise _fail(source, tag, "layout", f"has {len(rows)} rows, at most {MAX_LAYOUT}")
+    layout = []
+    for row in rows:
+        cells = []
+        for cell in row[:MAX_LAYOUT + 1]:
+            m = re.fullmatch(r"([^*\s]+)(?:\*(\d{1,4}))?", str(cell)[:200])
+            if not m or m.group(1) not in views:
+                raise _fail(source, tag, "layout", f"{bounded_repr(cell)} is not a view name, or name*N with N at "
+                            f"most {MAX_LAYOUT} (views: {sorted(views)})")
+            cells.append(LayoutCell(view=m.group(1), width=int(m.group(2) or 1)))
+        if not all(c.width >= 1 for c in cells) or sum(c.width for c in cells) > MAX_LAYOUT:
+            raise _fail(source, tag, "layout", f"a row spans {sum(c.width for c in cells)} view widths; each cell "
+                        f"spans at least 1, a row at most {MAX_LAYOUT}")
+        layout.append(tuple(cells))
+    widths = {sum(c.width for c in row) for row in layout}
+    if len(widths) != 1:
+        raise _fail(source, tag, "layout", f"rows must have equal total width, got {sorted(widths)}")
+    return tuple(layout)
+
+
 def parse_embodiment(tag: str, raw: Mapping[str, Any], source: str = "<dict>") -> Embodiment:
     if not isinstance(raw, Mapping):
         raise DataError(f"{source}: embodiment {tag!r} must be a mapping, got {type(raw).__name__}")
@@ -335,27 +383,21 @@ def parse_embodiment(tag: str, raw: Mapping[str, Any], source: str = "<dict>") -
     views = raw["views"]
     if not isinstance(views, Mapping) or not views or not all(isinstance(v, str) for v in views.values()):
         raise _fail(source, tag, "views", "must map short names to dataset video keys")
+    if len(views) > MAX_VIEWS:
+        raise _fail(source, tag, "views", f"has {len(views)} views, at most {MAX_VIEWS}")
     size = raw["view_size"]
-    if not (isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(v, int) and v > 0 for v in size)):
-        raise _fail(source, tag, "view_size", f"must be [H, W] positive ints, got {bounded_repr(size)}")
-    rows = raw["layout"]
-    if not isinstance(rows, list) or not rows or not all(isinstance(r, list) and r for r in rows):
-        raise _fail(source, tag, "layout", "must be a non-empty list of non-empty rows of view names")
-    layout = []
-    for row in rows:
-        cells = []
-        for cell in row:
-            m = re.fullmatch(r"([^*\s]+)(?:\*(\d+))?", str(cell))
-            if not m or m.group(1) not in views:
-                raise _fail(source, tag, "layout", f"{bounded_repr(cell)} is not a view name (views: {sorted(views)})")
-            cells.append(LayoutCell(view=m.group(1), width=int(m.group(2) or 1)))
-        layout.append(tuple(cells))
-    widths = {sum(c.width for c in row) for row in layout}
-    if len(widths) != 1:
-        raise _fail(source, tag, "layout", f"rows must have equal total width, got {sorted(widths)}")
+    if not (isinstance(size, (list, tuple)) and len(size) == 2 and all(_is_int(v) and 0 < v <= MAX_VIEW_SIDE for v in size)):
+        raise _fail(source, tag, "view_size", f"must be [H, W] positive ints, each at most {MAX_VIEW_SIDE}, got "
+                    f"{bounded_repr(size)}")
+    layout = _layout(raw["layout"], views, source, tag)
+    width = sum(c.width for c in layout[0])
+    if size[0] * len(layout) > MAX_FRAME_SIDE or size[1] * width > MAX_FRAME_SIDE:
+        raise _fail(source, tag, "layout", f"makes a {size[0] * len(layout)}x{size[1] * width} frame of views "
+                    f"{size[0]}x{size[1]}; each side must be at most {MAX_FRAME_SIDE}")
     horizon = raw["action_horizon"]
-    if not isinstance(horizon, int) or horizon < 1:
-        raise _fail(source, tag, "action_horizon", f"must be a positive int, got {bounded_repr(horizon)}")
+    if not (_is_int(horizon) and 1 <= horizon <= MAX_ACTION_HORIZON):
+        raise _fail(source, tag, "action_horizon", f"must be a positive int, at most {MAX_ACTION_HORIZON}, got "
+                    f"{bounded_repr(horizon)}")
     state = _keyspecs(raw["state"], source, tag, "state")
     action = _keyspecs(raw["action"], source, tag, "action")
     rel = tuple(raw.get("relative_action_keys") or ())
@@ -383,11 +425,11 @@ def parse_embodiment(tag: str, raw: Mapping[str, Any], source: str = "<dict>") -
     if sampling not in SAMPLING_MODES:
         raise _fail(source, tag, "sampling", f"must be one of {SAMPLING_MODES}, got {bounded_repr(sampling)}")
     tag_id = raw.get("tag_id", 0)
-    if not isinstance(tag_id, int):
-        raise _fail(source, tag, "tag_id", f"must be an int, got {bounded_repr(tag_id)}")
+    if not (_is_int(tag_id) and 0 <= tag_id <= MAX_TAG_ID):
+        raise _fail(source, tag, "tag_id", f"must be an int from 0 to at most {MAX_TAG_ID}, got {bounded_repr(tag_id)}")
     serve = _serve_spec(raw["serve"], source, tag, views, state) if raw.get("serve") is not None else None
     robot = _robot_spec(raw["robot"], source, tag, action) if raw.get("robot") is not None else None
-    return Embodiment(tag=tag, tag_id=tag_id, views=dict(views), view_size=(size[0], size[1]), layout=tuple(layout),
+    return Embodiment(tag=tag, tag_id=tag_id, views=dict(views), view_size=(size[0], size[1]), layout=layout,
                       state=state, action=action, action_horizon=horizon, relative_action_keys=rel,
                       layout_sentence=str(raw.get("layout_sentence", "")), prompt_template=str(template),
                       crop_scale=scale, color_jitter={k: float(v) for k, v in jitter.items()}, sampling=sampling,

@@ -22,9 +22,12 @@ key (`dz serve --trust`, or DZ_TRUST_KEY) refuses a bundle without a valid one. 
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 import zlib
 from dataclasses import dataclass
@@ -38,6 +41,7 @@ MAX_MANIFEST_BYTES = 8 << 20    # 20,000 lines of 400 bytes
 MAX_MANIFEST_LINE = 8 << 10     # "sha256  size  path" with a path of up to 4096 bytes
 MAX_SIGNATURE_BYTES = 1024
 MAX_NAME_BYTES = 4096           # a member's path, as the filesystem takes it
+MAX_PATH_DEPTH = 32             # folders and file name of a member or a MANIFEST path (a bundle uses under 8)
 MAX_EXTENDED_HEADER = 64 << 10  # one pax or GNU long-name header
 MAX_HEADER_BYTES = 16 << 20     # all extended headers of a tarball together
 MAX_PAX_RECORDS = 128           # in one pax header (tar writers use a few: path, size, times, owner)
@@ -52,7 +56,7 @@ class BundleError(ValueError):
 class ExtractLimits:
     max_total_bytes: int = 64 << 30        # all members together (a 14B model in bf16 is ~30 GB)
     max_member_bytes: int = 40 << 30
-    max_members: int = 20_000
+    max_members: int = 20_000              # members of a tarball, and folders its files are written into
     keep_free_bytes: int = 1 << 30          # never fill the cache's disk
 
 
@@ -63,9 +67,38 @@ def default_cache_dir() -> Path:
     return base / "dzmodel" / "bundles"
 
 
-def file_sha256(path: Path) -> str:
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder"))
+
+
+def open_regular(path: str | Path, follow: bool = True):
+    """`path` opened for reading as a binary file object, only if it is a regular file (and, unless `follow`, not
+    a symbolic link). The open itself cannot block (O_NONBLOCK, cleared once fstat shows a regular file), so a
+    FIFO or device put at the name is refused rather than waited on. Raises BundleError naming the path, and
+    OSError for a missing or unreadable file."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and os.path.islink(path):
+            raise BundleError(f"{path}: a symbolic link, not a regular file; refused") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a plain file")
+            raise BundleError(f"{path}: not a regular file ({kind}); refused")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def file_sha256(path: str | Path, follow: bool = True) -> str:
+    """The sha256 of a regular file (`open_regular`: a FIFO or device is refused, never waited on)."""
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with open_regular(path, follow) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -97,6 +130,9 @@ def parse_manifest(text: str, source: str) -> dict[str, tuple[str, int]]:
         if (len(parts) != 3 or len(parts[0]) != 64 or not set(parts[0]) <= _HEX
                 or not (parts[1].isascii() and parts[1].isdigit() and len(parts[1]) <= 20) or not parts[2]):
             raise BundleError(f"{source}:{i}: malformed MANIFEST line {_quote(line)}")
+        if parts[2].count("/") >= MAX_PATH_DEPTH:
+            raise BundleError(f"{source}:{i}: path {_quote(parts[2])} is {parts[2].count('/') + 1} levels deep, "
+                              f"over the limit of {MAX_PATH_DEPTH}")
         entries[parts[2]] = (parts[0], int(parts[1]))
     return entries
 
@@ -108,6 +144,9 @@ def _member_path(tarball: Path, name: str) -> PurePosixPath:
     if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES or any(
             len(part.encode("utf-8", "surrogateescape")) > 255 for part in path.parts):
         raise BundleError(f"{tarball}: member name {_quote(name)} is too long for a file name")
+    if len(path.parts) - 1 > MAX_PATH_DEPTH:   # below the bundle's top-level folder
+        raise BundleError(f"{tarball}: member {_quote(name)} is {len(path.parts) - 1} levels deep, over the limit "
+                          f"of {MAX_PATH_DEPTH}; refused")
     return path
 
 
@@ -317,9 +356,8 @@ def _read_small(tar: _TarReader, m: _Member, limit: int, tarball: Path, what: st
 
 
 def _write_member(tar: _TarReader, target: Path) -> str:
-    """Stream the current member into `target` (a new file); returns its sha256."""
+    """Stream the current member into `target` (a new file in an existing folder); returns its sha256."""
     h = hashlib.sha256()
-    target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "xb") as out:
         for block in iter(lambda: tar.read(1 << 20), b""):
             h.update(block)
@@ -340,7 +378,9 @@ def _verify_signature(key, signature: bytes, manifest: bytes, where: str, manife
 
 class _Extraction:
     """One tarball streamed into `dest`: MANIFEST first (capped), then, under a trusted key, MANIFEST.sig
-    (verified), then the files MANIFEST lists, each capped at its listed size as it arrives."""
+    (verified), then the files MANIFEST lists, each capped at its listed size as it arrives. Directory members
+    are checked like any member and otherwise ignored: only the folders of listed files are made, and they
+    count against max_members as the members do."""
 
     def __init__(self, tarball: Path, dest: Path, limits: ExtractLimits, trusted_key: str | Path | None):
         self.tarball, self.dest, self.limits, self.trusted_key = tarball, dest, limits, trusted_key
@@ -351,11 +391,12 @@ class _Extraction:
         self.manifest: dict[str, tuple[str, int]] = {}
         self.signed = False
         self.written: dict[str, tuple[str, int]] = {}
+        self.folders: set[PurePosixPath] = set()
         self.total = self.members = 0
 
     def run(self) -> Path:
         try:
-            with self.tarball.open("rb") as f:
+            with open_regular(self.tarball) as f:
                 tar = _TarReader(f, str(self.tarball))
                 while (m := tar.next()) is not None:
                     self._member(tar, m)
@@ -378,7 +419,7 @@ class _Extraction:
         target = self.dest.joinpath(*path.parts)
         if self.manifest_bytes is None:
             if m.kind == _DIR and not rel:
-                target.mkdir(parents=True, exist_ok=True)
+                pass                                # the top-level folder: made with MANIFEST
             elif rel == MANIFEST and m.kind == _FILE:
                 self._read_manifest(tar, m, target)
             else:
@@ -390,7 +431,7 @@ class _Extraction:
             raise BundleError(f"{tarball}: {SIGNATURE}: missing right after {MANIFEST}: the bundle is not signed, "
                               f"and bundles must be signed by the key {self.trusted_key} (--trust or {TRUST_ENV})")
         if m.kind == _DIR:
-            target.mkdir(parents=True, exist_ok=True)
+            pass                                    # a listed file's folders are made with it
         elif rel == SIGNATURE:
             self._read_signature(tar, m, target)
         else:
@@ -399,6 +440,8 @@ class _Extraction:
     def _read_manifest(self, tar: _TarReader, m: _Member, target: Path) -> None:
         data = _read_small(tar, m, MAX_MANIFEST_BYTES, self.tarball, MANIFEST)
         self.manifest = parse_manifest(data.decode("utf-8", errors="replace"), f"{self.tarball}:{MANIFEST}")
+        if not self.manifest:
+            raise BundleError(f"{self.tarball}: {MANIFEST} lists no files (not a dz package); refused")
         listed = sum(size for _, size in self.manifest.values())
         if listed > self.budget:
             raise BundleError(f"{self.tarball}: {MANIFEST} lists {listed} bytes, more than the extraction cap "
@@ -430,7 +473,17 @@ class _Extraction:
             raise BundleError(f"{tarball}: member {_quote(m.name)} ({m.size} bytes) exceeds the extraction cap "
                               f"({self.budget} bytes in all, {self.limits.max_member_bytes} per file); refused")
         self.total += m.size
+        self._make_folders(PurePosixPath(rel).parent, target.parent)
         self.written[rel] = (_write_member(tar, target), m.size)
+
+    def _make_folders(self, rel: PurePosixPath, target: Path) -> None:
+        """Make the folder `rel` of the bundle (at `target`) and those above it, counting each new one."""
+        new = [p for p in (rel, *rel.parents) if p.parts and p not in self.folders]
+        if len(self.folders) + len(new) > self.limits.max_members:
+            raise BundleError(f"{self.tarball}: its files are spread over more than {self.limits.max_members} "
+                              "folders; refused")
+        self.folders.update(new)
+        target.mkdir(parents=True, exist_ok=True)
 
     def _finish(self) -> Path:
         tarball = self.tarball
@@ -501,7 +554,7 @@ def tarball_manifest(tarball: str | Path) -> bytes:
     it first, and an extraction refuses a tarball that does not start with it)."""
     tarball = Path(tarball)
     try:
-        with tarball.open("rb") as f:
+        with open_regular(tarball) as f:
             tar = _TarReader(f, str(tarball))
             while (m := tar.next()) is not None:
                 parts = PurePosixPath(m.name).parts
@@ -582,6 +635,6 @@ def check_signature(root: Path, manifest: bytes, trusted_key_file: str | Path) -
     if not sig.is_file():
         raise BundleError(f"{sig}: missing: the bundle is not signed, and bundles must be signed by the key "
                           f"{trusted_key_file} (--trust or {TRUST_ENV})")
-    with sig.open("rb") as f:
+    with open_regular(sig, follow=False) as f:
         signature = f.read(MAX_SIGNATURE_BYTES + 1)
     _verify_signature(key, signature, manifest, str(sig), str(root / MANIFEST), trusted_key_file)

@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import shutil
+import stat
 import tarfile
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -46,12 +47,14 @@ from ..dirlock import directory_lock
 from ..outputs import OWNER_MARKER, check_output_dir, claim_dir, new_temp_dir
 from ..schema import bounded_repr, load_yaml
 from . import franka
-from .bundles import (MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, TRUST_ENV, BundleError, cached_bundle, check_signature, evict,
-                      file_sha256, load_signing_key, parse_manifest, sign_manifest, tarball_manifest)
+from .bundles import (MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, TRUST_ENV, BundleError, ExtractLimits, cached_bundle,
+                      check_signature, evict, file_sha256, load_signing_key, open_regular, parse_manifest,
+                      sign_manifest, tarball_manifest)
 
 log = logging.getLogger(__name__)
 
 EVAL_FILES = ("results.csv", "episodes.csv", "summary.json", "success_vs_step.png")
+MAX_JSON_BYTES = 16 << 20   # robot.json, embodiment.json as a loader reads them
 
 
 class PackageError(ValueError):
@@ -504,7 +507,7 @@ def _authentic_manifest(root: Path, trust: str | Path | None = None,
     manifest = root / MANIFEST
     if not manifest.is_file():
         raise PackageError(f"{root}: no {MANIFEST} (not a dz package)")
-    with manifest.open("rb") as f:
+    with _open_listed(manifest) as f:
         data = f.read(MAX_MANIFEST_BYTES + 1)
     if len(data) > MAX_MANIFEST_BYTES:
         raise PackageError(f"{manifest}: over the limit of {MAX_MANIFEST_BYTES} bytes for a {MANIFEST}; refused")
@@ -521,11 +524,57 @@ def _authentic_manifest(root: Path, trust: str | Path | None = None,
         raise PackageError(str(exc)) from None
 
 
+def _open_listed(path: Path):
+    """A bundle file opened for reading: a regular file, never a link, and never waited on (a FIFO or device
+    put at its name is refused)."""
+    try:
+        return open_regular(path, follow=False)
+    except BundleError as exc:
+        raise PackageError(str(exc)) from None
+
+
+def _read_listed(path: Path, limit: int) -> bytes:
+    with _open_listed(path) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise PackageError(f"{path}: over the limit of {limit} bytes; refused")
+    return data
+
+
+def _check_size(f, path: Path, size: int) -> None:
+    """Refuse an open bundle file whose size is not its MANIFEST size, before any of it is read."""
+    actual = os.fstat(f.fileno()).st_size
+    if actual != size:
+        raise PackageError(f"{path}: {actual} bytes, {MANIFEST} says {size} (the file was modified)")
+
+
+def _present_files(root: Path) -> set[str]:
+    """The files under root, relative to it; a symbolic link or anything but a folder or regular file there is
+    refused (a bundle holds plain files: a link could point anywhere, a FIFO would block its reader)."""
+    present = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            path = Path(dirpath) / name
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
+                raise PackageError(f"{path}: a symbolic link inside the bundle folder; a bundle holds plain files "
+                                   "only (copy it with `cp -rL` to resolve its links); refused")
+            if stat.S_ISREG(mode):
+                present.add(path.relative_to(root).as_posix())
+            elif not stat.S_ISDIR(mode):
+                raise PackageError(f"{path}: not a regular file inside the bundle folder; refused")
+    return present - {MANIFEST, SIGNATURE}
+
+
 def _listed_files(root: Path, trust: str | Path | None, pins: tuple[str, ...]) -> tuple[bytes, dict]:
     """root's authentic MANIFEST (bytes, entries), refusing a listed file that is missing or a file not listed."""
     data, expected = _authentic_manifest(root, trust, *pins)
-    present = {rel for p in root.rglob("*")
-               if p.is_file() and (rel := p.relative_to(root).as_posix()) not in (MANIFEST, SIGNATURE)}
+    if not expected:
+        raise PackageError(f"{root / MANIFEST}: lists no files (not a dz package)")
+    try:
+        present = _present_files(root)
+    except OSError as exc:
+        raise PackageError(f"{root}: could not list its files ({exc.strerror or exc}: {exc.filename})") from None
     for rel in sorted(set(expected) - present):
         raise PackageError(f"{root / rel}: listed in {MANIFEST} but missing")
     for rel in sorted(present - set(expected)):
@@ -543,7 +592,12 @@ def verify_package(root: str | Path, trust: str | Path | None = None, manifest_s
     _, expected = _listed_files(root, trust, (manifest_sha256,) if manifest_sha256 else ())
     for rel, (digest, size) in sorted(expected.items()):
         path = root / rel
-        if path.stat().st_size != size or file_sha256(path) != digest:
+        h = hashlib.sha256()
+        with _open_listed(path) as f:
+            _check_size(f, path, size)
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        if h.hexdigest() != digest:
             raise PackageError(f"{path}: checksum mismatch against {MANIFEST} (the file was modified)")
     return len(expected)
 
@@ -552,27 +606,51 @@ def _copy_checked(src: Path, dest: Path, digest: str, size: int) -> None:
     """Read `src` once, hashing each block as it is written to `dest` (a new file); refuse a copy that does not
     match its MANIFEST entry. What `dest` holds is then exactly what was checked."""
     h, n = hashlib.sha256(), 0
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(src, "rb") as f, open(dest, "xb") as out:
-        while n <= size and (block := f.read(min(1 << 20, size + 1 - n))):  # one byte past `size` is enough to refuse
-            h.update(block)
-            out.write(block)
-            n += len(block)
+    with _open_listed(src) as f:
+        _check_size(f, src, size)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(dest, "xb") as out:
+            while n <= size and (block := f.read(min(1 << 20, size + 1 - n))):  # one byte past `size` is enough
+                h.update(block)
+                out.write(block)
+                n += len(block)
     if n != size or h.hexdigest() != digest:
+        dest.unlink()
         raise PackageError(f"{src}: checksum mismatch against {MANIFEST} (the file was modified)")
 
 
-def verified_copy(root: str | Path, dest: str | Path, trust: str | Path | None = None, *pins: str) -> int:
+def _check_room(root: Path, dest: Path, expected: dict[str, tuple[str, int]], limits: ExtractLimits) -> None:
+    """Refuse a copy over the caps of an extraction, or one that would leave dest's disk with less than
+    limits.keep_free_bytes free, before anything is written."""
+    total = sum(size for _, size in expected.values())
+    largest = max((size for _, size in expected.values()), default=0)
+    if len(expected) > limits.max_members:
+        raise PackageError(f"{root}: {MANIFEST} lists {len(expected)} files, over the limit of {limits.max_members}")
+    if total > limits.max_total_bytes or largest > limits.max_member_bytes:
+        raise PackageError(f"{root}: {MANIFEST} lists {total} bytes (the largest file {largest}), over the copy cap "
+                           f"({limits.max_total_bytes} bytes in all, {limits.max_member_bytes} per file); refused")
+    free = shutil.disk_usage(dest.parent).free
+    if total + limits.keep_free_bytes > free:
+        raise PackageError(f"{root}: its {total} bytes do not fit in {dest.parent} ({free} bytes free, "
+                           f"{limits.keep_free_bytes} kept free); free that space or set TMPDIR to a folder with "
+                           "room for the bundle")
+
+
+def verified_copy(root: str | Path, dest: str | Path, trust: str | Path | None = None, *pins: str,
+                  limits: ExtractLimits = ExtractLimits()) -> int:
     """Verify root against its MANIFEST by copying it: each listed file is read once and hashed as it is written
     under `dest` (a new folder in a private one, such as a fresh mkdtemp), and MANIFEST is written there as the
     bytes that were checked. Whatever loads from `dest` then gets exactly what was verified: a file renamed over
     or rewritten in root after its check is never read. Returns the number of files.
 
     trust: an ed25519 public key file (MANIFEST.sig must be its valid signature of MANIFEST); pins: the sha256s
-    MANIFEST must have (a registry's record, the tarball's own MANIFEST)."""
+    MANIFEST must have (a registry's record, the tarball's own MANIFEST). limits: the caps of a tarball's
+    extraction, checked against MANIFEST's sizes (and the free space under dest) before anything is copied;
+    each file's size is checked before it is read."""
     root, dest = Path(root), Path(dest)
     data, expected = _listed_files(root, trust, pins)
     try:
+        _check_room(root, dest, expected, limits)
         dest.mkdir()
         for rel, (digest, size) in sorted(expected.items()):
             _copy_checked(root / rel, dest / rel, digest, size)
@@ -616,10 +694,20 @@ def load_package(path: str | Path, cache_dir: str | Path | None = None, trust: s
     if copy_to is not None:
         files = verified_copy(path, Path(copy_to) / path.name, trust, *pins)
         path = Path(copy_to) / path.name
-    raw = json.loads((path / "robot.json").read_text())
+    raw = _bundle_json(path / "robot.json")
     franka = not isinstance(raw, dict) or raw.get("kind", "franka") == "franka"  # a non-dict: RobotConfig says so
     robot = RobotConfig.from_dict(raw, str(path / "robot.json")) if franka else _checked_robot(raw, path / "robot.json")
-    return Package(path, robot, json.loads((path / "embodiment.json").read_text()), files)
+    return Package(path, robot, _bundle_json(path / "embodiment.json"), files)
+
+
+def _bundle_json(path: Path) -> Any:
+    if not path.is_file():
+        raise PackageError(f"{path}: missing (not a dz package)")
+    data = _read_listed(path, MAX_JSON_BYTES)
+    try:
+        return json.loads(data)
+    except ValueError as exc:  # not UTF-8, or not JSON
+        raise PackageError(f"{path}: not valid JSON ({exc})") from None
 
 
 def _tarball_manifest_sha256(tarball: Path) -> str:
@@ -663,4 +751,5 @@ def _cached_package(tarball: Path, cache_dir: str | Path | None,
             log.warning(f"refused the cached copy of {tarball}: {exc}; extracting the tarball again")
             evict(root.parent)
         root, _ = cached_bundle(tarball, cache_dir, trusted_key=trust)
-    return root, len(parse_manifest((root / MANIFEST).read_text(), str(root / MANIFEST)))
+    text = _read_listed(root / MANIFEST, MAX_MANIFEST_BYTES).decode("utf-8", errors="replace")
+    return root, len(parse_manifest(text, str(root / MANIFEST)))
