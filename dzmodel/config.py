@@ -325,10 +325,12 @@ def read_yaml(path: str | Path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise ParamsError(f"{path}: no such parameters file")
-    try:
-        return load_yaml(path.read_text(), yaml12_numbers=True)
+    try:  # read only as far as load_yaml's size cap
+        return load_yaml(path, yaml12_numbers=True)
     except yaml.YAMLError as exc:
         raise ParamsError(f"{path}: not valid YAML: {exc}") from None
+    except OSError as exc:
+        raise ParamsError(f"{path}: cannot read the parameters file ({exc.strerror or exc})") from None
 
 
 def apply_overrides(raw: dict, overrides: list[str], profile: str, source: str = "params.yaml") -> dict:

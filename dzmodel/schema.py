@@ -11,7 +11,8 @@ values) and every integer must fit 64 bits. Only the standard library is used (t
 Values may share parts (YAML aliases): a shared list or mapping is checked once per type, and a message shows at
 most a short, truncated rendering of a value (`bounded_repr`), never the whole of it. `load_yaml` is the one YAML
 loader for what users write (params.yaml, `--set` values, embodiment files, robot configs): PyYAML's safe loader
-with a cap on aliases, nodes and nesting, no recursive aliases, and optionally no aliases at all.
+with a cap on a document's size, aliases, nodes and nesting and on a number's written length, no recursive
+aliases, no sexagesimal numbers (`1:30`), and optionally no aliases at all.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import os
 import re
 import reprlib
 import types
@@ -351,6 +353,12 @@ def field_problems(obj: Any, path: str = "") -> list[str]:
 MAX_YAML_NODES = 200_000
 MAX_YAML_ALIASES = 1_000
 MAX_YAML_DEPTH = 64
+# A document's size (params.yaml is about 35 KB): PyYAML's pure-Python scanner costs about a second per MB.
+MAX_YAML_BYTES = 1024 * 1024
+# A number's written length: YAML builds a long integer (and a sexagesimal one, `1:59:59`, by one big-integer
+# multiply per part: quadratic time) before anything can check its value.
+MAX_YAML_NUMBER_CHARS = 100
+LINE_BREAKS = "\r\n\x85\u2028\u2029"  # what PyYAML's reader counts as the end of a line
 # YAML 1.2 numbers: PyYAML (YAML 1.1) reads 1e-5 as a string; DVC's ruamel reads it as a float.
 YAML12_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)\.?[0-9_]*(?:[eE][-+]?[0-9]+)$|^[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$")
 
@@ -381,6 +389,16 @@ def _yaml_classes() -> tuple[type, dict[tuple[bool, bool], type]]:
             self.counted_nodes = self.counted_aliases = self.depth = 0
             self.open_anchors: set[str] = set()
 
+        def forward(self, length=1):
+            """PyYAML's Reader.forward (a loop in Python per character) done by slicing for a run of text on one
+            line: a long plain scalar is passed over in one step. Same position, line and column."""
+            chunk = self.buffer[self.pointer:self.pointer + length]
+            if self.raw_buffer is not None or len(chunk) != length or any(c in chunk for c in LINE_BREAKS):
+                return super().forward(length)
+            self.pointer += length
+            self.index += length
+            self.column += length - chunk.count("\ufeff")
+
         def compose_node(self, parent, index):
             event = self.peek_event()
             if isinstance(event, yaml.AliasEvent):
@@ -409,6 +427,25 @@ def _yaml_classes() -> tuple[type, dict[tuple[bool, bool], type]]:
                 self.depth -= 1
                 self.open_anchors.discard(anchor)
 
+    def checked_number(construct):
+        """`construct` (PyYAML's int or float builder) for a number of at most MAX_YAML_NUMBER_CHARS characters,
+        written in decimal, hex, octal or binary: a sexagesimal one (`1:30`, YAML 1.1's 90) is refused."""
+
+        def build(loader, node):
+            text = node.value if isinstance(node.value, str) else ""
+            if ":" in text:
+                raise refuse(node, f"{bounded_repr(text, 40)}: sexagesimal numbers (1:30 for 90) are not accepted; "
+                                   "write the number plainly, or quote it for a string")
+            if len(text) > MAX_YAML_NUMBER_CHARS:
+                raise refuse(node, f"a number written with {len(text):,} characters (at most "
+                                   f"{MAX_YAML_NUMBER_CHARS} characters are read)")
+            return construct(loader, node)
+
+        return build
+
+    BoundedLoader.add_constructor("tag:yaml.org,2002:int", checked_number(yaml.SafeLoader.construct_yaml_int))
+    BoundedLoader.add_constructor("tag:yaml.org,2002:float", checked_number(yaml.SafeLoader.construct_yaml_float))
+
     loaders: dict[tuple[bool, bool], type] = {}
     for yaml12 in (False, True):
         for aliases in (True, False):
@@ -420,14 +457,42 @@ def _yaml_classes() -> tuple[type, dict[tuple[bool, bool], type]]:
     return YAMLLimitError, loaders
 
 
-def load_yaml(text: str, *, yaml12_numbers: bool = False, aliases: bool = True) -> Any:
-    """The document in `text`, by PyYAML's safe loader within the limits above; `yaml12_numbers` reads 1e-5 as a
-    number (YAML 1.2, as DVC does); `aliases=False` refuses anchors and aliases (a one-line `--set` value needs
-    none). Raises yaml.YAMLError: a syntax error, a limit, or a value YAML cannot build (a 5000-digit integer, the
-    13th month); a limit's message is one line."""
+def _size(n: int) -> str:
+    return f"{n // 1024 // 1024} MiB" if n % (1024 * 1024) == 0 else f"{n:,} bytes"
+
+
+def _capped_text(source: str | os.PathLike, max_bytes: int | None, limit_error: type) -> str:
+    """The text of `source` (a string, or a file read as UTF-8) if it holds at most `max_bytes` bytes."""
+    over = f"the document is larger than the {_size(max_bytes)} a YAML document may hold" \
+        if max_bytes is not None else ""
+    if not isinstance(source, str):
+        with open(source, "rb") as f:
+            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+        if max_bytes is not None and len(data) > max_bytes:
+            raise limit_error(over)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise limit_error(f"not UTF-8 text (byte {exc.start:,})") from None
+    if max_bytes is not None and (len(source) > max_bytes or
+                                  len(source.encode("utf-8", "surrogatepass")) > max_bytes):
+        raise limit_error(over)
+    return source
+
+
+def load_yaml(source: str | os.PathLike, *, yaml12_numbers: bool = False, aliases: bool = True,
+              max_bytes: int | None = MAX_YAML_BYTES) -> Any:
+    """The document in `source` (its text, or a path to read), by PyYAML's safe loader within the limits above;
+    a document over `max_bytes` bytes (1 MiB unless told; None: no cap) is refused before it is scanned, a file
+    only read that far. `yaml12_numbers` reads 1e-5 as a number (YAML 1.2, as DVC does); `aliases=False` refuses
+    anchors and aliases (a one-line `--set` value needs none). Raises yaml.YAMLError: a syntax error, a limit
+    (a number longer than MAX_YAML_NUMBER_CHARS characters, a sexagesimal number), or a value YAML cannot build
+    (the 13th month); a limit's message is one line, with the line and column where it applies.
+    OSError: a path that cannot be read."""
     import yaml
 
     limit_error, loaders = _yaml_classes()
+    text = _capped_text(source, max_bytes, limit_error)
     try:
         return yaml.load(text, Loader=loaders[(bool(yaml12_numbers), bool(aliases))])  # noqa: S506 - a SafeLoader
     except RecursionError:

@@ -5,9 +5,10 @@ Layout: <out>/checkpoints/step_0000010/
     rng_rank<r>.safetensors          each rank's torch RNG and noise-generator states
     trainer_state.json               step, samples consumed per rank, config
     COMPLETE                         written last
-Everything is written into `step_XXXXXXX.tmp/`, which is renamed only after every rank finished and the
-COMPLETE marker exists. A torn write (a crash, `kill -9`) leaves a `.tmp` directory that is never loaded
-and is removed by the next save.
+Everything is written into a fresh temporary directory `step_XXXXXXX.<random>.tmp/` (made by rank 0, its name
+sent to the other ranks), which is renamed only after every rank finished and the COMPLETE marker exists. A torn
+write (a crash, `kill -9`) leaves a `.tmp` directory that is never loaded (only `step_XXXXXXX` is a checkpoint)
+and is removed by the next save; a link or file at a `.tmp` name is removed, never followed.
 
 Loading runs no code from the checkpoint. DCP's `.metadata` is a pickle, and its non-tensor items (the
 optimizer's hyperparameters) are `torch.save` pickles that DCP would load with `weights_only=False`: here the
@@ -27,6 +28,7 @@ import pathlib
 import pickle
 import re
 import shutil
+import tempfile
 import warnings
 from contextlib import contextmanager
 from dataclasses import replace
@@ -44,6 +46,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+
+from ..atomic import NEW_DIR_MODE
 
 STEP_DIR = re.compile(r"^step_(\d{7})$")
 MARKER = "COMPLETE"
@@ -246,14 +250,16 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opti
     """ema: the EMA weights by parameter name (saved sharded beside the model, under "ema")."""
     root = checkpoint_dir(out_dir)
     final = root / f"step_{step:07d}"
-    tmp = root / f"step_{step:07d}.tmp"
     rank = _rank()
+    made = [None]
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("step_*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
+        _sweep_stale(root)
+        made[0] = tempfile.mkdtemp(prefix=f"{final.name}.", suffix=".tmp", dir=root)
+        os.chmod(made[0], NEW_DIR_MODE)  # as a plain mkdir would make it (mkdtemp: 0700)
+    if _dist():  # every rank writes its shards into the directory rank 0 made
+        dist.broadcast_object_list(made, src=0)
+    tmp = Path(made[0])
     state = {"model": get_model_state_dict(model, options=_model_options(model)),
              "optim": get_optimizer_state_dict(model, optimizer)}
     if ema is not None:
@@ -269,11 +275,26 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opti
             f.write(str(step))
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():
+        if final.is_symlink() or final.is_file():  # removed, never followed
+            final.unlink()
+        elif final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
     _barrier()
     return final
+
+
+def _sweep_stale(root: Path) -> None:
+    """Removes what a torn save left (`step_*.tmp`): a directory with what is inside it, a file or a link
+    itself (a link is never followed, so what it points to stays)."""
+    for stale in root.glob("step_*.tmp"):
+        try:
+            if stale.is_symlink() or not stale.is_dir():
+                stale.unlink()
+            else:
+                shutil.rmtree(stale)
+        except OSError:  # one that cannot be removed is left; the new checkpoint does not need its name
+            pass
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
