@@ -81,7 +81,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                               max_connections=ns.max_connections, max_frame_bytes=frame_cap,
                               max_connections_per_client=ns.max_connections_per_client,
                               max_sessions_per_client=ns.max_sessions_per_client, idle_timeout_s=ns.idle_timeout,
-                              max_batch=ns.max_batch, batch_window_ms=ns.batch_window_ms,
+                              handshake_timeout_s=ns.handshake_timeout, max_batch=ns.max_batch, batch_window_ms=ns.batch_window_ms,
                               request=RequestLimits(max_frames=ns.max_frames, max_image_pixels=ns.max_image_pixels))
         bundle, manifest_sha256 = resolve_bundle_source(ns.bundle)
         serve_bundle(bundle, token, ns.host, ns.port, ns.device, limits, solver_from(ns), ns.certfile, ns.keyfile,
@@ -194,6 +194,10 @@ def add_commands(sub) -> None:
                         "every session (loopback, e.g. a reverse proxy, is not capped)")
     p.add_argument("--idle-timeout", type=float, default=600.0,
                    help="seconds without a request before a connection is closed (0: never)")
+    p.add_argument("--handshake-timeout", type=float, default=5.0,
+                   help="seconds from a TCP connection to the end of its HTTP upgrade request (and TLS handshake); "
+                        "at most --max-connections connections may be opening at once (--max-connections-per-client "
+                        "per address)")
     p.add_argument("--max-frame-mib", type=float, default=None,
                    help="cap on a request frame (default 32, or more if one frame of --max-image-pixels per camera "
                         "needs it); the limit itself follows the bundle's views, --max-frames and --max-image-pixels")

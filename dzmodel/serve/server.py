@@ -29,6 +29,12 @@
     (protocol.FrameLimits), checked before anything is decoded (1008), so a small frame cannot decode into
     gigabytes; decoding runs on a small thread pool, off the event loop;
   - two frames queue per connection beyond the one being handled; then reading stops (TCP backpressure);
+  - connections being opened, counted from TCP accept before anything is read: at most `max_connections` whose
+    HTTP upgrade request is still coming (`max_connections_per_client` per address, loopback as below) and
+    2x `max_connections` open in all; beyond, HTTP 503 ("server full: ..." / "too many connections from ...").
+    The request (line and headers) may have MAX_HEAD_BYTES (16 KiB) and MAX_HEAD_LINES (64) lines, else HTTP
+    431, and must arrive within `handshake_timeout_s` (5 s, TLS handshake included), else the connection is
+    closed; so unauthenticated half-sent handshakes hold a bounded slot and memory (`_HandshakeGate`);
   - `max_connections`, and `max_connections_per_client` per remote address (1013); `max_sessions_per_client`
     sessions per remote address (1013). Loopback clients are capped by neither unless `cap_loopback`: they are
     this host's own processes (which could take every connection anyway), or a reverse proxy or SSH tunnel whose
@@ -81,6 +87,9 @@ CLOSE_GOING_AWAY, CLOSE_BAD_REQUEST, CLOSE_TOO_BIG, CLOSE_INTERNAL, CLOSE_TRY_AG
 QUEUED_FRAMES = 2     # per connection, beyond the one being handled
 DECODE_THREADS = 2
 DRAIN_FACTOR = 2      # a frame over the size limit, up to this many times it, is read to its end (and thrown away)
+MAX_HEAD_BYTES = 16 << 10  # an HTTP request's line and headers (websockets alone: 128 lines of 8 KiB)
+MAX_HEAD_LINES = 64        # its request line and header lines
+REFUSAL_LINGER_S = 1.0     # a connection refused at accept waits this long for its request, to be answered
 
 
 class ServeError(RuntimeError):
@@ -208,6 +217,7 @@ class ServerLimits:
     idle_timeout_s: float = 600.0         # no request for this long: closed; 0 never
     ping_interval_s: float = 20.0         # 0: no keepalive pings
     ping_timeout_s: float = 20.0          # to answer a ping, or a close
+    handshake_timeout_s: float = 5.0      # from TCP accept to the end of the HTTP upgrade request (and TLS's)
     max_batch: int = 1                    # > 1: dynamic batching of concurrent sessions, at most this many a forward
     batch_window_ms: float = 5.0          # how long the oldest request waits for others to join its batch
     request: RequestLimits = RequestLimits()
@@ -220,6 +230,9 @@ class ServerLimits:
         pixels, side = self.request.max_image_pixels, self.request.min_image_side
         if pixels is not None and not pixels >= side * side:
             raise ServeError(f"max_image_pixels must be at least {side * side} (a {side}x{side} image), got {pixels}")
+        if not (self.handshake_timeout_s > 0 and self.handshake_timeout_s != float("inf")):
+            raise ServeError(f"handshake_timeout_s must be a finite number of seconds > 0, got "
+                             f"{self.handshake_timeout_s}")
         for name in ("idle_timeout_s", "ping_interval_s", "ping_timeout_s", "batch_window_ms"):
             value = getattr(self, name)
             if not (value >= 0 and value != float("inf")):  # NaN fails both
@@ -275,7 +288,8 @@ class _OneLine(logging.LoggerAdapter):
 
     def log(self, level, msg, *args, **kwargs):
         connection = (kwargs.get("extra") or {}).get("websocket")  # websockets names the connection here
-        if isinstance(msg, str) and msg.startswith("connection rejected") and connection in self.answered:
+        if (isinstance(msg, str) and msg.startswith(("connection rejected", "opening handshake failed"))
+                and connection in self.answered):
             return
         if not self.isEnabledFor(level):
             return
@@ -298,6 +312,46 @@ class _OneLine(logging.LoggerAdapter):
         return redact(str(msg)), kwargs
 
 
+class _HandshakeGate:
+    """TCP connections counted from accept, before any byte is read: at most `max_connections` still sending
+    their HTTP request (`max_connections_per_client` per address, loopback as for connections), and twice
+    `max_connections` open in all. Connections over a cap are answered HTTP 503 at once, never read."""
+
+    def __init__(self, limits: ServerLimits, capped: Callable[[str], bool]):
+        self.limits, self.capped = limits, capped
+        self.open: set = set()
+        self.pending: Counter[str] = Counter()  # address -> connections whose request is not read yet
+        self.lingering = 0                      # refused connections still being answered
+
+    def accept(self, conn, client: str) -> str | None:
+        """Count `conn` (pending); None, or why it is refused."""
+        limits = self.limits
+        if len(self.open) >= 2 * limits.max_connections:
+            return f"server full: {len(self.open)} connections open"
+        if sum(self.pending.values()) >= limits.max_connections:
+            return f"server full: {limits.max_connections} connections opening"
+        per_client = limits.max_connections_per_client
+        if self.capped(client) and self.pending[client] >= per_client:
+            return f"too many connections from {client} (at most {per_client} opening per client address)"
+        self.open.add(conn)
+        self.pending[client] += 1
+        conn.pending_client = client
+        return None
+
+    def request_read(self, conn) -> None:
+        """`conn`'s HTTP request is read: it no longer counts as opening."""
+        client = getattr(conn, "pending_client", None)
+        if client is not None:
+            conn.pending_client = None
+            self.pending[client] -= 1
+            if not self.pending[client]:
+                del self.pending[client]
+
+    def closed(self, conn) -> None:
+        self.request_read(conn)
+        self.open.discard(conn)
+
+
 class _RequestFailed(Exception):
     def __init__(self, code: int, message: str):
         super().__init__(message)
@@ -316,7 +370,8 @@ class PolicyServer:
         self._owner: dict[str, tuple[int, str]] = {}  # session -> (connection, remote address) that holds it
         self._per_client: Counter[str] = Counter()  # remote address -> open connections
         self._client_sessions: Counter[str] = Counter()  # remote address -> open sessions
-        self._answered = weakref.WeakSet()   # connections answered over HTTP by _process_request
+        self._answered = weakref.WeakSet()   # connections answered over HTTP by _process_request or the gate
+        self._gate = _HandshakeGate(limits, self._capped)
         self._decoder: ThreadPoolExecutor | None = None
         self._batcher: DynamicBatcher | None = None   # made in `serve` when limits.max_batch > 1
 
@@ -476,6 +531,12 @@ class PolicyServer:
         elif not isinstance(exc, ConnectionClosedOK):  # the client went away (openpi's never sends a close frame)
             log.info(f"{peer} disconnected ({type(exc).__name__})")
 
+    def _refused_http(self, connection, peer: str, status: int, reason: str) -> None:
+        """A connection refused by the gate or over the header budget: one line; websockets' own is left out."""
+        self._answered.add(connection)
+        self.stats.errors += 1
+        log.info(f"{peer} refused: {reason} (HTTP {status})")
+
     def _refused_too_big(self, peer: str, reason: str) -> None:
         self.stats.errors += 1
         log.info(f"{peer} refused: {reason} ({CLOSE_TOO_BIG})")
@@ -565,9 +626,10 @@ class PolicyServer:
             async with serve(self._handler, host, port, process_request=self._process_request,
                              max_size=self.frame_limits.max_bytes, max_queue=QUEUED_FRAMES, compression=None,
                              ping_interval=limits.ping_interval_s or None, ping_timeout=limits.ping_timeout_s or None,
-                             close_timeout=limits.ping_timeout_s or None,
+                             close_timeout=limits.ping_timeout_s or None, open_timeout=limits.handshake_timeout_s,
                              create_connection=_connection_type(lambda size: frame_too_big(size, self.frame_limits),
-                                                                self.frame_limits.max_bytes, self._refused_too_big),
+                                                                self.frame_limits.max_bytes, self._refused_too_big,
+                                                                self._gate, self._refused_http),
                              ssl=ssl, logger=_OneLine(logging.getLogger("dzmodel.serve.ws"), self._answered)) as server:
                 if bound is not None:
                     bound.append(server.sockets[0].getsockname()[1])
@@ -581,7 +643,8 @@ class PolicyServer:
             self._decoder.shutdown(wait=False, cancel_futures=True)
 
 
-def _connection_type(too_big: Callable[[int], str], max_bytes: int, refused: Callable[[str, str], None]):
+def _connection_type(too_big: Callable[[int], str], max_bytes: int, refused: Callable[[str, str], None],
+                     gate: _HandshakeGate | None = None, refused_http: Callable | None = None):
     """websockets' server connection, refusing a frame over `max_bytes` from its header with the reason
     (`too_big(size)`) as a text frame, then close 1009; `refused(peer, reason)` logs it once they are sent.
 
@@ -589,7 +652,12 @@ def _connection_type(too_big: Callable[[int], str], max_bytes: int, refused: Cal
     (it reads nothing until its send is done), then gets a reset and never sees why. So a frame of up to
     DRAIN_FACTOR times the limit is read to its end and thrown away as it comes (never held: it costs the server
     the bandwidth of a valid request, and no memory), within the close timeout; the client's send completes and
-    it reads the reason. A larger frame is dropped at once, unread (its close carries the reason's start)."""
+    it reads the reason. A larger frame is dropped at once, unread (its close carries the reason's start).
+
+    With a `gate`, every TCP connection is counted from accept (`_HandshakeGate`): one over its caps is answered
+    HTTP 503 before anything is read, and an HTTP request over MAX_HEAD_BYTES or MAX_HEAD_LINES is answered 431
+    (websockets alone holds up to 128 lines of 8 KiB for each connection until its handshake timeout);
+    `refused_http(connection, peer, status, reason)` logs them."""
     from websockets.asyncio.server import ServerConnection
     from websockets.exceptions import PayloadTooBig
     from websockets.protocol import State
@@ -631,8 +699,62 @@ def _connection_type(too_big: Callable[[int], str], max_bytes: int, refused: Cal
             super().__init__(protocol, *args, **kwargs)
             self._drain_timer = None
             self.refusal_logged = False
+            self.pending_client = None
+            self._head_bytes = self._head_lines = 0
+            self._refused_http = self._lingering = False
+            self._answer: bytes | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if gate is None:
+                return
+            refusal = gate.accept(self, _client(self))
+            if refusal is not None:
+                self._refuse_http(503, "Service Unavailable", refusal)
+
+        def _refuse_http(self, status: int, phrase: str, reason: str) -> None:
+            """Answer `reason` over HTTP once the client has sent (the start of) its request, as an answer before
+            it confuses clients, then close; a client that sends nothing is closed after REFUSAL_LINGER_S. Beyond
+            4x max_connections such refusals waiting at once, closed unanswered."""
+            self._refused_http = True
+            refused_http(self, _peer(self), status, reason)
+            if gate.lingering >= 4 * gate.limits.max_connections:
+                self.transport.abort()
+                return
+            body = (reason + "\n").encode()
+            self._answer = (f"HTTP/1.1 {status} {phrase}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+            gate.lingering += 1
+            self._lingering = True
+            self._drain_timer = self.loop.call_later(REFUSAL_LINGER_S, self.transport.abort)
+
+        def _send_answer(self) -> None:
+            if self._answer is not None:
+                self.transport.write(self._answer)
+                self._answer = None
+                self.transport.close()
 
         def data_received(self, data: bytes) -> None:
+            if self._refused_http:
+                self._send_answer()
+                return
+            if gate is not None and self.pending_client is not None:  # still reading the HTTP request
+                fed, data = data[:MAX_HEAD_BYTES - self._head_bytes], data[MAX_HEAD_BYTES - self._head_bytes:]
+                self._head_bytes += len(fed)
+                self._head_lines += fed.count(b"\n")
+                self._received(fed)
+                if self.request is None:
+                    if self._head_bytes >= MAX_HEAD_BYTES or self._head_lines > MAX_HEAD_LINES:
+                        self._refuse_http(431, "Request Header Fields Too Large", "request head over "
+                                          f"{MAX_HEAD_BYTES // 1024} KiB or {MAX_HEAD_LINES} lines")
+                        self._send_answer()
+                    return
+                gate.request_read(self)
+                if not data:
+                    return
+            self._received(data)
+
+        def _received(self, data: bytes) -> None:
             super().data_received(data)
             sent = self.protocol.close_sent
             if sent is None or sent.code != CLOSE_TOO_BIG:
@@ -653,6 +775,9 @@ def _connection_type(too_big: Callable[[int], str], max_bytes: int, refused: Cal
         def connection_lost(self, exc) -> None:
             if self._drain_timer is not None:
                 self._drain_timer.cancel()
+            if gate is not None:
+                gate.lingering -= self._lingering
+                gate.closed(self)
             super().connection_lost(exc)
 
     return Connection
