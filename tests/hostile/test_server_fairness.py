@@ -18,21 +18,8 @@ from websockets.sync.client import connect
 from dzmodel.serve.client import PolicyClient
 from dzmodel.serve.protocol import pack
 from dzmodel.serve.server import ServeError, ServerLimits, ServerThread
-from tests.hostile.test_server_hostile import _from, _small_obs
+from tests.hostile.test_server_hostile import AUTH, _from, _lines, _small_obs, serve_log  # noqa: F401 (fixture)
 from tests.serve.test_server import TOKEN, FakePolicy
-
-AUTH = {"Authorization": f"Api-Key {TOKEN}"}
-
-
-@pytest.fixture
-def serve_log(caplog):
-    caplog.set_level(logging.INFO, logger="dzmodel.serve")
-    return caplog
-
-
-def _lines(caplog, pattern: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name.startswith("dzmodel.serve") and re.search(pattern, r.getMessage())]
 
 
 def _health(srv) -> dict:
