@@ -8,7 +8,8 @@ pointer checked in instead of the video is named as such.
 DataError naming the file and field, `lerobot_format.info_problems`; its path templates place every file inside the
 dataset; each declared episode length matches the data parquet's rows), then reports `dataset_problems`: the above,
 episode indices 0..N-1 as LeRobot numbers them, every numeric column as wide as info.json declares, and no NaN or
-infinity in any float column (one line per file, episode and column). `deep_check` (`--deep`) adds the videos: every frame of every file is decoded with FFmpeg's
+infinity in any float column that info.json declares (one line per file, episode and column); a column
+too large to read (its size once read, from the footer) is refused by name. `deep_check` (`--deep`) adds the videos: every frame of every file is decoded with FFmpeg's
 strict error detection (damage in the middle of a stream stops the decode; the file and frame are named), the decoded
 frame count against the episode table, and the frame rate against info.json.
 """
@@ -21,6 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .errors import DataError
+from .lerobot_format import check_column_sizes
 
 LFS_POINTER = b"version https://git-lfs.github.com/spec/v1"
 
@@ -122,10 +124,12 @@ def value_problems(reader) -> list[str]:
         if not reader.has_file(path) or _parquet_problem(reader.local(path)):
             continue  # missing or unreadable: named by reader.check and file_problems
         schema = pq.read_schema(path)
-        floats = [f.name for f in schema if _is_float_type(f.type)]
+        floats = [f.name for f in schema if _is_float_type(f.type) and f.name in reader.features]  # declared only
         if not floats:
             continue
-        table = pq.read_table(path, columns=[*floats, *(c for c in ("episode_index", "frame_index") if c in schema.names)])
+        columns = [*floats, *(c for c in ("episode_index", "frame_index") if c in schema.names)]
+        check_column_sizes(path, columns)
+        table = pq.read_table(path, columns=columns)
         episodes = (table["episode_index"].to_numpy() if "episode_index" in schema.names
                     else np.full(table.num_rows, episode_of_file.get(path, -1)))
         frames = table["frame_index"].to_numpy() if "frame_index" in schema.names else None
@@ -174,6 +178,8 @@ def width_problems(reader) -> list[str]:
             continue  # missing or unreadable: named by reader.check and file_problems
         path = reader.local(path)
         columns = [c for c in pq.read_schema(path).names if c in declared]
+        if columns:
+            check_column_sizes(path, columns)
         table = pq.read_table(path, columns=columns) if columns else None
         for name in columns:
             widths = _row_widths(table[name])

@@ -4,9 +4,33 @@ LIBERO)."""
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 from ..clitools import EXIT_OK
+
+
+def _out_of_memory_is_data_error(command):
+    """A dataset command whose reads run out of memory ends in one DataError naming the dataset, not a traceback
+    (the readers bound what they read first; this is the last resort)."""
+
+    @functools.wraps(command)
+    def run(ns: argparse.Namespace) -> int:
+        from ..data.errors import DataError
+
+        try:
+            import pyarrow as pa
+
+            memory_errors: tuple = (MemoryError, pa.ArrowMemoryError)
+        except ImportError:
+            memory_errors = (MemoryError,)
+        try:
+            return command(ns)
+        except memory_errors as exc:
+            raise DataError(f"{ns.dataset}: ran out of memory reading the dataset ({type(exc).__name__}); a file holds "
+                            "more than this machine can read") from None
+
+    return run
 
 
 def registry_of(ns: argparse.Namespace):
@@ -49,6 +73,7 @@ def _is_metadata_json(path: Path) -> bool:
     return isinstance(doc, dict) and bool(doc) and all(isinstance(v, dict) and "statistics" in v for v in doc.values())
 
 
+@_out_of_memory_is_data_error
 def cmd_data_metadata(ns: argparse.Namespace) -> int:
     from ..data.dataset import embodiment_metadata, missing_videos
     from ..data.embodiments import get_embodiment
@@ -82,6 +107,7 @@ def cmd_data_metadata(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@_out_of_memory_is_data_error
 def cmd_data_check(ns: argparse.Namespace) -> int:
     from ..data.dataset import WindowDataset
     from ..data.embodiments import get_embodiment

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import string
 import threading
 from collections import OrderedDict
@@ -36,7 +37,14 @@ V3_TASKS_PATH = "meta/tasks.parquet"
 V3_EPISODES_DIR = "meta/episodes"
 V2_EPISODES_PATH = "meta/episodes.jsonl"
 V2_TASKS_PATH = "meta/tasks.jsonl"
+STATS_PATH = "meta/stats.json"
 _TABLE_CACHE_FILES = 4
+MAX_EPISODES = 1_000_000  # rows of an episode table
+MAX_TASKS = 1_000_000  # rows of a tasks table, and task texts named by an episode table in all
+MAX_TASKS_PER_EPISODE = 64
+MAX_TASK_CHARS = 64 * 1024
+MAX_COLUMN_BYTES = 256 * 2**20  # uncompressed bytes of one column of one parquet file (read whole)
+MAX_INDEX = 2**63 - 1  # an episode or task index (int64)
 _IMAGE_ROW_GROUPS_CACHED = 8
 
 
@@ -185,6 +193,7 @@ class _ColumnCache:
             absent = [n for n in missing if n not in have]
             if absent:
                 raise DataError(f"{path}: no column(s) {absent}; it has {sorted(have)}")
+            check_column_sizes(path, missing)
             table = read_parquet(path, columns=missing)
             with self._lock:
                 for n in missing:
@@ -207,6 +216,61 @@ def read_parquet(path: Path, columns: Sequence[str] | None = None):
         raise DataError(f"{path}: cannot read parquet (truncated or corrupt?): {type(e).__name__}: {e}") from e
 
 
+def check_column_sizes(path: Path, columns: Sequence[str] | None = None) -> None:
+    """A DataError naming the file and column when a column would take more than MAX_COLUMN_BYTES once read (from
+    the footer, `_chunk_bytes`, over every row group: the readers read a file's column whole). A small,
+    well-compressed file can otherwise unpack to more memory than the machine has. `columns`: the top-level columns
+    to be read (None: all)."""
+    _, pq = _pa()
+    try:
+        pf = pq.ParquetFile(path)
+        md = pf.metadata
+        names = list(pf.schema_arrow.names if columns is None else columns)
+    except Exception as e:
+        raise DataError(f"{path}: cannot read parquet (truncated or corrupt?): {type(e).__name__}: {e}") from e
+    sizes: dict[str, int] = {}
+    for i in range(md.num_row_groups):
+        group = md.row_group(i)
+        for j in range(group.num_columns):
+            chunk = group.column(j)
+            name = _top_column(chunk.path_in_schema, names)
+            if name is not None:
+                sizes[name] = sizes.get(name, 0) + _chunk_bytes(chunk)
+    for name, size in sizes.items():
+        if size > MAX_COLUMN_BYTES:
+            raise DataError(f"{path}: column {_short(repr(name), 100)} holds {size / 2**20:.0f} MiB once read; at "
+                            f"most {MAX_COLUMN_BYTES // 2**20} MiB of one column of one file are read")
+
+
+_VALUE_BYTES = {"BOOLEAN": 1, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8, "INT96": 12}
+
+
+def _chunk_bytes(chunk) -> int:
+    """What one column chunk takes once read, from the footer: its values at their width (dictionary and run-length
+    encoding shrink a page of repeated values to almost nothing, so the encoded size alone says little), and for
+    strings and binaries their encoded bytes too."""
+    values = max(int(chunk.num_values), 0)
+    width = _VALUE_BYTES.get(chunk.physical_type, 8)  # byte arrays: an offset each, plus their bytes below
+    extra = max(int(chunk.total_uncompressed_size), 0) if chunk.physical_type not in _VALUE_BYTES else 0
+    return values * width + extra
+
+
+def _top_column(leaf: str, names: Sequence[str]) -> str | None:
+    """Which of the top-level column `names` a parquet leaf path ("a.b.list.element") belongs to (names may hold
+    dots themselves: the longest that prefixes the path), or None."""
+    found = [n for n in names if leaf == n or leaf.startswith(n + ".")]
+    return max(found, key=len) if found else None
+
+
+def _leaf_values(path: Path, column: str) -> int:
+    """How many values (list items, nulls included) top-level `column` of a parquet file holds, from its footer."""
+    _, pq = _pa()
+    md = pq.ParquetFile(path).metadata
+    names = pq.ParquetFile(path).schema_arrow.names
+    return sum(int(md.row_group(i).column(j).num_values) for i in range(md.num_row_groups)
+               for j in range(md.num_columns) if _top_column(md.row_group(i).column(j).path_in_schema, names) == column)
+
+
 def read_parquet_schema(path: Path):
     """pyarrow Schema of ``path`` (reads only the footer); DataError naming the file if unreadable."""
     _, pq = _pa()
@@ -227,24 +291,36 @@ def _num_rows(path: Path) -> int:
 
 
 def _load_json(path: Path) -> Any:
+    """A JSON file's value; unreadable, invalid or too deeply nested JSON (or a number of thousands of digits) is a
+    DataError naming the file."""
     try:
         return json.loads(path.read_text())
     except FileNotFoundError as e:
         raise DataError(f"{path}: missing") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: invalid JSON: {e}") from e
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise DataError(f"{path}: invalid JSON: {_short(str(e), 200)}") from e
+    except OSError as e:
+        raise DataError(f"{path}: cannot read: {e}") from e
 
 
-def _load_jsonl(path: Path) -> list[dict]:
+def _load_jsonl(path: Path, max_lines: int) -> list[tuple[int, Any]]:
+    """(line number, value) of each non-blank line; more than `max_lines` lines, or a line that is not JSON, is a
+    DataError naming the file (and line)."""
     if not path.is_file():
         raise DataError(f"{path}: missing")
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read: {_short(str(e), 200)}") from e
+    if len(lines) > max_lines:
+        raise DataError(f"{path}: {len(lines)} lines; at most {max_lines} are read")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if line.strip():
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: invalid JSON line: {e}") from e
+                out.append((n, json.loads(line)))
+            except (ValueError, RecursionError) as e:
+                raise DataError(f"{path}:{n}: invalid JSON line: {_short(str(e), 200)}") from e
     return out
 
 
@@ -275,6 +351,7 @@ def _column_to_numpy(col, where: str) -> np.ndarray:
     raise DataError(f"{where}: unsupported column type {t} for a numeric read")
 
 
+MIN_FPS = 0.1
 MAX_FPS = 1000
 MAX_EPISODE_LENGTH = 10_000_000  # frames: more than three days at 30 fps
 MAX_TEMPLATE_WIDTH = 32  # digits of a zero-padded field in data_path / video_path
@@ -334,6 +411,20 @@ def _resolve_in(root: str, rel: str, parents: dict[str, str]) -> str:
 
 def _short(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_task_texts(path: Path, texts) -> None:
+    """A column of task texts (strings, nulls allowed): each at most MAX_TASK_CHARS long (read before any is
+    turned into a Python string)."""
+    pa, _ = _pa()
+    import pyarrow.compute as pc
+
+    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type) or pa.types.is_null(texts.type)):
+        return  # other types are turned into text by str(): bounded by the column-size check
+    if len(texts) and not pa.types.is_null(texts.type):
+        longest = pc.max(pc.binary_length(texts)).as_py()
+        if longest is not None and longest > MAX_TASK_CHARS:
+            raise DataError(f"{path}: a task text of {longest} bytes; at most {MAX_TASK_CHARS}")
 
 
 MISSING_SHOWN = 20  # missing files named in the error; a longer list goes to a file
@@ -396,8 +487,8 @@ def info_problems(info: Any) -> list[str]:
         return [f"must hold a JSON object, got {type(info).__name__}"]
     problems = []
     fps = info.get("fps")
-    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= MAX_FPS:
-        problems.append(f"fps: must be a number in (0, {MAX_FPS}], got {fps!r:.60}")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not MIN_FPS <= fps <= MAX_FPS:
+        problems.append(f"fps: must be a number in [{MIN_FPS}, {MAX_FPS}], got {fps!r:.60}")
     for key in ("data_path", "video_path"):
         if key in info and not isinstance(info[key], str) and not (key == "video_path" and info[key] is None):
             problems.append(f"{key}: must be a path template string, got {info[key]!r:.60}")
@@ -409,11 +500,11 @@ def info_problems(info: Any) -> list[str]:
         return problems + [f"features: must be an object of features, got {type(features).__name__}"]
     for key, feature in features.items():
         if not isinstance(feature, dict) or not isinstance(feature.get("dtype"), str):
-            problems.append(f"features.{key}: must be an object with a string 'dtype', got {feature!r:.60}")
+            problems.append(f"features.{_short(key, 100)}: must be an object with a string 'dtype', got {feature!r:.60}")
             continue
         shape = feature.get("shape")  # LeRobot's own reader needs one on every feature
         if not (isinstance(shape, list) and all(_is_int(n, 0) for n in shape)):
-            problems.append(f"features.{key}.shape: must be a list of integers >= 0, got {shape!r:.60}")
+            problems.append(f"features.{_short(key, 100)}.shape: must be a list of integers >= 0, got {shape!r:.60}")
     return problems
 
 
@@ -435,7 +526,7 @@ class LeRobotReader:
         info_path = self.root / INFO_PATH
         if not info_path.is_file():
             raise DataError(f"{info_path}: missing; {self.root} is not a LeRobot dataset")
-        info = _load_json(info_path)
+        info = _load_json(self.meta_file(INFO_PATH))
         if not isinstance(info, dict):
             raise DataError(f"{info_path}: must hold a JSON object")
         self.info: dict = info
@@ -463,7 +554,7 @@ class LeRobotReader:
         self.features: dict[str, Feature] = {}
         for key, ft in info["features"].items():
             if not isinstance(ft, dict) or "dtype" not in ft:
-                raise DataError(f"{info_path}: features.{key} must have a 'dtype'")
+                raise DataError(f"{info_path}: features.{_short(key, 100)} must have a 'dtype'")
             shape = tuple(int(s) for s in (ft.get("shape") or ()))
             self.features[key] = Feature(key, str(ft["dtype"]), shape, ft.get("names"))
         self.video_keys: list[str] = [k for k, f in self.features.items() if f.dtype in ("video", "image")]
@@ -485,6 +576,26 @@ class LeRobotReader:
             self._load_v2()
         if not allow_outside:
             self._check_inside(info_path)
+
+    def meta_file(self, rel: str) -> Path:
+        """The dataset's metadata file `rel` (meta/...): a regular file, inside the dataset's folder after symlinks
+        unless allow_outside; else a DataError naming it (a missing file is left to the caller)."""
+        path = self.root / rel
+        if not os.path.lexists(path):
+            return path
+        if not self.allow_outside:
+            root = os.path.realpath(self.root)
+            resolved = os.path.realpath(path)
+            if os.path.commonpath([root, resolved]) != root:
+                raise DataError(f"{path}: resolves to {_short(resolved)}, outside the dataset {_short(root)} (a "
+                                "dataset whose files live elsewhere: copy them in, or pass --allow-outside-root)")
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except OSError as e:
+            raise DataError(f"{path}: cannot read: {e}") from e
+        if not regular:
+            raise DataError(f"{path}: not a regular file")
+        return path
 
     def _check_templates(self, info_path: Path) -> None:
         """data_path and video_path: relative paths formatted only with the fields this layout supplies."""
@@ -516,25 +627,36 @@ class LeRobotReader:
     # ---------------------------------------------------------------- metadata loading
 
     def _load_v2(self) -> None:
-        tasks_path = self.root / V2_TASKS_PATH
+        tasks_path = self.meta_file(V2_TASKS_PATH)
         self.tasks = {}
-        for row in _load_jsonl(tasks_path):
-            if "task_index" not in row or "task" not in row:
-                raise DataError(f"{tasks_path}: each line needs 'task_index' and 'task', got {row}")
-            self.tasks[int(row["task_index"])] = str(row["task"])
-        ep_path = self.root / V2_EPISODES_PATH
+        for n, row in _load_jsonl(tasks_path, MAX_TASKS):
+            if not isinstance(row, dict) or "task_index" not in row or "task" not in row:
+                raise DataError(f"{tasks_path}:{n}: each line needs 'task_index' and 'task', got {_short(repr(row), 100)}")
+            if not (_is_int(row["task_index"], 0) and row["task_index"] <= MAX_INDEX):
+                raise DataError(f"{tasks_path}:{n}: task_index must be an integer in 0..{MAX_INDEX}, got "
+                                f"{_short(repr(row['task_index']), 40)}")
+            if not isinstance(row["task"], str) or len(row["task"]) > MAX_TASK_CHARS:
+                raise DataError(f"{tasks_path}:{n}: task must be a string of at most {MAX_TASK_CHARS} characters, got "
+                                f"{_short(repr(row['task']), 40)}")
+            self.tasks[row["task_index"]] = row["task"]
+        ep_path = self.meta_file(V2_EPISODES_PATH)
         rows: dict[int, tuple] = {}
-        for row in _load_jsonl(ep_path):
+        for n, row in _load_jsonl(ep_path, MAX_EPISODES):
             if not isinstance(row, dict) or "episode_index" not in row or "length" not in row:
-                raise DataError(f"{ep_path}: each line needs 'episode_index' and 'length', got {_short(repr(row), 100)}")
-            if not _is_int(row["episode_index"], 0):
-                raise DataError(f"{ep_path}: episode_index must be an integer >= 0, got "
+                raise DataError(f"{ep_path}:{n}: each line needs 'episode_index' and 'length', got "
+                                f"{_short(repr(row), 100)}")
+            if not (_is_int(row["episode_index"], 0) and row["episode_index"] <= MAX_INDEX):
+                raise DataError(f"{ep_path}:{n}: episode_index must be an integer in 0..{MAX_INDEX}, got "
                                 f"{_short(repr(row['episode_index']), 40)}")
             ep = int(row["episode_index"])
             _check_length(ep_path, ep, row["length"])
             tasks = row.get("tasks") or []
             if isinstance(tasks, str):
                 tasks = [tasks]
+            if not (isinstance(tasks, list) and len(tasks) <= MAX_TASKS_PER_EPISODE
+                    and all(isinstance(t, str) and len(t) <= MAX_TASK_CHARS for t in tasks)):
+                raise DataError(f"{ep_path}:{n}: tasks must be a list of at most {MAX_TASKS_PER_EPISODE} strings of at "
+                                f"most {MAX_TASK_CHARS} characters, got {_short(repr(row.get('tasks')), 60)}")
             chunk = ep // self.chunks_size
             fmt = dict(episode_chunk=chunk, episode_index=ep, chunk_index=chunk)
             try:
@@ -548,7 +670,12 @@ class LeRobotReader:
 
     def _load_v3(self) -> None:
         pa, _ = _pa()
-        tasks_path = self.root / V3_TASKS_PATH
+        import pyarrow.compute as pc
+
+        tasks_path = self.meta_file(V3_TASKS_PATH)
+        if _num_rows(tasks_path) > MAX_TASKS:
+            raise DataError(f"{tasks_path}: {_num_rows(tasks_path)} tasks; at most {MAX_TASKS} are read")
+        check_column_sizes(tasks_path)
         table = read_parquet(tasks_path)
         names = table.column_names
         if "task_index" not in names:
@@ -559,6 +686,7 @@ class LeRobotReader:
         )
         if text_col is None:
             raise DataError(f"{tasks_path}: no task text column (want 'task' or the pandas index); has {names}")
+        _check_task_texts(tasks_path, table.column(text_col))
         self.tasks = {
             int(i): str(t)
             for i, t in zip(table.column("task_index").to_pylist(), table.column(text_col).to_pylist(), strict=True)
@@ -568,10 +696,16 @@ class LeRobotReader:
         files = sorted(ep_dir.glob("chunk-*/*.parquet")) if ep_dir.is_dir() else []
         if not files:
             raise DataError(f"{ep_dir}: no episode parquet files (meta/episodes/chunk-*/file-*.parquet)")
+        files = [self.meta_file(str(f.relative_to(self.root))) for f in files]
+        total = 0
+        for f in files:  # footers only: the number of episodes is bounded before any column is read
+            total += _num_rows(f)
+            if total > MAX_EPISODES:
+                raise DataError(f"{ep_dir}: more than {MAX_EPISODES} episodes (at {f}); at most {MAX_EPISODES} are read")
         need = ["episode_index", "length", "data/chunk_index", "data/file_index"]
         for k in self._mp4_keys:
             need += [f"videos/{k}/chunk_index", f"videos/{k}/file_index", f"videos/{k}/from_timestamp"]
-        import pyarrow.compute as pc
+        task_texts = 0
 
         strings = _Strings()
         parts: dict[str, list] = {"index": [], "length": [], "ptr": [], "tasks": [], "data": []}
@@ -592,6 +726,9 @@ class LeRobotReader:
             missing = [c for c in need if c not in names]
             if missing:
                 raise DataError(f"{f}: episode table lacks column(s) {missing}")
+            check_column_sizes(f, need + (["tasks"] if "tasks" in names else []))
+            if "tasks" in names and _leaf_values(f, "tasks") > MAX_TASKS:
+                raise DataError(f"{f}: tasks: {_leaf_values(f, 'tasks')} task texts; at most {MAX_TASKS} in all")
             t = read_parquet(f, columns=need + (["tasks"] if "tasks" in names else []))
             col = {c: _column_to_numpy(t.column(c), f"{f}: {c}") for c in need}
             for value, ep in _bad_lengths(col["length"], col["episode_index"]):
@@ -603,8 +740,15 @@ class LeRobotReader:
                 texts = t.column("tasks")
                 if pa.types.is_list(texts.type) or pa.types.is_large_list(texts.type):
                     counts = np.asarray(pc.fill_null(pc.list_value_length(texts), 0), dtype=np.int64)
-                    flat = pc.list_flatten(texts).to_pylist()
+                    task_texts += int(counts.sum())
+                    if counts.size and int(counts.max()) > MAX_TASKS_PER_EPISODE or task_texts > MAX_TASKS:
+                        raise DataError(f"{f}: tasks: an episode lists at most {MAX_TASKS_PER_EPISODE} task texts and "
+                                        f"the table at most {MAX_TASKS} in all (one lists {int(counts.max())})")
+                    flat_texts = pc.list_flatten(texts)
+                    _check_task_texts(f, flat_texts)
+                    flat = flat_texts.to_pylist()
                 else:  # one task text per row (or null)
+                    _check_task_texts(f, texts)
                     flat = [x for x in texts.to_pylist() if x is not None]
                     counts = np.asarray(pc.is_valid(texts), dtype=np.int64)
                 distinct = {x: strings.add(str(x)) for x in set(flat)}
@@ -705,11 +849,13 @@ class LeRobotReader:
                                        if len(lengths) > 5 else [])
         total_eps = self.info.get("total_episodes")
         if total_eps is not None and int(total_eps) != len(self.episodes):
-            problems.append(f"info.json total_episodes={total_eps} but the episode table has {len(self.episodes)}")
+            problems.append(f"info.json total_episodes={_short(str(total_eps), 40)} but the episode table has "
+                            f"{len(self.episodes)}")
         total_frames = self.info.get("total_frames")
-        n_frames = sum(e.length for e in self.episodes)
+        n_frames = int(self.episodes.length.sum())
         if total_frames is not None and int(total_frames) != n_frames:
-            problems.append(f"info.json total_frames={total_frames} but episode lengths sum to {n_frames}")
+            problems.append(f"info.json total_frames={_short(str(total_frames), 40)} but episode lengths sum to "
+                            f"{n_frames}")
         if missing:
             problems.insert(0, _missing_files_report(missing, self.episodes))
         if problems:
@@ -977,7 +1123,14 @@ def crosscheck_with_lerobot(reader: "LeRobotReader") -> str:
         LeRobotDatasetMetadata, _ = import_lerobot_dataset()
     except ImportError as exc:
         return f"lerobot cross-check skipped: {exc}"
-    meta = LeRobotDatasetMetadata("local/dataset", root=reader.root)
+    stats = reader.meta_file(STATS_PATH)  # lerobot reads it: inside the dataset, a regular file, valid JSON
+    if stats.exists():
+        _load_json(stats)
+    try:
+        meta = LeRobotDatasetMetadata("local/dataset", root=reader.root)
+    except (Exception, RecursionError) as exc:  # lerobot's own reader refuses the dataset
+        raise DataError(f"{reader.root}: lerobot 0.4.4 cannot read this dataset's metadata: {type(exc).__name__}: "
+                        f"{_short(str(exc), 200)}") from exc
     problems = []
     if meta.total_episodes != len(reader.episodes):
         problems.append(f"episodes: lerobot {meta.total_episodes}, ours {len(reader.episodes)}")

@@ -335,7 +335,7 @@ class _Statistics:
         self.root, self.specs = root, specs
         self.relative_action_keys, self.action_horizon = tuple(relative_action_keys), action_horizon
         self.max_episodes, self.batch_rows, self.progress = max_episodes, batch_rows, progress
-        self.info = load_info(root)
+        self.info = load_info(root, allow_outside)
         self.files = data_files(root, allow_outside)
         self.columns = sorted({s.column for group in specs.values() for s in group.values()})
         self.heldout: list[int] = []

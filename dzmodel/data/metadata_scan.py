@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from dzmodel.data.errors import DataError
+from dzmodel.data.lerobot_format import check_column_sizes
 
 QUANTILES = (0.01, 0.99)  # the statistics' q01 and q99
 
@@ -147,15 +149,17 @@ class RunningStats:
 # reading
 
 
-def load_info(root: Path) -> dict:
-    """meta/info.json, with `features` a mapping of feature mappings (what the statistics read from it)."""
+def load_info(root: Path, allow_outside: bool = False) -> dict:
+    """meta/info.json, with `features` a mapping of feature mappings (what the statistics read from it): a regular
+    file inside the dataset after symlinks (unless allow_outside)."""
     path = root / "meta" / "info.json"
     if not path.is_file():
         raise DataError(f"{path}: not found (is {root} a LeRobot v3.0 dataset?)")
+    _check_inside(root, path, allow_outside)
     try:
         info = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: invalid JSON ({e})") from e
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise DataError(f"{path}: invalid JSON ({str(e)[:200]})") from e
     if not isinstance(info, dict):
         raise DataError(f"{path}: must hold a JSON object, got {type(info).__name__}")
     features = info.get("features", {})
@@ -163,7 +167,7 @@ def load_info(root: Path) -> dict:
         raise DataError(f"{path}: features: must be an object of features, got {type(features).__name__}")
     for key, feature in features.items():
         if not isinstance(feature, dict):
-            raise DataError(f"{path}: features.{key}: must be an object (dtype, shape, ...), got {feature!r:.60}")
+            raise DataError(f"{path}: features.{key[:100]}: must be an object (dtype, shape, ...), got {feature!r:.60}")
     info["_path"] = str(path)  # for messages; never written out
     return info
 
@@ -181,18 +185,32 @@ def feature_shape(info: dict, column: str) -> list[int] | None:
 def data_files(root: Path, allow_outside: bool = False) -> list[Path]:
     """Every parquet file under root/data; one that a symlink places outside the dataset is a DataError (unless
     allow_outside)."""
-    files = sorted((root / "data").glob("**/*.parquet"))
+    files = []
+    for path in sorted((root / "data").glob("**/*.parquet")):
+        _check_inside(root, path, allow_outside)
+        if _is_regular(path):  # a FIFO or device named *.parquet is not data (and reading one never ends)
+            files.append(path)
     if not files:
         raise DataError(f"{root / 'data'}: no parquet data files")
-    if not allow_outside:
-        real = os.path.realpath(root)
-        for path in files:
-            resolved = os.path.realpath(path)
-            if os.path.commonpath([real, resolved]) != real:
-                raise DataError(f"{path}: resolves to {resolved[:240]}, outside the dataset {real[:240]} (a dataset "
-                                "whose files live elsewhere: copy them in with `dz data fetch PATH`, or pass "
-                                "--allow-outside-root)")
     return files
+
+
+def _is_regular(path: Path) -> bool:
+    """Whether `path` is a regular file after symlinks."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _check_inside(root: Path, path: Path, allow_outside: bool) -> None:
+    """A DataError when `path` resolves outside `root` after symlinks (unless allow_outside)."""
+    if allow_outside:
+        return
+    real, resolved = os.path.realpath(root), os.path.realpath(path)
+    if os.path.commonpath([real, resolved]) != real:
+        raise DataError(f"{path}: resolves to {resolved[:240]}, outside the dataset {real[:240]} (a dataset whose files "
+                        "live elsewhere: copy them in with `dz data fetch PATH`, or pass --allow-outside-root)")
 
 
 def _column_to_2d(arr, path: Path, column: str, row0: int, episodes: np.ndarray, frames: np.ndarray | None) -> np.ndarray:
@@ -239,6 +257,7 @@ def episode_indices(files: Sequence[Path]) -> list[int]:
 
     found: set[int] = set()
     for path in files:
+        check_column_sizes(path, ["episode_index"])
         try:
             column = pq.read_table(path, columns=["episode_index"]).column("episode_index")
         except Exception as e:  # pyarrow raises several types for corrupt files or a missing column
@@ -272,6 +291,7 @@ def iter_batches(
         if "episode_index" not in names:
             raise DataError(f"{path}: column 'episode_index' not found")
         want = list(dict.fromkeys([*columns, "episode_index"] + (["frame_index"] if "frame_index" in names else [])))
+        check_column_sizes(path, want)
         row0 = 0
         for batch in pf.iter_batches(batch_size=batch_rows, columns=want):
             n = batch.num_rows
