@@ -289,3 +289,19 @@ def test_an_absurd_fps_is_refused(v21, fps):
     (v21 / "meta/info.json").write_text(json.dumps(info))
     with pytest.raises(DataError, match="fps: must be a number in"):
         open_dataset(v21)
+
+
+# ---------------------------------------------------------------- out of memory, as a last resort
+
+def test_running_out_of_memory_in_data_check_is_one_line(v30, capsys, monkeypatch):
+    import pyarrow as pa
+
+    from dzmodel.data import check
+
+    def exhausted(reader):
+        raise pa.ArrowMemoryError("malloc of size 40000064 failed")
+
+    monkeypatch.setattr(check, "dataset_problems", exhausted)
+    code, _, err = _dz(["data", "check", v30], capsys)
+    line = _one_error(err)
+    assert code != 0 and str(v30) in line and "ran out of memory" in line
