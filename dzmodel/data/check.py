@@ -77,7 +77,8 @@ def file_problems(reader) -> list[str]:
 def episode_index_problems(reader) -> list[str]:
     """LeRobot numbers a dataset's N episodes 0..N-1 (its own reader indexes the episode table by them)."""
     count = len(reader.episodes)
-    outside = [ep.index for ep in reader.episodes if not 0 <= ep.index < count]
+    index = reader.episodes.index
+    outside = index[(index < 0) | (index >= count)].tolist()
     if not outside:
         return []
     more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
@@ -118,7 +119,9 @@ def value_problems(reader) -> list[str]:
     """One line per (data file, episode, float column) holding a NaN, an infinity or a null, with the first one."""
     import pyarrow.parquet as pq
 
-    episode_of_file = {reader.data_file(ep.index): ep.index for ep in reader.episodes}  # one-episode (v2) files
+    files, first = np.unique(reader.episodes.data_file, return_index=True)  # one-episode (v2) files
+    episode_of_file = {reader.root / reader.episodes.strings[f]: int(reader.episodes.index[i])
+                       for f, i in zip(files.tolist(), first.tolist(), strict=True)}
     problems = []
     for path in reader.iter_data_files():
         if not reader.has_file(path) or _parquet_problem(reader.local(path)):

@@ -118,7 +118,7 @@ def cmd_data_check(ns: argparse.Namespace) -> int:
     reader = open_dataset(ns.dataset, allow_outside=ns.allow_outside_root)
     where = f"{reader.remote.uri} (cached in {reader.root})" if reader.remote is not None else reader.root
     print(f"{where}: LeRobot {reader.version}, {len(reader.episodes)} episodes, "
-          f"{sum(e.length for e in reader.episodes)} frames at {reader.fps:g} fps, views {reader.video_keys}")
+          f"{int(reader.episodes.length.sum())} frames at {reader.fps:g} fps, views {reader.video_keys}")
     reader.check_lengths()  # before --skip-missing can make the other problems warnings
     try:
         reader.check(allow_missing_videos=ns.skip_missing)  # with --skip-missing, the missing videos are listed below

@@ -835,14 +835,13 @@ class LeRobotReader:
         declared episode length differs from the data parquet's rows."""
         problems: list[str] = []
         missing: list[str] = []
-        seen: set[str] = set()
-        for position in range(len(self.episodes)):
-            loc = self.episodes.loc(position)
-            for rel in (loc.data_file, *([] if allow_missing_videos else loc.video_files.values())):
-                if rel not in seen:
-                    seen.add(rel)
-                    if not self.has_file(self.root / rel):
-                        missing.append(rel)
+        ids = [self.episodes.data_file, *([] if allow_missing_videos else self.episodes.video_file.values())]
+        flat = np.concatenate([np.asarray(v, dtype=np.int64).ravel() for v in ids])
+        _, order = np.unique(flat, return_index=True)
+        for i in flat[np.sort(order)].tolist():  # each file once, in the order the episode table names them
+            rel = self.episodes.strings[i]
+            if not self.has_file(self.root / rel):
+                missing.append(rel)
         if not self._lengths_checked and self.remote is None:  # a remote dataset's data files are not fetched here
             lengths = self.length_problems()
             problems += lengths[:5] + ([f"and {len(lengths) - 5} more episode(s) of other lengths"]
@@ -1136,10 +1135,15 @@ def crosscheck_with_lerobot(reader: "LeRobotReader") -> str:
         problems.append(f"episodes: lerobot {meta.total_episodes}, ours {len(reader.episodes)}")
     if float(meta.fps) != float(reader.fps):
         problems.append(f"fps: lerobot {meta.fps}, ours {reader.fps}")
-    for ep in reader.episodes:
-        row = meta.episodes[ep.index]
-        if int(row["length"]) != ep.length:
-            problems.append(f"episode {ep.index} length: lerobot {row['length']}, ours {ep.length}")
+    theirs = {"index": np.asarray(meta.episodes["episode_index"], dtype=np.int64),
+              "length": np.asarray(meta.episodes["length"], dtype=np.int64)}  # whole columns: one read each
+    order = np.argsort(theirs["index"], kind="stable")
+    if not np.array_equal(theirs["index"][order], reader.episodes.index):
+        problems.append("episode indices differ")
+    else:
+        for i in np.flatnonzero(theirs["length"][order] != reader.episodes.length)[:5].tolist():
+            problems.append(f"episode {int(reader.episodes.index[i])} length: lerobot {int(theirs['length'][order][i])}, "
+                            f"ours {int(reader.episodes.length[i])}")
     if set(meta.video_keys) - set(reader.video_keys):
         problems.append(f"video keys: lerobot {sorted(meta.video_keys)}, ours {sorted(reader.video_keys)}")
     if problems:
