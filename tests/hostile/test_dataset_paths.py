@@ -305,7 +305,7 @@ def test_a_declared_length_of_a_billion_is_refused_before_anything_is_sized_by_i
     errors = [line for line in proc.stderr.splitlines() if line.startswith("dz: error: ")]
     assert len(errors) == 2 and all("episode 0" in e and "1000000000" in e for e in errors), proc.stderr
     assert "Traceback" not in proc.stderr
-    assert result["maxrss_kib"] < 1.5 * 2**20, result  # no allocation sized by the declared length
+    assert result["maxrss_kib"] < 3 * 2**20, result  # far below the 7.45 GiB a length of 1e9 would allocate
     assert elapsed < 60
     assert not (tmp_path / "m.json").exists()
 
