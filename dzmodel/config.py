@@ -72,6 +72,10 @@ class RecordParams:
     # null: max_shift_m / 2 (perturbed), 0.002 (sampled)
     min_shift_m: float | None = field(default=None, metadata={"min": 0, "max": 0.1})
     dart_noise: float = field(default=0.0, metadata={"min": 0, "max": 1})  # DART σ on the executed arm dims
+    # a failed attempt is tried again from the same start (fresh expert and noise seeds) up to this many times;
+    # each retry's DART σ is the previous try's times retry_noise_scale
+    retries: int = field(default=0, metadata={"min": 0, "max": 10})
+    retry_noise_scale: float = field(default=1.0, metadata={"min": 0, "max": 1})
     # steps per attempt; null: the suite's standard limit (noise slows the expert: at σ 0.6 its successes take ~2x)
     max_steps: int | None = field(default=None, metadata={"min": 1, "max": 5000})
     image_size: int = field(default=256, metadata={"min": 32, "max": 1024})

@@ -115,7 +115,8 @@ def cmd_data_record_libero(ns: argparse.Namespace) -> int:
     cfg = RecordConfig(suite=ns.suite, tasks=int_list(ns.tasks, "--tasks"), episodes=ns.episodes, init=ns.init,
                        max_shift_m=ns.max_shift, min_shift_m=ns.min_shift, image_size=ns.image_size, seed=ns.seed,
                        workers=ns.workers, codec={"av1": "libsvtav1", "h264": "libx264"}[ns.codec], gop=ns.gop,
-                       max_steps=ns.max_steps, dart_noise=ns.dart_noise, dagger=ns.dagger, dagger_beta=ns.dagger_beta,
+                       max_steps=ns.max_steps, dart_noise=ns.dart_noise, retries=ns.retries,
+                       retry_noise_scale=ns.retry_noise_scale, dagger=ns.dagger, dagger_beta=ns.dagger_beta,
                        dagger_device=ns.device, dagger_solver_steps=ns.solver_steps, dagger_cfg_scale=ns.cfg_scale,
                        actions_per_chunk=ns.actions_per_chunk, keep=ns.keep)
     try:
@@ -253,6 +254,10 @@ def add_data_commands(data) -> None:
     p.add_argument("--dart-noise", type=float, default=0.0, metavar="SIGMA",
                    help="DART: execute the expert's action + N(0, SIGMA^2) on the 6 arm dims (clipped to [-1, 1]); "
                    "the clean expert action is recorded")
+    p.add_argument("--retries", type=int, default=0, help="a failed attempt is tried again from the same start, with "
+                   "fresh expert and noise seeds, up to this many times (0-10); the start counts once")
+    p.add_argument("--retry-noise-scale", type=float, default=1.0, metavar="F",
+                   help="DART: each retry's SIGMA is the previous try's times F (default 1: the same)")
     p.add_argument("--dagger", metavar="MODEL_DIR", help="DAgger: a converted model whose policy acts (per chunk, "
                    "with probability 1 - beta); every row is labelled with the expert's action at that state")
     p.add_argument("--dagger-beta", type=float, default=0.5, help="DAgger: probability that the expert acts a chunk")

@@ -88,6 +88,9 @@ class RecordConfig:
                                        # (perturbed), SAMPLED_MIN_DISTANCE_M (sampled)
     max_steps: int | None = None       # steps per attempt; None = the suite's standard limit
     dart_noise: float = 0.0            # DART: N(0, σ²) on the executed arm dims, the clean expert action as the label
+    retries: int = 0                   # a failed attempt is tried again from the same start (fresh expert and noise
+                                       # seeds), up to this many times; the start counts once
+    retry_noise_scale: float = 1.0     # DART: each retry's σ is the previous try's times this (1: the same σ)
     dagger: str | None = None          # DAgger: a converted model directory whose policy acts with prob. 1 - beta
     dagger_beta: float = 0.5           # per chunk, the probability that the expert acts
     dagger_device: str = "cpu"
@@ -132,6 +135,10 @@ class RecordConfig:
             raise DataError(f"--max-steps: must be >= 1, got {self.max_steps}")
         if not 0 <= self.dart_noise <= 1:
             raise DataError(f"--dart-noise: must be in [0, 1] (σ in action units), got {self.dart_noise}")
+        if not 0 <= self.retries <= 10:
+            raise DataError(f"--retries: must be in [0, 10], got {self.retries}")
+        if not 0 <= self.retry_noise_scale <= 1:
+            raise DataError(f"--retry-noise-scale: must be in [0, 1], got {self.retry_noise_scale}")
         if not 0 <= self.dagger_beta <= 1:
             raise DataError(f"--dagger-beta: must be in [0, 1], got {self.dagger_beta}")
         if self.actions_per_chunk is not None and self.actions_per_chunk < 1:
@@ -308,6 +315,10 @@ def summary_line(summary: dict, out: Path | str) -> str:
     who = "expert" if not opts.get("dagger_model") else f"DAgger (beta {opts['dagger_beta']:g})"
     if opts.get("dart_noise"):
         who += f" with DART noise {opts['dart_noise']:g}"
+    if opts.get("retries"):
+        who += f" ({opts['retries']} retries a start, σ x{opts['retry_noise_scale']:g} each)"
+        tasks = ", ".join(f"task {r['task']} {r['successes']}/{r['starts']} starts in {r['attempts']} attempts"
+                          for r in summary["per_task"])
     return (f"record: LIBERO-{summary['suite']} {who} {summary['successes']}/{summary['attempts']} successes "
             f"({tasks}); kept {len(summary['episodes'])} episodes, {frames} frames -> {out} "
             f"({summary['seconds']:.0f} s" + (f", {summary['env_steps'] / max(summary['seconds'], 1e-9):.0f} env steps/s)"

@@ -32,6 +32,8 @@ class Attempt:
     perturb_seed: int | None
     noise_seed: int = 0
     mix_seed: int = 0
+    noise: float = 0.0                 # DART σ of this try
+    retry: int = 0                     # 0: the start's first try; k: its k-th retry
     images: list = field(default_factory=list)
     wrists: list = field(default_factory=list)
     states: list = field(default_factory=list)
@@ -61,8 +63,19 @@ def attempts(cfg, tasks) -> list[Attempt]:
             words = seq.generate_state(5) % (2**31 - 1)
             env_seed, expert_seed, perturb_seed, noise_seed, mix_seed = (int(x) for x in words)
             out.append(Attempt(t, k, k % t.num_init_states, env_seed, expert_seed,
-                                perturb_seed if cfg.init == "perturbed" else None, noise_seed, mix_seed))
+                                perturb_seed if cfg.init == "perturbed" else None, noise_seed, mix_seed,
+                                noise=cfg.dart_noise))
     return out
+
+
+def retry_of(cfg, a: Attempt) -> Attempt:
+    """The next try of `a`'s start: the same env and perturbation seeds (the same start), fresh expert, noise and
+    mixing seeds, and the DART σ scaled by `cfg.retry_noise_scale`."""
+    retry = a.retry + 1
+    seq = np.random.SeedSequence([cfg.seed, a.task.index, a.number, retry])
+    expert_seed, noise_seed, mix_seed = (int(x) for x in seq.generate_state(3) % (2**31 - 1))
+    return Attempt(a.task, a.number, a.init_index, a.env_seed, expert_seed, a.perturb_seed, noise_seed, mix_seed,
+                   noise=a.noise * cfg.retry_noise_scale, retry=retry)
 
 
 def session_name(a: Attempt) -> str:
@@ -99,6 +112,7 @@ class Recording:
         self.object_xy_index: dict[int, list] = {}
         self.results: list[Attempt] = []
         self.env_steps = 0  # steps with a valid label, every attempt's
+        self.queue: list[Attempt] = []
         self.running: dict[int, Attempt] = {}
         self.starting: dict[int, Attempt] = {}  # worker -> attempt whose reset is in flight
         self.free: list[int] = []
@@ -125,6 +139,8 @@ class Recording:
                "init_state": [float(x) for x in a.init_state]}
         if cfg.dart_noise > 0:
             row["noise_seed"] = a.noise_seed
+        if cfg.retries:
+            row.update(retry=a.retry, expert_seed=a.expert_seed, dart_noise=a.noise)
         if self.dagger:
             row.update(policy_steps=a.policy_steps, chunk_actors="".join(a.actors))
         if a.note:
@@ -156,9 +172,14 @@ class Recording:
         if self.dagger:
             self.policy.end_session(session_name(a))
         self.results.append(a)
-        self.finished[self.order[id(a)]] = a
         if not (a.success or self.keep_all):  # free the frames now; a failure is never written
             a.drop_frames()
+        if not a.success and a.retry < self.cfg.retries:  # the start is tried again, first in the queue; its
+            nxt = retry_of(self.cfg, a)                    # place in the dataset's order is the start's
+            self.order[id(nxt)] = self.order[id(a)]
+            self.queue.insert(0, nxt)
+            return
+        self.finished[self.order[id(a)]] = a
         self._flush()
         ok = sum(r.success for r in self.results)
         if self.bar.bar is not None:
@@ -214,8 +235,8 @@ class Recording:
         opts = {}
         for w in idle:
             a, o = self.running[w], {}
-            if self.cfg.dart_noise > 0:
-                o.update(noise=self.cfg.dart_noise, noise_seed=a.noise_seed)
+            if a.noise > 0:
+                o.update(noise=a.noise, noise_seed=a.noise_seed)
             if self.dagger:
                 o.update(recover=True, hold_orientation=True)
                 if a.queue:
@@ -232,7 +253,8 @@ class Recording:
         from .libero_env import env_action
         from .libero_workers import EpisodeInit
 
-        cfg, queue = self.cfg, list(self.todo)
+        cfg, queue = self.cfg, self.queue
+        queue[:] = self.todo
         self.free = list(range(pool.num_workers))
         while queue or self.running or self.starting:
             if queue and self.free:
@@ -267,11 +289,13 @@ class Recording:
             "config": asdict(cfg),
             "options": self.options,
             "per_task": per_task(tasks, self.results, self.kept, self.object_xy_index),
-            "attempts": len(self.todo),
+            "starts": len(self.todo),
+            "attempts": len(self.results),
             "successes": sum(a.success for a in self.results),
             "kept": len(self.kept),
-            "failures": [{"task": a.task.index, "attempt": a.number, "init_index": a.init_index, "note": a.note}
-                         for a in sorted(self.results, key=lambda a: self.order[id(a)]) if not a.success],
+            "failures": [{"task": a.task.index, "attempt": a.number, "init_index": a.init_index, "note": a.note,
+                          **({"retry": a.retry} if cfg.retries else {})}
+                         for a in sorted(self.results, key=lambda a: (self.order[id(a)], a.retry)) if not a.success],
             "episodes": self.kept,
             "seconds": seconds,
             "env_steps": self.env_steps,
@@ -304,6 +328,7 @@ def recording_options(cfg, dagger: bool) -> dict:
             "label": "the scripted expert's clean action at each row's state",
             "executed_key": EXECUTED_KEY if (dagger or cfg.dart_noise > 0) else None,
             "keep": cfg.keep_mode,
+            "retries": cfg.retries, "retry_noise_scale": cfg.retry_noise_scale,
             "objects_key": OBJECTS_KEY, "objects_layout": OBJECTS_NAMES["axes"],
             "objects_note": "privileged world xyz of the goal's object and its target (region site for In, body for "
                             "On); diagnostics only, not a model input"}
@@ -320,6 +345,7 @@ def per_task(tasks, results: list[Attempt], kept: list[dict], object_xy_index: d
         ok = [e["steps"] for e in kept if e["task"] == t.index and e["success"]]
         n_ok = sum(a.success for a in rs)
         row = {"task": t.index, "name": t.name, "language": t.language, "attempts": len(rs),
+               "starts": len({a.number for a in rs}),
                "successes": n_ok, "success_rate": round(n_ok / len(rs), 4) if rs else 0.0,
                "mean_steps": round(float(np.mean(ok)), 1) if ok else None,
                "kept": sum(e["task"] == t.index for e in kept)}

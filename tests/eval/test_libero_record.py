@@ -246,6 +246,68 @@ def test_dart_records_the_clean_label_and_the_noised_action_beside_it(tmp_path):
     assert all("noise_seed" in e for e in summary["episodes"])
 
 
+
+class SecondTryPool(ExpertPool):
+    """Starts listed in `second` succeed at step 3 of their second try only; every try's noise option is logged."""
+
+    def __init__(self, n, success_at, second):
+        super().__init__(n, success_at)
+        self.second, self.tries, self.noise = second, {}, []
+
+    def reset(self, assignments, inits):
+        for w, task, ep in assignments:
+            self.tries[(task.index, ep)] = self.tries.get((task.index, ep), 0) + 1
+            if (task.index, ep) in self.second:
+                self.success_at[(task.index, ep)] = 3 if self.tries[(task.index, ep)] == 2 else None
+        return super().reset(assignments, inits)
+
+    def expert_step(self, seeds, options=None):
+        self.noise += [(self.running[w][0], o.get("noise")) for w, o in (options or {}).items() if self.running[w][1] == 0]
+        return super().expert_step(seeds, options)
+
+
+def _retried(tmp_path, workers, name="rec", **kw):
+    pools = []
+
+    def factory(n):
+        pools.append(SecondTryPool(n, dict(SUCCESS), second={(0, 1), (3, 0)}))
+        return pools[-1]
+
+    summary = record_libero(_cfg(workers=workers, dart_noise=0.4, max_steps=10, **kw), tmp_path / name,
+                            progress=False, log=lambda s: None, pool_factory=factory)
+    return summary, pools[0]
+
+
+def test_retries_try_a_failed_start_again_with_fresh_seeds_and_scaled_noise(tmp_path):
+    summary, pool = _retried(tmp_path, workers=2, retries=2, retry_noise_scale=0.5)
+    # every start is kept: two on their retry; the dataset keeps the starts' order
+    assert [(e["task"], e["init_index"], e["retry"]) for e in summary["episodes"]] == \
+        [(0, 0, 0), (0, 1, 1), (0, 2, 0), (3, 0, 1), (3, 1, 0), (3, 2, 0)]
+    assert (summary["starts"], summary["attempts"], summary["successes"]) == (6, 8, 6)
+    assert [(r["starts"], r["attempts"], r["kept"]) for r in summary["per_task"]] == [(3, 4, 3), (3, 4, 3)]
+    assert pool.tries == {(0, 0): 1, (0, 1): 2, (0, 2): 1, (3, 0): 2, (3, 1): 1, (3, 2): 1}
+    retried = {e["init_index"]: e for e in summary["episodes"] if e["retry"]}
+    assert all(e["dart_noise"] == 0.2 for e in retried.values())  # 0.4 x 0.5
+    firsts = [e for e in summary["episodes"] if not e["retry"]]
+    assert all(e["dart_noise"] == 0.4 for e in firsts)
+    assert sorted(n for _, n in pool.noise) == [0.2, 0.2] + [0.4] * 6
+    assert [(f["task"], f["init_index"], f["retry"]) for f in summary["failures"]] == [(0, 1, 0), (3, 0, 0)]
+    seeds = [(e["expert_seed"], e["noise_seed"]) for e in summary["episodes"]]
+    assert len(set(seeds)) == len(seeds)
+
+
+def test_retries_give_the_same_dataset_whatever_the_worker_count(tmp_path):
+    one, _ = _retried(tmp_path, workers=1, name="one", retries=1)
+    three, _ = _retried(tmp_path, workers=3, name="three", retries=1)
+    assert one["episodes"] == three["episodes"] and len(one["episodes"]) == 6
+    for rel in ("data/chunk-000/file-000.parquet", "meta/stats.json"):
+        assert (tmp_path / "one" / rel).read_bytes() == (tmp_path / "three" / rel).read_bytes(), rel
+
+
+def test_without_retries_a_failed_start_is_not_tried_again(tmp_path):
+    summary, pool = _retried(tmp_path, workers=2)
+    assert max(pool.tries.values()) == 1 and summary["successes"] == 4 and "retry" not in summary["episodes"][0]
+
 class FakePolicy:
     """Stands in for `EmbodiedPolicy`: a chunk of 4 constant actions that names its call, sessions logged."""
 
@@ -338,6 +400,10 @@ def test_start_options_are_checked():
         RecordConfig(init="random")
     with pytest.raises(DataError, match="--dart-noise"):
         RecordConfig(dart_noise=-0.1)
+    with pytest.raises(DataError, match="--retries"):
+        RecordConfig(retries=11)
+    with pytest.raises(DataError, match="--retry-noise-scale"):
+        RecordConfig(retry_noise_scale=1.5)
     with pytest.raises(DataError, match="--dagger-beta"):
         RecordConfig(dagger_beta=1.5)
     with pytest.raises(DataError, match="--keep"):
