@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import stat
@@ -32,6 +33,10 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from ..dirlock import directory_lock
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST"
 SIGNATURE = "MANIFEST.sig"      # optional: ed25519 signature over the MANIFEST bytes, not listed in MANIFEST
@@ -46,6 +51,8 @@ MAX_EXTENDED_HEADER = 64 << 10  # one pax or GNU long-name header
 MAX_HEADER_BYTES = 16 << 20     # all extended headers of a tarball together
 MAX_PAX_RECORDS = 128           # in one pax header (tar writers use a few: path, size, times, owner)
 QUOTE_CHARS = 100               # what an error message quotes of a line or a name
+MAX_GZIP_MEMBERS = 64           # concatenated gzip members, beyond one per GZIP_BYTES_PER_MEMBER of data
+GZIP_BYTES_PER_MEMBER = 1024
 
 
 class BundleError(ValueError):
@@ -81,13 +88,13 @@ def open_regular(path: str | Path, follow: bool = True):
         fd = os.open(path, flags)
     except OSError as exc:
         if exc.errno == errno.ELOOP and os.path.islink(path):
-            raise BundleError(f"{path}: a symbolic link, not a regular file; refused") from None
+            raise BundleError(f"{shown(path)}: a symbolic link, not a regular file; refused") from None
         raise
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             kind = next((name for test, name in _KINDS if test(mode)), "not a plain file")
-            raise BundleError(f"{path}: not a regular file ({kind}); refused")
+            raise BundleError(f"{shown(path)}: not a regular file ({kind}); refused")
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         return os.fdopen(fd, "rb")
     except BaseException:
@@ -115,8 +122,18 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 
 
 def _clip(text: str) -> str:
-    """`text` as it is, or its start if it is long."""
+    """`text` as it is, or its start if it is long; quoted if it holds a line break, an escape sequence or any
+    other character a terminal would not print as it is."""
+    if not text.isprintable():
+        return _quote(text)
     return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS]}... ({len(text)} characters)"
+
+
+def shown(path: str | Path) -> str:
+    """A path for an error message: as it is, or quoted (repr) if a part of it would break the message over
+    lines or act on the terminal (a newline, a carriage return, an escape sequence)."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
 
 
 def parse_manifest(text: str, source: str) -> dict[str, tuple[str, int]]:
@@ -137,17 +154,19 @@ def parse_manifest(text: str, source: str) -> dict[str, tuple[str, int]]:
     return entries
 
 
-def _member_path(tarball: Path, name: str) -> PurePosixPath:
-    path = PurePosixPath(name)
-    if path.is_absolute() or ".." in path.parts or not path.parts or "\\" in name:
+def _member_path(tarball: Path, name: str) -> tuple[str, ...]:
+    """The parts of a member's path, as PurePosixPath splits it (empty and "." parts dropped), checked: relative,
+    without "..", within the name and depth limits. Plain string operations: a tarball may hold 20,000 names."""
+    parts = tuple(part for part in name.split("/") if part not in ("", "."))
+    if name.startswith("/") or ".." in parts or not parts or "\\" in name:
         raise BundleError(f"{tarball}: member {_quote(name)} escapes the extraction directory")
     if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES or any(
-            len(part.encode("utf-8", "surrogateescape")) > 255 for part in path.parts):
+            len(part.encode("utf-8", "surrogateescape")) > 255 for part in parts):
         raise BundleError(f"{tarball}: member name {_quote(name)} is too long for a file name")
-    if len(path.parts) - 1 > MAX_PATH_DEPTH:   # below the bundle's top-level folder
-        raise BundleError(f"{tarball}: member {_quote(name)} is {len(path.parts) - 1} levels deep, over the limit "
+    if len(parts) - 1 > MAX_PATH_DEPTH:   # below the bundle's top-level folder
+        raise BundleError(f"{tarball}: member {_quote(name)} is {len(parts) - 1} levels deep, over the limit "
                           f"of {MAX_PATH_DEPTH}; refused")
-    return path
+    return parts
 
 
 # --- reading a tarball ----------------------------------------------------------------------------
@@ -183,6 +202,7 @@ class _TarReader:
         self._size = 0               # the current member's size (its data is padded to a whole block)
         self._header_bytes = 0       # extended header bytes so far
         self._globals: dict[str, bytes] = {}
+        self._members = 1            # gzip members started
         self.index = 0               # the current header's number, counting every header from 1
 
     def _refuse(self, what: str) -> BundleError:
@@ -196,7 +216,7 @@ class _TarReader:
                 rest = self._z.unused_data or self._f.read(1 << 16)
                 if not rest:
                     break
-                self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)    # a further gzip member
+                self._next_gzip_member()
                 data = rest
             else:
                 data = self._z.unconsumed_tail or self._f.read(1 << 16)
@@ -210,6 +230,14 @@ class _TarReader:
             out += got
             self._out += len(got)
         return bytes(out)
+
+    def _next_gzip_member(self) -> None:
+        """Start the next gzip member of a concatenated stream. Block writers (bgzip) put up to 64 KiB in each;
+        far more members than the data they hold (empty ones, or a byte each) would only cost time."""
+        self._members += 1
+        if self._members > MAX_GZIP_MEMBERS + self._out // GZIP_BYTES_PER_MEMBER:
+            raise self._refuse(f"more gzip members ({self._members}) than its {self._out} bytes of data need")
+        self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)
 
     def _exact(self, n: int, what: str) -> bytes:
         data = self._read(n)
@@ -260,8 +288,7 @@ class _TarReader:
         """(name, type byte, size) of a checked ustar header block."""
         stored = _number(block[148:156])
         unsigned = sum(block) - sum(block[148:156]) + 8 * 32
-        signed = unsigned - 256 * sum(1 for b in block[:148] + block[156:] if b > 127)
-        if stored not in (unsigned, signed):
+        if stored != unsigned and stored != _signed_checksum(block, unsigned):
             raise self._refuse(f"header #{self.index}: header checksum mismatch (not a tar header, or a damaged one)")
         magic = block[257:265]
         if magic not in (_USTAR, _GNU):
@@ -334,6 +361,15 @@ class _TarReader:
         return _Member(text, _FILE, size)
 
 
+_LOW_BYTES = bytes(range(128))
+
+
+def _signed_checksum(block: bytes, unsigned: int) -> int:
+    """The header checksum as old tar writers computed it, with bytes over 127 counted as negative."""
+    high = len(block[:148].translate(None, _LOW_BYTES)) + len(block[156:].translate(None, _LOW_BYTES))
+    return unsigned - 256 * high
+
+
 def _number(field: bytes) -> int | None:
     """A header's numeric field: octal digits (NUL- or space-terminated) or GNU's base-256; None if malformed."""
     if field[:1] == b"\x80":
@@ -341,7 +377,7 @@ def _number(field: bytes) -> int | None:
     digits = field.split(b"\0", 1)[0].strip(b" ")
     if not digits:
         return 0
-    if not all(c in b"01234567" for c in digits):
+    if digits.translate(None, b"01234567"):
         return None
     return int(digits, 8)
 
@@ -409,14 +445,19 @@ class _Extraction:
         self.members += 1
         if self.members > self.limits.max_members:
             raise BundleError(f"{tarball}: more than {self.limits.max_members} members; refused")
-        path = _member_path(tarball, m.name)
+        parts = _member_path(tarball, m.name)
         if self.top is None:
-            self.top = path.parts[0]
-        elif path.parts[0] != self.top:
+            if parts[0] == COMPLETE:
+                raise BundleError(f"{tarball}: its bundle folder is named {COMPLETE}, the name of the cache's "
+                                  "marker of a finished extraction; refused")
+            self.top = parts[0]
+        elif parts[0] != self.top:
             raise BundleError(f"{tarball}: expected one top-level bundle directory, found {_quote(self.top)} and "
-                              f"{_quote(path.parts[0])}")
-        rel = PurePosixPath(*path.parts[1:]).as_posix() if len(path.parts) > 1 else ""
-        target = self.dest.joinpath(*path.parts)
+                              f"{_quote(parts[0])}")
+        rel = "/".join(parts[1:])
+        if m.kind == _DIR and self.manifest_bytes is not None and (self.key is None or self.signed):
+            return                                  # a listed file's folders are made with it
+        target = self.dest.joinpath(*parts)
         if self.manifest_bytes is None:
             if m.kind == _DIR and not rel:
                 pass                                # the top-level folder: made with MANIFEST
@@ -468,7 +509,7 @@ class _Extraction:
         if self.manifest[rel][1] != m.size:
             raise BundleError(f"{tarball}: {_clip(rel)} has {m.size} bytes, {MANIFEST} says {self.manifest[rel][1]}")
         if rel in self.written or rel == MANIFEST:
-            raise BundleError(f"{tarball}: {rel} appears twice")
+            raise BundleError(f"{tarball}: {_clip(rel)} appears twice")
         if m.size > self.limits.max_member_bytes or self.total + m.size > self.budget:
             raise BundleError(f"{tarball}: member {_quote(m.name)} ({m.size} bytes) exceeds the extraction cap "
                               f"({self.budget} bytes in all, {self.limits.max_member_bytes} per file); refused")
@@ -495,10 +536,11 @@ class _Extraction:
             raise BundleError(f"{tarball}: {SIGNATURE}: missing right after {MANIFEST}: the bundle is not signed, "
                               f"and bundles must be signed by the key {self.trusted_key} (--trust or {TRUST_ENV})")
         for rel in sorted(set(self.manifest) - set(self.written)):
-            raise BundleError(f"{tarball}: {rel} is listed in {MANIFEST} but missing")
+            raise BundleError(f"{tarball}: {_clip(rel)} is listed in {MANIFEST} but missing")
         for rel, got in sorted(self.written.items()):
             if got != self.manifest[rel]:
-                raise BundleError(f"{tarball}: {rel}: checksum mismatch against {MANIFEST} (the file was modified)")
+                raise BundleError(f"{tarball}: {_clip(rel)}: checksum mismatch against {MANIFEST} (the file was "
+                                  "modified)")
         return self.dest / self.top
 
 
@@ -525,6 +567,15 @@ def cached_bundle(tarball: str | Path, cache_dir: str | Path | None = None,
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     entry = cache / file_sha256(tarball)
+    # one process at a time finds, extracts or replaces an entry: a second `dz serve` of the same tarball waits
+    # for the first one's extraction and uses it, rather than removing it from under the first
+    with directory_lock(cache, waiting=lambda: log.info(f"waiting for another process extracting into {cache}")):
+        return _cached_entry(tarball, entry, limits, trusted_key)
+
+
+def _cached_entry(tarball: Path, entry: Path, limits: ExtractLimits,
+                  trusted_key: str | Path | None) -> tuple[Path, bool]:
+    cache = entry.parent
     if (entry / COMPLETE).is_file():
         tops = [p for p in entry.iterdir() if p.is_dir()]
         if len(tops) == 1:
@@ -533,7 +584,7 @@ def cached_bundle(tarball: str | Path, cache_dir: str | Path | None = None,
     try:
         root = _extract_verified(tarball, tmp, limits, trusted_key)
         (tmp / COMPLETE).write_text(f"{tarball.resolve()}\n")
-        evict(entry)                           # a stale or interrupted entry of the same tarball
+        _evict(entry)                          # a stale or interrupted entry of the same tarball
         os.replace(tmp, entry)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -541,8 +592,19 @@ def cached_bundle(tarball: str | Path, cache_dir: str | Path | None = None,
     return entry / root.name, True
 
 
-def evict(entry: Path) -> None:
-    """Remove a cache entry (a bundle's <sha256> directory) that failed verification or is stale."""
+def evict(entry: Path, seen: os.stat_result | None = None) -> None:
+    """Remove a cache entry (a bundle's <sha256> directory) that failed verification or is stale. seen: the
+    entry's stat when it was checked; an entry another process has extracted again since then is left alone."""
+    with directory_lock(entry.parent):
+        try:
+            now = os.stat(entry)
+        except FileNotFoundError:
+            return
+        if seen is None or (now.st_dev, now.st_ino) == (seen.st_dev, seen.st_ino):
+            _evict(entry)
+
+
+def _evict(entry: Path) -> None:
     if entry.exists():
         trash = Path(tempfile.mkdtemp(prefix=f".{entry.name[:16]}.old-", dir=entry.parent))
         os.replace(entry, trash / "old")
@@ -556,10 +618,10 @@ def tarball_manifest(tarball: str | Path) -> bytes:
     try:
         with open_regular(tarball) as f:
             tar = _TarReader(f, str(tarball))
-            while (m := tar.next()) is not None:
+            while (m := tar.next()) is not None and tar.index <= ExtractLimits.max_members:
                 parts = PurePosixPath(m.name).parts
                 if m.kind == _DIR and len(parts) == 1:
-                    continue
+                    continue                    # the top-level folder (an extraction counts these too)
                 if len(parts) == 2 and parts[1] == MANIFEST and m.kind == _FILE:
                     return _read_small(tar, m, MAX_MANIFEST_BYTES, tarball, MANIFEST)
                 break

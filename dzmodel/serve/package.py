@@ -49,12 +49,13 @@ from ..schema import bounded_repr, load_yaml
 from . import franka
 from .bundles import (MANIFEST, MAX_MANIFEST_BYTES, SIGNATURE, TRUST_ENV, BundleError, ExtractLimits, cached_bundle,
                       check_signature, evict, file_sha256, load_signing_key, open_regular, parse_manifest,
-                      sign_manifest, tarball_manifest)
+                      shown, sign_manifest, tarball_manifest)
 
 log = logging.getLogger(__name__)
 
 EVAL_FILES = ("results.csv", "episodes.csv", "summary.json", "success_vs_step.png")
 MAX_JSON_BYTES = 16 << 20   # robot.json, embodiment.json as a loader reads them
+MAX_FOLDERS = 1000          # folders of a bundle folder, beyond its files (a bundle uses under 20)
 
 
 class PackageError(ValueError):
@@ -537,7 +538,7 @@ def _read_listed(path: Path, limit: int) -> bytes:
     with _open_listed(path) as f:
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise PackageError(f"{path}: over the limit of {limit} bytes; refused")
+        raise PackageError(f"{shown(path)}: over the limit of {limit} bytes; refused")
     return data
 
 
@@ -545,24 +546,34 @@ def _check_size(f, path: Path, size: int) -> None:
     """Refuse an open bundle file whose size is not its MANIFEST size, before any of it is read."""
     actual = os.fstat(f.fileno()).st_size
     if actual != size:
-        raise PackageError(f"{path}: {actual} bytes, {MANIFEST} says {size} (the file was modified)")
+        raise PackageError(f"{shown(path)}: {actual} bytes, {MANIFEST} says {size} (the file was modified)")
 
 
-def _present_files(root: Path) -> set[str]:
+def _present_files(root: Path, limit: int = ExtractLimits.max_members) -> set[str]:
     """The files under root, relative to it; a symbolic link or anything but a folder or regular file there is
-    refused (a bundle holds plain files: a link could point anywhere, a FIFO would block its reader)."""
-    present = set()
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in sorted(dirnames + filenames):
-            path = Path(dirpath) / name
-            mode = os.lstat(path).st_mode
-            if stat.S_ISLNK(mode):
-                raise PackageError(f"{path}: a symbolic link inside the bundle folder; a bundle holds plain files "
-                                   "only (copy it with `cp -rL` to resolve its links); refused")
-            if stat.S_ISREG(mode):
-                present.add(path.relative_to(root).as_posix())
-            elif not stat.S_ISDIR(mode):
-                raise PackageError(f"{path}: not a regular file inside the bundle folder; refused")
+    refused (a bundle holds plain files: a link could point anywhere, a FIFO would block its reader), and so is
+    a folder of more than `limit` entries, as soon as they are counted (a bundle's MANIFEST lists at most that
+    many files)."""
+    present, folders, seen = set(), [root], 0
+    while folders:
+        folder = folders.pop()
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                seen += 1
+                if seen > limit + MAX_FOLDERS:
+                    raise PackageError(f"{shown(root)}: more than {limit + MAX_FOLDERS} files and folders; a bundle "
+                                       f"holds at most {limit} files; refused")
+                path = Path(entry.path)
+                mode = entry.stat(follow_symlinks=False).st_mode
+                if stat.S_ISLNK(mode):
+                    raise PackageError(f"{shown(path)}: a symbolic link inside the bundle folder; a bundle holds "
+                                       "plain files only (copy it with `cp -rL` to resolve its links); refused")
+                if stat.S_ISREG(mode):
+                    present.add(path.relative_to(root).as_posix())
+                elif stat.S_ISDIR(mode):
+                    folders.append(path)
+                else:
+                    raise PackageError(f"{shown(path)}: not a regular file inside the bundle folder; refused")
     return present - {MANIFEST, SIGNATURE}
 
 
@@ -576,9 +587,9 @@ def _listed_files(root: Path, trust: str | Path | None, pins: tuple[str, ...]) -
     except OSError as exc:
         raise PackageError(f"{root}: could not list its files ({exc.strerror or exc}: {exc.filename})") from None
     for rel in sorted(set(expected) - present):
-        raise PackageError(f"{root / rel}: listed in {MANIFEST} but missing")
+        raise PackageError(f"{shown(root / rel)}: listed in {MANIFEST} but missing")
     for rel in sorted(present - set(expected)):
-        raise PackageError(f"{root / rel}: not listed in {MANIFEST} (an added file)")
+        raise PackageError(f"{shown(root / rel)}: not listed in {MANIFEST} (an added file)")
     return data, expected
 
 
@@ -598,7 +609,7 @@ def verify_package(root: str | Path, trust: str | Path | None = None, manifest_s
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
         if h.hexdigest() != digest:
-            raise PackageError(f"{path}: checksum mismatch against {MANIFEST} (the file was modified)")
+            raise PackageError(f"{shown(path)}: checksum mismatch against {MANIFEST} (the file was modified)")
     return len(expected)
 
 
@@ -616,7 +627,7 @@ def _copy_checked(src: Path, dest: Path, digest: str, size: int) -> None:
                 n += len(block)
     if n != size or h.hexdigest() != digest:
         dest.unlink()
-        raise PackageError(f"{src}: checksum mismatch against {MANIFEST} (the file was modified)")
+        raise PackageError(f"{shown(src)}: checksum mismatch against {MANIFEST} (the file was modified)")
 
 
 def _check_room(root: Path, dest: Path, expected: dict[str, tuple[str, int]], limits: ExtractLimits) -> None:
@@ -745,11 +756,12 @@ def _cached_package(tarball: Path, cache_dir: str | Path | None,
     root, fresh = cached_bundle(tarball, cache_dir, trusted_key=trust)
     if not fresh:
         expected = hashlib.sha256(tarball_manifest(tarball)).hexdigest()
+        seen = os.stat(root.parent)
         try:
             return root, verify_package(root, manifest_sha256=expected)
         except PackageError as exc:
             log.warning(f"refused the cached copy of {tarball}: {exc}; extracting the tarball again")
-            evict(root.parent)
+            evict(root.parent, seen)
         root, _ = cached_bundle(tarball, cache_dir, trusted_key=trust)
     text = _read_listed(root / MANIFEST, MAX_MANIFEST_BYTES).decode("utf-8", errors="replace")
     return root, len(parse_manifest(text, str(root / MANIFEST)))
