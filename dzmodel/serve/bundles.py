@@ -160,8 +160,9 @@ def _member_path(tarball: Path, name: str) -> tuple[str, ...]:
     parts = tuple(part for part in name.split("/") if part not in ("", "."))
     if name.startswith("/") or ".." in parts or not parts or "\\" in name:
         raise BundleError(f"{tarball}: member {_quote(name)} escapes the extraction directory")
-    if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES or any(
-            len(part.encode("utf-8", "surrogateescape")) > 255 for part in parts):
+    size = len(name.encode("utf-8", "surrogateescape"))
+    if size > MAX_NAME_BYTES or size > 255 and any(len(part.encode("utf-8", "surrogateescape")) > 255
+                                                   for part in parts):
         raise BundleError(f"{tarball}: member name {_quote(name)} is too long for a file name")
     if len(parts) - 1 > MAX_PATH_DEPTH:   # below the bundle's top-level folder
         raise BundleError(f"{tarball}: member {_quote(name)} is {len(parts) - 1} levels deep, over the limit "
@@ -455,13 +456,11 @@ class _Extraction:
             raise BundleError(f"{tarball}: expected one top-level bundle directory, found {_quote(self.top)} and "
                               f"{_quote(parts[0])}")
         rel = "/".join(parts[1:])
-        if m.kind == _DIR and self.manifest_bytes is not None and (self.key is None or self.signed):
-            return                                  # a listed file's folders are made with it
+        if m.kind == _DIR and (not rel or self.manifest_bytes is not None and (self.key is None or self.signed)):
+            return                                  # folders are made with MANIFEST and the listed files
         target = self.dest.joinpath(*parts)
         if self.manifest_bytes is None:
-            if m.kind == _DIR and not rel:
-                pass                                # the top-level folder: made with MANIFEST
-            elif rel == MANIFEST and m.kind == _FILE:
+            if rel == MANIFEST and m.kind == _FILE:
                 self._read_manifest(tar, m, target)
             else:
                 raise BundleError(f"{tarball}: no {MANIFEST} before member {_quote(m.name)}: a bundle tarball "

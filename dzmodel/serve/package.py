@@ -369,13 +369,13 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
         tmp = new_temp_dir(final)
         tar_fd, tar_tmp = temp_file(tarball)
         tar_file = os.fdopen(tar_fd, "wb")
-        shutil.copytree(model_dir, tmp / "model", ignore=shutil.ignore_patterns(OWNER_MARKER))
+        _copy_plain_tree(model_dir, tmp / "model", Path(os.path.realpath(model_dir)))
         if embodiment_files:
             _carry_embodiments(tmp / "model" / "experiment_cfg" / "embodiments", embodiment_files)
         if not (tmp / "model" / "encoders").is_dir():
             save_encoders(frozen_encoders(cfg), tmp / "model" / "encoders")
-        shutil.copyfile(model_dir / "config.json", tmp / "config.json")
-        shutil.copyfile(meta, tmp / "metadata.json")
+        shutil.copyfile(tmp / "model" / "config.json", tmp / "config.json")  # the copies checked just now
+        shutil.copyfile(tmp / "model" / "experiment_cfg" / "metadata.json", tmp / "metadata.json")
         gripper = robot.gripper_threshold if isinstance(robot, RobotConfig) else None
         emb_json = {"name": emb.tag, "action_horizon": emb.action_horizon, "gripper_threshold": gripper,
                     "views": dict(emb.views), "view_size": list(emb.view_size),
@@ -392,9 +392,10 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
                 raise PackageError(f"{eval_dir}: no evaluation results ({', '.join(EVAL_FILES)})")
             (tmp / "eval").mkdir()
             for f in found:
-                shutil.copyfile(eval_dir / f, tmp / "eval" / f)
-            if (eval_dir / "results.csv").is_file():
-                rows = [r for r in csv.DictReader((eval_dir / "results.csv").open()) if r.get("task") == "all"]
+                _copy_plain_file(eval_dir / f, tmp / "eval" / f, Path(os.path.realpath(eval_dir)))
+            if (tmp / "eval" / "results.csv").is_file():
+                with (tmp / "eval" / "results.csv").open() as f:
+                    rows = [r for r in csv.DictReader(f) if r.get("task") == "all"]
         atomic_write_text(tmp / "MODEL_CARD.md", _model_card(name, version, {**cfg.to_dict(), "step": step},
                                                              emb_json, robot, rows))
         atomic_write_text(tmp / MANIFEST, "\n".join(_manifest_lines(tmp)) + "\n")
@@ -422,6 +423,43 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
     finally:
         locked.close()
     return final, tarball
+
+
+def _copy_plain_tree(src: Path, dest: Path, base: Path) -> None:
+    """Copy the folder `src` (inside `base`, the real path of the folder being packaged) to the new folder
+    `dest`: its folders and regular files, each link copied as the file it leads to (`_copy_plain_file`); the
+    output folder's owner marker is left out."""
+    dest.mkdir()
+    with os.scandir(src) as entries:
+        names = sorted((entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries)
+    for name, is_dir in names:
+        if name == OWNER_MARKER:
+            continue
+        if is_dir:
+            _copy_plain_tree(src / name, dest / name, base)
+        else:
+            _copy_plain_file(src / name, dest / name, base)
+
+
+def _copy_plain_file(src: Path, dest: Path, base: Path) -> None:
+    """Copy the regular file `src` to the new file `dest`. A link is copied as the file it leads to only when
+    that is a regular file inside `base`: a bundle carries the packaged folder's own files, never one from
+    elsewhere on the machine (a private key, /dev/zero). A FIFO, socket or device is refused, never read or
+    waited on."""
+    follow = src.is_symlink()
+    if follow:
+        target = os.path.realpath(src)
+        if not Path(target).is_relative_to(base):
+            raise PackageError(f"{shown(src)}: a link to {shown(target)}, outside {shown(base)}: a bundle carries only "
+                               "the files of the folder it packages; put the file itself there (or copy the folder "
+                               "with `cp -rL`); refused")
+        if not os.path.lexists(target):
+            raise PackageError(f"{shown(src)}: a link to {shown(target)}, which does not exist; refused")
+    try:
+        with open_regular(src, follow=follow) as f, open(dest, "xb") as out:
+            shutil.copyfileobj(f, out, 1 << 20)
+    except BundleError as exc:  # a FIFO, socket, device or folder
+        raise PackageError(str(exc)) from None
 
 
 @contextlib.contextmanager
