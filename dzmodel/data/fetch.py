@@ -25,6 +25,7 @@ from dzmodel.atomic import atomic_write_text
 from dzmodel.dirlock import directory_lock
 from dzmodel.outputs import check_output_dir
 from dzmodel.data.errors import DataError
+from dzmodel.data.lerobot_format import file_kind_problem
 
 MARKER_SUFFIX = ".dz_fetch.json"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -73,21 +74,33 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def _copy_local(src: Path, tmp: Path, allow_patterns: list[str] | None) -> None:
-    if not src.is_dir():
-        raise DataError(f"source: {src} is not a directory")
-    tmp.mkdir(parents=True)
-    n = 0
+def _local_files(src: Path, allow_patterns: list[str] | None) -> list[tuple[Path, str]]:
+    """(path, relative path) of every file of `src` to copy; anything but a regular file (after symlinks) is a
+    DataError naming it, before anything is copied: a FIFO blocks a copy forever and a link to /dev/zero fills the
+    disk."""
+    files = []
     for dirpath, dirnames, filenames in os.walk(src):
         dirnames[:] = sorted(d for d in dirnames if d != ".cache")
         for fn in sorted(filenames):
             p = Path(dirpath) / fn
             rel = p.relative_to(src).as_posix()
             if _matches(rel, allow_patterns):
-                _link_or_copy(p, tmp / rel)
-                n += 1
-    if n == 0:
+                problem = file_kind_problem(p)
+                if problem:
+                    raise DataError(f"source: {p}: {problem}; a dataset folder holds regular files only")
+                files.append((p, rel))
+    return files
+
+
+def _copy_local(src: Path, tmp: Path, allow_patterns: list[str] | None) -> None:
+    if not src.is_dir():
+        raise DataError(f"source: {src} is not a directory")
+    files = _local_files(src, allow_patterns)
+    if not files:
         raise DataError(f"source: {src}: no files match allow_patterns={allow_patterns}")
+    tmp.mkdir(parents=True)
+    for p, rel in files:
+        _link_or_copy(p, tmp / rel)
 
 
 # hub errors that are answers, not hiccups: retrying cannot change them

@@ -45,6 +45,10 @@ MAX_TASKS_PER_EPISODE = 64
 MAX_TASK_CHARS = 64 * 1024
 MAX_COLUMN_BYTES = 256 * 2**20  # uncompressed bytes of one column of one parquet file (read whole)
 MAX_INDEX = 2**63 - 1  # an episode or task index (int64)
+MAX_JSON_BYTES = 4 * 2**20  # meta/info.json, meta/stats.json: read whole, parsed whole
+MAX_JSONL_LINE_BYTES = 4 * 2**20 + 64 * 1024  # a line of episodes.jsonl / tasks.jsonl (its task texts and the rest)
+MAX_FROM_TIMESTAMP_S = 10_000_000  # where an episode starts in its v3.0 video file, in seconds
+_COUNT_BATCH_ROWS = 1 << 20  # rows of an episode_index column counted at a time
 _IMAGE_ROW_GROUPS_CACHED = 8
 
 
@@ -271,6 +275,25 @@ def _leaf_values(path: Path, column: str) -> int:
                for j in range(md.num_columns) if _top_column(md.row_group(i).column(j).path_in_schema, names) == column)
 
 
+def _rows_per_episode(path: Path) -> dict[int, int]:
+    """How many rows each episode has in a data file: its episode_index column counted batch by batch (a file of
+    tens of millions of rows is never read whole)."""
+    _, pq = _pa()
+    counts: dict[int, int] = {}
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=_COUNT_BATCH_ROWS, columns=["episode_index"])
+        for batch in batches:
+            episodes = _column_to_numpy(batch.column(0), f"{path}: episode_index")
+            values, n = np.unique(episodes.astype(np.int64), return_counts=True)
+            for value, rows in zip(values.tolist(), n.tolist(), strict=True):
+                counts[value] = counts.get(value, 0) + rows
+    except DataError:
+        raise
+    except Exception as e:  # a missing column, a truncated or corrupt file
+        raise DataError(f"{path}: cannot read column 'episode_index': {type(e).__name__}: {_short(str(e), 200)}") from e
+    return counts
+
+
 def read_parquet_schema(path: Path):
     """pyarrow Schema of ``path`` (reads only the footer); DataError naming the file if unreadable."""
     _, pq = _pa()
@@ -290,38 +313,62 @@ def _num_rows(path: Path) -> int:
         raise DataError(f"{path}: cannot read parquet (truncated or corrupt?): {type(e).__name__}: {e}") from e
 
 
-def _load_json(path: Path) -> Any:
-    """A JSON file's value; unreadable, invalid or too deeply nested JSON (or a number of thousands of digits) is a
+def load_json(path: Path) -> Any:
+    """A JSON file's value; a file of more than MAX_JSON_BYTES (refused before it is parsed: parsed JSON takes up to
+    twenty times its bytes), unreadable, invalid or too deeply nested JSON (or a number of thousands of digits) is a
     DataError naming the file."""
     try:
-        return json.loads(path.read_text())
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            data = fh.read(MAX_JSON_BYTES + 1)
     except FileNotFoundError as e:
         raise DataError(f"{path}: missing") from e
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is a ValueError
-        raise DataError(f"{path}: invalid JSON: {_short(str(e), 200)}") from e
     except OSError as e:
         raise DataError(f"{path}: cannot read: {e}") from e
+    if len(data) > MAX_JSON_BYTES:
+        raise DataError(f"{path}: {max(size, len(data))} bytes; at most {MAX_JSON_BYTES} bytes of a metadata JSON file "
+                        "are read")
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise DataError(f"{path}: invalid JSON: {_short(str(e), 200)}") from e
 
 
-def _load_jsonl(path: Path, max_lines: int) -> list[tuple[int, Any]]:
-    """(line number, value) of each non-blank line; more than `max_lines` lines, or a line that is not JSON, is a
-    DataError naming the file (and line)."""
+def _jsonl_lines(path: Path) -> Iterator[bytes]:
+    """The lines of a JSON-lines file, read one at a time; a line of more than MAX_JSONL_LINE_BYTES is a DataError
+    naming the file and line."""
+    try:
+        with open(path, "rb") as fh:
+            n = 0
+            while line := fh.readline(MAX_JSONL_LINE_BYTES + 1):
+                n += 1
+                if len(line) > MAX_JSONL_LINE_BYTES:
+                    raise DataError(f"{path}:{n}: a line of more than {MAX_JSONL_LINE_BYTES} bytes; at most "
+                                    f"{MAX_JSONL_LINE_BYTES} are read")
+                yield line
+    except OSError as e:
+        raise DataError(f"{path}: cannot read: {_short(str(e), 200)}") from e
+
+
+def _load_jsonl(path: Path, max_lines: int) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-blank line, parsed one at a time. More than `max_lines` lines or a line too
+    long (both found before any line is parsed), or a line that is not JSON, is a DataError naming the file (and
+    line)."""
     if not path.is_file():
         raise DataError(f"{path}: missing")
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read: {_short(str(e), 200)}") from e
-    if len(lines) > max_lines:
-        raise DataError(f"{path}: {len(lines)} lines; at most {max_lines} are read")
-    out = []
-    for n, line in enumerate(lines, 1):
+    count = sum(1 for _ in _jsonl_lines(path))
+    if count > max_lines:
+        raise DataError(f"{path}: {count} lines; at most {max_lines} are read")
+    return _parsed_lines(path)
+
+
+def _parsed_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    for n, line in enumerate(_jsonl_lines(path), 1):
         if line.strip():
             try:
-                out.append((n, json.loads(line)))
-            except (ValueError, RecursionError) as e:
+                yield n, json.loads(line)
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:
                 raise DataError(f"{path}:{n}: invalid JSON line: {_short(str(e), 200)}") from e
-    return out
 
 
 def _column_to_numpy(col, where: str) -> np.ndarray:
@@ -409,6 +456,30 @@ def _resolve_in(root: str, rel: str, parents: dict[str, str]) -> str:
     return path
 
 
+OUTSIDE_HINT = ("(a dataset whose files live elsewhere: copy them in with `dz data fetch PATH`, or pass "
+                "--allow-outside-root)")
+
+
+def check_inside(root: str | Path, path: str | Path, allow_outside: bool = False) -> None:
+    """A DataError naming `path` when it resolves outside the dataset folder `root` after symlinks (unless
+    allow_outside): what every reader of a dataset's files runs before opening one."""
+    if allow_outside:
+        return
+    real, resolved = os.path.realpath(root), os.path.realpath(path)
+    if os.path.commonpath([real, resolved]) != real:
+        raise DataError(f"{path}: resolves to {_short(resolved)}, outside the dataset {_short(real)} {OUTSIDE_HINT}")
+
+
+def file_kind_problem(path: str | Path) -> str | None:
+    """None for a regular file (after symlinks); else why it is not one ("cannot read: ..." when it cannot be
+    looked at, "not a regular file" for a FIFO, a device, a socket or a directory: reading one may never end)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return f"cannot read: {e}"
+    return None if stat.S_ISREG(mode) else "not a regular file"
+
+
 def _short(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -471,6 +542,20 @@ def _check_length(table: Path, episode: Any, length: Any) -> None:
                         f"integer in 0..{MAX_EPISODE_LENGTH}")
 
 
+def _start_times(table: Path, name: str, col: dict[str, np.ndarray]) -> np.ndarray:
+    """A v3.0 episode table's `from_timestamp` column as float64: every value a time in seconds in
+    0..MAX_FROM_TIMESTAMP_S (a NaN or an infinity would stop training at its first frame), else a DataError naming
+    the table, the column and the episode."""
+    values = col[name].astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        bad = np.flatnonzero(~((values >= 0) & (values <= MAX_FROM_TIMESTAMP_S)))
+    if bad.size:
+        episode = col["episode_index"][bad[0]]
+        raise DataError(f"{table}: {name}: episode {_short(str(episode), 40)}: {values[bad[0]]!r} is not a start time; "
+                        f"it must be a number of seconds in 0..{MAX_FROM_TIMESTAMP_S}")
+    return values
+
+
 def _bad_lengths(lengths: np.ndarray, episodes: np.ndarray) -> list[tuple[Any, Any]]:
     """(length, episode) of the first length of a column that `_check_length` refuses (none: [])."""
     values = lengths.astype(np.float64)
@@ -526,7 +611,7 @@ class LeRobotReader:
         info_path = self.root / INFO_PATH
         if not info_path.is_file():
             raise DataError(f"{info_path}: missing; {self.root} is not a LeRobot dataset")
-        info = _load_json(self.meta_file(INFO_PATH))
+        info = load_json(self.meta_file(INFO_PATH))
         if not isinstance(info, dict):
             raise DataError(f"{info_path}: must hold a JSON object")
         self.info: dict = info
@@ -583,18 +668,10 @@ class LeRobotReader:
         path = self.root / rel
         if not os.path.lexists(path):
             return path
-        if not self.allow_outside:
-            root = os.path.realpath(self.root)
-            resolved = os.path.realpath(path)
-            if os.path.commonpath([root, resolved]) != root:
-                raise DataError(f"{path}: resolves to {_short(resolved)}, outside the dataset {_short(root)} (a "
-                                "dataset whose files live elsewhere: copy them in, or pass --allow-outside-root)")
-        try:
-            regular = stat.S_ISREG(os.stat(path).st_mode)
-        except OSError as e:
-            raise DataError(f"{path}: cannot read: {e}") from e
-        if not regular:
-            raise DataError(f"{path}: not a regular file")
+        check_inside(self.root, path, self.allow_outside)
+        problem = file_kind_problem(path)
+        if problem:
+            raise DataError(f"{path}: {problem}")
         return path
 
     def _check_templates(self, info_path: Path) -> None:
@@ -621,8 +698,7 @@ class LeRobotReader:
                 if os.path.commonpath([root, resolved]) != root:
                     raise DataError(
                         f"{info_path}: {key} gives {_short(repr(rel), 100)}, which resolves to {_short(resolved)}: "
-                        f"outside the dataset {_short(root)} (a dataset whose files live elsewhere: copy them in with "
-                        "`dz data fetch PATH`, or pass --allow-outside-root)")
+                        f"outside the dataset {_short(root)} {OUTSIDE_HINT}")
 
     # ---------------------------------------------------------------- metadata loading
 
@@ -761,7 +837,7 @@ class LeRobotReader:
                 video[k].append(paths(col[f"videos/{k}/chunk_index"], col[f"videos/{k}/file_index"],
                                       lambda c, i, k=k: self.video_path.format(video_key=k, chunk_index=c,
                                                                                file_index=i)))
-                start_ts[k].append(col[f"videos/{k}/from_timestamp"].astype(np.float64))
+                start_ts[k].append(_start_times(f, f"videos/{k}/from_timestamp", col))
         cat = np.concatenate
         self.episodes = EpisodeIndex(cat(parts["index"]), cat(parts["length"]),
                                      cat([[0], np.cumsum(cat(parts["ptr"]))]).astype(np.int64), cat(parts["tasks"]),
@@ -889,12 +965,9 @@ class LeRobotReader:
             path = self.local(path)
             if self.version != "v3.0":
                 return _num_rows(path)
-            episodes = _column_to_numpy(read_parquet(path, columns=["episode_index"]).column("episode_index"),
-                                        f"{path}: episode_index")
+            return _rows_per_episode(path)
         except DataError:
             return None
-        values, n = np.unique(episodes.astype(np.int64), return_counts=True)
-        return dict(zip(values.tolist(), n.tolist()))
 
     def check_lengths(self) -> None:
         """A DataError naming the first episode whose declared length differs from its data parquet's rows (once
@@ -1124,7 +1197,7 @@ def crosscheck_with_lerobot(reader: "LeRobotReader") -> str:
         return f"lerobot cross-check skipped: {exc}"
     stats = reader.meta_file(STATS_PATH)  # lerobot reads it: inside the dataset, a regular file, valid JSON
     if stats.exists():
-        _load_json(stats)
+        load_json(stats)
     try:
         meta = LeRobotDatasetMetadata("local/dataset", root=reader.root)
     except (Exception, RecursionError) as exc:  # lerobot's own reader refuses the dataset

@@ -4,17 +4,14 @@ histogram quantiles)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from dzmodel.data.errors import DataError
-from dzmodel.data.lerobot_format import check_column_sizes
+from dzmodel.data.lerobot_format import check_column_sizes, check_inside, file_kind_problem, load_json
 
 QUANTILES = (0.01, 0.99)  # the statistics' q01 and q99
 
@@ -155,11 +152,8 @@ def load_info(root: Path, allow_outside: bool = False) -> dict:
     path = root / "meta" / "info.json"
     if not path.is_file():
         raise DataError(f"{path}: not found (is {root} a LeRobot v3.0 dataset?)")
-    _check_inside(root, path, allow_outside)
-    try:
-        info = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is a ValueError
-        raise DataError(f"{path}: invalid JSON ({str(e)[:200]})") from e
+    check_inside(root, path, allow_outside)
+    info = load_json(path)
     if not isinstance(info, dict):
         raise DataError(f"{path}: must hold a JSON object, got {type(info).__name__}")
     features = info.get("features", {})
@@ -187,30 +181,12 @@ def data_files(root: Path, allow_outside: bool = False) -> list[Path]:
     allow_outside)."""
     files = []
     for path in sorted((root / "data").glob("**/*.parquet")):
-        _check_inside(root, path, allow_outside)
-        if _is_regular(path):  # a FIFO or device named *.parquet is not data (and reading one never ends)
+        check_inside(root, path, allow_outside)
+        if file_kind_problem(path) is None:  # a FIFO or device named *.parquet is not data (and reading one never ends)
             files.append(path)
     if not files:
         raise DataError(f"{root / 'data'}: no parquet data files")
     return files
-
-
-def _is_regular(path: Path) -> bool:
-    """Whether `path` is a regular file after symlinks."""
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _check_inside(root: Path, path: Path, allow_outside: bool) -> None:
-    """A DataError when `path` resolves outside `root` after symlinks (unless allow_outside)."""
-    if allow_outside:
-        return
-    real, resolved = os.path.realpath(root), os.path.realpath(path)
-    if os.path.commonpath([real, resolved]) != real:
-        raise DataError(f"{path}: resolves to {resolved[:240]}, outside the dataset {real[:240]} (a dataset whose files "
-                        "live elsewhere: copy them in with `dz data fetch PATH`, or pass --allow-outside-root)")
 
 
 def _column_to_2d(arr, path: Path, column: str, row0: int, episodes: np.ndarray, frames: np.ndarray | None) -> np.ndarray:

@@ -37,6 +37,18 @@ def _client():
     return boto3.client("s3")
 
 
+def _plain_relative(rel: str) -> bool:
+    """Whether a key relative to the dataset names a file inside it wherever it is joined: no empty, '.' or '..'
+    part (so nothing absolute and nothing that climbs), no backslash, no NUL."""
+    return bool(rel) and "\\" not in rel and "\0" not in rel and all(
+        part not in ("", ".", "..") for part in rel.split("/"))
+
+
+def _quoted(text: str, limit: int = 120) -> str:
+    text = repr(text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class S3Mirror:
     """The local mirror of one dataset URI under `root`: `fetch(rel)` has a file there, downloaded if need be."""
 
@@ -91,9 +103,15 @@ class S3Mirror:
         try:
             for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
                 for obj in page.get("Contents", []):
-                    out[obj["Key"][len(start):]] = int(obj["Size"])
+                    rel = obj["Key"][len(start):]
+                    if rel and not rel.endswith("/"):  # a key ending in "/" is a folder marker, not a file
+                        out[rel] = int(obj["Size"])
         except Exception as e:  # botocore raises many kinds; one clear error names the URI
             raise DataError(f"{self.uri}: cannot list it: {e}") from e
+        for rel in out:
+            if not _plain_relative(rel):
+                raise DataError(f"{self.uri}: key {_quoted(rel)} is not a plain relative path (an empty, '.' or '..' "
+                                "part, a backslash or a NUL): its file would land outside the dataset's cache folder")
         return out
 
     def rel(self, path: str | Path) -> str:
