@@ -26,6 +26,7 @@ anything has been allocated.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Mapping
 
@@ -126,11 +127,31 @@ def _pack_default(obj):
     return obj
 
 
+# a dtype as numpy's `dtype.str` writes it ("<f4", "|u1", "<U7", "<M8[ns]"), or a type name ("float32"): no
+# commas or parentheses, which would make numpy build a structured or subarray dtype field by field
+_DTYPE_STR = re.compile(r"[<>|=]?[A-Za-z][A-Za-z0-9]{0,15}(\[[A-Za-z0-9]{1,8}\])?")
+
+
+def _dtype(obj) -> np.dtype:
+    """The dtype an ndarray or numpy scalar frame names; ProtocolError unless it is a plain type string of a kind
+    the protocol carries."""
+    name = obj[b"dtype"]
+    if not isinstance(name, str) or not _DTYPE_STR.fullmatch(name):
+        shown = repr(name[:40]) if isinstance(name, str) else type(name).__name__
+        raise ProtocolError(f"an ndarray's dtype must be a numpy type string such as '<f4' or '|u1', got {shown}")
+    try:
+        dtype = np.dtype(name)
+    except (TypeError, ValueError, OverflowError):
+        raise ProtocolError(f"an ndarray's dtype must be a numpy type string such as '<f4' or '|u1', got {name!r}") \
+            from None
+    if dtype.kind in "VOc":
+        raise ProtocolError(f"unsupported dtype {dtype}")
+    return dtype
+
+
 def _unpack_hook(obj):
     if b"__ndarray__" in obj:
-        dtype = np.dtype(obj[b"dtype"])
-        if dtype.kind in "VOc":
-            raise ProtocolError(f"unsupported dtype {dtype}")
+        dtype = _dtype(obj)
         if dtype.itemsize == 0:  # any shape fits zero bytes, and the copy would be one byte an element
             raise ProtocolError(f"unsupported dtype {dtype} (zero bytes an element)")
         shape, data = obj[b"shape"], obj[b"data"]
@@ -145,10 +166,7 @@ def _unpack_hook(obj):
                                 f"{size * dtype.itemsize:,} bytes; its data has {len(data):,}")
         return np.ndarray(buffer=data, dtype=dtype, shape=tuple(shape)).copy()
     if b"__npgeneric__" in obj:
-        dtype = np.dtype(obj[b"dtype"])
-        if dtype.kind in "VOc":
-            raise ProtocolError(f"unsupported dtype {dtype}")
-        return dtype.type(obj[b"data"])
+        return _dtype(obj).type(obj[b"data"])
     return obj
 
 

@@ -90,6 +90,9 @@ DRAIN_FACTOR = 2      # a frame over the size limit, up to this many times it, i
 MAX_HEAD_BYTES = 16 << 10  # an HTTP request's line and headers (websockets alone: 128 lines of 8 KiB)
 MAX_HEAD_LINES = 64        # its request line and header lines
 REFUSAL_LINGER_S = 1.0     # a connection refused at accept waits this long for its request, to be answered
+MAX_FRAGMENTS = 64         # fragments of one message, plus one per FRAGMENT_BYTES of it received so far: each
+FRAGMENT_BYTES = 1024      # fragment is kept as an object of ~100 bytes until the message ends, even an empty one
+MAX_UNREAD_BYTES = 1 << 20  # replies (pongs included) a client has not read; beyond, it is dropped
 
 
 class ServeError(RuntimeError):
@@ -256,10 +259,16 @@ class ServerStats:
             {"max": round(float(arr.max()), 2)}
 
 
-_SECRET_HEADERS = r"(?:proxy-)?authorization|cookie|set-cookie|x-api-key|x-auth-token|api-key"
+# headers that may carry a credential (a browser client can send its token only as a websocket subprotocol)
+_SECRET_HEADERS = (r"(?:proxy-)?authorization|cookie|set-cookie|x-api-key|x-auth-token|api-key|"
+                   r"sec-websocket-protocol")
 _REDACTIONS = (
-    # a request target's query string (?token=..., ?api_key=...), wherever a request line is quoted
-    (re.compile(r"\?[^\s\"']+"), "?<redacted>"),
+    # a request target's query string (?token=..., ?api_key=...) or fragment, wherever a request line is quoted
+    (re.compile(r"[?#]\S+"), "?<redacted>"),
+    # credentials in an absolute request target (http://user:token@host/)
+    (re.compile(r"//[^/\s@]*@"), "//<redacted>@"),
+    # a secret header's value quoted by a parse error ("invalid Sec-WebSocket-Protocol header: ...")
+    (re.compile(rf"(?i)(invalid (?:{_SECRET_HEADERS}) header):.*"), r"\1: <redacted>"),
     # a secret header, as websockets' debug lines write headers ("< Authorization: Api-Key ...")
     (re.compile(rf"(?i)\b({_SECRET_HEADERS})\s*:.*"), r"\1: <redacted>"),
     # a header websockets could not parse: its name or value may be a credential
@@ -274,6 +283,14 @@ def redact(text: str) -> str:
     for pattern, replacement in _REDACTIONS:
         text = pattern.sub(replacement, text)
     return text
+
+
+def printable(text: str) -> str:
+    """`text` as one log line: control characters (newlines included) escaped, so that what a client sent (a
+    session id, a request line) cannot start a line of its own."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class _OneLine(logging.LoggerAdapter):
@@ -309,7 +326,7 @@ class _OneLine(logging.LoggerAdapter):
                 err = err.__cause__
             if err is not None:
                 msg = f"{msg}: {type(err).__name__}: {err}"
-        return redact(str(msg)), kwargs
+        return printable(redact(str(msg))), kwargs
 
 
 class _HandshakeGate:
@@ -397,6 +414,10 @@ class PolicyServer:
             log.info(f"{peer} refused: missing or wrong token (HTTP 401)")
             return self._answer(connection, 401, "missing or wrong token: send 'Authorization: Api-Key <token>' "
                                                  "or 'Bearer <token>'\n")
+        bad = _non_ascii_handshake_header(request.headers)
+        if bad is not None:
+            log.info(f"{peer} refused: a non-ASCII {bad} header (HTTP 400)")
+            return self._answer(connection, 400, f"the {bad} header must be ASCII\n")
         if request.path == "/metadata":
             log.info(f"{peer} GET /metadata 200")
             return self._answer(connection, 200, json.dumps(self.policy.metadata, default=str) + "\n")
@@ -611,7 +632,7 @@ class PolicyServer:
             self.stats.errors += 1
         ms = (time.perf_counter() - t0) * 1e3
         line = f"{peer} {endpoint} session={(sid or '-')[:40]} {status} {ms:.1f}ms"
-        log.info(f"{line} {detail}".rstrip())
+        log.info(printable(f"{line} {detail}".rstrip()))
 
     async def serve(self, host: str, port: int, ready: threading.Event | None = None, stop: asyncio.Event | None = None,
                     bound: list | None = None, ssl=None):
@@ -660,15 +681,36 @@ def _connection_type(too_big: Callable[[int], str], max_bytes: int, refused: Cal
     `refused_http(connection, peer, status, reason)` logs them."""
     from websockets.asyncio.server import ServerConnection
     from websockets.exceptions import PayloadTooBig
+    from websockets.exceptions import ProtocolError as WsProtocolError
+    from websockets.frames import Opcode
     from websockets.protocol import State
     from websockets.server import ServerProtocol
+
+    class TooManyFragments(WsProtocolError):
+        pass
 
     class RefusingProtocol(ServerProtocol):
         refusal: str | None = None   # the reason a frame was refused, for the log
         read_to_end = False          # the refused frame is being (or was) read and thrown away
+        fragments = 0                # frames of the message being received
+
+        def recv_frame(self, frame) -> None:
+            if frame.opcode is Opcode.CONT:
+                self.fragments += 1
+                allowed = MAX_FRAGMENTS + (self.cur_size or 0) // FRAGMENT_BYTES
+                if self.fragments > allowed:
+                    raise TooManyFragments(f"a message in over {allowed} fragments ({self.cur_size or 0:,} bytes so "
+                                           f"far); send it in one frame, or in fragments of {FRAGMENT_BYTES} bytes "
+                                           "or more")
+            elif frame.opcode in (Opcode.TEXT, Opcode.BINARY):
+                self.fragments = 1
+            super().recv_frame(frame)
 
         def fail(self, code: int, reason: str = "") -> None:
-            exc = sys.exc_info()[1]  # called by parse() while it handles PayloadTooBig
+            exc = sys.exc_info()[1]  # called by parse() while it handles PayloadTooBig (or TooManyFragments)
+            if isinstance(exc, TooManyFragments) and self.state is State.OPEN:
+                self.refusal = str(exc)
+                return super().fail(CLOSE_TOO_BIG, _close_reason(self.refusal))
             size = getattr(exc, "size", None) if isinstance(exc, PayloadTooBig) else None
             if code != CLOSE_TOO_BIG or not isinstance(size, int) or self.state is not State.OPEN:
                 return super().fail(code, reason)
@@ -756,6 +798,13 @@ def _connection_type(too_big: Callable[[int], str], max_bytes: int, refused: Cal
 
         def _received(self, data: bytes) -> None:
             super().data_received(data)
+            unread = self.transport.get_write_buffer_size()
+            if unread > MAX_UNREAD_BYTES and not self.transport.is_closing():
+                # what it sent (pings, requests) is answered into memory the client never drains
+                log.info(f"{_peer(self)} dropped: {unread:,} bytes of replies unread (at most "
+                         f"{MAX_UNREAD_BYTES:,}); a client must read what the server sends")
+                self.transport.abort()
+                return
             sent = self.protocol.close_sent
             if sent is None or sent.code != CLOSE_TOO_BIG:
                 return
@@ -781,6 +830,16 @@ def _connection_type(too_big: Callable[[int], str], max_bytes: int, refused: Cal
             super().connection_lost(exc)
 
     return Connection
+
+
+def _non_ascii_handshake_header(headers) -> str | None:
+    """The name of a websocket handshake header (Upgrade, Connection, Sec-WebSocket-*) whose value is not ASCII,
+    or None: websockets would fail on it while writing its own 400 answer, and answer nothing."""
+    for name, value in headers.raw_items():
+        lower = name.lower()
+        if (lower in ("upgrade", "connection") or lower.startswith("sec-websocket-")) and not value.isascii():
+            return name
+    return None
 
 
 def _close_reason(text: str) -> str:
