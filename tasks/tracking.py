@@ -745,7 +745,14 @@ def pinned_registered_bundle(uri: str, params_file: str | Path = "params.yaml",
             import mlflow
 
             mlflow.artifacts.download_artifacts(artifact_uri=source, tracking_uri=registry, dst_path=str(tmp))
-            os.replace(tmp, dest)
+            try:
+                os.replace(tmp, dest)
+            except OSError:
+                if not dest.is_dir():
+                    raise
+                # another `dz serve` downloaded this version at the same time and put it there first: its copy
+                # is pinned below like any cached one
+                shutil.rmtree(tmp, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

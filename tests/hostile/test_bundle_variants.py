@@ -208,3 +208,39 @@ def test_a_link_inside_the_model_folder_to_its_own_file_is_packaged_as_a_copy(mo
     copy = bundle / "model" / "tokenizer" / "copy.json"
     assert not copy.is_symlink() and copy.read_bytes() == (hf / "tokenizer" / "tokenizer.json").read_bytes()
     assert package.verify_package(bundle) > 5
+
+
+# --- `dz serve models:/...`: servers started together download the version once -----------------------------
+
+
+def _resolve(args) -> str:
+    from tasks.tracking import pinned_registered_bundle
+
+    uri, cache = args
+    try:
+        path, _ = pinned_registered_bundle(uri, cache_dir=cache)
+        return "ok" if (Path(path) / "MANIFEST").is_file() else f"no MANIFEST at {path}"
+    except BaseException as exc:  # noqa: BLE001  every failure is counted, whatever its kind
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_servers_started_together_on_one_registry_version_all_resolve_it(tmp_path, monkeypatch):
+    from tests.hostile.test_registry_hostile import NAME, project, register  # noqa: F401
+
+    from dzmodel.config import StagePaths, load_params
+    from tasks.tracking import Tracker
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("DZ_BUNDLE_ROOTS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    prof = load_params(tmp_path / "params.yaml").selected("demo")
+    paths = StagePaths(tmp_path, "demo")
+    env = (tmp_path, prof, paths, Tracker.start(prof, "demo", paths))
+    version, _ = register(env, "dreamzero-demo-7")
+    failures = []
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        for round_ in range(4):
+            job = (f"models:/{NAME}/{version}", tmp_path / f"cache{round_}")
+            failures += [r for r in pool.map(_resolve, [job] * 4) if r != "ok"]
+    assert failures == []
