@@ -1,7 +1,8 @@
 """The wire format of the policy server, as openpi's and RoboArena's clients speak it.
 
 Frames are msgpack with numpy arrays in openpi_client's msgpack_numpy layout: an array travels as
-{b"__ndarray__": True, b"data": raw bytes, b"dtype": dtype.str, b"shape": shape} (bytes keys); object, void
+{b"__ndarray__": True, b"data": raw bytes, b"dtype": dtype.str, b"shape": shape} (bytes keys); the dtype
+must be such a plain type string (no structured or subarray dtype, which numpy builds field by field); object, void
 and complex dtypes are refused, so nothing is ever unpickled.
 
 A request is a map of observation fields named by the embodiment's `serve:` keys (embodiments.yaml), plus

@@ -29,6 +29,9 @@
     (protocol.FrameLimits), checked before anything is decoded (1008), so a small frame cannot decode into
     gigabytes; decoding runs on a small thread pool, off the event loop;
   - two frames queue per connection beyond the one being handled; then reading stops (TCP backpressure);
+  - a message in more than MAX_FRAGMENTS fragments plus one per FRAGMENT_BYTES of it is refused (1009): each
+    fragment is kept until the message ends, even an empty one; a client with over MAX_UNREAD_BYTES of replies
+    unread (pongs of its pings, answers) is dropped;
   - connections being opened, counted from TCP accept before anything is read: at most `max_connections` whose
     HTTP upgrade request is still coming (`max_connections_per_client` per address, loopback as below) and
     2x `max_connections` open in all; beyond, HTTP 503 ("server full: ..." / "too many connections from ...").
@@ -47,8 +50,10 @@
     background thread, even mid-episode.
 - One access-log line per request; a health check is one line (`GET /healthz 200`); a port probe or a failed
   handshake is one line, never a traceback; a wrong or non-ASCII token is one `HTTP 401` line. No credential is
-  ever logged: websockets' own lines (a bad request line, a bad header, its debug lines) have query strings and
-  credentials replaced by `<redacted>` (`redact`).
+  ever logged: websockets' own lines (a bad request line, a bad header, its debug lines) have query strings,
+  fragments, URL credentials and credential headers (Sec-WebSocket-Protocol included) replaced by `<redacted>`
+  (`redact`); control characters in a logged value (a session id) are escaped, so no client starts a log line.
+  A non-ASCII Upgrade, Connection or Sec-WebSocket-* header is an HTTP 400.
 - Inference runs in a worker thread behind one lock, so the event loop keeps answering health checks and pings.
 - Dynamic batching (`max_batch` > 1, off by default): requests of different sessions that arrive within
   `batch_window_ms` of each other are solved in one batched forward (`batching.DynamicBatcher`); `server_timing`
