@@ -30,6 +30,7 @@ import numpy as np
 
 from dzmodel.data.errors import DataError
 from dzmodel.data.remote import S3Mirror, is_remote
+from dzmodel.schema import bounded_repr
 
 SUPPORTED_VERSIONS = ("v2.0", "v2.1", "v3.0")
 INFO_PATH = "meta/info.json"
@@ -435,7 +436,7 @@ def template_problem(template: str, fields: Sequence[str]) -> str | None:
             continue
         width = _WIDTH_SPEC.fullmatch(spec)
         if width is None or name == "video_key":
-            return (f"format spec {spec!r:.40} of {{{name}}}: only a width is supported, such as "
+            return (f"format spec {_short(repr(spec), 40)} of {{{name}}}: only a width is supported, such as "
                     "{episode_index:06d}" + (" (none on video_key)" if name == "video_key" else ""))
         digits = width.group(2).lstrip("0")
         if len(digits) > 2 or int(digits or 0) > MAX_TEMPLATE_WIDTH:
@@ -538,7 +539,7 @@ def _check_length(table: Path, episode: Any, length: Any) -> None:
     """An episode table's declared length: an integer in 0..MAX_EPISODE_LENGTH (nothing is sized by it before it
     is checked against the data parquet's rows, `LeRobotReader.length_problems`)."""
     if not (_is_int(length, 0) and length <= MAX_EPISODE_LENGTH):
-        raise DataError(f"{table}: episode {_short(str(episode), 40)}: length {_short(repr(length), 40)} must be an "
+        raise DataError(f"{table}: episode {_short(str(episode), 40)}: length {bounded_repr(length, 40)} must be an "
                         f"integer in 0..{MAX_EPISODE_LENGTH}")
 
 
@@ -573,23 +574,25 @@ def info_problems(info: Any) -> list[str]:
     problems = []
     fps = info.get("fps")
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not MIN_FPS <= fps <= MAX_FPS:
-        problems.append(f"fps: must be a number in [{MIN_FPS}, {MAX_FPS}], got {fps!r:.60}")
+        problems.append(f"fps: must be a number in [{MIN_FPS}, {MAX_FPS}], got {bounded_repr(fps, 60)}")
     for key in ("data_path", "video_path"):
         if key in info and not isinstance(info[key], str) and not (key == "video_path" and info[key] is None):
-            problems.append(f"{key}: must be a path template string, got {info[key]!r:.60}")
+            problems.append(f"{key}: must be a path template string, got {bounded_repr(info[key], 60)}")
     for key, minimum in (("chunks_size", 1), ("total_episodes", 0), ("total_frames", 0)):
         if info.get(key) is not None and not _is_int(info[key], minimum):
-            problems.append(f"{key}: must be an integer >= {minimum}, got {info[key]!r:.60}")
+            problems.append(f"{key}: must be an integer >= {minimum}, got {bounded_repr(info[key], 60)}")
     features = info.get("features")
     if not isinstance(features, dict):
         return problems + [f"features: must be an object of features, got {type(features).__name__}"]
     for key, feature in features.items():
         if not isinstance(feature, dict) or not isinstance(feature.get("dtype"), str):
-            problems.append(f"features.{_short(key, 100)}: must be an object with a string 'dtype', got {feature!r:.60}")
+            problems.append(f"features.{_short(key, 100)}: must be an object with a string 'dtype', got "
+                            f"{bounded_repr(feature, 60)}")
             continue
         shape = feature.get("shape")  # LeRobot's own reader needs one on every feature
         if not (isinstance(shape, list) and all(_is_int(n, 0) for n in shape)):
-            problems.append(f"features.{_short(key, 100)}.shape: must be a list of integers >= 0, got {shape!r:.60}")
+            problems.append(f"features.{_short(key, 100)}.shape: must be a list of integers >= 0, got "
+                            f"{bounded_repr(shape, 60)}")
     return problems
 
 
@@ -707,23 +710,24 @@ class LeRobotReader:
         self.tasks = {}
         for n, row in _load_jsonl(tasks_path, MAX_TASKS):
             if not isinstance(row, dict) or "task_index" not in row or "task" not in row:
-                raise DataError(f"{tasks_path}:{n}: each line needs 'task_index' and 'task', got {_short(repr(row), 100)}")
+                raise DataError(f"{tasks_path}:{n}: each line needs 'task_index' and 'task', got "
+                                f"{bounded_repr(row, 100)}")
             if not (_is_int(row["task_index"], 0) and row["task_index"] <= MAX_INDEX):
                 raise DataError(f"{tasks_path}:{n}: task_index must be an integer in 0..{MAX_INDEX}, got "
-                                f"{_short(repr(row['task_index']), 40)}")
+                                f"{bounded_repr(row['task_index'], 40)}")
             if not isinstance(row["task"], str) or len(row["task"]) > MAX_TASK_CHARS:
                 raise DataError(f"{tasks_path}:{n}: task must be a string of at most {MAX_TASK_CHARS} characters, got "
-                                f"{_short(repr(row['task']), 40)}")
+                                f"{bounded_repr(row['task'], 40)}")
             self.tasks[row["task_index"]] = row["task"]
         ep_path = self.meta_file(V2_EPISODES_PATH)
         rows: dict[int, tuple] = {}
         for n, row in _load_jsonl(ep_path, MAX_EPISODES):
             if not isinstance(row, dict) or "episode_index" not in row or "length" not in row:
                 raise DataError(f"{ep_path}:{n}: each line needs 'episode_index' and 'length', got "
-                                f"{_short(repr(row), 100)}")
+                                f"{bounded_repr(row, 100)}")
             if not (_is_int(row["episode_index"], 0) and row["episode_index"] <= MAX_INDEX):
                 raise DataError(f"{ep_path}:{n}: episode_index must be an integer in 0..{MAX_INDEX}, got "
-                                f"{_short(repr(row['episode_index']), 40)}")
+                                f"{bounded_repr(row['episode_index'], 40)}")
             ep = int(row["episode_index"])
             _check_length(ep_path, ep, row["length"])
             tasks = row.get("tasks") or []
@@ -732,7 +736,7 @@ class LeRobotReader:
             if not (isinstance(tasks, list) and len(tasks) <= MAX_TASKS_PER_EPISODE
                     and all(isinstance(t, str) and len(t) <= MAX_TASK_CHARS for t in tasks)):
                 raise DataError(f"{ep_path}:{n}: tasks must be a list of at most {MAX_TASKS_PER_EPISODE} strings of at "
-                                f"most {MAX_TASK_CHARS} characters, got {_short(repr(row.get('tasks')), 60)}")
+                                f"most {MAX_TASK_CHARS} characters, got {bounded_repr(row.get('tasks'), 60)}")
             chunk = ep // self.chunks_size
             fmt = dict(episode_chunk=chunk, episode_index=ep, chunk_index=chunk)
             try:

@@ -182,7 +182,7 @@ def data_files(root: Path, allow_outside: bool = False) -> list[Path]:
     files = []
     for path in sorted((root / "data").glob("**/*.parquet")):
         check_inside(root, path, allow_outside)
-        if file_kind_problem(path) is None:  # a FIFO or device named *.parquet is not data (and reading one never ends)
+        if file_kind_problem(path) is None:  # a FIFO or device named *.parquet is not data (reading one never ends)
             files.append(path)
     if not files:
         raise DataError(f"{root / 'data'}: no parquet data files")
