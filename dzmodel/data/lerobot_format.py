@@ -543,6 +543,24 @@ def _check_length(table: Path, episode: Any, length: Any) -> None:
                         f"integer in 0..{MAX_EPISODE_LENGTH}")
 
 
+def _check_indices(table: Path, col: dict[str, np.ndarray], names: Sequence[str]) -> None:
+    """Index columns of a v3.0 episode table (episode_index, chunk_index, file_index): whole numbers in 0..MAX_INDEX,
+    else a DataError naming the table, the column and the row (a NaN would turn into an arbitrary index)."""
+    for name in names:
+        values = col[name]
+        if values.dtype.kind == "b":
+            continue
+        if values.dtype.kind in "iu":
+            bad = np.flatnonzero((values < 0) | (values > MAX_INDEX))
+        else:
+            with np.errstate(invalid="ignore"):
+                v = values.astype(np.float64)
+                bad = np.flatnonzero(~((v >= 0) & (v < 2.0**63) & (v == np.floor(v))))
+        if bad.size:
+            raise DataError(f"{table}: {name}: row {int(bad[0])}: {values[bad[0]].item()!r} must be an integer in "
+                            f"0..{MAX_INDEX}")
+
+
 def _start_times(table: Path, name: str, col: dict[str, np.ndarray]) -> np.ndarray:
     """A v3.0 episode table's `from_timestamp` column as float64: every value a time in seconds in
     0..MAX_FROM_TIMESTAMP_S (a NaN or an infinity would stop training at its first frame), else a DataError naming
@@ -811,6 +829,7 @@ class LeRobotReader:
                 raise DataError(f"{f}: tasks: {_leaf_values(f, 'tasks')} task texts; at most {MAX_TASKS} in all")
             t = read_parquet(f, columns=need + (["tasks"] if "tasks" in names else []))
             col = {c: _column_to_numpy(t.column(c), f"{f}: {c}") for c in need}
+            _check_indices(f, col, [c for c in need if c.endswith(("episode_index", "chunk_index", "file_index"))])
             for value, ep in _bad_lengths(col["length"], col["episode_index"]):
                 _check_length(f, ep, value)
             parts["index"].append(col["episode_index"].astype(np.int64))

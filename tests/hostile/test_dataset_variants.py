@@ -218,3 +218,23 @@ def test_an_s3_key_that_leaves_the_dataset_is_refused_before_any_download(v30, t
         remote.S3Mirror("s3://bucket/lake/ds", cache_dir=cache)
     written = [p for p in tmp_path.rglob("escaped.txt")]
     assert not written and not (cache / "bucket").exists()
+
+
+# ---------------------------------------------------------------- index columns of a v3.0 episode table
+
+
+@pytest.mark.parametrize("column, value", [("episode_index", float("nan")), ("episode_index", -1.0),
+                                           ("data/chunk_index", float("nan")), ("data/file_index", 2.5)])
+def test_an_index_that_is_not_a_whole_number_is_one_error(v30, column, value, capsys):
+    """A float index column holding a NaN would be cast to an arbitrary index (with numpy's warning printed first)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = v30 / "meta/episodes/chunk-000/file-000.parquet"
+    table = pq.read_table(path)
+    values = table[column].to_numpy().astype(np.float64)
+    values[1 if column == "episode_index" else 0] = value
+    pq.write_table(table.set_column(table.column_names.index(column), column, pa.array(values)), path)
+    assert main(["data", "check", str(v30)]) == 2
+    line = _one_error(capsys)
+    assert f"file-000.parquet: {column}: row" in line and "must be an integer" in line, line
