@@ -601,14 +601,13 @@ def _present_files(root: Path, limit: int = ExtractLimits.max_members) -> set[st
                 if seen > limit + MAX_FOLDERS:
                     raise PackageError(f"{shown(root)}: more than {limit + MAX_FOLDERS} files and folders; a bundle "
                                        f"holds at most {limit} files; refused")
-                path = Path(entry.path)
-                mode = entry.stat(follow_symlinks=False).st_mode
-                if stat.S_ISLNK(mode):
+                path = Path(entry.path)  # the entry's kind comes with its name: no stat call per file
+                if entry.is_symlink():
                     raise PackageError(f"{shown(path)}: a symbolic link inside the bundle folder; a bundle holds "
                                        "plain files only (copy it with `cp -rL` to resolve its links); refused")
-                if stat.S_ISREG(mode):
+                if entry.is_file(follow_symlinks=False):
                     present.add(path.relative_to(root).as_posix())
-                elif stat.S_ISDIR(mode):
+                elif entry.is_dir(follow_symlinks=False):
                     folders.append(path)
                 else:
                     raise PackageError(f"{shown(path)}: not a regular file inside the bundle folder; refused")

@@ -142,10 +142,10 @@ def test_a_bundle_folder_of_very_many_files_is_refused_without_listing_them_all(
         junk.mkdir(parents=True)
         for i in range(1000):
             (junk / str(i)).touch()
-    start = time.perf_counter()
+    start = time.process_time()  # the CPU time the refusal costs, whatever else this machine runs
     with pytest.raises(PackageError, match="at most 20000 files"):
         load_package(root, copy_to=tmp_path / "private")
-    assert time.perf_counter() - start < 1
+    assert time.process_time() - start < 1
 
 
 # --- the model folder `dz package` copies ------------------------------------------------------------------
