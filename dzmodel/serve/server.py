@@ -39,7 +39,8 @@
     431, and must arrive within `handshake_timeout_s` (5 s, TLS handshake included), else the connection is
     closed; so unauthenticated half-sent handshakes hold a bounded slot and memory (`_HandshakeGate`);
   - `max_connections`, and `max_connections_per_client` per remote address (1013); `max_sessions_per_client`
-    sessions per remote address (1013). Loopback clients are capped by neither unless `cap_loopback`: they are
+    sessions per remote address (1013); an IPv6 address counts as its /64 (`client_key`). Loopback clients are
+    capped by neither unless `cap_loopback`: they are
     this host's own processes (which could take every connection anyway), or a reverse proxy or SSH tunnel whose
     clients all share its address (limit per client there, e.g. nginx's limit_conn);
   - idle timeout: a connection that sends no request for `idle_timeout_s` is closed (1001). It counts only the
@@ -859,7 +860,25 @@ def _peer(ws) -> str:
 
 def _client(ws) -> str:
     addr = getattr(ws, "remote_address", None)
-    return str(addr[0]) if addr else "?"
+    return client_key(str(addr[0])) if addr else "?"
+
+
+def client_key(host: str) -> str:
+    """The address that the per-client caps count: an IPv4 address as it is (also when it arrives IPv4-mapped, on a
+    server bound to `::`), and an IPv6 address's /64 network, since one host holds a whole /64 and may connect from
+    any address in it. Loopback stays itself."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        if not ip.is_loopback:
+            return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 def _is_loopback(address: str) -> bool:

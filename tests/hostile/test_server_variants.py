@@ -171,3 +171,21 @@ def test_a_non_ascii_handshake_header_is_a_400_with_one_line(header, serve_log):
     assert answer.startswith(b"HTTP/1.1 400"), answer[:80]
     assert len(_lines(serve_log, "non-ASCII")) == 1
     assert not _lines(serve_log, "internal error|Traceback")
+
+
+class _FakeWs:
+    def __init__(self, host):
+        self.remote_address = (host, 40000, 0, 0) if ":" in host else (host, 40000)
+
+
+def test_an_ipv6_host_counts_as_its_64_network_for_the_per_client_caps():
+    """One IPv6 host holds a whole /64 and can connect from a fresh address each time: the caps count the /64.
+    An IPv4-mapped address (a server bound to `::`) counts as the IPv4 address, so a local client stays loopback."""
+    from dzmodel.serve.server import _client, _is_loopback
+
+    same = {_client(_FakeWs(f"2001:db8:1:2::{i:x}")) for i in range(1, 40)} | {_client(_FakeWs("2001:db8:1:2:ffff::1%eth0"))}
+    assert same == {"2001:db8:1:2::/64"}
+    assert _client(_FakeWs("2001:db8:1:3::1")) != _client(_FakeWs("2001:db8:1:2::1"))
+    assert _client(_FakeWs("::ffff:192.0.2.7")) == _client(_FakeWs("192.0.2.7")) == "192.0.2.7"
+    assert _is_loopback(_client(_FakeWs("::ffff:127.0.0.1"))) and _is_loopback(_client(_FakeWs("::1")))
+    assert not _is_loopback(_client(_FakeWs("2001:db8::1")))
