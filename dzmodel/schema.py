@@ -350,7 +350,7 @@ def field_problems(obj: Any, path: str = "") -> list[str]:
 
 # What one YAML document may hold: a params.yaml, an embodiment file or a robot config has a few hundred to a few
 # thousand nodes, a handful of aliases (`<<: *base` merges) and a nesting of under ten levels.
-MAX_YAML_NODES = 200_000
+MAX_YAML_NODES = 50_000
 MAX_YAML_ALIASES = 1_000
 MAX_YAML_DEPTH = 64
 # A document's size (params.yaml is about 35 KB): PyYAML's pure-Python scanner costs about a second per MB.
@@ -386,6 +386,9 @@ def _yaml_classes() -> tuple[type, dict[tuple[bool, bool], type]]:
 
         def __init__(self, stream):
             super().__init__(stream)
+            self.start_counts()
+
+        def start_counts(self) -> None:
             self.counted_nodes = self.counted_aliases = self.depth = 0
             self.open_anchors: set[str] = set()
 
@@ -427,6 +430,25 @@ def _yaml_classes() -> tuple[type, dict[tuple[bool, bool], type]]:
                 self.depth -= 1
                 self.open_anchors.discard(anchor)
 
+        def flatten_mapping(self, node):
+            """PyYAML's merge (`<<: *base`) copies the keys of each merged mapping into the one that merges it: a
+            chain of merges, each adding a key to the one before, copies a quadratic number of keys from a short
+            document. Each copied key counts as a value of the document (MAX_YAML_NODES), counted before it is
+            copied."""
+            for key_node, value_node in node.value:
+                if key_node.tag != "tag:yaml.org,2002:merge":
+                    continue
+                merged = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for sub in merged:
+                    if not isinstance(sub, yaml.MappingNode):
+                        continue  # PyYAML refuses it
+                    self.flatten_mapping(sub)
+                    self.counted_nodes += len(sub.value)
+                    if self.counted_nodes > MAX_YAML_NODES:
+                        raise refuse(node, f"more than {MAX_YAML_NODES} values in one document, counting the keys "
+                                           "that merges (<<) copy")
+            super().flatten_mapping(node)
+
     def checked_number(construct):
         """`construct` (PyYAML's int or float builder) for a number of at most MAX_YAML_NUMBER_CHARS characters,
         written in decimal, hex, octal or binary: a sexagesimal one (`1:30`, YAML 1.1's 90) is refused."""
@@ -446,10 +468,33 @@ def _yaml_classes() -> tuple[type, dict[tuple[bool, bool], type]]:
     BoundedLoader.add_constructor("tag:yaml.org,2002:int", checked_number(yaml.SafeLoader.construct_yaml_int))
     BoundedLoader.add_constructor("tag:yaml.org,2002:float", checked_number(yaml.SafeLoader.construct_yaml_float))
 
+    base = BoundedLoader
+    if yaml.__with_libyaml__:
+        from yaml._yaml import CParser
+        from yaml.composer import Composer
+        from yaml.constructor import SafeConstructor
+        from yaml.resolver import Resolver
+
+        class LibyamlBoundedLoader(CParser, BoundedLoader):
+            """BoundedLoader whose text is scanned and parsed by libyaml (C; PyYAML's own scanner takes about a
+            second per 10,000 values); the nodes are still composed, counted and built by BoundedLoader."""
+
+            def __init__(self, stream):
+                CParser.__init__(self, stream)
+                Composer.__init__(self)
+                SafeConstructor.__init__(self)
+                Resolver.__init__(self)
+                self.start_counts()
+
+            # CParser composes nodes in C, past the limits: the nodes come from PyYAML's composer instead
+            get_single_node, get_node, check_node = Composer.get_single_node, Composer.get_node, Composer.check_node
+
+        base = LibyamlBoundedLoader
+
     loaders: dict[tuple[bool, bool], type] = {}
     for yaml12 in (False, True):
         for aliases in (True, False):
-            cls = type(f"BoundedLoader{'12' if yaml12 else ''}{'' if aliases else 'NoAliases'}", (BoundedLoader,),
+            cls = type(f"BoundedLoader{'12' if yaml12 else ''}{'' if aliases else 'NoAliases'}", (base,),
                        {"allow_aliases": aliases})
             if yaml12:
                 cls.add_implicit_resolver("tag:yaml.org,2002:float", YAML12_FLOAT, list("-+0123456789."))
@@ -497,5 +542,11 @@ def load_yaml(source: str | os.PathLike, *, yaml12_numbers: bool = False, aliase
         return yaml.load(text, Loader=loaders[(bool(yaml12_numbers), bool(aliases))])  # noqa: S506 - a SafeLoader
     except RecursionError:
         raise limit_error("nested too deeply") from None
+    except yaml.MarkedYAMLError as exc:  # libyaml's own cap on nesting (1,000 levels), worded as ours
+        if "maximum nesting depth" not in str(exc.problem):
+            raise
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise limit_error(f"{where}nested deeper than {MAX_YAML_DEPTH} levels") from None
     except (ValueError, OverflowError, TypeError) as exc:  # raised while building a scalar
         raise limit_error(f"a value YAML cannot build: {(str(exc).splitlines() or [''])[0][:200]}") from None

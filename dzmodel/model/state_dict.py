@@ -30,6 +30,8 @@ DREAMZERO_PREFIX = "action_head.model."
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+# config.json and the safetensors index are kilobytes (a 14B model's index: about 100 KB)
+MAX_JSON_BYTES = 16 * 2**20
 
 # Keys a DreamZero model has that a WAN DiT checkpoint lacks (randomly initialised at cold start).
 DREAMZERO_ONLY = re.compile(r"^(action_encoder|action_decoder|state_encoder)\.")
@@ -101,15 +103,9 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         if name.endswith(".safetensors"):
             return load_file(str(path))
         if name.endswith(".json"):
-            index = json.loads(path.read_text())
-            if "weight_map" not in index:
-                raise StateDictError(f"{path}: not a safetensors index (no 'weight_map')")
             state: dict[str, torch.Tensor] = {}
-            for shard in sorted(set(index["weight_map"].values())):
-                shard_path = path.parent / shard
-                if not shard_path.is_file():
-                    raise FileNotFoundError(f"{path}: shard {shard} listed in the index is missing")
-                state.update(load_file(str(shard_path)))
+            for shard in _index_shards(path):
+                state.update(load_file(str(path.parent / shard)))
             return state
         if name.endswith((".pth", ".pt", ".bin")):
             obj = torch.load(str(path), map_location="cpu", weights_only=True)
@@ -125,6 +121,37 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     except (RuntimeError, pickle.UnpicklingError) as exc:  # torch.load: bad zip, or a pickle weights_only refused
         raise StateDictError(f"{path}: cannot read with torch.load(weights_only=True): {exc}") from exc
     raise StateDictError(f"{path}: unsupported weight file type (want .safetensors, .safetensors.index.json, .pth)")
+
+
+def _small_json(path: Path, what: str):
+    """A small JSON file (a config or an index: kilobytes; at most MAX_JSON_BYTES)."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise StateDictError(f"{path}: larger than the {MAX_JSON_BYTES // 2**20} MiB {what} may hold")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, nesting
+        raise StateDictError(f"{path}: not valid JSON: {str(exc)[:200]}") from None
+
+
+def _index_shards(path: Path) -> list[str]:
+    """The shard files a safetensors index names: plain file names beside the index, each a regular file there."""
+    index = _small_json(path, "a safetensors index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise StateDictError(f"{path}: not a safetensors index (no 'weight_map' mapping of tensor names to files)")
+    shards = set()
+    for key, shard in weight_map.items():
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in (".", "..") or "\\" in shard:
+            raise StateDictError(f"{path}: weight_map.{str(key)[:100]}: a shard must be a file name beside the "
+                                 f"index, got {str(shard)[:100]!r}")
+        shards.add(shard)
+    for shard in sorted(shards):
+        shard_path = path.parent / shard
+        if not shard_path.is_file():  # a FIFO or a device is never opened
+            raise FileNotFoundError(f"{path}: shard {shard} listed in the index is missing")
+    return sorted(shards)
 
 
 def strip_prefix(state: dict[str, torch.Tensor], prefix: str = DREAMZERO_PREFIX) -> dict[str, torch.Tensor]:
@@ -196,10 +223,7 @@ def read_config(model_dir: str | Path) -> WanDiTArgs:
     path = Path(model_dir) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir}: no {CONFIG_NAME} (not a DreamZero model directory)")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise StateDictError(f"{path}: not valid JSON: {exc}") from None
+    config = _small_json(path, "a model config")
     if not isinstance(config, dict):
         raise StateDictError(f"{path}: expected a mapping of the model class and its args")
     args = config.get("args", config)

@@ -14,8 +14,12 @@ Loading runs no code from the checkpoint. DCP's `.metadata` is a pickle, and its
 optimizer's hyperparameters) are `torch.save` pickles that DCP would load with `weights_only=False`: here the
 metadata goes through an unpickler that admits only DCP's own record classes, torch sizes, dtypes and layouts,
 and the items through `torch.load(weights_only=True)`. Anything else is a CheckpointError naming the file.
+The metadata is read whole (at most MAX_METADATA_BYTES) by Python's own unpickler, whose memo is a mapping: an
+index written in the file allocates nothing, where the C unpickler sizes an array by it (13 bytes asking for 64 GiB).
 A shard file (`__<rank>_0.distcp`) that is missing, shorter than the metadata says or unreadable is a
-CheckpointError naming that file, checked before and while each file is read.
+CheckpointError naming that file, checked before and while each file is read; so is a damaged
+`trainer_state.json` or RNG file, and any of these files that is not a regular file (a FIFO is never opened for
+reading).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import pathlib
 import pickle
 import re
 import shutil
+import stat
 import tempfile
 import warnings
 from contextlib import contextmanager
@@ -51,13 +56,17 @@ from ..atomic import NEW_DIR_MODE
 
 STEP_DIR = re.compile(r"^step_(\d{7})$")
 MARKER = "COMPLETE"
+# DCP's metadata lists every saved tensor's chunks: a few MB for a 14B model sharded over many ranks.
+MAX_METADATA_BYTES = 256 * 2**20
+# trainer_state.json: the step, the samples consumed and the run's config (a few KB).
+MAX_TRAINER_STATE_BYTES = 16 * 2**20
 
 
 class CheckpointError(ValueError):
     """A checkpoint that must not be loaded; the message names the file."""
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):  # noqa: SLF001 - Python's own: a memo mapping
     """DCP's metadata records and the torch values inside them, nothing else: a class or function from any
     other place (os.system, builtins.eval, a gadget in some installed package) is refused before it is called."""
 
@@ -90,12 +99,55 @@ class _MetadataUnpickler(pickle.Unpickler):
         return found
 
 
+def read_regular_file(path: Path, max_bytes: int, what: str) -> bytes:
+    """The bytes of `path`, a regular file of at most `max_bytes` bytes; FileNotFoundError if it is absent, else
+    CheckpointError naming it (a FIFO, a device or a directory is refused without waiting on it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path}: the {what} is not a regular file")
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+    if len(data) > max_bytes:
+        raise CheckpointError(f"{path}: the {what} is larger than the {max_bytes // 2**20} MiB it may hold")
+    return data
+
+
+def read_trainer_state(ckpt: Path) -> dict:
+    """A checkpoint's trainer_state.json: a mapping whose `step` is a count, whose `config`, if any, is a mapping
+    and whose `workdir`, if any, is a path; else a CheckpointError naming the file."""
+    path = Path(ckpt) / "trainer_state.json"
+    data = read_regular_file(path, MAX_TRAINER_STATE_BYTES, "trainer state")
+    try:
+        state = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{path}: not valid JSON ({_brief(exc)})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: expected a mapping of the step and the run's config, got "
+                              f"{type(state).__name__}")
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+        raise CheckpointError(f"{path}: step: expected a count of steps, got {str(step)[:40]}")
+    for key, kind in (("config", dict), ("workdir", str), ("base", dict), ("samples", int)):
+        if state.get(key) is not None and not isinstance(state[key], kind):
+            raise CheckpointError(f"{path}: {key}: expected {'a mapping' if kind is dict else 'a ' + kind.__name__}"
+                                  f", got {type(state[key]).__name__}")
+    return state
+
+
 def read_metadata_safely(path: Path) -> Metadata:
     """A DCP metadata file through `_MetadataUnpickler`; CheckpointError if it is crafted, torn or foreign."""
+    data = read_regular_file(path, MAX_METADATA_BYTES, "checkpoint metadata")
     try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f, path).load()
-    except (CheckpointError, FileNotFoundError):
+        metadata = _MetadataUnpickler(io.BytesIO(data), path).load()
+    except CheckpointError:
         raise
     except Exception as exc:  # truncated, or not a pickle at all
         raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: {exc})") from None
@@ -324,6 +376,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     if ema is not None:
         state["ema"] = ema
+    trainer_state = read_trainer_state(path)
     read_metadata_safely(path / ".metadata")  # refused here, before DCP would wrap the error in its own
     planner = SafeLoadPlanner(path)
     try:
@@ -337,7 +390,23 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     set_model_state_dict(model, state["model"], options=options)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
-    rng_file = path / f"rng_rank{_rank()}.safetensors"
-    rng = load_file(str(rng_file)) if rng_file.is_file() else {}
-    trainer_state = json.loads((path / "trainer_state.json").read_text())
-    return trainer_state, rng
+    return trainer_state, _read_rng(path / f"rng_rank{_rank()}.safetensors")
+
+
+def _read_rng(path: Path) -> dict[str, torch.Tensor]:
+    """A rank's RNG states (none if the file is absent); a damaged file is a CheckpointError naming it. torch's
+    generator state is a byte tensor (`torch.get_rng_state`); one of another type is refused here."""
+    if not path.exists():
+        return {}
+    if not path.is_file():
+        raise CheckpointError(f"{path}: the RNG states are not a regular file")
+    try:
+        rng = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: unreadable RNG states ({_brief(exc)})") from None
+    torch_state = rng.get("torch")
+    if torch_state is not None and (torch_state.dtype != torch.uint8 or
+                                    tuple(torch_state.shape) != tuple(torch.get_rng_state().shape)):
+        raise CheckpointError(f"{path}: torch: expected the byte tensor torch.get_rng_state() gives, got "
+                              f"{torch_state.dtype} {tuple(torch_state.shape)}")
+    return rng

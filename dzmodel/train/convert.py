@@ -34,7 +34,8 @@ from ..model.lora import apply_lora, lora_state, merge_lora, trainable_parameter
 from ..model.state_dict import save_dreamzero_dir, save_safetensors_atomic
 from ..model.wam import DreamZeroWAM
 from ..outputs import OutputError, check_output_dir, publish_dir
-from .checkpoint import MARKER, latest_checkpoint, list_checkpoints, load_checkpoint, safetensors_os_errors
+from .checkpoint import (MARKER, CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint,
+                         read_trainer_state, safetensors_os_errors)
 from .config import TrainConfig, located
 
 
@@ -110,8 +111,14 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes:
     `out` must be absent, empty or an earlier dz output; `overwrite` replaces any directory."""
     ckpt = Path(checkpoint)
     out = check_output_dir(out, overwrite=overwrite, command="convert")  # before the minutes of loading
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    given = TrainConfig.from_dict(state["config"])
+    state = read_trainer_state(ckpt)
+    if state.get("config") is None:
+        raise CheckpointError(f"{ckpt / 'trainer_state.json'}: no config (the run's TrainConfig) to convert with")
+    try:
+        given = TrainConfig.from_dict(state["config"], where="config")
+    except ValueError as exc:  # a SchemaError lists each bad field: one line here
+        problems = getattr(exc, "problems", None) or [str(exc)]
+        raise CheckpointError(f"{ckpt / 'trainer_state.json'}: {'; '.join(problems)[:1000]}") from None
     cfg = located(given, search_dirs(state, ckpt))  # the files; the model keeps the config as the run gave it
     check_carried_files(cfg, ckpt, state)
     if adapters_only and not cfg.lora.enabled:
