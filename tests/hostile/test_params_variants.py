@@ -9,6 +9,9 @@ import json
 import os
 import shutil
 import struct
+import threading
+import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -115,8 +118,31 @@ def test_a_metadata_pickle_whose_memo_index_asks_for_gigabytes_is_refused_in_lit
 def test_a_fifo_as_metadata_is_refused_without_waiting(tmp_path):
     path = tmp_path / ".metadata"
     os.mkfifo(path)
-    with pytest.raises(CheckpointError, match="not a regular file"):
-        read_metadata_safely(path)
+    with _writer_unblocks(path):
+        with pytest.raises(CheckpointError, match="not a regular file"):
+            read_metadata_safely(path)
+
+
+@contextmanager
+def _writer_unblocks(fifo: Path):
+    """While inside: a reader that opens `fifo` (and would wait there for a writer forever) gets a writer that
+    closes at once, so a test of code that opens it ends, with the reader's end-of-file, instead of hanging."""
+    done = threading.Event()
+
+    def writer():
+        while not done.is_set():
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO while no reader waits
+            except OSError:
+                time.sleep(0.05)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 # -- dz convert of a damaged checkpoint --
@@ -165,7 +191,9 @@ def test_dz_convert_of_a_damaged_trainer_state_or_rng_file_is_one_line(run, tmp_
     ckpt = latest_checkpoint(copy)
     do, expected = DAMAGES[damage]
     do(ckpt)
-    assert main(["convert", str(copy), "--out", str(tmp_path / "hf")]) != 0
+    fifo = ckpt / "trainer_state.json"
+    with _writer_unblocks(fifo) if fifo.is_fifo() else nullcontext():
+        assert main(["convert", str(copy), "--out", str(tmp_path / "hf")]) != 0
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert err.startswith("dz: error: ") and expected in err, err

@@ -76,25 +76,21 @@ def test_a_300_kib_sexagesimal_integer_is_refused_in_under_a_second(tmp_path):
     assert cpu < 1.0 and outcome.elapsed < 3.0, outcome.out
 
 
-@pytest.mark.parametrize("value", ["1:30", "-1:30", "1:30.5", "190:20:30", "!!int '1:30'"])
-def test_a_short_sexagesimal_number_is_refused_with_where_it_is(value, tmp_path):
+@pytest.mark.parametrize("value, word", [
+    *((v, "sexagesimal") for v in ("1:30", "-1:30", "1:30.5", "190:20:30", "!!int '1:30'")),
+    *((v, "100 characters") for v in ("9" * 200, "0x" + "f" * 200, "0b" + "1" * 200, "1." + "5" * 200,
+                                      "1" * 120 + ".0e5")),
+])
+def test_a_sexagesimal_or_over_long_number_in_params_is_refused_with_where_it_is(value, word, tmp_path):
     path = _params_with_steps(value, tmp_path)
     with pytest.raises(ParamsError) as caught:
         load_params(path)
-    _one_line(str(caught.value), str(path), "line ", "column ", "sexagesimal")
+    _one_line(str(caught.value), str(path), "line ", "column ", word)
 
 
 def test_quoted_colon_strings_and_ports_stay_strings():
     assert load_yaml("a: '1:30'\nb: host:5555\nc: 10.0.0.1:5555\nd: 12:345\n") == {
         "a": "1:30", "b": "host:5555", "c": "10.0.0.1:5555", "d": "12:345"}
-
-
-def test_an_embodiment_file_with_a_sexagesimal_number_is_one_error_line(tmp_path):
-    path = tmp_path / "robot.yaml"
-    path.write_text("my_robot:\n  control_hz: 1" + ":59" * 100_000 + "\n")
-    with pytest.raises(DataError) as caught:
-        load_embodiments([path])
-    _one_line(str(caught.value), str(path), "sexagesimal")
 
 
 # --- number length ----------------------------------------------------------------------------------------------
@@ -117,15 +113,6 @@ def test_a_4000_digit_hex_override_through_the_cli(capsys):
     assert rc != 0
     _one_line(err.splitlines()[-1], "train.steps", "100 characters")
     assert "4300" not in err
-
-
-@pytest.mark.parametrize("value", ["9" * 200, "0x" + "f" * 200, "0b" + "1" * 200, "1." + "5" * 200,
-                                   "1" * 120 + ".0e5"])
-def test_a_number_longer_than_100_characters_in_params_is_refused(value, tmp_path):
-    path = _params_with_steps(value, tmp_path)
-    with pytest.raises(ParamsError) as caught:
-        load_params(path)
-    _one_line(str(caught.value), str(path), "line ", "column ", "100 characters")
 
 
 def test_numbers_up_to_100_characters_still_load():
@@ -170,12 +157,16 @@ def test_load_yaml_caps_text_and_paths_and_the_cap_can_be_set(tmp_path):
     assert load_yaml(path) == {"a": 1}
 
 
-def test_an_embodiment_file_over_the_cap_is_one_error_line(tmp_path):
+@pytest.mark.parametrize("text, word", [
+    ("my_robot:\n  control_hz: 1" + ":59" * 100_000 + "\n", "sexagesimal"),
+    ("my_robot: {}\n# " + "x" * (2 * 1024 * 1024) + "\n", "MiB"),
+], ids=["sexagesimal", "over-the-cap"])
+def test_an_embodiment_file_with_a_slow_number_or_over_the_cap_is_one_error_line(tmp_path, text, word):
     path = tmp_path / "robot.yaml"
-    path.write_text("my_robot: {}\n# " + "x" * (2 * 1024 * 1024) + "\n")
+    path.write_text(text)
     with pytest.raises(DataError) as caught:
         load_embodiments([path])
-    _one_line(str(caught.value), str(path), "MiB")
+    _one_line(str(caught.value), str(path), word)
 
 
 # --- checkpoints ------------------------------------------------------------------------------------------------
@@ -194,15 +185,16 @@ def _users_dir(tmp_path: Path) -> Path:
     return victim
 
 
-def test_a_link_at_the_old_temporary_name_does_not_stop_a_save(tmp_path):
+@pytest.mark.parametrize("planted", ["step_0000010.tmp", "step_0000010"], ids=["temporary-name", "checkpoint-name"])
+def test_a_link_to_a_users_directory_is_replaced_not_followed(tmp_path, planted):
     victim = _users_dir(tmp_path)
     root = tmp_path / "run" / "checkpoints"
     root.mkdir(parents=True)
-    (root / "step_0000010.tmp").symlink_to(victim, target_is_directory=True)
+    (root / planted).symlink_to(victim, target_is_directory=True)
     final = _save(tmp_path / "run", 10)
     assert final == root / "step_0000010" and (final / "COMPLETE").is_file() and not final.is_symlink()
     assert latest_checkpoint(tmp_path / "run") == final
-    assert not os.path.lexists(root / "step_0000010.tmp")  # the link is swept, its target is not
+    assert not os.path.lexists(root / "step_0000010.tmp")  # a link is swept, its target is not
     assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
     assert (victim / "keep.txt").read_text() == "mine"
 
@@ -217,16 +209,6 @@ def test_a_file_or_a_link_to_a_file_at_a_temporary_name_is_swept(tmp_path):
     assert (_save(tmp_path / "run", 10) / "COMPLETE").is_file()
     assert not list(root.glob("*.tmp"))
     assert victim.read_text() == "mine"
-
-
-def test_a_link_at_the_checkpoint_name_is_replaced_not_followed(tmp_path):
-    victim = _users_dir(tmp_path)
-    root = tmp_path / "run" / "checkpoints"
-    root.mkdir(parents=True)
-    (root / "step_0000010").symlink_to(victim, target_is_directory=True)
-    final = _save(tmp_path / "run", 10)
-    assert not final.is_symlink() and (final / "COMPLETE").is_file()
-    assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
 
 
 def test_a_torn_temporary_is_never_a_checkpoint_and_is_swept_by_the_next_save(tmp_path):
