@@ -64,7 +64,7 @@ class RecordParams:
     """fetch.source "libero": demonstrations recorded in simulation by the scripted expert (`dz data record libero`)."""
     suite: Literal["object", "spatial", "goal", "10"] = "object"
     tasks: list[int] | None = field(default=None, metadata={"min": 0})  # task indices; null = every task of the suite
-    episodes: int = field(default=10, metadata={"min": 1})  # expert attempts per task; successes are kept
+    episodes: int = field(default=10, metadata={"min": 1, "max": 10_000})  # expert attempts per task; successes are kept
     # standard: the evaluation's init states; perturbed: shifted by [min_shift_m, max_shift_m]; sampled: fresh draws
     # from the task's init distribution. perturbed and sampled keep min_shift_m from every standard init state.
     init: Literal["standard", "perturbed", "sampled"] = "standard"
@@ -81,7 +81,7 @@ class RecordParams:
     image_size: int = field(default=256, metadata={"min": 32, "max": 1024})
     workers: int = field(default=2, metadata={"min": 0, "max": 256})  # env processes; 0: one per CPU core
     codec: Literal["libsvtav1", "libx264"] = "libsvtav1"  # libx264 also decodes with OpenCV (the GPU image)
-    gop: int = field(default=2, metadata={"min": 1})  # keyframe interval; longer = smaller files, slower seeks
+    gop: int = field(default=2, metadata={"min": 1, "max": 1000})  # keyframe interval; longer = smaller files, slower seeks
 
     def __post_init__(self) -> None:
         _check_suite_tasks(self.tasks, self.suite, "record.tasks")
@@ -94,8 +94,8 @@ class FetchParams:
     source: str = "synthetic"  # a hub dataset repo id, a local LeRobot directory, "synthetic" or "libero" (recorded)
     revision: str | None = None  # required for hub ids: a commit sha or tag
     allow: list[str] = field(default_factory=list)  # hub allow-patterns, e.g. ['meta/*', 'data/*', 'videos/*']
-    synth_episodes: int = field(default=8, metadata={"min": 1})
-    synth_length: int = field(default=96, metadata={"min": 16})
+    synth_episodes: int = field(default=8, metadata={"min": 1, "max": 100_000})
+    synth_length: int = field(default=96, metadata={"min": 16, "max": 100_000})
     # walk: random walks (not predictable from a frame); orbit: actions a policy can learn (dzmodel/data/synth.py)
     synth_motion: Literal["walk", "orbit"] = "walk"
     # the layout: LIBERO's two views (8-dim state, 7-dim action), DROID's three views and 14/21-dim columns, or a
@@ -126,15 +126,15 @@ class VisionParams:
     with real WAN weights."""
     enabled: bool = False
     steps: int = field(default=2000, metadata={"min": 1})
-    batch_size: int = field(default=8, metadata={"min": 1})
+    batch_size: int = field(default=8, metadata={"min": 1, "max": 1 << 16})
     lr: float = field(default=1e-3, metadata=LEARNING_RATE)
-    clip_frames: int = field(default=5, metadata={"min": 1})  # 1 + 4k frames of the SFT windows
+    clip_frames: int = field(default=5, metadata={"min": 1, "max": 1024})  # 1 + 4k frames of the SFT windows
     kl_weight: float = field(default=1e-5, metadata={"min": 0, "max": 10})  # KL to N(0, I); 0: a plain autoencoder
     # the reconstruction is measured on the last N episodes (never trained on; train.heldout_episodes' too)
     heldout_episodes: int = field(default=1, metadata={"min": 1})
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when there is one
     num_workers: int = field(default=0, metadata={"min": 0, "max": 256})
-    frame_cache_mib: int = field(default=0, metadata={"min": 0})  # per loader process (dzmodel/data/dataset.py)
+    frame_cache_mib: int = field(default=0, metadata={"min": 0, "max": 1 << 20})  # per loader process (dzmodel/data/dataset.py)
     # the recording decoded once onto the device, clips gathered and augmented there (no loader workers)
     data_on_device: bool = False
     # on CUDA, each step's forward and backward replay as CUDA graphs (the same kernels, launched at once)
@@ -150,7 +150,7 @@ class VisionParams:
 class CacheParams:
     enabled: bool = False  # precompute the frozen encoders' outputs once; train reads them
     stride: int = field(default=1, metadata={"min": 1})
-    batch_size: int = field(default=8, metadata={"min": 1})
+    batch_size: int = field(default=8, metadata={"min": 1, "max": 1 << 16})
 
 
 @dataclass
@@ -165,7 +165,7 @@ class EvalParams:
     enabled: bool = True
     suite: Literal["spatial", "object", "goal", "10"] = "spatial"
     tasks: list[int] | None = field(default=None, metadata={"min": 0})  # task indices; null = every task of the suite
-    episodes: int = field(default=1, metadata={"min": 1})  # per task
+    episodes: int = field(default=1, metadata={"min": 1, "max": 10_000})  # per task
     max_steps: int | None = field(default=None, metadata={"min": 1})  # null = the suite's standard limit
     workers: int = field(default=2, metadata={"min": 0, "max": 256})  # env processes; 0: one per CPU core
     camera_size: int = field(default=128, metadata={"min": 16, "max": 1024})
@@ -178,7 +178,7 @@ class EvalParams:
     # all: every converted step (or `steps`); last: only the newest, fixed before any evaluation, and the final number
     # is its own (nothing picked; a third of pooling's episodes)
     checkpoints: Literal["all", "last"] = "all"
-    videos: int = field(default=2, metadata={"min": 0})
+    videos: int = field(default=2, metadata={"min": 0, "max": 1000})
     steps: list[int] | None = field(default=None, metadata={"min": 1})  # checkpoint steps; null = every saved one
     solver_steps: int = field(default=16, metadata={"min": 1, "max": 1000})
     cfg_scale: float = field(default=5.0, metadata={"min": 0, "max": 100})
@@ -192,7 +192,7 @@ class EvalParams:
     action_error_windows: int | None = field(default=None, metadata={"min": 1})  # at most this many windows
     # world-model previews (dzmodel/eval/previews.py): decoded predicted video of this many held-out windows per
     # converted step, beside the real frames (mp4s and a PNG grid); 0: none. Needs train.heldout_episodes.
-    previews: int = field(default=2, metadata={"min": 0})
+    previews: int = field(default=2, metadata={"min": 0, "max": 1000})
 
     def __post_init__(self) -> None:
         from .model.sampler import SolverConfig

@@ -154,11 +154,11 @@ def _start_fresh_if_changed(cfg, paths: StagePaths, log: Log) -> None:
     if out.exists() and any(out.iterdir()):
         old = json.loads(record.read_text()) if record.is_file() else None
         if old is None:
-            from ..train.checkpoint import latest_checkpoint
+            from ..train.checkpoint import latest_checkpoint, read_trainer_state
 
             ckpt = latest_checkpoint(out)
             state = ckpt / "trainer_state.json" if ckpt is not None else None
-            saved = json.loads(state.read_text()).get("config") if state is not None and state.is_file() else None
+            saved = read_trainer_state(ckpt).get("config") if state is not None and state.is_file() else None
             if saved is not None and _trajectory(saved) == inputs["config"]:
                 old = inputs  # started outside the pipeline with this very config: continue it
         if old == inputs:

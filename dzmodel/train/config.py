@@ -34,7 +34,7 @@ class TrainConfig:
     tokenizer: str | None = None            # local HF tokenizer dir (built offline for the tiny preset if missing)
     num_workers: int = field(default=0, metadata={"min": 0, "max": 256})
     # per loader process: keep decoded episodes in memory (0: decode per window)
-    frame_cache_mib: int = field(default=0, metadata={"min": 0})
+    frame_cache_mib: int = field(default=0, metadata={"min": 0, "max": 1 << 20})
     cache: str | None = None                # a `dz cache` directory: train from precomputed encoder outputs
     # the last N episodes of each dataset are never trained on (eval only)
     heldout_episodes: int = field(default=0, metadata={"min": 0})
@@ -52,17 +52,17 @@ class TrainConfig:
     video_decode: str = "cpu"
     # video_decode nvdec: threads that decode a micro-batch's files side by side (a GPU has several NVDEC engines).
     # 8: at the 5B DROID shape on an H200, 21.7-28.7 samples/s in five runs against 17.9-18.4 with 4 (performance.md)
-    nvdec_threads: int = field(default=8, metadata={"min": 1})
+    nvdec_threads: int = field(default=8, metadata={"min": 1, "max": 256})
     # data_on_device only. 0: the frozen encoders run on every micro-batch. K >= 1: before training, every window is
     # augmented K times and encoded once per copy, on the device; pass e over the data trains on copy e mod K. The
     # encoders then cost K passes instead of one per epoch (docs/training.md)
-    encoded_variants: int = field(default=0, metadata={"min": 0})
+    encoded_variants: int = field(default=0, metadata={"min": 0, "max": 64})
     # Sequence packing: each micro-batch's samples, which may differ in cameras, frame size, chunk count and action
     # and state dims (a mixture of embodiments), run as token sequences packed into buffers where each attends only
     # its own tokens and context; each sample's loss is the one it gets alone. pack_capacity: tokens per buffer
     # (0: one buffer holds the micro-batch)
     packing: bool = False
-    pack_capacity: int = field(default=0, metadata={"min": 0})
+    pack_capacity: int = field(default=0, metadata={"min": 0, "max": 1 << 24})
     # optimisation (reference §5.1)
     steps: int = field(default=100, metadata={"min": 1})
     # when set, the run's length in passes over the training windows (one per anchor frame): steps becomes
@@ -70,8 +70,8 @@ class TrainConfig:
     epochs: float | None = field(default=None, metadata={"gt": 0, "max": 1e6})
     # end this invocation after this step (schedule still spans `steps`)
     stop_at: int | None = field(default=None, metadata={"min": 1})
-    micro_batch: int = field(default=2, metadata={"min": 1})
-    global_batch: int = field(default=2, metadata={"min": 1})  # = micro_batch x world_size x accumulation
+    micro_batch: int = field(default=2, metadata={"min": 1, "max": 1 << 16})
+    global_batch: int = field(default=2, metadata={"min": 1, "max": 1 << 20})  # = micro_batch x world_size x accumulation
     lr: float = field(default=1e-5, metadata={"gt": 0, "max": 1.0})
     betas: tuple[float, float] = field(default=(0.95, 0.999), metadata={"min": 0, "lt": 1})
     eps: float = field(default=1e-8, metadata={"gt": 0, "max": 1.0})

@@ -27,6 +27,8 @@ from dzmodel.train.trainer import train
 from tests.hostile.guarded import run_guarded
 from tests.tiny_data import make_tabletop_data
 
+ROOT = Path(__file__).resolve().parents[2]
+
 MAX_SECONDS, MAX_GROWTH_MB = 2.0, 300
 
 
@@ -236,3 +238,28 @@ def test_an_index_of_shards_beside_it_still_loads(model_dir, tmp_path):
     shutil.copytree(model_dir, copy)
     (copy / INDEX_NAME).write_text(json.dumps({"weight_map": {"x": "model.safetensors"}}))
     assert load_dreamzero_dir(copy) is not None
+
+
+@pytest.mark.parametrize("section, key, limit", [
+    ("train", "micro_batch", 1 << 16), ("train", "global_batch", 1 << 20), ("train", "nvdec_threads", 256),
+    ("train", "encoded_variants", 64), ("train", "pack_capacity", 1 << 24), ("train", "frame_cache_mib", 1 << 20),
+    ("vision", "batch_size", 1 << 16), ("vision", "clip_frames", 1024), ("vision", "frame_cache_mib", 1 << 20),
+    ("cache", "batch_size", 1 << 16), ("eval", "previews", 1000), ("eval", "videos", 1000),
+    ("eval", "episodes", 10_000), ("fetch", "synth_episodes", 100_000), ("fetch", "synth_length", 100_000),
+    ("fetch.record", "episodes", 10_000), ("fetch.record", "gop", 1000),
+])
+def test_sizes_and_counts_that_become_allocations_have_an_upper_bound(section, key, limit):
+    """A batch, a thread or process count, a cache size or a number of episodes of 1e12 would be allocated (or
+    spawned) at run time: `dz params check` refuses it by field."""
+    from dzmodel.config import ParamsError, parse_params
+
+    def with_value(v):
+        raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+        node = raw["profiles"]["demo"]
+        for part in section.split("."):
+            node = node.setdefault(part, {})
+        node[key] = v
+        return raw
+
+    with pytest.raises(ParamsError, match=rf"profiles\.demo\.{section}\.{key}: must be in \[\d+, {limit}\], got {10**12}"):
+        parse_params(with_value(10**12), "params.yaml")
