@@ -30,6 +30,19 @@ def make_tabletop_data(root: Path, num_episodes: int = 3, episode_length: int = 
     return root
 
 
+def make_one_step_run(root: Path) -> Path:
+    """make_tabletop_data (2 episodes of 30 frames) and a one-step tiny training run with its DCP checkpoint at
+    root/run; returns root."""
+    from dzmodel.train.config import TrainConfig
+    from dzmodel.train.trainer import train
+
+    make_tabletop_data(root, num_episodes=2, episode_length=30)
+    train(TrainConfig(preset="tiny", datasets=[str(root / "ds")], embodiment="tabletop_pusher",
+                      embodiment_files=[str(root / "emb.yaml")], metadata=str(root / "meta.json"), steps=1,
+                      save_every=1, out_dir=str(root / "run"), progress=False))
+    return root
+
+
 # libero_sim at 32 px per view (LIBERO's 8-dim state and horizon 16): the vision stage's and the probe's tests, on
 # orbit scenes, where the block's position (state[0:3]) moves with the frames along the same circle every episode
 LIBERO32_EMBODIMENT = """

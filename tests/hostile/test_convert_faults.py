@@ -12,9 +12,7 @@ import torch
 
 from dzmodel.cli import main
 from dzmodel.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-from dzmodel.train.config import TrainConfig
-from dzmodel.train.trainer import train
-from tests.tiny_data import make_tabletop_data
+from tests.tiny_data import make_one_step_run
 
 # what safetensors raises when the disk fills up under it (its message, as measured on a full tmpfs)
 ENOSPC_MESSAGE = "Error while serializing: I/O error: No space left on device (os error 28)"
@@ -23,10 +21,7 @@ ENOSPC_MESSAGE = "Error while serializing: I/O error: No space left on device (o
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     """A tiny dataset and a one-step training run with its DCP checkpoint."""
-    root = make_tabletop_data(tmp_path_factory.mktemp("convert_faults"), num_episodes=2, episode_length=30)
-    train(TrainConfig(preset="tiny", datasets=[str(root / "ds")], embodiment="tabletop_pusher",
-                      embodiment_files=[str(root / "emb.yaml")], metadata=str(root / "meta.json"), steps=1,
-                      save_every=1, out_dir=str(root / "run"), progress=False))
+    root = make_one_step_run(tmp_path_factory.mktemp("convert_faults"))
     return root / "run"
 
 

@@ -13,7 +13,7 @@ from dzmodel.cli import main
 from dzmodel.train.config import TrainConfig
 from dzmodel.train.convert import convert_checkpoint, resolve_checkpoint
 from dzmodel.train.trainer import train
-from tests.tiny_data import make_tabletop_data
+from tests.tiny_data import make_one_step_run
 
 ROBOT = {"robot_ip": "172.16.0.2", "camera_serials": ["a", "b"], "target_ee_pose": [0.5, 0.0, 0.3, 3.14, 0.0, 0.0],
          "workspace_min": [0.2, -0.4, 0.05], "workspace_max": [0.8, 0.4, 0.6]}
@@ -22,10 +22,7 @@ ROBOT = {"robot_ip": "172.16.0.2", "camera_serials": ["a", "b"], "target_ee_pose
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """A tiny dataset, a one-step run and its conversion: real inputs for every command."""
-    root = make_tabletop_data(tmp_path_factory.mktemp("outputs"), num_episodes=2, episode_length=30)
-    train(TrainConfig(preset="tiny", datasets=[str(root / "ds")], embodiment="tabletop_pusher",
-                      embodiment_files=[str(root / "emb.yaml")], metadata=str(root / "meta.json"), steps=1,
-                      save_every=1, out_dir=str(root / "run"), progress=False))
+    root = make_one_step_run(tmp_path_factory.mktemp("outputs"))
     convert_checkpoint(resolve_checkpoint(root / "run"), root / "hf")
     (root / "robot.json").write_text(json.dumps(ROBOT))
     return root

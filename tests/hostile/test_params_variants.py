@@ -22,10 +22,8 @@ from dzmodel.cli import main
 from dzmodel.model.state_dict import INDEX_NAME, StateDictError, load_dreamzero_dir, save_dreamzero_dir
 from dzmodel.schema import load_yaml
 from dzmodel.train.checkpoint import CheckpointError, latest_checkpoint, read_metadata_safely
-from dzmodel.train.config import TrainConfig
-from dzmodel.train.trainer import train
 from tests.hostile.guarded import run_guarded
-from tests.tiny_data import make_tabletop_data
+from tests.tiny_data import make_one_step_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,16 +54,21 @@ def merge_chain(levels: int, width: int) -> str:
     return "\n".join(rows)
 
 
-def test_a_chain_of_merges_is_refused_quickly_in_little_memory(tmp_path):
-    path = tmp_path / "merges.yaml"
-    path.write_text(merge_chain(1000, 1000))  # 41 KB; a million keys copied
+def _load_refused_quickly(path: Path, *words: str) -> None:
+    """`load_yaml` of `path`, in a guarded process: refused with `words` in the message, quickly, in little memory."""
     _refused_quickly(f"""
         try:
             dzmodel.schema.load_yaml(__import__("pathlib").Path({str(path)!r}))
             print("ACCEPTED")
         except yaml.YAMLError as exc:
             print("REFUSED " + str(exc).replace(chr(10), " | "))
-        """, "values in one document", "merges (<<)")
+        """, *words)
+
+
+def test_a_chain_of_merges_is_refused_quickly_in_little_memory(tmp_path):
+    path = tmp_path / "merges.yaml"
+    path.write_text(merge_chain(1000, 1000))  # 41 KB; a million keys copied
+    _load_refused_quickly(path, "values in one document", "merges (<<)")
 
 
 def test_a_chain_of_merges_in_params_yaml_is_one_line(tmp_path, capsys):
@@ -83,13 +86,7 @@ def test_a_chain_of_merges_in_params_yaml_is_one_line(tmp_path, capsys):
 def test_a_large_document_of_small_values_is_refused_within_a_second_or_two(tmp_path, text):
     path = tmp_path / "many.yaml"
     path.write_text(text)
-    _refused_quickly(f"""
-        try:
-            dzmodel.schema.load_yaml(__import__("pathlib").Path({str(path)!r}))
-            print("ACCEPTED")
-        except yaml.YAMLError as exc:
-            print("REFUSED " + str(exc).replace(chr(10), " | "))
-        """, "values in one document")
+    _load_refused_quickly(path, "values in one document")
 
 
 def test_merges_and_documents_of_ordinary_size_still_load():
@@ -151,10 +148,7 @@ def _writer_unblocks(fifo: Path):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    root = make_tabletop_data(tmp_path_factory.mktemp("params_variants"), num_episodes=2, episode_length=30)
-    train(TrainConfig(preset="tiny", datasets=[str(root / "ds")], embodiment="tabletop_pusher",
-                      embodiment_files=[str(root / "emb.yaml")], metadata=str(root / "meta.json"), steps=1,
-                      save_every=1, out_dir=str(root / "run"), progress=False))
+    root = make_one_step_run(tmp_path_factory.mktemp("params_variants"))
     return root / "run"
 
 
