@@ -31,7 +31,8 @@
   - two frames queue per connection beyond the one being handled; then reading stops (TCP backpressure);
   - a message in more than MAX_FRAGMENTS fragments plus one per FRAGMENT_BYTES of it is refused (1009): each
     fragment is kept until the message ends, even an empty one; a client with over MAX_UNREAD_BYTES of replies
-    unread (pongs of its pings, answers) is dropped;
+    unread (pongs of its pings, answers) is dropped; a client pinging faster than PINGS_PER_S (bursts of
+    PING_BURST) is closed (1008), so that it cannot keep the event loop busy for the others;
   - connections being opened, counted from TCP accept before anything is read: at most `max_connections` whose
     HTTP upgrade request is still coming (`max_connections_per_client` per address, loopback as below) and
     2x `max_connections` open in all; beyond, HTTP 503 ("server full: ..." / "too many connections from ...").
@@ -99,6 +100,8 @@ REFUSAL_LINGER_S = 1.0     # a connection refused at accept waits this long for 
 MAX_FRAGMENTS = 64         # fragments of one message, plus one per FRAGMENT_BYTES of it received so far: each
 FRAGMENT_BYTES = 1024      # fragment is kept as an object of ~100 bytes until the message ends, even an empty one
 MAX_UNREAD_BYTES = 1 << 20  # replies (pongs included) a client has not read; beyond, it is dropped
+PINGS_PER_S, PING_BURST = 10, 50  # a client's pings: each costs the event loop a parse and a pong; clients ping
+                                  # for keepalive every few seconds (openpi's and RoboArena's every 20 s)
 
 
 class ServeError(RuntimeError):
@@ -695,13 +698,26 @@ def _connection_type(too_big: Callable[[int], str], max_bytes: int, refused: Cal
     class TooManyFragments(WsProtocolError):
         pass
 
+    class TooManyPings(WsProtocolError):
+        pass
+
     class RefusingProtocol(ServerProtocol):
         refusal: str | None = None   # the reason a frame was refused, for the log
         read_to_end = False          # the refused frame is being (or was) read and thrown away
         fragments = 0                # frames of the message being received
+        ping_tokens = float(PING_BURST)  # pings it may send now (a token bucket refilled at PINGS_PER_S)
+        ping_at = 0.0
 
         def recv_frame(self, frame) -> None:
-            if frame.opcode is Opcode.CONT:
+            if frame.opcode is Opcode.PING:
+                now = time.monotonic()
+                self.ping_tokens = min(PING_BURST, self.ping_tokens + (now - (self.ping_at or now)) * PINGS_PER_S)
+                self.ping_at = now
+                if self.ping_tokens < 1:
+                    raise TooManyPings(f"pings faster than {PINGS_PER_S} a second (bursts of {PING_BURST}); "
+                                       "a keepalive needs one every few seconds")
+                self.ping_tokens -= 1
+            elif frame.opcode is Opcode.CONT:
                 self.fragments += 1
                 allowed = MAX_FRAGMENTS + (self.cur_size or 0) // FRAGMENT_BYTES
                 if self.fragments > allowed:
@@ -714,9 +730,10 @@ def _connection_type(too_big: Callable[[int], str], max_bytes: int, refused: Cal
 
         def fail(self, code: int, reason: str = "") -> None:
             exc = sys.exc_info()[1]  # called by parse() while it handles PayloadTooBig (or TooManyFragments)
-            if isinstance(exc, TooManyFragments) and self.state is State.OPEN:
+            if isinstance(exc, (TooManyFragments, TooManyPings)) and self.state is State.OPEN:
                 self.refusal = str(exc)
-                return super().fail(CLOSE_TOO_BIG, _close_reason(self.refusal))
+                code = CLOSE_TOO_BIG if isinstance(exc, TooManyFragments) else CLOSE_BAD_REQUEST
+                return super().fail(code, _close_reason(self.refusal))
             size = getattr(exc, "size", None) if isinstance(exc, PayloadTooBig) else None
             if code != CLOSE_TOO_BIG or not isinstance(size, int) or self.state is not State.OPEN:
                 return super().fail(code, reason)
@@ -812,7 +829,7 @@ def _connection_type(too_big: Callable[[int], str], max_bytes: int, refused: Cal
                 self.transport.abort()
                 return
             sent = self.protocol.close_sent
-            if sent is None or sent.code != CLOSE_TOO_BIG:
+            if sent is None or (sent.code != CLOSE_TOO_BIG and self.protocol.refusal is None):
                 return
             if self.protocol.refusal is not None and not self.refusal_logged:
                 self.refusal_logged = True

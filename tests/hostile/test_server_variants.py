@@ -4,6 +4,7 @@ thousands of fields, session ids that would forge log lines, tokens in parts of 
 that websockets quotes when it refuses them, and non-ASCII handshake headers."""
 
 import socket
+import threading
 import time
 
 import msgpack
@@ -99,6 +100,49 @@ def test_a_client_that_sends_pings_and_never_reads_the_pongs_is_dropped(child):
     sock.close()
     assert sent < 32 * MiB, f"{sent / MiB:.0f} MiB of pings taken from a client that reads nothing"
     assert growth < 20, growth
+
+
+def _drain(sock: socket.socket, closed: threading.Event) -> None:
+    """Read everything the server sends (pongs) until it closes the connection."""
+    try:
+        while sock.recv(65536):
+            pass
+    except OSError:
+        pass
+    closed.set()
+
+
+def test_a_client_that_floods_pings_and_reads_the_pongs_is_closed(child):
+    """Every pong read at once, so the unread-reply bound never applies: the ping rate does."""
+    srv = child()
+    sock = _open(srv.port)
+    closed = threading.Event()
+    reader = threading.Thread(target=_drain, args=(sock, closed), daemon=True)
+    reader.start()
+    ping, sent, began = _frame(0x9, b"p", fin=True), 0, time.monotonic()
+    try:
+        while sent < 200_000 and not closed.is_set():
+            sock.sendall(ping * 100)
+            sent += 100
+    except OSError:
+        pass
+    assert closed.wait(5), f"{sent} pings in {time.monotonic() - began:.1f} s and the connection is still open"
+    sock.close()
+    assert time.monotonic() - began < 5, f"{sent} pings sent before the server closed the connection"
+
+
+def test_keepalive_pings_and_a_short_burst_keep_the_connection(child):
+    srv = child()
+    sock = _open(srv.port)
+    closed = threading.Event()
+    threading.Thread(target=_drain, args=(sock, closed), daemon=True).start()
+    for _ in range(40):  # a burst under the limit, then the rate a keepalive uses
+        sock.sendall(_frame(0x9, b"k", fin=True))
+    for _ in range(5):
+        time.sleep(0.2)
+        sock.sendall(_frame(0x9, b"k", fin=True))
+    assert not closed.wait(1.0)
+    sock.close()
 
 
 # -- dtype strings numpy would build field by field --
