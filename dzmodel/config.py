@@ -193,11 +193,16 @@ class EvalParams:
     # world-model previews (dzmodel/eval/previews.py): decoded predicted video of this many held-out windows per
     # converted step, beside the real frames (mp4s and a PNG grid); 0: none. Needs train.heldout_episodes.
     previews: int = field(default=2, metadata={"min": 0, "max": 1000})
+    # robustness perturbations (dzmodel/eval/libero_perturb.py), each NAME or NAME=VALUE: position, swap, camera,
+    # light, table, paraphrase; the reported episodes run again under each (robustness.csv). Empty: none.
+    perturb: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        from .eval.libero_perturb import parse_perturbations
         from .model.sampler import SolverConfig
 
         _check_suite_tasks(self.tasks, self.suite, "eval.tasks")
+        parse_perturbations(self.perturb, "eval.perturb")
         init_states = self.episodes + self.select_episodes
         if init_states > LIBERO_INIT_STATES:
             raise ValueError(f"eval: episodes + select_episodes = {init_states} init states per task; LIBERO has "
@@ -473,10 +478,13 @@ def _train_config(train: dict, metadata: MetadataParams, cache_enabled: bool, pa
 
 
 def profile_dict(prof: Profile) -> dict[str, Any]:
-    """The profile as plain data (for MLflow params and artifacts)."""
+    """The profile as plain data (for MLflow params and artifacts, and the stages' cache keys)."""
     from dataclasses import asdict
 
-    return json.loads(json.dumps(asdict(prof), default=list, allow_nan=False))
+    data = json.loads(json.dumps(asdict(prof), default=list, allow_nan=False))
+    if not data["eval"].get("perturb"):  # absent by default: existing eval cache keys and digests stay valid
+        data["eval"].pop("perturb", None)
+    return data
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:

@@ -12,13 +12,19 @@ from ..model.cli import add_solver_arguments, solver_from
 def cmd_eval_libero(ns: argparse.Namespace) -> int:
     from ..eval.libero_env import LiberoNotInstalled
     from ..eval.libero_eval import EvalConfig, evaluate_run
+    from ..eval.libero_perturb import PerturbationError, parse_perturbations
     from ..eval.policy import PolicyLoadError
 
+    try:
+        parse_perturbations(ns.perturb or [], "--perturb")
+    except PerturbationError as exc:
+        raise CLIError(str(exc)) from None
     claim_out(ns, "eval libero")
     cfg = EvalConfig(suite=ns.suite, tasks=int_list(ns.tasks, "--tasks"), episodes_per_task=ns.episodes,
                      max_steps=ns.max_steps, num_workers=ns.workers, camera_size=ns.camera_size,
                      actions_per_chunk=ns.actions_per_chunk, videos=ns.videos, seed=ns.seed,
-                     batch_policy=not ns.no_batch_policy, context=ns.context, first_init_state=ns.first_init_state)
+                     batch_policy=not ns.no_batch_policy, context=ns.context, first_init_state=ns.first_init_state,
+                     perturb=list(ns.perturb or []))
     try:
         rows = evaluate_run(ns.source, cfg, ns.out, steps=int_list(ns.steps, "--steps"), device=ns.device,
                             solver=solver_from(ns), progress=not ns.no_progress, embodiment=ns.embodiment,
@@ -29,8 +35,22 @@ def cmd_eval_libero(ns: argparse.Namespace) -> int:
     for r in rows:
         print(f"{str(r['step']):>8} {str(r['task']):>5} {r['episodes']:>8} {r['successes']:>9} {r['rate']:>6.1%}   "
               f"{r['ci_low']:.1%}-{r['ci_high']:.1%}")
-    print(f"results in {ns.out}: results.csv, episodes.csv, summary.json, success_vs_step.png, videos/")
+    if cfg.perturb:
+        _print_robustness(Path(ns.out))
+    print(f"results in {ns.out}: results.csv, episodes.csv, summary.json, success_vs_step.png, videos/"
+          + (", robustness.csv" if cfg.perturb else ""))
     return EXIT_OK
+
+
+def _print_robustness(out: Path) -> None:
+    """The perturbation x success table (all tasks) of robustness.csv."""
+    import csv
+
+    rows = [r for r in csv.DictReader((out / "robustness.csv").open()) if r["task"] == "all"]
+    print(f"\n{'step':>8} {'perturbation':<20} {'episodes':>8} {'successes':>9} {'rate':>6}   95 % interval")
+    for r in rows:
+        print(f"{r['step']:>8} {r['perturbation']:<20} {r['episodes']:>8} {r['successes']:>9} "
+              f"{float(r['rate']):>6.1%}   {float(r['ci_low']):.1%}-{float(r['ci_high']):.1%}")
 
 
 def cmd_eval_action_error(ns: argparse.Namespace) -> int:
@@ -158,6 +178,10 @@ def _add_libero(ev) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the DiT block (GPU; compiles per batch shape)")
     p.add_argument("--no-batch-policy", action="store_true",
                    help="query the policy once per episode instead of one batched forward per step (for comparison)")
+    p.add_argument("--perturb", action="append", metavar="NAME[=VALUE][,...]",
+                   help="robustness: also run the same episodes under each perturbation (repeatable): position[=M], "
+                        "swap[=task|any], camera[=DEG], light[=F], table[=COLOUR|random], paraphrase[=1|2|3|random]; "
+                        "writes robustness.csv (docs/evaluation.md, Robustness)")
     add_solver_arguments(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)

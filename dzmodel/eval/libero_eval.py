@@ -47,6 +47,9 @@ class EvalConfig:
     worker_timeout_s: float = 300.0
     seed: int = 0
     batch_policy: bool = True               # one batched policy forward for all episodes that need a chunk
+    # robustness perturbations (dzmodel/eval/libero_perturb.py), NAME or NAME=VALUE: each is evaluated on the same
+    # episodes after the unperturbed ones; empty: none (the results are exactly those without this field)
+    perturb: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         from .libero_env import auto_env_workers
@@ -63,6 +66,9 @@ class EvalConfig:
             raise ValueError(f"eval.actions_per_chunk must be >= 1, got {self.actions_per_chunk}")
         if self.context not in ("episode", "frame"):
             raise ValueError(f"eval.context must be episode or frame, got {self.context!r}")
+        from .libero_perturb import parse_perturbations
+
+        parse_perturbations(self.perturb, "eval.perturb")
 
 
 @dataclass
@@ -96,12 +102,15 @@ class _Running:
 
 def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path | None = None,
                     progress: bool = True, tag: str = "", tasks: list | None = None,
-                    pool_factory=None, episodes: list | None = None, timing: dict | None = None) -> list[EpisodeResult]:
+                    pool_factory=None, episodes: list | None = None, timing: dict | None = None,
+                    perturbation=None) -> list[EpisodeResult]:
     """Run the configured episodes; videos go to `out_dir/videos/` when out_dir is given.
     `tasks` and `pool_factory(num_workers)` default to the suite's LIBERO tasks and env worker processes.
     `episodes` [(TaskSpec, episode id, EpisodeInit)] replaces the grid of tasks x standard init states
     (the oracle replays recorded episodes from their recorded init states this way).
-    `timing`, if given, receives the seconds spent in the policy and in env steps, the chunks and the forwards."""
+    `timing`, if given, receives the seconds spent in the policy and in env steps, the chunks and the forwards.
+    `perturbation` (a `libero_perturb.Perturbation`) perturbs every episode of the grid, seeded per (cfg.seed,
+    suite, task, init state)."""
     from .libero_env import get_suite, list_tasks
 
     tasks = list_tasks(cfg.suite) if tasks is None else tasks
@@ -123,6 +132,8 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
             if e >= t.num_init_states:
                 raise ValueError(f"task {t.index} of {cfg.suite!r} has {t.num_init_states} init states; "
                                  f"asked for {e + 1}")
+        if perturbation is not None:
+            todo = [_perturbed(t, e, cfg, perturbation) for t, e, _, _ in todo]
     else:
         todo = [(t, e, 1, init) for t, e, init in episodes]
     bar = Progress(len(todo), enabled=progress, desc=f"LIBERO {tag}".strip(), unit="episode")
@@ -137,6 +148,22 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
         run.run(pool)
     bar.close()
     return sorted(run.results, key=lambda r: (r.task, r.episode))
+
+
+def _perturbed(task, episode: int, cfg: EvalConfig, perturbation) -> tuple:
+    """A todo entry of a perturbed episode: the task with the instruction the policy reads, and the EpisodeInit that
+    carries a scene perturbation to the env worker."""
+    import dataclasses
+
+    from .libero_perturb import episode_language
+    from .libero_workers import EpisodeInit
+
+    key = (cfg.seed, task.suite, task.index, episode)
+    language = episode_language(task.language, perturbation, key)
+    if language != task.language:
+        task = dataclasses.replace(task, language=language)
+    init = EpisodeInit(scene=(perturbation,), scene_key=key) if perturbation.scene else None
+    return task, episode, 1, init
 
 
 def _env_pool(cfg: EvalConfig, num_workers: int):
@@ -379,7 +406,20 @@ def pooled(rows: list[dict], steps: list) -> dict:
 PER_EPISODE_COLUMNS = ("seed", "task", "init_state", "checkpoint_step", "success")  # seed: the run's train.seed
 
 
-def write_results(out_dir: str | Path, rows: list[dict], episodes: list[dict]) -> None:
+ROBUSTNESS_COLUMNS = ("step", "perturbation", "task", "task_name", "episodes", "successes", "rate", "ci_low", "ci_high")
+
+
+def robustness_rows(results: list[EpisodeResult], step, perturbation: str) -> list[dict]:
+    """`summarize`'s rows (per task, then `all`) of one perturbation's episodes, each naming the perturbation."""
+    return [{"step": r["step"], "perturbation": perturbation, **{k: v for k, v in r.items() if k != "step"}}
+            for r in summarize(results, step)]
+
+
+def write_results(out_dir: str | Path, rows: list[dict], episodes: list[dict],
+                  robustness: list[dict] | None = None) -> None:
+    """results.csv, episodes.csv, per_episode.csv and summary.json; with `robustness` rows (`robustness_rows`:
+    the unperturbed `none` and each perturbation) also robustness.csv, a `robustness` list of the `all` rows in
+    summary.json, and episodes whose dicts carry `perturbation` add that column to per_episode.csv."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name, data in (("results.csv", rows), ("episodes.csv", episodes)):
@@ -390,14 +430,23 @@ def write_results(out_dir: str | Path, rows: list[dict], episodes: list[dict]) -
             w.writerows(data)
             atomic_write_text(out / name, buf.getvalue())
     if episodes and "train_seed" in episodes[0]:  # the raw per-episode table, one row per episode
+        perturbed = "perturbation" in episodes[0]
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        w.writerow(PER_EPISODE_COLUMNS)
-        w.writerows([e["train_seed"], e["task"], e["episode"], e["step"], int(e["success"])] for e in episodes)
+        w.writerow(PER_EPISODE_COLUMNS + (("perturbation",) if perturbed else ()))
+        w.writerows([e["train_seed"], e["task"], e["episode"], e["step"], int(e["success"])]
+                    + ([e["perturbation"]] if perturbed else []) for e in episodes)
         atomic_write_text(out / "per_episode.csv", buf.getvalue())
     overall = [r for r in rows if r["task"] == "all"]
-    atomic_write_text(out / "summary.json", json.dumps({"per_step": overall, "best": max(overall, key=lambda r: r["rate"])
-                                                        if overall else None}, indent=1))
+    summary = {"per_step": overall, "best": max(overall, key=lambda r: r["rate"]) if overall else None}
+    if robustness:
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=list(ROBUSTNESS_COLUMNS), lineterminator="\n")
+        w.writeheader()
+        w.writerows(robustness)
+        atomic_write_text(out / "robustness.csv", buf.getvalue())
+        summary["robustness"] = [r for r in robustness if r["task"] == "all"]
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
 
 
 def plot_success(rows: list[dict], path: str | Path, title: str) -> Path | None:
@@ -444,15 +493,21 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
     checkpoint trained on.
     Writes results.csv, episodes.csv, per_episode.csv (seed,task,init_state,checkpoint_step,success), summary.json,
     success_vs_step.png, timing.json (wall, policy and env seconds per step; env workers started: one pool serves
-    every step) and videos/ under out_dir."""
+    every step) and videos/ under out_dir. With `cfg.perturb`, each step also runs the same episodes under each
+    perturbation: robustness.csv (step, perturbation, task, ..., rate, 95 % interval; `none` is the unperturbed
+    run), `robustness` in summary.json, a `perturbation` column in per_episode.csv and episodes.csv; results.csv,
+    the plot and the returned rows stay the unperturbed ones."""
     from .libero_env import check_libero, ensure_libero_config
     from .policy import PolicyLoadError, load_policy, read_train_config
 
     ensure_libero_config()
     check_libero()
+    from .libero_perturb import parse_perturbations
+
+    perturbations = parse_perturbations(cfg.perturb, "eval.perturb")
     src, out = Path(run_or_model), Path(out_dir)
     models = _models_to_evaluate(src, out, steps, weights)
-    rows, episodes, timings = [], [], []
+    rows, episodes, timings, robustness = [], [], [], []
     with _OnePool(cfg) as pools:
         for step, model_dir in models:
             policy = load_policy(model_dir, device=device, embodiment=embodiment, solver=solver, seed=cfg.seed)
@@ -472,8 +527,17 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
                             **{k: round(v, 2) if isinstance(v, float) else v for k, v in timing.items()}})
             rows += summarize(results, step)
             seed = read_train_config(model_dir)[0].seed
-            episodes += [{"step": step, "train_seed": seed, **asdict(r)} for r in results]
-            write_results(out, rows, episodes)  # after every step: a long evaluation keeps what it has
+            episodes += [{"step": step, "train_seed": seed, **asdict(r),
+                          **({"perturbation": "none"} if perturbations else {})} for r in results]
+            if perturbations:
+                robustness += robustness_rows(results, step, "none")
+            for p in perturbations:  # the same episodes again, under each perturbation
+                perturbed = evaluate_policy(policy, cfg, out, progress=progress, tag=f"step{step}_{p.slug}",
+                                            pool_factory=pools, perturbation=p)
+                robustness += robustness_rows(perturbed, step, p.label)
+                episodes += [{"step": step, "train_seed": seed, **asdict(r), "perturbation": p.label}
+                             for r in perturbed]
+            write_results(out, rows, episodes, robustness)  # after every step: a long evaluation keeps what it has
             atomic_write_text(out / "timing.json", json.dumps(timings, indent=1))
     plot_success(rows, out / "success_vs_step.png", f"LIBERO-{cfg.suite}: success vs training step")
     return rows

@@ -1,7 +1,8 @@
 """LIBERO env worker processes: `EnvWorkerPool` runs one `OffScreenRenderEnv` per worker process (spawn) and steps
 them in parallel, each at its own pace; every reply has a timeout, and a worker that dies, hangs or raises is killed
 and restarted, reported as `WorkerCrashed`. The scripted expert's steps (`ExpertStep`, with DART noise on the arm
-dims) and episode starts (`EpisodeInit`: standard, perturbed or freshly sampled) run inside the workers.
+dims) and episode starts (`EpisodeInit`: standard, perturbed or freshly sampled, and the robustness perturbations of
+`libero_perturb`) run inside the workers.
 Imports nothing beyond numpy at module level, like `libero_env`."""
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ class _EnvWorker:
 
             base = np.asarray(state, dtype=np.float64)
             state = perturb_init_state(env, base, np.random.default_rng(perturb[0]), perturb[1], min_shift, avoid)
+        scene_info = None
+        if extra.get("scene"):  # robustness perturbations (libero_perturb): model edits, moved objects
+            from .libero_perturb import apply_scene
+
+            state, scene_info = apply_scene(env, state, *extra["scene"])
         raw = env.set_init_state(state)
         for _ in range(SETTLE_STEPS):
             raw, _, _, _ = env.step(list(SETTLE_ACTION))
@@ -129,6 +135,8 @@ class _EnvWorker:
         reply["init_state"] = np.array(state, dtype=np.float64)
         if extra.get("describe"):
             reply["init_info"] = _init_info(env, reply["init_state"], base, avoid)
+        if scene_info is not None:
+            reply["perturbation"] = scene_info
         return reply
 
     def step(self, action) -> tuple[dict, bool]:
@@ -224,6 +232,10 @@ class EpisodeInit:
     sample: bool = False
     min_shift_m: float = 0.0
     describe: bool = False
+    # robustness perturbations of the scene (`libero_perturb.Perturbation`s), applied after the reset and before the
+    # init state is set, seeded by `scene_key` = (eval seed, suite, task index, init state index)
+    scene: tuple = ()
+    scene_key: tuple = ()
 
 
 class _Worker:
@@ -406,9 +418,11 @@ class EnvWorkerPool:
             seed = self.seed + episode if spec.env_seed is None else spec.env_seed
             perturb = None if spec.perturb_seed is None else (spec.perturb_seed, spec.max_shift_m)
             extra = {}
-            if spec.sample or spec.min_shift_m > 0 or spec.describe:
+            if spec.sample or spec.min_shift_m > 0 or spec.describe or spec.scene:
                 extra = {"sample": spec.sample, "min_shift_m": spec.min_shift_m, "describe": spec.describe,
                          "avoid": _init_states(task.suite, task.index) if spec.min_shift_m > 0 else None}
+                if spec.scene:
+                    extra["scene"] = (tuple(spec.scene), tuple(spec.scene_key))
             cmds[w] = ("reset", task.bddl_file, state, seed, perturb, extra) if extra else \
                 ("reset", task.bddl_file, state, seed, perturb)
         return cmds

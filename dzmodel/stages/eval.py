@@ -103,7 +103,7 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
 
     cfg = EvalConfig(suite=e.suite, tasks=e.tasks, episodes_per_task=e.episodes, max_steps=e.max_steps,
                      num_workers=e.workers, camera_size=e.camera_size, actions_per_chunk=e.actions_per_chunk,
-                     videos=e.videos, seed=e.seed, context=e.context)
+                     videos=e.videos, seed=e.seed, context=e.context, perturb=list(e.perturb))
 
     def evaluate(config: EvalConfig, where: Path, steps: list[int] | None) -> list[dict]:
         return evaluate_run(paths.stage("converted"), config, where, steps=steps, device=e.device,
@@ -112,7 +112,7 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
     picked = None
     if e.select_episodes:  # pick on init states the reported number never sees
         selection = evaluate(dataclasses.replace(cfg, first_init_state=e.episodes, episodes_per_task=e.select_episodes,
-                                                 videos=0), out / "selection", e.steps)
+                                                 videos=0, perturb=[]), out / "selection", e.steps)
         picked = max((r for r in selection if r["task"] == "all"), key=lambda r: (r["rate"], r["step"] or 0))
         log(f"eval: step {picked['step']} picked on init states {e.episodes}..{e.episodes + e.select_episodes - 1} "
             f"({picked['rate']:.0%})")

@@ -1,0 +1,690 @@
+"""Robustness perturbations of LIBERO episodes for `dz eval libero --perturb NAME[=VALUE][,...]` (and `eval.perturb`
+in params.yaml).
+
+Each perturbation is a named setting with one magnitude. It changes what it names and nothing else: the env seed,
+the standard init state, the robot's start, the other objects, the other cameras, the lights, the table and the
+instruction stay as they are unless they are the perturbation. Its random draws come from its own generator, seeded
+by (eval seed, suite, task, init state, perturbation name), never from the global numpy generator LIBERO's reset
+uses, so the same episode gets the same perturbation on every run and every worker.
+
+The scene perturbations edit the MuJoCo model and the init state after `env.reset()` and before
+`env.set_init_state()` (`apply_scene`, called in the env worker); LIBERO rebuilds the model at every reset, so an
+edit never outlives its episode. The worker then runs the usual settle steps (no-op actions) from the edited start.
+
+| name | setting (default) | what changes | what stays |
+|---|---|---|---|
+| position | D metres (0.05) | every movable object's free-joint x/y, moved by exactly D in a seeded direction; objects stacked on one another move together | z, orientation, fixtures, objects held by a fixture (on a cabinet, in a drawer, on a stove), robot |
+| swap | task or any (task) | the x/y of two movable objects of different kinds (task: one of them an object the goal names) | everything else, their own z and orientation |
+| camera | degrees (10) | the agentview camera's pose: orbited about the table point it looks at, azimuth +-A, elevation +-A/2 (seeded signs), distance kept | the wrist camera, the other cameras, fov |
+| light | factor F (0.5) | every scene light's diffuse and specular colour times F or 1/F (seeded), its direction tilted 20 degrees towards a seeded azimuth | light positions, ambient, headlight |
+| table | colour name or random (random) | the work surface's look (table top, or the floor in floor scenes): a plain colour instead of its material | its collision geometry, the legs, the floor and walls |
+| paraphrase | 1, 2, 3 or random (random) | the instruction the policy reads: one of three hand-written paraphrases of the task's | the env, the task's goal and success check |
+
+A moved start must be a valid start: an object is shifted only where, after the shift, the first surface below it is
+the same one as before at the same height (still on the table, not over its edge or onto a fixture) and it comes no
+closer than `CLEARANCE_M` to any body it was not already touching (other objects, fixtures, the robot). Directions
+are redrawn (seeded) until that holds; an episode where no draw does is an error naming the object.
+
+Distractor objects (extra objects on the table) are not built: they need a new BDDL problem (LIBERO's own problem
+machinery) and init states mapped into the larger model.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+CLEARANCE_M = 0.005      # a moved object keeps at least this distance from bodies it did not touch before
+MAX_DRAWS = 200          # seeded direction draws per object group before the perturbation gives up
+LIGHT_TILT_DEG = 20.0    # how far `light` turns each light's direction
+SUPPORT_TOLERANCE_M = 0.01
+
+TABLE_COLOURS: dict[str, tuple[float, float, float, float]] = {
+    "white": (0.92, 0.92, 0.92, 1.0),
+    "black": (0.08, 0.08, 0.08, 1.0),
+    "red": (0.70, 0.12, 0.10, 1.0),
+    "green": (0.15, 0.55, 0.20, 1.0),
+    "blue": (0.15, 0.25, 0.70, 1.0),
+    "grey": (0.50, 0.50, 0.50, 1.0),
+}
+
+
+class PerturbationError(ValueError):
+    """A perturbation that cannot be made: a bad name or value, or a start it cannot move validly."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    default: object
+    help: str
+    scene: bool = True  # edits the simulator (else only what the policy is told)
+
+
+def _distance(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 0.3:
+        raise ValueError(f"a shift in metres in (0, 0.3], got {text}")
+    return value
+
+
+def _degrees(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 45:
+        raise ValueError(f"an angle in degrees in (0, 45], got {text}")
+    return value
+
+
+def _factor(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise ValueError(f"an intensity factor in (0, 1) (the light is scaled by it or by its inverse), got {text}")
+    return value
+
+
+def _choice(options):
+    def parse(text: str) -> str:
+        if text not in options:
+            raise ValueError(f"one of {', '.join(options)}, got {text!r}")
+        return text
+    return parse
+
+
+KINDS: dict[str, tuple[Kind, object]] = {
+    "position": (Kind(0.05, "every movable object shifted by D metres in a seeded direction"), _distance),
+    "swap": (Kind("task", "two movable objects exchange their x/y (task: one of them named by the goal)"),
+             _choice(("task", "any"))),
+    "camera": (Kind(10.0, "the agentview camera orbited by A degrees (azimuth), A/2 (elevation)"), _degrees),
+    "light": (Kind(0.5, "light intensity times F or 1/F, directions tilted"), _factor),
+    "table": (Kind("random", "the work surface in a plain colour"), _choice(("random", *TABLE_COLOURS))),
+    "paraphrase": (Kind("random", "the instruction replaced by a hand-written paraphrase", scene=False),
+                   _choice(("random", "1", "2", "3"))),
+}
+NOT_BUILT = {"distractor": "distractor objects need a new BDDL problem and remapped init states; not built"}
+
+
+@dataclass(frozen=True)
+class Perturbation:
+    name: str
+    value: object
+
+    @property
+    def label(self) -> str:
+        """`name=value`, as the results name it (`none` is the unperturbed baseline)."""
+        value = f"{self.value:g}" if isinstance(self.value, float) else str(self.value)
+        return f"{self.name}={value}"
+
+    @property
+    def slug(self) -> str:
+        """The label as a file-name part."""
+        return self.label.replace("=", "-")
+
+    @property
+    def scene(self) -> bool:
+        return KINDS[self.name][0].scene
+
+
+def parse_perturbations(items, where: str = "--perturb") -> list[Perturbation]:
+    """`NAME` or `NAME=VALUE` items (each may hold several, comma-separated) -> perturbations, in order; a bad name
+    or value is one PerturbationError naming `where`."""
+    if isinstance(items, str):
+        items = [items]
+    out: list[Perturbation] = []
+    for item in items or []:
+        if not isinstance(item, str):
+            raise PerturbationError(f"{where}: expected NAME or NAME=VALUE strings, got {item!r}")
+        for part in (p.strip() for p in item.split(",")):
+            if not part:
+                continue
+            name, sep, text = part.partition("=")
+            name = name.strip()
+            if name in NOT_BUILT:
+                raise PerturbationError(f"{where}: {name!r}: {NOT_BUILT[name]}; known: {', '.join(KINDS)}")
+            if name not in KINDS:
+                raise PerturbationError(f"{where}: unknown perturbation {name!r}; known: {', '.join(KINDS)}")
+            kind, parse = KINDS[name]
+            if sep:
+                try:
+                    value = parse(text.strip())
+                except ValueError as exc:
+                    raise PerturbationError(f"{where}: {name}: {exc}") from None
+            else:
+                value = kind.default
+            p = Perturbation(name, value)
+            if any(q.label == p.label for q in out):
+                raise PerturbationError(f"{where}: {p.label} is listed twice")
+            out.append(p)
+    return out
+
+
+def episode_rng(key: tuple, name: str) -> np.random.Generator:
+    """The generator of one perturbation of one episode: key = (eval seed, suite, task index, init state index)."""
+    seed, suite, task, init = key
+    return np.random.default_rng([int(seed), zlib.crc32(str(suite).encode()), int(task), int(init),
+                                  zlib.crc32(name.encode())])
+
+
+# --- paraphrased instructions ------------------------------------------------------------------------------------
+
+# Three paraphrases per task of LIBERO-Spatial, -Object, -Goal and -10, keyed by the task's own instruction. Each
+# names the same objects, places and spatial relations as the original.
+PARAPHRASES: dict[str, tuple[str, str, str]] = {
+    # LIBERO-Spatial
+    "pick up the black bowl between the plate and the ramekin and place it on the plate": (
+        "take the black bowl that sits between the plate and the ramekin and put it on the plate",
+        "grab the black bowl located between the ramekin and the plate, then set it on the plate",
+        "move the black bowl from between the plate and the ramekin onto the plate"),
+    "pick up the black bowl next to the ramekin and place it on the plate": (
+        "take the black bowl beside the ramekin and put it on the plate",
+        "grab the black bowl that is next to the ramekin and set it on the plate",
+        "move the black bowl sitting by the ramekin onto the plate"),
+    "pick up the black bowl from table center and place it on the plate": (
+        "take the black bowl in the middle of the table and put it on the plate",
+        "grab the black bowl at the center of the table and set it on the plate",
+        "move the black bowl from the center of the table onto the plate"),
+    "pick up the black bowl on the cookie box and place it on the plate": (
+        "take the black bowl that is on top of the cookie box and put it on the plate",
+        "grab the black bowl resting on the cookie box and set it on the plate",
+        "move the black bowl from the cookie box onto the plate"),
+    "pick up the black bowl in the top drawer of the wooden cabinet and place it on the plate": (
+        "take the black bowl out of the wooden cabinet's top drawer and put it on the plate",
+        "grab the black bowl inside the top drawer of the wooden cabinet and set it on the plate",
+        "move the black bowl from the top drawer of the wooden cabinet onto the plate"),
+    "pick up the black bowl on the ramekin and place it on the plate": (
+        "take the black bowl that is on top of the ramekin and put it on the plate",
+        "grab the black bowl resting on the ramekin and set it on the plate",
+        "move the black bowl from the ramekin onto the plate"),
+    "pick up the black bowl next to the cookie box and place it on the plate": (
+        "take the black bowl beside the cookie box and put it on the plate",
+        "grab the black bowl that is next to the cookie box and set it on the plate",
+        "move the black bowl sitting by the cookie box onto the plate"),
+    "pick up the black bowl on the stove and place it on the plate": (
+        "take the black bowl that is on the stove and put it on the plate",
+        "grab the black bowl sitting on the stove and set it on the plate",
+        "move the black bowl from the stove onto the plate"),
+    "pick up the black bowl next to the plate and place it on the plate": (
+        "take the black bowl beside the plate and put it on the plate",
+        "grab the black bowl that is next to the plate and set it on the plate",
+        "move the black bowl sitting by the plate onto the plate"),
+    "pick up the black bowl on the wooden cabinet and place it on the plate": (
+        "take the black bowl that is on top of the wooden cabinet and put it on the plate",
+        "grab the black bowl resting on the wooden cabinet and set it on the plate",
+        "move the black bowl from the top of the wooden cabinet onto the plate"),
+    # LIBERO-Object
+    "pick up the alphabet soup and place it in the basket": (
+        "take the alphabet soup and put it in the basket",
+        "grab the can of alphabet soup and drop it into the basket",
+        "move the alphabet soup into the basket"),
+    "pick up the cream cheese and place it in the basket": (
+        "take the cream cheese and put it in the basket",
+        "grab the cream cheese box and drop it into the basket",
+        "move the cream cheese into the basket"),
+    "pick up the salad dressing and place it in the basket": (
+        "take the salad dressing and put it in the basket",
+        "grab the bottle of salad dressing and drop it into the basket",
+        "move the salad dressing into the basket"),
+    "pick up the bbq sauce and place it in the basket": (
+        "take the bbq sauce and put it in the basket",
+        "grab the bottle of barbecue sauce and drop it into the basket",
+        "move the bbq sauce into the basket"),
+    "pick up the ketchup and place it in the basket": (
+        "take the ketchup and put it in the basket",
+        "grab the ketchup bottle and drop it into the basket",
+        "move the ketchup into the basket"),
+    "pick up the tomato sauce and place it in the basket": (
+        "take the tomato sauce and put it in the basket",
+        "grab the can of tomato sauce and drop it into the basket",
+        "move the tomato sauce into the basket"),
+    "pick up the butter and place it in the basket": (
+        "take the butter and put it in the basket",
+        "grab the box of butter and drop it into the basket",
+        "move the butter into the basket"),
+    "pick up the milk and place it in the basket": (
+        "take the milk and put it in the basket",
+        "grab the milk carton and drop it into the basket",
+        "move the milk into the basket"),
+    "pick up the chocolate pudding and place it in the basket": (
+        "take the chocolate pudding and put it in the basket",
+        "grab the box of chocolate pudding and drop it into the basket",
+        "move the chocolate pudding into the basket"),
+    "pick up the orange juice and place it in the basket": (
+        "take the orange juice and put it in the basket",
+        "grab the orange juice carton and drop it into the basket",
+        "move the orange juice into the basket"),
+    # LIBERO-Goal
+    "open the middle drawer of the cabinet": (
+        "pull the cabinet's middle drawer open",
+        "open the cabinet's middle drawer",
+        "slide out the middle drawer of the cabinet"),
+    "put the bowl on the stove": (
+        "place the bowl on top of the stove",
+        "set the bowl down on the stove",
+        "move the bowl onto the stove"),
+    "put the wine bottle on top of the cabinet": (
+        "place the wine bottle on the top of the cabinet",
+        "set the wine bottle down on top of the cabinet",
+        "move the wine bottle onto the cabinet's top"),
+    "open the top drawer and put the bowl inside": (
+        "pull the top drawer open and place the bowl in it",
+        "open the top drawer, then put the bowl into it",
+        "slide out the top drawer and set the bowl inside it"),
+    "put the bowl on top of the cabinet": (
+        "place the bowl on the top of the cabinet",
+        "set the bowl down on top of the cabinet",
+        "move the bowl onto the cabinet's top"),
+    "push the plate to the front of the stove": (
+        "slide the plate so it is in front of the stove",
+        "push the plate over to the front of the stove",
+        "move the plate in front of the stove by pushing it"),
+    "put the cream cheese in the bowl": (
+        "place the cream cheese inside the bowl",
+        "set the cream cheese into the bowl",
+        "move the cream cheese into the bowl"),
+    "turn on the stove": (
+        "switch the stove on",
+        "turn the stove on",
+        "switch on the stove"),
+    "put the bowl on the plate": (
+        "place the bowl on top of the plate",
+        "set the bowl down on the plate",
+        "move the bowl onto the plate"),
+    "put the wine bottle on the rack": (
+        "place the wine bottle on the wine rack",
+        "set the wine bottle onto the rack",
+        "move the wine bottle onto the rack"),
+    # LIBERO-10
+    "put both the alphabet soup and the tomato sauce in the basket": (
+        "place the alphabet soup and the tomato sauce into the basket",
+        "put the tomato sauce and the alphabet soup, both of them, in the basket",
+        "move both the alphabet soup and the tomato sauce into the basket"),
+    "put both the cream cheese box and the butter in the basket": (
+        "place the cream cheese box and the butter into the basket",
+        "put the butter and the cream cheese box, both of them, in the basket",
+        "move both the cream cheese box and the butter into the basket"),
+    "turn on the stove and put the moka pot on it": (
+        "switch the stove on and place the moka pot on it",
+        "turn the stove on, then set the moka pot on top of it",
+        "switch on the stove and put the moka pot onto it"),
+    "put the black bowl in the bottom drawer of the cabinet and close it": (
+        "place the black bowl into the cabinet's bottom drawer and shut the drawer",
+        "put the black bowl inside the bottom drawer of the cabinet, then close the drawer",
+        "move the black bowl into the bottom drawer of the cabinet and push the drawer closed"),
+    "put the white mug on the left plate and put the yellow and white mug on the right plate": (
+        "place the white mug on the left plate and the yellow and white mug on the right plate",
+        "set the white mug onto the plate on the left and the yellow and white mug onto the plate on the right",
+        "move the white mug to the left plate and the yellow and white mug to the right plate"),
+    "pick up the book and place it in the back compartment of the caddy": (
+        "take the book and put it in the caddy's back compartment",
+        "grab the book and set it into the rear compartment of the caddy",
+        "move the book into the back compartment of the caddy"),
+    "put the white mug on the plate and put the chocolate pudding to the right of the plate": (
+        "place the white mug on the plate and set the chocolate pudding to the plate's right",
+        "set the white mug onto the plate, then put the chocolate pudding on the right side of the plate",
+        "move the white mug onto the plate and the chocolate pudding to the right of the plate"),
+    "put both the alphabet soup and the cream cheese box in the basket": (
+        "place the alphabet soup and the cream cheese box into the basket",
+        "put the cream cheese box and the alphabet soup, both of them, in the basket",
+        "move both the alphabet soup and the cream cheese box into the basket"),
+    "put both moka pots on the stove": (
+        "place the two moka pots on the stove",
+        "set both of the moka pots down on the stove",
+        "move the two moka pots onto the stove"),
+    "put the yellow and white mug in the microwave and close it": (
+        "place the yellow and white mug inside the microwave and shut the microwave",
+        "put the yellow and white mug into the microwave, then close its door",
+        "move the yellow and white mug into the microwave and close the microwave"),
+}
+
+
+def paraphrase(language: str, value: str, rng: np.random.Generator) -> str:
+    """The paraphrase of an instruction: number `value` (1-3) of its entry, or a seeded pick for "random"."""
+    options = PARAPHRASES.get(language.strip().lower())
+    if options is None:
+        raise PerturbationError(f"paraphrase: no paraphrases for the instruction {language!r} (the table holds "
+                                "LIBERO-Spatial, -Object, -Goal and -10)")
+    index = int(rng.integers(len(options))) if value == "random" else int(value) - 1
+    return options[index]
+
+
+def episode_language(language: str, perturbation: Perturbation | None, key: tuple) -> str:
+    """The instruction the policy reads in an episode (`key` as `episode_rng`'s)."""
+    if perturbation is None or perturbation.name != "paraphrase":
+        return language
+    return paraphrase(language, str(perturbation.value), episode_rng(key, perturbation.name))
+
+
+# --- scene edits (inside the env worker) ---------------------------------------------------------------------------
+
+
+def apply_scene(env, state, perturbations, key: tuple) -> tuple[np.ndarray, dict]:
+    """Apply the scene perturbations of one episode to a freshly reset LIBERO env: model edits now, object moves in
+    the returned init state (pass it to `env.set_init_state`). Returns (state, {label: what changed})."""
+    state = np.array(state, dtype=np.float64, copy=True)
+    info: dict = {}
+    for p in perturbations:
+        if not p.scene:
+            continue
+        rng = episode_rng(key, p.name)
+        if p.name == "position":
+            state, info[p.label] = shift_objects(env, state, float(p.value), rng)
+        elif p.name == "swap":
+            state, info[p.label] = swap_objects(env, state, str(p.value), rng)
+        elif p.name == "camera":
+            info[p.label] = move_camera(env, float(p.value), rng)
+        elif p.name == "light":
+            info[p.label] = change_lights(env, float(p.value), rng)
+        elif p.name == "table":
+            info[p.label] = recolour_surface(env, str(p.value), rng)
+    return state, info
+
+
+def _model(env):
+    sim = env.env.sim
+    return sim, sim.model._model, sim.data._data
+
+
+def _name(m, kind: str, i: int) -> str:
+    import mujoco
+
+    return mujoco.mj_id2name(m, getattr(mujoco.mjtObj, kind), int(i)) or ""
+
+
+@dataclass
+class _Object:
+    name: str
+    root: int        # its top-level body
+    adr: int         # index of its free joint's x in the flat state [time, qpos, qvel]
+    category: str
+
+
+def _objects(env) -> list[_Object]:
+    """The movable objects (a free joint each), in name order."""
+    inner = env.env
+    sim, m, _ = _model(env)
+    out = []
+    for name in sorted(inner.objects_dict):
+        obj = inner.objects_dict[name]
+        body = sim.model.body_name2id(obj.root_body)
+        joints = [j for j in range(m.njnt) if m.jnt_bodyid[j] == body and m.jnt_type[j] == 0]
+        if joints:
+            out.append(_Object(name, int(m.body_rootid[body]), 1 + int(m.jnt_qposadr[joints[0]]),
+                               str(getattr(obj, "category_name", type(obj).__name__))))
+    return out
+
+
+def _set_state(env, state) -> None:
+    sim = env.env.sim
+    sim.set_state_from_flattened(state)
+    sim.forward()
+
+
+def _boxes(m, d, root: int) -> tuple[np.ndarray, np.ndarray]:
+    """World axis-aligned bounds (lo, hi) of the geoms of a top-level body's subtree."""
+    geoms = [g for g in range(m.ngeom) if m.body_rootid[m.geom_bodyid[g]] == root]
+    lo, hi = np.full(3, np.inf), np.full(3, -np.inf)
+    for g in geoms:
+        centre = d.geom_xpos[g] + d.geom_xmat[g].reshape(3, 3) @ m.geom_aabb[g, :3]
+        half = np.abs(d.geom_xmat[g].reshape(3, 3)) @ m.geom_aabb[g, 3:]
+        lo, hi = np.minimum(lo, centre - half), np.maximum(hi, centre + half)
+    return lo, hi
+
+
+def _support(m, d, root: int) -> tuple[int, float]:
+    """(top-level body, drop in metres) of the first surface straight below the body's lowest point (-1: none)."""
+    import mujoco
+
+    lo, hi = _boxes(m, d, root)
+    start = np.array([(lo[0] + hi[0]) / 2, (lo[1] + hi[1]) / 2, lo[2] + 1e-3], dtype=np.float64)
+    geom = np.zeros(1, dtype=np.int32)
+    best, found = np.inf, -1
+    # the ray starts inside the body's box: cast it past every geom of the body itself
+    for _ in range(8):
+        dist = mujoco.mj_ray(m, d, start, np.array([0.0, 0.0, -1.0]), None, 1, root, geom)
+        if dist < 0:
+            break
+        hit_root = int(m.body_rootid[m.geom_bodyid[geom[0]]])
+        if hit_root != root:
+            best, found = dist, hit_root
+            break
+        start = start - np.array([0.0, 0.0, dist + 1e-4])
+    return found, float(best if found >= 0 else -1.0)
+
+
+def _touching(m, d, clearance: float) -> set[tuple[int, int]]:
+    """Pairs of top-level bodies with collision geoms closer than `clearance` (contacts found with every geom's
+    margin raised to it; the model is restored)."""
+    import mujoco
+
+    margin = m.geom_margin.copy()
+    try:
+        m.geom_margin[:] = np.maximum(margin, clearance)
+        mujoco.mj_forward(m, d)
+        pairs = set()
+        for c in d.contact[:d.ncon]:
+            if c.dist < clearance:
+                a, b = int(m.body_rootid[m.geom_bodyid[c.geom1]]), int(m.body_rootid[m.geom_bodyid[c.geom2]])
+                if a != b:
+                    pairs.add((min(a, b), max(a, b)))
+        return pairs
+    finally:
+        m.geom_margin[:] = margin
+        mujoco.mj_forward(m, d)
+
+
+def _groups(env, m, d, objects: list[_Object]) -> tuple[list[list[_Object]], list[_Object]]:
+    """Movable objects in groups that move together (one resting on another), and those a fixture holds (resting
+    on or in a fixture other than the work surface: they stay). Read at the current state."""
+    inner = env.env
+    sim = inner.sim
+    fixture_roots = {int(m.body_rootid[sim.model.body_name2id(f.root_body)]) for f in inner.fixtures_dict.values()}
+    by_root = {o.root: o for o in objects}
+    parent = {o.name: o.name for o in objects}
+
+    def find(n):
+        while parent[n] != n:
+            n = parent[n]
+        return n
+
+    held = []
+    for o in objects:
+        below, _ = _support(m, d, o.root)
+        if below in by_root:
+            parent[find(o.name)] = find(by_root[below].name)
+        elif below in fixture_roots:
+            held.append(o)
+    held_names = {find(o.name) for o in held}
+    groups: dict[str, list[_Object]] = {}
+    for o in objects:
+        groups.setdefault(find(o.name), []).append(o)
+    free = [g for r, g in sorted(groups.items()) if r not in held_names]
+    held_all = [o for r, g in sorted(groups.items()) if r in held_names for o in g]
+    return free, held_all
+
+
+def _valid(env, m, d, state, moved: list[_Object], base_support: dict, base_touch: set) -> bool:
+    _set_state(env, state)
+    for o in moved:
+        below, drop = _support(m, d, o.root)
+        was_below, was_drop = base_support[o.name]
+        if below != was_below or abs(drop - was_drop) > SUPPORT_TOLERANCE_M:
+            return False
+    roots = {o.root for o in moved}
+    new = _touching(m, d, CLEARANCE_M) - base_touch
+    return not any(a in roots or b in roots for a, b in new)
+
+
+def shift_objects(env, state, distance: float, rng: np.random.Generator) -> tuple[np.ndarray, dict]:
+    """Every movable object group (objects stacked on one another move together) shifted by exactly `distance` in
+    x/y, in a seeded direction redrawn until the start is valid (module docstring); objects a fixture holds stay."""
+    sim, m, d = _model(env)
+    objects = _objects(env)
+    base = np.array(state, dtype=np.float64, copy=True)
+    _set_state(env, base)
+    free, held = _groups(env, m, d, objects)
+    base_support = {o.name: _support(m, d, o.root) for o in objects}
+    base_touch = _touching(m, d, CLEARANCE_M)
+    out = base.copy()
+    shifts = {}
+    for group in free:
+        for _ in range(MAX_DRAWS):
+            angle = rng.uniform(0.0, 2 * math.pi)
+            shift = distance * np.array([math.cos(angle), math.sin(angle)])
+            trial = out.copy()
+            for o in group:
+                trial[o.adr:o.adr + 2] += shift
+            if _valid(env, m, d, trial, group, base_support, base_touch):
+                out = trial
+                shifts.update({o.name: shift.round(4).tolist() for o in group})
+                break
+        else:
+            _set_state(env, base)
+            raise PerturbationError(f"position: no valid shift of {distance:g} m for {[o.name for o in group]} in "
+                                    f"{MAX_DRAWS} seeded directions (the table, a fixture or another object is in "
+                                    "the way): use a smaller distance")
+    _set_state(env, out)
+    return out, {"shift_xy": shifts, "held_by_fixture": [o.name for o in held]}
+
+
+def swap_objects(env, state, which: str, rng: np.random.Generator) -> tuple[np.ndarray, dict]:
+    """Two movable objects of different kinds, each alone on the work surface (nothing on it, not on a fixture),
+    exchange their x/y (each keeps its own height and orientation). `task`: one of them is an object of the goal
+    when such a pair exists. Pairs are tried in a seeded order until the start is valid."""
+    sim, m, d = _model(env)
+    objects = _objects(env)
+    base = np.array(state, dtype=np.float64, copy=True)
+    _set_state(env, base)
+    free, _ = _groups(env, m, d, objects)
+    single = [g[0] for g in free if len(g) == 1]
+    base_support = {o.name: _support(m, d, o.root) for o in objects}
+    base_touch = _touching(m, d, CLEARANCE_M)
+    pairs = [(a, b) for i, a in enumerate(single) for b in single[i + 1:] if a.category != b.category]
+    interest = set(getattr(env.env, "obj_of_interest", []) or [])
+    if which == "task" and any(a.name in interest or b.name in interest for a, b in pairs):
+        pairs = [(a, b) for a, b in pairs if a.name in interest or b.name in interest]
+    for i in rng.permutation(len(pairs)):
+        a, b = pairs[int(i)]
+        trial = base.copy()
+        trial[a.adr:a.adr + 2], trial[b.adr:b.adr + 2] = base[b.adr:b.adr + 2], base[a.adr:a.adr + 2]
+        if _valid(env, m, d, trial, [a, b], base_support, base_touch):
+            _set_state(env, trial)
+            return trial, {"swapped": [a.name, b.name]}
+    _set_state(env, base)
+    raise PerturbationError(f"swap: no two movable objects of different kinds ({which}) can exchange places "
+                            "without touching something")
+
+
+def _quat_to_mat(q) -> np.ndarray:
+    w, x, y, z = q / np.linalg.norm(q)
+    return np.array([[1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w)],
+                     [2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w)],
+                     [2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)]])
+
+
+def _mat_to_quat(r: np.ndarray) -> np.ndarray:
+    import mujoco
+
+    q = np.zeros(4)
+    mujoco.mju_mat2Quat(q, np.ascontiguousarray(r, dtype=np.float64).reshape(9))
+    return q
+
+
+def _rotation(axis, angle: float) -> np.ndarray:
+    axis = np.asarray(axis, dtype=np.float64) / np.linalg.norm(axis)
+    k = np.array([[0, -axis[2], axis[1]], [axis[2], 0, -axis[0]], [-axis[1], axis[0], 0]])
+    return np.eye(3) + math.sin(angle) * k + (1 - math.cos(angle)) * k @ k
+
+
+def move_camera(env, degrees: float, rng: np.random.Generator, camera: str = "agentview") -> dict:
+    """Orbit a fixed world camera about the point where its optical axis meets the table top (the work surface's
+    height; 1 m ahead if it looks above it): azimuth +-degrees about the vertical, elevation +-degrees/2 about its
+    horizontal right axis (seeded signs); the distance to that point and the field of view are kept."""
+    import mujoco
+
+    sim, m, d = _model(env)
+    cam = mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_CAMERA, camera)
+    if cam < 0 or m.cam_bodyid[cam] != 0:
+        raise PerturbationError(f"camera: no world-fixed camera {camera!r} in this scene")
+    pos, rot = m.cam_pos[cam].copy(), _quat_to_mat(m.cam_quat[cam].copy())
+    forward = -rot[:, 2]
+    height = _surface_height(env)
+    t = (height - pos[2]) / forward[2] if forward[2] < -1e-6 else 1.0
+    target = pos + forward * (t if 0 < t < 5 else 1.0)
+    azimuth = math.radians(degrees) * (1 if rng.random() < 0.5 else -1)
+    elevation = math.radians(degrees / 2) * (1 if rng.random() < 0.5 else -1)
+    right = rot[:, 0].copy()
+    right[2] = 0.0
+    turn = _rotation([0, 0, 1], azimuth) @ _rotation(right, elevation)
+    new_pos = target + turn @ (pos - target)
+    new_rot = turn @ rot
+    m.cam_pos[cam] = new_pos
+    m.cam_quat[cam] = _mat_to_quat(new_rot)
+    return {"camera": camera, "azimuth_deg": round(math.degrees(azimuth), 3),
+            "elevation_deg": round(math.degrees(elevation), 3), "pos": new_pos.round(4).tolist()}
+
+
+def change_lights(env, factor: float, rng: np.random.Generator) -> dict:
+    """Every scene light: diffuse and specular colour times `factor` or 1/`factor` (one seeded choice for the
+    episode), its direction tilted LIGHT_TILT_DEG towards a seeded azimuth."""
+    sim, m, d = _model(env)
+    scale = factor if rng.random() < 0.5 else 1.0 / factor
+    tilts = []
+    for i in range(m.nlight):
+        m.light_diffuse[i] = m.light_diffuse[i] * scale
+        m.light_specular[i] = m.light_specular[i] * scale
+        direction = m.light_dir[i] / np.linalg.norm(m.light_dir[i])
+        azimuth = rng.uniform(0.0, 2 * math.pi)
+        sideways = np.cross(direction, [math.cos(azimuth), math.sin(azimuth), 0.0])
+        if np.linalg.norm(sideways) < 1e-6:
+            sideways = np.array([1.0, 0.0, 0.0])
+        m.light_dir[i] = _rotation(sideways, math.radians(LIGHT_TILT_DEG)) @ direction
+        tilts.append(round(math.degrees(azimuth), 2))
+    return {"intensity_scale": round(scale, 4), "lights": m.nlight, "tilt_azimuth_deg": tilts}
+
+
+def surface_geoms(env) -> list[int]:
+    """The visual geoms of the work surface: the table top (`table_visual`), the workspace table's visual meshes
+    (living room, study), or the floor (floor scenes)."""
+    import mujoco
+
+    sim, m, d = _model(env)
+    top = mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_GEOM, "table_visual")
+    if top >= 0:
+        return [top]
+    workspace = str(getattr(env.env, "workspace_name", ""))
+    if workspace and workspace != "floor":
+        geoms = [g for g in range(m.ngeom) if _name(m, "mjOBJ_BODY", m.geom_bodyid[g]).startswith(workspace)
+                 and m.geom_contype[g] == 0 and m.geom_conaffinity[g] == 0]
+        if geoms:
+            return geoms
+    floor = mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_GEOM, "floor")
+    if floor < 0:
+        raise PerturbationError("table: this scene has no table top, workspace table or floor geom")
+    return [floor]
+
+
+def _surface_height(env) -> float:
+    sim, m, d = _model(env)
+    lo, hi = np.inf, -np.inf
+    for g in surface_geoms(env):
+        if m.geom_type[g] == 0:  # a plane
+            hi = max(hi, float(d.geom_xpos[g][2]))
+        else:
+            centre = d.geom_xpos[g] + d.geom_xmat[g].reshape(3, 3) @ m.geom_aabb[g, :3]
+            hi = max(hi, float(centre[2] + (np.abs(d.geom_xmat[g].reshape(3, 3)) @ m.geom_aabb[g, 3:])[2]))
+    return hi
+
+
+def recolour_surface(env, colour: str, rng: np.random.Generator) -> dict:
+    """The work surface's visual geoms drawn in a plain colour (no material, so no texture); `random`: a seeded
+    pick of TABLE_COLOURS. Collision geoms and every other geom are untouched."""
+    sim, m, d = _model(env)
+    names = list(TABLE_COLOURS)
+    if colour == "random":
+        colour = names[int(rng.integers(len(names)))]
+    geoms = surface_geoms(env)
+    for g in geoms:
+        m.geom_matid[g] = -1
+        m.geom_rgba[g] = TABLE_COLOURS[colour]
+    return {"colour": colour, "geoms": [_name(m, "mjOBJ_GEOM", g) or str(g) for g in geoms]}
