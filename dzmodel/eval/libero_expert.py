@@ -68,22 +68,50 @@ class ExpertUnsupported(ValueError):
     """The env's task is not one the expert can solve (the message names the goal predicate)."""
 
 
+ARTICULATION_PREDICATES = ("open", "close", "turnon", "turnoff")
+PLACE_PREDICATES = ("in", "on")
+
+
+def goal_terms(env) -> list[tuple[str, ...]]:
+    """The env's goal as (predicate, *arguments) tuples, lower-cased (LIBERO ANDs them)."""
+    return [tuple(str(x).lower() for x in term) for term in env.env.parsed_problem["goal_state"]]
+
+
+def unsupported_term(term) -> str | None:
+    """Why the expert has no skill for one goal term, from its names alone (None if it has one): In/On (pick and
+    place, or a push onto a table region), Open/Close of a drawer's region, TurnOn/TurnOff of a stove."""
+    pred, args = term[0], term[1:]
+    if pred in PLACE_PREDICATES and len(args) == 2:
+        return None
+    if pred in ("open", "close") and len(args) == 1:
+        if "microwave" in args[0]:
+            return f"({' '.join(term)}): a hinged door; the expert opens and closes drawers only"
+        if args[0].endswith("_region") and "cabinet" in args[0]:
+            return None
+        return f"({' '.join(term)}): not a drawer's region; the expert opens and closes drawers only"
+    if pred in ("turnon", "turnoff") and len(args) == 1:
+        return None if "stove" in args[0] else f"({' '.join(term)}): the expert turns a stove's knob only"
+    return f"({' '.join(term)}): no skill for predicate {pred!r}"
+
+
 def _goal_of(env) -> tuple[str, str, str]:
-    """(predicate, object, target) of a single-predicate pick-and-place goal, or ExpertUnsupported."""
+    """(predicate, object, target) of the goal's first In/On term, or ExpertUnsupported."""
+    for term in goal_terms(env):
+        if term[0] in PLACE_PREDICATES and len(term) == 3:
+            return _check_place(env, term)
+    raise ExpertUnsupported(f"goal {goal_terms(env)}: no pick-and-place (in/on) term")
+
+
+def _check_place(env, term) -> tuple[str, str, str]:
     inner = env.env
-    goal = inner.parsed_problem["goal_state"]
-    if len(goal) != 1 or len(goal[0]) != 3:
-        raise ExpertUnsupported(f"goal {goal}: only a single binary predicate (in/on) is supported")
-    pred, obj, target = (str(x).lower() for x in goal[0])
-    if pred not in ("in", "on"):
-        raise ExpertUnsupported(f"goal {goal}: predicate {pred!r} is not a pick-and-place (in/on)")
+    pred, obj, target = term
     if obj not in inner.objects_dict:
-        raise ExpertUnsupported(f"goal {goal}: {obj!r} is not a movable object")
+        raise ExpertUnsupported(f"goal term {term}: {obj!r} is not a movable object")
     if target not in inner.object_sites_dict and target not in inner.objects_dict \
             and target not in inner.fixtures_dict:
-        raise ExpertUnsupported(f"goal {goal}: unknown target {target!r}")
+        raise ExpertUnsupported(f"goal term {term}: unknown target {target!r}")
     if pred == "in" and target not in inner.object_sites_dict:
-        raise ExpertUnsupported(f"goal {goal}: 'in' is supported only for a region site")
+        raise ExpertUnsupported(f"goal term {term}: 'in' is supported only for a region site")
     return pred, obj, target
 
 
@@ -159,6 +187,28 @@ def _box_points(boxes, per_axis: int = 4) -> np.ndarray:
         else np.zeros((0, 3))
 
 
+def _top_at(boxes, xy) -> float | None:
+    """The highest point where the vertical line through `xy` leaves one of the oriented boxes (None: it meets
+    none of them)."""
+    centre, rot, half = boxes
+    best = None
+    p0 = np.array([xy[0], xy[1], 0.0])
+    for c, r, h in zip(centre, rot, half):
+        origin, direction = r.T @ (p0 - c), r.T @ np.array([0.0, 0.0, 1.0])
+        t_lo, t_hi = -np.inf, np.inf
+        for k in range(3):
+            if abs(direction[k]) < 1e-12:
+                if abs(origin[k]) > h[k]:
+                    t_lo, t_hi = np.inf, -np.inf
+                    break
+                continue
+            a, b = (-h[k] - origin[k]) / direction[k], (h[k] - origin[k]) / direction[k]
+            t_lo, t_hi = max(t_lo, min(a, b)), min(t_hi, max(a, b))
+        if t_lo <= t_hi and (best is None or t_hi > best):
+            best = float(t_hi)
+    return best
+
+
 def finger_axis(yaw: float) -> np.ndarray:
     """The world xy direction the fingers close along, with the hand turned by `yaw` (rad, counter-clockwise seen
     from above) from its reset orientation (fingers along world y)."""
@@ -168,14 +218,21 @@ def finger_axis(yaw: float) -> np.ndarray:
 # --- the expert --------------------------------------------------------------------------------------------------
 
 
-class ScriptedExpert:
+class PickPlace:
     """Closed-loop pick-and-place: approach above the grasp point, descend, close, lift, carry the object over the
-    target, lower it, open. Call `act(raw_obs)` once per env step; it returns the next (7,) action."""
+    target, lower it, open. Call `act(raw_obs)` once per env step; it returns the next (7,) action. `term` is the
+    (in|on, object, target) goal term (default: the env's first In/On term); `ref_rot` the hand's reset orientation
+    (default: its orientation at the first act())."""
 
-    def __init__(self, env, seed: int = 0, recover: bool = False, hold_orientation: bool = False):
+    def __init__(self, env, seed: int = 0, recover: bool = False, hold_orientation: bool = False,
+                 term=None, ref_rot=None, set_down_at=None, descend_within: float = 0.1):
         self.env = env
+        self.descend_within = float(descend_within)  # the approach drops height only this close in xy
         self.recover, self.hold_orientation = bool(recover), bool(hold_orientation)
-        self.pred, self.obj, self.target = _goal_of(env)
+        if set_down_at is not None:  # (object, xy): set it down there on what it stands on now (making room)
+            self.pred, self.obj, self.target = "on", set_down_at[0], None
+        else:
+            self.pred, self.obj, self.target = _goal_of(env) if term is None else _check_place(env, term)
         inner = env.env
         self.sim = inner.sim
         self.rng = np.random.default_rng(seed)
@@ -194,19 +251,27 @@ class ScriptedExpert:
         self.hover = 0.08 + 0.02 * self.rng.random()
 
         # where the object's origin must end up, and how high above its support to let it go
-        if self.target in inner.object_sites_dict and self.pred == "in":
+        if set_down_at is not None:
+            self.place_xy, self.support_top, self.drop_gap = np.asarray(set_down_at[1], dtype=np.float64), lo[2], 0.01
+        elif self.target in inner.object_sites_dict and self.pred == "in":
             self.place_xy = self.sim.data.get_site_xpos(self.target)[:2].copy()
             self.support_top = self._support_floor(self._region_owner_body())
             self.drop_gap = 0.04
+        elif self.target in inner.object_sites_dict:  # On a fixture's region (a cook region, a cabinet's top, a rack)
+            self.place_xy, self.support_top = self._site_place(max(size[0], size[1]) / 2)
+            self.drop_gap = 0.01
         else:
             tgt_body = self._target_body(self.target)
             self.place_xy = self.sim.data.body_xpos[self.sim.model.body_name2id(tgt_body)][:2].copy()
             self.support_top = _body_box(self.sim, tgt_body)[1][2]
             self.drop_gap = 0.015
-        self.carry_clear_z = self._carry_clearance(origin[:2], self.place_xy, max(size[0], size[1]) / 2)
+        self.carry_clear_z = self._carry_clearance(origin[:2], self.place_xy, max(size[0], size[1]) / 2) \
+            if set_down_at is None else float(lo[2]) + 0.03  # making room: a short move, just off the support
+        if self.is_bowl and self.grasp_yaw == 0.0:
+            self._mind_the_place()
 
         self.obj_rest_z = float(origin[2])
-        self.ref_rot = None      # hold_orientation: the hand's orientation at the first act() (its reset one)
+        self.ref_rot = ref_rot     # hold_orientation: the hand's orientation at the first act() (its reset one)
         self.gave_up = False     # grasps failed MAX_GRASP_TRIES times: retreating, the actions are no valid label
 
         self.phase = "approach"
@@ -241,6 +306,74 @@ class ScriptedExpert:
         tops = [hi[2] for _, lo, hi in _geom_world_boxes(self.sim, _bodies_under(self.sim.model._model, root))
                 if lo[0] <= xy[0] <= hi[0] and lo[1] <= xy[1] <= hi[1]]
         return float(min(tops)) if tops else float(self.sim.data.get_site_xpos(self.target)[2])
+
+    def _site_place(self, obj_radius: float) -> tuple[np.ndarray, float]:
+        """(xy, support height) where the object, set down there, satisfies LIBERO's On for the target site: its
+        origin within the site's xy extent and a band above the site's plane (in the site's frame as LIBERO applies
+        it), resting on the site's fixture. Searched over a grid of the site's extent for the point nearest its centre
+        whose object footprint keeps clear of the fixture's raised parts (e.g. a wine rack's divider)."""
+        sim, m = self.sim, self.sim.model._model
+        sid = sim.model.site_name2id(self.target)
+        centre = sim.data.get_site_xpos(self.target).copy()
+        rot = sim.data.get_site_xmat(self.target).reshape(3, 3)
+        size = m.site_size[sid]
+        owner = self._fixture_root_of_site(sid)
+        support = _geom_oriented_boxes(sim, _bodies_under(m, owner))
+        best, best_key = None, None
+        for fx in np.linspace(-0.7, 0.7, 15):
+            for fy in np.linspace(-0.7, 0.7, 15):
+                local = np.array([fx * size[0], fy * size[1], size[2] + 0.02])
+                xy = (centre + local @ rot)[:2]  # LIBERO tests rot @ (p - centre): p = centre + rot.T @ local
+                top = _top_at(support, xy)
+                if top is None:
+                    continue
+                rest = np.array([xy[0], xy[1], top + self.obj_bottom_below_origin + 0.004])
+                d = rot @ (rest - centre)
+                if not (size[2] + 0.0 < d[2] < size[2] + 0.08 and np.all(np.abs(d[:2]) < 0.85 * size[:2])):
+                    continue
+                # the footprint, 3-8 cm above the support, must not touch the fixture's raised parts
+                ring = np.array([[xy[0] + (obj_radius + 0.008) * np.cos(a), xy[1] + (obj_radius + 0.008) * np.sin(a),
+                                  top + h] for a in np.linspace(0, 2 * np.pi, 12, endpoint=False)
+                                 for h in (0.03, 0.055, 0.08)])
+                room = float(_distance_to_boxes(ring, support).min())
+                key = (room < 0.003, float(np.hypot(fx, fy)))
+                if best_key is None or key < best_key:
+                    best, best_key = (np.asarray(xy), float(top)), key
+        if best is None:
+            raise ExpertUnsupported(f"no point on {self.target!r} where the object can be set down")
+        return best
+
+    def _mind_the_place(self) -> None:
+        """A rim grasp whose hand would have no room where the bowl is set down (e.g. the hand, 20 cm long along the
+        finger axis, would reach into a cabinet's handles beside the target) takes the rim on the other side instead,
+        if that leaves more room at both ends."""
+        boxes = self._foreign_oriented_boxes()
+        origin = self.sim.data.body_xpos[self.obj_body_id]
+        lo, hi = _body_box(self.sim, self.obj_body)
+        centre_off = (lo[:2] + hi[:2]) / 2 - origin[:2]
+        release_above_bottom = self.drop_gap + self.obj_bottom_below_origin
+
+        def room(offset):
+            at_grasp = self._finger_room(boxes, origin[:2] + offset[:2], origin[2] + offset[2], 0.0)
+            at_place = self._finger_room(boxes, self.place_xy + offset[:2],
+                                         self.support_top + release_above_bottom + offset[2], 0.0)
+            return at_grasp, at_place
+
+        grasp_room, place_room = room(self.grasp_offset)
+        if place_room >= 0.01:
+            return
+        other = self.grasp_offset.copy()
+        other[:2] = 2 * centre_off - other[:2]
+        if min(room(other)) > min(grasp_room, place_room):
+            self.grasp_offset = other
+
+    def _fixture_root_of_site(self, site_id: int) -> int:
+        """The root body of the fixture that owns a site (the child of the world body above the site's body)."""
+        m = self.sim.model._model
+        b = int(m.site_bodyid[site_id])
+        while b != 0 and int(m.body_parentid[b]) != 0:
+            b = int(m.body_parentid[b])
+        return b
 
     def _plan_grasp(self) -> None:
         """Set the grasp (its offset from the object's origin, and its yaw) from the current simulator state."""
@@ -384,7 +517,7 @@ class ScriptedExpert:
         if self.phase == "approach":
             # go towards the hover point; drop height only once close in xy (keeps the fingers off other objects)
             xy_err = np.linalg.norm(grasp[:2] - eef[:2])
-            z_goal = max(hover_z, eef[2]) if xy_err > 0.1 else hover_z
+            z_goal = max(hover_z, eef[2]) if xy_err > self.descend_within else hover_z
             move = self._move(eef, [grasp[0], grasp[1], z_goal])
             if xy_err < 0.012 and abs(eef[2] - hover_z) < 0.03 and self._yaw_reached(raw_obs["robot0_eef_quat"]):
                 self._set("descend")
@@ -591,20 +724,138 @@ def perturb_init_state(env, state: np.ndarray, rng: np.random.Generator, max_shi
 
 
 def goal_positions(env) -> np.ndarray:
-    """Privileged (6,) float64: the world xyz of the goal's object (its root body) and of its target (the region
-    site for In, the target's root body for On), from the current simulator state."""
-    pred, obj, target = _goal_of(env)
+    """Privileged (6,) float64, from the current simulator state: for a goal with an In/On term, the world xyz of
+    its (first such term's) object (root body) and of its target (the region site, or the target's root body); for
+    an articulation-only goal, the xyz of the moving part (the drawer's handle bar, the knob) and of its fixture's
+    root body."""
     inner = env.env
     sim = inner.sim
-    obj_xyz = sim.data.body_xpos[sim.model.body_name2id(inner.objects_dict[obj].root_body)]
-    if pred == "in":
-        tgt_xyz = sim.data.get_site_xpos(target)
-    else:
-        owner = inner.objects_dict.get(target) or inner.fixtures_dict[target]
-        tgt_xyz = sim.data.body_xpos[sim.model.body_name2id(owner.root_body)]
-    return np.concatenate([obj_xyz, tgt_xyz]).astype(np.float64)
+    terms = goal_terms(env)
+    if any(t[0] in PLACE_PREDICATES and len(t) == 3 for t in terms):
+        pred, obj, target = _goal_of(env)
+        obj_xyz = sim.data.body_xpos[sim.model.body_name2id(inner.objects_dict[obj].root_body)]
+        if target in inner.object_sites_dict:
+            tgt_xyz = sim.data.get_site_xpos(target)
+        else:
+            owner = inner.objects_dict.get(target) or inner.fixtures_dict[target]
+            tgt_xyz = sim.data.body_xpos[sim.model.body_name2id(owner.root_body)]
+        return np.concatenate([obj_xyz, tgt_xyz]).astype(np.float64)
+    from .libero_skills import moving_part
+
+    part, root = moving_part(env, terms[0])
+    return np.concatenate([part, root]).astype(np.float64)
 
 
 def goal_names(env) -> tuple[str, str, str]:
-    """(predicate, object, target) of the env's single pick-and-place goal (ExpertUnsupported otherwise)."""
+    """(predicate, object, target) of the env's first pick-and-place goal term (ExpertUnsupported otherwise)."""
     return _goal_of(env)
+
+
+# --- the task-level expert: goal terms as a sequence of skills ---------------------------------------------------
+
+
+def plan_terms(env) -> list[tuple[str, ...]]:
+    """The goal terms in the order the expert works on them, with the steps the goal leaves implicit: drawers are
+    opened first (and an In into a closed drawer's region opens that drawer), knobs turned, objects placed, drawers
+    closed last (after what goes into them). ExpertUnsupported names a term without a skill."""
+    terms = goal_terms(env)
+    for term in terms:
+        why = unsupported_term(term)
+        if why:
+            raise ExpertUnsupported(f"goal {terms}: {why}")
+    rank = {"open": 0, "turnon": 1, "turnoff": 1, "in": 2, "on": 2, "close": 3}
+    ordered = sorted(terms, key=lambda t: rank[t[0]])
+    out: list[tuple[str, ...]] = []
+    for term in ordered:
+        if term[0] == "in" and "cabinet" in term[2] and ("open", term[2]) not in out \
+                and ("close", term[2]) not in terms:
+            # an In into a closed drawer: first set the object down away from under where the opened drawer will be
+            # (if it is there), then open it
+            out += [("clear", term[1], term[2]), ("open", term[2])]
+        out.append(term)
+    return out
+
+
+class ScriptedExpert:
+    """The scripted expert for a LIBERO task: its goal terms as a sequence of skills (`plan_terms`): pick-and-place
+    (`PickPlace`), drawers, the stove's knob and pushes (`libero_skills`). Each skill acts until LIBERO's predicate
+    for its term holds and its hand is free; the last one acts until the episode ends. A term that already holds
+    when its turn comes is skipped. Call `act(raw_obs)` once per env step; it returns the next (7,) action."""
+
+    def __init__(self, env, seed: int = 0, recover: bool = False, hold_orientation: bool = False):
+        self.env = env
+        self.seed, self.recover, self.hold_orientation = seed, bool(recover), bool(hold_orientation)
+        self.terms = plan_terms(env)
+        self.index = 0
+        self.skill = None
+        self.ref_rot = None
+        if len(self.terms) == 1 and self.terms[0][0] in PLACE_PREDICATES and not self._is_push(self.terms[0]):
+            self.skill = PickPlace(env, seed=seed, recover=recover, hold_orientation=hold_orientation,
+                                   term=self.terms[0])  # checked now: an unsupported target fails here
+
+    def _is_push(self, term) -> bool:
+        from .libero_skills import push_goal
+
+        return push_goal(self.env, term) is not None
+
+    def _make(self, term):
+        from .libero_skills import DrawerSkill, KnobSkill, PushSkill, clearing_goal, push_goal
+
+        common = dict(recover=self.recover, hold_orientation=self.hold_orientation)
+        seed = self.seed + 1000 * self.index
+        if term[0] in ("open", "close"):
+            skill = DrawerSkill(self.env, term[1], term[0] == "open", self.ref_rot, **common)
+            later = self.terms[self.index + 1] if self.index + 1 < len(self.terms) else None
+            if later is not None and later[0] in PLACE_PREDICATES and later[1] in self.env.env.objects_dict:
+                body = self.env.env.objects_dict[later[1]].root_body  # the next object to pick
+                skill.next_xy = self.env.env.sim.data.body_xpos[self.env.env.sim.model.body_name2id(body)][:2].copy()
+            return skill
+        if term[0] in ("turnon", "turnoff"):
+            return KnobSkill(self.env, term[1], term[0] == "turnon", self.ref_rot, **common)
+        if term[0] == "clear":
+            return PickPlace(self.env, seed=seed, ref_rot=self.ref_rot,
+                             set_down_at=(term[1], clearing_goal(self.env, term[1], term[2])), **common)
+        goal = push_goal(self.env, term)
+        if goal is not None:
+            return PushSkill(self.env, term[1], goal, term, self.ref_rot, **common)
+        # after a drawer was opened, the approach stays high until it is over the grasp (the drawer overhangs)
+        opened = any(t[0] == "open" for t in self.terms[:self.index])
+        return PickPlace(self.env, seed=seed, term=term, ref_rot=self.ref_rot, descend_within=0.02 if opened else 0.1,
+                         **common)
+
+    @property
+    def phase(self) -> str:
+        return f"{self.index}:{getattr(self.skill, 'phase', '-')}"
+
+    def _skill_done(self) -> bool:
+        if self.skill is None:
+            return True
+        if isinstance(self.skill, PickPlace):  # its hand is free once it let go and rose after a successful place
+            return self.skill.phase == "retreat" and self.skill.phase_steps >= 4 \
+                and (self.terms[self.index][0] == "clear" or self._holds(self.terms[self.index]))
+        return bool(self.skill.finished)
+
+    def _holds(self, term) -> bool:
+        from .libero_skills import clearing_goal, predicate_holds
+
+        if term[0] == "clear":
+            return clearing_goal(self.env, term[1], term[2], margin=0.0) is None
+        return predicate_holds(self.env, term)
+
+    def act(self, raw_obs: dict) -> np.ndarray:
+        if self.ref_rot is None:
+            self.ref_rot = quat_to_matrix(raw_obs["robot0_eef_quat"])
+            if isinstance(self.skill, PickPlace):
+                self.skill.ref_rot = self.ref_rot if self.skill.ref_rot is None else self.skill.ref_rot
+        while self.skill is None or (self.index < len(self.terms) - 1 and self._skill_done()):
+            if self.skill is not None:
+                self.index += 1
+            # a term that already holds is skipped (unless it is the last: the episode would have ended)
+            while self.index < len(self.terms) - 1 and self._holds(self.terms[self.index]):
+                self.index += 1
+            self.skill = self._make(self.terms[self.index])
+        return self.skill.act(raw_obs)
+
+    @property
+    def label_valid(self) -> bool:
+        return self.skill is None or self.skill.label_valid
