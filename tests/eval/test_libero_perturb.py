@@ -329,8 +329,7 @@ def test_light_changes_only_the_lights(sim):
         cos = np.dot(before, after) / np.linalg.norm(before) / np.linalg.norm(after)
         assert np.degrees(np.arccos(np.clip(cos, -1, 1))) == pytest.approx(lp.LIGHT_TILT_DEG, abs=1e-6)
     assert np.array_equal(base["state"], snap["state"])
-    _, again = _start(env, task, lp.Perturbation("light", 0.5))
-    assert again == info  # the same draws for the same episode
+    assert lp.change_lights(env, 0.5, lp.episode_rng(KEY, "light")) == info["light=0.5"]  # the same draws
 
 
 def test_table_recolours_only_the_table_top(sim):
