@@ -198,7 +198,7 @@ class EvalParams:
     perturb: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        from .eval.libero_perturb import parse_perturbations
+        from .eval.perturb_spec import parse_perturbations
         from .model.sampler import SolverConfig
 
         _check_suite_tasks(self.tasks, self.suite, "eval.tasks")

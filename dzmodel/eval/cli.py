@@ -12,7 +12,7 @@ from ..model.cli import add_solver_arguments, solver_from
 def cmd_eval_libero(ns: argparse.Namespace) -> int:
     from ..eval.libero_env import LiberoNotInstalled
     from ..eval.libero_eval import EvalConfig, evaluate_run
-    from ..eval.libero_perturb import PerturbationError, parse_perturbations
+    from ..eval.perturb_spec import PerturbationError, parse_perturbations
     from ..eval.policy import PolicyLoadError
 
     try:

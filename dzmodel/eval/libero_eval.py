@@ -66,7 +66,7 @@ class EvalConfig:
             raise ValueError(f"eval.actions_per_chunk must be >= 1, got {self.actions_per_chunk}")
         if self.context not in ("episode", "frame"):
             raise ValueError(f"eval.context must be episode or frame, got {self.context!r}")
-        from .libero_perturb import parse_perturbations
+        from .perturb_spec import parse_perturbations
 
         parse_perturbations(self.perturb, "eval.perturb")
 
@@ -502,7 +502,7 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
 
     ensure_libero_config()
     check_libero()
-    from .libero_perturb import parse_perturbations
+    from .perturb_spec import parse_perturbations
 
     perturbations = parse_perturbations(cfg.perturb, "eval.perturb")
     src, out = Path(run_or_model), Path(out_dir)
