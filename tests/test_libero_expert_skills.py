@@ -1,8 +1,9 @@
-"""The scripted expert's grasp yaw, in the real simulator: LIBERO-Spatial task 4's black bowl sits in an open drawer
+"""The scripted expert in the real simulator. Its grasp yaw: LIBERO-Spatial task 4's black bowl sits in an open drawer
 whose front and back walls leave no room for a finger beside the rim along the reset finger axis (world y), so the
 expert turns the hand through the rotation dims of the standard 7-dim action before it grasps. One episode recorded
 with `dz data record libero` at 64 px (about 30 s on 2 CPU cores); the libero_spatial profile is libero_object's
-recipe on the other suite."""
+recipe on the other suite. The LIBERO-Goal skills (a drawer, the stove's knob, a push, a drawer then a place, a
+place on a tilted fixture region), one recorded episode each, LIBERO's own `done` deciding success."""
 
 import json
 from pathlib import Path
@@ -68,3 +69,69 @@ def test_libero_spatial_is_the_libero_object_recipe_on_the_spatial_suite():
     assert spatial.eval.tasks == obj.eval.tasks and spatial.eval.episodes == obj.eval.episodes
     assert spatial.promote.registered_model != obj.promote.registered_model
     assert spatial.package.version != obj.package.version
+
+
+# --- LIBERO-Goal: the skills beyond pick-and-place, one recorded episode each (64 px, one worker) ----------------
+
+
+def _record_goal_task(tmp_path, task: int) -> tuple[dict, dict]:
+    """One expert episode of LIBERO-Goal task `task` recorded by `dz data record libero`: (its recording summary,
+    its columns: action, observation.state, observation.objects)."""
+    pytest.importorskip("libero", reason="LIBERO is not installed (make libero)")
+    from dzmodel.eval.libero_env import check_libero
+
+    check_libero()
+    out = tmp_path / f"goal_t{task}"
+    rc = main(["data", "record", "libero", "--suite", "goal", "--tasks", str(task), "--episodes", "1",
+               "--image-size", "64", "--workers", "1", "--keep", "all", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    rec = json.loads((out / "meta" / "dz_recording.json").read_text())
+    from dzmodel.data.lerobot_format import open_dataset
+
+    cols = open_dataset(out).read_columns(0, ["action", "observation.state", "observation.objects"])
+    return rec, {k: np.asarray(v) for k, v in cols.items()}
+
+
+def test_the_expert_opens_a_drawer_by_its_handle(tmp_path):
+    rec, cols = _record_goal_task(tmp_path, 0)  # open the middle drawer of the cabinet
+    assert rec["successes"] == 1, rec["failures"]
+    handle = cols["observation.objects"][:, :3]  # the middle drawer's handle bar
+    assert handle[-1, 1] - handle[0, 1] > 0.12  # pulled out along the slide (+y): open past 0.14 after the last row
+    action = cols["action"]
+    assert np.all(np.abs(action) <= 1) and set(np.unique(action[:, 6])) == {-1.0, 1.0}
+    assert np.any(action[:, 3] != 0)  # the hand was turned to grip the bar from the front
+
+
+def test_the_expert_turns_the_stoves_knob(tmp_path):
+    rec, cols = _record_goal_task(tmp_path, 7)  # turn on the stove
+    assert rec["successes"] == 1, rec["failures"]
+    action, state = cols["action"], cols["observation.state"]
+    closed = np.flatnonzero(action[:, 6] > 0)
+    assert len(closed) > 0
+    turned = np.angle(np.exp(1j * (_yaw(state[-1, 3:6]) - _yaw(state[closed[0], 3:6]))))
+    assert np.rad2deg(turned) > 20  # the hand, gripping the knob, turned counter-clockwise about the vertical
+
+
+def test_the_expert_pushes_the_plate_to_the_front_of_the_stove(tmp_path):
+    rec, cols = _record_goal_task(tmp_path, 5)  # push the plate to the front of the stove
+    assert rec["successes"] == 1, rec["failures"]
+    plate = cols["observation.objects"][:, :3]
+    assert plate[-1, 1] - plate[0, 1] > 0.15  # pushed across the table towards the stove (+y)
+    assert np.all(cols["action"][:, 6] == 1.0)  # closed fingers push; the plate is never grasped
+    assert np.all(np.abs(plate[:, 2] - plate[0, 2]) < 0.02)  # it stays on the table
+
+
+def test_the_expert_opens_the_drawer_then_puts_the_bowl_inside(tmp_path):
+    rec, cols = _record_goal_task(tmp_path, 3)  # open the top drawer and put the bowl inside (goal: only the In)
+    assert rec["successes"] == 1, rec["failures"]
+    bowl, region = cols["observation.objects"][:, :3], cols["observation.objects"][:, 3:]
+    assert region[-1, 1] - region[0, 1] > 0.12  # the drawer's region moved out with the opened drawer ...
+    assert bowl[-1, 2] - bowl[0, 2] > 0.15  # ... and the bowl went up into it
+    assert np.any(cols["action"][:, 3] != 0)
+
+
+def test_the_expert_places_the_wine_bottle_on_the_rack(tmp_path):
+    rec, cols = _record_goal_task(tmp_path, 9)  # put the wine bottle on the rack (a tilted region of a fixture)
+    assert rec["successes"] == 1, rec["failures"]
+    bottle = cols["observation.objects"][:, :3]
+    assert bottle[-1, 2] - bottle[0, 2] > 0.15  # lifted onto the rack

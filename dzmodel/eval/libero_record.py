@@ -28,7 +28,13 @@ Label and executed action can differ:
   Both write the executed actions as `executed_action` (7).
 
 Every row also holds `observation.objects` (6, privileged, for diagnostics only: no embodiment reads it): the world
-xyz of the goal's object and of its target (the region site for In, the target body for On).
+xyz of the goal's (first In/On term's) object and of its target (the region site, or the target body); for a goal
+without an In/On term, of the part it moves (a drawer's handle, a knob) and of that fixture's root.
+
+The expert solves the tasks whose every goal term it has a skill for (`libero_expert.ScriptedExpert`): In/On (pick
+and place; a plate is pushed onto a table region), Open/Close of a drawer, TurnOn/TurnOff of the stove; a goal of
+several terms is worked on as a sequence. Others (e.g. closing LIBERO-10's microwave door) are refused by name
+before any env starts.
 
 The dataset matches the public LIBERO LeRobot datasets (HuggingFaceVLA/libero, converted from the OpenVLA/openpi
 regenerated data) so that the `libero_sim` and `libero_sim_tiny` embodiments read it unchanged:
@@ -72,7 +78,9 @@ KEEP_MODES = ("successes", "all")
 # LIBERO-Object's init regions are small (3 of the 7 objects sit at fixed spots, the others vary by about a
 # centimetre), so a sampled start is typically ~5 mm from its nearest standard start: the default distance it must keep
 SAMPLED_MIN_DISTANCE_M = 0.002
-SUPPORTED_PREDICATES = ("in", "on")  # the pick-and-place goals the scripted expert solves
+# the goal predicates the scripted expert has skills for (`libero_expert.unsupported_term` says which of their
+# arguments it handles: In/On any object and target, Open/Close a drawer's region, TurnOn/TurnOff a stove)
+SUPPORTED_PREDICATES = ("in", "on", "open", "close", "turnon", "turnoff")
 
 
 @dataclass
@@ -193,11 +201,16 @@ def goal_predicates(bddl_file: str | Path) -> list[tuple[str, ...]]:
 
 
 def _unsupported(bddl_file: str) -> str | None:
-    """Why the expert cannot solve a task (None if it can): one pick-and-place goal, In(obj, region) or On(obj, target)."""
+    """Why the expert cannot solve a task (None if it can): every term of its goal needs a skill of the expert
+    (pick-and-place or a push for In/On, a drawer for Open/Close, the stove's knob for TurnOn/TurnOff)."""
+    from .libero_expert import unsupported_term
+
     goal = goal_predicates(bddl_file)
-    if len(goal) != 1 or goal[0][0] not in SUPPORTED_PREDICATES or len(goal[0]) != 3:
-        return (f"goal {' and '.join('(' + ' '.join(g) + ')' for g in goal)} is not a single pick-and-place "
-                f"predicate ({' or '.join(SUPPORTED_PREDICATES)})")
+    whys = [why for term in goal if (why := unsupported_term(term))]
+    if not goal:
+        return "the goal has no terms"
+    if whys:
+        return f"goal {' and '.join('(' + ' '.join(g) + ')' for g in goal)}: " + "; ".join(whys)
     return None
 
 

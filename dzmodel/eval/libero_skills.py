@@ -197,7 +197,7 @@ class DrawerSkill(_Skill):
         if self.phase == "insert":
             target = handle if self.opening else handle + self.out * 0.03
             move = _move(eef, target, 1.0 if np.linalg.norm(target - eef) > 0.03 else 0.5)
-            if np.linalg.norm(target - eef) < 0.006 or self.phase_steps > 40:
+            if np.linalg.norm(target - eef) < 0.01 or self.phase_steps > 25:
                 self._set("close" if self.opening else "push")
         if self.phase == "close":  # the fingers shut on the bar
             grip = 1.0
