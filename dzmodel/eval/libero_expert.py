@@ -267,6 +267,9 @@ class PickPlace:
             self.drop_gap = 0.015
         self.carry_clear_z = self._carry_clearance(origin[:2], self.place_xy, max(size[0], size[1]) / 2) \
             if set_down_at is None else float(lo[2]) + 0.03  # making room: a short move, just off the support
+        if self.target in inner.object_sites_dict and self.pred == "on" and set_down_at is None:
+            self.carry_clear_z += 0.03  # onto a fixture's top (e.g. the cabinet's): a bowl sags in a rim grasp, and
+            # its lower edge must clear the fixture's front edge on the way in
         if self.is_bowl and self.grasp_yaw == 0.0:
             self._mind_the_place()
 
