@@ -69,7 +69,7 @@ def test_train_config_is_filled_from_the_stage_paths(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda r: r["profiles"]["demo"]["train"].update(lrr=1), "profiles.demo.train.lrr: unknown key (did you mean 'lr'?)"),
-    (lambda r: r["profiles"]["demo"]["eval"].update(episodes=0), "profiles.demo.eval.episodes: must be >= 1, got 0"),
+    (lambda r: r["profiles"]["demo"]["eval"].update(episodes=0), "profiles.demo.eval.episodes: must be in [1, 10000], got 0"),
     (lambda r: r["profiles"]["demo"]["fetch"].update(synth_episodes="two"),
      "profiles.demo.fetch.synth_episodes: expected an integer, got str 'two'"),
     (lambda r: r["profiles"]["demo"]["eval"].update(suite="kitchen"), "profiles.demo.eval.suite: must be one of"),

@@ -100,7 +100,7 @@ def test_encoded_copies_run_the_encoders_once_per_copy_and_resume_bit_exact(data
 
 @pytest.mark.parametrize("kw, match", [(dict(encoded_variants=2, data_on_device=False), "needs train.data_on_device"),
                                        (dict(encoded_variants=3, augment=False), "identical copies"),
-                                       (dict(encoded_variants=-1), ">= 0")])
+                                       (dict(encoded_variants=-1), r"must be in \[0, 64\], got -1")])
 def test_encoded_copies_refuse_what_cannot_work(kw, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**{"data_on_device": True, **kw})
