@@ -181,7 +181,7 @@ def _add_libero(ev) -> None:
     p.add_argument("--perturb", action="append", metavar="NAME[=VALUE][,...]",
                    help="robustness: also run the same episodes under each perturbation (repeatable): position[=M], "
                         "swap[=task|any], camera[=DEG], light[=F], table[=COLOUR|random], paraphrase[=1|2|3|random]; "
-                        "writes robustness.csv (docs/evaluation.md, Robustness)")
+                        "writes robustness.csv (docs/eval.md, Robustness)")
     add_solver_arguments(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
