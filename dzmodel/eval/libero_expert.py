@@ -1,4 +1,9 @@
-"""A scripted pick-and-place expert for LIBERO, driven by privileged simulator state.
+"""A scripted expert for LIBERO, driven by privileged simulator state.
+
+`ScriptedExpert` works on a task's goal terms in order (`plan_terms`), one skill each: pick-and-place (`PickPlace`,
+below) for In/On, and from `libero_skills` a drawer (Open/Close), the stove's knob (TurnOn/TurnOff) and a push (a
+plate onto a table region). A skill acts until LIBERO's predicate for its term holds and its hand is free; the last
+one acts until the episode ends. What follows describes pick-and-place; the other skills keep its properties.
 
 It reads object poses (raw observation `<object>_pos`) and target regions (MuJoCo sites, object bodies) from the
 simulator, but acts only through LIBERO's standard 7-dim OSC_POSE action: delta eef position (3), delta rotation
@@ -332,7 +337,7 @@ class PickPlace:
                     continue
                 rest = np.array([xy[0], xy[1], top + self.obj_bottom_below_origin + 0.004])
                 d = rot @ (rest - centre)
-                if not (size[2] + 0.0 < d[2] < size[2] + 0.08 and np.all(np.abs(d[:2]) < 0.85 * size[:2])):
+                if not (size[2] < d[2] < size[2] + 0.095 and np.all(np.abs(d[:2]) < 0.85 * size[:2])):
                     continue
                 # the footprint, 3-8 cm above the support, must not touch the fixture's raised parts
                 ring = np.array([[xy[0] + (obj_radius + 0.008) * np.cos(a), xy[1] + (obj_radius + 0.008) * np.sin(a),
