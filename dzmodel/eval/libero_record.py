@@ -1,7 +1,7 @@
 """`dz data record libero`: LIBERO demonstrations from the scripted expert, as a LeRobot v3.0 dataset.
 
 Episodes run in the evaluation's own env worker processes (`EnvWorkerPool`: the same env, cameras, init state
-and settle steps as `dz eval libero`), with the expert (`libero_expert.ScriptedExpert`) acting beside each env on
+and settle steps as `dz eval libero`), with the expert (`libero_scripted.ScriptedExpert`) acting beside each env on
 privileged simulator state through the standard 7-dim OSC action. LIBERO's own goal predicate (`done`) decides
 success; an episode that does not succeed within the suite's standard step limit is a failure. Only successful
 episodes are kept (`keep: all` keeps failures too).
@@ -31,7 +31,7 @@ Every row also holds `observation.objects` (6, privileged, for diagnostics only:
 xyz of the goal's (first In/On term's) object and of its target (the region site, or the target body); for a goal
 without an In/On term, of the part it moves (a drawer's handle, a knob) and of that fixture's root.
 
-The expert solves the tasks whose every goal term it has a skill for (`libero_expert.ScriptedExpert`): In/On (pick
+The expert solves the tasks whose every goal term it has a skill for (`libero_scripted.ScriptedExpert`): In/On (pick
 and place; a plate is pushed onto a table region), Open/Close of a drawer, TurnOn/TurnOff of the stove; a goal of
 several terms is worked on as a sequence. Others (e.g. closing LIBERO-10's microwave door) are refused by name
 before any env starts.

@@ -283,7 +283,7 @@ class Recording:
         cfg = self.cfg
         return {
             "generator": "dz data record libero",
-            "expert": "dzmodel.eval.libero_expert.ScriptedExpert",
+            "expert": "dzmodel.eval.libero_scripted.ScriptedExpert",
             "suite": cfg.suite,
             "max_steps": self.max_steps,
             "config": asdict(cfg),

@@ -1,9 +1,9 @@
-"""Scripted skills beyond pick-and-place for the LIBERO expert (`libero_expert.ScriptedExpert` runs them in
+"""Scripted skills beyond pick-and-place for the LIBERO expert (`libero_scripted.ScriptedExpert` runs them in
 sequence): opening and closing a drawer by its handle, turning the stove's knob, pushing an object across the table.
 
 Like the pick-and-place skill, each acts only through LIBERO's standard 7-dim OSC_POSE action from privileged
 simulator state (joint positions, handle and knob geometry, object poses), keeps the gripper at exactly -1 or +1,
-and moves with the same saturating position law (`libero_expert.ScriptedExpert._move`'s GAIN and NEG_X_CAP):
+and moves with the same saturating position law (`libero_expert.PickPlace._move`'s GAIN and NEG_X_CAP):
 
 * Drawer (`DrawerSkill`): the hand is turned (through the rotation dims) until its fingers point horizontally into
   the cabinet, against the drawer's opening direction, and close along world z, so they straddle the handle bar from

@@ -91,7 +91,7 @@ class _EnvWorker:
         if self.keep_raw:
             obs["raw"] = {k: np.array(raw[k]) for k in _RAW_KEYS}
         if self.privileged:
-            from .libero_expert import goal_positions
+            from .libero_scripted import goal_positions
 
             obs["objects"] = goal_positions(self.env).astype(np.float32)
         return obs
@@ -153,7 +153,7 @@ class _EnvWorker:
             raise RuntimeError("expert_step before reset")
         sigma = float(opts.get("noise", 0.0))
         if self.expert is None:
-            from .libero_expert import ScriptedExpert
+            from .libero_scripted import ScriptedExpert
 
             self.expert = ScriptedExpert(self.env, seed=seed, recover=bool(opts.get("recover")),
                                          hold_orientation=bool(opts.get("hold_orientation", sigma > 0)))
@@ -304,7 +304,7 @@ class EnvWorkerPool:
 
     def expert_step(self, seeds: dict[int, int],
                     options: dict[int, dict] | None = None) -> dict[int, ExpertStep | WorkerCrashed]:
-        """Let each addressed worker's scripted expert (`libero_expert.ScriptedExpert`, built on the first call
+        """Let each addressed worker's scripted expert (`libero_scripted.ScriptedExpert`, built on the first call
         after a reset with the given seed) choose an action from the simulator state (the label) and step the env.
         `options` {worker_id: {...}}: `execute` an action instead of the label (DAgger: the learned policy's),
         `noise` σ: execute the label plus N(0, σ²) on the 6 arm dims, clipped to [-1, 1] (DART; `noise_seed` seeds it
