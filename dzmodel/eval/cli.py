@@ -264,8 +264,9 @@ def add_data_commands(data) -> None:
 
     rec = data.add_parser("record", help="record demonstrations in simulation").add_subparsers(dest="sim", required=True)
     p = rec.add_parser("libero", help="LIBERO demonstrations from the scripted expert -> a LeRobot v3.0 dataset")
-    p.add_argument("--suite", default="object", help="object | spatial (pick-and-place; goal/10 tasks that are "
-                   "single pick-and-place goals too)")
+    p.add_argument("--suite", default="object", help="object | spatial | goal | 10 (the tasks whose every goal "
+                   "term the expert has a skill for: In/On, drawers, the stove's knob, pushes; others are refused "
+                   "by name)")
     p.add_argument("--tasks", help="task indices, e.g. 0,1,2 (default: every task of the suite)")
     p.add_argument("--episodes", type=int, default=10, help="expert attempts per task; only successes are kept")
     p.add_argument("--init", choices=["standard", "perturbed", "sampled"], default="standard",
