@@ -544,10 +544,7 @@ class PickPlace:
             # the outer finger, with little room beside the rim, meets the wall first
             hold = grasp if self.grasp_yaw == 0.0 else np.array([*self.close_at[:2], grasp[2]])
             move = self._move(eef, hold, 0.3)
-            finger = float(np.sum(np.abs(raw_obs["robot0_gripper_qpos"])))
-            settled = self.phase_steps > 1 and abs(finger - self.last_finger) < 0.0008
-            self.last_finger = finger
-            if (settled and self.phase_steps >= MIN_CLOSE_STEPS) or self.phase_steps >= MAX_CLOSE_STEPS:
+            if fingers_shut(self, raw_obs):
                 self.grasp_eef_z, self.obj_z_at_grasp = eef[2], obj[2]
                 self._set("lift")
         elif self.phase in ("lift", "carry", "lower", "release", "retreat"):
@@ -653,6 +650,16 @@ class PickPlace:
         else:
             self.gave_up = True
             self._set("retreat")
+
+
+def fingers_shut(skill, raw_obs) -> bool:
+    """Called once per step while a skill's fingers close (`skill.phase_steps` counts those steps): whether they
+    have stopped on what they hold (their opening unchanged since the last step) after MIN_CLOSE_STEPS, or
+    MAX_CLOSE_STEPS have passed. Keeps the last opening in `skill.last_finger`."""
+    finger = float(np.sum(np.abs(raw_obs["robot0_gripper_qpos"])))
+    settled = skill.phase_steps > 1 and abs(finger - skill.last_finger) < 0.0008
+    skill.last_finger = finger
+    return (settled and skill.phase_steps >= MIN_CLOSE_STEPS) or skill.phase_steps >= MAX_CLOSE_STEPS
 
 
 def quat_to_matrix(quat) -> np.ndarray:

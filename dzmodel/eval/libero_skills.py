@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from .libero_expert import (GAIN, NEG_X_CAP, RELEASE_STEPS, ROT_OUTPUT_MAX, ExpertUnsupported, _bodies_under,
-                            _geom_world_boxes, matrix_to_rotvec, quat_to_matrix)
+                            _geom_world_boxes, fingers_shut, matrix_to_rotvec, quat_to_matrix)
 
 MAX_TRIES = 3
 TURN_GAIN = 1.0            # fraction of the orientation error commanded per step while the hand turns
@@ -202,10 +202,7 @@ class DrawerSkill(_Skill):
         if self.phase == "close":  # the fingers shut on the bar
             grip = 1.0
             move = _move(eef, handle, 0.3)
-            finger = float(np.sum(np.abs(raw_obs["robot0_gripper_qpos"])))
-            settled = self.phase_steps > 1 and abs(finger - self.last_finger) < 0.0008
-            self.last_finger = finger
-            if (settled and self.phase_steps >= 6) or self.phase_steps >= 16:
+            if fingers_shut(self, raw_obs):
                 self._set("pull")
         if self.phase == "pull":
             grip = 1.0
@@ -310,10 +307,7 @@ class KnobSkill(_Skill):
         if self.phase == "close":
             grip = 1.0
             move = _move(eef, grasp, 0.3)
-            finger = float(np.sum(np.abs(raw_obs["robot0_gripper_qpos"])))
-            settled = self.phase_steps > 1 and abs(finger - self.last_finger) < 0.0008
-            self.last_finger = finger
-            if (settled and self.phase_steps >= 6) or self.phase_steps >= 16:
+            if fingers_shut(self, raw_obs):
                 # the hand's goal: turned about the vertical by what the knob still has to turn, and a little more
                 turn = self.sign * (self.q_goal - self.qpos() + (0.15 if self.on else -0.15))
                 c, s = np.cos(turn), np.sin(turn)
