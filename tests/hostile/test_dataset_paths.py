@@ -285,7 +285,9 @@ try:
     code["dataset"] = "built"
 except DataError as exc:
     code["dataset"] = str(exc)
-print(json.dumps({{"codes": code, "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}}))
+# VmHWM is this process's own peak; ru_maxrss would also count the parent's size at fork (kept across exec)
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({{"codes": code, "maxrss_kib": peak}}))
 """
 
 
