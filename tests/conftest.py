@@ -12,7 +12,8 @@ def pytest_configure(config):
     # bundle tarballs extract into a per-run cache, not the user's ~/.cache (subprocess servers inherit it)
     import tempfile
 
-    os.environ.setdefault("DZ_BUNDLE_CACHE", tempfile.mkdtemp(prefix="dz-bundle-cache-"))
+    if "DZ_BUNDLE_CACHE" not in os.environ:
+        config._dz_bundle_cache = os.environ["DZ_BUNDLE_CACHE"] = tempfile.mkdtemp(prefix="dz-bundle-cache-")
     from tests.leftovers import mark_session
 
     mark_session()
@@ -23,6 +24,11 @@ def pytest_sessionfinish(session, exitstatus):
     from tests.leftovers import MARK, end_leftovers
 
     found = end_leftovers(os.environ[MARK])
+    cache = getattr(session.config, "_dz_bundle_cache", None)
+    if cache:  # the per-run cache this process made (not one the caller named)
+        import shutil
+
+        shutil.rmtree(cache, ignore_errors=True)
     if found:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         lines = [f"processes started by the tests were still running at the end (killed now): {len(found)}"]
