@@ -178,6 +178,10 @@ class EvalParams:
     # all: every converted step (or `steps`); last: only the newest, fixed before any evaluation, and the final number
     # is its own (nothing picked; a third of pooling's episodes)
     checkpoints: Literal["all", "last"] = "all"
+    # with checkpoints: last, the success-vs-step curve: every earlier converted checkpoint on init states
+    # 0..curve_episodes-1 per task (no videos, no perturbations); the last keeps all `episodes` and the final number.
+    # 0: no curve (only the last checkpoint is evaluated)
+    curve_episodes: int = field(default=0, metadata={"min": 0})
     videos: int = field(default=2, metadata={"min": 0, "max": 1000})
     steps: list[int] | None = field(default=None, metadata={"min": 1})  # checkpoint steps; null = every saved one
     solver_steps: int = field(default=16, metadata={"min": 1, "max": 1000})
@@ -210,6 +214,12 @@ class EvalParams:
         if self.checkpoints == "last" and (self.select_episodes or self.steps):
             raise ValueError("eval.checkpoints: last evaluates the newest checkpoint only; it picks nothing, so "
                              "eval.select_episodes must be 0 and eval.steps null")
+        if self.curve_episodes and self.checkpoints != "last":
+            raise ValueError("eval.curve_episodes: needs eval.checkpoints: last (checkpoints: all evaluates every "
+                             "checkpoint on all eval.episodes already)")
+        if self.curve_episodes > self.episodes:
+            raise ValueError(f"eval.curve_episodes: must be at most eval.episodes ({self.episodes}), "
+                             f"got {self.curve_episodes}")
         try:
             SolverConfig(num_steps=self.solver_steps, cfg_scale=self.cfg_scale, dit_steps=self.dit_steps)
         except ValueError as exc:
@@ -484,6 +494,8 @@ def profile_dict(prof: Profile) -> dict[str, Any]:
     data = json.loads(json.dumps(asdict(prof), default=list, allow_nan=False))
     if not data["eval"].get("perturb"):  # absent by default: existing eval cache keys and digests stay valid
         data["eval"].pop("perturb", None)
+    if not data["eval"].get("curve_episodes"):  # likewise: no curve keeps the keys of before
+        data["eval"].pop("curve_episodes", None)
     return data
 
 

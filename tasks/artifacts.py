@@ -72,7 +72,7 @@ def eval_artifact(profile: str, result: dict, plots: Path | None = None) -> None
         md = "### LIBERO evaluation\n\ndisabled in this profile\n\n" + md
         create_markdown_artifact(md, key=_key(profile, "eval"), description="LIBERO disabled; held-out action error")
         return
-    rows = [r for r in result["rows"]]
+    rows = result.get("curve") or result["rows"]  # every evaluated step, the curve's earlier ones included
     columns = ["step", "task", "task_name", "episodes", "successes", "rate", "ci_low", "ci_high"]
     create_table_artifact([{c: r.get(c) for c in columns} for r in rows], key=_key(profile, "eval-success"),
                           description="LIBERO success per task and checkpoint step, with 95 % Wilson intervals")

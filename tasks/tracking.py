@@ -364,19 +364,26 @@ class Tracker:
                                  step=int(preview["step"]))
         if not result.get("evaluated"):
             return
-        for row in result["rows"]:
+        for row in result.get("curve") or result["rows"]:  # success vs step: one point per evaluated step
             if row["step"] is None:
                 continue
-            key = "eval.success_rate" if row["task"] == "all" else f"eval.success_rate.task_{row['task']}"
-            self.metrics(rid, {key: row["rate"]}, step=int(row["step"]))
+            if row["task"] == "all":
+                values = {"eval.success_rate": row["rate"], "eval.success_rate.ci_low": row.get("ci_low"),
+                          "eval.success_rate.ci_high": row.get("ci_high"), "eval.episodes": row.get("episodes")}
+            else:
+                values = {f"eval.success_rate.task_{row['task']}": row["rate"]}
+            self.metrics(rid, values, step=int(row["step"]))
         best = result.get("best") or {}
         if best:
             self.metrics(rid, {"eval.best_success_rate": best["rate"], "eval.best_step": best["step"] or 0})
         out = Path(result["eval_dir"])
         for name in ("results.csv", "episodes.csv", "summary.json", "success_vs_step.png"):
             self.artifact(rid, out / name, "eval")
-        if (out / "success_vs_step.png").is_file():
-            self.artifact(self.run_id, out / "success_vs_step.png", "plots")
+        plot = Path(result["plot"]) if result.get("plot") else out / "success_vs_step.png"
+        if plot.is_file():  # the curve across steps (the stage's plots), else the evaluation's own plot
+            self.artifact(rid, plot, "plots")
+            self.artifact(rid, plot.with_suffix(".csv"), "plots")
+            self.artifact(self.run_id, plot, "plots")
         if (out / "videos").is_dir():
             self.artifact(rid, out / "videos", "eval/videos")
 

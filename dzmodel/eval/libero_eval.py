@@ -449,8 +449,19 @@ def write_results(out_dir: str | Path, rows: list[dict], episodes: list[dict],
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
 
 
+FEWER_EPISODES_LABEL = "hollow: fewer episodes than the last point (the curve only)"
+
+
+def fewer_episodes(overall: list[dict]) -> list[dict]:
+    """The `all` rows evaluated on fewer episodes than the most any step had (a success curve's earlier
+    checkpoints, evaluated on fewer init states than the reported one)."""
+    most = max((int(r["episodes"]) for r in overall), default=0)
+    return [r for r in overall if int(r["episodes"]) < most]
+
+
 def plot_success(rows: list[dict], path: str | Path, title: str) -> Path | None:
-    """Success rate vs checkpoint step (overall and per task), PNG. None without matplotlib."""
+    """Success rate vs checkpoint step (overall and per task), PNG; overall points with fewer episodes than the
+    most any step had are drawn hollow. None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -465,9 +476,14 @@ def plot_success(rows: list[dict], path: str | Path, title: str) -> Path | None:
     overall = sorted((r for r in rows if r["task"] == "all"), key=lambda r: r["step"])
     rates = [r["rate"] for r in overall]
     bounds = [wilson_interval(int(r["successes"]), int(r["episodes"])) for r in overall]
-    ax.errorbar([r["step"] for r in overall], rates, yerr=[[p - lo for p, (lo, _) in zip(rates, bounds)],
-                                                           [hi - p for p, (_, hi) in zip(rates, bounds)]],
+    # clamped at 0: at a rate of 0 or 1 the interval's end can differ from the rate by a rounding error
+    ax.errorbar([r["step"] for r in overall], rates, yerr=[[max(0.0, p - lo) for p, (lo, _) in zip(rates, bounds)],
+                                                           [max(0.0, hi - p) for p, (_, hi) in zip(rates, bounds)]],
                 marker="o", color="black", linewidth=2.5, capsize=4, label="all tasks (95 % Wilson interval)")
+    fewer = fewer_episodes(overall)
+    if fewer:
+        ax.plot([r["step"] for r in fewer], [r["rate"] for r in fewer], linestyle="none", marker="o", markersize=8,
+                markerfacecolor="white", markeredgecolor="black", zorder=3, label=FEWER_EPISODES_LABEL)
     for r in overall:  # N beside each point: a rate from 1 episode and one from 500 do not look alike
         ax.annotate(f"n={r['episodes']}", (r["step"], r["rate"]), textcoords="offset points", xytext=(5, 5),
                     fontsize=7)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from pathlib import Path
 
 from ..atomic import atomic_write_text
@@ -97,9 +96,7 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
         log("eval: LIBERO disabled (eval.enabled: false)")
         return {"eval_dir": str(out), "evaluated": False, "rows": [], "best": None, "action_error": action,
                 "previews": previews}
-    from ..eval.libero_eval import EvalConfig, evaluate_run
-
-    from ..eval.libero_eval import pooled
+    from ..eval.libero_eval import EvalConfig, evaluate_run, plot_success, pooled
 
     cfg = EvalConfig(suite=e.suite, tasks=e.tasks, episodes_per_task=e.episodes, max_steps=e.max_steps,
                      num_workers=e.workers, camera_size=e.camera_size, actions_per_chunk=e.actions_per_chunk,
@@ -109,7 +106,7 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
         return evaluate_run(paths.stage("converted"), config, where, steps=steps, device=e.device,
                             solver=eval_solver(e), embodiment=prof.metadata.embodiment)
 
-    picked = None
+    picked, curve_rows = None, []
     if e.select_episodes:  # pick on init states the reported number never sees
         selection = evaluate(dataclasses.replace(cfg, first_init_state=e.episodes, episodes_per_task=e.select_episodes,
                                                  videos=0, perturb=[]), out / "selection", e.steps)
@@ -118,12 +115,16 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
             f"({picked['rate']:.0%})")
         rows = evaluate(cfg, out, [picked["step"]] if picked["step"] is not None else None)
     elif e.checkpoints == "last":
-        converted = converted_models(paths)
-        if not converted:
+        steps = [int(m.name.removeprefix("step_")) for m in converted_models(paths)]
+        if not steps:
             raise FileNotFoundError(f"{paths.stage('converted')}: no converted checkpoint to evaluate")
-        rows = evaluate(cfg, out, [int(converted[-1].name.removeprefix("step_"))])
+        if e.curve_episodes and len(steps) > 1:  # the earlier checkpoints, for the curve only
+            curve_rows = evaluate(dataclasses.replace(cfg, episodes_per_task=e.curve_episodes, videos=0, perturb=[]),
+                                  out / "curve", steps[:-1])
+        rows = evaluate(cfg, out, steps[-1:])
     else:
         rows = evaluate(cfg, out, e.steps)
+    curve = curve_points(curve_rows + rows)
     overall = [r for r in rows if r["task"] == "all"]
     best = max(overall, key=lambda r: (r["rate"], r["step"] or 0)) if overall else None
     if picked is not None:
@@ -145,14 +146,24 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
                                "final_success_rate": final["rate"] if final else None,
                                "final_ci_low": final["ci_low"] if final else None,
                                "final_ci_high": final["ci_high"] if final else None,
-                               "final_rule": rule,
+                               "final_rule": rule, "curve_episodes": e.curve_episodes, "curve": curve,
                                **action_error_metrics(action)})
-    write_csv(plots / "success_vs_step.csv", [{"step": r["step"], "success_rate": r["rate"]} for r in overall])
-    if (out / "success_vs_step.png").is_file():
-        shutil.copyfile(out / "success_vs_step.png", plots / "success_vs_step.png")
-    log("eval: " + ", ".join(f"step {r['step']}: {r['rate']:.0%}" for r in overall)
+    write_csv(plots / "success_vs_step.csv", [{"step": p["step"], "episodes": p["episodes"],
+                                               "successes": p["successes"], "success_rate": p["rate"],
+                                               "ci_low": p["ci_low"], "ci_high": p["ci_high"]} for p in curve])
+    (plots / "success_vs_step.png").unlink(missing_ok=True)
+    plot_success(curve_rows + rows, plots / "success_vs_step.png", f"LIBERO-{e.suite}: success vs training step")
+    log("eval: " + ", ".join(f"step {p['step']}: {p['rate']:.0%}"
+                             + (f" (n={p['episodes']}, curve only)" if curve_rows and p is not curve[-1] else "")
+                             for p in curve)
         + (f"; final {final['rate']:.1%} (95 % {final['ci_low']:.0%}-{final['ci_high']:.0%}): {rule}" if final else ""))
-    return {"eval_dir": str(out), "evaluated": True, "rows": rows, "best": best, "action_error": action,
-            "previews": previews,
+    return {"eval_dir": str(out), "evaluated": True, "rows": rows, "curve": curve_rows + rows, "best": best,
+            "action_error": action, "previews": previews,
             "plot": str(plots / "success_vs_step.png") if (plots / "success_vs_step.png").is_file() else None}
+
+
+def curve_points(rows: list[dict]) -> list[dict]:
+    """The success curve: each evaluated step's `all` row (step, episodes, successes, rate, 95 % interval)."""
+    keys = ("step", "episodes", "successes", "rate", "ci_low", "ci_high")
+    return [{k: r.get(k) for k in keys} for r in rows if r["task"] == "all"]
 
