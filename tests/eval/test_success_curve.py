@@ -177,3 +177,47 @@ def test_the_prefect_table_lists_every_step_of_the_curve(tmp_path, monkeypatch):
     artifacts.eval_artifact("demo", result, paths.plots("eval"))
     success = tables[-1]
     assert [(r["step"], r["episodes"]) for r in success if r["task"] == "all"] == [(10, 4), (20, 4), (30, 8)]
+
+
+@pytest.mark.slow  # two env pools starting on 2 cores: about a minute
+def test_the_curve_in_the_simulator_on_the_tiny_preset(tmp_path):
+    """The same through the real LIBERO evaluation, kept small: a tiny-preset run with 2 checkpoints, 1 task,
+    curve_episodes 1, episodes 2, 16 policy steps each."""
+    from dzmodel.data.dataset import embodiment_metadata
+    from dzmodel.data.embodiments import get_embodiment
+    from dzmodel.data.synth import make_synthetic_dataset
+    from dzmodel.stages.eval import stage_eval
+    from dzmodel.train.checkpoint import list_checkpoints
+    from dzmodel.train.config import TrainConfig
+    from dzmodel.train.convert import convert_checkpoint
+    from dzmodel.train.trainer import train
+
+    ds = make_synthetic_dataset(tmp_path / "ds", num_episodes=2, episode_length=40)
+    embodiment_metadata(ds, get_embodiment("libero_sim_tiny"), tmp_path / "meta.json")
+    train(TrainConfig(preset="tiny", model_overrides={"num_action_per_block": 16}, datasets=[str(ds)],
+                      embodiment="libero_sim_tiny", metadata=str(tmp_path / "meta.json"), steps=2, save_every=1,
+                      out_dir=str(tmp_path / "run"), lr=1e-3, progress=False))
+    prof = load_params(ROOT / "params.yaml", ["eval.tasks=[0]", "eval.episodes=2", "eval.curve_episodes=1",
+                                              "eval.checkpoints=last", "eval.max_steps=16", "eval.workers=1",
+                                              "eval.videos=1", "eval.action_error=false", "eval.previews=0"],
+                       "demo").selected()
+    paths = StagePaths(tmp_path / "project", "demo")
+    for step, ckpt in list_checkpoints(tmp_path / "run"):
+        convert_checkpoint(ckpt, paths.stage("converted") / f"step_{step:07d}")
+    stage_eval(prof, paths, log=lambda *a: None)
+    out = paths.stage("eval")
+
+    def init_states(where: Path) -> list[tuple[str, str]]:
+        return [(r["checkpoint_step"], r["init_state"]) for r in csv.DictReader((where / "per_episode.csv").open())]
+
+    assert init_states(out / "curve") == [("1", "0")]
+    assert init_states(out) == [("2", "0"), ("2", "1")]
+    notes = [e["note"] for where in (out, out / "curve") for e in csv.DictReader((where / "episodes.csv").open())]
+    assert notes == ["", "", ""]  # no env worker crashed
+    assert not (out / "curve" / "videos").exists() and len(list((out / "videos").glob("*.mp4"))) == 1
+    table = list(csv.DictReader((paths.plots("eval") / "success_vs_step.csv").open()))
+    assert [(r["step"], r["episodes"]) for r in table] == [("1", "1"), ("2", "2")]
+    summary = json.loads(paths.metrics("eval").read_text())
+    last = next(r for r in csv.DictReader((out / "results.csv").open()) if r["task"] == "all")
+    assert summary["final_success_rate"] == float(last["rate"]) == float(table[-1]["success_rate"])
+    assert (paths.plots("eval") / "success_vs_step.png").read_bytes()[:4] == b"\x89PNG"
