@@ -67,6 +67,7 @@ ROOM_ENOUGH = 0.009       # room beyond this does not make a searched grasp bett
                           # turn do
 YAW_TOLERANCE = 0.05      # rad: the hand's yaw error under which it may descend to a rotated grasp
 YAW_GAIN = 1.0            # fraction of the orientation error commanded per step while turning to a grasp yaw
+HANDLE_CLEAR_DEG = 60.0   # a mug's rim is taken at least this far (about its axis) from its handle
 
 
 class ExpertUnsupported(ValueError):
@@ -214,6 +215,25 @@ def _top_at(boxes, xy) -> float | None:
     return best
 
 
+def cup_geometry(sim, root_body: str) -> tuple[np.ndarray, float, np.ndarray | None]:
+    """A mug's (xy of its vertical axis, outer rim radius, unit xy direction of its handle or None). The axis is the
+    centre of the geoms at its base (within 1 cm of its lowest point: a handle does not reach down there); the radius,
+    the median distance from the axis to the geoms that reach within 1.5 cm of its top (the wall, and at most a few of
+    the handle's), plus 3 mm of wall; the handle, the direction from the axis to the centre of the whole body's box
+    when that is more than 5 mm off the axis."""
+    boxes = [(lo, hi) for _, lo, hi in _geom_world_boxes(sim, _bodies_under(sim.model._model,
+                                                                             sim.model.body_name2id(root_body)))]
+    lo = np.min([b[0] for b in boxes], axis=0)
+    hi = np.max([b[1] for b in boxes], axis=0)
+    base = [(l, h) for l, h in boxes if l[2] < lo[2] + 0.01]
+    axis = (np.min([l[:2] for l, _ in base], axis=0) + np.max([h[:2] for _, h in base], axis=0)) / 2
+    rim = [np.linalg.norm((l[:2] + h[:2]) / 2 - axis) for l, h in boxes if h[2] > hi[2] - 0.015]
+    radius = float(np.median(rim)) + 0.003
+    off = (lo[:2] + hi[:2]) / 2 - axis
+    handle = off / np.linalg.norm(off) if np.linalg.norm(off) > 0.005 else None
+    return axis, radius, handle
+
+
 def finger_axis(yaw: float) -> np.ndarray:
     """The world xy direction the fingers close along, with the hand turned by `yaw` (rad, counter-clockwise seen
     from above) from its reset orientation (fingers along world y)."""
@@ -249,7 +269,10 @@ class PickPlace:
         self.obj_bottom_below_origin = origin[2] - lo[2]
         self.obj_height = hi[2] - lo[2]
         size = hi - lo
-        self.is_bowl = "bowl" in self.obj or (size[1] > MAX_GRIPPER_OPENING and size[2] < 0.6 * size[1])
+        # a mug (wider than the open hand, with a handle) is taken by its rim like a bowl, away from its handle
+        self.is_cup = "mug" in self.obj
+        self.is_bowl = "bowl" in self.obj or self.is_cup \
+            or (size[1] > MAX_GRIPPER_OPENING and size[2] < 0.6 * size[1])
         self.failed_yaws: list[float] = []
         self.close_at = None
         self._plan_grasp()
@@ -275,7 +298,7 @@ class PickPlace:
         if self.target in inner.object_sites_dict and self.pred == "on" and set_down_at is None:
             self.carry_clear_z += 0.03  # onto a fixture's top (e.g. the cabinet's): a bowl sags in a rim grasp, and
             # its lower edge must clear the fixture's front edge on the way in
-        if self.is_bowl and self.grasp_yaw == 0.0:
+        if self.is_bowl and not self.is_cup and self.grasp_yaw == 0.0:
             self._mind_the_place()
 
         self.obj_rest_z = float(origin[2])
@@ -319,7 +342,8 @@ class PickPlace:
         """(xy, support height) where the object, set down there, satisfies LIBERO's On for the target site: its
         origin within the site's xy extent and a band above the site's plane (in the site's frame as LIBERO applies
         it), resting on the site's fixture. Searched over a grid of the site's extent for the point nearest its centre
-        whose object footprint keeps clear of the fixture's raised parts (e.g. a wine rack's divider)."""
+        whose object footprint keeps clear of the fixture's raised parts (e.g. a wine rack's divider) and where the
+        open hand, letting go, touches nothing (e.g. a mug already standing on the plate beside a table region)."""
         sim, m = self.sim, self.sim.model._model
         sid = sim.model.site_name2id(self.target)
         centre = sim.data.get_site_xpos(self.target).copy()
@@ -328,6 +352,7 @@ class PickPlace:
         owner = self._fixture_root_of_site(sid)
         support = _geom_oriented_boxes(sim, _bodies_under(m, owner))
         best, best_key = None, None
+        others = self._foreign_oriented_boxes()
         for fx in np.linspace(-0.7, 0.7, 15):
             for fy in np.linspace(-0.7, 0.7, 15):
                 local = np.array([fx * size[0], fy * size[1], size[2] + 0.02])
@@ -344,7 +369,9 @@ class PickPlace:
                                   top + h] for a in np.linspace(0, 2 * np.pi, 12, endpoint=False)
                                  for h in (0.03, 0.055, 0.08)])
                 room = float(_distance_to_boxes(ring, support).min())
-                key = (room < 0.003, float(np.hypot(fx, fy)))
+                release_z = top + 0.01 + self.obj_bottom_below_origin + self.grasp_offset[2]  # drop_gap 0.01
+                hand = self._finger_room(others, xy + self.grasp_offset[:2], release_z, self.grasp_yaw)
+                key = (room < 0.003, hand < 0.002, float(np.hypot(fx, fy)))
                 if best_key is None or key < best_key:
                     best, best_key = (np.asarray(xy), float(top)), key
         if best is None:
@@ -396,11 +423,21 @@ class PickPlace:
         rim point, yaw and inset with the most room instead."""
         size = hi - lo
         centre_xy = (lo[:2] + hi[:2]) / 2
+        handle = None
+        if self.is_cup:  # the rim about the cup's own axis; not where its handle is
+            centre_xy, radius, handle = cup_geometry(self.sim, self.obj_body)
+            size = size.copy()
+            size[:2] = 2 * radius
+
+        def clear_of_handle(direction) -> bool:
+            return handle is None or float(np.dot(direction, handle)) < np.cos(np.deg2rad(HANDLE_CLEAR_DEG))
+
         if self.is_bowl:
             # a rim grasp: the fingers straddle the wall where it crosses the finger axis (world y)
             radius = size[1] / 2
             grasp_z = hi[2] - BOWL_GRASP_BELOW_TOP
-            candidates = [centre_xy + [0.0, side * (radius - BOWL_RIM_INSET)] for side in (1.0, -1.0)]
+            candidates = [centre_xy + [0.0, side * (radius - BOWL_RIM_INSET)] for side in (1.0, -1.0)
+                          if clear_of_handle(np.array([0.0, side]))]
         else:
             # from above, below the top; anywhere along the object's x extent (perpendicular to the fingers)
             grasp_z = max(hi[2] - 0.035, lo[2] + 0.5 * min(self.obj_height, 0.03) + 0.006)
@@ -410,7 +447,7 @@ class PickPlace:
         if not self.is_bowl:
             return grasp_xy, grasp_z, 0.0
         boxes = self._foreign_oriented_boxes()
-        room = self._finger_room(boxes, grasp_xy, grasp_z, 0.0)
+        room = self._finger_room(boxes, grasp_xy, grasp_z, 0.0) if candidates else -np.inf
         if room >= YAW_MIN_CLEARANCE:
             return grasp_xy, grasp_z, 0.0
         radius = (size[0] + size[1]) / 4
@@ -420,6 +457,8 @@ class PickPlace:
                 continue
             for inset in RIM_INSETS:
                 for side in (1.0, -1.0):
+                    if not clear_of_handle(side * finger_axis(yaw)):
+                        continue
                     gxy = centre_xy + side * (radius - inset) * finger_axis(yaw)
                     # the most room wins; among grasps with enough, the shallower inset and the smaller turn
                     score = min(self._finger_room(boxes, gxy, grasp_z, yaw), ROOM_ENOUGH) \
