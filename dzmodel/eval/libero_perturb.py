@@ -19,14 +19,22 @@ edit never outlives its episode. The worker then runs the usual settle steps (no
 | light | factor F (0.5) | every scene light's diffuse and specular colour times F or 1/F (seeded), its direction tilted 20 degrees towards a seeded azimuth | light positions, ambient, headlight |
 | table | colour name or random (random) | the work surface's look (table top, or the floor in floor scenes): a plain colour instead of its material | its collision geometry, the legs, the floor and walls |
 | paraphrase | 1, 2, 3 or random (random) | the instruction the policy reads: one of three hand-written paraphrases of the task's | the env, the task's goal and success check |
+| distractor | N objects, 1 to 5 (2) | N objects of kinds the task does not have, each resting on the work surface at a seeded place clear of every body and of the places the goal names | the task's objects, robot and fixtures (their init state values), the goal, the instruction |
 
 A moved start must be a valid start: an object is shifted only where, after the shift, the first surface below it is
 the same one as before at the same height (still on the table, not over its edge or onto a fixture) and it comes no
 closer than `CLEARANCE_M` to any body it was not already touching (other objects, fixtures, the robot). Directions
 are redrawn (seeded) until that holds; an episode where no draw does is an error naming the object.
 
-Distractor objects (extra objects on the table) are not built: they need a new BDDL problem (LIBERO's own problem
-machinery) and init states mapped into the larger model.
+Distractors need bodies the task's model does not have, so the env of such an episode is built from another BDDL
+problem (`scene_bddl`, called in the env worker before it builds the env): a copy of the task's with the distractor
+objects declared and given an init region on the work surface, its goal untouched. Their kinds are fixed per task
+(seeded by eval seed, suite and task), so a worker builds that env once per task; their places are drawn per
+episode. `place_distractors` then maps the standard init state into the larger model joint by joint (the added
+joints are skipped; the rest keep MuJoCo's order) and places each distractor: a seeded x/y within the task's objects'
+extent (grown by AREA_MARGIN_M) and yaw, lowered until its collision geoms are REST_GAP_M above the surface, valid
+where the surface lies straight below its whole footprint, it keeps CLEARANCE_M from every other body and its box
+stays off every place the goal names. Up to MAX_DRAWS draws each, else an error naming it and the task's objects.
 
 The names, settings and their parsing are `perturb_spec.py` (re-exported here), which the params check imports
 without this module's simulator code.
@@ -34,14 +42,15 @@ without this module's simulator code.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
-from .perturb_spec import (KINDS, NOT_BUILT, TABLE_COLOURS, Kind, Perturbation, PerturbationError,  # noqa: F401
-                           parse_perturbations)
+from .perturb_spec import (KINDS, MAX_DISTRACTORS, MIN_DISTRACTORS, TABLE_COLOURS, Kind,  # noqa: F401
+                           Perturbation, PerturbationError, parse_perturbations)
 
 CLEARANCE_M = 0.005      # a moved object keeps at least this distance from bodies it did not touch before
 MAX_DRAWS = 200          # seeded direction draws per object group before the perturbation gives up
@@ -250,14 +259,18 @@ def episode_language(language: str, perturbation: Perturbation | None, key: tupl
 
 def apply_scene(env, state, perturbations, key: tuple) -> tuple[np.ndarray, dict]:
     """Apply the scene perturbations of one episode to a freshly reset LIBERO env: model edits now, object moves in
-    the returned init state (pass it to `env.set_init_state`). Returns (state, {label: what changed})."""
+    the returned init state (pass it to `env.set_init_state`). Returns (state, {label: what changed}). With
+    `distractor` the env must be built from `scene_bddl(...)` and the returned state is one of its larger model."""
     state = np.array(state, dtype=np.float64, copy=True)
     info: dict = {}
-    for p in perturbations:
+    # distractors first: they change the model the state vector describes
+    for p in sorted(perturbations, key=lambda p: p.name != "distractor"):
         if not p.scene:
             continue
         rng = episode_rng(key, p.name)
-        if p.name == "position":
+        if p.name == "distractor":
+            state, info[p.label] = place_distractors(env, state, int(p.value), rng)
+        elif p.name == "position":
             state, info[p.label] = shift_objects(env, state, float(p.value), rng)
         elif p.name == "swap":
             state, info[p.label] = swap_objects(env, state, str(p.value), rng)
@@ -342,15 +355,27 @@ def _support(m, d, root: int) -> tuple[int, float]:
     return found, float(best if found >= 0 else -1.0)
 
 
-def _touching(m, d, clearance: float) -> set[tuple[int, int]]:
-    """Pairs of top-level bodies with collision geoms closer than `clearance` (contacts found with every geom's
-    margin raised to it; the model is restored)."""
+@contextlib.contextmanager
+def _margins(m, d, value: float):
+    """MuJoCo's collision check with every geom's margin raised to `value`: contacts then include geoms up to that
+    far apart. The bodies' margins are raised too (the broad phase pairs bodies by their boxes grown by them, so
+    without it bodies a few millimetres apart are never compared). The model is restored on exit."""
     import mujoco
 
-    margin = m.geom_margin.copy()
+    geom, body = m.geom_margin.copy(), m.body_margin.copy()
     try:
-        m.geom_margin[:] = np.maximum(margin, clearance)
+        m.geom_margin[:] = np.maximum(geom, value)
+        m.body_margin[:] = np.maximum(body, value)
         mujoco.mj_forward(m, d)
+        yield
+    finally:
+        m.geom_margin[:], m.body_margin[:] = geom, body
+        mujoco.mj_forward(m, d)
+
+
+def _touching(m, d, clearance: float) -> set[tuple[int, int]]:
+    """Pairs of top-level bodies with collision geoms closer than `clearance`."""
+    with _margins(m, d, clearance):
         pairs = set()
         for c in d.contact[:d.ncon]:
             if c.dist < clearance:
@@ -358,9 +383,6 @@ def _touching(m, d, clearance: float) -> set[tuple[int, int]]:
                 if a != b:
                     pairs.add((min(a, b), max(a, b)))
         return pairs
-    finally:
-        m.geom_margin[:] = margin
-        mujoco.mj_forward(m, d)
 
 
 def _groups(env, m, d, objects: list[_Object]) -> tuple[list[list[_Object]], list[_Object]]:
@@ -578,3 +600,326 @@ def recolour_surface(env, colour: str, rng: np.random.Generator) -> dict:
         m.geom_matid[g] = -1
         m.geom_rgba[g] = TABLE_COLOURS[colour]
     return {"colour": colour, "geoms": [_name(m, "mjOBJ_GEOM", g) or str(g) for g in geoms]}
+
+
+# --- distractor objects (a BDDL problem of their own, then a placement inside the env worker) ----------------------
+
+# Small graspable household objects of LIBERO's object library, by asset family. A task gets kinds of its own scene's
+# family first (the family most of its objects come from), then of the others.
+DISTRACTOR_KINDS: dict[str, tuple[str, ...]] = {
+    "hope_objects": ("alphabet_soup", "bbq_sauce", "butter", "chocolate_pudding", "cookies", "cream_cheese",
+                     "ketchup", "macaroni_and_cheese", "milk", "orange_juice", "popcorn", "salad_dressing",
+                     "tomato_sauce"),
+    "google_scanned_objects": ("akita_black_bowl", "white_bowl", "glazed_rim_porcelain_ramekin"),
+    "turbosquid_objects": ("red_coffee_mug", "porcelain_mug", "white_yellow_mug"),
+}
+DISTRACTOR_PREFIX = "distractor_"   # a distractor's instance name is this prefix and its kind
+DISTRACTOR_REGION = "distractor_region"
+WORKSPACES = ("table", "floor", "kitchen_table", "living_room_table", "study_table", "coffee_table")
+REGION_MARGIN_M = 0.10   # the distractors' BDDL init region: the task's own work-surface regions grown by this
+AREA_MARGIN_M = 0.10     # a distractor's centre lies within the task's objects' x/y extent grown by this
+REST_GAP_M = 0.001       # a placed distractor's lowest point is this far above the work surface (it drops onto it)
+_PARK_XY = (20.0, 20.0)  # where distractors not placed yet wait, away from everything
+_bddl_dir: list[str] = []
+
+
+def _block(text: str, head: str) -> tuple[int, int]:
+    """(start, end) of the parenthesised BDDL block that opens with `head` (e.g. "(:objects"); end is past its `)`."""
+    start = text.find(head)
+    if start < 0:
+        raise PerturbationError(f"distractor: the task's BDDL has no {head} block")
+    depth = 0
+    for end in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        if depth == 0:
+            return start, end + 1
+    raise PerturbationError(f"distractor: the task's BDDL {head} block is not closed")
+
+
+def _declared(text: str, head: str) -> dict[str, str]:
+    """{instance: kind} of a `(:objects ...)` or `(:fixtures ...)` block (`a b - kind` lines)."""
+    start, end = _block(text, head)
+    out = {}
+    for line in text[start + len(head):end - 1].splitlines():
+        names, sep, kind = line.partition(" - ")
+        if sep:
+            out.update({n: kind.strip() for n in names.split()})
+    return out
+
+
+def _family(kind: str) -> str:
+    return next((f for f, kinds in DISTRACTOR_KINDS.items() if kind in kinds), "")
+
+
+def _words(text: str) -> set[str]:
+    return {w for w in text.lower().replace("_", " ").split() if w not in ("the", "and", "a", "of")}
+
+
+def distractor_kinds(text: str, count: int, key: tuple) -> list[str]:
+    """The kinds of a task's `count` distractors: candidates that share no word with the task's instruction or the
+    kinds of its objects and fixtures (no second bowl where the instruction says "the bowl"), those of the task's
+    own asset family first, each group in a seeded order. Seeded by (eval seed, suite, task), so every episode of a
+    task uses one env."""
+    start, end = _block(text, "(:language")
+    taken = _words(text[start + len("(:language"):end - 1])
+    objects = _declared(text, "(:objects")
+    for kind in [*objects.values(), *_declared(text, "(:fixtures").values()]:
+        taken |= _words(kind)
+    free = [k for kinds in DISTRACTOR_KINDS.values() for k in kinds if not _words(k) & taken]
+    families = [_family(k) for k in objects.values()]
+    own = max(set(families), key=families.count) if families else ""
+    rng = episode_rng((key[0], key[1], key[2], 0), "distractor kinds")
+    first = [k for k in free if _family(k) == own]
+    rest = [k for k in free if _family(k) != own]
+    ordered = [first[i] for i in rng.permutation(len(first))] + [rest[i] for i in rng.permutation(len(rest))]
+    if len(ordered) < count:
+        raise PerturbationError(f"distractor: only {len(ordered)} object kinds share nothing with this task "
+                                f"({', '.join(ordered) or 'none'}); use distractor={len(ordered)} or fewer")
+    return ordered[:count]
+
+
+def distractor_problem(text: str, kinds: list[str]) -> str:
+    """A copy of a task's BDDL problem with one object of each kind added (`distractor_<kind>`), each placed by
+    LIBERO's reset in a region of the work surface that spans the task's own regions there (grown by
+    REGION_MARGIN_M). The goal, the objects of interest and everything else are the task's own."""
+    fixtures = _declared(text, "(:fixtures")
+    surface = next((n for n, k in fixtures.items() if k in WORKSPACES), None)
+    if surface is None:
+        raise PerturbationError("distractor: the task's BDDL names no table or floor among its fixtures")
+    start, end = _block(text, "(:regions")
+    ranges = []
+    for region in _region_blocks(text[start:end]):
+        if f"(:target {surface})" in region:
+            ranges += [[float(v) for v in r.split()] for r in _ranges(region)]
+    if not ranges:
+        raise PerturbationError(f"distractor: the task's BDDL has no region on {surface}")
+    lo = np.min(np.array(ranges)[:, :2], axis=0) - REGION_MARGIN_M
+    hi = np.max(np.array(ranges)[:, 2:], axis=0) + REGION_MARGIN_M
+    region = (f"      ({DISTRACTOR_REGION}\n          (:target {surface})\n          (:ranges (\n"
+              f"              ({lo[0]:.4f} {lo[1]:.4f} {hi[0]:.4f} {hi[1]:.4f})\n            )\n          )\n      )\n")
+    names = [DISTRACTOR_PREFIX + k for k in kinds]
+    out = text[:end - 1].rstrip(" ") + region + "    " + text[end - 1:]
+    start, end = _block(out, "(:objects")
+    out = out[:end - 1].rstrip(" ") + "".join(f"    {n} - {k}\n" for n, k in zip(names, kinds)) + "  " + out[end - 1:]
+    start, end = _block(out, "(:init")
+    return out[:end - 1].rstrip(" ") + "".join(f"    (On {n} {surface}_{DISTRACTOR_REGION})\n" for n in names) \
+        + "  " + out[end - 1:]
+
+
+def _region_blocks(regions: str) -> list[str]:
+    """The region definitions inside a `(:regions ...)` block."""
+    out, depth, begin = [], 0, None
+    for i, ch in enumerate(regions):
+        if ch == "(":
+            depth += 1
+            if depth == 2:
+                begin = i
+        elif ch == ")":
+            if depth == 2 and begin is not None:
+                out.append(regions[begin:i + 1])
+            depth -= 1
+    return out
+
+
+def _ranges(region: str) -> list[str]:
+    if "(:ranges" not in region:
+        return []
+    start, end = _block(region, "(:ranges")
+    inner = region[start + len("(:ranges"):end - 1]
+    return [r.strip("() \n") for r in inner.split("(") if r.strip("() \n")]
+
+
+def scene_bddl(bddl_file: str, perturbations, key: tuple) -> str:
+    """The BDDL file an episode's env is built from: the task's own, or with a `distractor` perturbation a copy that
+    adds the distractors (`distractor_problem`), written once per content into a folder of this process."""
+    wanted = [p for p in perturbations if p.name == "distractor"]
+    if not wanted:
+        return bddl_file
+    import atexit
+    import hashlib
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    text = Path(bddl_file).read_text()
+    problem = distractor_problem(text, distractor_kinds(text, int(wanted[0].value), key))
+    if not _bddl_dir:
+        _bddl_dir.append(tempfile.mkdtemp(prefix="dzmodel-bddl-"))
+        atexit.register(shutil.rmtree, _bddl_dir[0], True)
+    path = Path(_bddl_dir[0]) / f"{Path(bddl_file).stem}_{hashlib.sha1(problem.encode()).hexdigest()[:12]}.bddl"
+    if not path.is_file():
+        path.write_text(problem)
+    return str(path)
+
+
+def _joint_sizes(jtype: int) -> tuple[int, int]:
+    """(qpos, qvel) sizes of a MuJoCo joint type: free, ball, slide, hinge."""
+    return {0: (7, 6), 1: (4, 3)}.get(int(jtype), (1, 1))
+
+
+def map_state(env, state, skip_roots: set[int]) -> np.ndarray:
+    """A flat [time, qpos, qvel] state of the task's own model as a state of this env's larger model: every joint
+    not of a body in `skip_roots` gets its values, in order (MuJoCo orders joints by the body tree, which the added
+    bodies leave in place); the skipped joints keep this env's current values."""
+    sim, m, d = _model(env)
+    state = np.asarray(state, dtype=np.float64)
+    own = [j for j in range(m.njnt) if int(m.body_rootid[m.jnt_bodyid[j]]) not in skip_roots]
+    nq = sum(_joint_sizes(m.jnt_type[j])[0] for j in own)
+    nv = sum(_joint_sizes(m.jnt_type[j])[1] for j in own)
+    if state.shape != (1 + nq + nv,):
+        raise PerturbationError(f"distractor: the init state has {state.size} values, the task's model "
+                                f"{1 + nq + nv} ([time, qpos, qvel])")
+    out = np.array(env.get_sim_state(), dtype=np.float64, copy=True)
+    if out.shape != (1 + m.nq + m.nv,):
+        raise PerturbationError("distractor: this env's state is not [time, qpos, qvel]")
+    out[0] = state[0]
+    q, v = 1, 1 + nq
+    for j in own:
+        sq, sv = _joint_sizes(m.jnt_type[j])
+        out[1 + m.jnt_qposadr[j]:1 + m.jnt_qposadr[j] + sq] = state[q:q + sq]
+        out[1 + m.nq + m.jnt_dofadr[j]:1 + m.nq + m.jnt_dofadr[j] + sv] = state[v:v + sv]
+        q, v = q + sq, v + sv
+    return out
+
+
+def _collision_geoms(m, root: int) -> list[int]:
+    return [g for g in range(m.ngeom) if int(m.body_rootid[m.geom_bodyid[g]]) == root
+            and (m.geom_contype[g] or m.geom_conaffinity[g])]
+
+
+def _gap(m, d, root: int, surface: int, probe: float = 0.02) -> float | None:
+    """The smallest distance between a body's collision geoms and the work surface's (None: farther than `probe`)."""
+    with _margins(m, d, probe):
+        gaps = [c.dist for c in d.contact[:d.ncon]
+                if {int(m.body_rootid[m.geom_bodyid[c.geom1]]), int(m.body_rootid[m.geom_bodyid[c.geom2]])}
+                == {root, surface}]
+    return float(min(gaps)) if gaps else None
+
+
+def _surface_root(env, m, d, objects: list[_Object]) -> int:
+    """The top-level body most of the task's objects rest on: the table, or the world (the floor)."""
+    inner = env.env
+    sim = inner.sim
+    roots = {o.root for o in objects}
+    fixtures = {int(m.body_rootid[sim.model.body_name2id(f.root_body)]) for n, f in inner.fixtures_dict.items()
+                if n != getattr(inner, "workspace_name", "")}
+    below = [_support(m, d, o.root)[0] for o in objects]
+    below = [b for b in below if b >= 0 and b not in roots and b not in fixtures]
+    if not below:
+        raise PerturbationError("distractor: none of the task's objects rests on the work surface")
+    return max(set(below), key=below.count)
+
+
+def _goal_boxes(env, m, d) -> list[tuple[np.ndarray, np.ndarray]]:
+    """x/y boxes of the places the goal names (the second argument of each goal predicate): a region's site, or an
+    object's or fixture's geoms."""
+    import mujoco
+
+    inner = env.env
+    out = []
+    for pred in inner.parsed_problem.get("goal_state", []):
+        for target in pred[2:]:
+            site = mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_SITE, target)
+            if site >= 0:
+                half = (np.abs(d.site_xmat[site].reshape(3, 3)) @ m.site_size[site] if m.site_type[site] == 6
+                        else np.full(3, m.site_size[site][0]))
+                out.append((d.site_xpos[site][:2] - half[:2], d.site_xpos[site][:2] + half[:2]))
+                continue
+            owner = inner.objects_dict.get(target) or inner.fixtures_dict.get(target)
+            if owner is not None:
+                lo, hi = _boxes(m, d, int(m.body_rootid[inner.sim.model.body_name2id(owner.root_body)]))
+                out.append((lo[:2], hi[:2]))
+    return out
+
+
+def _yaw_quat(angle: float, quat) -> np.ndarray:
+    """A (w, x, y, z) orientation turned by `angle` about the world vertical."""
+    return _mat_to_quat(_rotation([0, 0, 1], angle) @ _quat_to_mat(np.asarray(quat, dtype=np.float64)))
+
+
+def place_distractors(env, state, count: int, rng: np.random.Generator) -> tuple[np.ndarray, dict]:
+    """The task's init state mapped into this env's model (built from `scene_bddl`), with each distractor at a
+    seeded place: its centre within the task's objects' x/y extent grown by AREA_MARGIN_M, turned by a seeded yaw
+    (upright as LIBERO's reset stands it), its lowest point REST_GAP_M above the work surface, the surface straight
+    below its whole footprint, at least CLEARANCE_M from every other body and outside the x/y box of every place the
+    goal names. Up to MAX_DRAWS draws per distractor."""
+    sim, m, d = _model(env)
+    objects = _objects(env)
+    extra = [o for o in objects if o.name.startswith(DISTRACTOR_PREFIX)]
+    task = [o for o in objects if not o.name.startswith(DISTRACTOR_PREFIX)]
+    if len(extra) != count:
+        raise PerturbationError(f"distractor: this env has {len(extra)} distractor objects, not {count} (build it "
+                                "from libero_perturb.scene_bddl)")
+    out = map_state(env, state, {o.root for o in extra})
+    upright = {o.name: out[o.adr + 3:o.adr + 7].copy() for o in extra}
+    for i, o in enumerate(extra):
+        out[o.adr:o.adr + 3] = (_PARK_XY[0] + 2.0 * i, _PARK_XY[1], 1.0)
+    _set_state(env, out)
+    surface = _surface_root(env, m, d, task)
+    boxes = [_boxes(m, d, o.root) for o in task]
+    area_lo = np.min([b[0][:2] for b in boxes], axis=0) - AREA_MARGIN_M
+    area_hi = np.max([b[1][:2] for b in boxes], axis=0) + AREA_MARGIN_M
+    goal = _goal_boxes(env, m, d)
+    base_touch = _touching(m, d, CLEARANCE_M)
+    top = max(b[1][2] for b in boxes)  # distractors are lowered from above every object
+    placed = {}
+    for o in extra:
+        for _ in range(MAX_DRAWS):
+            trial = out.copy()
+            trial[o.adr:o.adr + 2] = rng.uniform(area_lo, area_hi)
+            trial[o.adr + 2] = top + 0.2
+            trial[o.adr + 3:o.adr + 7] = _yaw_quat(rng.uniform(0.0, 2 * math.pi), upright[o.name])
+            if _rest_valid(env, m, d, trial, o, surface, goal, base_touch):
+                out = trial
+                placed[o.name] = out[o.adr:o.adr + 3].round(4).tolist()
+                break
+        else:
+            _set_state(env, out)
+            raise PerturbationError(f"distractor: no free place for {o.name} among {[t.name for t in task]} in "
+                                    f"{MAX_DRAWS} seeded draws (the work surface is crowded): use fewer distractors")
+    _set_state(env, out)
+    return out, {"placed": placed, "kinds": [o.category for o in extra]}
+
+
+def _rest_valid(env, m, d, trial, o: _Object, surface: int, goal, base_touch) -> bool:
+    """Lowers the distractor in `trial` (in place) until its collision geoms are REST_GAP_M above the work surface
+    and says whether that is a valid place (module docstring)."""
+    _set_state(env, trial)
+    lo, hi = _boxes(m, d, o.root)
+    below, height = _below(m, d, np.array([(lo[0] + hi[0]) / 2, (lo[1] + hi[1]) / 2, hi[2] + 1e-3]), o.root)
+    if below != surface:
+        return False
+    trial[o.adr + 2] -= lo[2] - height - REST_GAP_M  # its box's bottom just above the surface
+    _set_state(env, trial)
+    gap = _gap(m, d, o.root, surface)
+    if gap is None:
+        return False
+    trial[o.adr + 2] -= gap - REST_GAP_M  # its collision geoms just above the surface
+    _set_state(env, trial)
+    lo, hi = _boxes(m, d, o.root)
+    corners = [(x, y) for x in (lo[0], (lo[0] + hi[0]) / 2, hi[0]) for y in (lo[1], (lo[1] + hi[1]) / 2, hi[1])]
+    if any(_below(m, d, np.array([x, y, hi[2] + 1e-3]), o.root)[0] != surface for x, y in corners):
+        return False
+    for g_lo, g_hi in goal:
+        if np.all(lo[:2] < g_hi + CLEARANCE_M) and np.all(hi[:2] > g_lo - CLEARANCE_M):
+            return False
+    new = _touching(m, d, CLEARANCE_M) - base_touch
+    return not any(o.root in (a, b) and surface not in (a, b) for a, b in new)
+
+
+def _below(m, d, point: np.ndarray, root: int) -> tuple[int, float]:
+    """(top-level body, height of the hit) of the first geom straight below a point, the geoms of the top-level body
+    `root` passed through ((-1, nan): none)."""
+    import mujoco
+
+    geom = np.zeros(1, dtype=np.int32)
+    start = np.array(point, dtype=np.float64)
+    for _ in range(32):
+        dist = mujoco.mj_ray(m, d, start, np.array([0.0, 0.0, -1.0]), None, 1, -1, geom)
+        if dist < 0:
+            break
+        hit = int(m.body_rootid[m.geom_bodyid[geom[0]]])
+        if hit != root:
+            return hit, float(start[2] - dist)
+        start = start - np.array([0.0, 0.0, dist + 1e-4])
+    return -1, math.nan

@@ -108,6 +108,10 @@ class _EnvWorker:
         self.env_bddl = bddl_file
 
     def reset(self, bddl_file: str, state, seed: int, perturb, extra: dict) -> dict:
+        if extra.get("scene"):  # a perturbation may need a problem of its own (extra objects)
+            from .libero_perturb import scene_bddl
+
+            bddl_file = scene_bddl(bddl_file, *extra["scene"])
         self._open(bddl_file)
         env = self.env
         env.seed(seed)

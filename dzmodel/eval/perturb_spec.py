@@ -16,6 +16,9 @@ TABLE_COLOURS: dict[str, tuple[float, float, float, float]] = {
 }
 
 
+MIN_DISTRACTORS, MAX_DISTRACTORS = 1, 5
+
+
 class PerturbationError(ValueError):
     """A perturbation that cannot be made: a bad name or value, or a start it cannot move validly."""
 
@@ -48,6 +51,17 @@ def _factor(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"a whole number of extra objects, {MIN_DISTRACTORS} to {MAX_DISTRACTORS}, got {text!r}") \
+            from None
+    if not MIN_DISTRACTORS <= value <= MAX_DISTRACTORS:
+        raise ValueError(f"a whole number of extra objects, {MIN_DISTRACTORS} to {MAX_DISTRACTORS}, got {text}")
+    return value
+
+
 def _choice(options):
     def parse(text: str) -> str:
         if text not in options:
@@ -65,8 +79,8 @@ KINDS: dict[str, tuple[Kind, object]] = {
     "table": (Kind("random", "the work surface in a plain colour"), _choice(("random", *TABLE_COLOURS))),
     "paraphrase": (Kind("random", "the instruction replaced by a hand-written paraphrase", scene=False),
                    _choice(("random", "1", "2", "3"))),
+    "distractor": (Kind(2, "N extra objects, of kinds not in the task, on the work surface"), _count),
 }
-NOT_BUILT = {"distractor": "distractor objects need a new BDDL problem and remapped init states; not built"}
 
 
 @dataclass(frozen=True)
@@ -104,8 +118,6 @@ def parse_perturbations(items, where: str = "--perturb") -> list[Perturbation]:
                 continue
             name, sep, text = part.partition("=")
             name = name.strip()
-            if name in NOT_BUILT:
-                raise PerturbationError(f"{where}: {name!r}: {NOT_BUILT[name]}; known: {', '.join(KINDS)}")
             if name not in KINDS:
                 raise PerturbationError(f"{where}: unknown perturbation {name!r}; known: {', '.join(KINDS)}")
             kind, parse = KINDS[name]

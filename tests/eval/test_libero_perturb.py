@@ -26,15 +26,20 @@ def test_names_values_and_labels():
     assert [p.scene for p in ps] == [True, True, True, False]
     assert ps[1].slug == "camera-5"
     assert lp.parse_perturbations([]) == [] and lp.parse_perturbations(None) == []
-    assert [p.label for p in lp.parse_perturbations(["swap", "light", "table"])] == \
-        ["swap=task", "light=0.5", "table=random"]
+    assert [p.label for p in lp.parse_perturbations(["swap", "light", "table", "distractor"])] == \
+        ["swap=task", "light=0.5", "table=random", "distractor=2"]
+    assert [p.value for p in lp.parse_perturbations(["distractor=1", "distractor=5"])] == [1, 5]
+    assert lp.parse_perturbations(["distractor=3"])[0].scene
 
 
 @pytest.mark.parametrize("item, words", [
     ("lighting", ["--perturb", "unknown perturbation 'lighting'", "known: position"]),
     ("camera=90", ["--perturb", "camera", "(0, 45]"]),
     ("table=pink", ["--perturb", "table", "'pink'"]),
-    ("distractor", ["--perturb", "not built"]),
+    ("distractor=0", ["--perturb", "distractor", "1 to 5", "got 0"]),
+    ("distractor=99", ["--perturb", "distractor", "1 to 5", "got 99"]),
+    ("distractor=x", ["--perturb", "distractor", "1 to 5", "'x'"]),
+    ("distractor=2.5", ["--perturb", "distractor", "whole number"]),
     ("camera,camera=10", ["--perturb", "listed twice"]),
 ])
 def test_a_bad_perturbation_is_one_error_naming_the_field(item, words):
@@ -362,3 +367,177 @@ def test_the_env_worker_applies_a_perturbation(sim):
     assert moved.size and set(reply["perturbation"]) == {"position=0.05"}
     shifts = reply["perturbation"]["position=0.05"]["shift_xy"]
     assert all(np.linalg.norm(s) == pytest.approx(0.05, abs=1e-4) for s in shifts.values())
+
+
+# --- distractor objects ----------------------------------------------------------------------------------------
+
+
+def _kinds_of(text: str) -> set[str]:
+    return set(lp._declared(text, "(:objects").values()) | set(lp._declared(text, "(:fixtures").values())
+
+
+def test_distractor_kinds_are_new_to_the_task_and_fixed_per_task():
+    pytest.importorskip("libero", reason="LIBERO is not installed (make libero)")
+    from pathlib import Path
+
+    from dzmodel.eval.libero_env import list_tasks
+
+    with contextlib.redirect_stdout(sys.stderr):
+        from libero.libero.envs.objects import get_object_dict
+    library = get_object_dict()
+    for kind in (k for kinds in lp.DISTRACTOR_KINDS.values() for k in kinds):
+        assert library[kind]().__module__.endswith(lp._family(kind)), kind  # its asset loads, from that family
+    for suite in ("spatial", "object", "goal", "10"):
+        for task in list_tasks(suite):
+            text = Path(task.bddl_file).read_text()
+            kinds = lp.distractor_kinds(text, lp.MAX_DISTRACTORS, (0, suite, task.index, 0))
+            assert len(set(kinds)) == lp.MAX_DISTRACTORS
+            taken = lp._words(task.language) | {w for k in _kinds_of(text) for w in lp._words(k)}
+            assert not any(lp._words(k) & taken for k in kinds), (task.name, kinds)
+    text = Path(list_tasks("object")[0].bddl_file).read_text()
+    kinds = lp.distractor_kinds(text, 3, (0, "object", 0, 0))
+    assert all(lp._family(k) == "hope_objects" for k in kinds)  # the scene's own family (groceries) first
+    assert lp.distractor_kinds(text, 3, (0, "object", 0, 7)) == kinds  # every episode of a task: one env
+    assert lp.distractor_kinds(text, 2, (0, "object", 0, 0)) == kinds[:2]
+    assert len({tuple(lp.distractor_kinds(text, 3, (s, "object", 0, 0))) for s in range(6)}) > 1
+
+
+def test_the_distractor_problem_is_the_task_plus_the_objects():
+    pytest.importorskip("libero", reason="LIBERO is not installed (make libero)")
+    from libero.libero.envs.bddl_utils import robosuite_parse_problem
+
+    from dzmodel.eval.libero_env import list_tasks
+
+    for suite, index in (("spatial", 0), ("object", 0), ("10", 0)):
+        task = list_tasks(suite)[index]
+        key = (0, suite, index, 0)
+        path = lp.scene_bddl(task.bddl_file, [lp.Perturbation("distractor", 3)], key)
+        assert path != task.bddl_file
+        base, new = robosuite_parse_problem(task.bddl_file), robosuite_parse_problem(path)
+        added = {k: v for k, v in new["objects"].items() if k not in base["objects"]}
+        assert sorted(added) == sorted(lp.distractor_kinds(open(task.bddl_file).read(), 3, key))
+        assert all(v == [lp.DISTRACTOR_PREFIX + k] for k, v in added.items())
+        assert {k: v for k, v in new["objects"].items() if k in base["objects"]} == base["objects"]
+        for field in ("goal_state", "obj_of_interest", "fixtures", "language_instruction", "problem_name"):
+            assert new[field] == base[field], field
+        assert new["initial_state"][:len(base["initial_state"])] == base["initial_state"]
+        assert len(new["initial_state"]) == len(base["initial_state"]) + 3
+    # without a distractor the env is built from the task's own file
+    task = list_tasks("spatial")[0]
+    for ps in ([], [lp.Perturbation("camera", 10.0)], [lp.Perturbation("position", 0.05)]):
+        assert lp.scene_bddl(task.bddl_file, ps, KEY) == task.bddl_file
+
+
+@pytest.fixture(scope="module")
+def distracted(sim):
+    """An env of the same task built from the distractor problem (2 objects), reset as the base one."""
+    with contextlib.redirect_stdout(sys.stderr):
+        from libero.libero.envs import OffScreenRenderEnv
+    _, task, _ = sim
+    p = lp.Perturbation("distractor", 2)
+    env = OffScreenRenderEnv(bddl_file_name=lp.scene_bddl(task.bddl_file, [p], KEY), camera_heights=64,
+                             camera_widths=64, camera_names=["agentview", "robot0_eye_in_hand"])
+    yield env, p
+    env.close()
+
+
+def _joint_values(env, state) -> dict[str, np.ndarray]:
+    """{joint name: its qpos and qvel values} of a flat [time, qpos, qvel] state of this env's model."""
+    m = env.env.sim.model._model
+    out = {}
+    for j in range(m.njnt):
+        nq, nv = lp._joint_sizes(m.jnt_type[j])
+        q, v = 1 + m.jnt_qposadr[j], 1 + m.nq + m.jnt_dofadr[j]
+        out[lp._name(m, "mjOBJ_JOINT", j)] = np.concatenate([state[q:q + nq], state[v:v + nv]])
+    return out
+
+
+def test_distractors_are_new_objects_resting_clear_on_the_table(sim, distracted):
+    from dzmodel.eval.libero_env import init_state
+
+    base_env, task, (base, _) = sim
+    env, p = distracted
+    snap, info = _start(env, task, p)
+    placed = info["distractor=2"]["placed"]
+    base_names = set(base_env.env.objects_dict)
+    assert set(env.env.objects_dict) - base_names == set(placed) and len(placed) == 2
+    assert base_names <= set(env.env.objects_dict)
+    task_kinds = {o.category for o in lp._objects(base_env)} | set(base_env.env.parsed_problem["fixtures"])
+    assert not set(info["distractor=2"]["kinds"]) & task_kinds
+    # the task's objects, the robot and the fixtures start exactly as in the standard init state
+    before, after = _joint_values(base_env, init_state(task, 0)), _joint_values(env, snap["state"])
+    assert set(before) < set(after) and len(after) == len(before) + 2
+    assert all(np.array_equal(before[n], after[n]) for n in before)
+    assert snap["state"][0] == init_state(task, 0)[0]
+    # the goal is the task's own
+    assert env.env.parsed_problem["goal_state"] == base_env.env.parsed_problem["goal_state"]
+    assert env.env.obj_of_interest == base_env.env.obj_of_interest
+    assert not env.env._check_success()
+    # each distractor: on the table, >= 5 mm from every body but the table, off the goal's plate
+    sim_, m, d = lp._model(env)
+    objects = {o.name: o for o in lp._objects(env)}
+    table = int(m.body_rootid[sim_.model.body_name2id("table")])
+    roots = {objects[n].root for n in placed}
+    assert all(table in pair for pair in lp._touching(m, d, lp.CLEARANCE_M) if set(pair) & roots)
+    plate_lo, plate_hi = lp._boxes(m, d, objects["plate_1"].root)
+    for name in placed:
+        lo, hi = lp._boxes(m, d, objects[name].root)
+        assert not (np.all(lo[:2] < plate_hi[:2]) and np.all(hi[:2] > plate_lo[:2])), name
+        assert 0 < lp._gap(m, d, objects[name].root, table) <= 2 * lp.REST_GAP_M
+    # after the settle steps: resting where they were put (a drop of the 1 mm gap), the task's objects as unperturbed
+    settled = _settle(env)
+    for name in placed:
+        a = objects[name].adr
+        assert np.linalg.norm(settled[a:a + 2] - snap["state"][a:a + 2]) < 1e-4
+        assert -3 * lp.REST_GAP_M < settled[a + 2] - snap["state"][a + 2] <= 0
+        assert lp._support(m, d, objects[name].root)[0] == table
+    unmoved, now = _joint_values(base_env, base["settled"]), _joint_values(env, settled)
+    for name in (o.name for o in lp._objects(base_env)):
+        joint = f"{name}_joint0"
+        assert np.allclose(unmoved[joint][:3], now[joint][:3], atol=1e-3), name
+
+
+def test_distractor_places_are_seeded_per_episode(sim, distracted):
+    _, task, _ = sim
+    env, p = distracted
+    first, info = _start(env, task, p)
+    again, info2 = _start(env, task, p)
+    assert np.array_equal(first["state"], again["state"]) and info == info2
+    other, info3 = _start(env, task, p, key=(0, "spatial", 0, 1))
+    assert info3["distractor=2"]["kinds"] == info["distractor=2"]["kinds"]  # one env per task
+    assert info3["distractor=2"]["placed"] != info["distractor=2"]["placed"]
+
+
+def test_a_distractor_env_must_match_the_count(sim, distracted):
+    from dzmodel.eval.libero_env import init_state
+
+    base_env, task, _ = sim
+    env, _ = distracted
+    with pytest.raises(lp.PerturbationError, match="distractor: this env has 0 distractor objects"):
+        lp.apply_scene(base_env, init_state(task, 0), [lp.Perturbation("distractor", 2)], KEY)
+    with pytest.raises(lp.PerturbationError, match="init state has 5 values"):
+        lp.map_state(env, np.zeros(5), set())
+
+
+def test_the_scripted_expert_solves_an_object_task_among_distractors():
+    """The worker builds the distractor env, places them, and the expert still solves the task."""
+    pytest.importorskip("libero", reason="LIBERO is not installed (make libero)")
+    from dzmodel.eval.libero_env import SUITES, init_state, list_tasks
+    from dzmodel.eval.libero_workers import EnvWorkerPool, EpisodeInit
+
+    task = list_tasks("object")[0]
+    p = lp.Perturbation("distractor", 3)
+    key = (0, "object", 0, 0)
+    with EnvWorkerPool(1, camera_size=64, timeout_s=240) as pool:
+        reply = pool.reset([(0, task, 0)], {0: EpisodeInit(scene=(p,), scene_key=key)})[0]
+        assert isinstance(reply, dict), reply
+        assert reply["init_state"].size == init_state(task, 0).size + 3 * (7 + 6)
+        assert len(reply["perturbation"]["distractor=3"]["placed"]) == 3
+        success = False
+        for _ in range(SUITES["object"].max_steps):
+            out = pool.expert_step({0: 0})[0]
+            assert not isinstance(out, Exception), out
+            if out.success:
+                success = True
+                break
+    assert success
