@@ -135,3 +135,22 @@ def test_the_expert_places_the_wine_bottle_on_the_rack(tmp_path):
     assert rec["successes"] == 1, rec["failures"]
     bottle = cols["observation.objects"][:, :3]
     assert bottle[-1, 2] - bottle[0, 2] > 0.15  # lifted onto the rack
+
+
+def test_libero_goal_and_libero_10_are_the_spatial_recipe_on_their_suites():
+    """One profile per suite, the same recipe; LIBERO-10 records the tasks the expert has skills for (not task 9, the
+    microwave door) and is evaluated on all ten. Each LIBERO profile draws success across its checkpoints."""
+    params = load_params(ROOT / "params.yaml")
+    spatial = params.selected("libero_spatial")
+    for name, suite, recorded in (("libero_goal", "goal", list(range(10))), ("libero_10", "10", list(range(9)))):
+        prof = params.selected(name)
+        assert prof.fetch.record.suite == suite and prof.eval.suite == suite
+        assert prof.fetch.record.tasks == recorded and prof.eval.tasks == list(range(10))
+        assert {k: v for k, v in vars(prof.fetch.record).items() if k not in ("suite", "tasks")} == \
+            {k: v for k, v in vars(spatial.fetch.record).items() if k not in ("suite", "tasks")}
+        assert prof.train == spatial.train and prof.vision == spatial.vision and prof.metadata == spatial.metadata
+        assert prof.eval.episodes == 50 and prof.eval.checkpoints == "last"
+        assert prof.promote.registered_model != spatial.promote.registered_model
+        assert prof.package.version != spatial.package.version
+    for name in ("libero_object", "libero_spatial", "libero_goal", "libero_10"):
+        assert 0 < params.selected(name).eval.curve_episodes < params.selected(name).eval.episodes

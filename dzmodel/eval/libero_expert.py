@@ -285,6 +285,7 @@ class PickPlace:
             self.place_xy = self.sim.data.get_site_xpos(self.target)[:2].copy()
             self.support_top = self._support_floor(self._region_owner_body())
             self.drop_gap = 0.04
+            self.place_xy = self._clear_drop_point()
         elif self.target in inner.object_sites_dict:  # On a fixture's region (a cook region, a cabinet's top, a rack)
             self.place_xy, self.support_top = self._site_place(max(size[0], size[1]) / 2)
             self.drop_gap = 0.01
@@ -377,6 +378,38 @@ class PickPlace:
         if best is None:
             raise ExpertUnsupported(f"no point on {self.target!r} where the object can be set down")
         return best
+
+    def _clear_drop_point(self) -> np.ndarray:
+        """Where in the target region to let the object go: the point nearest the region's centre where the object
+        (as it stands now, moved there) and the open hand above it keep clear of everything else from 5 cm above the
+        release height up to 30 cm (e.g. the handles of the drawers above an open bottom drawer), preferring room at
+        the release height itself; the centre when no way down is clear. Searched over the middle 80 % of the region (LIBERO's In tests the object's origin)."""
+        sim, m = self.sim, self.sim.model._model
+        sid = sim.model.site_name2id(self.target)
+        centre = sim.data.get_site_xpos(self.target).copy()
+        rot = sim.data.get_site_xmat(self.target).reshape(3, 3)
+        half = np.abs(rot.T) @ m.site_size[sid]  # the region's half extents along the world axes
+        others = self._foreign_oriented_boxes()
+        own = _geom_oriented_boxes(sim, _bodies_under(m, self.obj_body_id))
+        origin = sim.data.body_xpos[self.obj_body_id].copy()
+        points = _box_points(own, 3) - origin
+        rest_origin_z = self.support_top + self.drop_gap + self.obj_bottom_below_origin
+        release_eef_z = rest_origin_z + self.grasp_offset[2]
+        best, best_key = centre[:2].copy(), None
+        lifts = np.linspace(0.0, 0.3, 7)  # 0, 5, ..., 30 cm above the release height
+        for fx in np.linspace(-0.8, 0.8, 9):
+            for fy in np.linspace(-0.8, 0.8, 9):
+                xy = centre[:2] + [fx * half[0], fy * half[1]]
+                clear = [float(_distance_to_boxes(points + [xy[0], xy[1], rest_origin_z + lift], others).min())
+                         for lift in lifts]
+                hand = min(self._finger_room(others, xy + self.grasp_offset[:2], release_eef_z + lift, self.grasp_yaw)
+                           for lift in lifts)
+                # the way down must be clear; at the release height itself (4 cm above a container's floor) the
+                # object may touch a low rim (an open drawer's front), so more room there only ranks
+                key = (min(min(clear[1:]), hand) < 0.003, -min(clear[0], 0.003), float(np.hypot(fx, fy)))
+                if best_key is None or key < best_key:
+                    best, best_key = xy, key
+        return np.asarray(best, dtype=np.float64)
 
     def _mind_the_place(self) -> None:
         """A rim grasp whose hand would have no room where the bowl is set down (e.g. the hand, 20 cm long along the

@@ -8,8 +8,10 @@ and moves with the same saturating position law (`libero_expert.PickPlace._move`
 * Drawer (`DrawerSkill`): the hand is turned (through the rotation dims) until its fingers point horizontally into
   the cabinet, against the drawer's opening direction, and close along world z, so they straddle the handle bar from
   the front (pointing down, the hand's palm would meet the handles above, and an open finger would not fit the
-  1.6 cm gap behind the bar). It grips the bar and pulls along the drawer's slide axis (open), or pushes the bar
-  with closed fingers (close), then lets go, backs off and turns the hand back to its reset orientation.
+  1.6 cm gap behind the bar). It grips the bar and pulls along the drawer's slide axis, then lets go, backs off and
+  turns the hand back to its reset orientation. Closing keeps the reset orientation: the closed fingers, pointing
+  down, come down in front of the bar and push it along the slide axis until the drawer is shut (an open bottom
+  drawer sits too low for the turned hand to reach its bar).
 * Knob (`KnobSkill`): the fingers, pointing down, grip the knob's grip bar over its axis, and the hand turns about
   the vertical (through the rotation dims) until the joint passes the on (or off) threshold with a margin.
 * Push (`PushSkill`, a dish such as a plate): closed fingers, pointing down, go down onto the dish's flat centre and
@@ -37,6 +39,7 @@ TURN_GAIN = 1.0            # fraction of the orientation error commanded per ste
 TURN_TOLERANCE = 0.08      # rad: the hand's orientation error under which it may move onto the handle
 DRAWER_STANDOFF = 0.07     # m in front of the handle where the hand turns and lines up before it moves in
 DRAWER_OPEN_MARGIN = 0.012  # m beyond LIBERO's open threshold the drawer is pulled (it must stay open after release)
+DRAWER_PUSH_STANDOFF = 0.03  # m in front of the handle bar where the closed fingers go down before pushing it in
 DRAWER_CLOSE_TARGET = 0.004  # m: a closed drawer must be pushed past 0 (LIBERO: closed is qpos > 0)
 KNOB_MARGIN = 0.25         # rad beyond LIBERO's on / off threshold the knob is turned
 FINGER_HALF = 0.011        # m: half the closed fingers' thickness, pointing down (either horizontal axis)
@@ -170,7 +173,41 @@ class DrawerSkill(_Skill):
     def _handle(self) -> np.ndarray:
         return self.sim.data._data.geom_xpos[self.handle_geom].copy()
 
+    def _act_close(self, raw_obs: dict) -> np.ndarray:
+        """Closing: down in front of the bar with the closed fingers pointing down, push it in, back off, rise."""
+        eef = np.asarray(raw_obs["robot0_eef_pos"], dtype=np.float64)
+        quat = raw_obs["robot0_eef_quat"]
+        self.phase_steps += 1
+        handle = self._handle()
+        shut = self.qpos() >= self.close_target
+        move = np.zeros(3)
+        if self.phase in ("approach", "push") and shut:
+            self._set("back_off")
+        if self.phase == "approach":  # stay high until over the point in front of the bar, then go down there
+            front = handle + self.out * DRAWER_PUSH_STANDOFF
+            target = front.copy()
+            if np.linalg.norm((front - eef)[:2]) > 0.02:
+                target[2] = max(front[2] + 0.08, eef[2])
+            move = _move(eef, target)
+            if np.linalg.norm(front - eef) < 0.015:
+                self._set("push")
+        if self.phase == "push":
+            move = _move(eef, handle - self.out * 0.08, 0.6)
+            if self.phase_steps > 120:
+                self._fail("back_off")
+        if self.phase == "back_off":
+            target = handle + self.out * DRAWER_PUSH_STANDOFF + [0.0, 0.0, 0.06]
+            move = _move(eef, target)
+            if np.linalg.norm(target - eef) < 0.02 or self.phase_steps > 30:
+                self.finished = shut
+                self._set("approach" if not shut else "done")
+        if self.phase == "give_up":
+            move = _move(eef, [eef[0], eef[1], eef[2] + 0.05])
+        return self._action(move, _rotation_towards(self.ref_rot, quat, TURN_GAIN), 1.0)
+
     def act(self, raw_obs: dict) -> np.ndarray:
+        if not self.opening:
+            return self._act_close(raw_obs)
         eef = np.asarray(raw_obs["robot0_eef_pos"], dtype=np.float64)
         quat = raw_obs["robot0_eef_quat"]
         self.phase_steps += 1
