@@ -198,7 +198,7 @@ class EvalParams:
     # converted step, beside the real frames (mp4s and a PNG grid); 0: none. Needs train.heldout_episodes.
     previews: int = field(default=2, metadata={"min": 0, "max": 1000})
     # robustness perturbations (dzmodel/eval/libero_perturb.py), each NAME or NAME=VALUE: position, swap, camera,
-    # light, table, paraphrase; the reported episodes run again under each (robustness.csv). Empty: none.
+    # light, table, paraphrase, distractor; the reported episodes run again under each (robustness.csv). Empty: none.
     perturb: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
