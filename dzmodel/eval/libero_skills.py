@@ -40,6 +40,8 @@ TURN_TOLERANCE = 0.08      # rad: the hand's orientation error under which it ma
 DRAWER_STANDOFF = 0.07     # m in front of the handle where the hand turns and lines up before it moves in
 DRAWER_OPEN_MARGIN = 0.012  # m beyond LIBERO's open threshold the drawer is pulled (it must stay open after release)
 DRAWER_PUSH_STANDOFF = 0.03  # m in front of the handle bar where the closed fingers go down before pushing it in
+DRAWER_PUSH_BELOW = 0.02   # m below the handle bar's axis where the fingertips push a drawer shut
+DRAWER_PUSH_BESIDE = 0.04  # m past the bar's end (the palm's half width and a margin) where they push
 DRAWER_CLOSE_TARGET = 0.004  # m: a closed drawer must be pushed past 0 (LIBERO: closed is qpos > 0)
 KNOB_MARGIN = 0.25         # rad beyond LIBERO's on / off threshold the knob is turned
 FINGER_HALF = 0.011        # m: half the closed fingers' thickness, pointing down (either horizontal axis)
@@ -151,8 +153,30 @@ class DrawerSkill(_Skill):
         # at reset the hand approaches along -z with its fingers along +y: the world rotation that maps e_x, e_y,
         # e_z to side, fingers, -approach turns it from there
         self.turned_rot = np.stack([side, fingers, -approach], axis=1) @ self.ref_rot
+        self.push_offset = self._push_offset()
         self.close_steps, self.last_finger = 0, 0.0
         self.next_xy = None  # where the next skill begins (set by the caller): turning back, the hand heads there
+
+    def _push_offset(self) -> np.ndarray:
+        """Closing: where the fingertips push, from the bar's centre: along the drawer's front, on the side where the
+        front reaches further, just past the bar's end and the palm's half width; 2 cm below the bar's axis."""
+        m, d = self.sim.model._model, self.sim.data._data
+        side = np.array([-self.out[1], self.out[0], 0.0])
+        centre = d.geom_xpos[self.handle_geom]
+        boxes = _geom_world_boxes(self.sim, {self.body})
+        corners = [np.array([x, y]) for _, lo, hi in boxes for x in (lo[0], hi[0]) for y in (lo[1], hi[1])]
+        reach = [float(np.dot(c - centre[:2], side[:2])) for c in corners]
+        bar = [(lo, hi) for (_, lo, hi), g in zip(boxes, self._colliding_geoms()) if g == self.handle_geom]
+        bar_half = max(abs(float(np.dot(np.array([x, y]) - centre[:2], side[:2])))
+                       for lo, hi in bar for x in (lo[0], hi[0]) for y in (lo[1], hi[1])) if bar else 0.05
+        sign = 1.0 if max(reach) >= -min(reach) else -1.0
+        along = min(bar_half + DRAWER_PUSH_BESIDE, max(sign * r for r in reach) - 0.015)
+        return sign * along * side + np.array([0.0, 0.0, -DRAWER_PUSH_BELOW])
+
+    def _colliding_geoms(self) -> list[int]:
+        m = self.sim.model._model
+        return [g for g in range(m.ngeom) if int(m.geom_bodyid[g]) == self.body
+                and not (m.geom_contype[g] == 0 and m.geom_conaffinity[g] == 0)]
 
     def _fixture_of(self, region: str):
         for name, fx in self.env.env.fixtures_dict.items():
@@ -183,16 +207,20 @@ class DrawerSkill(_Skill):
         move = np.zeros(3)
         if self.phase in ("approach", "push") and shut:
             self._set("back_off")
+        # the fingertips push the drawer's front beside its bar, 2 cm below the bar's axis: the palm, 5 cm above them,
+        # then passes beside the bar of the drawer above (the bars of a cabinet's drawers line up)
+        low = self.push_offset
         if self.phase == "approach":  # stay high until over the point in front of the bar, then go down there
-            front = handle + self.out * DRAWER_PUSH_STANDOFF
+            front = handle + self.out * DRAWER_PUSH_STANDOFF + low
             target = front.copy()
             if np.linalg.norm((front - eef)[:2]) > 0.02:
                 target[2] = max(front[2] + 0.08, eef[2])
             move = _move(eef, target)
-            if np.linalg.norm(front - eef) < 0.015:
+            # (a drawer just above the table: the fingertips meet the table first, above the aimed height)
+            if np.linalg.norm((front - eef)[:2]) < 0.015 and eef[2] - front[2] < 0.035:
                 self._set("push")
         if self.phase == "push":
-            move = _move(eef, handle - self.out * 0.08, 0.6)
+            move = _move(eef, handle - self.out * 0.08 + low, 0.6)
             if self.phase_steps > 120:
                 self._fail("back_off")
         if self.phase == "back_off":
