@@ -18,11 +18,12 @@ def _raw() -> dict:
     return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
-def test_shipped_params_are_valid_with_seven_profiles():
+def test_shipped_params_are_valid_with_their_profiles():
     params = load_params(ROOT / "params.yaml")
     assert params.profile == "demo"
     assert set(params.profiles) == {"demo", "droid", "libero_5b", "libero_5b_lora", "droid_14b", "libero_scripted",
-                                    "libero_scripted_lora", "libero_object", "libero_spatial"}
+                                    "libero_scripted_lora", "libero_object", "libero_spatial", "libero_goal",
+                                    "libero_10"}
     lora = params.selected("libero_5b_lora")
     assert lora.train["lora"]["rank"] == 64 and lora.launch["nproc_per_node"] == 1 and lora.convert.weights == "ema"
     scripted = params.selected("libero_scripted")
@@ -125,7 +126,7 @@ def test_overrides_and_cli(tmp_path, capsys):
     params = load_params(ROOT / "params.yaml", ["train.steps=7", "eval.tasks=[0, 2]"], "demo")
     assert params.selected().train["steps"] == 7 and params.selected().eval.tasks == [0, 2]
     assert main(["params", "check", "--params", str(ROOT / "params.yaml")]) == 0
-    assert "valid (9 profiles" in capsys.readouterr().out
+    assert "valid (11 profiles" in capsys.readouterr().out
     assert main(["params", "check", "--params", str(ROOT / "params.yaml"), "--set", "train.micro_batch=zero"]) == 2
     assert "profiles.demo.train.micro_batch: expected an integer" in capsys.readouterr().err
     out = tmp_path / "train.json"
