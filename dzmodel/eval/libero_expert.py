@@ -67,6 +67,8 @@ ROOM_ENOUGH = 0.009       # room beyond this does not make a searched grasp bett
                           # turn do
 YAW_TOLERANCE = 0.05      # rad: the hand's yaw error under which it may descend to a rotated grasp
 YAW_GAIN = 1.0            # fraction of the orientation error commanded per step while turning to a grasp yaw
+HANDLE_WIDER_THAN = 0.085  # an object wider than this along the finger axis where the fingers close is taken by
+                           # its handle
 HANDLE_CLEAR_DEG = 60.0   # a mug's rim is taken at least this far (about its axis) from its handle
 
 
@@ -344,7 +346,8 @@ class PickPlace:
         origin within the site's xy extent and a band above the site's plane (in the site's frame as LIBERO applies
         it), resting on the site's fixture. Searched over a grid of the site's extent for the point nearest its centre
         whose object footprint keeps clear of the fixture's raised parts (e.g. a wine rack's divider) and where the
-        open hand, letting go, touches nothing (e.g. a mug already standing on the plate beside a table region)."""
+        open hand, letting go, touches nothing (e.g. a mug already standing on the plate beside a table region), nor
+        the object other objects (a moka pot already on the stove)."""
         sim, m = self.sim, self.sim.model._model
         sid = sim.model.site_name2id(self.target)
         centre = sim.data.get_site_xpos(self.target).copy()
@@ -354,6 +357,12 @@ class PickPlace:
         support = _geom_oriented_boxes(sim, _bodies_under(m, owner))
         best, best_key = None, None
         others = self._foreign_oriented_boxes()
+        inner = self.env.env
+        movable = set().union(*[_bodies_under(m, sim.model.body_name2id(o.root_body))
+                                for name, o in inner.objects_dict.items() if name != self.obj])
+        objects = _geom_oriented_boxes(sim, movable)
+        origin = sim.data.body_xpos[self.obj_body_id].copy()
+        shape = _box_points(_geom_oriented_boxes(sim, _bodies_under(m, self.obj_body_id)), 3) - origin
         for fx in np.linspace(-0.7, 0.7, 15):
             for fy in np.linspace(-0.7, 0.7, 15):
                 local = np.array([fx * size[0], fy * size[1], size[2] + 0.02])
@@ -372,7 +381,9 @@ class PickPlace:
                 room = float(_distance_to_boxes(ring, support).min())
                 release_z = top + 0.01 + self.obj_bottom_below_origin + self.grasp_offset[2]  # drop_gap 0.01
                 hand = self._finger_room(others, xy + self.grasp_offset[:2], release_z, self.grasp_yaw)
-                key = (room < 0.003, hand < 0.002, float(np.hypot(fx, fy)))
+                # the object, 1 cm above where it comes to rest, against the other objects
+                apart = float(_distance_to_boxes(shape + [xy[0], xy[1], rest[2] + 0.01], objects).min())
+                key = (room < 0.003, hand < 0.002, apart < 0.005, float(np.hypot(fx, fy)))
                 if best_key is None or key < best_key:
                     best, best_key = (np.asarray(xy), float(top)), key
         if best is None:
@@ -474,6 +485,9 @@ class PickPlace:
         else:
             # from above, below the top; anywhere along the object's x extent (perpendicular to the fingers)
             grasp_z = max(hi[2] - 0.035, lo[2] + 0.5 * min(self.obj_height, 0.03) + 0.006)
+            handle = self._handle_grasp(grasp_z)
+            if handle is not None:
+                return handle
             reach = max(0.0, size[0] / 2 - 0.02)
             candidates = [centre_xy + [dx, 0.0] for dx in np.linspace(-reach, reach, 5 if reach > 0 else 1)]
         grasp_xy = self._roomiest(candidates, centre_xy, grasp_z)
@@ -499,6 +513,29 @@ class PickPlace:
                     if score > best_score + 1e-9:
                         best, best_score = (gxy, float(yaw)), score
         return best[0], grasp_z, best[1]
+
+    def _handle_grasp(self, grasp_z: float) -> tuple[np.ndarray, float, float] | None:
+        """(grasp xy, grasp z, yaw) at the object's handle, or None for the grasp from above: an object wider than
+        the open hand along the finger axis where the fingers would close (a moka pot, its spout and handle along
+        world y) is taken by the part that stands out furthest from its body (its largest geom), the fingers
+        closing across it, at that part's mid-height (no lower than the fingertips' reach above the object's
+        bottom)."""
+        m = self.sim.model._model
+        own = _bodies_under(m, self.obj_body_id)
+        ids = [g for g in range(m.ngeom) if int(m.geom_bodyid[g]) in own and (m.geom_contype[g] or m.geom_conaffinity[g])]
+        boxes = [(g, lo, hi) for g, (_, lo, hi) in zip(ids, _geom_world_boxes(self.sim, own))]
+        band = [(lo, hi) for _, lo, hi in boxes if hi[2] > grasp_z - FINGER_REACH_BELOW and lo[2] < grasp_z + 0.01]
+        if not band or max(hi[1] for _, hi in band) - min(lo[1] for lo, _ in band) <= HANDLE_WIDER_THAN:
+            return None
+        core = max(ids, key=lambda g: float(np.prod(m.geom_aabb[g, 3:])))
+        centre = {g: (lo + hi) / 2 for g, lo, hi in boxes}
+        far = max(ids, key=lambda g: float(np.linalg.norm(centre[g][:2] - centre[core][:2])))
+        out = centre[far][:2] - centre[core][:2]
+        yaw = float(np.arctan2(out[1], out[0]))  # the fingers close across the handle: finger_axis(yaw) ⟂ out
+        yaw = (yaw + np.pi / 2) % np.pi - np.pi / 2
+        bottom = min(lo[2] for _, lo, _ in boxes)
+        z = max(float(centre[far][2]), bottom + FINGER_REACH_BELOW + 0.01)
+        return centre[far][:2].copy(), z, yaw
 
     def _foreign_oriented_boxes(self):
         """Oriented collision boxes of everything but the object, the robot and the world body's large geoms."""
