@@ -74,15 +74,15 @@ def test_libero_spatial_is_the_libero_object_recipe_on_the_spatial_suite():
 # --- LIBERO-Goal: the skills beyond pick-and-place, one recorded episode each (64 px, one worker) ----------------
 
 
-def _record_goal_task(tmp_path, task: int) -> tuple[dict, dict]:
-    """One expert episode of LIBERO-Goal task `task` recorded by `dz data record libero`: (its recording summary,
-    its columns: action, observation.state, observation.objects)."""
+def _record_goal_task(tmp_path, task: int, suite: str = "goal") -> tuple[dict, dict]:
+    """One expert episode of task `task` of a suite (LIBERO-Goal by default) recorded by `dz data record libero`:
+    (its recording summary, its columns: action, observation.state, observation.objects)."""
     pytest.importorskip("libero", reason="LIBERO is not installed (make libero)")
     from dzmodel.eval.libero_env import check_libero
 
     check_libero()
-    out = tmp_path / f"goal_t{task}"
-    rc = main(["data", "record", "libero", "--suite", "goal", "--tasks", str(task), "--episodes", "1",
+    out = tmp_path / f"{suite}_t{task}"
+    rc = main(["data", "record", "libero", "--suite", suite, "--tasks", str(task), "--episodes", "1",
                "--image-size", "64", "--workers", "1", "--keep", "all", "--out", str(out), "--no-progress"])
     assert rc == 0
     rec = json.loads((out / "meta" / "dz_recording.json").read_text())
@@ -135,6 +135,33 @@ def test_the_expert_places_the_wine_bottle_on_the_rack(tmp_path):
     assert rec["successes"] == 1, rec["failures"]
     bottle = cols["observation.objects"][:, :3]
     assert bottle[-1, 2] - bottle[0, 2] > 0.15  # lifted onto the rack
+
+
+def _first_grasp(action: np.ndarray, after: int = 0) -> int:
+    """The first step from `after` on at which the fingers close."""
+    return after + int(np.argmax(action[after:, 6] > 0))
+
+
+def test_the_expert_takes_a_mug_by_its_rim_away_from_its_handle(tmp_path):
+    # LIBERO-10 task 4: the white mug onto the left plate, then the yellow and white mug onto the right one
+    rec, cols = _record_goal_task(tmp_path, 4, suite="10")
+    assert rec["successes"] == 1, rec["failures"]
+    action, state, mug = cols["action"], cols["observation.state"], cols["observation.objects"][:, :3]
+    grasp = _first_grasp(action)
+    assert np.linalg.norm(state[grasp, :2] - mug[grasp, :2]) > 0.025  # at the rim, not over the middle
+    assert mug[:, 2].max() - mug[0, 2] > 0.03  # lifted, not dragged
+
+
+def test_the_expert_takes_the_moka_pot_by_its_handle(tmp_path):
+    # LIBERO-10 task 2: turn on the stove (the knob), then the moka pot onto it
+    rec, cols = _record_goal_task(tmp_path, 2, suite="10")
+    assert rec["successes"] == 1, rec["failures"]
+    action, state, pot = cols["action"], cols["observation.state"], cols["observation.objects"][:, :3]
+    knob_released = int(np.flatnonzero(np.diff(action[:, 6]) < 0)[0]) + 1  # the knob let go
+    grasp = _first_grasp(action, knob_released)
+    assert np.linalg.norm(state[grasp, :2] - pot[grasp, :2]) > 0.05  # at the handle, away from the pot's body
+    turned = np.angle(np.exp(1j * (_yaw(state[grasp, 3:6]) - _yaw(state[0, 3:6]))))
+    assert abs(np.rad2deg(turned)) > 45  # the hand turned so that the fingers close across the handle
 
 
 def test_libero_goal_and_libero_10_are_the_spatial_recipe_on_their_suites():
