@@ -69,6 +69,7 @@ YAW_TOLERANCE = 0.05      # rad: the hand's yaw error under which it may descend
 YAW_GAIN = 1.0            # fraction of the orientation error commanded per step while turning to a grasp yaw
 HANDLE_WIDER_THAN = 0.085  # an object wider than this along the finger axis where the fingers close is taken by
                            # its handle
+HANDLE_BEYOND = 0.02       # a handle's centre lies at least this far outside the body's largest geom
 HANDLE_CLEAR_DEG = 60.0   # a mug's rim is taken at least this far (about its axis) from its handle
 
 
@@ -517,7 +518,8 @@ class PickPlace:
     def _handle_grasp(self, grasp_z: float) -> tuple[np.ndarray, float, float] | None:
         """(grasp xy, grasp z, yaw) at the object's handle, or None for the grasp from above: an object wider than
         the open hand along the finger axis where the fingers would close (a moka pot, its spout and handle along
-        world y) is taken by the part that stands out furthest from its body (its largest geom), the fingers
+        world y) is taken by the part that stands out furthest from its body (its largest geom; at least
+        HANDLE_BEYOND outside that geom's box), the fingers
         closing across it, at that part's mid-height (no lower than the fingertips' reach above the object's
         bottom)."""
         m = self.sim.model._model
@@ -530,6 +532,10 @@ class PickPlace:
         core = max(ids, key=lambda g: float(np.prod(m.geom_aabb[g, 3:])))
         centre = {g: (lo + hi) / 2 for g, lo, hi in boxes}
         far = max(ids, key=lambda g: float(np.linalg.norm(centre[g][:2] - centre[core][:2])))
+        core_lo, core_hi = next((lo, hi) for g, lo, hi in boxes if g == core)
+        beyond = np.maximum(np.maximum(core_lo[:2] - centre[far][:2], centre[far][:2] - core_hi[:2]), 0.0)
+        if np.linalg.norm(beyond) < HANDLE_BEYOND:  # nothing stands out from the body (a book is one box)
+            return None
         out = centre[far][:2] - centre[core][:2]
         yaw = float(np.arctan2(out[1], out[0]))  # the fingers close across the handle: finger_axis(yaw) ⟂ out
         yaw = (yaw + np.pi / 2) % np.pi - np.pi / 2
