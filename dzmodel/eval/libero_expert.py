@@ -140,22 +140,27 @@ def _bodies_under(model, root_id: int) -> set[int]:
     return out
 
 
+def colliding_geoms(model, body_ids: set[int] | None = None) -> list[int]:
+    """The geoms that collide (not visual only), of the given bodies, else all."""
+    return [g for g in range(model.ngeom) if (body_ids is None or int(model.geom_bodyid[g]) in body_ids)
+            and not (model.geom_contype[g] == 0 and model.geom_conaffinity[g] == 0)]
+
+
+_CORNER_SIGNS = np.array([[sx, sy, sz] for sx in (-1, 1) for sy in (-1, 1) for sz in (-1, 1)], dtype=np.float64)
+
+
+def geom_box(sim, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi): the world axis-aligned box around geom `g`'s own bounding box as it is placed now."""
+    m, d = sim.model._model, sim.data._data
+    local = m.geom_aabb[g, :3] + _CORNER_SIGNS * m.geom_aabb[g, 3:]
+    corners = d.geom_xpos[g] + local @ d.geom_xmat[g].reshape(3, 3).T
+    return corners.min(0), corners.max(0)
+
+
 def _geom_world_boxes(sim, body_ids: set[int] | None = None) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """(body id, lo, hi) world axis-aligned boxes of the colliding geoms (of the given bodies, else all)."""
-    m, d = sim.model._model, sim.data._data
-    signs = np.array([[sx, sy, sz] for sx in (-1, 1) for sy in (-1, 1) for sz in (-1, 1)], dtype=np.float64)
-    boxes = []
-    for g in range(m.ngeom):
-        body = int(m.geom_bodyid[g])
-        if body_ids is not None and body not in body_ids:
-            continue
-        if m.geom_contype[g] == 0 and m.geom_conaffinity[g] == 0:
-            continue  # visual only
-        centre, half = m.geom_aabb[g, :3], m.geom_aabb[g, 3:]
-        rot = d.geom_xmat[g].reshape(3, 3)
-        corners = d.geom_xpos[g] + (centre + signs * half) @ rot.T
-        boxes.append((body, corners.min(0), corners.max(0)))
-    return boxes
+    m = sim.model._model
+    return [(int(m.geom_bodyid[g]), *geom_box(sim, g)) for g in colliding_geoms(m, body_ids)]
 
 
 def _body_box(sim, root_body: str) -> tuple[np.ndarray, np.ndarray]:
@@ -168,8 +173,7 @@ def _geom_oriented_boxes(sim, body_ids: set[int]):
     """Oriented boxes (centre [G, 3], rotation [G, 3, 3], half extents [G, 3]) of the colliding geoms of the given
     bodies: each geom's own bounding box in its frame, placed in the world (exact for box geoms)."""
     m, d = sim.model._model, sim.data._data
-    ids = [g for g in range(m.ngeom) if int(m.geom_bodyid[g]) in body_ids
-           and not (m.geom_contype[g] == 0 and m.geom_conaffinity[g] == 0)]
+    ids = colliding_geoms(m, body_ids)
     if not ids:
         return np.zeros((0, 3)), np.zeros((0, 3, 3)), np.zeros((0, 3))
     rot = np.stack([d.geom_xmat[g].reshape(3, 3) for g in ids])
@@ -362,8 +366,7 @@ class PickPlace:
         movable = set().union(*[_bodies_under(m, sim.model.body_name2id(o.root_body))
                                 for name, o in inner.objects_dict.items() if name != self.obj])
         objects = _geom_oriented_boxes(sim, movable)
-        origin = sim.data.body_xpos[self.obj_body_id].copy()
-        shape = _box_points(_geom_oriented_boxes(sim, _bodies_under(m, self.obj_body_id)), 3) - origin
+        shape = self._shape_points()
         for fx in np.linspace(-0.7, 0.7, 15):
             for fy in np.linspace(-0.7, 0.7, 15):
                 local = np.array([fx * size[0], fy * size[1], size[2] + 0.02])
@@ -391,20 +394,25 @@ class PickPlace:
             raise ExpertUnsupported(f"no point on {self.target!r} where the object can be set down")
         return best
 
+    def _shape_points(self) -> np.ndarray:
+        """Points filling the object's collision geometry, relative to its origin, as it stands now."""
+        m = self.sim.model._model
+        own = _geom_oriented_boxes(self.sim, _bodies_under(m, self.obj_body_id))
+        return _box_points(own, 3) - self.sim.data.body_xpos[self.obj_body_id]
+
     def _clear_drop_point(self) -> np.ndarray:
         """Where in the target region to let the object go: the point nearest the region's centre where the object
         (as it stands now, moved there) and the open hand above it keep clear of everything else from 5 cm above the
         release height up to 30 cm (e.g. the handles of the drawers above an open bottom drawer), preferring room at
-        the release height itself; the centre when no way down is clear. Searched over the middle 80 % of the region (LIBERO's In tests the object's origin)."""
+        the release height itself; the centre when no way down is clear. Searched over the middle 80 % of the region
+        (LIBERO's In tests the object's origin)."""
         sim, m = self.sim, self.sim.model._model
         sid = sim.model.site_name2id(self.target)
         centre = sim.data.get_site_xpos(self.target).copy()
         rot = sim.data.get_site_xmat(self.target).reshape(3, 3)
         half = np.abs(rot.T) @ m.site_size[sid]  # the region's half extents along the world axes
         others = self._foreign_oriented_boxes()
-        own = _geom_oriented_boxes(sim, _bodies_under(m, self.obj_body_id))
-        origin = sim.data.body_xpos[self.obj_body_id].copy()
-        points = _box_points(own, 3) - origin
+        points = self._shape_points()
         rest_origin_z = self.support_top + self.drop_gap + self.obj_bottom_below_origin
         release_eef_z = rest_origin_z + self.grasp_offset[2]
         best, best_key = centre[:2].copy(), None
@@ -519,20 +527,18 @@ class PickPlace:
         """(grasp xy, grasp z, yaw) at the object's handle, or None for the grasp from above: an object wider than
         the open hand along the finger axis where the fingers would close (a moka pot, its spout and handle along
         world y) is taken by the part that stands out furthest from its body (its largest geom; at least
-        HANDLE_BEYOND outside that geom's box), the fingers
-        closing across it, at that part's mid-height (no lower than the fingertips' reach above the object's
-        bottom)."""
+        HANDLE_BEYOND outside that geom's box), the fingers closing across it, at that part's mid-height (no lower
+        than the fingertips' reach above the object's bottom)."""
         m = self.sim.model._model
-        own = _bodies_under(m, self.obj_body_id)
-        ids = [g for g in range(m.ngeom) if int(m.geom_bodyid[g]) in own and (m.geom_contype[g] or m.geom_conaffinity[g])]
-        boxes = [(g, lo, hi) for g, (_, lo, hi) in zip(ids, _geom_world_boxes(self.sim, own))]
+        ids = colliding_geoms(m, _bodies_under(m, self.obj_body_id))
+        boxes = [(g, *geom_box(self.sim, g)) for g in ids]
         band = [(lo, hi) for _, lo, hi in boxes if hi[2] > grasp_z - FINGER_REACH_BELOW and lo[2] < grasp_z + 0.01]
         if not band or max(hi[1] for _, hi in band) - min(lo[1] for lo, _ in band) <= HANDLE_WIDER_THAN:
             return None
         core = max(ids, key=lambda g: float(np.prod(m.geom_aabb[g, 3:])))
         centre = {g: (lo + hi) / 2 for g, lo, hi in boxes}
         far = max(ids, key=lambda g: float(np.linalg.norm(centre[g][:2] - centre[core][:2])))
-        core_lo, core_hi = next((lo, hi) for g, lo, hi in boxes if g == core)
+        core_lo, core_hi = geom_box(self.sim, core)
         beyond = np.maximum(np.maximum(core_lo[:2] - centre[far][:2], centre[far][:2] - core_hi[:2]), 0.0)
         if np.linalg.norm(beyond) < HANDLE_BEYOND:  # nothing stands out from the body (a book is one box)
             return None

@@ -32,7 +32,8 @@ from __future__ import annotations
 import numpy as np
 
 from .libero_expert import (GAIN, NEG_X_CAP, RELEASE_STEPS, ROT_OUTPUT_MAX, ExpertUnsupported, _bodies_under,
-                            _geom_world_boxes, fingers_shut, matrix_to_rotvec, quat_to_matrix)
+                            _geom_world_boxes, colliding_geoms, fingers_shut, geom_box, matrix_to_rotvec,
+                            quat_to_matrix)
 
 MAX_TRIES = 3
 TURN_GAIN = 1.0            # fraction of the orientation error commanded per step while the hand turns
@@ -153,30 +154,25 @@ class DrawerSkill(_Skill):
         # at reset the hand approaches along -z with its fingers along +y: the world rotation that maps e_x, e_y,
         # e_z to side, fingers, -approach turns it from there
         self.turned_rot = np.stack([side, fingers, -approach], axis=1) @ self.ref_rot
-        self.push_offset = self._push_offset()
-        self.close_steps, self.last_finger = 0, 0.0
+        self.push_offset = None if self.opening else self._push_offset()
+        self.last_finger = 0.0
         self.next_xy = None  # where the next skill begins (set by the caller): turning back, the hand heads there
 
     def _push_offset(self) -> np.ndarray:
         """Closing: where the fingertips push, from the bar's centre: along the drawer's front, on the side where the
         front reaches further, just past the bar's end and the palm's half width; 2 cm below the bar's axis."""
-        m, d = self.sim.model._model, self.sim.data._data
         side = np.array([-self.out[1], self.out[0], 0.0])
-        centre = d.geom_xpos[self.handle_geom]
-        boxes = _geom_world_boxes(self.sim, {self.body})
-        corners = [np.array([x, y]) for _, lo, hi in boxes for x in (lo[0], hi[0]) for y in (lo[1], hi[1])]
-        reach = [float(np.dot(c - centre[:2], side[:2])) for c in corners]
-        bar = [(lo, hi) for (_, lo, hi), g in zip(boxes, self._colliding_geoms()) if g == self.handle_geom]
-        bar_half = max(abs(float(np.dot(np.array([x, y]) - centre[:2], side[:2])))
-                       for lo, hi in bar for x in (lo[0], hi[0]) for y in (lo[1], hi[1])) if bar else 0.05
+        centre = self._handle()
+
+        def along_front(lo, hi) -> list[float]:  # the box's xy corners, measured along the front from the bar
+            return [float(np.dot(np.array([x, y]) - centre[:2], side[:2]))
+                    for x in (lo[0], hi[0]) for y in (lo[1], hi[1])]
+
+        reach = [r for _, lo, hi in _geom_world_boxes(self.sim, {self.body}) for r in along_front(lo, hi)]
+        bar_half = max(abs(r) for r in along_front(*geom_box(self.sim, self.handle_geom)))
         sign = 1.0 if max(reach) >= -min(reach) else -1.0
         along = min(bar_half + DRAWER_PUSH_BESIDE, max(sign * r for r in reach) - 0.015)
         return sign * along * side + np.array([0.0, 0.0, -DRAWER_PUSH_BELOW])
-
-    def _colliding_geoms(self) -> list[int]:
-        m = self.sim.model._model
-        return [g for g in range(m.ngeom) if int(m.geom_bodyid[g]) == self.body
-                and not (m.geom_contype[g] == 0 and m.geom_conaffinity[g] == 0)]
 
     def _fixture_of(self, region: str):
         for name, fx in self.env.env.fixtures_dict.items():
@@ -186,10 +182,9 @@ class DrawerSkill(_Skill):
 
     def _handle_geom(self) -> int:
         """The drawer body's colliding geom that stands out furthest along the opening direction (the bar)."""
-        m, d = self.sim.model._model, self.sim.data._data
-        geoms = [g for g in range(m.ngeom) if int(m.geom_bodyid[g]) == self.body
-                 and not (m.geom_contype[g] == 0 and m.geom_conaffinity[g] == 0)]
-        return max(geoms, key=lambda g: float(np.dot(d.geom_xpos[g], self.out)))
+        d = self.sim.data._data
+        return max(colliding_geoms(self.sim.model._model, {self.body}),
+                   key=lambda g: float(np.dot(d.geom_xpos[g], self.out)))
 
     def qpos(self) -> float:
         return float(self.sim.data.qpos[self.qadr])
@@ -209,9 +204,9 @@ class DrawerSkill(_Skill):
             self._set("back_off")
         # the fingertips push the drawer's front beside its bar, 2 cm below the bar's axis: the palm, 5 cm above them,
         # then passes beside the bar of the drawer above (the bars of a cabinet's drawers line up)
-        low = self.push_offset
+        beside = self.push_offset
         if self.phase == "approach":  # stay high until over the point in front of the bar, then go down there
-            front = handle + self.out * DRAWER_PUSH_STANDOFF + low
+            front = handle + self.out * DRAWER_PUSH_STANDOFF + beside
             target = front.copy()
             if np.linalg.norm((front - eef)[:2]) > 0.02:
                 target[2] = max(front[2] + 0.08, eef[2])
@@ -220,7 +215,7 @@ class DrawerSkill(_Skill):
             if np.linalg.norm((front - eef)[:2]) < 0.015 and eef[2] - front[2] < 0.035:
                 self._set("push")
         if self.phase == "push":
-            move = _move(eef, handle - self.out * 0.08 + low, 0.6)
+            move = _move(eef, handle - self.out * 0.08 + beside, 0.6)
             if self.phase_steps > 120:
                 self._fail("back_off")
         if self.phase == "back_off":
@@ -241,15 +236,15 @@ class DrawerSkill(_Skill):
         self.phase_steps += 1
         handle = self._handle()
         q = self.qpos()
-        goal_reached = q <= self.open_target if self.opening else q >= self.close_target
+        goal_reached = q <= self.open_target
         standoff = handle + self.out * DRAWER_STANDOFF
-        grip = -1.0 if self.opening else 1.0
+        grip = -1.0
         move, rot_goal = np.zeros(3), self.turned_rot
 
         if self.recover and self.phase in ("pull", "close") and np.linalg.norm(eef - handle) > 0.04:
             self._set("approach")
-        if self.phase in ("approach", "insert", "close", "pull", "push") and goal_reached:
-            self._set("release" if self.opening else "back_off")
+        if self.phase in ("approach", "insert", "close", "pull") and goal_reached:
+            self._set("release")
         if self.phase == "approach":
             # to the standoff point in front of the handle, turning on the way; drop height only when close in xy
             xy_err = np.linalg.norm((standoff - eef)[:2])
@@ -260,10 +255,9 @@ class DrawerSkill(_Skill):
             if np.linalg.norm(standoff - eef) < 0.025 and _rot_error(rot_goal, quat) < TURN_TOLERANCE:
                 self._set("insert")
         if self.phase == "insert":
-            target = handle if self.opening else handle + self.out * 0.03
-            move = _move(eef, target, 1.0 if np.linalg.norm(target - eef) > 0.03 else 0.5)
-            if np.linalg.norm(target - eef) < 0.01 or self.phase_steps > 25:
-                self._set("close" if self.opening else "push")
+            move = _move(eef, handle, 1.0 if np.linalg.norm(handle - eef) > 0.03 else 0.5)
+            if np.linalg.norm(handle - eef) < 0.01 or self.phase_steps > 25:
+                self._set("close")
         if self.phase == "close":  # the fingers shut on the bar
             grip = 1.0
             move = _move(eef, handle, 0.3)
@@ -276,18 +270,13 @@ class DrawerSkill(_Skill):
                 self._fail("approach")
             elif self.phase_steps > 120:
                 self._fail("release")
-        if self.phase == "push":
-            grip = 1.0
-            move = _move(eef, handle - self.out * 0.08, 0.6)
-            if self.phase_steps > 120:
-                self._fail("back_off")
         if self.phase == "release":
             grip = -1.0
             move = np.zeros(3)
             if self.phase_steps >= RELEASE_STEPS:
                 self._set("back_off")
         if self.phase == "back_off":  # straight out along the opening direction, still turned
-            grip = -1.0 if self.opening else 1.0
+            grip = -1.0
             target = handle + self.out * 0.05
             move = _move(eef, target)
             if np.linalg.norm(target - eef) < 0.02 or self.phase_steps > 30:
