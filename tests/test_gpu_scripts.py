@@ -43,7 +43,7 @@ def test_the_runs_plot_reads_every_recorded_result(tmp_path):
 
 
 def test_the_final_csvs_are_the_evaluations_own_episodes(tmp_path):
-    """docs/results/final/seed<N>.csv (the profile's recipe now) and docs/results/final_fp32_stream/ (the recipe
+    """docs/results/final/libero_object/seed<N>.csv (the profile's recipe now) and docs/results/final_fp32_stream/ (the recipe
     before it) are rebuilt from the evaluations' per-episode files (10 tasks x 50 init states per seed, one
     checkpoint each) and hold the numbers docs/results.md reports."""
     import importlib.util
@@ -52,7 +52,7 @@ def test_the_final_csvs_are_the_evaluations_own_episodes(tmp_path):
     final_tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(final_tables)
     counts = final_tables.main(tmp_path)
-    assert counts == {"final": {0: (467, 500), 1: (445, 500), 2: (495, 500)},
+    assert counts == {"final/libero_object": {0: (467, 500), 1: (445, 500), 2: (495, 500)},
                       "final_fp32_stream": {0: (439, 500), 1: (400, 500), 2: (443, 500)}}
     for recipe, seeds in counts.items():
         for seed in seeds:

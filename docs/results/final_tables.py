@@ -1,9 +1,9 @@
-"""The final recipe's per-episode results: joins the evaluations of each training seed's last checkpoint into
-docs/results/final/seed<N>.csv (seed,task,init_state,checkpoint_step,success; one row per episode) and prints the
-per-seed and per-task successes with 95 % Wilson intervals. docs/results/final/ holds the recipe that libero_object
-runs now (the bf16 residual stream, rounds 18 and 20); docs/results/final_fp32_stream/ the recipe before it (round
-11, the goal's first three seeds). Refuses overlapping or missing (task, init state) pairs and a checkpoint that
-differs within a seed. Usage, from the repo root:
+"""The final recipes' per-episode results: joins the evaluations of each training seed's last checkpoint into
+docs/results/final/<suite>/seed<N>.csv (seed,task,init_state,checkpoint_step,success; one row per episode) and prints
+the per-seed and per-task successes with 95 % Wilson intervals. docs/results/final/libero_object/ holds the recipe
+that the libero_object profile runs now (the bf16 residual stream, rounds 18 and 20);
+docs/results/final_fp32_stream/ the recipe before it (round 11, the goal's first three seeds). Refuses overlapping
+or missing (task, init state) pairs and a checkpoint that differs within a seed. Usage, from the repo root:
 
     python docs/results/final_tables.py
 """
@@ -17,7 +17,7 @@ from dzmodel.eval.libero_eval import wilson_interval
 
 RESULTS = Path(__file__).resolve().parent
 RECIPES = {  # folder: {seed: the `dz eval libero` per_episode.csv files that make up its 10 tasks x 50 init states}
-    "final": {  # the profile's own stages, the bf16 residual stream
+    "final/libero_object": {  # the profile's own stages, the bf16 residual stream
         0: ["round18/per_episode.csv"],
         1: ["round20/seed1_per_episode.csv"],
         2: ["round20/seed2_per_episode.csv"],
@@ -63,7 +63,7 @@ def main(out_root: Path = RESULTS) -> dict[str, dict[int, tuple[int, int]]]:
 
 def write_recipe(name: str, sources: dict[int, list[str]], out: Path) -> dict[int, tuple[int, int]]:
     print(f"{name}:")
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     counts = {}
     total = [0, 0]
     per_task = defaultdict(list)
