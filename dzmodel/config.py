@@ -436,10 +436,43 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | None = 
         name = profile or raw.get("profile")
         if not isinstance(name, str):
             raise ParamsError(f"{path}: profile: expected the name of a profile, got {bounded_repr(name)}")
-        raw = apply_overrides(raw, overrides, name, str(path))
-    params = parse_params(raw, str(path))
+        original, raw = raw, apply_overrides(raw, overrides, name, str(path))
+        try:
+            params = parse_params(raw, str(path))
+        except ParamsError as exc:
+            raise _blame_overrides(exc, original, overrides, name, str(path)) from None
+    else:
+        params = parse_params(raw, str(path))
     params.selected(profile)
     return params
+
+
+def _blame_overrides(exc: ParamsError, original: dict, overrides: list[str], profile: str,
+                     path: str) -> ParamsError:
+    """The error of a file that is valid without its `--set` overrides names the overrides, not the file: each
+    problem under one override's key as `--set KEY=VALUE: problem`."""
+    try:
+        parse_params(original, path)
+    except ParamsError:
+        return exc  # the file itself has problems: they are reported as the file's
+    text = str(exc).removeprefix(f"{path}: ")
+    head, sep, rest = text.partition(" problems:\n  ")
+    problems = rest.split("\n  ") if sep and head.isdigit() else [text]
+    prefix = f"profiles.{profile}."
+    blamed = []
+    for problem in problems:
+        where, _, what = problem.partition(": ")
+        key = where.removeprefix(prefix)
+        item = next((o for o in overrides if key == o.partition("=")[0]), None)
+        inner = next((o for o in overrides if key.startswith((o.partition("=")[0] + ".", o.partition("=")[0] + "["))),
+                     None)
+        if where.startswith(prefix) and item:
+            blamed.append(f"--set {item}: {what}")
+        elif where.startswith(prefix) and inner:  # a part of the value: train.betas[1]
+            blamed.append(f"--set {inner}: {key}: {what}")
+        else:
+            blamed.append(f"with --set {', '.join(overrides)}: {problem}")
+    return ParamsError(blamed[0] if len(blamed) == 1 else f"{len(blamed)} problems:\n  " + "\n  ".join(blamed))
 
 
 def train_config(prof: Profile, paths: StagePaths, vision_vae: bool = True):

@@ -92,7 +92,12 @@ def _exit_on_sigterm() -> None:
 
 
 def cmd_pipeline_run(ns: argparse.Namespace) -> int:
+    from dzmodel.config import load_params
+
     root = Path(ns.root).resolve()
+    # bad parameters (a misspelt profile, an unknown --set key) are one error now, before Prefect is imported or
+    # any server is started or touched
+    load_params(root / ns.params, ns.set, ns.profile)
     project_environment(root)  # before Prefect is imported: it reads PREFECT_HOME once
     from flows.sft_pipeline import sft_pipeline
 

@@ -1,5 +1,6 @@
 """params.yaml's typed schema: the shipped file is valid; bad keys, types and values are refused by name."""
 
+import re
 import json
 from pathlib import Path
 
@@ -128,7 +129,7 @@ def test_overrides_and_cli(tmp_path, capsys):
     assert main(["params", "check", "--params", str(ROOT / "params.yaml")]) == 0
     assert "valid (11 profiles" in capsys.readouterr().out
     assert main(["params", "check", "--params", str(ROOT / "params.yaml"), "--set", "train.micro_batch=zero"]) == 2
-    assert "profiles.demo.train.micro_batch: expected an integer" in capsys.readouterr().err
+    assert "--set train.micro_batch=zero: expected an integer" in capsys.readouterr().err
     out = tmp_path / "train.json"
     assert main(["params", "train-config", "--params", str(ROOT / "params.yaml"), "--profile", "libero_5b",
                  "--out", str(out), "--root", "/pool"]) == 0
@@ -138,6 +139,23 @@ def test_overrides_and_cli(tmp_path, capsys):
     bad.write_text("profile: demo\nprofiles: [\n")
     assert main(["params", "check", "--params", str(bad)]) == 2
     assert "not valid YAML" in capsys.readouterr().err
+
+
+def test_a_bad_override_is_blamed_on_the_override_not_the_file(tmp_path):
+    """A valid params.yaml with a bad `--set`: the error names the override; a file that is itself invalid is still
+    reported as the file's."""
+    with pytest.raises(ParamsError) as exc:
+        load_params(ROOT / "params.yaml", ["train.nosuch=1"], "demo")
+    assert str(exc.value).startswith("--set train.nosuch=1: unknown key") and "params.yaml" not in str(exc.value)
+    with pytest.raises(ParamsError) as exc:
+        load_params(ROOT / "params.yaml", ["train.lr=abc", "eval.episodes=-1", "train.steps=9"], "demo")
+    lines = str(exc.value).splitlines()
+    assert lines[0] == "2 problems:" and "params.yaml" not in str(exc.value)
+    assert {line.strip().split(": ")[0] for line in lines[1:]} == {"--set train.lr=abc", "--set eval.episodes=-1"}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "params.yaml").read_text().replace("profile: demo", "profile: demo\nnosuch: 1", 1))
+    with pytest.raises(ParamsError, match=f"^{re.escape(str(bad))}: "):
+        load_params(bad, ["train.steps=9"], "demo")
 
 
 def test_schema_checks_nested_types():

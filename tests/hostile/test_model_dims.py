@@ -103,7 +103,7 @@ def _params_check(tmp_path, capsys, overrides: str = "", sets: tuple[str, ...] =
 @pytest.mark.parametrize("overrides, sets, words", [
     ("dim: 1e10", (), "profiles.demo.train.model_overrides.dim: expected an integer, got float 10000000000.0"),
     ("dim: 10000000000", (), "profiles.demo.train.model_overrides.dim: must be in [1, 65536], got 10000000000"),
-    ("", ("train.model_overrides.text_len=100000000",), "profiles.demo.train.model_overrides.text_len: must be"),
+    ("", ("train.model_overrides.text_len=100000000",), "--set train.model_overrides.text_len=100000000: must be"),
     ("dim: 16384, num_heads: 128, num_layers: 512, ffn_dim: 65536", (),
      "profiles.demo.train.model_overrides: dim 16384, ffn_dim 65536, num_layers 512: needs ~"),
 ])

@@ -127,13 +127,13 @@ def test_yaml_nan_and_inf_are_refused_in_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.lr=.nan", "profiles.demo.train.lr: must be a finite number in (0, 1], got nan"),
-    ("train.lr=1e9", "profiles.demo.train.lr: must be in (0, 1], got 1000000000.0"),
-    ("train.betas=[0.9, 2]", "profiles.demo.train.betas[1]: must be in [0, 1), got 2.0"),
-    ("eval.tasks=[999]", "profiles.demo.eval.tasks[0]: task 999 is not in LIBERO-spatial"),
-    ("package.version=../../etc", "profiles.demo.package.version: must be a plain name"),
+    ("train.lr=.nan", "--set train.lr=.nan: must be a finite number in (0, 1], got nan"),
+    ("train.lr=1e9", "--set train.lr=1e9: must be in (0, 1], got 1000000000.0"),
+    ("train.betas=[0.9, 2]", "--set train.betas=[0.9, 2]: train.betas[1]: must be in [0, 1), got 2.0"),
+    ("eval.tasks=[999]", "--set eval.tasks=[999]: eval.tasks[0]: task 999 is not in LIBERO-spatial"),
+    ("package.version=../../etc", "--set package.version=../../etc: must be a plain name"),
     ("train.lr=[", "override 'train.lr=[': the value is not valid YAML"),
-    ("train.model_overrides.dim=.inf", "profiles.demo.train.model_overrides.dim: must be a finite number"),
+    ("train.model_overrides.dim=.inf", "--set train.model_overrides.dim=.inf: must be a finite number"),
 ])
 def test_overrides_go_through_the_same_checks(override, message, capsys):
     assert main(["params", "check", "--params", str(PARAMS), "--set", override]) == 2
