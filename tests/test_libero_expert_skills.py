@@ -5,14 +5,12 @@ with `dz data record libero` at 64 px (about 30 s on 2 CPU cores); the libero_sp
 recipe on the other suite. The LIBERO-Goal skills (a drawer, the stove's knob, a push, a drawer then a place, a
 place on a tilted fixture region), one recorded episode each, LIBERO's own `done` deciding success."""
 
-import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 
-from dzmodel.cli import main
 from dzmodel.config import load_params
+from tests.libero_expert_recording import record_expert
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,20 +27,8 @@ def _yaw(axis_angle: np.ndarray) -> float:
 
 
 def test_the_expert_turns_the_hand_to_take_the_bowl_out_of_the_open_drawer(tmp_path):
-    pytest.importorskip("libero", reason="LIBERO is not installed (make libero)")
-    from dzmodel.eval.libero_env import check_libero
-
-    check_libero()
-    out = tmp_path / "spatial_t4"
-    rc = main(["data", "record", "libero", "--suite", "spatial", "--tasks", "4", "--episodes", "1",
-               "--image-size", "64", "--workers", "1", "--keep", "all", "--out", str(out), "--no-progress"])
-    assert rc == 0
-    rec = json.loads((out / "meta" / "dz_recording.json").read_text())
+    rec, cols = record_expert(tmp_path, "spatial", 4)
     assert rec["successes"] == 1, rec["failures"]  # the bowl is on the plate within the suite's 220 steps
-
-    from dzmodel.data.lerobot_format import open_dataset
-
-    cols = open_dataset(out).read_columns(0, ["action", "observation.state"])
     action, state = np.asarray(cols["action"]), np.asarray(cols["observation.state"])
     assert np.any(action[:, 5] != 0)  # the yaw dim is commanded ...
     assert np.all(np.abs(action[:, 3:6]) <= 1)
@@ -75,21 +61,9 @@ def test_libero_spatial_is_the_libero_object_recipe_on_the_spatial_suite():
 
 
 def _record_goal_task(tmp_path, task: int, suite: str = "goal") -> tuple[dict, dict]:
-    """One expert episode of task `task` of a suite (LIBERO-Goal by default) recorded by `dz data record libero`:
-    (its recording summary, its columns: action, observation.state, observation.objects)."""
-    pytest.importorskip("libero", reason="LIBERO is not installed (make libero)")
-    from dzmodel.eval.libero_env import check_libero
-
-    check_libero()
-    out = tmp_path / f"{suite}_t{task}"
-    rc = main(["data", "record", "libero", "--suite", suite, "--tasks", str(task), "--episodes", "1",
-               "--image-size", "64", "--workers", "1", "--keep", "all", "--out", str(out), "--no-progress"])
-    assert rc == 0
-    rec = json.loads((out / "meta" / "dz_recording.json").read_text())
-    from dzmodel.data.lerobot_format import open_dataset
-
-    cols = open_dataset(out).read_columns(0, ["action", "observation.state", "observation.objects"])
-    return rec, {k: np.asarray(v) for k, v in cols.items()}
+    """One expert episode of task `task` of a suite (LIBERO-Goal by default): (its recording summary, its columns:
+    action, observation.state, observation.objects)."""
+    return record_expert(tmp_path, suite, task)
 
 
 def test_the_expert_opens_a_drawer_by_its_handle(tmp_path):

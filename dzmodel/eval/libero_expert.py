@@ -71,6 +71,11 @@ HANDLE_WIDER_THAN = 0.085  # an object wider than this along the finger axis whe
                            # its handle
 HANDLE_BEYOND = 0.02       # a handle's centre lies at least this far outside the body's largest geom
 HANDLE_CLEAR_DEG = 60.0   # a mug's rim is taken at least this far (about its axis) from its handle
+LATER_ROOM = 0.015        # room to leave an object still to come onto the same region, beyond the 2 mm its hand and
+                          # the 5 mm its body need: a moka pot lands up to 2 cm from where it is let go (it hangs tilted
+                          # from its handle and rights itself on the stove)
+OBJECT_ROOM = 0.01        # set-down room from other objects beyond this does not make a point better; nearness to the
+                          # region's centre does (an object lands up to about a centimetre from where it is let go)
 
 
 class ExpertUnsupported(ValueError):
@@ -257,7 +262,7 @@ class PickPlace:
     (default: its orientation at the first act())."""
 
     def __init__(self, env, seed: int = 0, recover: bool = False, hold_orientation: bool = False,
-                 term=None, ref_rot=None, set_down_at=None, descend_within: float = 0.1):
+                 term=None, ref_rot=None, set_down_at=None, descend_within: float = 0.1, plan_for_later: bool = True):
         self.env = env
         self.descend_within = float(descend_within)  # the approach drops height only this close in xy
         self.recover, self.hold_orientation = bool(recover), bool(hold_orientation)
@@ -276,26 +281,24 @@ class PickPlace:
         self.obj_bottom_below_origin = origin[2] - lo[2]
         self.obj_height = hi[2] - lo[2]
         size = hi - lo
+        self.obj_radius = max(size[0], size[1]) / 2
         # a mug (wider than the open hand, with a handle) is taken by its rim like a bowl, away from its handle
         self.is_cup = "mug" in self.obj
         self.is_bowl = "bowl" in self.obj or self.is_cup \
             or (size[1] > MAX_GRIPPER_OPENING and size[2] < 0.6 * size[1])
         self.failed_yaws: list[float] = []
         self.close_at = None
+        self.ref_rot = ref_rot     # hold_orientation: the hand's orientation at the first act() (its reset one)
         self._plan_grasp()
         self.hover = 0.08 + 0.02 * self.rng.random()
 
         # where the object's origin must end up, and how high above its support to let it go
         if set_down_at is not None:
             self.place_xy, self.support_top, self.drop_gap = np.asarray(set_down_at[1], dtype=np.float64), lo[2], 0.01
-        elif self.target in inner.object_sites_dict and self.pred == "in":
-            self.place_xy = self.sim.data.get_site_xpos(self.target)[:2].copy()
-            self.support_top = self._support_floor(self._region_owner_body())
-            self.drop_gap = 0.04
-            self.place_xy = self._clear_drop_point()
-        elif self.target in inner.object_sites_dict:  # On a fixture's region (a cook region, a cabinet's top, a rack)
-            self.place_xy, self.support_top = self._site_place(max(size[0], size[1]) / 2)
-            self.drop_gap = 0.01
+        elif self.target in inner.object_sites_dict:
+            self.drop_gap = 0.04 if self.pred == "in" else 0.01
+            self.plan_for_later = plan_for_later
+            self._place_in_region()
         else:
             tgt_body = self._target_body(self.target)
             self.place_xy = self.sim.data.body_xpos[self.sim.model.body_name2id(tgt_body)][:2].copy()
@@ -310,10 +313,10 @@ class PickPlace:
             self._mind_the_place()
 
         self.obj_rest_z = float(origin[2])
-        self.ref_rot = ref_rot     # hold_orientation: the hand's orientation at the first act() (its reset one)
         self.gave_up = False     # grasps failed MAX_GRASP_TRIES times: retreating, the actions are no valid label
 
         self.phase = "approach"
+        self.descend_from = None  # where the approach may start down, measured at its first step (`_descent_radius`)
         self.phase_steps = 0
         self.tries = 0
         self.grasp_eef_z = None
@@ -321,6 +324,32 @@ class PickPlace:
         self.obj_z_at_grasp = None
 
     # -- setup helpers --
+
+    def _place_in_region(self) -> None:
+        """Choose where in the target region (a site) to set the object down, from the scene as it is now: In a
+        container's region (a basket, a drawer) the clear drop point over its floor; On a fixture's region (a cook
+        region, a cabinet's top, a rack) the searched set-down point. Remembers where the other objects and the region
+        stood, so that `_scene_moved` can tell when the choice is stale."""
+        if self.pred == "in":
+            self.place_xy = self.sim.data.get_site_xpos(self.target)[:2].copy()
+            self.support_top = self._support_floor(self._region_owner_body())
+            self.place_xy = self._clear_drop_point()
+        else:
+            self.place_xy, self.support_top = self._site_place(self.obj_radius, self.plan_for_later)
+        self._scene_at_plan = self._scene()
+
+    def _scene(self) -> np.ndarray:
+        """[N, 3]: the target region's site and the other movable objects' origins, as they are now."""
+        inner, data = self.env.env, self.sim.data
+        others = [data.body_xpos[self.sim.model.body_name2id(o.root_body)] for name, o in inner.objects_dict.items()
+                  if name != self.obj]
+        return np.array([data.get_site_xpos(self.target), *others], dtype=np.float64)
+
+    def _scene_moved(self) -> bool:
+        """Whether the region or another object moved more than 3 mm since the set-down point was chosen (an object
+        set down just before still settling, a basket pushed by the hand)."""
+        at_plan = getattr(self, "_scene_at_plan", None)
+        return at_plan is not None and float(np.linalg.norm(self._scene() - at_plan, axis=1).max()) > 0.003
 
     def _target_body(self, name: str) -> str:
         inner = self.env.env
@@ -346,13 +375,51 @@ class PickPlace:
                 if lo[0] <= xy[0] <= hi[0] and lo[1] <= xy[1] <= hi[1]]
         return float(min(tops)) if tops else float(self.sim.data.get_site_xpos(self.target)[2])
 
-    def _site_place(self, obj_radius: float) -> tuple[np.ndarray, float]:
+    def _site_place(self, obj_radius: float, plan_for_later: bool = True) -> tuple[np.ndarray, float]:
         """(xy, support height) where the object, set down there, satisfies LIBERO's On for the target site: its
         origin within the site's xy extent and a band above the site's plane (in the site's frame as LIBERO applies
-        it), resting on the site's fixture. Searched over a grid of the site's extent for the point nearest its centre
-        whose object footprint keeps clear of the fixture's raised parts (e.g. a wine rack's divider) and where the
-        open hand, letting go, touches nothing (e.g. a mug already standing on the plate beside a table region), nor
-        the object other objects (a moka pot already on the stove)."""
+        it), resting on the site's fixture. Searched over a grid of the site's extent (`_set_down_grid`) for the point
+        nearest its centre whose object footprint keeps clear of the fixture's raised parts (e.g. a wine rack's
+        divider) and where the open hand, letting go, touches nothing (e.g. a mug already standing on the plate beside
+        a table region), nor the object other objects (a moka pot already on the stove); among those, up to
+        OBJECT_ROOM of room from the objects already there comes before nearness to the centre, since an object lands
+        up to a centimetre from where it is let go. When the goal puts further objects onto the same region later
+        (both moka pots onto the stove's 15 cm cook region), the point also leaves them room: up to LATER_ROOM for
+        each, at some point of the region, its body and the open hand that sets it down with its own grasp clear of
+        this object (`_room_left_for`); searched over every other grid point."""
+        cands = self._set_down_grid(obj_radius)
+        if not cands:
+            raise ExpertUnsupported(f"no point on {self.target!r} where the object can be set down")
+
+        def key(c):
+            return (c["room"] < 0.003, c["hand"] < 0.002, c["apart"] < 0.005, -min(c["near"], OBJECT_ROOM), c["dist"])
+
+        later = self._later_on_region() if plan_for_later else []
+        if not later:
+            best = min(cands, key=key)
+            return best["xy"], best["top"]
+        own = _bodies_under(self.sim.model._model, self.obj_body_id)
+        grids = [(other, other._set_down_grid(other.obj_radius, own)) for other in later]
+        ranked = sorted(cands, key=key)
+        ok = [c for c in ranked if key(c)[:3] == (False, False, False) and c["coarse"]] or ranked[:1]
+        best, best_key = None, None
+        for c in ok:
+            left = min(self._room_left_for(other, grid, c) for other, grid in grids)
+            k = (-min(left, LATER_ROOM), -min(c["near"], OBJECT_ROOM), c["dist"])
+            if best_key is None or k < best_key:
+                best, best_key = c, k
+            if k[:2] == (-LATER_ROOM, -OBJECT_ROOM):  # ranked by distance from the centre: the first with enough
+                break                                 # room is the nearest
+        return best["xy"], best["top"]
+
+    def _set_down_grid(self, obj_radius: float, also_ignore: set[int] = frozenset()) -> list[dict]:
+        """The set-down candidates on the target site (see `_site_place`): per grid point whose resting object
+        satisfies LIBERO's region test, a dict of its xy, the support's top there (`top`), the object's resting
+        origin height (`rest_z`), the footprint's room from the fixture's raised parts (`room`), the open hand's room
+        letting go (`hand`), the object's room from other objects 1 cm above its rest (`apart`), the smaller of the
+        hand's and the object's room from the other movable objects (`near`), the grid distance from the centre
+        (`dist`), and whether it is on the coarser grid of every other point (`coarse`). Bodies in `also_ignore` count
+        as absent (an object that will have been moved away)."""
         sim, m = self.sim, self.sim.model._model
         sid = sim.model.site_name2id(self.target)
         centre = sim.data.get_site_xpos(self.target).copy()
@@ -360,15 +427,15 @@ class PickPlace:
         size = m.site_size[sid]
         owner = self._fixture_root_of_site(sid)
         support = _geom_oriented_boxes(sim, _bodies_under(m, owner))
-        best, best_key = None, None
-        others = self._foreign_oriented_boxes()
+        others = self._foreign_oriented_boxes(also_ignore)
         inner = self.env.env
         movable = set().union(*[_bodies_under(m, sim.model.body_name2id(o.root_body))
-                                for name, o in inner.objects_dict.items() if name != self.obj])
+                                for name, o in inner.objects_dict.items() if name != self.obj]) - set(also_ignore)
         objects = _geom_oriented_boxes(sim, movable)
         shape = self._shape_points()
-        for fx in np.linspace(-0.7, 0.7, 15):
-            for fy in np.linspace(-0.7, 0.7, 15):
+        out = []
+        for i, fx in enumerate(np.linspace(-0.7, 0.7, 15)):
+            for j, fy in enumerate(np.linspace(-0.7, 0.7, 15)):
                 local = np.array([fx * size[0], fy * size[1], size[2] + 0.02])
                 xy = (centre + local @ rot)[:2]  # LIBERO tests rot @ (p - centre): p = centre + rot.T @ local
                 top = _top_at(support, xy)
@@ -384,15 +451,68 @@ class PickPlace:
                                  for h in (0.03, 0.055, 0.08)])
                 room = float(_distance_to_boxes(ring, support).min())
                 release_z = top + 0.01 + self.obj_bottom_below_origin + self.grasp_offset[2]  # drop_gap 0.01
-                hand = self._finger_room(others, xy + self.grasp_offset[:2], release_z, self.grasp_yaw)
+                grip = xy + self.grasp_offset[:2]
+                hand = self._finger_room(others, grip, release_z, self.grasp_yaw)
                 # the object, 1 cm above where it comes to rest, against the other objects
                 apart = float(_distance_to_boxes(shape + [xy[0], xy[1], rest[2] + 0.01], objects).min())
-                key = (room < 0.003, hand < 0.002, apart < 0.005, float(np.hypot(fx, fy)))
-                if best_key is None or key < best_key:
-                    best, best_key = (np.asarray(xy), float(top)), key
-        if best is None:
-            raise ExpertUnsupported(f"no point on {self.target!r} where the object can be set down")
-        return best
+                near = min(apart, self._finger_room(objects, grip, release_z, self.grasp_yaw))
+                out.append(dict(xy=np.asarray(xy), top=float(top), rest_z=float(rest[2]), room=room, hand=hand,
+                                apart=apart, near=near, dist=float(np.hypot(fx, fy)), coarse=i % 2 == 0 and j % 2 == 0))
+        return out
+
+    def _later_on_region(self) -> list["PickPlace"]:
+        """For each other object that the goal puts On the same region and that is not inside it yet, a PickPlace
+        for it as it stands now (its grasp, its hand), planned without this object's further plans."""
+        inner = self.env.env
+        sid = self.sim.model.site_name2id(self.target)
+        centre = self.sim.data.get_site_xpos(self.target)
+        rot = self.sim.data.get_site_xmat(self.target).reshape(3, 3)
+        half = self.sim.model._model.site_size[sid][:2]
+        out = []
+        for term in goal_terms(self.env):
+            if len(term) != 3 or term[0] != "on" or term[2] != self.target or term[1] == self.obj \
+                    or term[1] not in inner.objects_dict:
+                continue
+            body = self.sim.model.body_name2id(inner.objects_dict[term[1]].root_body)
+            if np.all(np.abs((rot @ (self.sim.data.body_xpos[body] - centre))[:2]) < half):
+                continue  # already there
+            out.append(PickPlace(self.env, term=term, ref_rot=self.ref_rot, plan_for_later=False))
+        return out
+
+    def _room_left_for(self, other: "PickPlace", grid: list[dict], here: dict) -> float:
+        """With this object set down at candidate `here` (as it stands now, moved there), the most room that some
+        set-down point of `other` (its candidates `grid`, this object left out) keeps: the smallest of its hand's and
+        its own room from everything else and from this object there, less the room each needs (2 mm for the hand,
+        5 mm for the object). Room beyond LATER_ROOM is not measured."""
+        own = _bodies_under(self.sim.model._model, self.obj_body_id)
+        centre, rot, half = _geom_oriented_boxes(self.sim, own)
+        origin = self.sim.data.body_xpos[self.obj_body_id]
+        centre = centre + np.array([here["xy"][0] - origin[0], here["xy"][1] - origin[1], here["rest_z"] - origin[2]])
+        moved = (centre, rot, half)
+        reach = np.einsum("gij,gj->gi", np.abs(rot), half)  # each box's half extents along the world axes
+        far = LATER_ROOM + 0.005  # points further than this outside the boxes' hull cannot limit the room
+        hull_lo, hull_hi = (centre - reach).min(0) - far, (centre + reach).max(0) + far
+        c_, s_ = np.cos(other.grasp_yaw), np.sin(other.grasp_yaw)
+        hand = other._hand_points() @ np.array([[c_, -s_, 0.0], [s_, c_, 0.0], [0.0, 0.0, 1.0]]).T
+        shape = other._shape_points()
+
+        usable = [c for c in grid if c["room"] >= 0.003 and c["coarse"]]  # every other point is fine enough here
+        if not usable:
+            return -np.inf
+        alone = np.array([min(c["hand"] - 0.002, c["apart"] - 0.005) for c in usable])
+        grips = np.array([[*(c["xy"] + other.grasp_offset[:2]),
+                           c["top"] + 0.01 + other.obj_bottom_below_origin + other.grasp_offset[2]] for c in usable])
+        rests = np.array([[c["xy"][0], c["xy"][1], c["rest_z"] + 0.01] for c in usable])
+        margins = [alone]
+        for points, at, need in ((hand, grips, 0.002), (shape, rests, 0.005)):
+            cloud = (points[None] + at[:, None]).reshape(-1, 3)  # [candidates * points, 3]
+            owner = np.repeat(np.arange(len(usable)), len(points))
+            inside = np.all((cloud > hull_lo) & (cloud < hull_hi), axis=1)
+            dist = np.full(len(usable), far)
+            if inside.any():
+                np.minimum.at(dist, owner[inside], _distance_to_boxes(cloud[inside], moved))
+            margins.append(dist - need)
+        return float(np.min(margins, axis=0).max())
 
     def _shape_points(self) -> np.ndarray:
         """Points filling the object's collision geometry, relative to its origin, as it stands now."""
@@ -549,9 +669,10 @@ class PickPlace:
         z = max(float(centre[far][2]), bottom + FINGER_REACH_BELOW + 0.01)
         return centre[far][:2].copy(), z, yaw
 
-    def _foreign_oriented_boxes(self):
-        """Oriented collision boxes of everything but the object, the robot and the world body's large geoms."""
-        own = _bodies_under(self.sim.model._model, self.obj_body_id)
+    def _foreign_oriented_boxes(self, also_ignore: set[int] = frozenset()):
+        """Oriented collision boxes of everything but the object (and the bodies `also_ignore`), the robot and the
+        world body's large geoms."""
+        own = _bodies_under(self.sim.model._model, self.obj_body_id) | set(also_ignore)
         others = {b for b in range(1, self.sim.model.nbody)
                   if b not in own and not (self.sim.model.body_id2name(b) or "").startswith(("robot", "gripper", "mount"))}
         centre, rot, half = _geom_oriented_boxes(self.sim, others)
@@ -560,12 +681,18 @@ class PickPlace:
 
     def _hand_points(self) -> np.ndarray:
         """Points filling the hand's and the open fingers' collision geometry, relative to the grip site (the eef),
-        as they are now (at reset: pointing down, open). Measured once."""
+        in the hand's reset orientation (pointing down, fingers along world y; the fingers as they are now, open
+        after a reset or a release). Measured once; a hand still turned from an earlier grasp is turned back by the
+        rotation between its orientation now and its reset one (`ref_rot`, when known)."""
         if getattr(self, "_hand_cache", None) is None:
             model = self.sim.model
             hand = {b for b in range(model.nbody) if (model.body_id2name(b) or "").startswith("gripper")}
-            site = self.env.env.robots[0].eef_site_id
-            self._hand_cache = _box_points(_geom_oriented_boxes(self.sim, hand)) - self.sim.data.site_xpos[site]
+            robot = self.env.env.robots[0]
+            points = _box_points(_geom_oriented_boxes(self.sim, hand)) - self.sim.data.site_xpos[robot.eef_site_id]
+            if self.ref_rot is not None:
+                now = self.sim.data.body_xmat[model.body_name2id(robot.robot_model.eef_name)].reshape(3, 3)
+                points = points @ (self.ref_rot @ now.T).T
+            self._hand_cache = points
         return self._hand_cache
 
     def _finger_room(self, boxes, grasp_xy, grasp_z: float, yaw: float) -> float:
@@ -628,6 +755,28 @@ class PickPlace:
     def _set(self, phase: str) -> None:
         self.phase, self.phase_steps = phase, 0
         self.close_at = None  # set again by the next closing
+        self.descend_from = None  # an approach measures its way down again from where the hand is
+
+    def _descent_radius(self, eef, goal_xy, hover_z) -> float:
+        """How far from the grasp (in xy) an approach that starts with the hand, as it is now, at `eef` may begin to
+        come down to the hover point: `descend_within` where the hand's slant down from there (from its present
+        height, or the hover height if higher) is clear of everything by 5 mm, else 2 cm (it comes down nearly
+        straight). After letting go inside a basket, the open fingers (15 cm from tip to tip along world y) would
+        otherwise pass through the basket's wall on the slant down to an object beside it, and drag the basket
+        along."""
+        model = self.sim.model
+        hand = {b for b in range(model.nbody) if (model.body_id2name(b) or "").startswith("gripper")}
+        site = self.sim.data.site_xpos[self.env.env.robots[0].eef_site_id]
+        points = _box_points(_geom_oriented_boxes(self.sim, hand), 3) - site
+        goal_xy = np.asarray(goal_xy, dtype=np.float64)
+        span = float(np.linalg.norm(goal_xy - eef[:2]))
+        start = goal_xy + (eef[:2] - goal_xy) * min(1.0, self.descend_within / max(span, 1e-9))
+        top = max(eef[2], hover_z)
+        ts = np.linspace(0.0, 1.0, 11)[:, None]
+        slant = np.column_stack([start + ts * (goal_xy - start), top + ts[:, 0] * (hover_z - top)])
+        room = float(_distance_to_boxes(np.concatenate([points + p for p in slant]),
+                                        self._foreign_oriented_boxes()).min())
+        return self.descend_within if room >= 0.005 else 0.02
 
     def act(self, raw_obs: dict) -> np.ndarray:
         eef = np.asarray(raw_obs["robot0_eef_pos"], dtype=np.float64)
@@ -646,7 +795,9 @@ class PickPlace:
         if self.phase == "approach":
             # go towards the hover point; drop height only once close in xy (keeps the fingers off other objects)
             xy_err = np.linalg.norm(grasp[:2] - eef[:2])
-            z_goal = max(hover_z, eef[2]) if xy_err > self.descend_within else hover_z
+            if self.descend_from is None:
+                self.descend_from = self._descent_radius(eef, grasp[:2], hover_z)
+            z_goal = max(hover_z, eef[2]) if xy_err > self.descend_from else hover_z
             move = self._move(eef, [grasp[0], grasp[1], z_goal])
             if xy_err < 0.012 and abs(eef[2] - hover_z) < 0.03 and self._yaw_reached(raw_obs["robot0_eef_quat"]):
                 self._set("descend")
@@ -677,6 +828,8 @@ class PickPlace:
             if risen > 0.04 and lifted < 0.5 * risen:
                 self._regrasp()
             elif carry_z - eef[2] < 0.03:
+                if self._scene_moved():  # choose the set-down point again from where things stand now
+                    self._place_in_region()
                 self._set("carry")
         if self.phase == "carry":
             goal_eef_xy = self.place_xy + (eef[:2] - obj[:2])

@@ -9,9 +9,15 @@ and moves with the same saturating position law (`libero_expert.PickPlace._move`
   the cabinet, against the drawer's opening direction, and close along world z, so they straddle the handle bar from
   the front (pointing down, the hand's palm would meet the handles above, and an open finger would not fit the
   1.6 cm gap behind the bar). It grips the bar and pulls along the drawer's slide axis, then lets go, backs off and
-  turns the hand back to its reset orientation. Closing keeps the reset orientation: the closed fingers, pointing
-  down, come down in front of the bar and push it along the slide axis until the drawer is shut (an open bottom
-  drawer sits too low for the turned hand to reach its bar).
+  turns the hand back to its reset orientation. Closing turns the hand differently: the closed fingers point 45
+  degrees down from the horizontal into the cabinet and close along the bar (the hand's 20 cm length lies along the
+  cabinet's front), and their tips push the bar's front along the slide axis until the drawer is shut. Pointing
+  straight down, the arm's forearm would meet the cabinet's top before an open bottom drawer is shut; horizontal,
+  the wrist would reach back 30 cm at the bar's height, into what stands in front of the cabinet. An object in the
+  drawer that stands higher than the drawer's front (a bowl let go onto the front wall, tilted) would catch on the
+  cabinet above the opening: the fingertips first press its highest point down and towards the drawer's back (a bowl
+  leaning on the front wall from inside), or push it off the front towards the back (one perched on the front), so
+  that it settles flat on the drawer's floor, and rise straight out of it again.
 * Knob (`KnobSkill`): the fingers, pointing down, grip the knob's grip bar over its axis, and the hand turns about
   the vertical (through the rotation dims) until the joint passes the on (or off) threshold with a margin.
 * Push (`PushSkill`, a dish such as a plate): closed fingers, pointing down, go down onto the dish's flat centre and
@@ -32,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from .libero_expert import (GAIN, NEG_X_CAP, RELEASE_STEPS, ROT_OUTPUT_MAX, ExpertUnsupported, _bodies_under,
-                            _geom_world_boxes, colliding_geoms, fingers_shut, geom_box, matrix_to_rotvec,
+                            _body_box, _geom_world_boxes, colliding_geoms, fingers_shut, matrix_to_rotvec,
                             quat_to_matrix)
 
 MAX_TRIES = 3
@@ -40,10 +46,14 @@ TURN_GAIN = 1.0            # fraction of the orientation error commanded per ste
 TURN_TOLERANCE = 0.08      # rad: the hand's orientation error under which it may move onto the handle
 DRAWER_STANDOFF = 0.07     # m in front of the handle where the hand turns and lines up before it moves in
 DRAWER_OPEN_MARGIN = 0.012  # m beyond LIBERO's open threshold the drawer is pulled (it must stay open after release)
-DRAWER_PUSH_STANDOFF = 0.03  # m in front of the handle bar where the closed fingers go down before pushing it in
-DRAWER_PUSH_BELOW = 0.02   # m below the handle bar's axis where the fingertips push a drawer shut
-DRAWER_PUSH_BESIDE = 0.04  # m past the bar's end (the palm's half width and a margin) where they push
-DRAWER_CLOSE_TARGET = 0.004  # m: a closed drawer must be pushed past 0 (LIBERO: closed is qpos > 0)
+DRAWER_PUSH_TILT = np.deg2rad(45.0)  # closing: the fingers' tilt from pointing straight down towards the cabinet
+DRAWER_PUSH_STANDOFF = 0.04  # m in front of the bar's axis where the tilted fingers go down before pushing it in
+DRAWER_CLOSE_MARGIN = 0.001  # m past LIBERO's close threshold (closed: qpos > 0) a drawer is pushed; a shut
+                            # drawer stops at about 0.002, short of its joint range
+DRAWER_STALL_STEPS = 15    # steps of pushing after which a drawer that moved less than DRAWER_STALL_MOVE has stalled
+DRAWER_STALL_MOVE = 0.002  # m
+DRAWER_SETTLE_PUSH = 0.05  # m an object standing higher than the drawer's front is pressed down, or pushed back
+DRAWER_MAX_SETTLES = 3
 KNOB_MARGIN = 0.25         # rad beyond LIBERO's on / off threshold the knob is turned
 FINGER_HALF = 0.011        # m: half the closed fingers' thickness, pointing down (either horizontal axis)
 PUSH_SPEED = 0.5           # action units along the push (2.5 cm per step at most)
@@ -146,7 +156,8 @@ class DrawerSkill(_Skill):
         thresholds = fixture.object_properties["articulation"] if fixture is not None else {}
         open_below = max(thresholds.get("default_open_ranges", [lo + 0.02]))
         self.open_target = max(float(lo) + 0.003, open_below - DRAWER_OPEN_MARGIN)
-        self.close_target = min(float(hi) - 0.002, DRAWER_CLOSE_TARGET)
+        close_above = min(thresholds.get("default_close_ranges", [0.0]))
+        self.close_target = min(float(hi) - 0.002, close_above + DRAWER_CLOSE_MARGIN)
         self.handle_geom = self._handle_geom()
         # the hand's goal orientation: fingers pointing into the cabinet (-out), closing along world z
         approach, fingers = -self.out, np.array([0.0, 0.0, -1.0])
@@ -154,25 +165,38 @@ class DrawerSkill(_Skill):
         # at reset the hand approaches along -z with its fingers along +y: the world rotation that maps e_x, e_y,
         # e_z to side, fingers, -approach turns it from there
         self.turned_rot = np.stack([side, fingers, -approach], axis=1) @ self.ref_rot
-        self.push_offset = None if self.opening else self._push_offset()
+        # closing: the fingers point down and into the cabinet, DRAWER_PUSH_TILT from straight down, and close along
+        # the cabinet's front (horizontal); the hand's reset x axis then points down and out of the cabinet, so that
+        # the wrist's offset from the fingers' axis (along reset -x, towards the robot at reset) points up: the
+        # forearm stays above the hand, leaning out of the cabinet along the fingers' axis
+        closing = np.cross(-self.out, [0.0, 0.0, 1.0])
+        tilt = np.sin(DRAWER_PUSH_TILT) * -self.out + np.cos(DRAWER_PUSH_TILT) * np.array([0.0, 0.0, -1.0])
+        self.push_rot = np.stack([np.cross(tilt, closing), closing, -tilt], axis=1) @ self.ref_rot
+        self.drawer_top = max(hi[2] for _, _, hi in _geom_world_boxes(sim, {self.body}))
+        self.drawer_bottom = min(lo[2] for _, lo, _ in _geom_world_boxes(sim, {self.body}))
+        self.settles = 0
+        self.settle_from, self.settle_push = None, False
+        self.stall_q = 0.0
         self.last_finger = 0.0
         self.next_xy = None  # where the next skill begins (set by the caller): turning back, the hand heads there
 
-    def _push_offset(self) -> np.ndarray:
-        """Closing: where the fingertips push, from the bar's centre: along the drawer's front, on the side where the
-        front reaches further, just past the bar's end and the palm's half width; 2 cm below the bar's axis."""
-        side = np.array([-self.out[1], self.out[0], 0.0])
-        centre = self._handle()
-
-        def along_front(lo, hi) -> list[float]:  # the box's xy corners, measured along the front from the bar
-            return [float(np.dot(np.array([x, y]) - centre[:2], side[:2]))
-                    for x in (lo[0], hi[0]) for y in (lo[1], hi[1])]
-
-        reach = [r for _, lo, hi in _geom_world_boxes(self.sim, {self.body}) for r in along_front(lo, hi)]
-        bar_half = max(abs(r) for r in along_front(*geom_box(self.sim, self.handle_geom)))
-        sign = 1.0 if max(reach) >= -min(reach) else -1.0
-        along = min(bar_half + DRAWER_PUSH_BESIDE, max(sign * r for r in reach) - 0.015)
-        return sign * along * side + np.array([0.0, 0.0, -DRAWER_PUSH_BELOW])
+    def _load_to_settle(self):
+        """Closing: (its highest point: the top centre of its highest collision box, its world box lo, hi) for an
+        object resting in the drawer that stands higher than the drawer's front (it would catch on the cabinet above
+        the opening), or None."""
+        inner, sim = self.env.env, self.sim
+        boxes = _geom_world_boxes(sim, {self.body})
+        lo, hi = np.min([b[1] for b in boxes], axis=0), np.max([b[2] for b in boxes], axis=0)
+        for obj in inner.objects_dict.values():
+            root = sim.model.body_name2id(obj.root_body)
+            origin = sim.data.body_xpos[root]
+            if np.all(origin[:2] > lo[:2]) and np.all(origin[:2] < hi[:2]) and lo[2] - 0.01 < origin[2] < hi[2]:
+                own = _geom_world_boxes(sim, _bodies_under(sim.model._model, root))
+                _, blo, bhi = max(own, key=lambda b: float(b[2][2]))
+                if bhi[2] > self.drawer_top + 0.003:
+                    top = np.array([(blo[0] + bhi[0]) / 2, (blo[1] + bhi[1]) / 2, bhi[2]])
+                    return top, np.min([b[1] for b in own], axis=0), np.max([b[2] for b in own], axis=0)
+        return None
 
     def _fixture_of(self, region: str):
         for name, fx in self.env.env.fixtures_dict.items():
@@ -193,40 +217,95 @@ class DrawerSkill(_Skill):
         return self.sim.data._data.geom_xpos[self.handle_geom].copy()
 
     def _act_close(self, raw_obs: dict) -> np.ndarray:
-        """Closing: down in front of the bar with the closed fingers pointing down, push it in, back off, rise."""
+        """Closing (module docstring): the hand turns to the tilted push orientation on its way to the front of the
+        bar; an object standing higher than the drawer's front is first settled (pressed down at its highest point,
+        or pushed off the drawer's front); then the fingertips go down in front of the bar and push it in; a push
+        that stalls backs off and starts again (settling again if the object still stands too high)."""
         eef = np.asarray(raw_obs["robot0_eef_pos"], dtype=np.float64)
         quat = raw_obs["robot0_eef_quat"]
         self.phase_steps += 1
         handle = self._handle()
-        shut = self.qpos() >= self.close_target
-        move = np.zeros(3)
-        if self.phase in ("approach", "push") and shut:
+        q = self.qpos()
+        shut = q >= self.close_target
+        move, rot_goal = np.zeros(3), self.push_rot
+        if self.phase in ("approach", "settle_approach", "settle", "settle_rise", "descend", "push") and shut:
             self._set("back_off")
-        # the fingertips push the drawer's front beside its bar, 2 cm below the bar's axis: the palm, 5 cm above them,
-        # then passes beside the bar of the drawer above (the bars of a cabinet's drawers line up)
-        beside = self.push_offset
-        if self.phase == "approach":  # stay high until over the point in front of the bar, then go down there
-            front = handle + self.out * DRAWER_PUSH_STANDOFF + beside
-            target = front.copy()
-            if np.linalg.norm((front - eef)[:2]) > 0.02:
-                target[2] = max(front[2] + 0.08, eef[2])
+        standoff = handle + self.out * DRAWER_PUSH_STANDOFF
+        # over the drawer's front: the tilted closed fingers, reaching about 2 cm below the eef, pass 1 cm above it
+        above = max(handle[2] + 0.06, self.drawer_top + 0.03)
+        if self.phase == "approach":
+            load = self._load_to_settle() if self.settles < DRAWER_MAX_SETTLES else None
+            if load is not None:
+                top, olo, ohi = load
+                # an object perched on the drawer's front (its bottom well above the drawer's floor) is pushed off it
+                # towards the drawer's back from in front, just above the front; one leaning on the front from inside
+                # (a bowl resting on its floor, tilted) has its high side pressed down, from 1.5 cm above it
+                self.settle_push = olo[2] > self.drawer_bottom + 0.025
+                if self.settle_push:
+                    centre = (olo + ohi) / 2
+                    front = max(float(np.dot([x, y], self.out[:2]))
+                                for x in (olo[0], ohi[0]) for y in (olo[1], ohi[1]))
+                    self.settle_from = centre + self.out * (front - float(np.dot(centre[:2], self.out[:2])) + 0.015)
+                    self.settle_from[2] = self.drawer_top + 0.025
+                else:
+                    self.settle_from = top + [0.0, 0.0, 0.025]
+                self._set("settle_approach")
+            else:
+                target = np.array([standoff[0], standoff[1], above])
+                if np.linalg.norm((standoff - eef)[:2]) > 0.02:
+                    target[2] = max(above, eef[2])
+                move = _move(eef, target)
+                if np.linalg.norm(target - eef) < 0.02 and _rot_error(rot_goal, quat) < TURN_TOLERANCE:
+                    self._set("descend")
+        if self.phase == "settle_approach":  # above the object's highest point, turned
+            target = self.settle_from.copy()
+            if np.linalg.norm((target - eef)[:2]) > 0.02 or _rot_error(rot_goal, quat) > TURN_TOLERANCE:
+                target[2] = max(target[2] + 0.04, eef[2])
             move = _move(eef, target)
-            # (a drawer just above the table: the fingertips meet the table first, above the aimed height)
-            if np.linalg.norm((front - eef)[:2]) < 0.015 and eef[2] - front[2] < 0.035:
+            if np.linalg.norm(self.settle_from - eef) < 0.01:
+                self._set("settle")
+            elif self.phase_steps > 60:
+                self.settles += 1
+                self._set("approach")
+        if self.phase == "settle":  # the fingertips push it towards the drawer's back, or press its high side down
+            target = self.settle_from - self.out * DRAWER_SETTLE_PUSH if self.settle_push \
+                else self.settle_from - self.out * 0.02 - [0.0, 0.0, DRAWER_SETTLE_PUSH + 0.025]
+            move = _move(eef, target, 0.3)
+            if np.linalg.norm(target - eef) < 0.01 or self.phase_steps > 40:
+                self.settles += 1
+                self._set("settle_rise")
+        if self.phase == "settle_rise":  # straight up, out of the object (moving out, the fingers would drag it)
+            target = np.array([eef[0], eef[1], max(above, self.settle_from[2] + 0.02)])
+            move = _move(eef, target)
+            if target[2] - eef[2] < 0.01 or self.phase_steps > 30:
+                self._set("approach")
+        if self.phase == "descend":
+            move = _move(eef, standoff)
+            if np.linalg.norm(standoff - eef) < 0.01 or self.phase_steps > 30:
+                self.stall_q = q
                 self._set("push")
         if self.phase == "push":
-            move = _move(eef, handle - self.out * 0.08 + beside, 0.6)
-            if self.phase_steps > 120:
-                self._fail("back_off")
-        if self.phase == "back_off":
-            target = handle + self.out * DRAWER_PUSH_STANDOFF + [0.0, 0.0, 0.06]
+            move = _move(eef, handle - self.out * 0.08, 0.6)
+            if self.phase_steps > 0 and self.phase_steps % DRAWER_STALL_STEPS == 0:
+                if q - self.stall_q < DRAWER_STALL_MOVE:  # stalled: back off and start again
+                    self._fail("back_off")
+                self.stall_q = q
+        if self.phase == "back_off":  # out along the slide axis and up, still turned
+            target = handle + self.out * (DRAWER_PUSH_STANDOFF + 0.04) + [0.0, 0.0, 0.04]
             move = _move(eef, target)
             if np.linalg.norm(target - eef) < 0.02 or self.phase_steps > 30:
+                self._set("restore" if shut else "approach")
+        if self.phase == "restore":  # up, turning back to the reset orientation
+            rot_goal = self.ref_rot
+            target = handle + self.out * (DRAWER_PUSH_STANDOFF + 0.04) + [0.0, 0.0, 0.1]
+            move = _move(eef, target)
+            if _rot_error(rot_goal, quat) < TURN_TOLERANCE and np.linalg.norm(target - eef) < 0.02:
                 self.finished = shut
-                self._set("approach" if not shut else "done")
+                self._set("done")
         if self.phase == "give_up":
+            rot_goal = self.ref_rot
             move = _move(eef, [eef[0], eef[1], eef[2] + 0.05])
-        return self._action(move, _rotation_towards(self.ref_rot, quat, TURN_GAIN), 1.0)
+        return self._action(move, _rotation_towards(rot_goal, quat, TURN_GAIN), 1.0)
 
     def act(self, raw_obs: dict) -> np.ndarray:
         if not self.opening:
