@@ -32,6 +32,7 @@ import argparse
 import sys
 
 from .clitools import EXIT_FAIL, EXIT_OK, EXIT_USAGE, CLIError  # noqa: F401  (the exit codes callers compare with)
+from .clitools import ArgumentParser
 from .outputs import NoSpaceError
 
 __all__ = ["EXIT_FAIL", "EXIT_OK", "EXIT_USAGE", "CLIError", "build_parser", "main"]
@@ -80,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve.cli import add_bench_commands as serve_bench, add_commands as serving
     from .train.cli import add_commands as training
 
-    parser = argparse.ArgumentParser(prog="dz", description="DreamZero fine-tuning pipeline")
+    parser = ArgumentParser(prog="dz", description="DreamZero fine-tuning pipeline",
+                            epilog="every command: dz COMMAND --help (its options, their defaults and an example)")
     parser.add_argument("--debug", action="store_true", help="show the traceback of any error")
     sub = parser.add_subparsers(dest="group", required=True)
     model(sub)

@@ -1,5 +1,5 @@
-"""What the `dz` subcommands of every package share: exit codes, the one-line user error, claiming --out, and
-parsers of list arguments."""
+"""What the `dz` subcommands of every package share: exit codes, the one-line user error, the help layout (defaults
+shown, examples kept as written), claiming --out, and parsers of list arguments."""
 
 from __future__ import annotations
 
@@ -10,6 +10,34 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 class CLIError(Exception):
     """A user error: printed as one line, exit code 2."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each option's help ends with its default, when it has one worth showing (not None, not a flag's False, not
+    empty) and the help text does not already say it; descriptions and epilogs (the examples) keep their lines."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default is argparse.SUPPRESS or default in ("", [], ())
+                or "default" in text.lower()):
+            return text
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+        return text
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """`dz`'s parser: the help layout above. Subcommands made with add_subparsers().add_parser() are of the same
+    class, so every command of the tree gets it."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
+def example(*lines: str) -> str:
+    """A command's epilog: one or more command lines under `example:`."""
+    return ("examples:" if len(lines) > 1 else "example:") + "".join(f"\n  {line}" for line in lines)
 
 
 def claim_out(ns: argparse.Namespace, command: str) -> None:

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .clitools import EXIT_FAIL, EXIT_OK, CLIError
+from .clitools import EXIT_FAIL, EXIT_OK, CLIError, example
 
 
 def load_params_of(ns: argparse.Namespace):
@@ -97,27 +97,34 @@ def add_commands(sub) -> None:
 
     params = sub.add_parser("params", help="params.yaml: check, show a profile, write its train config")
     params = params.add_subparsers(dest="cmd", required=True)
-    p = params.add_parser("check", help="validate the whole file; list the profiles")
+    p = params.add_parser("check", help="validate the whole file; list the profiles",
+                          epilog=example("dz params check", "dz params check --params my_params.yaml"))
     add_params_args(p)
     p.set_defaults(func=cmd_params_check)
-    p = params.add_parser("show", help="print one profile with every default filled in (JSON)")
+    p = params.add_parser("show", help="print one profile with every default filled in (JSON)",
+                          epilog=example("dz params show --profile libero_object --set train.steps=20"))
     add_params_args(p)
     p.set_defaults(func=cmd_params_show)
-    p = params.add_parser("train-config", help="write the TrainConfig JSON the train stage runs (for torchrun)")
+    p = params.add_parser("train-config", help="write the TrainConfig JSON the train stage runs (for torchrun)",
+                          epilog=example("dz params train-config --profile libero_5b --out train_config.json"))
     add_params_args(p)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="the JSON file to write")
     p.add_argument("--root", default=".", help="the project root the stage paths are under")
     p.set_defaults(func=cmd_params_train_config)
     p = params.add_parser("dvc", help="check dvc.yaml's stage deps against the stage table (the code each stage "
-                                      "imports); --write rewrites them")
-    p.add_argument("--dvc-yaml", default="dvc.yaml")
-    p.add_argument("--write", action="store_true")
+                                      "imports); --write rewrites them",
+                          epilog=example("dz params dvc", "dz params dvc --write"))
+    p.add_argument("--dvc-yaml", default="dvc.yaml", help="the dvc.yaml file to check")
+    p.add_argument("--write", action="store_true",
+                   help="rewrite the stages' deps from the stage table instead of exiting 1 when they differ")
     p.set_defaults(func=cmd_params_dvc)
 
     from .pipeline import STAGES
 
-    p = sub.add_parser("stage", help="run one pipeline stage from params.yaml (what dvc.yaml calls)")
-    p.add_argument("stage", choices=STAGES)
+    p = sub.add_parser("stage", help="run one pipeline stage from params.yaml (what dvc.yaml calls)",
+                       epilog=example("dz stage fetch --profile demo",
+                                      "dz stage train --profile demo --set train.steps=20"))
+    p.add_argument("stage", choices=STAGES, help="the stage to run: " + ", ".join(STAGES))
     add_params_args(p)
     p.add_argument("--root", default=".", help="the project root: data/<profile>/ and runs/<profile>/ go under it")
     p.set_defaults(func=cmd_stage)

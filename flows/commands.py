@@ -16,9 +16,10 @@ PROJECT = Path(__file__).resolve().parents[1]
 
 
 def _params_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--params", default="params.yaml", help="the parameters file (relative to --root)")
     p.add_argument("--profile", help="default: params.yaml's `profile`")
-    p.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE")
+    p.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                   help="override one parameter of the profile, e.g. train.steps=20 (repeatable)")
     p.add_argument("--root", default=".", help="the project root (data/, runs/, mlruns/ go under it)")
 
 
@@ -213,10 +214,13 @@ def register(sub) -> None:
 
     if find_spec("prefect") is None or find_spec("mlflow") is None:  # not importing them: `dz` starts fast
         raise ImportError("the pipeline commands need prefect and mlflow (make setup)")
+    from dzmodel.clitools import example
 
     pipe = sub.add_parser("pipeline", help="the Prefect flow: every stage, MLflow tracking, registry")
     pipe = pipe.add_subparsers(dest="cmd", required=True)
-    p = pipe.add_parser("run", help="run sft_pipeline on one profile (unchanged stages come from the cache)")
+    p = pipe.add_parser("run", help="run sft_pipeline on one profile (unchanged stages come from the cache)",
+                        epilog=example("dz pipeline run --profile demo --set train.lr=2e-3",
+                                       "dz pipeline run --profile libero_object --no-promote"))
     _params_args(p)
     p.add_argument("--no-promote", action="store_true", help="register nothing, set no alias")
     p.add_argument("--summary-json", help="also write the run's summary here")
@@ -224,15 +228,18 @@ def register(sub) -> None:
                                       "run and runs/<profile>/<name>/")
     p.set_defaults(func=cmd_pipeline_run)
 
-    p = pipe.add_parser("gc", help="remove old run views and the stage outputs (by cache key) no kept run uses")
-    p.add_argument("--params", default="params.yaml")
+    p = pipe.add_parser("gc", help="remove old run views and the stage outputs (by cache key) no kept run uses",
+                        epilog=example("dz pipeline gc --profile demo --dry-run", "dz pipeline gc --keep 3"))
+    p.add_argument("--params", default="params.yaml", help="the parameters file (relative to --root)")
     p.add_argument("--profile", help="default: params.yaml's `profile`")
     p.add_argument("--root", default=".", help="the project root")
     p.add_argument("--keep", type=int, default=10, help="the newest run views to keep (and `latest`)")
     p.add_argument("--dry-run", action="store_true", help="list what would go; remove nothing")
     p.set_defaults(func=cmd_pipeline_gc)
 
-    p = sub.add_parser("promote", help="set the deployment alias on a registered version if it passes the gate")
+    p = sub.add_parser("promote", help="set the deployment alias on a registered version if it passes the gate",
+                       epilog=example("dz promote --profile demo", "dz promote --profile demo --version 3 "
+                                                                   "--min-success 0.5"))
     _params_args(p)
     p.add_argument("--version", help="model version (default: the newest)")
     p.add_argument("--alias", help="default: the profile's promote.alias")
@@ -242,13 +249,16 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_promote)
 
     p = sub.add_parser("track", help="log the stage records of `dvc repro` as an MLflow run, register and promote "
-                                     "(dvc.yaml's last stage)")
+                                     "(dvc.yaml's last stage)",
+                       epilog=example("dz track --profile demo", "dz track --profile demo --no-promote"))
     _params_args(p)
     p.add_argument("--no-promote", action="store_true", help="register nothing, set no alias")
     p.set_defaults(func=cmd_track)
 
-    p = sub.add_parser("deploy", help="register the scheduled deployment of prefect.yaml on a Prefect server")
-    p.add_argument("--prefect-file", default=str(PROJECT / "prefect.yaml"))
+    p = sub.add_parser("deploy", help="register the scheduled deployment of prefect.yaml on a Prefect server",
+                       epilog=example("dz deploy", "dz deploy --cron '0 2 * * *' --gpu-slots 2"))
+    p.add_argument("--prefect-file", default=str(PROJECT / "prefect.yaml"),
+                   help="the Prefect deployment file (default: the project's prefect.yaml)")
     p.add_argument("--name", default="nightly", help="the deployment in prefect.yaml")
     p.add_argument("--pool", default="gpu-pool", help="work pool (created as type process if missing)")
     p.add_argument("--gpu-slots", type=int, default=1, help="concurrency of tasks tagged gpu-pool")

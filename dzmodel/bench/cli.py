@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..clitools import EXIT_OK, CLIError, latent_hw_arg, row_printer
+from ..clitools import EXIT_OK, CLIError, example, latent_hw_arg, row_printer
 from ..data.embodiments import DROID_EMBODIMENTS
 from ..model.cli import add_solver_arguments
 
@@ -192,35 +192,43 @@ def add_commands(sub):
     """`dz bench ...`; returns its subcommands, which other packages extend (`dz bench serve`: dzmodel.serve)."""
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="cmd", required=True)
-    p = bench.add_parser("model", help="bf16 forward+backward of the WAM on the DROID token layout")
-    p.add_argument("--preset", default="dreamzero_5b")
+    p = bench.add_parser("model", help="bf16 forward+backward of the WAM on the DROID token layout",
+                         epilog=example("dz bench model --preset dreamzero_5b --layers 4",
+                                        "dz bench model --batch 1,2 --backend flex,sdpa --check "
+                                        "--out build/model.jsonl"))
+    p.add_argument("--preset", default="dreamzero_5b", help="the model preset timed (random weights)")
     p.add_argument("--layers", type=int, default=4, help="cut the preset to this many layers (0 = all)")
     p.add_argument("--batch", default="1", help="comma-separated micro-batch sizes")
     p.add_argument("--backend", default="flex", help="comma-separated: flex, segments, sdpa")
     p.add_argument("--latent-hw", default="11,20", help="latent H,W before patching (5B DROID: 11,20)")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--device")
+    p.add_argument("--steps", type=int, default=10, help="timed forward+backward steps (after --warmup)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--device", help="where to run (default: cuda if available, else cpu)")
     p.add_argument("--out", help="append JSON lines here")
     p.add_argument("--check", action="store_true", help="first compare FlexAttention with SDPA (outputs, grads)")
     p.set_defaults(func=cmd_bench_model)
-    p = bench.add_parser("train", help="baseline vs optimised training steps, side by side (GPU)")
-    p.add_argument("--preset", default="dreamzero_5b")
+    p = bench.add_parser("train", help="baseline vs optimised training steps, side by side (GPU)",
+                         epilog=example("dz bench train",
+                                        "dz bench train --layers 4 --no-baseline --variant name=lora,lora=64"))
+    p.add_argument("--preset", default="dreamzero_5b", help="the model preset trained (random weights)")
     p.add_argument("--layers", type=int, default=0, help="cut the preset to this many layers (0 = all)")
     p.add_argument("--latent-hw", default="11,20", help="latent H,W (5B DROID 11,20; 14B DROID 44,80)")
     p.add_argument("--variant", action="append",
                    help="an optimised config: name=..,mbs=..,accum=..,compile=0/1,ac=none|elementwise|selective|full|full:N,attn=segments|flex|sdpa,"
                         "encoders=cache|online_batched|online_per_sample,lora=RANK,ema=DECAY,prec=bf16|fp8 (repeatable)")
-    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the unoptimised baseline (micro-batch 1, no compile, encoders per sample)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 even with one process (its overhead without communication)")
     p.add_argument("--against-run", metavar="RUN_DIR",
                    help="a dz train run at the first variant's settings: compare its logged samples/s/GPU")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8, help="timed training steps per configuration (after --warmup)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--out", help="append JSON lines here")
     p.set_defaults(func=cmd_bench_train)
-    p = bench.add_parser("profile", help="where one training step's GPU time goes; --parts: each block piece alone")
-    p.add_argument("--preset", default="dreamzero_5b")
+    p = bench.add_parser("profile", help="where one training step's GPU time goes; --parts: each block piece alone",
+                         epilog=example("dz bench profile --layers 2 --trace build/step_trace.json",
+                                        "dz bench profile --parts-only --linears"))
+    p.add_argument("--preset", default="dreamzero_5b", help="the model preset profiled (random weights)")
     p.add_argument("--layers", type=int, default=2, help="cut the preset to this many layers (0 = all)")
     p.add_argument("--latent-hw", default="11,20", help="latent H,W (5B DROID 11,20; 14B DROID 44,80)")
     p.add_argument("--variant", default="name=optimised", help="one configuration, as in `dz bench train --variant`")
@@ -233,9 +241,11 @@ def add_commands(sub):
     p.add_argument("--fsdp", action="store_true", help="FSDP2 even with one process")
     p.add_argument("--out", help="append a JSON line here")
     p.set_defaults(func=cmd_bench_profile)
-    p = bench.add_parser("policy", help="latency of one action chunk on the serving path (p50/p95, per-stage breakdown)")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--device", default=None)
+    p = bench.add_parser("policy", help="latency of one action chunk on the serving path (p50/p95, per-stage breakdown)",
+                         epilog=example("dz bench policy --preset dreamzero_5b",
+                                        "dz bench policy --preset tiny --device cpu --batch 1,8 --calls 5"))
+    p.add_argument("--preset", default="tiny", help="the model preset timed (random weights)")
+    p.add_argument("--device", default=None, help="where to run (default: cuda if available, else cpu)")
     p.add_argument("--name", default="custom", help="label of this setting in the JSON")
     p.add_argument("--weights", choices=["bf16", "fp32", "autocast"], default=None,
                    help="bf16 weights (GPU default), fp32 (CPU default), or fp32 under bf16 autocast (the old GPU path)")
@@ -250,19 +260,20 @@ def add_commands(sub):
                         "model, with the FP8 chunks' difference from the bf16 ones")
     p.add_argument("--batch", default="1", help="sessions per call, comma-separated (e.g. 1,8,32): chunks/s per batch")
     p.add_argument("--ladder", action="store_true", help="each optimisation in turn, then the fast settings, one model")
-    p.add_argument("--calls", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--calls", type=int, default=10, help="timed calls per setting and batch (after --warmup)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls first")
     p.add_argument("--breakdown-calls", type=int, default=3, help="extra calls timed per stage (synchronised)")
     p.add_argument("--gc-freeze", action="store_true",
                    help="freeze Python's heap after the warm-up (gc.freeze, as dz serve does): the collector then "
                         "never rescans the model's objects during a call")
     p.add_argument("--out", help="append one JSON line per measurement here")
     p.set_defaults(func=cmd_bench_policy)
-    p = bench.add_parser("data", help="video decode (torchcodec batched vs PyAV) and loader samples/s, DROID-like")
+    p = bench.add_parser("data", help="video decode (torchcodec batched vs PyAV) and loader samples/s, DROID-like",
+                         epilog=example("dz bench data", "dz bench data --trainer-loader --workers 0,2"))
     p.add_argument("--workdir", default="build/bench_data", help="where the generated source videos are cached")
-    p.add_argument("--workers", default="1,2,4")
+    p.add_argument("--workers", default="1,2,4", help="DataLoader worker counts to time, comma-separated")
     p.add_argument("--samples", type=int, default=5, help="decode samples to time (median)")
-    p.add_argument("--loader-samples", type=int, default=16)
+    p.add_argument("--loader-samples", type=int, default=16, help="samples the loader yields per --workers setting")
     p.add_argument("--trainer-loader", action="store_true",
                    help="instead: dz train's own DataLoader (windows, augmentation, layout, collate) at the 5B DROID "
                         "shape on a DROID-shaped dataset (3 cameras at 180x320), samples/s per --workers; one JSON "
@@ -283,8 +294,11 @@ def add_commands(sub):
                         "comma-separated for a row each")
     p.add_argument("--out", help="write the numbers as JSON")
     p.set_defaults(func=cmd_bench_data)
-    p = bench.add_parser("packing", help="a mixture of embodiments packed into buffers vs padded to the largest")
-    p.add_argument("--preset", default="small")
+    p = bench.add_parser("packing", help="a mixture of embodiments packed into buffers vs padded to the largest",
+                         epilog=example("dz bench packing",
+                                        "dz bench packing --embodiments libero_sim_small,oxe_droid --samples 8 "
+                                        "--attn flex"))
+    p.add_argument("--preset", default="small", help="the model preset (random weights)")
     p.add_argument("--model-overrides", default='{"patch_size": [1, 1, 1]}',
                    help="JSON preset overrides (default: the libero_object profile's 1x1 patches)")
     p.add_argument("--embodiments", default="libero_sim_small,oxe_droid,g1=128x128",
@@ -295,9 +309,9 @@ def add_commands(sub):
                    help="the packed side's attention: a call per mask rectangle, or one FlexAttention call per layer")
     p.add_argument("--vae-stride", type=int, default=16,
                    help="pixels per latent (16: the small preset's and Wan2.2's VAE; 8: Wan2.1's, the 14B)")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--device")
+    p.add_argument("--steps", type=int, default=3, help="timed forward+backward steps each way (after --warmup)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--device", help="where to run (default: cuda if available, else cpu)")
     p.add_argument("--out", help="append a JSON line here")
     p.set_defaults(func=cmd_bench_packing)
     return bench

@@ -7,7 +7,7 @@ import argparse
 import functools
 from pathlib import Path
 
-from ..clitools import EXIT_OK
+from ..clitools import EXIT_OK, example
 
 
 def _out_of_memory_is_data_error(command):
@@ -187,8 +187,11 @@ def add_commands(sub, recorder=None, presets: dict[str, int] | None = None):
     record`)."""
 
     data = sub.add_parser("data", help="datasets: fetch, synth, metadata, check").add_subparsers(dest="cmd", required=True)
-    p = data.add_parser("fetch", help="fetch a dataset (hub id at a revision, a local path, or 'synthetic')")
-    p.add_argument("source")
+    p = data.add_parser("fetch", help="fetch a dataset (hub id at a revision, a local path, or 'synthetic')",
+                        epilog=example("dz data fetch synthetic --name demo_synth",
+                                       "dz data fetch build/synth --name my_copy"))
+    p.add_argument("source", help="a Hugging Face hub dataset id, a local dataset directory, 'synthetic' (the "
+                                  "embedded generator) or 'libero' (recorded with the scripted expert)")
     p.add_argument("--dest", default="data/datasets", help="the project's data directory (DVC-tracked)")
     p.add_argument("--revision", help="required for hub ids: a commit sha or tag")
     p.add_argument("--allow", action="append", help="allow-pattern (repeatable), e.g. 'meta/*' 'data/*'")
@@ -197,32 +200,38 @@ def add_commands(sub, recorder=None, presets: dict[str, int] | None = None):
     p.add_argument("--retry-delay", type=float, default=10.0, help="seconds before the first retry (doubles each time)")
     p.add_argument("--skip-missing", action="store_true",
                    help="accept a dataset that lacks some video files (train with --skip-missing to skip their episodes)")
-    p.add_argument("--synth-episodes", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--synth-episodes", type=int, default=8, help="with source 'synthetic': episodes to generate")
+    p.add_argument("--seed", type=int, default=0, help="with source 'synthetic': the generator's random seed")
     p.set_defaults(func=cmd_data_fetch, recorder=recorder)
-    p = data.add_parser("synth", help="generate the embedded LIBERO-like (or DROID-like) LeRobot v3.0 dataset")
-    p.add_argument("out")
-    p.add_argument("--episodes", type=int, default=8)
-    p.add_argument("--length", type=int, default=96)
-    p.add_argument("--image-size", type=int, default=64)
-    p.add_argument("--codec", choices=["av1", "h264"], default="av1")
-    p.add_argument("--seed", type=int, default=0)
+    p = data.add_parser("synth", help="generate the embedded LIBERO-like (or DROID-like) LeRobot v3.0 dataset",
+                        epilog=example("dz data synth build/synth --episodes 4 --length 48",
+                                       "dz data synth build/droid_synth --embodiment oxe_droid --codec h264"))
+    p.add_argument("out", help="the dataset directory to write (written whole, then renamed into place)")
+    p.add_argument("--episodes", type=int, default=8, help="episodes to generate")
+    p.add_argument("--length", type=int, default=96, help="frames per episode")
+    p.add_argument("--image-size", type=int, default=64, help="height and width of each camera view, in pixels")
+    p.add_argument("--codec", choices=["av1", "h264"], default="av1",
+                   help="video codec: av1 (LeRobot's default) or h264")
+    p.add_argument("--seed", type=int, default=0, help="random seed (the same seed writes the same dataset)")
     p.add_argument("--motion", choices=["walk", "orbit"], default="walk",
                    help="orbit: actions predictable from one frame (the demo's); walk: random walks")
     p.add_argument("--embodiment", choices=["libero_sim", "oxe_droid", "unitree_g1"], default="libero_sim",
                    help="oxe_droid: DROID's three views, 14-dim state and 21-dim action columns; unitree_g1: a "
                         "humanoid's head camera and 26 joint positions as state and action")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset directory at OUT")
     p.set_defaults(func=cmd_data_synth)
 
-    p = data.add_parser("metadata", help="normalisation stats (metadata.json) for a dataset + embodiment")
-    p.add_argument("dataset")
-    p.add_argument("--embodiment", required=True)
+    p = data.add_parser("metadata", help="normalisation stats (metadata.json) for a dataset + embodiment",
+                        epilog=example("dz data metadata build/synth --embodiment libero_sim "
+                                       "--out build/metadata.json"))
+    p.add_argument("dataset", help="a LeRobot dataset directory")
+    p.add_argument("--embodiment", required=True,
+                   help="the embodiment tag whose state and action keys are summarised (e.g. libero_sim)")
     p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
     p.add_argument("--out", required=True, help="metadata.json to write (never inside the dataset)")
     p.add_argument("--overwrite", action="store_true", help="replace an --out file that is not a metadata.json written by dz")
     p.add_argument("--merge", action="store_true", help="merge into an existing metadata.json")
-    p.add_argument("--max-episodes", type=int)
+    p.add_argument("--max-episodes", type=int, help="statistics from the first N episodes only (default: all)")
     p.add_argument("--heldout-episodes", type=int, default=0,
                    help="leave out the last N episodes (train.heldout_episodes): statistics of the training episodes")
     p.add_argument("--skip-missing", action="store_true",
@@ -232,12 +241,16 @@ def add_commands(sub, recorder=None, presets: dict[str, int] | None = None):
                    help="read data and video files that meta/info.json's path templates place outside the dataset's "
                         "folder (after symlinks); refused by default")
     p.set_defaults(func=cmd_data_metadata)
-    p = data.add_parser("check", help="verify a dataset's files and, with --embodiment, its keys and one sample")
-    p.add_argument("dataset")
-    p.add_argument("--embodiment")
+    p = data.add_parser("check", help="verify a dataset's files and, with --embodiment, its keys and one sample",
+                        epilog=example("dz data check build/synth --embodiment libero_sim",
+                                       "dz data check build/synth --deep"))
+    p.add_argument("dataset", help="a LeRobot dataset directory")
+    p.add_argument("--embodiment", help="also check this embodiment's keys and read one training window through it")
     p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
     p.add_argument("--chunks", type=int, default=4, help="action chunks per window (the model's max_chunk_size)")
-    p.add_argument("--frames-per-block", type=int, default=2)
+    p.add_argument("--frames-per-block", type=int, default=2,
+                   help="latent frames per block (the model's num_frame_per_block); a window reads 4x this many "
+                        "video frames per chunk")
     p.add_argument("--skip-missing", action="store_true", help="report missing video files, use the other episodes")
     p.add_argument("--deep", action="store_true",
                    help="also decode every frame of every video (strict): the first frame that does not decode, "
@@ -249,8 +262,10 @@ def add_commands(sub, recorder=None, presets: dict[str, int] | None = None):
 
     robots = sub.add_parser("embodiment", help="robot descriptions: draft one from a dataset").add_subparsers(
         dest="cmd", required=True)
-    p = robots.add_parser("init", help="draft an embodiment YAML from a LeRobot dataset's info.json, to review")
-    p.add_argument("dataset")
+    p = robots.add_parser("init", help="draft an embodiment YAML from a LeRobot dataset's info.json, to review",
+                          epilog=example("dz embodiment init build/synth --tag my_robot --out my_robot.yaml "
+                                         "--preset tiny"))
+    p.add_argument("dataset", help="a LeRobot dataset directory (its meta/info.json is read)")
     p.add_argument("--tag", help="the embodiment's name (default: the dataset directory's)")
     p.add_argument("--out", help="the YAML file to write (default: TAG.yaml here; never inside the dataset)")
     presets = dict(presets or {})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..clitools import EXIT_FAIL, EXIT_OK, CLIError, claim_out, int_list
+from ..clitools import EXIT_FAIL, EXIT_OK, CLIError, claim_out, example, int_list
 from ..model.cli import add_solver_arguments, solver_from
 
 
@@ -154,7 +154,10 @@ def add_commands(sub) -> None:
 
 
 def _add_libero(ev) -> None:
-    p = ev.add_parser("libero", help="LIBERO success rate of a converted model, or of a run across its checkpoint steps")
+    p = ev.add_parser("libero", help="LIBERO success rate of a converted model, or of a run across its checkpoint steps",
+                      epilog=example("dz eval libero runs/x --suite spatial --tasks 0,1 --episodes 2 --max-steps 220 "
+                                     "--out runs/x/eval",
+                                     "dz eval libero runs/x/hf --suite object --perturb camera=10 --out runs/x/robust"))
     p.add_argument("source", help="a training run directory (every saved step, converted as needed) or a converted model")
     p.add_argument("--out", required=True, help="results.csv, episodes.csv, summary.json, success_vs_step.png, videos/")
     p.add_argument("--overwrite", action="store_true", help="write into an --out directory that dz did not write")
@@ -169,7 +172,7 @@ def _add_libero(ev) -> None:
     p.add_argument("--max-steps", type=int, help="policy steps per episode (default: the suite's standard limit)")
     p.add_argument("--steps", help="with a run directory: checkpoint steps to evaluate, e.g. 1000,2000 (default: all)")
     p.add_argument("--workers", type=int, default=2, help="env worker processes (0: one per CPU core)")
-    p.add_argument("--camera-size", type=int, default=128)
+    p.add_argument("--camera-size", type=int, default=128, help="height and width of the sim cameras, in pixels")
     p.add_argument("--actions-per-chunk", type=int, help="execute this many actions of each chunk (default: all)")
     p.add_argument("--videos", type=int, default=2, help="record this many episodes per step as mp4")
     p.add_argument("--embodiment", help="refuse a checkpoint trained for another embodiment")
@@ -183,15 +186,18 @@ def _add_libero(ev) -> None:
                         "swap[=task|any], camera[=DEG], light[=F], table[=COLOUR|random], paraphrase[=1|2|3|random]; "
                         "writes robustness.csv (docs/eval.md, Robustness)")
     add_solver_arguments(p)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--device", default="cpu", help="where the policy runs: cpu or cuda")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed of the env resets, the perturbations and the policy's sampling noise")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_eval_libero)
 
 
 def _add_action_error(ev) -> None:
     p = ev.add_parser("action-error", help="held-out action error of a converted model or of a run's steps, vs the "
-                      "mean predictor and the untrained model")
+                      "mean predictor and the untrained model",
+                      epilog=example("dz eval action-error runs/x --out runs/x/action_error",
+                                     "dz eval action-error runs/x/hf --max-windows 32 --out runs/x/action_error_hf"))
     p.add_argument("source", help="a converted model, a `dz stage convert` directory, or a training run")
     p.add_argument("--out", required=True, help="action_error.json, action_error.csv")
     p.add_argument("--overwrite", action="store_true", help="write into an --out directory that dz did not write")
@@ -199,31 +205,34 @@ def _add_action_error(ev) -> None:
     p.add_argument("--stride", type=int, default=4, help="frames between held-out window anchors")
     p.add_argument("--max-windows", type=int, help="at most this many windows (evenly spaced)")
     add_solver_arguments(p)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the policy runs: cpu or cuda")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the policy's sampling noise")
     p.add_argument("--no-untrained", action="store_true", help="skip the untrained reference")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_eval_action_error)
 
 
 def _add_previews(ev) -> None:
     p = ev.add_parser("previews", help="a converted model's predicted video of held-out windows, decoded, beside the "
-                      "real frames (mp4s and a PNG grid)")
+                      "real frames (mp4s and a PNG grid)",
+                      epilog=example("dz eval previews runs/x/hf --windows 4 --out runs/x/previews"))
     p.add_argument("model", help="a converted model directory (held-out windows; a run that held none out shows "
                    "training windows)")
     p.add_argument("--out", required=True, help="ep<E>_t<T>.mp4 per window and grid.png")
     p.add_argument("--overwrite", action="store_true", help="write into an --out directory that dz did not write")
-    p.add_argument("--windows", type=int, default=2)
+    p.add_argument("--windows", type=int, default=2, help="held-out windows to predict and show")
     p.add_argument("--stride", type=int, default=4, help="frames between held-out window anchors")
     add_solver_arguments(p)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu or cuda")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the policy's sampling noise")
     p.set_defaults(func=cmd_eval_previews)
 
 
 def _add_probe(ev) -> None:
     p = ev.add_parser("probe", help="linear probes from VAE latents to the scene state (eef position, objects) on "
-                      "held-out episodes: a random VAE vs a pretrained one")
+                      "held-out episodes: a random VAE vs a pretrained one",
+                      epilog=example("dz eval probe data/demo/dataset --embodiment libero_sim_tiny --preset tiny "
+                                     "--vae random --vae runs/demo/vision/vae.safetensors --out runs/demo/probe"))
     p.add_argument("dataset", help="a LeRobot dataset (the frames and the state to predict)")
     p.add_argument("--embodiment", required=True, help="views and layout the frames are seen through")
     p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
@@ -237,15 +246,16 @@ def _add_probe(ev) -> None:
                         "and observation.objects when the dataset has it")
     p.add_argument("--heldout-episodes", type=int, help="score on the last N episodes (default: a fifth, at least 1)")
     p.add_argument("--stride", type=int, default=2, help="every stride-th frame")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="where the VAE runs: cpu or cuda")
     p.add_argument("--out", required=True, help="probe.json and probe.txt")
     p.add_argument("--overwrite", action="store_true", help="write into an --out directory that dz did not write")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_eval_probe)
 
 
 def _add_oracle(ev) -> None:
-    p = ev.add_parser("oracle", help="replay recorded demonstrations through the evaluation path (exit 1 below 95%%)")
+    p = ev.add_parser("oracle", help="replay recorded demonstrations through the evaluation path (exit 1 below 95%%)",
+                      epilog=example("dz eval oracle data/libero_object/dataset --max-episodes 10 --out build/oracle"))
     p.add_argument("dataset", help="a dataset recorded by `dz data record libero`")
     p.add_argument("--out", required=True, help="summary.json (oracle_success_rate), results.csv, episodes.csv")
     p.add_argument("--overwrite", action="store_true", help="write into an --out directory that dz did not write")
@@ -255,7 +265,7 @@ def _add_oracle(ev) -> None:
     p.add_argument("--workers", type=int, default=2, help="env worker processes (0: one per CPU core)")
     p.add_argument("--camera-size", type=int, help="default: the recorded image size")
     p.add_argument("--videos", type=int, default=0, help="write this many replays as mp4")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_eval_oracle)
 
 
@@ -263,7 +273,11 @@ def add_data_commands(data) -> None:
     """`dz data record libero` (in the data group; it needs LIBERO)."""
 
     rec = data.add_parser("record", help="record demonstrations in simulation").add_subparsers(dest="sim", required=True)
-    p = rec.add_parser("libero", help="LIBERO demonstrations from the scripted expert -> a LeRobot v3.0 dataset")
+    p = rec.add_parser("libero", help="LIBERO demonstrations from the scripted expert -> a LeRobot v3.0 dataset",
+                       epilog=example("dz data record libero --suite object --tasks 0 --episodes 1 --image-size 64 "
+                                      "--out build/libero_demo",
+                                      "dz data record libero --suite object --tasks 0,1,2,3 --episodes 30 "
+                                      "--init perturbed --dart-noise 0.1 --out data/libero_object_demos"))
     p.add_argument("--suite", default="object", help="object | spatial | goal | 10 (the tasks whose every goal "
                    "term the expert has a skill for: In/On, drawers, the stove's knob, pushes; others are refused "
                    "by name)")
@@ -293,11 +307,11 @@ def add_data_commands(data) -> None:
     p.add_argument("--keep", choices=["successes", "all"], help="which episodes to write (default: successes; all "
                    "with --dagger)")
     p.add_argument("--image-size", type=int, default=256, help="camera size (the public datasets use 256)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed: the same seed writes the same episodes")
     p.add_argument("--workers", type=int, default=2, help="parallel env processes (0: one per CPU core)")
     p.add_argument("--codec", choices=["av1", "h264"], default="av1", help="h264 also decodes with OpenCV")
     p.add_argument("--gop", type=int, default=2, help="keyframe interval (lerobot writes 2; longer = smaller)")
     p.add_argument("--out", required=True, help="the dataset directory (written atomically)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_data_record_libero)

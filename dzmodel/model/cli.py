@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..clitools import EXIT_FAIL, EXIT_OK, CLIError
+from ..clitools import EXIT_FAIL, EXIT_OK, CLIError, example
 
 
 def cmd_model_parity(ns: argparse.Namespace) -> int:
@@ -88,16 +88,22 @@ def add_commands(sub) -> None:
     """`dz model ...`."""
 
     model = sub.add_parser("model", help="model library checks").add_subparsers(dest="cmd", required=True)
-    p = model.add_parser("parity", help="reproduce reference fixtures (DiT, VAE or WAM, detected from the file)")
-    p.add_argument("fixtures", nargs="+", metavar="FIXTURE")
-    p.add_argument("--tolerance", type=float, default=1e-4)
+    p = model.add_parser("parity", help="reproduce reference fixtures (DiT, VAE or WAM, detected from the file)",
+                         epilog=example("dz model parity tests/fixtures/dreamzero_wam_tiny_reference.safetensors"))
+    p.add_argument("fixtures", nargs="+", metavar="FIXTURE",
+                   help="reference fixture file(s) (.safetensors) to reproduce; exit 1 if any is above --tolerance")
+    p.add_argument("--tolerance", type=float, default=1e-4,
+                   help="largest accepted max absolute error against a fixture's reference outputs")
     p.set_defaults(func=cmd_model_parity)
-    p = model.add_parser("info", help="parameter counts of the presets")
-    p.add_argument("--preset")
+    p = model.add_parser("info", help="parameter counts of the presets",
+                         epilog=example("dz model info", "dz model info --preset dreamzero_5b"))
+    p.add_argument("--preset", help="print only this preset (default: every preset)")
     p.set_defaults(func=cmd_model_info)
-    p = model.add_parser("tokenizer", help="build the small offline tokenizer of the embedded default")
+    p = model.add_parser("tokenizer", help="build the small offline tokenizer of the embedded default",
+                         epilog=example("dz model tokenizer build/tokenizer"))
     p.add_argument("out", help="directory to write (tokenizer.json, tokenizer_config.json, special_tokens_map.json)")
-    p.add_argument("--vocab-size", type=int, default=640)
+    p.add_argument("--vocab-size", type=int, default=640, help="tokens in the vocabulary")
     p.set_defaults(func=cmd_model_tokenizer)
-    p = model.add_parser("manifest", help="check module keys/shapes against the WAN checkpoint manifest")
+    p = model.add_parser("manifest", help="check module keys/shapes against the WAN checkpoint manifest",
+                         epilog=example("dz model manifest"))
     p.set_defaults(func=cmd_model_manifest)

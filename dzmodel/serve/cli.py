@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..clitools import EXIT_OK, CLIError, row_printer
+from ..clitools import EXIT_OK, CLIError, example, row_printer
 from ..model.cli import add_solver_arguments, solver_from
 
 
@@ -149,7 +149,10 @@ def add_commands(sub) -> None:
     """`dz package`, `dz serve` and `dz client`."""
 
     p = sub.add_parser("package", help="a versioned, checksummed deployment bundle (+ .tar.gz) for a Franka arm, "
-                       "or for the robot the embodiment's robot: block describes")
+                       "or for the robot the embodiment's robot: block describes",
+                       epilog=example("dz package runs/x/hf --robot robot.yaml --version 1.0.0 --eval runs/x/eval "
+                                      "--out dist",
+                                      "dz package runs/g1/hf --embodiments robot_emb.yaml --version 0.1.0 --out dist"))
     p.add_argument("model", help="a converted model directory (dz convert)")
     p.add_argument("--robot", help="a Franka's robot config (YAML or JSON): robot_ip, camera_serials, "
                    "target_ee_pose, workspace_min, workspace_max, control_rate_hz, gripper_threshold, and optionally "
@@ -160,33 +163,36 @@ def add_commands(sub) -> None:
                    help="a reviewed embodiment YAML (repeatable) whose definition of the model's embodiment replaces "
                         "the converted copy's: a robot: or serve: block added after training (the fields training "
                         "fixed must stay as they were); the bundle carries it")
-    p.add_argument("--version", required=True)
+    p.add_argument("--version", required=True, help="the bundle's version, e.g. 1.0.0 (in its name and MANIFEST)")
     p.add_argument("--eval", dest="eval_dir", help="a dz eval libero output directory to ship as evidence")
     p.add_argument("--name", help="bundle name (default dreamzero-<embodiment>)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="the folder the bundle <name>-<version>/ and its .tar.gz go into")
     p.add_argument("--overwrite", action="store_true", help="write into an --out folder that dz did not write")
     p.add_argument("--sign", metavar="KEYFILE", help="sign the MANIFEST (MANIFEST.sig) with this ed25519 private "
                    "key (PEM: `openssl genpkey -algorithm ed25519 -out lab.key`); `dz serve --trust` checks it")
     p.set_defaults(func=cmd_package)
 
     p = sub.add_parser("serve", help="serve a bundle's policy over WebSocket + msgpack-numpy (openpi and RoboArena "
-                                     "clients; docs/deploy.md)")
+                                     "clients; docs/deploy.md)",
+                       epilog=example("dz serve dist/dreamzero-libero_sim-1.0.0.tar.gz --port 8000",
+                                      "dz serve models:/dreamzero-demo@production --device cuda --max-batch 8"))
     p.add_argument("bundle", help="a dz package directory or .tar.gz (verified against its MANIFEST), or "
                                   "models:/<name>@<alias> (the MLflow registry)")
     p.add_argument("--token-file", help="a file holding the shared token (default: the DZ_SERVE_TOKEN variable)")
     p.add_argument("--no-auth", action="store_true",
                    help="accept clients without a token (RoboArena's evaluator sends none); prints a warning")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default localhost only; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--certfile", help="TLS certificate (PEM): serve wss:// instead of ws://")
     p.add_argument("--keyfile", help="TLS private key (PEM), if not inside --certfile")
     p.add_argument("--trust", metavar="PUBKEY", help="refuse any bundle without a valid MANIFEST.sig by this ed25519 "
                    "public key (PEM: `openssl pkey -in lab.key -pubout -out lab.pub`); default: DZ_TRUST_KEY")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="where the policy runs: cpu or cuda")
     p.add_argument("--max-sessions", type=int, default=64, help="KV-cache sessions across all connections")
     p.add_argument("--sessions-per-connection", type=int, default=4,
                    help="beyond it, a connection's least recently used session ends")
-    p.add_argument("--max-connections", type=int, default=64)
+    p.add_argument("--max-connections", type=int, default=64,
+                   help="open WebSocket connections at once; beyond, new ones are refused")
     p.add_argument("--max-connections-per-client", type=int, default=16,
                    help="per remote address (loopback, e.g. a reverse proxy, is not capped)")
     p.add_argument("--max-sessions-per-client", type=int, default=16,
@@ -220,7 +226,9 @@ def add_commands(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("client", help="drive the LIBERO Panda (the sim Franka) through a policy server; "
-                                      "--dry-run prints the actions without a robot")
+                                      "--dry-run prints the actions without a robot",
+                       epilog=example("dz client ws://127.0.0.1:8000 --suite object --task 0 --episodes 3",
+                                      "dz client ws://127.0.0.1:8000 --dry-run"))
     p.add_argument("url", help="e.g. ws://127.0.0.1:8000 (wss:// behind TLS)")
     p.add_argument("--token-file", help="a file holding the server's token (default: DZ_SERVE_TOKEN; none sent if unset)")
     p.add_argument("--dry-run", action="store_true", help="synthetic observations; print the chunks, move nothing")
@@ -228,11 +236,12 @@ def add_commands(sub) -> None:
     p.add_argument("--prompt", default="pick up the cube and place it in the bowl", help="--dry-run: the instruction")
     p.add_argument("--suite", default="object", help="LIBERO suite (spatial, object, goal, 10, 90)")
     p.add_argument("--task", type=int, default=0, help="task index within the suite")
-    p.add_argument("--episodes", type=int, default=1)
+    p.add_argument("--episodes", type=int, default=1, help="episodes to run, from the task's standard init states "
+                                                             "0..N-1")
     p.add_argument("--control-hz", type=float, default=20.0, help="the rate actions are executed at")
-    p.add_argument("--max-steps", type=int, default=300)
-    p.add_argument("--camera-size", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=300, help="steps per episode before it counts as failed")
+    p.add_argument("--camera-size", type=int, default=256, help="height and width of the sim cameras, in pixels")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the simulated env")
     p.add_argument("--sync", action="store_true",
                    help="wait for each chunk and execute all of it (as dz eval libero), instead of inferring the next "
                         "chunk while one executes")
@@ -245,19 +254,24 @@ def add_commands(sub) -> None:
 def add_bench_commands(bench) -> None:
     """`dz bench serve` (added to `dz bench`'s subcommands: the serve layer drives the server it measures)."""
     p = bench.add_parser("serve", help="dz serve with N concurrent clients (openpi's client): chunks/s and each "
-                         "client's p95, batching off and on, on a preset's model with random weights")
-    p.add_argument("--preset", default="tiny")
+                         "client's p95, batching off and on, on a preset's model with random weights",
+                         epilog=example("dz bench serve --clients 4 --requests 10",
+                                        "dz bench serve --preset dreamzero_5b --embodiment oxe_droid --clients 8 "
+                                        "--compile"))
+    p.add_argument("--preset", default="tiny", help="the model preset served (random weights)")
     p.add_argument("--embodiment", default=None,
                    help="the protocol, views and widths served (default libero_sim_tiny, for the tiny preset only; "
                         "e.g. oxe_droid for a large preset on DROID)")
     p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="where the server's policy runs (default: cuda if available, "
+                                                   "else cpu)")
     add_solver_arguments(p, dit_steps="auto")
     p.add_argument("--no-cuda-graphs", action="store_true", help="launch every kernel from Python (eager)")
     p.add_argument("--compile", action="store_true", help="torch.compile the DiT block (inside the CUDA graphs)")
     p.add_argument("--clients", type=int, default=8, help="concurrent clients, each one session")
     p.add_argument("--max-batch", type=int, default=8, help="the batched row's dz serve --max-batch")
-    p.add_argument("--batch-window-ms", type=float, default=5.0)
+    p.add_argument("--batch-window-ms", type=float, default=5.0,
+                   help="the batched row's dz serve --batch-window-ms: how long a request waits for others to join")
     p.add_argument("--requests", type=int, default=20, help="timed requests per client (after --warmup)")
     p.add_argument("--warmup", type=int, default=3, help="untimed requests per client first")
     p.add_argument("--period-ms", type=float, default=0.0,

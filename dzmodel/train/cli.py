@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..clitools import EXIT_OK, CLIError, latent_hw_arg
+from ..clitools import EXIT_OK, CLIError, example, latent_hw_arg
 
 
 def load_train_config(ns: argparse.Namespace):
@@ -99,15 +99,20 @@ def cmd_convert(ns: argparse.Namespace) -> int:
 def add_commands(sub) -> None:
     """`dz train`, `dz cache` and `dz convert`."""
 
-    p = sub.add_parser("train", help="SFT training (one process, or under torchrun with FSDP2)")
+    p = sub.add_parser("train", help="SFT training (one process, or under torchrun with FSDP2)",
+                       epilog=example("dz train --dataset build/synth --metadata build/metadata.json --steps 20 "
+                                      "--out runs/try",
+                                      "dz train --config cfg.yaml --set lr=2e-4 --set micro_batch=4"))
     p.add_argument("--config", help="YAML/JSON file of train settings (dzmodel.train.config.TrainConfig fields)")
     p.add_argument("--set", action="append", help="override one field: key=value (value parsed as JSON when it can be)")
-    p.add_argument("--preset")
+    p.add_argument("--preset", help="the model preset, e.g. tiny, small, dreamzero_5b (train config's preset)")
     p.add_argument("--dataset", action="append", help="LeRobot dataset directory (repeatable: a mixture)")
-    p.add_argument("--embodiment")
-    p.add_argument("--metadata")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--out", dest="out_dir")
+    p.add_argument("--embodiment", help="the embodiment tag the data is read as (train config's embodiment)")
+    p.add_argument("--metadata", help="metadata.json with the embodiment's statistics (dz data metadata)")
+    p.add_argument("--steps", type=int, help="optimizer steps to train (train config's steps)")
+    p.add_argument("--out", dest="out_dir",
+                   help="the run directory: checkpoints and logs; an earlier run there is resumed (train config's "
+                        "out_dir)")
     p.add_argument("--skip-missing", action="store_true", default=None,
                    help="train on the other episodes when some view videos are missing (they are listed)")
     p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s), as the data commands take")
@@ -115,17 +120,20 @@ def add_commands(sub) -> None:
                    help="train into an out_dir that dz did not write (by default refused unless empty)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("cache", help="precompute frozen-encoder outputs (VAE, umT5, CLIP) per sample window")
+    p = sub.add_parser("cache", help="precompute frozen-encoder outputs (VAE, umT5, CLIP) per sample window",
+                       epilog=example("dz cache --config cfg.yaml --out data/cache",
+                                      "dz cache --preset tiny --synthetic 64 --latent-hw 4,6 --out build/synth_cache"))
     p.add_argument("--config", help="the train config (datasets, embodiment, metadata, tokenizer, preset)")
-    p.add_argument("--set", action="append")
-    p.add_argument("--preset")
-    p.add_argument("--dataset", action="append")
-    p.add_argument("--embodiment")
-    p.add_argument("--metadata")
+    p.add_argument("--set", action="append", help="override one train config field: key=value (value parsed as JSON "
+                                                   "when it can be)")
+    p.add_argument("--preset", help="the model preset whose encoders (or, with --synthetic, shapes) are used")
+    p.add_argument("--dataset", action="append", help="LeRobot dataset directory (repeatable: a mixture)")
+    p.add_argument("--embodiment", help="the embodiment tag the data is read as")
+    p.add_argument("--metadata", help="metadata.json with the embodiment's statistics (dz data metadata)")
     p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
     p.add_argument("--out", dest="cache_out", required=True, help="cache directory to write")
     p.add_argument("--stride", type=int, default=1, help="cache every stride-th anchor")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="sample windows encoded together")
     p.add_argument("--synthetic", type=int, metavar="N",
                    help="no data or encoders: N random samples of the preset's real shapes (to measure dz train)")
     p.add_argument("--latent-hw", default="11,20", help="with --synthetic: latent H,W (5B DROID 11,20)")
@@ -139,11 +147,13 @@ def add_commands(sub) -> None:
                    help="replace --out even if dz did not write it (by default only an earlier dz output is replaced)")
     p.set_defaults(func=cmd_cache, steps=None, out_dir=None)
 
-    p = sub.add_parser("convert", help="DCP checkpoint -> HF-style directory (config.json + safetensors)")
+    p = sub.add_parser("convert", help="DCP checkpoint -> HF-style directory (config.json + safetensors)",
+                       epilog=example("dz convert runs/x --out runs/x/hf",
+                                      "dz convert runs/x --step 1000 --weights ema --out runs/x/hf_1000"))
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="the model directory to write")
     p.add_argument("--step", type=int, help="with a run directory: that step's checkpoint")
-    p.add_argument("--max-shard-gib", type=float, default=5.0)
+    p.add_argument("--max-shard-gib", type=float, default=5.0, help="largest safetensors file written, in GiB")
     p.add_argument("--adapters-only", action="store_true",
                    help="a LoRA run: write only the trainable tensors (adapters.safetensors), not merged weights")
     p.add_argument("--weights", choices=("raw", "ema"), default="raw",
