@@ -60,7 +60,7 @@ def test_cli_and_params_name_the_bad_perturbation(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # refused before anything is written
     with pytest.raises(ParamsError) as exc:
         load_params("params.yaml", overrides=["eval.perturb=[camera, fog]"])
-    assert "eval.perturb: unknown perturbation 'fog'" in str(exc.value)
+    assert "--set eval.perturb=[camera, fog]: unknown perturbation 'fog'" in str(exc.value)
     assert str(exc.value).count("\n") == 0  # one problem, one line
     prof = load_params("params.yaml", overrides=["eval.perturb=[camera=5, paraphrase]"]).selected()
     assert prof.eval.perturb == ["camera=5", "paraphrase"]

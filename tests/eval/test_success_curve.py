@@ -144,10 +144,10 @@ def test_the_plot_marks_the_points_that_used_fewer_episodes(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("overrides, message", [
     (["eval.checkpoints=all", "eval.curve_episodes=2"],
-     "eval.curve_episodes: needs eval.checkpoints: last (checkpoints: all evaluates every checkpoint on all "
+     "--set eval.curve_episodes=2: needs eval.checkpoints: last (checkpoints: all evaluates every checkpoint on all "
      "eval.episodes already)"),
-    (["eval.curve_episodes=5"], "eval.curve_episodes: must be at most eval.episodes (4), got 5"),
-    (["eval.curve_episodes=-1"], "eval.curve_episodes: must be >= 0, got -1"),
+    (["eval.curve_episodes=5"], "--set eval.curve_episodes=5: must be at most eval.episodes (4), got 5"),
+    (["eval.curve_episodes=-1"], "--set eval.curve_episodes=-1: must be >= 0, got -1"),
 ])
 def test_a_curve_that_cannot_be_drawn_is_one_error_naming_the_field(overrides, message):
     with pytest.raises(ParamsError) as exc:
