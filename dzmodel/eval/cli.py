@@ -11,7 +11,7 @@ from ..model.cli import add_solver_arguments, solver_from
 
 def cmd_eval_libero(ns: argparse.Namespace) -> int:
     from ..eval.libero_env import LiberoNotInstalled
-    from ..eval.libero_eval import EvalConfig, evaluate_run
+    from ..eval.libero_eval import EnvStartError, EvalConfig, evaluate_run
     from ..eval.perturb_spec import PerturbationError, parse_perturbations
     from ..eval.policy import PolicyLoadError
 
@@ -29,7 +29,7 @@ def cmd_eval_libero(ns: argparse.Namespace) -> int:
         rows = evaluate_run(ns.source, cfg, ns.out, steps=int_list(ns.steps, "--steps"), device=ns.device,
                             solver=solver_from(ns), progress=not ns.no_progress, embodiment=ns.embodiment,
                             compile=ns.compile, weights=ns.weights)
-    except (LiberoNotInstalled, PolicyLoadError) as exc:
+    except (LiberoNotInstalled, PolicyLoadError, PerturbationError, EnvStartError) as exc:
         raise CLIError(str(exc)) from None
     print(f"{'step':>8} {'task':>5} {'episodes':>8} {'successes':>9} {'rate':>6}   95 % interval")
     for r in rows:

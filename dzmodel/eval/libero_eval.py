@@ -9,7 +9,9 @@ rate (`EmbodiedPolicy.frame_stride`), so the policy predicts from the history a 
 (`context: episode`); `context: frame` restarts from the current frame at every query (upstream's LIBERO eval). The metric is `success_once`: an episode counts if the task succeeded at any step.
 
 A crashed worker is restarted and its episode retried once; a second crash counts the episode as failed,
-with a note. Nothing waits forever: every worker reply has a timeout.
+with a note, unless the env could not even start (its reset crashed on the fresh worker too): that stops the
+evaluation with EnvStartError, since a scene that cannot be built (a missing asset, say) says nothing about the
+policy. Nothing waits forever: every worker reply has a timeout.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ class EvalConfig:
         from .perturb_spec import parse_perturbations
 
         parse_perturbations(self.perturb, "eval.perturb")
+
+
+class EnvStartError(RuntimeError):
+    """An episode's env failed to start on two workers in a row: a problem of the install or the scene, not a policy
+    outcome, so no success rate is reported for it."""
 
 
 @dataclass
@@ -258,6 +265,9 @@ class _Evaluation:
             self.free.append(w)
         if attempt == 1:
             self.todo.append((t, e, 2, init))  # retried once on a fresh worker
+        elif reason.startswith("reset:"):
+            raise EnvStartError(f"LIBERO-{self.cfg.suite} task {t.index} ({t.name}), init state {e}: the env could not "
+                                f"start on two workers ({reason}); nothing is counted for this evaluation")
         else:
             self.results.append(EpisodeResult(t.index, t.name, e, False, 0, 0.0, attempt,
                                               f"failed: env worker crashed twice ({reason})"))
@@ -517,10 +527,18 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
     from .policy import PolicyLoadError, load_policy, read_train_config
 
     ensure_libero_config()
-    check_libero()
+    root = check_libero()
     from .perturb_spec import parse_perturbations
 
     perturbations = parse_perturbations(cfg.perturb, "eval.perturb")
+    for p in perturbations:
+        if p.name == "distractor":  # every model it adds must be installed: a missing one would crash each env
+            from .libero_env import list_tasks
+            from .libero_perturb import check_distractor_assets
+
+            tasks = list_tasks(cfg.suite)
+            chosen = [tasks[t] for t in cfg.tasks if 0 <= t < len(tasks)] if cfg.tasks is not None else tasks
+            check_distractor_assets(root / "assets", chosen, int(p.value), cfg.seed)
     src, out = Path(run_or_model), Path(out_dir)
     models = _models_to_evaluate(src, out, steps, weights)
     rows, episodes, timings, robustness = [], [], [], []
@@ -547,13 +565,14 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
                           **({"perturbation": "none"} if perturbations else {})} for r in results]
             if perturbations:
                 robustness += robustness_rows(results, step, "none")
+            write_results(out, rows, episodes, robustness)  # after every run: a long evaluation keeps what it has
             for p in perturbations:  # the same episodes again, under each perturbation
                 perturbed = evaluate_policy(policy, cfg, out, progress=progress, tag=f"step{step}_{p.slug}",
                                             pool_factory=pools, perturbation=p)
                 robustness += robustness_rows(perturbed, step, p.label)
                 episodes += [{"step": step, "train_seed": seed, **asdict(r), "perturbation": p.label}
                              for r in perturbed]
-            write_results(out, rows, episodes, robustness)  # after every step: a long evaluation keeps what it has
+                write_results(out, rows, episodes, robustness)
             atomic_write_text(out / "timing.json", json.dumps(timings, indent=1))
     plot_success(rows, out / "success_vs_step.png", f"LIBERO-{cfg.suite}: success vs training step")
     return rows

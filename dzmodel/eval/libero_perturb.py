@@ -46,6 +46,7 @@ import contextlib
 import math
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -613,6 +614,9 @@ DISTRACTOR_KINDS: dict[str, tuple[str, ...]] = {
     "google_scanned_objects": ("akita_black_bowl", "white_bowl", "glazed_rim_porcelain_ramekin"),
     "turbosquid_objects": ("red_coffee_mug", "porcelain_mug", "white_yellow_mug"),
 }
+# where LIBERO keeps each family's models: <assets>/<folder>/<kind>/<kind>.xml
+DISTRACTOR_ASSET_DIRS = {"hope_objects": "stable_hope_objects", "google_scanned_objects": "stable_scanned_objects",
+                         "turbosquid_objects": "turbosquid_objects"}
 DISTRACTOR_PREFIX = "distractor_"   # a distractor's instance name is this prefix and its kind
 DISTRACTOR_REGION = "distractor_region"
 WORKSPACES = ("table", "floor", "kitchen_table", "living_room_table", "study_table", "coffee_table")
@@ -678,6 +682,29 @@ def distractor_kinds(text: str, count: int, key: tuple) -> list[str]:
     return ordered[:count]
 
 
+def distractor_asset(kind: str) -> Path:
+    """A distractor kind's model file, relative to LIBERO's assets folder."""
+    return Path(DISTRACTOR_ASSET_DIRS[_family(kind)]) / kind / f"{kind}.xml"
+
+
+def check_distractor_assets(assets: Path, tasks, count: int, seed: int) -> None:
+    """PerturbationError, before any episode runs, if the installed assets lack a model that `distractor=count`
+    would add to one of `tasks` (TaskSpecs): an env that cannot be built is an install problem, not a failure of
+    the policy. The kinds are the ones `scene_bddl` picks for each task under this eval seed."""
+    missing: dict[str, list[int]] = {}
+    for t in tasks:
+        text = Path(t.bddl_file).read_text()
+        for kind in distractor_kinds(text, count, (seed, t.suite, t.index)):
+            path = Path(assets) / distractor_asset(kind)
+            if not path.is_file():
+                missing.setdefault(str(path), []).append(t.index)
+    if missing:
+        listed = "; ".join(f"{p} (task {', '.join(map(str, ts))})" for p, ts in sorted(missing.items()))
+        raise PerturbationError(
+            f"distractor={count}: LIBERO's assets lack {len(missing)} object model(s) this evaluation would add: "
+            f"{listed}. Install the full asset set (`make libero`), or leave distractor out of eval.perturb")
+
+
 def distractor_problem(text: str, kinds: list[str]) -> str:
     """A copy of a task's BDDL problem with one object of each kind added (`distractor_<kind>`), each placed by
     LIBERO's reset in a region of the work surface that spans the task's own regions there (grown by
@@ -739,7 +766,6 @@ def scene_bddl(bddl_file: str, perturbations, key: tuple) -> str:
     import hashlib
     import shutil
     import tempfile
-    from pathlib import Path
 
     text = Path(bddl_file).read_text()
     problem = distractor_problem(text, distractor_kinds(text, int(wanted[0].value), key))

@@ -97,6 +97,26 @@ def test_success_once_chunks_and_crash_retry():
     assert len(policy.ended) >= 6  # every episode's KV-cache session is released
 
 
+class ResetCrashPool(ScriptedPool):
+    """Every reset of task 1 crashes (an env that cannot be built: a missing asset, say)."""
+
+    def reset(self, assignments):
+        out = super().reset(assignments)
+        for w, task, _ in assignments:
+            if task.index == 1:
+                out[w] = WorkerCrashed(w, "FileNotFoundError: assets/x/x.xml")
+        return out
+
+
+def test_an_env_that_cannot_start_stops_the_evaluation_instead_of_counting_failures():
+    from dzmodel.eval.libero_eval import EnvStartError
+
+    config = EvalConfig(episodes_per_task=2, max_steps=10, num_workers=2, videos=0)
+    with pytest.raises(EnvStartError, match=r"task 1 \(task_1\), init state 0: .*could not start.*assets/x/x.xml"):
+        evaluate_policy(FakePolicy(), config, progress=False, tasks=_tasks(),
+                        pool_factory=lambda n: ResetCrashPool(n, {}, {}))
+
+
 def test_episodes_needing_a_chunk_share_one_policy_forward():
     """Batched (default): both running episodes query together, one predict_batch per step that needs chunks; with
     batch_policy off each episode queries alone. Same results either way; the timing counts chunks and forwards."""

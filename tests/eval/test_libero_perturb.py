@@ -402,6 +402,29 @@ def test_distractor_kinds_are_new_to_the_task_and_fixed_per_task():
     assert len({tuple(lp.distractor_kinds(text, 3, (s, "object", 0, 0))) for s in range(6)}) > 1
 
 
+def test_missing_distractor_models_are_refused_before_any_episode(tmp_path):
+    """An install with part of LIBERO's assets (a one-suite bundle) cannot build a scene with distractors from other
+    suites: the check names each missing model file and its tasks; the full install passes."""
+    pytest.importorskip("libero", reason="LIBERO is not installed (make libero)")
+    from dzmodel.eval.libero_env import check_libero, list_tasks
+
+    tasks = list_tasks("goal")
+    lp.check_distractor_assets(check_libero() / "assets", tasks, 2, 0)  # the installed assets have every model
+    for kinds in lp.DISTRACTOR_KINDS.values():
+        for kind in kinds:
+            path = tmp_path / lp.distractor_asset(kind)
+            path.parent.mkdir(parents=True)
+            path.write_text("<mujoco/>")
+    lp.check_distractor_assets(tmp_path, tasks, 2, 0)
+    first = lp.distractor_kinds(open(tasks[3].bddl_file).read(), 2, (0, "goal", 3))[0]
+    (tmp_path / lp.distractor_asset(first)).unlink()
+    users = [t.index for t in tasks if first in lp.distractor_kinds(open(t.bddl_file).read(), 2, (0, "goal", t.index))]
+    with pytest.raises(lp.PerturbationError) as err:
+        lp.check_distractor_assets(tmp_path, tasks, 2, 0)
+    assert str(tmp_path / lp.distractor_asset(first)) in str(err.value)
+    assert f"(task {', '.join(map(str, users))})" in str(err.value) and "1 object model" in str(err.value)
+
+
 def test_the_distractor_problem_is_the_task_plus_the_objects():
     pytest.importorskip("libero", reason="LIBERO is not installed (make libero)")
     from libero.libero.envs.bddl_utils import robosuite_parse_problem
