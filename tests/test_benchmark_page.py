@@ -98,3 +98,33 @@ def test_each_suite_profile_evaluates_all_50_init_states_of_the_last_checkpoint(
     profile = load_params(ROOT / "params.yaml").profiles[suite]
     assert profile.eval.episodes == 50 and profile.eval.checkpoints == "last" and profile.eval.select_episodes == 0
     assert profile.eval.tasks == list(range(10)) and profile.eval.curve_episodes == 5
+
+
+@pytest.mark.parametrize("suite, folder", [("Spatial", "spatial_retries"), ("Goal", "goal_screen")])
+def test_each_screen_number_is_its_per_episode_file(suite, folder):
+    with open(ROOT / "docs" / "results" / folder / "per_episode.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    wins, n = sum(int(r["success"]) for r in rows), len(rows)
+    low, high = wilson_interval(wins, n)
+    bullet = re.search(rf"\*\*LIBERO-{suite}\*\*: .*? (\d+) of (\d+) \(95 % interval ([\d.]+)-([\d.]+) %\)", FLAT)
+    assert bullet, f"no screen number for {suite}"
+    assert bullet.groups() == (str(wins), str(n), f"{100 * low:.1f}", f"{100 * high:.1f}")
+
+
+def test_the_robustness_table_is_the_perturbed_episodes():
+    with open(ROOT / "docs" / "results" / "goal_screen" / "robustness_episodes.csv", newline="") as f:
+        episodes = list(csv.DictReader(f))
+    table = _table(PAGE, "| perturbation |")
+    assert [r[0] for r in table] == ["none", *(f"{k}" for k in
+                                              ("position=0.05", "swap=task", "camera=10", "light=0.5", "table=random",
+                                               "paraphrase=random", "distractor=2"))]
+    for name, wins, interval in table:
+        if wins.startswith("not measured"):
+            continue
+        ran = [e for e in episodes if e["perturbation"] == name]
+        won = sum(e["success"] == "True" for e in ran)
+        low, high = wilson_interval(won, len(ran))
+        assert (wins, interval) == (str(won), f"{100 * low:.1f}-{100 * high:.1f} %"), name
+        assert len(ran) == 50 and f"successes of {len(ran)}" in PAGE
+    names = {k.split("=")[0] for k in (r[0] for r in table)} - {"none"}
+    assert names == set(KINDS)  # every perturbation the evaluation knows has a row
