@@ -1,4 +1,4 @@
-"""`dz pipeline run`, `dz deploy` and `dz promote`: the commands that need Prefect or MLflow. They join the `dz`
+"""`dz pipeline run`, `dz deploy`, `dz promote` and `dz registry list`: the commands that need Prefect or MLflow. They join the `dz`
 CLI through the `dz.commands` entry point (pyproject.toml), so the library itself never imports them.
 """
 
@@ -11,6 +11,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from dzmodel.clitools import CLIError
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -130,7 +132,7 @@ def cmd_pipeline_gc(ns: argparse.Namespace) -> int:
 
 def cmd_promote(ns: argparse.Namespace) -> int:
     from dzmodel.config import StagePaths, load_params
-    from tasks.tracking import promote, registered_head_to_head, tracking_uri
+    from tasks.tracking import promote, registered_head_to_head, registered_health, tracking_uri
 
     params = load_params(Path(ns.root) / ns.params, ns.set, ns.profile)
     name = ns.profile or params.profile
@@ -142,11 +144,53 @@ def cmd_promote(ns: argparse.Namespace) -> int:
     params_file = str(Path(ns.root) / ns.params)
     # like the flow: no worse than the model holding the alias, on the candidate's held-out windows
     alias = ns.alias or p.alias
+    if ns.reason is not None and not ns.reason.strip():
+        raise CLIError("--reason: say why the comparison with the current model is skipped (it is recorded)")
+    if ns.reason is not None and ns.version is None:
+        raise CLIError("--reason needs --version: an override names the version it moves the alias to")
     decision = promote(uri, p.registered_model, ns.version, alias, gate, max_action_error_ratio=ratio,
                        max_regression=p.max_regression,
-                       comparison=lambda version: registered_head_to_head(uri, prof, version, params_file, alias))
+                       comparison=lambda version: registered_head_to_head(uri, prof, version, params_file, alias),
+                       health=lambda version: registered_health(uri, prof, version, params_file),
+                       override_reason=ns.reason.strip() if ns.reason else None)
     print(f"{decision['registered_model']} v{decision['version']} -> alias {decision['alias']}: {decision['reason']}")
     return 0 if decision["promoted"] else 1
+
+
+def cmd_registry_list(ns: argparse.Namespace) -> int:
+    from dzmodel.config import StagePaths, load_params
+    from tasks.tracking import RegistryError, mask_uri, registry_listing, tracking_uri
+
+    params = load_params(Path(ns.root) / ns.params, ns.set, ns.profile)
+    name = ns.profile or params.profile
+    prof = params.selected(name)
+    uri = tracking_uri(prof, StagePaths(Path(ns.root).resolve(), name).root)
+    model = prof.promote.registered_model
+    try:
+        rows = registry_listing(uri, model)
+    except RegistryError as exc:
+        raise CLIError(str(exc)) from None
+    if ns.json:
+        print(json.dumps({"registered_model": model, "tracking_uri": mask_uri(uri), "versions": rows}, indent=1))
+        return 0
+    print(f"{model} at {mask_uri(uri)}: {len(rows)} version(s), newest first")
+    print(f"{'version':>7}  {'aliases':<14} {'created':<16}  {'success':>7}  {'ae ratio':>8}  {'gate':<8} run")
+    for r in rows:
+        aliases = ",".join("@" + a for a in r["aliases"]) or "-"
+        print(f"{r['version']:>7}  {aliases:<14} {r['created']:<16}  {_cell(r['success_rate'], '.1%'):>7}  "
+              f"{_cell(r['action_error_ratio'], '.2f'):>8}  {r['promotion'] or '-':<8} {r['run_id'] or '-'}")
+        if r["promotion_reason"]:
+            print(f"{'':9}why: {r['promotion_reason']}")
+        if r["override"]:
+            print(f"{'':9}override: {r['override']}")
+    return 0
+
+
+def _cell(text: str, spec: str) -> str:
+    try:
+        return format(float(text), spec)
+    except ValueError:
+        return "-"
 
 
 def cmd_track(ns: argparse.Namespace) -> int:
@@ -239,14 +283,27 @@ def register(sub) -> None:
 
     p = sub.add_parser("promote", help="set the deployment alias on a registered version if it passes the gate",
                        epilog=example("dz promote --profile demo", "dz promote --profile demo --version 3 "
-                                                                   "--min-success 0.5"))
+                                                                   "--min-success 0.5",
+                                      "dz promote --profile demo --version 1 --reason 'rollback: v2 drops grasps'"))
     _params_args(p)
     p.add_argument("--version", help="model version (default: the newest)")
+    p.add_argument("--reason", help="move the alias without comparing with the model that holds it (a rollback): "
+                                    "the reason is recorded on the version; the other gates and the health check "
+                                    "still apply; needs --version")
     p.add_argument("--alias", help="default: the profile's promote.alias")
     p.add_argument("--min-success", type=float, help="default: the profile's promote.min_success")
     p.add_argument("--max-action-error-ratio", type=float,
                    help="held-out action error / the mean predictor's; default: promote.max_action_error_ratio")
     p.set_defaults(func=cmd_promote)
+
+    reg = sub.add_parser("registry", help="the model registry: versions, aliases and gate decisions")
+    reg = reg.add_subparsers(dest="cmd", required=True)
+    p = reg.add_parser("list", help="every version of the profile's registered model, newest first, with its "
+                                    "aliases, gate measures, last decision and the run that registered it",
+                       epilog=example("dz registry list --profile demo", "dz registry list --profile demo --json"))
+    _params_args(p)
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
+    p.set_defaults(func=cmd_registry_list)
 
     p = sub.add_parser("track", help="log the stage records of `dvc repro` as an MLflow run, register and promote "
                                      "(dvc.yaml's last stage)",

@@ -562,14 +562,56 @@ def registered_head_to_head(uri: str, prof: Profile, version: str, params_file: 
     return head_to_head(uri, prof, version, bundle, weights, params_file, alias)
 
 
+def bundle_health(bundle: Path, manifest_sha256: str | None = None) -> tuple[bool, str]:
+    """A bundle's health: every file matches its MANIFEST (with `manifest_sha256`, the MANIFEST too:
+    `load_package`), it holds weights, and every floating-point weight is finite. (ok, why)."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from dzmodel.serve.package import PackageError, load_package
+
+    try:
+        model_dir = Path(load_package(bundle, manifest_sha256=manifest_sha256).model_dir)
+        files = sorted(model_dir.rglob("*.safetensors"))
+        if not files:
+            return False, f"health: the bundle holds no weights (no *.safetensors in {model_dir.name}/)"
+        for f in files:
+            for key, value in load_file(str(f)).items():
+                if value.dtype.kind == "f" and not np.isfinite(value).all():
+                    return False, f"health: weights not finite ({f.name}: {key})"
+    except (PackageError, OSError, ValueError) as exc:
+        return False, f"health: the bundle failed its checks ({str(exc).splitlines()[0]})"
+    return True, f"health: {len(files)} weight file(s) finite, every file as its MANIFEST lists"
+
+
+def registered_health(uri: str, prof: Profile, version: str, params_file: str) -> tuple[bool, str]:
+    """The health gate of a registered version: its bundle as the registry serves it (the MANIFEST recorded at
+    registration: `pinned_registered_bundle`), then `bundle_health`."""
+    from mlflow.exceptions import MlflowException
+
+    name = prof.promote.registered_model
+    try:
+        with _environment({"MLFLOW_TRACKING_URI": uri}):
+            bundle, manifest = pinned_registered_bundle(f"models:/{name}/{version}", params_file)
+    except (RegistryError, OSError, MlflowException) as exc:
+        return False, f"health: v{version}'s bundle could not be fetched ({str(exc).splitlines()[0]})"
+    ok, why = bundle_health(bundle, manifest)
+    return ok, why.replace("health: ", f"health: v{version}: ", 1)
+
+
 def promote(uri: str, registered_model: str, version: str | None, alias: str, min_success: float | None,
             run_id: str | None = None, max_action_error_ratio: float | None = None,
-            comparison=None, max_regression: float | None = None) -> dict:
+            comparison=None, max_regression: float | None = None, health=None,
+            override_reason: str | None = None) -> dict:
     """Set `alias` on a model version only if it passes the gate (its LIBERO success, its held-out action error
-    ratio: `promotion_decision`) and is no worse than the model holding the alias on the same held-out windows
+    ratio: `promotion_decision`), the health gate (`health`: a function of the version giving (ok, why), when
+    given) and is no worse than the model holding the alias on the same held-out windows
     (`comparison`: a dict, or a function of the version giving one, called only once the other gates pass:
-    `head_to_head_decision`);
-    record the decision and why on the version (tags) and, when given, on the pipeline run."""
+    `head_to_head_decision`). `override_reason` (an operator's rollback, say) skips the comparison, and only it:
+    the reason is recorded on the version with who moved the alias and when.
+    Record the decision and why on the version (tags) and, when given, on the pipeline run."""
+    import getpass
+
     from dzmodel.pipeline import head_to_head_decision, promotion_decision
 
     client = _client(uri)
@@ -584,7 +626,13 @@ def promote(uri: str, registered_model: str, version: str | None, alias: str, mi
     ratio_text = mv.tags.get("action_error_ratio", "")
     ratio = float(ratio_text) if ratio_text not in ("", None) else None
     ok, reason = promotion_decision(rate, min_success, ratio, max_action_error_ratio)
-    if ok:
+    if ok and health is not None:
+        ok, healthy = health(version)
+        reason = ("passed" if ok else "refused") + reason[len("passed"):] + "; " + healthy
+    if ok and override_reason:
+        comparison = None
+        reason += f"; not compared with the current model (overridden: {override_reason})"
+    elif ok:
         if callable(comparison):
             comparison = comparison(version)
         ok, versus = head_to_head_decision(comparison, max_regression)
@@ -593,15 +641,44 @@ def promote(uri: str, registered_model: str, version: str | None, alias: str, mi
                 "reason": reason, "success_rate": rate, "min_success": min_success,
                 "action_error_ratio": ratio, "max_action_error_ratio": max_action_error_ratio,
                 "head_to_head": None if callable(comparison) else comparison, "max_regression": max_regression,
-                "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                "override_reason": override_reason, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if ok:
         client.set_registered_model_alias(registered_model, alias, version)
     client.set_model_version_tag(registered_model, version, "promotion", "passed" if ok else "refused")
     client.set_model_version_tag(registered_model, version, "promotion_reason", reason)
+    if override_reason:
+        who = getpass.getuser()
+        client.set_model_version_tag(registered_model, version, "promotion_override",
+                                     f"@{alias} by {who} at {decision['at']}: {override_reason}"
+                                     + ("" if ok else " (refused)"))
     if run_id:
         client.log_dict(run_id, decision, "promotion.json")
         client.set_tag(run_id, "promotion", reason)
     return decision
+
+
+def registry_listing(uri: str, registered_model: str) -> list[dict]:
+    """Every version of a registered model, newest first: its aliases, the measures its gates read, the last
+    promotion decision and any override, the run that registered it."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(uri)
+    try:
+        aliases = client.get_registered_model(registered_model).aliases or {}
+    except MlflowException as exc:
+        raise RegistryError(f"registered model {registered_model!r} not found at {mask_uri(uri)} "
+                            f"({exc.message.splitlines()[0]})") from None
+    rows = []
+    for mv in client.search_model_versions(f"name='{registered_model}'"):
+        t = mv.tags
+        rows.append({"version": str(mv.version),
+                     "created": time.strftime("%Y-%m-%d %H:%M", time.gmtime(mv.creation_timestamp / 1000)),
+                     "aliases": sorted(a for a, v in aliases.items() if str(v) == str(mv.version)),
+                     "success_rate": t.get("success_rate", ""), "action_error_ratio": t.get("action_error_ratio", ""),
+                     "promotion": t.get("promotion", ""), "promotion_reason": t.get("promotion_reason", ""),
+                     "override": t.get("promotion_override", ""), "weights_sha256": t.get("weights.sha256", ""),
+                     "run_id": mv.run_id or "", "model_id": getattr(mv, "model_id", None) or ""})
+    return sorted(rows, key=lambda r: -int(r["version"]))
 
 
 # --- serving from the registry -------------------------------------------------------------------------

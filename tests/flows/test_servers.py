@@ -133,3 +133,40 @@ def test_mlflow_server_compares_two_demo_runs(servers):
         {"filter": "name='dreamzero-demo'"}))["model_versions"]
     tags = {t["key"]: t["value"] for t in max(versions, key=lambda v: int(v["version"]))["tags"]}
     assert tags["promotion"] == "refused" and "held-out action error ratio" in tags["promotion_reason"]
+
+
+def test_registry_list_rollback_and_forward_again(servers):
+    """The registry as a lab operates it, against the MLflow server and the real bundles the demo runs above
+    registered: `dz registry list`, `dz promote --version N` (the gate, then the health check on the bundle the
+    registry serves), a rollback with `--reason` past the comparison, and forward again the same way."""
+    env, project, mlf = servers["env"], servers["project"], servers["mlflow"]
+
+    def dz(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "dz"), *args, "--root", str(project), "--profile", "demo"], env=env,
+                              capture_output=True, text=True, cwd=ROOT)
+
+    def holder() -> str:
+        q = urllib.parse.urlencode({"name": "dreamzero-demo", "alias": "production"})
+        return _json(f"{mlf}/api/2.0/mlflow/registered-models/alias?{q}")["model_version"]["version"]
+
+    out = dz("registry", "list", "--json")
+    assert out.returncode == 0, out.stderr
+    versions = [v["version"] for v in json.loads(out.stdout)["versions"]]
+    assert len(versions) >= 2 and versions == sorted(versions, key=int, reverse=True)
+    new, old = versions[0], versions[1]
+    loose = ["--max-action-error-ratio", "100"]  # 30-step models do not pass the demo's own gate (0.5)
+    out = dz("promote", "--version", new, *loose)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"health: v{new}: " in out.stdout and "weight file(s) finite, every file as its MANIFEST lists" in out.stdout
+    assert holder() == new
+    out = dz("promote", "--version", old, "--reason", "rollback", *loose)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"dreamzero-demo v{old} -> alias production: passed" in out.stdout
+    assert "not compared with the current model (overridden: rollback)" in out.stdout
+    assert holder() == old
+    out = dz("registry", "list")
+    assert out.returncode == 0, out.stderr
+    row = next(line.split() for line in out.stdout.splitlines() if line.split()[:1] == [old])
+    assert row[1] == "@production" and "override: @production by" in out.stdout
+    out = dz("promote", "--version", new, "--reason", "forward again", *loose)
+    assert out.returncode == 0 and holder() == new, out.stdout + out.stderr

@@ -4,7 +4,9 @@ rerun; MLflow gets a parent run with nested stage runs, and the registry gate de
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -262,6 +264,12 @@ def test_dz_promote_applies_the_gate_to_a_registered_version(prefect_env, tmp_pa
     summary = sft_pipeline("demo", root=str(tmp_path))  # cached stages; registers version 1 (success 0.5)
     assert summary["promotion"]["version"] == "1"
     args = ["promote", "--root", str(tmp_path), "--params", "params.yaml", "--profile", "demo", "--alias", "canary"]
+    # the health gate fetches the version's bundle from the registry: the stand-in stages' MANIFEST is no bundle's
+    assert main(args + ["--min-success", "0.5", "--version", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "v1 -> alias canary: refused: " in out and "LIBERO success 50.0% >= gate 50.0%; health: v1: the bundle " \
+        "failed its checks (" in out and "malformed MANIFEST line 'stand-in manifest" in out
+    monkeypatch.setattr("tasks.tracking.registered_health", lambda *a: (True, "health: a stand-in"))
     assert main(args + ["--min-success", "0.75"]) == 1
     assert "refused: LIBERO success 50.0% < gate 75.0%" in capsys.readouterr().out
     assert main(args + ["--min-success", "0.5", "--version", "1"]) == 0
@@ -276,6 +284,78 @@ def test_dz_promote_applies_the_gate_to_a_registered_version(prefect_env, tmp_pa
     out = capsys.readouterr().out
     assert "passed: held-out action error ratio 0.25 (vs the mean predictor) <= gate 0.50" in out
     assert "(v1 holds @canary already)" in out
+
+
+def test_rollback_moves_the_alias_past_the_comparison_with_a_recorded_reason(prefect_env, tmp_path, monkeypatch):
+    """v1, then v2 takes @production; `dz promote --version 1` is refused by the comparison with v2 (a worse
+    held-out error), `--reason` moves the alias back anyway and records why, who and when; the other gates and the
+    health gate still apply; `dz registry list` shows it all; and back to v2 the same way."""
+    from mlflow.tracking import MlflowClient
+
+    from dzmodel.cli import main as dz
+    from flows.sft_pipeline import sft_pipeline
+
+    said = {"out": "", "err": ""}
+
+    def main(argv):  # `dz ...`, its output kept in `said` (capsys's streams would outlive this test in Prefect's log)
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = dz(argv)
+        said.update(out=out.getvalue(), err=err.getvalue())
+        return code
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", _fake_stages([]))
+    gate = "promote.max_action_error_ratio=0.5"
+    runs = [sft_pipeline("demo", root=str(tmp_path), overrides=[gate, f"train.lr={lr}"]) for lr in ("2.0e-3", "3.0e-3")]
+    assert [r["promotion"]["version"] for r in runs] == ["1", "2"] and runs[1]["promotion"]["promoted"]
+    client = MlflowClient(tracking_uri=runs[0]["mlflow_uri"], registry_uri=runs[0]["mlflow_uri"])
+    holder = lambda: str(client.get_model_version_by_alias("dreamzero-demo", "production").version)  # noqa: E731
+    assert holder() == "2"
+    monkeypatch.setattr("tasks.tracking.registered_head_to_head", lambda uri, prof, version, *a: {
+        "compared": True, "current_version": "2", "candidate": 0.3, "current": 0.2, "windows": 40, "episodes": 2})
+    args = ["promote", "--root", str(tmp_path), "--params", "params.yaml", "--profile", "demo", "--set", gate]
+
+    # the override skips the comparison only: the health gate still fetches v1's bundle (a stand-in here) and refuses
+    assert main(args + ["--version", "1", "--reason", "rollback: v2 drops grasps"]) == 1
+    assert "health: v1: the bundle failed its checks" in said["out"] and holder() == "2"
+    monkeypatch.setattr("tasks.tracking.registered_health", lambda *a: (True, "health: a stand-in"))
+    assert main(args + ["--version", "1"]) == 1  # no override: the comparison refuses
+    assert "held-out action error 0.3 vs 0.2 for the current v2, on the same 40 windows: worse by more than 5%" in \
+        said["out"]
+    assert holder() == "2"
+    assert main(args + ["--version", "1", "--reason", "rollback: v2 drops grasps", "--max-action-error-ratio",
+                        "0.1"]) == 1  # ... and so do the absolute gates
+    assert "refused: held-out action error ratio 0.25" in said["out"] and holder() == "2"
+
+    assert main(args + ["--version", "1", "--reason", "rollback: v2 drops grasps"]) == 0
+    out = said["out"]
+    assert "dreamzero-demo v1 -> alias production: passed" in out
+    assert "not compared with the current model (overridden: rollback: v2 drops grasps)" in out
+    assert holder() == "1"
+    override = client.get_model_version("dreamzero-demo", "1").tags["promotion_override"]
+    assert override.startswith("@production by ") and override.endswith(": rollback: v2 drops grasps")
+
+    listing = ["registry", "list", "--root", str(tmp_path), "--profile", "demo"]
+    assert main(listing) == 0
+    out = said["out"]
+    lines = out.splitlines()
+    assert "dreamzero-demo at " in lines[0] and "2 version(s), newest first" in lines[0]
+    rows = [line.split() for line in lines if line.split() and line.split()[0].isdigit()]
+    assert [r[:2] for r in rows] == [["2", "-"], ["1", "@production"]]
+    assert "override: @production by" in out and "rollback: v2 drops grasps" in out
+    assert main(listing + ["--json"]) == 0
+    listed = json.loads(said["out"])
+    assert [(v["version"], v["aliases"], v["run_id"]) for v in listed["versions"]] == \
+        [("2", [], runs[1]["mlflow_run_id"]), ("1", ["production"], runs[0]["mlflow_run_id"])]
+
+    assert main(args + ["--version", "2", "--reason", "forward again"]) == 0 and holder() == "2"
+    assert main(args + ["--reason", "no version named"]) == 2
+    assert "--reason needs --version" in said["err"]
+    assert main(args + ["--version", "1", "--reason", "  "]) == 2
+    assert "--reason: say why" in said["err"]
+    assert holder() == "2"
 
 
 def test_models_uris_resolve_to_the_promoted_bundle(prefect_env, tmp_path, monkeypatch):
