@@ -130,17 +130,24 @@ def cmd_pipeline_gc(ns: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_promote(ns: argparse.Namespace) -> int:
+def _profile_and_store(ns: argparse.Namespace):
+    """The profile `--profile` (or params.yaml's) names, with `--set` applied, and its MLflow tracking URI."""
     from dzmodel.config import StagePaths, load_params
-    from tasks.tracking import promote, registered_head_to_head, registered_health, tracking_uri
+    from tasks.tracking import tracking_uri
 
     params = load_params(Path(ns.root) / ns.params, ns.set, ns.profile)
     name = ns.profile or params.profile
     prof = params.selected(name)
+    return prof, tracking_uri(prof, StagePaths(Path(ns.root).resolve(), name).root)
+
+
+def cmd_promote(ns: argparse.Namespace) -> int:
+    from tasks.tracking import promote, registered_head_to_head, registered_health
+
+    prof, uri = _profile_and_store(ns)
     p = prof.promote
     gate = p.min_success if ns.min_success is None else ns.min_success
     ratio = p.max_action_error_ratio if ns.max_action_error_ratio is None else ns.max_action_error_ratio
-    uri = tracking_uri(prof, StagePaths(Path(ns.root).resolve(), name).root)
     params_file = str(Path(ns.root) / ns.params)
     # like the flow: no worse than the model holding the alias, on the candidate's held-out windows
     alias = ns.alias or p.alias
@@ -158,13 +165,9 @@ def cmd_promote(ns: argparse.Namespace) -> int:
 
 
 def cmd_registry_list(ns: argparse.Namespace) -> int:
-    from dzmodel.config import StagePaths, load_params
-    from tasks.tracking import RegistryError, mask_uri, registry_listing, tracking_uri
+    from tasks.tracking import RegistryError, mask_uri, registry_listing
 
-    params = load_params(Path(ns.root) / ns.params, ns.set, ns.profile)
-    name = ns.profile or params.profile
-    prof = params.selected(name)
-    uri = tracking_uri(prof, StagePaths(Path(ns.root).resolve(), name).root)
+    prof, uri = _profile_and_store(ns)
     model = prof.promote.registered_model
     try:
         rows = registry_listing(uri, model)

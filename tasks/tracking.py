@@ -28,6 +28,20 @@ TRAIN_SERIES = ("loss", "action_loss", "dynamics_loss", "lr", "grad_norm", "samp
 MAX_ARTIFACT_MB = float(os.environ.get("DZ_MLFLOW_MAX_ARTIFACT_MB", "2048"))  # bigger files are logged by reference
 POLICY_MODEL_TYPE = "dreamzero-policy"  # the logged pyfunc model's type (its name is the bundle's)
 MANIFEST_SHA256_TAG = "bundle.manifest_sha256"  # on each model version: the sha256 of its bundle's MANIFEST
+POLICY_SHA256_TAG = "bundle.policy_sha256"      # ... and of the MANIFEST lines of what the served policy reads
+# bundle files that record how a policy was made, not what it does: a bundle that differs from a registered one only
+# in these (another run's paths in the training record, another evaluation) holds the same policy
+RECORD_FILES = ("MODEL_CARD.md", "model/experiment_cfg/train_config.json")
+RECORD_DIRS = ("eval/",)
+
+
+def policy_sha256(bundle: Path) -> str:
+    """The sha256 of the bundle's MANIFEST lines (checksum, size, path) without the record files: the weights,
+    the model and tokenizer configs, the statistics, the embodiment and robot files."""
+    lines = [line for line in (bundle / MANIFEST).read_text().splitlines() if line.strip()]
+    kept = [line for line in lines
+            if not ((path := line.split(None, 2)[-1]) in RECORD_FILES or path.startswith(RECORD_DIRS))]
+    return hashlib.sha256("\n".join(sorted(kept)).encode()).hexdigest()
 BUNDLE_ROOTS_ENV = "DZ_BUNDLE_ROOTS"  # more folders (os.pathsep-separated) that registry references may point into
 
 
@@ -451,8 +465,9 @@ class Tracker:
         """(version, created): the packaged bundle as a version of the profile's registered model (logged as an
         artifact of the parent run, or referenced when large), tagged with its step, eval success, held-out action
         error, the weights' and the MANIFEST's sha256 and the run's provenance (name, params digest, every
-        stage's cache key). A bundle that an earlier version already holds (same MANIFEST sha256: an unchanged
-        rerun) registers nothing: that version is returned, with created False."""
+        stage's cache key). A bundle that an earlier version already holds (the same MANIFEST, or the same policy:
+        `policy_sha256`, e.g. the same weights trained through DVC instead of the flow, or evaluated again)
+        registers nothing: that version is returned, with created False."""
         from mlflow.exceptions import MlflowException
 
         client = self.client
@@ -468,9 +483,10 @@ class Tracker:
         bundle = Path(package["bundle"])
         if not (bundle / MANIFEST).is_file():
             raise ValueError(f"{bundle}: no {MANIFEST}; not a bundle to register")
-        manifest_sha256 = file_sha256(bundle / MANIFEST)
+        manifest_sha256, policy = file_sha256(bundle / MANIFEST), policy_sha256(bundle)
         same = sorted((int(v.version) for v in client.search_model_versions(f"name='{name}'")
-                       if v.tags.get(MANIFEST_SHA256_TAG) == manifest_sha256))
+                       if v.tags.get(MANIFEST_SHA256_TAG) == manifest_sha256
+                       or v.tags.get(POLICY_SHA256_TAG) == policy))
         if same:
             client.set_tag(self.run_id, "registered_model_version", f"{name}/{same[0]} (unchanged)")
             return str(same[0]), False
@@ -484,7 +500,8 @@ class Tracker:
         provenance = provenance or {}
         # the MANIFEST's digest pins every file of the bundle: `dz serve models:/...` checks it on each load
         tags = {"step": str(package["step"]), "package.version": package["version"],
-                MANIFEST_SHA256_TAG: manifest_sha256, "weights.sha256": package.get("weights_sha256") or "",
+                MANIFEST_SHA256_TAG: manifest_sha256, POLICY_SHA256_TAG: policy,
+                "weights.sha256": package.get("weights_sha256") or "",
                 "package.tarball": package["tarball"], "profile": self.profile,
                 "success_rate": "" if package["success_rate"] is None else str(package["success_rate"]),
                 "action_error": "" if action.get("trained") is None else str(action["trained"]),
@@ -695,12 +712,31 @@ def register_and_promote(tracker: Tracker, prof: Profile, package_result: dict, 
     """Register the packaged model (an unchanged bundle: the version that holds it already), then give it the
     deployment alias only if it passes the gate and is no worse than the model holding the alias, both measured
     on the candidate's held-out episodes. What the flow's task and `dz track` (the DVC path) both call."""
+    from mlflow.exceptions import MlflowException
+
     version, created = tracker.register(prof, package_result, provenance)
     p = prof.promote
-    decision = promote(tracker.uri, p.registered_model, version, p.alias, p.min_success, run_id=tracker.run_id,
-                       max_action_error_ratio=p.max_action_error_ratio, max_regression=p.max_regression,
-                       comparison=lambda v: tracker.head_to_head(prof, v, package_result, params_file))
-    decision["registered"] = "new version" if created else "unchanged: the same bundle as this existing version"
+    holder = None
+    if not created:
+        try:
+            holder = str(tracker.client.get_model_version_by_alias(p.registered_model, p.alias).version)
+        except MlflowException:
+            pass
+    passed_before = not created and \
+        tracker.client.get_model_version(p.registered_model, version).tags.get("promotion") == "passed"
+    if passed_before and holder not in (None, version):
+        # this policy held the alias once and someone moved it since (a rollback): a rerun does not undo that
+        reason = (f"left alone: v{version} passed before, and @{p.alias} was moved to v{holder} since (a rollback, "
+                  f"say); `dz promote --version {version}` moves it back")
+        decision = {"registered_model": p.registered_model, "version": version, "alias": p.alias, "promoted": False,
+                    "reason": reason, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        tracker.client.log_dict(tracker.run_id, decision, "promotion.json")
+        tracker.client.set_tag(tracker.run_id, "promotion", reason)
+    else:
+        decision = promote(tracker.uri, p.registered_model, version, p.alias, p.min_success, run_id=tracker.run_id,
+                           max_action_error_ratio=p.max_action_error_ratio, max_regression=p.max_regression,
+                           comparison=lambda v: tracker.head_to_head(prof, v, package_result, params_file))
+    decision["registered"] = "new version" if created else "unchanged: this version holds the same policy"
     log(f"registry: {p.registered_model} v{version} ({decision['registered']}): {decision['reason']}")
     return decision
 

@@ -16,6 +16,7 @@ import pytest
 
 from dzmodel import pipeline
 from dzmodel.config import StagePaths
+from dzmodel.serve.package import _manifest_lines
 from dzmodel.stages import STAGE_TABLE
 from dzmodel.stages.package import chosen_step
 from dzmodel.stages.train import summarize_training
@@ -84,7 +85,9 @@ def _fake_stages(calls: list[str]):
         bundle = paths.stage("package") / f"dreamzero-demo-{step}"
         write(bundle / "robot.json", "{}")
         weights = (paths.stage("converted") / f"step_{step:07d}" / "model.safetensors").read_text()
-        write(bundle / "MANIFEST", f"stand-in manifest: {weights}, {prof.eval.episodes} eval episodes\n")
+        write(bundle / "model" / "model.safetensors", weights)  # stand-ins: no loadable model, a real MANIFEST
+        write(bundle / "eval" / "summary.json", f"{prof.eval.episodes} eval episodes")
+        write(bundle / "MANIFEST", "\n".join(_manifest_lines(bundle)) + "\n")
         write(paths.stage("package") / f"dreamzero-demo-{step}.tar.gz")
         # a stand-in held-out action error: the demo's gate reads its ratio
         action = {"step": step, "trained": 0.1, "ratio": 0.25, "mean_predictor": 0.4, "untrained": 0.9}
@@ -132,9 +135,9 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     calls.clear()
     third = sft_pipeline("demo", root=str(tmp_path), overrides=["promote.min_success=0.4", "eval.episodes=3"])
     assert calls == ["eval", "package"]  # only the eval section changed
-    # a new bundle (another eval) around the same weights: nothing to compare, and the absolute gate decides
-    assert third["promotion"]["promoted"], third
-    assert "not compared with the current model (v1 has the same weights)" in third["promotion"]["reason"]
+    # a new bundle around the same policy (another evaluation: only its record files differ) is no new version
+    assert third["promotion"]["version"] == "1" and third["promotion"]["registered"].startswith("unchanged"), third
+    assert third["promotion"]["promoted"] and "(v1 holds @production already)" in third["promotion"]["reason"]
 
     calls.clear()
     (tmp_path / "runs" / "demo" / "latest" / "package" / "dreamzero-demo-3.tar.gz").unlink()  # an output went missing
@@ -161,17 +164,16 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
         "eval": "false", "package": "false"}
     assert {r.info.run_name for r in parents} == {first["run_name"], second["run_name"], refused["run_name"],
                                                    *(r.data.tags["dz.run_name"] for r in parents)}
-    # the registry: a new version only for a new bundle (runs 1, 3 and 5); the alias stayed on the last one that
-    # passed the gate
-    assert str(client.get_model_version_by_alias("dreamzero-demo", "production").version) == "2"
-    assert len(client.search_model_versions("name='dreamzero-demo'")) == 3
-    v3 = client.get_model_version("dreamzero-demo", "3")
-    assert v3.tags["promotion"] == "refused" and v3.tags["success_rate"] == "0.5"
-    assert v3.tags["run_name"] == refused["run_name"] and set(v3.tags) >= {f"key.{s}" for s in pipeline.STAGES}
+    # the registry: a new version only for a new policy (runs 1 and 5); the alias stayed on the one that passed
+    assert str(client.get_model_version_by_alias("dreamzero-demo", "production").version) == "1"
+    assert len(client.search_model_versions("name='dreamzero-demo'")) == 2
+    v2 = client.get_model_version("dreamzero-demo", "2")
+    assert v2.tags["promotion"] == "refused" and v2.tags["success_rate"] == "0.5"
+    assert v2.tags["run_name"] == refused["run_name"] and set(v2.tags) >= {f"key.{s}" for s in pipeline.STAGES}
     # an MLflow 3 model logged by the run (its output: the runs table's Models column), registered from it
-    model_id = v3.tags["logged_model_id"]
+    model_id = v2.tags["logged_model_id"]
     logged = client.get_logged_model(model_id)
-    assert v3.tags["pyfunc"] == "yes" and v3.source == logged.artifact_location
+    assert v2.tags["pyfunc"] == "yes" and v2.source == logged.artifact_location
     assert (logged.source_run_id, logged.experiment_id, logged.name) == (last.info.run_id, last.info.experiment_id,
                                                                           "dreamzero-demo-3")
     assert str(logged.status) in ("READY", "LoggedModelStatus.READY")
@@ -179,7 +181,8 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     files = {a.path for a in client.list_logged_model_artifacts(model_id)}
     assert {"MLmodel", "mlflow_policy.py", "artifacts"} <= files  # models-from-code
     assert [a.path for a in client.list_logged_model_artifacts(model_id, "artifacts/dreamzero-demo-3")] == [
-        "artifacts/dreamzero-demo-3/MANIFEST", "artifacts/dreamzero-demo-3/robot.json"]
+        "artifacts/dreamzero-demo-3/MANIFEST", "artifacts/dreamzero-demo-3/eval", "artifacts/dreamzero-demo-3/model",
+        "artifacts/dreamzero-demo-3/robot.json"]
     artifacts = {a.path for a in client.list_artifacts(last.info.run_id)}
     assert {"plots", "promotion.json"} <= artifacts
 
@@ -243,7 +246,7 @@ def test_a_b_a_registers_what_each_run_trained(prefect_env, tmp_path, monkeypatc
         retrained = f"trained at lr {float(lr)}, step 3"  # what the fake train + convert write for these params
         assert version.tags["weights.sha256"] == hashlib.sha256(retrained.encode()).hexdigest(), (lr, version.version)
         bundle = Path(run["package"]).with_suffix("").with_suffix("")
-        assert lr in (bundle / "MANIFEST").read_text() or str(float(lr)) in (bundle / "MANIFEST").read_text()
+        assert (bundle / "model" / "model.safetensors").read_text() == retrained
     # the run views: three names, each linking to the outputs its own keys address
     views = [tmp_path / "runs" / "demo" / r["run_name"] for r in runs]
     assert len({r["run_name"] for r in runs}) == 3 and all((v / "run.json").is_file() for v in views)
@@ -268,7 +271,7 @@ def test_dz_promote_applies_the_gate_to_a_registered_version(prefect_env, tmp_pa
     assert main(args + ["--min-success", "0.5", "--version", "1"]) == 1
     out = capsys.readouterr().out
     assert "v1 -> alias canary: refused: " in out and "LIBERO success 50.0% >= gate 50.0%; health: v1: the bundle " \
-        "failed its checks (" in out and "malformed MANIFEST line 'stand-in manifest" in out
+        "failed its checks (" in out
     monkeypatch.setattr("tasks.tracking.registered_health", lambda *a: (True, "health: a stand-in"))
     assert main(args + ["--min-success", "0.75"]) == 1
     assert "refused: LIBERO success 50.0% < gate 75.0%" in capsys.readouterr().out
@@ -336,6 +339,11 @@ def test_rollback_moves_the_alias_past_the_comparison_with_a_recorded_reason(pre
     assert holder() == "1"
     override = client.get_model_version("dreamzero-demo", "1").tags["promotion_override"]
     assert override.startswith("@production by ") and override.endswith(": rollback: v2 drops grasps")
+    # a rerun of v2's parameters (nightly, say) finds v2's policy registered: it does not undo the rollback
+    again = sft_pipeline("demo", root=str(tmp_path), overrides=[gate, "train.lr=3.0e-3"])
+    assert again["promotion"]["version"] == "2" and not again["promotion"]["promoted"], again["promotion"]
+    assert "left alone: v2 passed before, and @production was moved to v1 since" in again["promotion"]["reason"]
+    assert holder() == "1"
 
     listing = ["registry", "list", "--root", str(tmp_path), "--profile", "demo"]
     assert main(listing) == 0
@@ -375,7 +383,8 @@ def test_models_uris_resolve_to_the_promoted_bundle(prefect_env, tmp_path, monke
     path, pinned = resolve_bundle_source("models:/dreamzero-demo@production")
     bundle = Path(path)
     manifest = (bundle / "MANIFEST").read_bytes()
-    assert bundle.name == "dreamzero-demo-3" and manifest.startswith(b"stand-in manifest: trained at lr")
+    assert bundle.name == "dreamzero-demo-3" and b"  model/model.safetensors\n" in manifest
+    assert (bundle / "model" / "model.safetensors").read_text().startswith("trained at lr")
     assert pinned == hashlib.sha256(manifest).hexdigest()  # passed on to the loader
     assert bundle.is_relative_to(next((tmp_path / "cache" / "registry").iterdir()) / "dreamzero-demo" / "1")
     assert resolve_registered_bundle("models:/dreamzero-demo/1") == bundle  # by version, cached
@@ -385,7 +394,7 @@ def test_models_uris_resolve_to_the_promoted_bundle(prefect_env, tmp_path, monke
         resolve_registered_bundle("models:/other-model@production")
     with pytest.raises(RegistryError, match="expected models:/<name>@<alias>"):
         resolve_registered_bundle("models:/a/b/c")
-    # the served bundle is verified like any other: this stand-in's MANIFEST is refused, in one line
+    # the served bundle is verified like any other: this stand-in (no model to load) is refused, in one line
     monkeypatch.setenv("DZ_SERVE_TOKEN", "a-long-enough-token")
     assert main(["serve", "models:/dreamzero-demo@production"]) == 2
 
@@ -524,3 +533,25 @@ def test_gc_removes_old_runs_and_the_outputs_only_they_used(prefect_env, tmp_pat
     calls.clear()
     sft_pipeline("demo", root=str(tmp_path), overrides=["train.lr=2.0e-3"])
     assert calls == ["train", "convert", "eval", "package"]  # a's outputs are gone: its cached results are not used
+
+
+def test_the_policy_digest_ignores_the_records_of_how_a_bundle_was_made(tmp_path):
+    """Two bundles with the same weights and served files are one policy, whatever their training record (another
+    run's paths), model card or evaluation; another robot file or another weight is another policy."""
+    from tasks.tracking import policy_sha256
+
+    def bundle(name: str, **files: str) -> Path:
+        root = tmp_path / name
+        base = {"model/model.safetensors": "w", "robot.json": "{}", "model/experiment_cfg/train_config.json":
+                '{"out_dir": "runs/demo/train"}', "MODEL_CARD.md": "card", "eval/summary.json": "1 episode"}
+        for rel, text in {**base, **files}.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+        (root / "MANIFEST").write_text("\n".join(_manifest_lines(root)) + "\n")
+        return root
+
+    first = policy_sha256(bundle("a"))
+    assert policy_sha256(bundle("b", **{"model/experiment_cfg/train_config.json": '{"out_dir": "runs/demo/k1/train"}',
+                                        "MODEL_CARD.md": "another card", "eval/summary.json": "3 episodes"})) == first
+    assert policy_sha256(bundle("c", **{"robot.json": '{"max_speed": 0.1}'})) != first
+    assert policy_sha256(bundle("d", **{"model/model.safetensors": "w2"})) != first
