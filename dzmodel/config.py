@@ -274,6 +274,14 @@ class TrackingParams:
     mlflow_uri: str = "sqlite:///mlruns/mlflow.db"
     artifact_root: str = "mlruns/artifacts"
     experiment: str | None = field(default=None, metadata=PLAIN_NAME)  # default dreamzero-<profile>
+    # where people open this store's MLflow UI (the links in Prefect artifacts and the run summary); null: the
+    # tracking URI itself when it is http(s), else http://127.0.0.1:5000 (`mlflow ui`'s default)
+    ui_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ui_url is not None and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", self.ui_url):
+            raise ValueError(f"tracking.ui_url: an http(s) address such as https://mlflow.lab:5000, got "
+                             f"{self.ui_url!r}")
 
 
 @dataclass

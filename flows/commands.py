@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 from dzmodel.clitools import CLIError
@@ -44,7 +45,7 @@ def project_environment(root: Path) -> dict[str, str]:
 
 
 def where_to_look(summary: dict, root: Path) -> str:
-    from tasks.tracking import mask_uri
+    from tasks.tracking import LOCAL_UI, mask_uri
 
     venv = os.path.relpath(Path(sys.executable).parent, Path.cwd())
     uri = mask_uri(summary["mlflow_uri"])
@@ -65,13 +66,13 @@ def where_to_look(summary: dict, root: Path) -> str:
         if p.get("promoted"):
             lines.append(f"  serve       DZ_SERVE_TOKEN=<secret> {venv}/dz serve models:/{p['registered_model']}@{p['alias']}"
                          "   (docs/deploy.md)")
+    page = summary.get("mlflow_page") or LOCAL_UI
     if uri.startswith("sqlite:"):
-        page = (f"http://127.0.0.1:5000/#/experiments/{summary['mlflow_experiment_id']}/runs?workflowType=machine_learning"
-                if summary.get("mlflow_experiment_id") else "http://127.0.0.1:5000")
-        lines.append(f"  MLflow UI   {venv}/mlflow ui --backend-store-uri {uri} --port 5000   "
+        port = urllib.parse.urlsplit(page).port or 5000
+        lines.append(f"  MLflow UI   {venv}/mlflow ui --backend-store-uri {uri} --port {port}   "
                      f"(then {page}, experiment {summary['experiment']})")
     else:
-        lines.append(f"  MLflow      {uri} (experiment {summary['experiment']}, run {summary['mlflow_run_id']})")
+        lines.append(f"  MLflow      {page} (experiment {summary['experiment']}, run {summary['mlflow_run_id']})")
     home = os.environ.get("PREFECT_HOME", "~/.prefect")
     if os.environ.get("PREFECT_API_URL"):
         lines.append(f"  Prefect UI  {mask_uri(os.environ['PREFECT_API_URL'].removesuffix('/api'))}")
@@ -208,7 +209,8 @@ def cmd_track(ns: argparse.Namespace) -> int:
         print(f"dz track: {exc}", file=sys.stderr)
         return 2
     print(f"MLflow run {summary['run_name']} ({summary['mlflow_run_id']}) in experiment {summary['experiment']} "
-          f"({summary['mlflow_uri']})" + ("; the registry's decision is above" if summary["promotion"] else ""))
+          f"({summary['mlflow_uri']}): {summary['mlflow_page']}"
+          + ("; the registry's decision is above" if summary["promotion"] else ""))
     return 0
 
 

@@ -18,7 +18,7 @@ from dzmodel.atomic import atomic_write_text
 from dzmodel.config import StagePaths, load_params, profile_dict
 from dzmodel.pipeline import STAGES, outputs_intact
 from dzmodel.runs import params_digest
-from tasks.tracking import Tracker, experiment_name, mask_uri, register_and_promote
+from tasks.tracking import Tracker, experiment_name, mask_uri, register_and_promote, ui_page
 
 TRACKING_RECORD = "tracking.json"
 
@@ -87,6 +87,7 @@ def track(root: str | Path = ".", params_path: str = "params.yaml", overrides: l
     summary = {"profile": name, "run_name": run, "mlflow_run_id": tracker.run_id,
                "mlflow_experiment_id": tracker.experiment_id, "mlflow_uri": mask_uri(tracker.uri),
                "experiment": experiment_name(prof, name), "params_digest": digest, "promotion": decision,
+               "mlflow_page": ui_page(prof, tracker.uri, tracker.experiment_id, tracker.run_id),
                "package": records["package"].get("tarball")}
     atomic_write_text(paths.run / TRACKING_RECORD, json.dumps(summary, indent=1, default=str) + "\n")
     return summary

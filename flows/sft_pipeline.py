@@ -25,13 +25,7 @@ from dzmodel.runs import check_run_name, link_stage, next_run_name, params_diges
 from tasks import artifacts
 from dzmodel.stages import STAGE_TABLE
 from tasks.stages import STAGE_TASKS, cache_key, register_and_promote
-from tasks.tracking import Tracker, experiment_name, mask_uri, without_credentials
-
-
-def _mlflow_link(tracker: Tracker) -> str:
-    base = without_credentials(tracker.uri) if tracker.uri.startswith("http") else "http://127.0.0.1:5000"
-    # workflowType: MLflow 3's UI opens in its GenAI mode unless told; the experiment's kind tag alone does not
-    return f"{base.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}?workflowType=machine_learning"
+from tasks.tracking import Tracker, experiment_name, mask_uri, ui_page
 
 
 def _description(run: str, profile: str, digest: str, flow_run_id, view: Path) -> str:
@@ -87,7 +81,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
     view = start_view(paths, run, {"profile": name, "params_digest": digest,
                                    "overrides": list(overrides or []), "mlflow_run_id": tracker.run_id,
                                    "prefect_flow_run_id": str(ctx.flow_run.id)})
-    link = _mlflow_link(tracker)
+    link = ui_page(prof, tracker.uri, tracker.experiment_id, tracker.run_id)
     artifacts.mlflow_link_artifact(name, link)
     logger.info(f"run {run} (profile {name}): {view}; MLflow run {tracker.run_id} in experiment "
                 f"{experiment_name(prof, name)} ({mask_uri(tracker.uri)})")
@@ -135,6 +129,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
     summary = {"profile": name, "run_name": run, "run_dir": str(view), "mlflow_run_id": tracker.run_id,
                "mlflow_experiment_id": tracker.experiment_id,
                "mlflow_uri": mask_uri(tracker.uri), "experiment": experiment_name(prof, name),
+               "mlflow_page": ui_page(prof, tracker.uri, tracker.experiment_id),
                "package": results["package"]["tarball"], "promotion": decision,
                "cached_stages": [s for s in STAGES if results[s].get("_cached")],
                "action_error": results["package"].get("action_error")}

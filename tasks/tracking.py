@@ -91,6 +91,20 @@ def without_credentials(uri: str) -> str:
     return re.sub(r"^([\w+.-]+://)[^/?#]*@", r"\1", uri).split("?", 1)[0].split("#", 1)[0]
 
 
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+
+
+def ui_page(prof: Profile, uri: str, experiment_id: str | None = None, run_id: str | None = None) -> str:
+    """The MLflow UI page of an experiment (or one of its runs): at `tracking.ui_url` when set, else at the
+    tracking URI when it is a server, else where `mlflow ui` serves by default. `workflowType`: MLflow 3's UI
+    opens its GenAI view of an experiment unless told otherwise."""
+    base = prof.tracking.ui_url or (without_credentials(uri) if uri.startswith(("http://", "https://")) else LOCAL_UI)
+    if experiment_id is None:
+        return base
+    page = f"{base.rstrip('/')}/#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "/runs")
+    return f"{page}?workflowType=machine_learning"
+
+
 def experiment_name(prof: Profile, profile: str) -> str:
     return prof.tracking.experiment or f"dreamzero-{profile}"
 
