@@ -28,6 +28,15 @@ from tasks.stages import STAGE_TASKS, cache_key, register_and_promote
 from tasks.tracking import Tracker, experiment_name, mask_uri, ui_page
 
 
+def _record_failure(tracker: Tracker, stage: str, exc: BaseException, status: str) -> None:
+    """The failing (or killed) stage and its error, on the MLflow run; a store that cannot take them does not hide
+    the error itself."""
+    try:
+        tracker.record_failure(stage, exc, status)
+    except Exception as problem:  # noqa: BLE001  (the original error is what the user must see)
+        get_run_logger().warning(f"MLflow: could not record the {stage} stage's error ({problem})")
+
+
 def _description(run: str, profile: str, digest: str, flow_run_id, view: Path) -> str:
     """The MLflow run's description (markdown): what it is, and where its Prefect run and outputs are."""
     from prefect.settings import get_current_settings
@@ -87,6 +96,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
                 f"{experiment_name(prof, name)} ({mask_uri(tracker.uri)})")
     results: dict[str, dict] = {}
     states: dict = {}  # each stage's final state: passed on as wait_for, the Prefect graph's edges
+    stage = STAGES[0]
     try:
         for stage in STAGES:
             key = cache_key(stage, prof, [results[u]["outputs_fingerprint"] for u in STAGE_TABLE[stage].upstream])
@@ -115,15 +125,18 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
             elif stage == "eval":
                 artifacts.eval_artifact(name, result, paths.plots("eval"))
         provenance = {"run_name": run, "params_digest": digest, "keys": dict(paths.keys)}
+        stage = "register-and-promote"
         decision = (register_and_promote(quote(tracker), quote(prof), quote(results["package"]), quote(provenance),
                                          str(root_dir / params_path), wait_for=[states["package"]])
                     if promote else None)
         artifacts.package_artifact(name, results["package"], decision)
         tracker.end()
-    except (KeyboardInterrupt, SystemExit, CancelledError):  # Ctrl-C, SIGTERM (dz pipeline run), a cancelled run
+    except (KeyboardInterrupt, SystemExit, CancelledError) as exc:  # Ctrl-C, SIGTERM, a cancelled run
+        _record_failure(tracker, stage, exc, "KILLED")
         tracker.end(status="KILLED")
         raise
-    except BaseException:
+    except BaseException as exc:
+        _record_failure(tracker, stage, exc, "FAILED")
         tracker.end(status="FAILED")
         raise
     summary = {"profile": name, "run_name": run, "run_dir": str(view), "mlflow_run_id": tracker.run_id,

@@ -252,6 +252,21 @@ class Tracker:
             "mlflow.parentRunId": self.run_id, "stage": stage, "cached": str(cached).lower(), "profile": self.profile})
         return run.info.run_id
 
+    def record_failure(self, stage: str, exc: BaseException, status: str = "FAILED") -> None:
+        """Why the run stopped: the stage that was running (a nested run of its own, ended with `status`) and the
+        error, as tags of both (`failed_stage` or `killed_stage`, `error`: its first line) and the full text as
+        the nested run's `error.txt`."""
+        text = mask_uri(f"{type(exc).__name__}: {exc}".strip())
+        first = (text.splitlines() or [type(exc).__name__])[0][:500]
+        which = "killed_stage" if status == "KILLED" else "failed_stage"
+        self.client.set_tag(self.run_id, which, stage)
+        self.client.set_tag(self.run_id, "error", first)
+        child = self.client.create_run(self.experiment_id, run_name=stage, tags={
+            "mlflow.parentRunId": self.run_id, "stage": stage, "cached": "false", "profile": self.profile,
+            "error": first})
+        self.client.log_text(child.info.run_id, text + "\n", "error.txt")
+        self.client.set_terminated(child.info.run_id, status=status)
+
     def end(self, run_id: str | None = None, status: str = "FINISHED") -> None:
         if run_id in (None, self.run_id) and self.monitor is not None:
             self.monitor.finish()  # its last samples, before the run ends

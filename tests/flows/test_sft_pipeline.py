@@ -424,7 +424,7 @@ def test_an_interrupted_run_ends_killed_and_a_dead_ones_run_is_ended(prefect_env
     exp = client.get_experiment_by_name("dreamzero-demo")
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the classic view, not GenAI
     (parent,) = client.search_runs([exp.experiment_id], "tags.pipeline = 'sft_pipeline'")
-    assert parent.info.status == "KILLED"
+    assert parent.info.status == "KILLED" and parent.data.tags["killed_stage"] == "train"
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     import socket
@@ -555,3 +555,33 @@ def test_the_policy_digest_ignores_the_records_of_how_a_bundle_was_made(tmp_path
                                         "MODEL_CARD.md": "another card", "eval/summary.json": "3 episodes"})) == first
     assert policy_sha256(bundle("c", **{"robot.json": '{"max_speed": 0.1}'})) != first
     assert policy_sha256(bundle("d", **{"model/model.safetensors": "w2"})) != first
+
+
+def test_a_failed_run_records_the_stage_and_the_error(prefect_env, tmp_path, monkeypatch):
+    """A stage that raises: the MLflow parent run ends FAILED with the stage and the error's first line as tags,
+    and the stage has a nested run of its own, FAILED, with the whole error as error.txt."""
+    from mlflow.tracking import MlflowClient
+
+    from dzmodel.data.errors import DataError
+    from flows.sft_pipeline import sft_pipeline
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+
+    def broken(prof, paths, log):
+        raise DataError("data/demo/dataset/meta/info.json: field 'fps' is -1\n(a second line of detail)")
+
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", {**_fake_stages([]), "metadata": broken})
+    with pytest.raises(DataError):
+        sft_pipeline("demo", root=str(tmp_path))
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("dreamzero-demo")
+    (parent,) = client.search_runs([exp.experiment_id], "tags.pipeline = 'sft_pipeline'")
+    assert parent.info.status == "FAILED" and parent.data.tags["failed_stage"] == "metadata"
+    assert parent.data.tags["error"] == "DataError: data/demo/dataset/meta/info.json: field 'fps' is -1"
+    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    status = {c.info.run_name: c.info.status for c in children}
+    assert status == {"fetch": "FINISHED", "metadata": "FAILED"}, status
+    failed = next(c for c in children if c.info.run_name == "metadata")
+    text = client.download_artifacts(failed.info.run_id, "error.txt", str(tmp_path))
+    assert Path(text).read_text().endswith("(a second line of detail)\n")
