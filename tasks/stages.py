@@ -48,6 +48,8 @@ class JSONResults(Serializer):
     type: str = Field(default="dz-json", frozen=True)
 
     def dumps(self, obj: Any) -> bytes:
+        if isinstance(obj, BaseException):  # a failed task's error, which Prefect stores as its result
+            obj = {"error": type(obj).__name__, "message": str(obj)}
         return json.dumps(obj).encode()
 
     def loads(self, blob: bytes) -> Any:

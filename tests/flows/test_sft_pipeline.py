@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -572,8 +573,16 @@ def test_a_failed_run_records_the_stage_and_the_error(prefect_env, tmp_path, mon
         raise DataError("data/demo/dataset/meta/info.json: field 'fps' is -1\n(a second line of detail)")
 
     monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", {**_fake_stages([]), "metadata": broken})
-    with pytest.raises(DataError):
-        sft_pipeline("demo", root=str(tmp_path))
+    seen = io.StringIO()
+    handler = logging.StreamHandler(seen)
+    logging.getLogger("prefect").addHandler(handler)
+    try:
+        with pytest.raises(DataError):
+            sft_pipeline("demo", root=str(tmp_path))
+    finally:
+        logging.getLogger("prefect").removeHandler(handler)
+    assert "fps' is -1" in seen.getvalue()  # the task's log has the error
+    assert "Failed to serialize" not in seen.getvalue()  # and no warning about storing it as the task's result
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("dreamzero-demo")
     (parent,) = client.search_runs([exp.experiment_id], "tags.pipeline = 'sft_pipeline'")
