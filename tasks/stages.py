@@ -36,6 +36,7 @@ from pydantic import Field
 
 from dzmodel.config import Profile, StagePaths
 from dzmodel.pipeline import run_stage, stage_params
+from dzmodel.progress import report_to
 from dzmodel.stages import code_fingerprint
 
 GPU_POOL_TAG = "gpu-pool"
@@ -122,7 +123,8 @@ def _key_from_parameters(context, parameters: dict) -> str:
 
 def _run(stage: str, prof: Profile, paths: StagePaths, **kwargs) -> dict:
     logger = get_run_logger()
-    return run_stage(stage, prof, paths, log=logger.info, **kwargs)
+    with report_to(logger.info):  # the stage's progress bars (convert, statistics, evaluation, recording) log here too
+        return run_stage(stage, prof, paths, log=logger.info, **kwargs)
 
 
 _CACHED = dict(cache_policy=CacheKeyFnPolicy(cache_key_fn=_key_from_parameters).configure(key_storage=JSONResultKeys()),

@@ -594,3 +594,35 @@ def test_a_failed_run_records_the_stage_and_the_error(prefect_env, tmp_path, mon
     failed = next(c for c in children if c.info.run_name == "metadata")
     text = client.download_artifacts(failed.info.run_id, "error.txt", str(tmp_path))
     assert Path(text).read_text().endswith("(a second line of detail)\n")
+
+
+def test_a_stages_progress_reaches_its_prefect_task_log(prefect_env, tmp_path, monkeypatch):
+    """A bar inside a stage (the conversion's, the evaluation's, the recording's) writes to the task's own log; in
+    a test every update, on a machine every 30 s and at the end."""
+    from dzmodel.progress import Progress
+    from flows.sft_pipeline import sft_pipeline
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr("dzmodel.progress.REPORT_EVERY_S", 0.0)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    stages = _fake_stages([])
+
+    def convert(prof, paths, log):
+        bar = Progress(2, enabled=False, desc="convert", unit="ckpt")
+        out = stages["convert"](prof, paths, log)
+        for _ in range(2):
+            bar.update()
+        return out
+
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", {**stages, "convert": convert})
+    seen = io.StringIO()
+    handler = logging.StreamHandler(seen)
+    handler.setFormatter(logging.Formatter("%(name)s | %(message)s"))
+    logging.getLogger("prefect").addHandler(handler)
+    try:
+        sft_pipeline("demo", root=str(tmp_path), promote=False)
+    finally:
+        logging.getLogger("prefect").removeHandler(handler)
+    lines = [line for line in seen.getvalue().splitlines() if "| convert: " in line]
+    assert [line.split("| ")[1].split(" (")[0] for line in lines] == ["convert: 1/2 ckpts", "convert: 2/2 ckpts"], lines
+    assert all(line.startswith("prefect.task_runs") for line in lines)  # the task's logger, not the flow's
