@@ -114,7 +114,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
             result["_cached"] = cached
             if cached:
                 result["_live_logged"] = False
-                logger.info(f"{stage}: unchanged inputs and params, skipped (cached result)")
+                logger.info(f"{stage}: unchanged inputs and params, skipped (cached result, cache key {key})")
             link_stage(paths, run, stage)
             tracker.log_stage(stage, result, cached, paths)
             results[stage] = result

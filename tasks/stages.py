@@ -121,8 +121,10 @@ def _key_from_parameters(context, parameters: dict) -> str:
     return parameters["cache_key"]
 
 
-def _run(stage: str, prof: Profile, paths: StagePaths, **kwargs) -> dict:
+def _run(stage: str, prof: Profile, paths: StagePaths, cache_key: str, **kwargs) -> dict:
     logger = get_run_logger()
+    # Prefect 3 leaves the task run's own "Cache Key" field empty: the key is this task's parameter and this line
+    logger.info(f"{stage}: cache key {cache_key} (a later run with the same key reuses this result)")
     with report_to(logger.info):  # the stage's progress bars (convert, statistics, evaluation, recording) log here too
         return run_stage(stage, prof, paths, log=logger.info, **kwargs)
 
@@ -135,46 +137,46 @@ _CACHED = dict(cache_policy=CacheKeyFnPolicy(cache_key_fn=_key_from_parameters).
 # same way under `dz stage fetch` and dvc
 @task(name="fetch", **_CACHED)
 def fetch(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
-    return _run("fetch", prof, paths)
+    return _run("fetch", prof, paths, cache_key)
 
 
 @task(name="metadata", **_CACHED)
 def metadata(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
-    return _run("metadata", prof, paths)
+    return _run("metadata", prof, paths, cache_key)
 
 
 @task(name="vision", tags=[GPU_POOL_TAG], **_CACHED)
 def vision(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
-    return _run("vision", prof, paths)
+    return _run("vision", prof, paths, cache_key)
 
 
 @task(name="cache", tags=[GPU_POOL_TAG], **_CACHED)
 def cache(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
-    return _run("cache", prof, paths)
+    return _run("cache", prof, paths, cache_key)
 
 
 @task(name="train", tags=[GPU_POOL_TAG], **_CACHED)
 def train(prof: Profile, paths: StagePaths, cache_key: str,
           on_metrics: Callable[[list[dict]], None] | None = None) -> dict:
     """torchrun in a subprocess; its log lines stream into this task's log, its metrics to `on_metrics`."""
-    result = _run("train", prof, paths, on_metrics=on_metrics)
+    result = _run("train", prof, paths, cache_key, on_metrics=on_metrics)
     result["_live_logged"] = on_metrics is not None
     return result
 
 
 @task(name="convert", **_CACHED)
 def convert(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
-    return _run("convert", prof, paths)
+    return _run("convert", prof, paths, cache_key)
 
 
 @task(name="eval", tags=[GPU_POOL_TAG], **_CACHED)
 def evaluate(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
-    return _run("eval", prof, paths)
+    return _run("eval", prof, paths, cache_key)
 
 
 @task(name="package", **_CACHED)
 def package(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
-    return _run("package", prof, paths)
+    return _run("package", prof, paths, cache_key)
 
 
 STAGE_TASKS = {"fetch": fetch, "metadata": metadata, "vision": vision, "cache": cache, "train": train, "convert": convert,

@@ -598,7 +598,7 @@ def test_a_failed_run_records_the_stage_and_the_error(prefect_env, tmp_path, mon
 
 def test_a_stages_progress_reaches_its_prefect_task_log(prefect_env, tmp_path, monkeypatch):
     """A bar inside a stage (the conversion's, the evaluation's, the recording's) writes to the task's own log; in
-    a test every update, on a machine every 30 s and at the end."""
+    a test every update, on a machine every 30 s and at the end. The log starts with the task's cache key."""
     from dzmodel.progress import Progress
     from flows.sft_pipeline import sft_pipeline
 
@@ -623,6 +623,9 @@ def test_a_stages_progress_reaches_its_prefect_task_log(prefect_env, tmp_path, m
         sft_pipeline("demo", root=str(tmp_path), promote=False)
     finally:
         logging.getLogger("prefect").removeHandler(handler)
-    lines = [line for line in seen.getvalue().splitlines() if "| convert: " in line]
+    lines = [line for line in seen.getvalue().splitlines() if "| convert: " in line and "cache key" not in line]
     assert [line.split("| ")[1].split(" (")[0] for line in lines] == ["convert: 1/2 ckpts", "convert: 2/2 ckpts"], lines
     assert all(line.startswith("prefect.task_runs") for line in lines)  # the task's logger, not the flow's
+    # each task's log names its cache key (Prefect 3 leaves the task page's own field empty)
+    keys = [line for line in seen.getvalue().splitlines() if "prefect.task_runs | convert: cache key dz-convert-" in line]
+    assert len(keys) == 1, seen.getvalue()[-3000:]
