@@ -108,7 +108,13 @@ class FetchParams:
     record: RecordParams = field(default_factory=RecordParams)  # source "libero" only
 
     def __post_init__(self) -> None:
-        if self.source not in ("synthetic", "libero") and "/" in self.source and not Path(self.source).exists() and not self.revision:
+        if self.source in ("synthetic", "libero") or "/" not in self.source:
+            return
+        if self.source.startswith((".", "/", "~")) or Path(self.source).exists():  # a path, never a hub id
+            if not Path(self.source).expanduser().exists():
+                raise ValueError(f"fetch.source: {self.source!r} is a path (it starts with '{self.source[0]}') and "
+                                 "does not exist; a hub dataset is named owner/name")
+        elif not self.revision:
             raise ValueError(f"fetch.revision: hub dataset {self.source!r} needs a pinned revision (sha or tag)")
 
 

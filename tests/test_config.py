@@ -205,3 +205,18 @@ def test_the_readme_lists_every_profile_with_its_model_preset():
     names = {"tiny": "tiny", "small": "small", "dreamzero_5b": "DreamZero-5B", "dreamzero_14b": "DreamZero-14B"}
     for name, model in rows:
         assert model.startswith(names[params.selected(name).train["preset"]]), (name, model)
+
+
+def test_a_path_source_is_never_taken_for_a_hub_id(tmp_path):
+    """`--set fetch.source=/abs/path` (or ./rel, ~/x) is a path: a missing one is said to be missing, not asked for
+    a hub revision; an existing one is accepted; owner/name still needs its pinned revision."""
+    from dzmodel.config import ParamsError, load_params
+
+    root = Path(__file__).resolve().parents[1] / "params.yaml"
+    for missing in (str(tmp_path / "nowhere"), "./nowhere/ds", "~/nowhere-dz/ds"):
+        with pytest.raises(ParamsError, match=r"is a path \(it starts with '.'\) and does not exist") as err:
+            load_params(root, [f"fetch.source={missing}"], "demo")
+        assert "revision" not in str(err.value)
+    load_params(root, [f"fetch.source={tmp_path}"], "demo")
+    with pytest.raises(ParamsError, match="needs a pinned revision"):
+        load_params(root, ["fetch.source=owner/name"], "demo")
