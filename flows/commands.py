@@ -72,7 +72,9 @@ def where_to_look(summary: dict, root: Path) -> str:
         lines.append(f"  MLflow UI   {venv}/mlflow ui --backend-store-uri {uri} --port {port}   "
                      f"(then {page}, experiment {summary['experiment']})")
     else:
-        lines.append(f"  MLflow      {page} (experiment {summary['experiment']}, run {summary['mlflow_run_id']})")
+        lines.append(f"  MLflow      {uri} (experiment {summary['experiment']}, run {summary['mlflow_run_id']})")
+        if summary.get("mlflow_page"):
+            lines.append(f"  MLflow UI   {summary['mlflow_page']}")
     home = os.environ.get("PREFECT_HOME", "~/.prefect")
     if os.environ.get("PREFECT_API_URL"):
         lines.append(f"  Prefect UI  {mask_uri(os.environ['PREFECT_API_URL'].removesuffix('/api'))}")

@@ -47,4 +47,5 @@ def test_the_summary_prints_the_page_it_was_given(tmp_path):
     text = where_to_look(summary, tmp_path)
     assert "--port 5055" in text and "(then http://127.0.0.1:5055/#/experiments/7/runs?workflowType=" in text
     text = where_to_look({**summary, "mlflow_uri": "http://10.0.0.5:5000"}, tmp_path)
-    assert "MLflow      http://127.0.0.1:5055/#/experiments/7/runs?workflowType=machine_learning" in text
+    assert "MLflow      http://10.0.0.5:5000 (experiment dreamzero-demo, run abc)" in text
+    assert "MLflow UI   http://127.0.0.1:5055/#/experiments/7/runs?workflowType=machine_learning" in text
