@@ -176,10 +176,25 @@ def load_wan_dit(model: nn.Module, path: str | Path) -> LoadReport:
 
 # --- DreamZero HF-style directories ------------------------------------------------------
 
+def _sort_header(path: Path) -> None:
+    """Rewrite a safetensors file's JSON header with its keys sorted, in place. safetensors writes its metadata
+    from a hash map, in an order that changes from one write to the next, so the same tensors gave files with
+    other checksums (and a bundle packaged twice looked like another policy). Same content, same length."""
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        sorted_header = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(sorted_header) <= size:
+            f.seek(8)
+            f.write(sorted_header + b" " * (size - len(sorted_header)))
+
+
 def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """The tensors and metadata as a safetensors file, written atomically; the same tensors give the same bytes."""
     tmp = temp_sibling(path)
     try:
         save_file(tensors, str(tmp), metadata=metadata)
+        _sort_header(Path(tmp))
         os.chmod(tmp, NEW_FILE_MODE)  # safetensors >= 0.8 replaces the file with its own 0600 temporary
         os.replace(tmp, path)
     except BaseException:
