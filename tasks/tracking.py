@@ -261,11 +261,10 @@ class Tracker:
         which = "killed_stage" if status == "KILLED" else "failed_stage"
         self.client.set_tag(self.run_id, which, stage)
         self.client.set_tag(self.run_id, "error", first)
-        child = self.client.create_run(self.experiment_id, run_name=stage, tags={
-            "mlflow.parentRunId": self.run_id, "stage": stage, "cached": "false", "profile": self.profile,
-            "error": first})
-        self.client.log_text(child.info.run_id, text + "\n", "error.txt")
-        self.client.set_terminated(child.info.run_id, status=status)
+        child = self.stage_run(stage, cached=False)
+        self.client.set_tag(child, "error", first)
+        self.client.log_text(child, text + "\n", "error.txt")
+        self.end(child, status=status)
 
     def end(self, run_id: str | None = None, status: str = "FINISHED") -> None:
         if run_id in (None, self.run_id) and self.monitor is not None:
@@ -611,8 +610,8 @@ def registered_head_to_head(uri: str, prof: Profile, version: str, params_file: 
 def bundle_health(bundle: Path, manifest_sha256: str | None = None) -> tuple[bool, str]:
     """A bundle's health: every file matches its MANIFEST (with `manifest_sha256`, the MANIFEST too:
     `load_package`), it holds weights, and every floating-point weight is finite. (ok, why)."""
-    import numpy as np
-    from safetensors.numpy import load_file
+    import torch
+    from safetensors import safe_open
 
     from dzmodel.serve.package import PackageError, load_package
 
@@ -622,9 +621,11 @@ def bundle_health(bundle: Path, manifest_sha256: str | None = None) -> tuple[boo
         if not files:
             return False, f"health: the bundle holds no weights (no *.safetensors in {model_dir.name}/)"
         for f in files:
-            for key, value in load_file(str(f)).items():
-                if value.dtype.kind == "f" and not np.isfinite(value).all():
-                    return False, f"health: weights not finite ({f.name}: {key})"
+            with safe_open(str(f), framework="pt") as weights:  # one tensor at a time; bf16 and fp8 too
+                for key in weights.keys():
+                    value = weights.get_tensor(key)
+                    if value.is_floating_point() and not torch.isfinite(value.float()).all():
+                        return False, f"health: weights not finite ({f.name}: {key})"
     except (PackageError, OSError, ValueError) as exc:
         return False, f"health: the bundle failed its checks ({str(exc).splitlines()[0]})"
     return True, f"health: {len(files)} weight file(s) finite, every file as its MANIFEST lists"

@@ -107,6 +107,19 @@ class _Running:
     queried: bool = False
 
 
+def selected_tasks(cfg: EvalConfig, tasks: list | None = None) -> list:
+    """The TaskSpecs `cfg.tasks` names (all of them when None), out of `tasks` (default: the suite's)."""
+    from .libero_env import list_tasks
+
+    tasks = list(list_tasks(cfg.suite)) if tasks is None else tasks
+    if cfg.tasks is None:
+        return tasks
+    bad = [t for t in cfg.tasks if not 0 <= t < len(tasks)]
+    if bad:
+        raise ValueError(f"suite {cfg.suite!r} has tasks 0..{len(tasks) - 1}; got {bad}")
+    return [tasks[t] for t in cfg.tasks]
+
+
 def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path | None = None,
                     progress: bool = True, tag: str = "", tasks: list | None = None,
                     pool_factory=None, episodes: list | None = None, timing: dict | None = None,
@@ -118,14 +131,9 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
     `timing`, if given, receives the seconds spent in the policy and in env steps, the chunks and the forwards.
     `perturbation` (a `libero_perturb.Perturbation`) perturbs every episode of the grid, seeded per (cfg.seed,
     suite, task, init state)."""
-    from .libero_env import get_suite, list_tasks
+    from .libero_env import get_suite
 
-    tasks = list_tasks(cfg.suite) if tasks is None else tasks
-    if cfg.tasks is not None:
-        bad = [t for t in cfg.tasks if not 0 <= t < len(tasks)]
-        if bad:
-            raise ValueError(f"suite {cfg.suite!r} has tasks 0..{len(tasks) - 1}; got {bad}")
-        tasks = [tasks[t] for t in cfg.tasks]
+    tasks = selected_tasks(cfg, tasks)
     max_steps = cfg.max_steps or get_suite(cfg.suite).max_steps
     per_chunk = min(cfg.actions_per_chunk or policy.action_horizon, policy.action_horizon)
     stride = getattr(policy, "frame_stride", None) if cfg.context == "episode" else None
@@ -533,12 +541,9 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
     perturbations = parse_perturbations(cfg.perturb, "eval.perturb")
     for p in perturbations:
         if p.name == "distractor":  # every model it adds must be installed: a missing one would crash each env
-            from .libero_env import list_tasks
             from .libero_perturb import check_distractor_assets
 
-            tasks = list_tasks(cfg.suite)
-            chosen = [tasks[t] for t in cfg.tasks if 0 <= t < len(tasks)] if cfg.tasks is not None else tasks
-            check_distractor_assets(root / "assets", chosen, int(p.value), cfg.seed)
+            check_distractor_assets(root / "assets", selected_tasks(cfg), int(p.value), cfg.seed)
     src, out = Path(run_or_model), Path(out_dir)
     models = _models_to_evaluate(src, out, steps, weights)
     rows, episodes, timings, robustness = [], [], [], []

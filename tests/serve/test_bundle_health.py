@@ -39,6 +39,16 @@ def test_a_packaged_policy_is_healthy_and_a_nan_or_a_changed_file_is_not(libero_
     ok, why = bundle_health(bundle)
     assert not ok and why == f"health: weights not finite ({weights.name}: {key})", why
 
+    half = _unpacked(libero_bundle, tmp_path / "c")  # bf16 weights (the 5B bundles'): checked, and healthy
+    import torch
+    from safetensors.torch import load_file as load_pt, save_file as save_pt
+
+    for f in half.rglob("*.safetensors"):
+        save_pt({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_pt(str(f)).items()}, str(f))
+    (half / MANIFEST).write_text("\n".join(_manifest_lines(half)) + "\n")
+    ok, why = bundle_health(half)
+    assert ok and "finite" in why, why
+
     empty = _unpacked(libero_bundle, tmp_path / "b")
     for f in empty.rglob("*.safetensors"):
         f.unlink()
