@@ -4,8 +4,10 @@ no package index, a different Python, and a 64 MiB limit on what travels).
 
     .venv/bin/python infra/libero_bundle.py --suite object --tasks 0,1,2,3 --python 3.12 --out .libero_bundle
     .venv/bin/python infra/libero_bundle.py --suite object,spatial --tasks 0-9 --python 3.12 --out .libero_bundle
+    .venv/bin/python infra/libero_bundle.py --suite goal --tasks 0-9 --distractor 2 --out .libero_bundle
 
-(several suites: the listed tasks of each).
+(several suites: the listed tasks of each; `--distractor N` also keeps the object models that the robustness
+evaluation's `distractor=N` adds, under `--eval-seed`).
 
 The full install is about 1.2 GB (robosuite ships every robot's meshes, the asset wheels every scene). This keeps:
 * the pure-Python packages LIBERO imports (libero, robosuite, bddl, gymnasium, ...) as .py files, plus the data
@@ -60,9 +62,17 @@ task = list_tasks(suite)[index]
 env = OffScreenRenderEnv(bddl_file_name=task.bddl_file, camera_heights=32, camera_widths=32, camera_names=list(CAMERAS))
 env.seed(0); env.reset(); env.set_init_state(init_state(task, 0)); env.step(np.zeros(7))
 xml = env.env.sim.model.get_xml()
+env.close()
+count, seed = int(sys.argv[3]), int(sys.argv[4])
+if count:  # the scene `dz eval libero --perturb distractor=COUNT` builds for this task under eval seed SEED
+    from dzmodel.eval.libero_perturb import parse_perturbations, scene_bddl
+    bddl = scene_bddl(task.bddl_file, parse_perturbations([f"distractor={count}"]), (seed, task.suite, task.index))
+    env = OffScreenRenderEnv(bddl_file_name=bddl, camera_heights=32, camera_widths=32, camera_names=list(CAMERAS))
+    env.seed(0); env.reset(); env.step(np.zeros(7))
+    xml += env.env.sim.model.get_xml()
+    env.close()
 for f in re.findall(r'file="([^"]+)"', xml):
     opened.add(os.path.realpath(f))
-env.close()
 print("TRACE" + json.dumps(sorted(opened)))
 """
 
@@ -76,8 +86,11 @@ def package_dir(name: str) -> Path:
     return Path(spec.origin).resolve()  # a single-module package (e.g. easydict may be one file)
 
 
-def trace_task(suite: str, index: int) -> set[Path]:
-    out = subprocess.run([sys.executable, "-c", _TRACE, suite, str(index)], capture_output=True, text=True,
+def trace_task(suite: str, index: int, distractor: int = 0, eval_seed: int = 0) -> set[Path]:
+    """The files that building, resetting and stepping the task's env opens; with `distractor` > 0 also those of
+    the scene that `--perturb distractor=N` builds for it under `eval_seed` (the distractors' models)."""
+    out = subprocess.run([sys.executable, "-c", _TRACE, suite, str(index), str(distractor), str(eval_seed)],
+                         capture_output=True, text=True,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("TRACE")), None)
     if out.returncode or line is None:
@@ -93,7 +106,8 @@ def member_name(path: Path, roots: dict[Path, str]) -> str | None:
     return None
 
 
-def build(suites: list[str], tasks: list[int], python: str, out: Path, extra_wheels: list[str]) -> None:
+def build(suites: list[str], tasks: list[int], python: str, out: Path, extra_wheels: list[str],
+          distractor: int = 0, eval_seed: int = 0) -> None:
     packages = {package_dir(name): name for name in PURE_PACKAGES}
     libero_root = next(d for d, name in packages.items() if name == "libero")
     # hf-libero finds its scenes at libero/libero/assets (a symlink into the asset wheel): keep that layout
@@ -104,7 +118,7 @@ def build(suites: list[str], tasks: list[int], python: str, out: Path, extra_whe
     for suite in suites:
         for index in tasks:
             print(f"tracing {suite} task {index} ...", flush=True)
-            traced |= trace_task(suite, index)
+            traced |= trace_task(suite, index, distractor, eval_seed)
 
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}
@@ -181,8 +195,14 @@ def main() -> None:
                                                   "(e.g. 0,1,2,3 or 0-9)")
     p.add_argument("--python", default="3.12", help="the target machine's Python version (for the wheels)")
     p.add_argument("--extra-wheel", action="append", default=[], help="another wheel to ship, e.g. av==15.1.0")
+    p.add_argument("--distractor", type=int, default=0, metavar="N",
+                   help="also keep the models that `dz eval libero --perturb distractor=N` adds to each task")
+    p.add_argument("--eval-seed", type=int, default=0, help="the evaluation's seed (eval.seed), which picks the "
+                                                            "distractors (default 0)")
     p.add_argument("--out", type=Path, required=True)
     ns = p.parse_args()
+    if ns.distractor < 0:
+        raise SystemExit(f"--distractor: expected a count >= 0, got {ns.distractor}")
     suites = [s.strip() for s in ns.suite.split(",") if s.strip()]
     bad = [s for s in suites if s not in SUITES]
     if not suites or bad:
@@ -191,7 +211,7 @@ def main() -> None:
         tasks = parse_tasks(ns.tasks)
     except ValueError:
         raise SystemExit(f"--tasks: expected comma-separated integers or ranges (0-9), got {ns.tasks!r}")
-    build(list(dict.fromkeys(suites)), tasks, ns.python, ns.out, ns.extra_wheel)
+    build(list(dict.fromkeys(suites)), tasks, ns.python, ns.out, ns.extra_wheel, ns.distractor, ns.eval_seed)
 
 
 def parse_tasks(text: str) -> list[int]:
