@@ -23,7 +23,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DVC_NO_ANALYTICS := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup libero test test-slow test-all test-latest browser demo repro lock clean
+.PHONY: setup libero test test-slow test-all test-latest browser demo repro exp-show lock clean
 
 # LIBERO (simulation for `dz eval libero`): hf-libero 0.1.4 + the 5 asset wheels, a project-local config.yaml
 # (LIBERO otherwise asks on stdin and writes ~/.libero) and software rendering through EGL (llvmpipe on CPU).
@@ -112,6 +112,17 @@ demo: setup libero
 # DVC's path through the same stages (dz stage NAME): reproduce what changed since dvc.lock.
 repro: setup libero
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/dvc repro
+
+# `dvc exp show` as a person reads it. DVC's own table has a column for every key of params.yaml (every profile)
+# and for every dep (each code file): some 870. This one keeps the experiment, the selected profile's headline
+# params and metrics, and whatever else differs between the rows (--only-changed), without the deps. More
+# options through EXP_ARGS, e.g. `make exp-show EXP_ARGS="--csv"` or EXP_ARGS="-n 3" (docs/pipeline.md, "DVC").
+EXP_PROFILE ?= $(shell sed -n 's/^profile: *//p' params.yaml)
+EXP_KEEP := ^(Experiment|Created|profile|profiles\.$(EXP_PROFILE)\.train\.(lr|steps|global_batch)|loss|samples_per_s_per_gpu|action_error|action_error_ratio|best_success_rate|final_success_rate)$$
+EXP_DROP := ^(data|runs|metrics|dzmodel|flows|tasks)/[^:]*$$
+EXP_ARGS ?=
+exp-show: setup
+	@$(VENV)/bin/dvc exp show --no-pager --only-changed --keep '$(EXP_KEEP)' --drop '$(EXP_DROP)' $(EXP_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-lock .venv-latest .latest-lock .pytest_cache build *.egg-info .prefect

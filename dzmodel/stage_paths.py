@@ -15,10 +15,13 @@ class StagePaths:
     """Where each stage writes, for one profile, relative to the project root.
 
     Unkeyed (`dz stage`, dvc.yaml): every stage writes at fixed places under runs/<profile>/ (data/<profile>/ for
-    fetch), the paths dvc.yaml names. Keyed (the Prefect flow): each stage writes under its own folder for its
-    cache key, runs/<profile>/store/<stage>/<key>/ (data/<profile>/store/fetch/<key>/), with the same layout
-    inside, so two runs with different inputs never write over each other's outputs and a cached result always
-    points at the outputs it describes."""
+    fetch), the paths dvc.yaml names, except the small files that compare runs, which go to metrics/<profile>/:
+    the metrics JSONs and the plots (git carries the JSONs and the plots' CSVs, so that `dvc exp show`,
+    `dvc metrics diff` and `dvc plots diff` compare commits and experiments). Keyed (the Prefect flow): each
+    stage writes under its own folder for its cache key, runs/<profile>/store/<stage>/<key>/
+    (data/<profile>/store/fetch/<key>/), with the same layout inside (metrics/ and plots/ included), so two runs
+    with different inputs never write over each other's outputs and a cached result always points at the outputs
+    it describes."""
     root: Path
     profile: str
     keyed: bool = False
@@ -77,10 +80,19 @@ class StagePaths:
         """The offline presets' tokenizer, which the cache stage builds."""
         return self.home("cache") / "tokenizer"
 
+    @property
+    def results(self) -> Path:
+        """Unkeyed: the profile's folder of metrics and plots, metrics/<profile>/ (committed to git)."""
+        return self.root / "metrics" / self.profile
+
     def metrics(self, stage: str) -> Path:
+        if not self.keyed:
+            return self.results / f"{stage}.json"
         return self.home(stage) / "metrics" / f"{stage}.json"
 
     def plots(self, stage: str) -> Path:
+        if not self.keyed:
+            return self.results / "plots"
         return self.home(stage) / "plots"
 
     def record(self, stage: str) -> Path:

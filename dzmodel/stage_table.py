@@ -47,7 +47,7 @@ STAGE_TABLE: dict[str, StageSpec] = {
     "eval": StageSpec("dzmodel.stages.eval:stage_eval", upstream=("convert", "fetch"),
                       params=("eval", "metadata.embodiment")),
     "package": StageSpec("dzmodel.stages.package:stage_package", upstream=("convert", "eval"), params=("package",),
-                         reads=("runs/${profile}/metrics/eval.json",)),
+                         reads=("metrics/${profile}/eval.json",)),
 }
 STAGES = tuple(STAGE_TABLE)
 

@@ -1,14 +1,20 @@
 """DVC end to end on a fresh copy of the project: `dvc repro` reproduces the demo and logs it
 to MLflow as a flow run would, a changed parameter (in params.yaml or through `dvc exp run --set-param`) reruns only the stages that
 depend on it, and the data goes to and comes back from the local remote and an S3 remote (a local moto S3
-server)."""
+server). Last, an experiment against the committed reproduction: `dvc exp run -S profiles.demo.train.lr=2e-3`
+reruns train and the stages after it, changes one line of params.yaml, and `dvc exp show`, `dvc metrics diff`,
+`dvc plots diff` and `make exp-show` compare it with the commit."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import re
 import shutil
 import subprocess
+import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -167,3 +173,95 @@ def test_plots_show_renders_offline(project, tmp_path):
     _run(["dvc", "plots", "show", "--html-template", str(cdn), "-o", str(tmp_path / "cdn")], dest)
     assert "cdn.jsdelivr" in (tmp_path / "cdn" / "index.html").read_text()
     assert _charts_drawn(tmp_path / "cdn" / "index.html", tmp_path) == 0
+
+
+# --- an experiment against the committed reproduction -----------------------------------------------------------
+
+EXP = "lr-2e-3"
+
+
+def _stdout(cmd: list[str] | str, cwd: Path) -> str:
+    """A command's standard output alone (DVC writes its warnings to stderr)."""
+    out = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, shell=isinstance(cmd, str))
+    assert out.returncode == 0, f"{cmd}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def lr_experiment(project):
+    """The reproduction committed as the baseline (params.yaml, dvc.lock and metrics/, as a user commits it), then
+    `dvc exp run -S profiles.demo.train.lr=2e-3` in the workspace: (clone, baseline commit, the experiment's log).
+    Afterwards the workspace goes back to the baseline (the learnability tests read the demo's model)."""
+    dest, _ = project
+    _run(["git", "add", "params.yaml", "dvc.lock", "metrics"], dest)
+    _run(["git", "commit", "-qm", "the demo, reproduced"], dest)
+    baseline = _stdout(["git", "rev-parse", "HEAD"], dest).strip()
+    log = _run(["dvc", "exp", "run", "-n", EXP, "-S", "profiles.demo.train.lr=2e-3"], dest)
+    yield dest, baseline, log
+    _run(["git", "checkout", "-q", "HEAD", "--", "params.yaml", "dvc.lock", "metrics"], dest)
+    _run(["dvc", "checkout", "--force"], dest)
+
+
+def test_exp_run_of_a_learning_rate_reruns_train_and_after_and_sets_one_line(lr_experiment):
+    dest, _, log = lr_experiment
+    assert _ran(log) == ["train", "convert", "eval", "package", "track"]
+    assert all(f"Stage '{s}' didn't change, skipping" in log for s in ("fetch", "metadata", "vision", "cache"))
+    diff = _stdout(["git", "diff", "-U0", "params.yaml"], dest)
+    changed = [line for line in diff.splitlines() if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert changed == ["-      lr: 3.0e-3", "+      lr: 0.002"]
+
+
+def test_exp_show_and_metrics_diff_give_the_baseline_and_the_experiment_numbers(lr_experiment):
+    dest, baseline, _ = lr_experiment
+    rows = json.loads(_stdout(["dvc", "exp", "show", "--json"], dest))
+    base = next(r for r in rows if r["rev"] == baseline)
+    exp = next(e for e in base["experiments"] or [] if e["name"] == EXP)["revs"][0]
+    for row in (base, exp):
+        metrics = row["data"]["metrics"]
+        assert not any("error" in m for m in metrics.values()), metrics  # DVC's `!`
+        assert isinstance(metrics["metrics/demo/train.json"]["data"]["loss"], float)
+        assert isinstance(metrics["metrics/demo/eval.json"]["data"]["action_error_ratio"], float)
+    lrs = [r["data"]["params"]["params.yaml"]["data"]["profiles"]["demo"]["train"]["lr"] for r in (base, exp)]
+    assert lrs == [0.003, 0.002]
+
+    diff = json.loads(_stdout(["dvc", "metrics", "diff", baseline, EXP, "--json"], dest))
+    loss = diff["metrics/demo/train.json"]["loss"]
+    ratio = diff["metrics/demo/eval.json"]["action_error_ratio"]
+    for change in (loss, ratio):
+        assert isinstance(change["old"], float) and isinstance(change["new"], float)
+        assert change["diff"] == pytest.approx(change["new"] - change["old"])
+    assert loss["old"] != loss["new"]  # another learning rate, another loss
+    # the workspace (the experiment's results) against the commit, the lab's first command
+    assert json.loads(_stdout(["dvc", "metrics", "diff", "HEAD", "--json"], dest))["metrics/demo/train.json"]["loss"]
+
+
+def test_plots_diff_draws_the_baseline_and_the_experiment(lr_experiment):
+    dest, baseline, _ = lr_experiment
+    out = json.loads(_stdout(["dvc", "plots", "diff", baseline, EXP, "--json"], dest))
+    assert not out.get("errors"), out.get("errors")
+    losses = out["data"]["training losses"][0]
+    assert losses["revisions"] == [baseline, EXP]
+    points = Counter(v["rev"] for v in losses["content"]["data"]["values"])  # the CSVs, from git
+    assert set(points) == {baseline, EXP} and min(points.values()) > 10, points
+    images = out["data"]["metrics/demo/plots/losses.png"]  # from DVC's cache
+    assert [i["revisions"] for i in images] == [[baseline], [EXP]] and all(Path(i["url"]).is_file() for i in images)
+
+
+def test_make_exp_show_is_a_table_a_person_reads(lr_experiment):
+    """`make exp-show`: the experiment, the headline params and metrics and what differs, under 40 columns, where
+    DVC's default table has several hundred."""
+    dest, _, _ = lr_experiment
+    venv = Path(sys.executable).parent.parent
+    cmd = _stdout(["make", "-s", "-n", "-o", "setup", "exp-show", f"VENV={venv}", "EXP_ARGS=--csv"], dest).strip()
+    assert cmd.startswith(f"{venv}/bin/dvc exp show") and "\n" not in cmd
+    table = list(csv.DictReader(io.StringIO(_stdout(cmd, dest))))
+    default = next(csv.reader(io.StringIO(_stdout(["dvc", "exp", "show", "--csv"], dest))))
+    columns = list(table[0])
+    assert len(columns) <= 40 < 400 < len(default), (len(columns), columns)
+    assert not [c for c in columns if "/" in c and ":" not in c]  # no dep hashes (a metric's own file: FILE:NAME)
+    assert not [c for c in columns if c.startswith("profiles.") and not c.startswith("profiles.demo.")]
+    assert {"profiles.demo.train.lr", "loss", "action_error_ratio", "samples_per_s_per_gpu"} <= set(columns)
+    base = next(r for r in table if r["typ"] == "baseline" and r["rev"] != "workspace")
+    exp = next(r for r in table if r["Experiment"] == EXP)
+    assert (base["profiles.demo.train.lr"], exp["profiles.demo.train.lr"]) == ("0.003", "0.002")
+    assert all(float(r["loss"]) > 0 and float(r["action_error_ratio"]) > 0 for r in (base, exp))

@@ -54,6 +54,37 @@ def test_dvc_yaml_deps_and_params_are_the_stage_tables():
     assert "profiles.${profile}.train.encoder_weights" in dvc["cache"]["params"]
 
 
+def test_dvc_metrics_and_plot_data_are_committed_to_git_where_the_stages_write_them():
+    """`dvc exp show`, `dvc metrics diff` and `dvc plots diff` read a commit's or an experiment's metrics from git:
+    every metrics file and plot CSV is `cache: false`, at the path `dz stage` writes it, and not git-ignored (else
+    they show `!` for every revision but the workspace). The plot images are DVC-cached and git-ignored."""
+    import subprocess
+
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    paths = StagePaths(Path("."), "demo")
+
+    def entries(stage, kind):  # {path: its options}
+        return {(next(iter(o)) if isinstance(o, dict) else o).replace("${profile}", "demo"):
+                (next(iter(o.values())) or {}) if isinstance(o, dict) else {}
+                for o in dvc["stages"][stage].get(kind, [])}
+
+    committed, cached = {}, {}
+    for stage in ("vision", "train", "eval"):
+        metrics = entries(stage, "metrics")
+        assert set(metrics) == {str(paths.metrics(stage))}, stage
+        csvs = {o: spec for o, spec in entries(stage, "outs").items() if o.endswith(".csv")}
+        assert {Path(o).parent for o in csvs} <= {paths.plots(stage)}, stage
+        committed |= metrics | csvs
+        cached |= entries(stage, "plots")
+    csv_plots = {f.replace("${profile}", "demo") for p in dvc["plots"] for spec in p.values() for f in spec["y"]}
+    assert csv_plots <= set(committed) and len(csv_plots) == 4
+    assert all(spec.get("cache") is False for spec in committed.values()), committed
+    assert cached and all(spec.get("cache", True) for spec in cached.values()), cached
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *committed, *cached], cwd=ROOT,
+                             capture_output=True, text=True).stdout.split()
+    assert sorted(ignored) == sorted(cached)
+
+
 def _key(stage, prof):
     from tasks.stages import cache_key
 
@@ -173,8 +204,9 @@ def test_training_summary_keeps_the_last_row_per_step_and_plots(tmp_path):
     result = summarize_training(paths, out, wall_s=3.0)
     s = result["summary"]
     assert s["steps"] == 3 and s["loss"] == 9.0 and s["samples_per_s_per_gpu"] == pytest.approx(4.5)
-    assert json.loads((paths.run / "metrics" / "train.json").read_text())["loss"] == 9.0
-    assert (paths.run / "plots" / "train_losses.csv").read_text().splitlines()[0] == "step,loss,action_loss,dynamics_loss"
+    committed = tmp_path / "metrics" / "demo"  # what git carries: metrics/<profile>/
+    assert json.loads((committed / "train.json").read_text())["loss"] == 9.0
+    assert (committed / "plots" / "train_losses.csv").read_text().splitlines()[0] == "step,loss,action_loss,dynamics_loss"
     assert all(Path(p).read_bytes()[:4] == b"\x89PNG" for p in result["plots"]) and len(result["plots"]) == 2
 
 
@@ -240,8 +272,8 @@ def test_package_takes_the_best_evaluated_step_else_the_last(tmp_path):
         (paths.stage("converted") / f"step_{step:07d}").mkdir(parents=True)
         (paths.stage("converted") / f"step_{step:07d}" / "config.json").write_text("{}")
     assert chosen_step(prof, paths) == (30, None)  # no evaluation
-    (paths.run / "metrics").mkdir(parents=True)
-    (paths.run / "metrics" / "eval.json").write_text(json.dumps({"evaluated": True, "best_step": 20}))
+    paths.metrics("eval").parent.mkdir(parents=True)
+    paths.metrics("eval").write_text(json.dumps({"evaluated": True, "best_step": 20}))
     paths.stage("eval").mkdir(parents=True)
     (paths.stage("eval") / "results.csv").write_text("step,task,task_name,episodes,successes,rate\n"
                                                      "10,all,,2,0,0.0\n20,all,,2,2,1.0\n30,all,,2,1,0.5\n")
@@ -295,7 +327,7 @@ def test_the_gates_number_is_never_the_one_that_picked_the_checkpoint(tmp_path, 
 
     monkeypatch.setattr(libero_eval, "evaluate_run", fake_run)
     stage_eval(prof, paths, log=lambda *a: None)
-    summary = json.loads((paths.run / "metrics" / "eval.json").read_text())
+    summary = json.loads(paths.metrics("eval").read_text())
     if select:
         assert calls == [("select", 4, 2, None), ("report", 0, 4, [20])]
         assert summary["picked_step"] == 20 and summary["final_success_rate"] == 0.25

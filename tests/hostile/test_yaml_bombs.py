@@ -62,8 +62,9 @@ def _check_params(path: Path, *sets: str):
 
 @pytest.mark.parametrize("old, new, field", [
     ("      lr: 3.0e-3", "      lr: " + laughs(), "params.yaml"),                  # a number field
-    ("      tasks: [0]", "      tasks: " + laughs(), "params.yaml"),               # a list field
-    ("        workspace_min: [0.2, -0.4, 0.05]", "        workspace_min: " + laughs(), "params.yaml"),  # free-form
+    ("      tasks:\n      - 0\n", "      tasks: " + laughs() + "\n", "params.yaml"),  # a list field
+    ("        workspace_min:\n        - 0.2\n        - -0.4\n        - 0.05\n",  # free-form
+     "        workspace_min: " + laughs() + "\n", "params.yaml"),
 ])
 def test_a_bomb_in_a_params_field_is_one_quick_line(tmp_path, old, new, field):
     message = _one_line_refusal(_check_params(_params_with(old, new, tmp_path)), field)

@@ -127,7 +127,7 @@ def test_the_vision_stage_feeds_its_vae_to_cache_and_train(tmp_path):
     run_stage("metadata", prof, paths, **quiet)
     result = run_stage("vision", prof, paths, **quiet)
     assert result["vae"] == str(paths.vision_vae) and paths.vision_vae.is_file() and outputs_intact("vision", paths)
-    assert json.loads((paths.run / "metrics" / "vision.json").read_text())["pretrained"] is True
+    assert json.loads(paths.metrics("vision").read_text())["pretrained"] is True
     cfg = train_config(prof, paths)
     assert cfg.encoder_weights == {"vae": str(paths.vision_vae)}
     assert train_config(prof, paths, vision_vae=False).encoder_weights == {}
@@ -137,7 +137,7 @@ def test_the_vision_stage_feeds_its_vae_to_cache_and_train(tmp_path):
     assert run_stage("vision", off, paths, **quiet)["vision"] is None
     assert (paths.stage("vision") / "DISABLED").is_file() and not paths.vision_vae.exists()
     assert train_config(off, paths).encoder_weights == {}
-    assert json.loads((paths.run / "metrics" / "vision.json").read_text()) == {"pretrained": False}
+    assert json.loads(paths.metrics("vision").read_text()) == {"pretrained": False}
 
 
 def test_params_refuse_vision_where_it_cannot_run():
