@@ -18,6 +18,11 @@ from mlflow.pyfunc import PythonModel
 
 
 class DreamZeroPolicy(PythonModel):
+    # predict takes the observation dict that the logged signature describes (`tracking.policy_signature`), and
+    # MLflow checks it against that before each call: no type hints (MLflow would infer another signature from
+    # them), and none of MLflow's warnings asking for them, at logging or at loading
+    _skip_type_hint_validation = True
+
     def load_context(self, context) -> None:
         from dzmodel.eval.policy import load_policy
         from dzmodel.serve.package import load_package
@@ -35,7 +40,7 @@ class DreamZeroPolicy(PythonModel):
 
         from dzmodel.serve.protocol import parse_request
 
-        if hasattr(model_input, "to_dict"):  # a one-row DataFrame, as `mlflow models serve` may pass it
+        if hasattr(model_input, "to_dict"):  # a one-row DataFrame: what MLflow passes once it checked the signature
             model_input = {k: v[0] for k, v in model_input.to_dict(orient="list").items()}
         obs = {k: (np.asarray(v) if isinstance(v, list) else v) for k, v in dict(model_input).items()}
         prompt = obs.get("prompt")

@@ -17,6 +17,7 @@ import subprocess
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from dzmodel.config import Profile, StagePaths, flatten, profile_dict
@@ -145,7 +146,38 @@ def _environment(values: dict[str, str]):
                 os.environ[k] = v
 
 
+@contextmanager
+def _process_tracking_uri(uri: str):
+    """MLflow's process-wide tracking URI set to `uri` inside the block, for what MLflow resolves through it
+    rather than through the client it was called on (a registry store reading a models:/<id> source); put back
+    as it was after, the MLFLOW_TRACKING_URI variable too (MLflow's own `_use_tracking_uri` unsets it)."""
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    saved, env = getattr(utils, "_tracking_uri", None), os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved)  # which sets MLFLOW_TRACKING_URI to it too, or unsets it
+        if env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = env
+
+
 SYSTEM_METRICS_INTERVAL_S = float(os.environ.get("DZ_SYSTEM_METRICS_INTERVAL_S", "10"))
+
+
+@lru_cache(maxsize=1)
+def _run_context_tags() -> dict[str, str]:
+    """The tags MLflow's own `start_run` gives a run: who started it (`mlflow.user`, the UI's "Created by") and
+    from where (`mlflow.source.name`, `mlflow.source.type`). An explicit client's `create_run` sets none of them."""
+    from mlflow.tracking.context.registry import resolve_tags
+    from mlflow.utils.mlflow_tags import MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE, MLFLOW_USER
+
+    tags = resolve_tags()
+    return {k: tags[k] for k in (MLFLOW_USER, MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE) if tags.get(k)}
 
 
 def _system_metrics(uri: str, run_id: str):
@@ -193,6 +225,43 @@ def end_stale_runs(client, experiment_id: str) -> list[str]:
     return ended
 
 
+def policy_signature(bundle: Path):
+    """(signature, input example) of the policy a bundle holds, read from its model's configuration (train config,
+    embodiment, statistics) without loading the weights; ValueError, saying why, when it holds none to read.
+
+    Inputs, as `predict` takes them (the embodiment's `serve:` keys, docs/deploy.md): each camera's frames (uint8
+    [H, W, 3] or [T, H, W, 3], or the same as nested lists), each state vector (numbers), the prompt (a string);
+    keys the protocol accepts and ignores are optional. Frames are arrays of any items: MLflow would check a
+    typed array item by item (seconds for one camera frame) and cannot take both frame shapes; the policy checks
+    them (`parse_request`). Output: the action chunk, float32 [action_horizon, action_dim]. The example is one
+    observation at the model's view size, all zeros."""
+    import numpy as np
+    from mlflow.models import ModelSignature
+    from mlflow.types import DataType
+    from mlflow.types.schema import AnyType, Array, ColSpec, Schema, TensorSpec
+
+    from dzmodel.data.errors import DataError
+    from dzmodel.eval.policy import PolicyLoadError, model_embodiment, policy_statistics, read_train_config
+
+    model_dir = bundle / "model"
+    try:
+        cfg, _ = read_train_config(model_dir)
+        emb = model_embodiment(model_dir, cfg)
+        _, action_stats, _, state_dims = policy_statistics(emb, model_dir / "experiment_cfg" / "metadata.json")
+    except (PolicyLoadError, DataError, OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"no policy configuration to read ({str(exc).splitlines()[0][:300]})") from None
+    spec = emb.wire
+    inputs = [ColSpec(Array(AnyType()), key) for key in spec.images]
+    inputs += [ColSpec(Array(DataType.double), key) for key in spec.state]
+    inputs += [ColSpec(DataType.string, "prompt")]
+    inputs += [ColSpec(AnyType(), key, required=False) for key in spec.ignored]
+    chunk = TensorSpec(np.dtype(np.float32), (emb.action_horizon, int(action_stats.q01.shape[0])), "actions")
+    example = {**{key: np.zeros((*emb.view_size, 3), np.uint8).tolist() for key in spec.images},  # as JSON has it
+               **{key: [0.0] * state_dims[name] for key, name in spec.state.items()},
+               "prompt": "pick up the object"}
+    return ModelSignature(inputs=Schema(inputs), outputs=Schema([chunk])), example
+
+
 @dataclass
 class Tracker:
     """The parent run of one pipeline run, and helpers to log each stage into a nested run under it."""
@@ -222,8 +291,8 @@ class Tracker:
             if exp.tags.get(EXPERIMENT_KIND_TAG) is None:  # made before the kind was set: MLflow's GenAI view
                 client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND[EXPERIMENT_KIND_TAG])
         end_stale_runs(client, exp_id)
-        all_tags = {"profile": profile, "pipeline": "sft_pipeline", "dz.host": socket.gethostname(),
-                    "dz.pid": str(os.getpid()), **(tags or {})}
+        all_tags = {**_run_context_tags(), "profile": profile, "pipeline": "sft_pipeline",
+                    "dz.host": socket.gethostname(), "dz.pid": str(os.getpid()), **(tags or {})}
         commit = _git_commit(paths.root)
         if commit:
             all_tags["mlflow.source.git.commit"] = commit
@@ -249,7 +318,8 @@ class Tracker:
 
     def stage_run(self, stage: str, cached: bool) -> str:
         run = self.client.create_run(self.experiment_id, run_name=stage, tags={
-            "mlflow.parentRunId": self.run_id, "stage": stage, "cached": str(cached).lower(), "profile": self.profile})
+            **_run_context_tags(), "mlflow.parentRunId": self.run_id, "stage": stage, "cached": str(cached).lower(),
+            "profile": self.profile})
         return run.info.run_id
 
     def record_failure(self, stage: str, exc: BaseException, status: str = "FAILED") -> None:
@@ -451,13 +521,13 @@ class Tracker:
 
     # -- registry -------------------------------------------------------------------------------------
 
-    def log_policy_model(self, bundle: Path) -> tuple[str, str]:
+    def log_policy_model(self, bundle: Path) -> str:
         """The bundle as an MLflow pyfunc model (tasks/mlflow_policy.py, models-from-code), logged as an MLflow 3
-        model of the parent run (the run's output: the runs table's Models column lists it); returns its
-        (artifact location, model id). `mlflow.pyfunc.load_model` on it (or on the registered version)
-        gives a policy whose predict(obs) returns an action chunk; `dz serve` finds the bundle inside it."""
+        model of the parent run (the run's output: the runs table's Models column lists it), with the signature
+        of the policy it holds (`policy_signature`); returns its model id. `mlflow.pyfunc.load_model` on it (or on
+        the registered version) gives a policy whose predict(obs) returns an action chunk; `dz serve` finds the
+        bundle inside it."""
         import tempfile
-        import warnings
         from importlib.metadata import PackageNotFoundError, requires
 
         import mlflow.pyfunc
@@ -468,16 +538,21 @@ class Tracker:
             needs = [r.split(";")[0].strip() for r in requires("dzmodel") or [] if "extra ==" not in r]
         except PackageNotFoundError:
             needs = ["torch", "numpy", "safetensors"]
+        tags = {**_run_context_tags(), "bundle": bundle.name}  # who logged it, from where: the model page shows it
+        try:
+            signature, example = policy_signature(bundle)
+        except ValueError as exc:  # no policy in it to describe (nor to serve)
+            signature, example, tags["signature"] = None, None, f"none: {exc}"
         name = re.sub(r"[/:.%\"']", "-", bundle.name)  # characters a logged model's name may not hold
         logged = self.client.create_logged_model(self.experiment_id, name=name, source_run_id=self.run_id,
-                                                 model_type=POLICY_MODEL_TYPE, tags={"bundle": bundle.name})
+                                                 model_type=POLICY_MODEL_TYPE, tags=tags)
         quiet = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}  # no bar per copied file in the flow's log
         try:
-            with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _environment(quiet):
-                warnings.simplefilter("ignore")  # MLflow asks for type hints on predict; its input is a plain dict
+            with tempfile.TemporaryDirectory() as tmp, _environment(quiet):
                 model = Path(tmp) / "policy"
                 mlflow.pyfunc.save_model(path=str(model), python_model=str(Path(__file__).with_name("mlflow_policy.py")),
                                          artifacts={"bundle": str(bundle)}, pip_requirements=needs,
+                                         signature=signature, input_example=example,
                                          mlflow_model=Model(model_id=logged.model_id, run_id=self.run_id))
                 self.client.log_model_artifacts(logged.model_id, str(model))
         except BaseException:
@@ -485,9 +560,19 @@ class Tracker:
             raise
         self.client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
         self.client.log_outputs(self.run_id, [LoggedModelOutput(logged.model_id, step=0)])
-        # the registry's source is the logged model's own location: a models:/<id> source would be resolved
-        # through MLflow's process-wide tracking URI, not this store's
-        return self.client.get_logged_model(logged.model_id).artifact_location, logged.model_id
+        return logged.model_id
+
+    def _link_version(self, model_id: str, name: str, version: str) -> None:
+        """The logged model's side of the link to a version registered from it: MLflow's `mlflow.modelVersions`
+        tag (what `mlflow.register_model` writes; the logged model's page lists its registered versions from it).
+        An MLflow server writes it itself as it creates the version; a local store does not."""
+        from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+
+        listed = self.client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS)
+        versions = json.loads(listed) if listed else []
+        if not any(v.get("name") == name and str(v.get("version")) == str(version) for v in versions):
+            versions.append({"name": name, "version": str(version)})
+            self.client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(versions)})
 
     def register(self, prof: Profile, package: dict, provenance: dict | None = None) -> tuple[str, bool]:
         """(version, created): the packaged bundle as a version of the profile's registered model (logged as an
@@ -519,7 +604,8 @@ class Tracker:
             client.set_tag(self.run_id, "registered_model_version", f"{name}/{same[0]} (unchanged)")
             return str(same[0]), False
         if _bytes(_files(bundle)) <= MAX_ARTIFACT_MB * 2**20:  # an MLflow pyfunc model holding the bundle
-            (source, model_id), pyfunc = self.log_policy_model(bundle), "yes"
+            model_id, pyfunc = self.log_policy_model(bundle), "yes"
+            source = f"models:/{model_id}"  # as mlflow.register_model writes it: the version page links the model
         else:  # too large to copy into the artifact store: a reference to the bundle, and no pyfunc
             self.reference(self.run_id, bundle, f"bundle/{bundle.name}")
             source, pyfunc = f"runs:/{self.run_id}/bundle/{bundle.name}", "no: the bundle is logged by reference"
@@ -536,14 +622,18 @@ class Tracker:
                 "action_error_ratio": "" if action.get("ratio") is None else str(action["ratio"])}
         tags["pyfunc"] = pyfunc
         if model_id:
-            tags["logged_model_id"] = model_id  # the MLflow model the version was made from (the registry keeps no link)
+            tags["logged_model_id"] = model_id  # the MLflow model the version was made from, in any store
         if provenance.get("run_name"):
             tags["run_name"] = provenance["run_name"]
         if provenance.get("params_digest"):
             tags["params_digest"] = provenance["params_digest"]
         tags.update({f"key.{stage}": key for stage, key in (provenance.get("keys") or {}).items()})
-        mv = client.create_model_version(name, source, run_id=self.run_id, tags=tags, model_id=model_id,
-                                         description=f"step {package['step']}, package {package['version']}")
+        # a SQL or file registry resolves a models:/<id> source through MLflow's process-wide tracking URI
+        with _process_tracking_uri(self.uri):
+            mv = client.create_model_version(name, source, run_id=self.run_id, tags=tags, model_id=model_id,
+                                             description=f"step {package['step']}, package {package['version']}")
+        if model_id:
+            self._link_version(model_id, name, mv.version)
         client.set_tag(self.run_id, "registered_model_version", f"{name}/{mv.version}")
         return str(mv.version), True
 
@@ -724,8 +814,18 @@ def registry_listing(uri: str, registered_model: str) -> list[dict]:
                      "success_rate": t.get("success_rate", ""), "action_error_ratio": t.get("action_error_ratio", ""),
                      "promotion": t.get("promotion", ""), "promotion_reason": t.get("promotion_reason", ""),
                      "override": t.get("promotion_override", ""), "weights_sha256": t.get("weights.sha256", ""),
-                     "run_id": mv.run_id or "", "model_id": getattr(mv, "model_id", None) or ""})
+                     "run_id": mv.run_id or "", "model_id": version_model_id(mv) or ""})
     return sorted(rows, key=lambda r: -int(r["version"]))
+
+
+LOGGED_MODEL_SOURCE = re.compile(r"^models:/(m-[0-9a-f]{32})$")
+
+
+def version_model_id(mv) -> str | None:
+    """The id of the logged model a version was registered from: its `model_id` where the store keeps one (a file
+    store; a SQL store, behind a server too, keeps none), else its models:/<id> source, else the tag."""
+    source = LOGGED_MODEL_SOURCE.match(mv.source or "")
+    return getattr(mv, "model_id", None) or (source and source.group(1)) or mv.tags.get("logged_model_id") or None
 
 
 # --- serving from the registry -------------------------------------------------------------------------
@@ -849,9 +949,9 @@ def pinned_registered_bundle(uri: str, params_file: str | Path = "params.yaml",
 
     On every call, the bundle's MANIFEST must have the sha256 recorded at registration (so a cached download
     or a referenced bundle changed since is refused; `load_package` then checks each file against MANIFEST).
-    The version's source must be a logged model's location or a runs:/ path of the tracking store, and a
-    reference (`*.ref.json`, for large bundles) must point inside the package folder of a profile that registers the
-    name, or DZ_BUNDLE_ROOTS."""
+    The version's source must be a model logged in the tracking store (models:/<model id>, or its location) or a
+    runs:/ path of the store, and a reference (`*.ref.json`, for large bundles) must point inside the package
+    folder of a profile that registers the name, or DZ_BUNDLE_ROOTS."""
     import shutil
     import tempfile
 
@@ -875,11 +975,14 @@ def pinned_registered_bundle(uri: str, params_file: str | Path = "params.yaml",
     if not re.fullmatch(r"[0-9a-f]{64}", expected):
         raise RegistryError(f"{uri}: version {mv.version} has no {MANIFEST_SHA256_TAG} tag, so nothing pins what it "
                             "serves (registered before versions recorded it): re-run the pipeline to register it again")
-    source = mv.source or ""
-    logged, model = False, re.search(r"/models/(m-[0-9a-f]{32})/artifacts$", source)
-    if model:  # the artifact location of a model logged in this store, exactly
+    source = download = mv.source or ""
+    logged, by_id = False, LOGGED_MODEL_SOURCE.match(source)
+    model = by_id or re.search(r"/models/(m-[0-9a-f]{32})/artifacts$", source)
+    if model:  # a model logged in this store: models:/<its id>, or its artifact location exactly
         try:
-            logged = client.get_logged_model(model.group(1)).artifact_location == source
+            location = client.get_logged_model(model.group(1)).artifact_location
+            if by_id or location == source:
+                logged, download = True, location
         except MlflowException:
             pass
     if not (logged or re.fullmatch(r"runs:/[0-9a-f]{32}/\S+", source)) or ".." in source.split("/"):
@@ -894,7 +997,7 @@ def pinned_registered_bundle(uri: str, params_file: str | Path = "params.yaml",
         try:
             import mlflow
 
-            mlflow.artifacts.download_artifacts(artifact_uri=source, tracking_uri=registry, dst_path=str(tmp))
+            mlflow.artifacts.download_artifacts(artifact_uri=download, tracking_uri=registry, dst_path=str(tmp))
             try:
                 os.replace(tmp, dest)
             except OSError:

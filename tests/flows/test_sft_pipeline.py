@@ -174,7 +174,8 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     # an MLflow 3 model logged by the run (its output: the runs table's Models column), registered from it
     model_id = v2.tags["logged_model_id"]
     logged = client.get_logged_model(model_id)
-    assert v2.tags["pyfunc"] == "yes" and v2.source == logged.artifact_location
+    assert v2.tags["pyfunc"] == "yes" and v2.source == f"models:/{model_id}"  # the version page's Source Model
+    assert client.get_model_version_download_uri("dreamzero-demo", "2") == logged.artifact_location
     assert (logged.source_run_id, logged.experiment_id, logged.name) == (last.info.run_id, last.info.experiment_id,
                                                                           "dreamzero-demo-3")
     assert str(logged.status) in ("READY", "LoggedModelStatus.READY")
