@@ -49,6 +49,24 @@ APT = {
     "libero": ["libegl1", "libegl-mesa0", "libgl1-mesa-dri"],       # EGL software rendering for LIBERO
     "browser": ["chromium"],                                        # headless rendering checks
 }
+# Targets whose packages come from the release's own archive (its point-release versions, which the mirror keeps)
+# rather than from its security updates (which the mirror drops when the next one arrives: Chromium gets one every
+# few weeks, and a lock pinning the dropped one stops `make browser`). The browser only renders pages of the tests'
+# own local servers.
+APT_FROM_RELEASE = {"browser"}
+
+
+def release_codename() -> str:
+    """The Debian release this machine runs (`VERSION_CODENAME` of /etc/os-release), e.g. bookworm."""
+    for line in Path("/etc/os-release").read_text().splitlines():
+        if line.startswith("VERSION_CODENAME="):
+            return line.split("=", 1)[1].strip().strip('"')
+    raise LockError("/etc/os-release names no VERSION_CODENAME")
+
+
+def _apt_release(target: str) -> list[str]:
+    """apt-get's `-t RELEASE` for a target of APT_FROM_RELEASE, else nothing."""
+    return ["-t", release_codename()] if target in APT_FROM_RELEASE else []
 
 HEADER = """\
 # {what}
@@ -162,13 +180,14 @@ def lock_python(venv: Path, out_dir: Path) -> None:
                collect(entries + libero, installed(py), exclude=setup))
 
 
-def apt_closure(packages: list[str]) -> dict[str, str]:
+def apt_closure(packages: list[str], release: list[str] | None = None) -> dict[str, str]:
     """What apt installs for `packages` on a machine that has nothing (its own choice among alternatives), each at
-    the version installed here, or else the version apt would install."""
-    sim = subprocess.run(["apt-get", "-s", "-o", "Dir::State::status=/dev/null", "install", "--no-install-recommends",
-                          *packages], check=True, capture_output=True, text=True).stdout
+    the version installed here, or else the version apt would install (from `release`: `-t NAME`, if given)."""
+    sim = subprocess.run(["apt-get", "-s", "-o", "Dir::State::status=/dev/null", *(release or []), "install",
+                          "--no-install-recommends", *packages], check=True, capture_output=True, text=True).stdout
     closure = dict(re.findall(r"^Inst (\S+) \((\S+) ", sim, flags=re.M))
-    closure.update({n: v for n, v in dpkg_installed().items() if n in closure})
+    if not release:  # what is installed here stands for the target's choice (not so for a release's own versions)
+        closure.update({n: v for n, v in dpkg_installed().items() if n in closure})
     return closure
 
 
@@ -184,7 +203,7 @@ def lock_apt(out_dir: Path) -> None:
              "# Written by `make lock` (infra/lock.py); `python3 infra/lock.py apt-install TARGET` pins what apt installs "
              "to these versions."]
     for target, packages in APT.items():
-        closure = apt_closure(packages)
+        closure = apt_closure(packages, _apt_release(target))
         missing = [n for n in packages if n not in closure and n not in dpkg_installed()]
         if missing:
             raise LockError(f"apt would not install {missing}")
@@ -215,8 +234,8 @@ def apt_install(target: str, lock: Path, roots: list[str] | None = None) -> int:
     sudo = [] if os.geteuid() == 0 else ["sudo"]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     subprocess.run([*sudo, "apt-get", "update", "-qq"], check=True, env=env)
-    sim = subprocess.run(["apt-get", "-s", "install", "--no-install-recommends", *roots], capture_output=True,
-                         text=True, env=env)
+    sim = subprocess.run(["apt-get", "-s", *_apt_release(target), "install", "--no-install-recommends", *roots],
+                         capture_output=True, text=True, env=env)
     if sim.returncode != 0:
         print(f"apt cannot install {' '.join(roots)} here: {sim.stderr.strip()}", file=sys.stderr)
         return 1

@@ -165,3 +165,36 @@ def test_apt_install_says_how_on_when_the_mirror_lacks_a_locked_version(as_root,
     assert load_lock_module().apt_install("browser", lock, roots=["hello"]) == 1
     err = capsys.readouterr().err
     assert "could not install the versions apt.lock pins for browser" in err and "`make lock`" in err
+
+
+def _apt_offers(packages: list[str]) -> dict[str, dict[str, str]]:
+    """name -> {version: archive} of what the configured mirror offers (`apt-cache madison`)."""
+    out = subprocess.run(["apt-cache", "madison", *packages], capture_output=True, text=True, timeout=120).stdout
+    offered: dict[str, dict[str, str]] = {}
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) >= 3 and "Sources" not in parts[2]:
+            offered.setdefault(parts[0], {})[parts[1]] = parts[2]
+    return offered
+
+
+def test_the_mirror_offers_every_locked_version_that_a_target_would_install():
+    """A locked version that the mirror has dropped stops `make setup`/`make browser` on a fresh machine (a Debian
+    security update replaces the previous one). Checked for the packages not installed here at that version, those
+    a fresh machine may have to install. The browser's packages come from the release's own archive (its point
+    release), which the mirror keeps, not from the security archive (Chromium's changes every few weeks)."""
+    import shutil
+
+    if shutil.which("apt-cache") is None or not any(Path("/var/lib/apt/lists").glob("*Packages*")):
+        pytest.skip("no apt package lists here (`apt-get update`, which `make setup` runs)")
+    lock = load_lock_module()
+    installed = lock.dpkg_installed()
+    pinned = [line.split()[:2] for line in (ROOT / "apt.lock").read_text().splitlines() if line and line[0] != "#"]
+    wanted = {(target, *spec.split("=", 1)) for target, spec in pinned}
+    check = sorted({(t, n, v) for t, n, v in wanted if installed.get(n) != v or t == "browser"})
+    offered = _apt_offers(sorted({n for _, n, _ in check}))
+    dropped = [f"{t} {n}={v}" for t, n, v in check if v not in offered.get(n, {})]
+    assert not dropped, f"apt.lock pins versions the mirror no longer offers: {dropped} (`make lock` takes new ones)"
+    for name in ("chromium", "chromium-common"):
+        version = next(v for t, n, v in wanted if t == "browser" and n == name)
+        assert "-security" not in offered[name][version], f"{name} {version} is locked from the security archive"
