@@ -54,6 +54,9 @@ def where_to_look(summary: dict, root: Path) -> str:
         f"Pipeline finished: profile {summary['profile']}, cached stages: {', '.join(summary['cached_stages']) or 'none'}",
         f"  package     {summary['package']}",
     ]
+    if summary.get("original_run_id"):
+        lines.append(f"  cached run  every stage was cached: MLflow run {summary['mlflow_run_id']} points at "
+                     f"{summary['original_run_id']}, the run that made these outputs")
     if summary.get("action_error"):
         a = summary["action_error"]
         untrained = "" if a.get("untrained") is None else f", untrained {a['untrained']:.2g}"

@@ -2,7 +2,9 @@
 promote.
 
 It composes the tasks in `tasks/` and holds no stage logic of its own. One MLflow parent run per flow run
-(experiment dreamzero-<profile>), a nested run per stage; Prefect artifacts show the tables and plots.
+(experiment dreamzero-<profile>), a nested run per stage; a rerun where every stage is cached is one small run
+(tag dz.cached) pointing at the run that made its outputs (dz.original_run_id). Prefect artifacts show the tables
+and plots.
 
     dz pipeline run --profile demo                  # or: python -m flows.sft_pipeline --profile demo
 """
@@ -35,6 +37,15 @@ def _record_failure(tracker: Tracker, stage: str, exc: BaseException, status: st
         tracker.record_failure(stage, exc, status)
     except Exception as problem:  # noqa: BLE001  (the original error is what the user must see)
         get_run_logger().warning(f"MLflow: could not record the {stage} stage's error ({problem})")
+
+
+def _log_cached(tracker: Tracker, unlogged: list[tuple]) -> None:
+    """The nested runs of the cached stages (stage, result, paths) not logged yet; empties the list."""
+    try:
+        for stage, result, paths in unlogged:
+            tracker.log_stage(stage, result, True, paths)
+    finally:
+        unlogged.clear()
 
 
 def _description(run: str, profile: str, digest: str, flow_run_id, view: Path) -> str:
@@ -96,6 +107,9 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
                 f"{experiment_name(prof, name)} ({mask_uri(tracker.uri)})")
     results: dict[str, dict] = {}
     states: dict = {}  # each stage's final state: passed on as wait_for, the Prefect graph's edges
+    # cached stages get their nested runs once a stage runs (they show what it reused); a rerun where every stage
+    # is cached stays one small run pointing at the run that made the outputs, with nothing copied into it
+    unlogged: list[tuple] = []
     stage = STAGES[0]
     try:
         for stage in STAGES:
@@ -116,7 +130,11 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
                 result["_live_logged"] = False
                 logger.info(f"{stage}: unchanged inputs and params, skipped (cached result, cache key {key})")
             link_stage(paths, run, stage)
-            tracker.log_stage(stage, result, cached, paths)
+            if cached:
+                unlogged.append((stage, result, paths))
+            else:
+                _log_cached(tracker, unlogged)
+                tracker.log_stage(stage, result, False, paths)
             results[stage] = result
             if stage == "metadata":
                 artifacts.metadata_artifact(name, result)
@@ -125,6 +143,13 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
             elif stage == "eval":
                 artifacts.eval_artifact(name, result, paths.plots("eval"))
         provenance = {"run_name": run, "params_digest": digest, "keys": dict(paths.keys)}
+        all_cached = len(unlogged) == len(STAGES)
+        if not all_cached:
+            _log_cached(tracker, unlogged)
+        original = tracker.mark_outputs(prof, paths.key(STAGES[-1]), cached=all_cached)
+        if original is not False:
+            logger.info(f"every stage unchanged: recorded as a cached run of the outputs of "
+                        f"{original or 'a run this MLflow store does not hold'}")
         stage = "register-and-promote"
         decision = (register_and_promote(quote(tracker), quote(prof), quote(results["package"]), quote(provenance),
                                          str(root_dir / params_path), wait_for=[states["package"]])
@@ -132,10 +157,12 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
         artifacts.package_artifact(name, results["package"], decision)
         tracker.end()
     except (KeyboardInterrupt, SystemExit, CancelledError) as exc:  # Ctrl-C, SIGTERM, a cancelled run
+        _log_cached(tracker, unlogged)
         _record_failure(tracker, stage, exc, "KILLED")
         tracker.end(status="KILLED")
         raise
     except BaseException as exc:
+        _log_cached(tracker, unlogged)
         _record_failure(tracker, stage, exc, "FAILED")
         tracker.end(status="FAILED")
         raise
@@ -145,6 +172,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
                "mlflow_page": ui_page(prof, tracker.uri, tracker.experiment_id),
                "package": results["package"]["tarball"], "promotion": decision,
                "cached_stages": [s for s in STAGES if results[s].get("_cached")],
+               "original_run_id": original or None,
                "action_error": results["package"].get("action_error")}
     return summary
 

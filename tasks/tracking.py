@@ -129,6 +129,9 @@ def _git_commit(root: Path) -> str | None:
 
 # MLflow 3 opens an experiment without this tag in its GenAI (traces) view; ours trains models
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+# a pipeline run's outputs (the cache key of its last stage, which pins every stage's inputs), whether every stage
+# was cached, and for such a run the run that made those outputs
+OUTPUTS_KEY_TAG, CACHED_TAG, ORIGINAL_RUN_TAG = "dz.outputs_key", "dz.cached", "dz.original_run_id"
 EXPERIMENT_KIND = {EXPERIMENT_KIND_TAG: "custom_model_development"}
 
 
@@ -321,6 +324,32 @@ class Tracker:
             **_run_context_tags(), "mlflow.parentRunId": self.run_id, "stage": stage, "cached": str(cached).lower(),
             "profile": self.profile})
         return run.info.run_id
+
+    def mark_outputs(self, prof: Profile, outputs_key: str, cached: bool) -> str | None | bool:
+        """Tag the run with the cache key of its last stage's outputs (`dz.outputs_key`, which pins every stage's
+        inputs) and whether every stage was cached (`dz.cached`). A cached run also points at the earliest
+        uncached run of the same outputs (`dz.original_run_id`, a line of its description): its id is returned,
+        or None when this store holds no such run; False for a run that computed something."""
+        client = self.client
+        client.set_tag(self.run_id, OUTPUTS_KEY_TAG, outputs_key)
+        client.set_tag(self.run_id, CACHED_TAG, str(cached).lower())
+        if not cached:
+            return False
+        runs = client.search_runs([self.experiment_id], f"tags.`{OUTPUTS_KEY_TAG}` = '{outputs_key}'",
+                                  order_by=["attributes.start_time ASC"], max_results=100)
+        original = next((r for r in runs if r.info.run_id != self.run_id and r.data.tags.get(CACHED_TAG) == "false"),
+                        None)
+        run = client.get_run(self.run_id)
+        note = run.data.tags.get("mlflow.note.content", "")
+        if original is None:
+            note += "\nEvery stage was cached; the run that made these outputs is not in this MLflow store.\n"
+        else:
+            client.set_tag(self.run_id, ORIGINAL_RUN_TAG, original.info.run_id)
+            link = ui_page(prof, self.uri, self.experiment_id, original.info.run_id)
+            name = original.info.run_name or original.info.run_id
+            note += f"\nEvery stage was cached: the outputs, metrics and curves are those of run [{name}]({link}).\n"
+        client.set_tag(self.run_id, "mlflow.note.content", note)
+        return None if original is None else original.info.run_id
 
     def record_failure(self, stage: str, exc: BaseException, status: str = "FAILED") -> None:
         """Why the run stopped: the stage that was running (a nested run of its own, ended with `status`) and the

@@ -49,3 +49,6 @@ def test_the_summary_prints_the_page_it_was_given(tmp_path):
     text = where_to_look({**summary, "mlflow_uri": "http://10.0.0.5:5000"}, tmp_path)
     assert "MLflow      http://10.0.0.5:5000 (experiment dreamzero-demo, run abc)" in text
     assert "MLflow UI   http://127.0.0.1:5055/#/experiments/7/runs?workflowType=machine_learning" in text
+    assert "cached run" not in text
+    cached = where_to_look({**summary, "cached_stages": ["fetch"], "original_run_id": "first"}, tmp_path)
+    assert "cached run  every stage was cached: MLflow run abc points at first, the run that made these" in cached

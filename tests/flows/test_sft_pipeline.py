@@ -155,6 +155,16 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
     exp = client.get_experiment_by_name("dreamzero-demo")
     parents = client.search_runs([exp.experiment_id], "tags.pipeline = 'sft_pipeline'", order_by=["start_time ASC"])
     assert len(parents) == 5 and all(r.info.status == "FINISHED" for r in parents)
+    # the rerun where every stage was cached: one small run pointing at the first, no nested runs, no curves
+    runs = {r.info.run_name: r for r in parents}
+    original, rerun = runs[first["run_name"]], runs[second["run_name"]]
+    assert rerun.data.tags["dz.cached"] == "true" and original.data.tags["dz.cached"] == "false"
+    assert rerun.data.tags["dz.original_run_id"] == original.info.run_id == second["original_run_id"]
+    assert rerun.data.tags["dz.outputs_key"] == original.data.tags["dz.outputs_key"]
+    assert f"/runs/{original.info.run_id}?workflowType=machine_learning" in rerun.data.tags["mlflow.note.content"]
+    assert not client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{rerun.info.run_id}'")
+    assert client.get_metric_history(rerun.info.run_id, "loss") == [] and "loss" in original.data.metrics
+    assert first["original_run_id"] is None and "dz.original_run_id" not in original.data.tags
     last = parents[-1]
     assert last.data.params["train.lr"] == "0.002" and last.data.metrics["train.final_loss"] == pytest.approx(0.2 / 3)
     assert [m.step for m in client.get_metric_history(last.info.run_id, "loss")] == [1, 2, 3]
