@@ -189,16 +189,18 @@ def _stdout(cmd: list[str] | str, cwd: Path) -> str:
 
 @pytest.fixture(scope="module")
 def lr_experiment(project):
-    """The reproduction committed as the baseline (params.yaml, dvc.lock and metrics/, as a user commits it), then
-    `dvc exp run -S profiles.demo.train.lr=2e-3` in the workspace: (clone, baseline commit, the experiment's log).
-    Afterwards the workspace goes back to the baseline (the learnability tests read the demo's model)."""
+    """The reproduction committed as the baseline (`git add -A`: dvc.lock and metrics/, what git does not ignore),
+    then `dvc exp run -S profiles.demo.train.lr=2e-3` in the workspace: (clone, baseline commit, the experiment's
+    log). Afterwards the workspace goes back to the baseline (the learnability tests read the demo's model)."""
     dest, _ = project
-    _run(["git", "add", "params.yaml", "dvc.lock", "metrics"], dest)
+    _run(["git", "add", "-A"], dest)
     _run(["git", "commit", "-qm", "the demo, reproduced"], dest)
     baseline = _stdout(["git", "rev-parse", "HEAD"], dest).strip()
     log = _run(["dvc", "exp", "run", "-n", EXP, "-S", "profiles.demo.train.lr=2e-3"], dest)
     yield dest, baseline, log
-    _run(["git", "checkout", "-q", "HEAD", "--", "params.yaml", "dvc.lock", "metrics"], dest)
+    changed = _stdout(["git", "diff", "--name-only"], dest).split()  # params.yaml, dvc.lock, metrics/...
+    if changed:
+        _run(["git", "checkout", "-q", "HEAD", "--", *changed], dest)
     _run(["dvc", "checkout", "--force"], dest)
 
 
