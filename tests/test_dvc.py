@@ -1,9 +1,9 @@
 """DVC end to end on a fresh copy of the project: `dvc repro` reproduces the demo and logs it
 to MLflow as a flow run would, a changed parameter (in params.yaml or through `dvc exp run --set-param`) reruns only the stages that
 depend on it, and the data goes to and comes back from the local remote and an S3 remote (a local moto S3
-server). Last, an experiment against the committed reproduction: `dvc exp run -S profiles.demo.train.lr=2e-3`
-reruns train and the stages after it, changes one line of params.yaml, and `dvc exp show`, `dvc metrics diff`,
-`dvc plots diff` and `make exp-show` compare it with the commit."""
+server). Before the remotes, an experiment against the committed reproduction: `dvc exp run -S
+profiles.demo.train.lr=2e-3` reruns train and the stages after it, changes one line of params.yaml, and
+`dvc exp show`, `dvc metrics diff`, `dvc plots diff` and `make exp-show` compare it with the commit."""
 
 from __future__ import annotations
 
@@ -111,70 +111,6 @@ def test_exp_run_set_param_overrides_reach_the_stages_and_mlflow(project):
     assert "0.2.0-demo" in _run(["dvc", "exp", "show", "--no-pager", "--csv"], dest)
 
 
-def test_local_remote_push_and_pull(project):
-    dest, _ = project
-    _run(["dvc", "push"], dest)
-    assert any((dest / "dvc-remote").rglob("*"))  # the default remote: ./dvc-remote (see .dvc/config)
-    shutil.rmtree(dest / ".dvc" / "cache")
-    shutil.rmtree(dest / "data" / "demo" / "dataset")
-    _run(["dvc", "pull"], dest)
-    assert (dest / "data" / "demo" / "dataset" / "meta" / "info.json").is_file()
-    assert "Data and pipelines are up to date" in _run(["dvc", "status"], dest)
-
-
-def test_s3_remote_on_a_local_s3_server(project, tmp_path):
-    boto3 = pytest.importorskip("boto3")
-    dest, _ = project
-    port = free_port()
-    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    url = f"http://127.0.0.1:{port}"
-    with background([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], _env(**creds),
-                    tmp_path / "moto.log", health=f"{url}/moto-api/"):
-        s3 = boto3.client("s3", endpoint_url=url, **{k.lower(): v for k, v in creds.items()
-                                                     if k != "AWS_DEFAULT_REGION"}, region_name="us-east-1")
-        s3.create_bucket(Bucket="dz-dvc")
-        _run(["dvc", "remote", "add", "pool", "s3://dz-dvc/store"], dest)
-        _run(["dvc", "remote", "modify", "pool", "endpointurl", url], dest)
-        _run(["dvc", "push", "-r", "pool"], dest, **creds)
-        keys = [o["Key"] for o in s3.list_objects_v2(Bucket="dz-dvc").get("Contents", [])]
-        assert keys and all(k.startswith("store/") for k in keys)
-        shutil.rmtree(dest / ".dvc" / "cache")
-        shutil.rmtree(dest / "runs" / "demo" / "converted")
-        _run(["dvc", "pull", "-r", "pool"], dest, **creds)
-        assert list((dest / "runs" / "demo" / "converted").glob("step_*/model.safetensors"))
-        assert "Data and pipelines are up to date" in _run(["dvc", "status"], dest)
-
-
-def _charts_drawn(page: Path, tmp_path: Path) -> int:
-    """Vega charts that headless Chromium draws on `page` with the network off (a proxy nobody listens on)."""
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        pytest.fail("chromium is not installed (make test-slow installs Debian's chromium)")
-    out = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                          f"--user-data-dir={tmp_path / 'chromium'}", "--proxy-server=http://127.0.0.1:9",
-                          "--proxy-bypass-list=<-loopback>", "--virtual-time-budget=20000", "--dump-dom",
-                          page.as_uri()], capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return len(re.findall(r'class="marks"', out.stdout))
-
-
-def test_plots_show_renders_offline(project, tmp_path):
-    dest, _ = project
-    _run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], dest)
-    page = tmp_path / "plots" / "index.html"
-    assert "cdn.jsdelivr" not in page.read_text()
-    vega_plots = 4  # dvc.yaml's top-level plots: losses, throughput, success rate, action error
-    assert _charts_drawn(page, tmp_path) == vega_plots
-    # the check can fail: DVC's own page (Vega from a CDN) draws nothing offline
-    from dvc_render.html import PAGE_HTML
-
-    cdn = tmp_path / "cdn_template.html"
-    cdn.write_text(PAGE_HTML)
-    _run(["dvc", "plots", "show", "--html-template", str(cdn), "-o", str(tmp_path / "cdn")], dest)
-    assert "cdn.jsdelivr" in (tmp_path / "cdn" / "index.html").read_text()
-    assert _charts_drawn(tmp_path / "cdn" / "index.html", tmp_path) == 0
-
-
 # --- an experiment against the committed reproduction -----------------------------------------------------------
 
 EXP = "lr-2e-3"
@@ -191,7 +127,9 @@ def _stdout(cmd: list[str] | str, cwd: Path) -> str:
 def lr_experiment(project):
     """The reproduction committed as the baseline (`git add -A`: dvc.lock and metrics/, what git does not ignore),
     then `dvc exp run -S profiles.demo.train.lr=2e-3` in the workspace: (clone, baseline commit, the experiment's
-    log). Afterwards the workspace goes back to the baseline (the learnability tests read the demo's model)."""
+    log). Before the remote tests: `dvc pull` and `dvc checkout` rewrite outputs, and `dz track` then refuses the
+    stage records their mtimes no longer match. Afterwards the workspace goes back to the baseline (the
+    learnability tests read the demo's model)."""
     dest, _ = project
     _run(["git", "add", "-A"], dest)
     _run(["git", "commit", "-qm", "the demo, reproduced"], dest)
@@ -267,3 +205,67 @@ def test_make_exp_show_is_a_table_a_person_reads(lr_experiment):
     exp = next(r for r in table if r["Experiment"] == EXP)
     assert (base["profiles.demo.train.lr"], exp["profiles.demo.train.lr"]) == ("0.003", "0.002")
     assert all(float(r["loss"]) > 0 and float(r["action_error_ratio"]) > 0 for r in (base, exp))
+
+
+def test_local_remote_push_and_pull(project):
+    dest, _ = project
+    _run(["dvc", "push"], dest)
+    assert any((dest / "dvc-remote").rglob("*"))  # the default remote: ./dvc-remote (see .dvc/config)
+    shutil.rmtree(dest / ".dvc" / "cache")
+    shutil.rmtree(dest / "data" / "demo" / "dataset")
+    _run(["dvc", "pull"], dest)
+    assert (dest / "data" / "demo" / "dataset" / "meta" / "info.json").is_file()
+    assert "Data and pipelines are up to date" in _run(["dvc", "status"], dest)
+
+
+def test_s3_remote_on_a_local_s3_server(project, tmp_path):
+    boto3 = pytest.importorskip("boto3")
+    dest, _ = project
+    port = free_port()
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    url = f"http://127.0.0.1:{port}"
+    with background([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], _env(**creds),
+                    tmp_path / "moto.log", health=f"{url}/moto-api/"):
+        s3 = boto3.client("s3", endpoint_url=url, **{k.lower(): v for k, v in creds.items()
+                                                     if k != "AWS_DEFAULT_REGION"}, region_name="us-east-1")
+        s3.create_bucket(Bucket="dz-dvc")
+        _run(["dvc", "remote", "add", "pool", "s3://dz-dvc/store"], dest)
+        _run(["dvc", "remote", "modify", "pool", "endpointurl", url], dest)
+        _run(["dvc", "push", "-r", "pool"], dest, **creds)
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket="dz-dvc").get("Contents", [])]
+        assert keys and all(k.startswith("store/") for k in keys)
+        shutil.rmtree(dest / ".dvc" / "cache")
+        shutil.rmtree(dest / "runs" / "demo" / "converted")
+        _run(["dvc", "pull", "-r", "pool"], dest, **creds)
+        assert list((dest / "runs" / "demo" / "converted").glob("step_*/model.safetensors"))
+        assert "Data and pipelines are up to date" in _run(["dvc", "status"], dest)
+
+
+def _charts_drawn(page: Path, tmp_path: Path) -> int:
+    """Vega charts that headless Chromium draws on `page` with the network off (a proxy nobody listens on)."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.fail("chromium is not installed (make test-slow installs Debian's chromium)")
+    out = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          f"--user-data-dir={tmp_path / 'chromium'}", "--proxy-server=http://127.0.0.1:9",
+                          "--proxy-bypass-list=<-loopback>", "--virtual-time-budget=20000", "--dump-dom",
+                          page.as_uri()], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return len(re.findall(r'class="marks"', out.stdout))
+
+
+def test_plots_show_renders_offline(project, tmp_path):
+    dest, _ = project
+    _run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], dest)
+    page = tmp_path / "plots" / "index.html"
+    assert "cdn.jsdelivr" not in page.read_text()
+    vega_plots = 4  # dvc.yaml's top-level plots: losses, throughput, success rate, action error
+    assert _charts_drawn(page, tmp_path) == vega_plots
+    # the check can fail: DVC's own page (Vega from a CDN) draws nothing offline
+    from dvc_render.html import PAGE_HTML
+
+    cdn = tmp_path / "cdn_template.html"
+    cdn.write_text(PAGE_HTML)
+    _run(["dvc", "plots", "show", "--html-template", str(cdn), "-o", str(tmp_path / "cdn")], dest)
+    assert "cdn.jsdelivr" in (tmp_path / "cdn" / "index.html").read_text()
+    assert _charts_drawn(tmp_path / "cdn" / "index.html", tmp_path) == 0
