@@ -108,7 +108,10 @@ def test_mlflow_server_compares_two_demo_runs(servers):
     for run in runs[:2]:
         tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
         if tags.get("dz.cached") == "true":  # the same params as the scheduled run before: every stage cached
-            assert not run["data"].get("metrics")  # one small run, nothing copied: it points at the one that ran
+            # one small run, nothing copied: it points at the one that ran (MLflow's own system/ samples of
+            # this run's host may appear when it lasts longer than their sampling interval)
+            copied = [m["key"] for m in run["data"].get("metrics", []) if not m["key"].startswith("system/")]
+            assert not copied, copied
             run = _json(f"{mlf}/api/2.0/mlflow/runs/get?run_id={tags['dz.original_run_id']}")["run"]
             assert {t["key"]: t["value"] for t in run["data"]["tags"]}["dz.cached"] == "false"
         metrics = {m["key"]: m["value"] for m in run["data"].get("metrics", [])}
