@@ -102,8 +102,8 @@ browser:
 
 # The whole pipeline on the embedded default (profile demo: generated data, tiny preset, 2 CPU processes):
 # the Prefect flow runs every stage (unchanged ones come from its cache), logs to MLflow (./mlruns), registers
-# and promotes the model. Each stage's outputs live under its cache key (runs/demo/store/); the run's view is
-# runs/demo/<run name>/ (runs/demo/latest).
+# and promotes the model. The stages write where dvc.yaml puts them and are committed to DVC (one store for the
+# flow and `dvc repro`); the run's view is runs/demo/<run name>/ (runs/demo/latest).
 demo: setup libero
 	@start=$$(date +%s); \
 	$(VENV)/bin/dz pipeline run --profile demo --summary-json runs/demo/pipeline_summary.json && \

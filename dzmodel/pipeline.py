@@ -44,8 +44,7 @@ STAGE_FUNCTIONS: Mapping[str, Callable[..., dict]] = _StageFunctions()
 
 def stage_outputs(name: str, paths: StagePaths) -> list[Path]:
     """What a stage writes (the outs dvc.yaml declares for it)."""
-    return {"fetch": [paths.dataset], "metadata": [paths.metadata.parent]}.get(name, [paths.stage(
-        {"convert": "converted"}.get(name, name))])
+    return paths.outputs(name)
 
 
 def _record(name: str, paths: StagePaths) -> Path:

@@ -65,23 +65,42 @@ SPREAD = ("metrics", "plots", "stages")  # folders that several stages write int
 
 
 def link_stage(paths: StagePaths, name: str, stage: str) -> list[Path]:
-    """Link a stage's keyed outputs into the run's view (relative links) and record its key in run.json."""
+    """Link a stage's outputs into the run's view (relative links) and record its key in run.json."""
     view = run_view(paths, name)
-    home = paths.home(stage)
     links = []
-    for child in sorted(home.iterdir()) if home.is_dir() else []:
-        if child.name.startswith("."):
-            continue
-        pairs = ([(view / child.name / f.name, f) for f in sorted(child.iterdir())] if child.name in SPREAD
-                 and child.is_dir() else [(view / child.name, child)])
-        for link, target in pairs:
-            link.parent.mkdir(parents=True, exist_ok=True)
-            _relink(link, Path(os.path.relpath(target, link.parent)))
-            links.append(link)
+    for link, target in _stage_links(paths, view, stage):
+        link.parent.mkdir(parents=True, exist_ok=True)
+        _relink(link, Path(os.path.relpath(target, link.parent)))
+        links.append(link)
     record = json.loads((view / "run.json").read_text())
     record["stages"][stage] = paths.key(stage)
     atomic_write_text(view / "run.json", json.dumps(record, indent=1) + "\n")
     return links
+
+
+# a stage's files beside its outputs in the profile's folder (where dvc.yaml's stages write)
+FILES_BESIDE = {"train": ("train_config.json", "train_inputs.json"), "cache": ("tokenizer",)}
+
+
+def _stage_links(paths: StagePaths, view: Path, stage: str) -> list[tuple[Path, Path]]:
+    """(link, target) pairs for a stage's outputs: everything in its keyed folder, or, for a stage at dvc.yaml's
+    places (shared with DVC), its outputs, record, metrics and the profile's plots."""
+    if stage in paths.shared:
+        home = paths.home(stage)
+        files = [*paths.outputs(stage), *(home / f for f in FILES_BESIDE.get(stage, ()))]
+        pairs = [(view / f.name, f) for f in files if f.exists()]
+        pairs += [(view / "stages" / f.name, f) for f in [paths.record(stage)] if f.is_file()]
+        pairs += [(view / "metrics" / f.name, f) for f in [paths.metrics(stage)] if f.is_file()]
+        plots = paths.plots(stage)
+        return pairs + [(view / "plots" / f.name, f) for f in sorted(plots.iterdir()) if plots.is_dir()]
+    home = paths.home(stage)
+    pairs = []
+    for child in sorted(home.iterdir()) if home.is_dir() else []:
+        if child.name.startswith("."):
+            continue
+        pairs += ([(view / child.name / f.name, f) for f in sorted(child.iterdir())] if child.name in SPREAD
+                  and child.is_dir() else [(view / child.name, child)])
+    return pairs
 
 
 def _relink(link: Path, target: Path) -> None:

@@ -21,11 +21,13 @@ class StagePaths:
     stage writes under its own folder for its cache key, runs/<profile>/store/<stage>/<key>/
     (data/<profile>/store/fetch/<key>/), with the same layout inside (metrics/ and plots/ included), so two runs
     with different inputs never write over each other's outputs and a cached result always points at the outputs
-    it describes."""
+    it describes. A keyed run's `shared` stages write at the unkeyed places instead: the stages whose inputs are
+    the ones dvc.yaml gives them, whose outputs DVC's cache keeps (the flow commits them to dvc.lock)."""
     root: Path
     profile: str
     keyed: bool = False
     keys: tuple[tuple[str, str], ...] = ()
+    shared: tuple[str, ...] = ()
 
     def with_key(self, stage: str, key: str) -> "StagePaths":
         """These paths with `stage`'s outputs addressed by its cache key."""
@@ -34,8 +36,17 @@ class StagePaths:
         keys = tuple((s, k) for s, k in self.keys if s != stage) + ((stage, key),)
         return dataclasses.replace(self, keyed=True, keys=keys)
 
+    def share(self, stage: str) -> "StagePaths":
+        """These paths with `stage`'s outputs at the unkeyed places (DVC's workspace), its key kept for the record."""
+        import dataclasses
+
+        return dataclasses.replace(self, shared=tuple(s for s in self.shared if s != stage) + (stage,))
+
     def key(self, stage: str) -> str | None:
         return dict(self.keys).get(stage)
+
+    def _unkeyed(self, stage: str) -> bool:
+        return not self.keyed or stage in self.shared
 
     @property
     def run(self) -> Path:
@@ -52,7 +63,7 @@ class StagePaths:
 
     def home(self, stage: str) -> Path:
         """The folder a stage writes under: the profile's, or, keyed, the one for the stage's cache key."""
-        if not self.keyed:
+        if self._unkeyed(stage):
             return self.profile_data if stage == "fetch" else self.run
         return self.store(stage) / (self.key(stage) or UNKEYED)
 
@@ -66,6 +77,14 @@ class StagePaths:
 
     def stage(self, name: str) -> Path:
         return self.home(STAGE_OF_OUTPUT.get(name, name)) / name
+
+    def outputs(self, stage: str) -> list[Path]:
+        """What a stage writes (the outs dvc.yaml declares for it, besides its metrics and plots)."""
+        if stage == "fetch":
+            return [self.dataset]
+        if stage == "metadata":
+            return [self.metadata.parent]
+        return [self.stage({"convert": "converted"}.get(stage, stage))]
 
     @property
     def metadata(self) -> Path:
@@ -86,12 +105,12 @@ class StagePaths:
         return self.root / "metrics" / self.profile
 
     def metrics(self, stage: str) -> Path:
-        if not self.keyed:
+        if self._unkeyed(stage):
             return self.results / f"{stage}.json"
         return self.home(stage) / "metrics" / f"{stage}.json"
 
     def plots(self, stage: str) -> Path:
-        if not self.keyed:
+        if self._unkeyed(stage):
             return self.results / "plots"
         return self.home(stage) / "plots"
 

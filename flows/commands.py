@@ -54,6 +54,9 @@ def where_to_look(summary: dict, root: Path) -> str:
         f"Pipeline finished: profile {summary['profile']}, cached stages: {', '.join(summary['cached_stages']) or 'none'}",
         f"  package     {summary['package']}",
     ]
+    if summary.get("reused_from_dvc"):
+        lines.append(f"  from DVC    {', '.join(summary['reused_from_dvc'])}: dvc.lock held these outputs for the same "
+                     "inputs; nothing ran")
     if summary.get("original_run_id"):
         lines.append(f"  cached run  every stage was cached: MLflow run {summary['mlflow_run_id']} points at "
                      f"{summary['original_run_id']}, the run that made these outputs")
@@ -85,7 +88,15 @@ def where_to_look(summary: dict, root: Path) -> str:
         lines.append(f"  Prefect UI  PREFECT_HOME={home} {venv}/prefect server start   (then http://127.0.0.1:4200)")
     if summary.get("run_dir"):
         lines.append(f"  run         {summary['run_name']}: {summary['run_dir']}  (outputs, metrics/, plots/)")
-    lines.append(f"  DVC         make repro: the same stages through `dvc repro`, into {root}/runs/{summary['profile']}/")
+    shared = summary.get("shared_with_dvc") or []
+    if len(shared) == len(summary.get("stages") or shared) and shared:
+        lines.append(f"  DVC         every stage is in dvc.lock and DVC's cache: `make repro` and `dvc exp run` rerun "
+                     "only what a change reaches")
+    elif shared:
+        lines.append(f"  DVC         {', '.join(shared)} in dvc.lock and DVC's cache (the stages whose params are "
+                     "params.yaml's); the others under their cache keys")
+    else:
+        lines.append(f"  DVC         make repro: the same stages through `dvc repro`, into {root}/runs/{summary['profile']}/")
     return "\n".join(lines)
 
 

@@ -24,10 +24,10 @@ from prefect.utilities.annotations import quote
 from dzmodel.config import StagePaths, load_params, profile_dict
 from dzmodel.pipeline import STAGES, outputs_intact
 from dzmodel.runs import check_run_name, link_stage, next_run_name, params_digest, run_view, start_view
-from tasks import artifacts
+from tasks import artifacts, dvc_share
 from dzmodel.stages import STAGE_TABLE
 from tasks.stages import STAGE_TASKS, cache_key, register_and_promote
-from tasks.tracking import Tracker, experiment_name, mask_uri, ui_page
+from tasks.tracking import Tracker, experiment_name, mask_secrets_in_logs, mask_uri, ui_page
 
 
 def _record_failure(tracker: Tracker, stage: str, exc: BaseException, status: str) -> None:
@@ -84,12 +84,14 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
 
     Each stage writes under its cache key (runs/<profile>/store/<stage>/<key>/), so a cached result always
     points at the outputs it describes; the run's own view is runs/<profile>/<run name>/."""
+    mask_secrets_in_logs()  # Prefect's own lines quote errors, and MLflow's errors quote the tracking URI
     logger = get_run_logger()
     root_dir = Path(root).resolve()
     params = load_params(root_dir / params_path, overrides or [], profile)  # refuses bad params before any work
     name = profile or params.profile
     prof = params.selected(name)
     paths = StagePaths(root_dir, name, keyed=True)
+    shared = dvc_share.shared_stages(root_dir, name, prof)  # written where dvc.yaml puts them, committed to DVC
     resolved = profile_dict(prof)
     ctx = get_run_context()
     run = check_run_name(ctx.flow_run.name)  # _run_name's: also the MLflow run's and the view's name
@@ -113,9 +115,14 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
     stage = STAGES[0]
     try:
         for stage in STAGES:
-            key = cache_key(stage, prof, [results[u]["outputs_fingerprint"] for u in STAGE_TABLE[stage].upstream])
+            key = cache_key(stage, prof, [results[u]["outputs_fingerprint"] for u in STAGE_TABLE[stage].upstream],
+                            shared=stage in shared)
             paths = paths.with_key(stage, key)
-            task = STAGE_TASKS[stage].with_options(refresh_cache=not outputs_intact(stage, paths))
+            if stage in shared:
+                paths = paths.share(stage)
+            # the key names the task run: Prefect 3 leaves its task page's own "Cache Key" field empty
+            task = STAGE_TASKS[stage].with_options(refresh_cache=not outputs_intact(stage, paths),
+                                                   task_run_name=f"{stage} {key}")
             kwargs = {}
             if stage == "train":  # per-step metrics reach MLflow while training runs
                 kwargs["on_metrics"] = lambda rows: tracker.train_rows(rows, [tracker.run_id])
@@ -130,7 +137,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
                 result["_live_logged"] = False
                 logger.info(f"{stage}: unchanged inputs and params, skipped (cached result, cache key {key})")
             link_stage(paths, run, stage)
-            if cached:
+            if cached or result.get("_reused"):  # logged as cached (nothing ran), once a stage runs or at the end
                 unlogged.append((stage, result, paths))
             else:
                 _log_cached(tracker, unlogged)
@@ -143,9 +150,11 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
             elif stage == "eval":
                 artifacts.eval_artifact(name, result, paths.plots("eval"))
         provenance = {"run_name": run, "params_digest": digest, "keys": dict(paths.keys)}
-        all_cached = len(unlogged) == len(STAGES)
+        all_cached = all(results[s]["_cached"] for s in STAGES)  # reused from DVC: this run records them
         if not all_cached:
             _log_cached(tracker, unlogged)
+        if shared:  # stages reused from the flow's cache: dvc.lock describes them too
+            dvc_share.sync(root_dir, paths, shared, logger.info)
         original = tracker.mark_outputs(prof, paths.key(STAGES[-1]), cached=all_cached)
         if original is not False:
             logger.info(f"every stage unchanged: recorded as a cached run of the outputs of "
@@ -172,6 +181,8 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
                "mlflow_page": ui_page(prof, tracker.uri, tracker.experiment_id),
                "package": results["package"]["tarball"], "promotion": decision,
                "cached_stages": [s for s in STAGES if results[s].get("_cached")],
+               "stages": list(STAGES), "shared_with_dvc": list(shared),
+               "reused_from_dvc": [s for s in STAGES if results[s].get("_reused") and not results[s].get("_cached")],
                "original_run_id": original or None,
                "action_error": results["package"].get("action_error")}
     return summary

@@ -39,6 +39,8 @@ from dzmodel.pipeline import run_stage, stage_params
 from dzmodel.progress import report_to
 from dzmodel.stages import code_fingerprint
 
+from . import dvc_share
+
 GPU_POOL_TAG = "gpu-pool"
 log = logging.getLogger(__name__)
 
@@ -110,10 +112,13 @@ class JSONResultKeys(LocalFileSystem):
         return _json_results_only(path, LocalFileSystem.read_path(self, path, _sync=True))
 
 
-def cache_key(stage: str, prof: Profile, upstream_fingerprints: list[str]) -> str:
-    """upstream_fingerprints: the outputs' fingerprints of the stage's upstream stages, in table order."""
-    payload = json.dumps({"stage": stage, "params": stage_params(prof, stage), "upstream": upstream_fingerprints,
-                          "code": code_fingerprint(stage)}, sort_keys=True, default=str)
+def cache_key(stage: str, prof: Profile, upstream_fingerprints: list[str], shared: bool = False) -> str:
+    """upstream_fingerprints: the outputs' fingerprints of the stage's upstream stages, in table order. shared:
+    the stage writes at dvc.yaml's places (tasks/dvc_share.py), not under its key; a stored result names the
+    paths it wrote, so the two places never share a key."""
+    fields = {"stage": stage, "params": stage_params(prof, stage), "upstream": upstream_fingerprints,
+              "code": code_fingerprint(stage), **({"at": "dvc workspace"} if shared else {})}
+    payload = json.dumps(fields, sort_keys=True, default=str)
     return f"dz-{stage}-" + hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
@@ -125,8 +130,14 @@ def _run(stage: str, prof: Profile, paths: StagePaths, cache_key: str, **kwargs)
     logger = get_run_logger()
     # Prefect 3 leaves the task run's own "Cache Key" field empty: the key is this task's parameter and this line
     logger.info(f"{stage}: cache key {cache_key} (a later run with the same key reuses this result)")
+    shared = stage in paths.shared  # at dvc.yaml's places: DVC may hold these outputs already (tasks/dvc_share.py)
+    if shared and (reused := dvc_share.reuse(stage, paths, logger.info)) is not None:
+        return dict(reused, _reused="dvc")
     with report_to(logger.info):  # the stage's progress bars (convert, statistics, evaluation, recording) log here too
-        return run_stage(stage, prof, paths, log=logger.info, **kwargs)
+        result = run_stage(stage, prof, paths, log=logger.info, **kwargs)
+    if shared:
+        dvc_share.commit(paths.root, [stage], logger.info)
+    return result
 
 
 _CACHED = dict(cache_policy=CacheKeyFnPolicy(cache_key_fn=_key_from_parameters).configure(key_storage=JSONResultKeys()),
@@ -160,7 +171,7 @@ def train(prof: Profile, paths: StagePaths, cache_key: str,
           on_metrics: Callable[[list[dict]], None] | None = None) -> dict:
     """torchrun in a subprocess; its log lines stream into this task's log, its metrics to `on_metrics`."""
     result = _run("train", prof, paths, cache_key, on_metrics=on_metrics)
-    result["_live_logged"] = on_metrics is not None
+    result["_live_logged"] = on_metrics is not None and not result.get("_reused")
     return result
 
 

@@ -204,6 +204,83 @@ def test_make_exp_show_is_a_table_a_person_reads(lr_experiment):
     assert all(float(r["loss"]) > 0 and float(r["action_error_ratio"]) > 0 for r in (base, exp))
 
 
+# --- the flow and DVC share one store of outputs --------------------------------------------------------------
+
+
+def _flow(dest: Path) -> tuple[dict, str]:
+    """`make demo`'s command in the clone (a temporary Prefect server of its own): (its summary, its log)."""
+    env = _env(PREFECT_HOME=str(dest / ".prefect"))
+    env.pop("PREFECT_API_URL", None)
+    env.pop("MLFLOW_TRACKING_URI", None)
+    summary = dest / "runs" / "demo" / "pipeline_summary.json"
+    out = subprocess.run(["dz", "pipeline", "run", "--profile", "demo", "--summary-json", str(summary)], cwd=dest,
+                         env=env, capture_output=True, text=True)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return json.loads(summary.read_text()), out.stdout + out.stderr
+
+
+def _train_files(dest: Path) -> dict[str, int]:
+    root = dest / "runs" / "demo" / "train"
+    return {str(f.relative_to(root)): f.stat().st_mtime_ns for f in root.rglob("*") if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def flow_then_dvc(tmp_path_factory):
+    """On a fresh clone: the flow as `make demo` runs it, then `dvc status` and `dvc repro` (`make repro`), then
+    `dvc exp run -S profiles.demo.train.lr=2e-3`, then the flow again on what the experiment left (params.yaml
+    with its lr)."""
+    from tests.demo_clone import clone
+
+    dest = clone(tmp_path_factory.mktemp("flow-clone") / "project")
+    first, first_log = _flow(dest)
+    status = json.loads(_stdout(["dvc", "status", "--json"], dest))
+    client = _mlflow(dest)
+    production = str(client.get_model_version_by_alias("dreamzero-demo", "production").version)
+    repro = _run(["dvc", "repro"], dest)
+    after_repro = ([str(v.version) for v in client.search_model_versions("name='dreamzero-demo'")],
+                   str(client.get_model_version_by_alias("dreamzero-demo", "production").version))
+    exp = _run(["dvc", "exp", "run", "-S", "profiles.demo.train.lr=2e-3"], dest)
+    before = _train_files(dest)
+    second, second_log = _flow(dest)
+    return {"dest": dest, "first": first, "first_log": first_log, "status": status, "production": production,
+            "repro": repro, "after_repro": after_repro, "exp": exp,
+            "second": second, "second_log": second_log, "train_before": before, "train_after": _train_files(dest)}
+
+
+def test_after_the_flow_dvc_finds_its_stages_unchanged(flow_then_dvc):
+    r = flow_then_dvc
+    assert not r["first"]["cached_stages"]  # the flow ran every stage
+    assert r["first"]["shared_with_dvc"] == ["fetch", "metadata", "vision", "cache", "train", "convert", "eval",
+                                             "package"]
+    assert set(r["status"]) <= {"track"}, r["status"]  # only DVC's own MLflow stage has not run
+    assert (r["dest"] / "runs" / "demo" / "package").is_dir() and not (r["dest"] / "runs" / "demo" / "store").exists()
+
+
+def test_make_repro_after_make_demo_runs_only_its_mlflow_stage_and_registers_nothing(flow_then_dvc):
+    r = flow_then_dvc
+    assert _ran(r["repro"]) == ["track"]
+    assert r["production"] == "1" and r["after_repro"] == (["1"], "1")  # no version added, no alias moved
+
+
+def test_after_the_flow_exp_run_of_a_learning_rate_reruns_only_train_and_after(flow_then_dvc):
+    log = flow_then_dvc["exp"]
+    assert _ran(log) == ["train", "convert", "eval", "package", "track"]
+    assert all(f"Stage '{s}' didn't change, skipping" in log for s in ("fetch", "metadata", "vision", "cache"))
+
+
+def test_the_flow_reuses_what_dvc_ran_and_registers_no_second_version_of_it(flow_then_dvc):
+    r = flow_then_dvc
+    assert r["train_after"] == r["train_before"]  # nothing retrained, nothing rewritten
+    for stage in ("train", "convert", "eval", "package"):  # DVC's experiment made them, with these inputs
+        assert f"{stage}: dvc.lock describes these inputs and outputs; reused" in r["second_log"], stage
+    assert r["second"]["cached_stages"] == ["fetch", "metadata", "vision", "cache"]  # the flow's own, from before
+    assert r["second"]["reused_from_dvc"] == ["train", "convert", "eval", "package"]
+    assert "from DVC    train, convert, eval, package" in r["second_log"]
+    versions = _mlflow(r["dest"]).search_model_versions("name='dreamzero-demo'")
+    assert sorted(int(v.version) for v in versions) == [1, 2]  # the flow's lr, the experiment's; none for the reuse
+    assert r["second"]["promotion"]["version"] == "2"
+
+
 def test_local_remote_push_and_pull(project):
     dest, _ = project
     _run(["dvc", "push"], dest)

@@ -1,0 +1,123 @@
+"""The flow and `dvc repro` share one store of stage outputs: DVC's workspace, cache and run cache.
+
+A stage is *shared* when the flow gives it, and every stage upstream of it, the params that dvc.yaml gives it
+(the profile that params.yaml selects, with no `--set` that reaches the stage), in a project that DVC tracks
+(dvc.yaml and .dvc/ at the flow's root). A shared stage writes at the places dvc.yaml names (runs/<profile>/,
+data/<profile>/, metrics/<profile>/) instead of under its cache key, and:
+- before it runs, the flow asks DVC whether dvc.lock already describes this stage's inputs and the outputs
+  there (`dvc status`); if so, and the outputs are the ones the stage's record describes, they are reused and
+  nothing runs;
+- after it runs, its outputs are committed to DVC (`dvc commit`: dvc.lock, DVC's cache and its run cache), so
+  that `dvc repro` and `dvc exp run` find the stage unchanged and do not run it again.
+A run with other params (`--set train.lr=...`) shares the stages that the change does not reach and keeps the
+others under their cache keys, as before. DVC holding its lock (a `dvc repro` running) only delays the commit to
+the next run of the flow; it never fails the flow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+from dzmodel.config import Profile, load_params
+from dzmodel.pipeline import outputs_intact, stage_params
+from dzmodel.stages import STAGE_TABLE, STAGES
+
+Log = Callable[[str], None]
+DVC_PARAMS = "params.yaml"  # what dvc.yaml reads (`vars: [params.yaml]`)
+
+
+def dvc_project(root: Path) -> bool:
+    """`root` is a DVC project whose dvc.yaml runs the pipeline's stages, and DVC is installed."""
+    return ((root / "dvc.yaml").is_file() and (root / ".dvc").is_dir()
+            and importlib.util.find_spec("dvc") is not None)
+
+
+def shared_stages(root: Path, name: str, prof: Profile) -> tuple[str, ...]:
+    """The stages whose params, and whose upstream stages' params, are dvc.yaml's, in table order."""
+    if not dvc_project(root):
+        return ()
+    try:
+        dvc_params = load_params(root / DVC_PARAMS)
+    except (ValueError, OSError):  # a params.yaml DVC cannot run either
+        return ()
+    if dvc_params.profile != name:
+        return ()
+    dvc_prof = dvc_params.selected(name)
+    shared: list[str] = []
+    for stage in STAGES:
+        if (all(u in shared for u in STAGE_TABLE[stage].upstream)
+                and stage_params(prof, stage) == stage_params(dvc_prof, stage)):
+            shared.append(stage)
+    return tuple(shared)
+
+
+@contextmanager
+def _repo(root: Path):
+    """DVC's repository at `root`, its own INFO lines ("Updating lock file") left out of the flow's log."""
+    from dvc.repo import Repo
+
+    dvc_logger = logging.getLogger("dvc")
+    level = dvc_logger.level
+    dvc_logger.setLevel(logging.WARNING)
+    try:
+        with Repo(str(root)) as repo:
+            yield repo
+    finally:
+        dvc_logger.setLevel(level)
+
+
+def changed(root: Path, stages: list[str] | tuple[str, ...]) -> set[str]:
+    """The stages among `stages` that dvc.lock does not describe as they are (their params, deps or outputs)."""
+    if not stages:
+        return set()
+    with _repo(root) as repo:
+        return {name.rsplit(":", 1)[-1] for name in repo.status(targets=list(stages))}
+
+
+def reuse(stage: str, paths, log: Log) -> dict | None:
+    """The stage's recorded result, when dvc.lock describes its inputs and outputs as they are and the outputs
+    are the ones its record describes (DVC or an earlier run of the flow made them); else None."""
+    if not outputs_intact(stage, paths):
+        return None
+    try:
+        if changed(paths.root, [stage]):
+            return None
+    except Exception as exc:  # a DVC that cannot answer: the stage runs, as it would without DVC
+        log(f"{stage}: DVC status failed ({type(exc).__name__}: {exc}); the stage runs")
+        return None
+    log(f"{stage}: dvc.lock describes these inputs and outputs; reused {paths.home(stage)}, nothing ran")
+    return json.loads(paths.record(stage).read_text())
+
+
+def commit(root: Path, stages: list[str] | tuple[str, ...], log: Log) -> list[str]:
+    """Commit the stages' outputs to DVC (dvc.lock, cache, run cache), leaving the files in place. Returns the
+    stages committed; a DVC that is busy or fails is logged, and the next run of the flow commits them."""
+    if not stages:
+        return []
+    try:
+        with _repo(root) as repo:
+            for stage in stages:
+                repo.commit(stage, force=True, relink=False)
+    except Exception as exc:
+        log(f"dvc.lock not updated for {', '.join(stages)} ({type(exc).__name__}: {exc}); "
+            "the next run of the flow commits them")
+        return []
+    log(f"{', '.join(stages)}: committed to DVC (dvc.lock and its cache); dvc repro will not run "
+        f"{'it' if len(stages) == 1 else 'them'} again")
+    return list(stages)
+
+
+def sync(root: Path, paths, stages: tuple[str, ...], log: Log) -> list[str]:
+    """Commit the shared stages that dvc.lock does not describe as the flow left them (e.g. reused from the
+    flow's cache after dvc.lock changed), those whose outputs are intact."""
+    try:
+        stale = [s for s in stages if s in changed(root, stages) and outputs_intact(s, paths)]
+    except Exception as exc:
+        log(f"DVC status failed ({type(exc).__name__}: {exc}); dvc.lock left as it is")
+        return []
+    return commit(root, stale, log)

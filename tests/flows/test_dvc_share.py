@@ -1,0 +1,91 @@
+"""Which of the flow's stages share DVC's workspace (tasks/dvc_share.py), where they write, and their keys. The flow
+and DVC running on one project end to end: tests/test_dvc.py (slow)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from dzmodel.config import StagePaths, load_params
+from dzmodel.pipeline import STAGES
+from dzmodel.runs import link_stage, start_view
+from tasks import dvc_share
+from tasks.stages import cache_key
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _project(tmp_path: Path, profile: str = "demo", dvc: bool = True) -> Path:
+    """A project folder with the repository's params.yaml (selecting `profile`) and dvc.yaml."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    text = (ROOT / "params.yaml").read_text().replace("profile: demo", f"profile: {profile}", 1)
+    (tmp_path / "params.yaml").write_text(text)
+    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    if dvc:
+        (tmp_path / ".dvc").mkdir()
+    return tmp_path
+
+
+def _prof(*overrides, profile="demo"):
+    return load_params(ROOT / "params.yaml", list(overrides), profile).selected(profile)
+
+
+def test_every_stage_is_shared_when_the_flow_runs_params_yaml_as_dvc_does(tmp_path):
+    assert dvc_share.shared_stages(_project(tmp_path), "demo", _prof()) == tuple(STAGES)
+
+
+def test_a_set_param_shares_only_the_stages_it_does_not_reach(tmp_path):
+    root = _project(tmp_path)
+    assert dvc_share.shared_stages(root, "demo", _prof("train.lr=0.01")) == ("fetch", "metadata", "vision", "cache")
+    assert dvc_share.shared_stages(root, "demo", _prof("eval.episodes=3")) == (
+        "fetch", "metadata", "vision", "cache", "train", "convert")
+    # a fetch change reaches every stage below it, whatever their own params
+    assert dvc_share.shared_stages(root, "demo", _prof("fetch.synth_episodes=7")) == ()
+
+
+def test_nothing_is_shared_outside_a_dvc_project_or_for_another_profile(tmp_path):
+    assert dvc_share.shared_stages(_project(tmp_path / "a", dvc=False), "demo", _prof()) == ()
+    other = _project(tmp_path / "b", profile="libero_goal")  # dvc.yaml runs the profile params.yaml selects
+    assert dvc_share.shared_stages(other, "demo", _prof()) == ()
+
+
+def test_a_shared_stage_writes_where_dvc_yaml_puts_it_and_the_others_under_their_keys(tmp_path):
+    paths = StagePaths(tmp_path, "demo", keyed=True)
+    for stage in STAGES:
+        paths = paths.with_key(stage, f"dz-{stage}-{'0' * 24}")
+    paths = paths.share("fetch").share("metadata").share("train")
+    plain = StagePaths(tmp_path, "demo")
+    assert paths.dataset == plain.dataset == tmp_path / "data" / "demo" / "dataset"
+    assert paths.stage("train") == plain.stage("train") and paths.metrics("train") == plain.metrics("train")
+    assert paths.plots("train") == tmp_path / "metrics" / "demo" / "plots"
+    assert paths.record("train") == plain.record("train") and paths.train_config == plain.train_config
+    assert paths.stage("eval") == tmp_path / "runs" / "demo" / "store" / "eval" / f"dz-eval-{'0' * 24}" / "eval"
+    assert paths.metrics("eval").is_relative_to(paths.store("eval"))
+    assert paths.key("train") == f"dz-train-{'0' * 24}"  # kept: the run's record and MLflow name it
+
+
+def test_a_shared_stage_and_a_keyed_one_never_share_a_cache_key():
+    prof = _prof()
+    for stage in STAGES:
+        assert cache_key(stage, prof, ["u"], shared=True) != cache_key(stage, prof, ["u"])
+    assert cache_key("train", prof, ["u"], shared=False) == cache_key("train", prof, ["u"])
+
+
+def test_the_run_view_links_a_shared_stage_and_nothing_else_of_the_profile_folder(tmp_path):
+    paths = StagePaths(tmp_path, "demo", keyed=True).with_key("train", "dz-train-" + "1" * 24).share("train")
+    home = tmp_path / "runs" / "demo"
+    for rel in ("train/checkpoints/a.pt", "train_config.json", "stages/train.json", "eval/results.csv",
+                "store/eval/x/eval/r.csv"):
+        (home / rel).parent.mkdir(parents=True, exist_ok=True)
+        (home / rel).write_text("x")
+    (tmp_path / "metrics" / "demo" / "plots").mkdir(parents=True)
+    (tmp_path / "metrics" / "demo" / "train.json").write_text("{}")
+    (tmp_path / "metrics" / "demo" / "plots" / "losses.png").write_text("png")
+    start_view(paths, "demo-00000000-1", {})
+    links = link_stage(paths, "demo-00000000-1", "train")
+    view = home / "demo-00000000-1"
+    assert sorted(str(link.relative_to(view)) for link in links) == [
+        "metrics/train.json", "plots/losses.png", "stages/train.json", "train", "train_config.json"]
+    assert (view / "train" / "checkpoints" / "a.pt").read_text() == "x"
+    assert json.loads((view / "run.json").read_text())["stages"]["train"] == "dz-train-" + "1" * 24
