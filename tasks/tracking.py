@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import logging
 import re
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from dzmodel.config import Profile, StagePaths, flatten, profile_dict
 from dzmodel.stages.common import files_under
-from dzmodel.serve.bundles import MANIFEST, file_sha256
+from dzmodel.serve.bundles import MANIFEST, file_sha256, parse_manifest
 
 TRAIN_SERIES = ("loss", "action_loss", "dynamics_loss", "lr", "grad_norm", "samples_per_s_per_gpu", "mfu",
                 "peak_mem_gib")
@@ -39,9 +40,9 @@ RECORD_DIRS = ("eval/",)
 def policy_sha256(bundle: Path) -> str:
     """The sha256 of the bundle's MANIFEST lines (checksum, size, path) without the record files: the weights,
     the model and tokenizer configs, the statistics, the embodiment and robot files."""
-    lines = [line for line in (bundle / MANIFEST).read_text().splitlines() if line.strip()]
-    kept = [line for line in lines
-            if not ((path := line.split(None, 2)[-1]) in RECORD_FILES or path.startswith(RECORD_DIRS))]
+    entries = parse_manifest((bundle / MANIFEST).read_text(), str(bundle / MANIFEST))
+    kept = [f"{sha}  {size}  {path}" for path, (sha, size) in entries.items()
+            if not (path in RECORD_FILES or path.startswith(RECORD_DIRS))]
     return hashlib.sha256("\n".join(sorted(kept)).encode()).hexdigest()
 BUNDLE_ROOTS_ENV = "DZ_BUNDLE_ROOTS"  # more folders (os.pathsep-separated) that registry references may point into
 
@@ -85,6 +86,39 @@ def mask_uri(uri: str) -> str:
     query = re.sub(r"(?<![^&])([^=&]+)=([^&]*)",
                    lambda m: f"{m[1]}=***" if _SECRET_PARAM.search(m[1]) else m[0], query)
     return f"{head}?{query}{hash_}{fragment}"
+
+
+_URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
+
+
+def mask_text(text: str) -> str:
+    """`text` with every URI in it masked as `mask_uri` masks one (error messages, tracebacks, log lines)."""
+    return _URI_IN_TEXT.sub(lambda m: mask_uri(m[0]), text)
+
+
+class MaskSecrets(logging.Filter):
+    """A handler filter that masks the URIs in each record it passes: its message and its traceback (Prefect's own
+    "Task run failed" lines quote the exception, and MLflow's exceptions quote the tracking URI)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = mask_text(message)
+        if masked != message:
+            record.msg, record.args = masked, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = mask_text(record.exc_text)
+        return True
+
+
+def mask_secrets_in_logs() -> None:
+    """Add MaskSecrets to every handler of the root and Prefect loggers (once each)."""
+    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+                                      if name == "prefect" or name.startswith("prefect."))]
+    for handler in {h for lg in loggers for h in getattr(lg, "handlers", [])}:
+        if not any(isinstance(f, MaskSecrets) for f in handler.filters):
+            handler.addFilter(MaskSecrets())
 
 
 def without_credentials(uri: str) -> str:

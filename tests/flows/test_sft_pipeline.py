@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 
 from dzmodel import pipeline
 from dzmodel.config import StagePaths
+from dzmodel.serve.bundles import BundleError
 from dzmodel.serve.package import _manifest_lines
 from dzmodel.stages import STAGE_TABLE
 from dzmodel.stages.package import chosen_step
@@ -215,7 +217,9 @@ def test_flow_caches_reruns_what_changed_tracks_and_promotes(prefect_env, tmp_pa
         (flow_run,) = prefect_client.read_flow_runs(
             flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[refused["run_name"]])))
         task_runs = prefect_client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run.id]}))
-    by_id = {t.id: t.name.rsplit("-", 1)[0] for t in task_runs}
+    by_id = {t.id: t.name.split()[0] if " " in t.name else t.name.rsplit("-", 1)[0] for t in task_runs}
+    assert all(re.fullmatch(rf"{name} dz-{name}-[0-9a-f]{{24}}", t.name) for t in task_runs
+               if (name := by_id[t.id]) in STAGE_TABLE), [t.name for t in task_runs]  # each stage's run: its key
     edges = {by_id[t.id]: {by_id[i.id] for i in t.task_inputs.get("wait_for", [])} for t in task_runs}
 
     def ancestors(stage):
@@ -567,6 +571,11 @@ def test_the_policy_digest_ignores_the_records_of_how_a_bundle_was_made(tmp_path
                                         "MODEL_CARD.md": "another card", "eval/summary.json": "3 episodes"})) == first
     assert policy_sha256(bundle("c", **{"robot.json": '{"max_speed": 0.1}'})) != first
     assert policy_sha256(bundle("d", **{"model/model.safetensors": "w2"})) != first
+    # the bundle's own MANIFEST rules: a line the policy server would refuse is refused here too, naming the file
+    damaged = bundle("e")
+    (damaged / "MANIFEST").write_text((damaged / "MANIFEST").read_text().replace("  ", " ", 1))
+    with pytest.raises(BundleError, match=r"e/MANIFEST:1: malformed MANIFEST line"):
+        policy_sha256(damaged)
 
 
 def test_a_failed_run_records_the_stage_and_the_error(prefect_env, tmp_path, monkeypatch):

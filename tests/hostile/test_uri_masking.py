@@ -32,6 +32,17 @@ def test_mask_uri(uri, masked):
     assert mask_uri(uri) == masked
 
 
+def test_mask_text_masks_every_uri_in_a_message_and_leaves_the_rest():
+    from tasks.tracking import mask_text
+
+    text = (f"API request to '{SECRET_URI}api/2.0/runs' failed (retries: 3); also http://u:{SECRET}@h:1/x, "
+            "see https://mlflow.org/docs?x=1")
+    masked = mask_text(text)
+    assert SECRET not in masked
+    assert masked == ("API request to 'https://lab:***@mlflow.example.org:5000/?token=***&workspace=robots"
+                      "api/2.0/runs' failed (retries: 3); also http://u:***@h:1/x, see https://mlflow.org/docs?x=1")
+
+
 def test_the_pipeline_summary_masks_the_tracking_and_prefect_uris(tmp_path, monkeypatch):
     from flows.commands import where_to_look
 
@@ -103,4 +114,55 @@ def test_the_flow_logs_and_artifacts_hold_no_credentials(prefect_env, tmp_path, 
     out = capsys.readouterr()
     assert any("lab:***@mlflow.example.org" in m for m in logs)  # the run's tracking URI is logged, masked
     for text in [*logs, *artifacts, str(summary), out.out, out.err]:
+        assert SECRET not in text
+
+
+def test_prefects_own_failure_lines_hold_no_credentials(prefect_env, tmp_path, monkeypatch):  # noqa: F811
+    """A stage that fails with the tracking URI in its error (as MLflow's exceptions carry it): Prefect's own
+    "Task run failed" and "Finished in state Failed" lines, with their tracebacks, are masked too, in what a
+    handler writes and in what reaches the Prefect API."""
+    import io
+    import logging
+
+    from prefect.client.orchestration import get_client
+    from prefect.logging.handlers import APILogHandler
+
+    from dzmodel import pipeline
+    from flows.sft_pipeline import sft_pipeline
+    from tasks.tracking import Tracker
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", SECRET_URI)
+
+    def unreachable(prof, paths, log):
+        raise ConnectionError(f"API request to {SECRET_URI}api/2.0/mlflow/runs/create failed")
+
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", {**_fake_stages([]), "metadata": unreachable})
+    monkeypatch.setattr(Tracker, "start", classmethod(lambda cls, prof, profile, paths, **kw: cls(
+        SECRET_URI, "1", "run0", profile)))
+    for method in ("log_stage", "end", "train_rows", "record_failure"):
+        monkeypatch.setattr(Tracker, method, lambda self, *a, **k: None)
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for lg in [logging.getLogger(), *map(logging.getLogger, list(logging.Logger.manager.loggerDict))]:
+        for h in getattr(lg, "handlers", []):  # a console bound to an earlier test's captured (closed) stderr
+            if isinstance(h, PrefectConsoleHandler):
+                monkeypatch.setattr(h.console, "file", io.StringIO())
+    seen = io.StringIO()
+    handler = logging.StreamHandler(seen)
+    handler.setFormatter(logging.Formatter("%(name)s | %(message)s"))
+    logging.getLogger("prefect").addHandler(handler)
+    try:
+        with pytest.raises(ConnectionError):
+            sft_pipeline("demo", root=str(tmp_path), promote=False)
+    finally:
+        logging.getLogger("prefect").removeHandler(handler)
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        logs = [log.message for log in client.read_logs()]
+    written = seen.getvalue()
+    assert "Task run failed" in written and "Traceback" in written  # Prefect's own lines, with the traceback
+    assert "lab:***@mlflow.example.org" in written
+    assert any("lab:***@mlflow.example.org" in m and "failed" in m.lower() for m in logs)
+    for text in [*logs, written]:
         assert SECRET not in text
