@@ -79,6 +79,15 @@ def run_stage(name: str, prof: Profile, paths: StagePaths, log: Log = print_line
     return result
 
 
+# what holds a profile's folder while it shares it with DVC (the flow), as `dz stage` reports it when refused
+WORKSPACE_WRITER = "a pipeline run (dz pipeline run) that shares this profile's DVC workspace"
+
+
+def current_fingerprint(name: str, paths: StagePaths) -> str:
+    """The fingerprint of the stage's outputs as they are now."""
+    return fingerprint(*stage_outputs(name, paths))
+
+
 def outputs_intact(name: str, paths: StagePaths) -> bool:
     """The stage's outputs are there and unchanged since its last recorded run (else a cached result lies)."""
     record = _record(name, paths)
@@ -88,7 +97,7 @@ def outputs_intact(name: str, paths: StagePaths) -> bool:
         recorded = json.loads(record.read_text()).get("outputs_fingerprint")
     except json.JSONDecodeError:
         return False
-    return recorded == fingerprint(*stage_outputs(name, paths))
+    return recorded == current_fingerprint(name, paths)
 
 
 def stage_params(prof: Profile, name: str) -> dict:

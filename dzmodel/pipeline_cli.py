@@ -76,11 +76,14 @@ def cmd_params_dvc(ns: argparse.Namespace) -> int:
 def cmd_stage(ns: argparse.Namespace) -> int:
 
     from .config import StagePaths
-    from .pipeline import run_stage
+    from .dirlock import directory_lock
+    from .pipeline import WORKSPACE_WRITER, run_stage
 
     params = load_params_of(ns)
     name = ns.profile or params.profile
-    result = run_stage(ns.stage, params.selected(name), StagePaths(Path(ns.root), name))
+    paths = StagePaths(Path(ns.root), name)
+    with directory_lock(paths.run, wait=False, what=WORKSPACE_WRITER):  # the flow's hold on these places
+        result = run_stage(ns.stage, params.selected(name), paths)
     print(f"stage {ns.stage} [{name}] done in {result['seconds']:.1f} s")
     return EXIT_OK
 

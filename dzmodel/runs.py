@@ -64,11 +64,13 @@ def start_view(paths: StagePaths, name: str, record: dict[str, Any]) -> Path:
 SPREAD = ("metrics", "plots", "stages")  # folders that several stages write into: linked file by file
 
 
-def link_stage(paths: StagePaths, name: str, stage: str) -> list[Path]:
-    """Link a stage's outputs into the run's view (relative links) and record its key in run.json."""
+def link_stage(paths: StagePaths, name: str, stage: str, result: dict | None = None) -> list[Path]:
+    """Link a stage's outputs into the run's view (relative links) and record its key in run.json. `result`: the
+    stage's result, whose plot files are linked for a stage at dvc.yaml's places (the profile's plots folder
+    holds every stage's)."""
     view = run_view(paths, name)
     links = []
-    for link, target in _stage_links(paths, view, stage):
+    for link, target in _stage_links(paths, view, stage, result or {}):
         link.parent.mkdir(parents=True, exist_ok=True)
         _relink(link, Path(os.path.relpath(target, link.parent)))
         links.append(link)
@@ -82,17 +84,18 @@ def link_stage(paths: StagePaths, name: str, stage: str) -> list[Path]:
 FILES_BESIDE = {"train": ("train_config.json", "train_inputs.json"), "cache": ("tokenizer",)}
 
 
-def _stage_links(paths: StagePaths, view: Path, stage: str) -> list[tuple[Path, Path]]:
+def _stage_links(paths: StagePaths, view: Path, stage: str, result: dict) -> list[tuple[Path, Path]]:
     """(link, target) pairs for a stage's outputs: everything in its keyed folder, or, for a stage at dvc.yaml's
-    places (shared with DVC), its outputs, record, metrics and the profile's plots."""
+    places (shared with DVC), its outputs, record, metrics and the plots its result names."""
     if stage in paths.shared:
         home = paths.home(stage)
         files = [*paths.outputs(stage), *(home / f for f in FILES_BESIDE.get(stage, ()))]
         pairs = [(view / f.name, f) for f in files if f.exists()]
         pairs += [(view / "stages" / f.name, f) for f in [paths.record(stage)] if f.is_file()]
         pairs += [(view / "metrics" / f.name, f) for f in [paths.metrics(stage)] if f.is_file()]
-        plots = paths.plots(stage)
-        return pairs + [(view / "plots" / f.name, f) for f in sorted(plots.iterdir()) if plots.is_dir()]
+        named = result.get("plots") or ([result["plot"]] if result.get("plot") else [])
+        plots = [paths.plots(stage) / Path(p).name for p in named if isinstance(p, str)]
+        return pairs + [(view / "plots" / f.name, f) for f in plots if f.is_file()]
     home = paths.home(stage)
     pairs = []
     for child in sorted(home.iterdir()) if home.is_dir() else []:

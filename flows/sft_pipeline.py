@@ -22,7 +22,7 @@ from prefect.context import get_run_context
 from prefect.utilities.annotations import quote
 
 from dzmodel.config import StagePaths, load_params, profile_dict
-from dzmodel.pipeline import STAGES, outputs_intact
+from dzmodel.pipeline import STAGES, current_fingerprint, outputs_intact
 from dzmodel.runs import check_run_name, link_stage, next_run_name, params_digest, run_view, start_view
 from tasks import artifacts, dvc_share
 from dzmodel.stages import STAGE_TABLE
@@ -56,7 +56,7 @@ def _description(run: str, profile: str, digest: str, flow_run_id, view: Path) -
     prefect = (f"[{run}]({ui.rstrip('/')}/runs/flow-run/{flow_run_id})" if ui and os.environ.get("PREFECT_API_URL")
                else f"{run} (id {flow_run_id}, on a temporary Prefect server)")
     return (f"Pipeline run **{run}** of profile `{profile}` (params digest `{digest}`).\n\n"
-            f"- Prefect flow run: {prefect}\n- Outputs: `{view}` (links to each stage's outputs by cache key)\n")
+            f"- Prefect flow run: {prefect}\n- Outputs: `{view}` (links to the outputs each stage used)\n")
 
 
 def _run_name() -> str:
@@ -82,8 +82,10 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
                  root: str = ".", promote: bool = True, run_name: str | None = None) -> dict:
     """Run every stage of one params.yaml profile; unchanged stages come from the task cache.
 
-    Each stage writes under its cache key (runs/<profile>/store/<stage>/<key>/), so a cached result always
-    points at the outputs it describes; the run's own view is runs/<profile>/<run name>/."""
+    A stage whose params are the ones dvc.yaml gives it writes at dvc.yaml's places and is committed to DVC
+    (tasks/dvc_share.py); any other stage writes under its cache key (runs/<profile>/store/<stage>/<key>/). A
+    cached result is used only while the outputs it describes are there; the run's own view is
+    runs/<profile>/<run name>/."""
     mask_secrets_in_logs()  # Prefect's own lines quote errors, and MLflow's errors quote the tracking URI
     logger = get_run_logger()
     root_dir = Path(root).resolve()
@@ -113,6 +115,11 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
     # is cached stays one small run pointing at the run that made the outputs, with nothing copied into it
     unlogged: list[tuple] = []
     stage = STAGES[0]
+    workspace = dvc_share.Workspace(root_dir, name)  # held for the whole run when it shares: one writer at a time
+    if shared and not workspace.claim():
+        logger.info(f"{workspace.where} is in use (another pipeline run, or a stage of dvc repro): this run keeps "
+                    "every stage's outputs under its cache key")
+        shared = ()
     try:
         for stage in STAGES:
             key = cache_key(stage, prof, [results[u]["outputs_fingerprint"] for u in STAGE_TABLE[stage].upstream],
@@ -131,12 +138,22 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
                          wait_for=[states[u] for u in STAGE_TABLE[stage].upstream], **kwargs)
             states[stage] = state
             result = state.result()
+            if (state.name == "Cached" and stage in shared
+                    and result.get("outputs_fingerprint") != current_fingerprint(stage, paths)):
+                # dvc.yaml's places hold another run's outputs now (dvc repro, or this flow with other params)
+                logger.info(f"{stage}: its cached result describes outputs that have since been replaced in "
+                            f"{paths.home(stage)}; it runs again")
+                state = task.with_options(refresh_cache=True)(
+                    quote(prof), quote(paths), cache_key=key, return_state=True,
+                    wait_for=[states[u] for u in STAGE_TABLE[stage].upstream], **kwargs)
+                states[stage] = state
+                result = state.result()
             cached = state.name == "Cached"
             result["_cached"] = cached
             if cached:
                 result["_live_logged"] = False
                 logger.info(f"{stage}: unchanged inputs and params, skipped (cached result, cache key {key})")
-            link_stage(paths, run, stage)
+            link_stage(paths, run, stage, result)
             if cached or result.get("_reused"):  # logged as cached (nothing ran), once a stage runs or at the end
                 unlogged.append((stage, result, paths))
             else:
@@ -154,7 +171,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
         if not all_cached:
             _log_cached(tracker, unlogged)
         if shared:  # stages reused from the flow's cache: dvc.lock describes them too
-            dvc_share.sync(root_dir, paths, shared, logger.info)
+            dvc_share.sync(paths, prof, results, shared, logger.info)
         original = tracker.mark_outputs(prof, paths.key(STAGES[-1]), cached=all_cached)
         if original is not False:
             logger.info(f"every stage unchanged: recorded as a cached run of the outputs of "
@@ -175,6 +192,8 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
         _record_failure(tracker, stage, exc, "FAILED")
         tracker.end(status="FAILED")
         raise
+    finally:
+        workspace.release()
     summary = {"profile": name, "run_name": run, "run_dir": str(view), "mlflow_run_id": tracker.run_id,
                "mlflow_experiment_id": tracker.experiment_id,
                "mlflow_uri": mask_uri(tracker.uri), "experiment": experiment_name(prof, name),

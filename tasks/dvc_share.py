@@ -10,8 +10,11 @@ data/<profile>/, metrics/<profile>/) instead of under its cache key, and:
 - after it runs, its outputs are committed to DVC (`dvc commit`: dvc.lock, DVC's cache and its run cache), so
   that `dvc repro` and `dvc exp run` find the stage unchanged and do not run it again.
 A run with other params (`--set train.lr=...`) shares the stages that the change does not reach and keeps the
-others under their cache keys, as before. DVC holding its lock (a `dvc repro` running) only delays the commit to
-the next run of the flow; it never fails the flow.
+others under their cache keys, as before. One writer at a time: a run that shares holds the profile's folder
+(an flock on runs/<profile>/, which `dz stage`, and so `dvc repro`, takes too); a run that finds it held, or that
+runs from another folder than the project (dvc.yaml's paths are relative to it), shares nothing. A commit is
+made only for outputs that the run itself holds, under the params and code that params.yaml and the project
+have at that moment; otherwise it is left to the next run (logged), and DVC failing never fails the flow.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from dzmodel.config import Profile, load_params
-from dzmodel.pipeline import outputs_intact, stage_params
-from dzmodel.stages import STAGE_TABLE, STAGES
+from dzmodel.config import Profile, StagePaths, load_params
+from dzmodel.dirlock import DirectoryBusy, directory_lock
+from dzmodel.pipeline import WORKSPACE_WRITER, current_fingerprint, outputs_intact, stage_params
+from dzmodel.stages import STAGE_TABLE, STAGES, code_fingerprint
 
 Log = Callable[[str], None]
 DVC_PARAMS = "params.yaml"  # what dvc.yaml reads (`vars: [params.yaml]`)
@@ -38,8 +42,9 @@ def dvc_project(root: Path) -> bool:
 
 
 def shared_stages(root: Path, name: str, prof: Profile) -> tuple[str, ...]:
-    """The stages whose params, and whose upstream stages' params, are dvc.yaml's, in table order."""
-    if not dvc_project(root):
+    """The stages whose params, and whose upstream stages' params, are dvc.yaml's, in table order (none when the
+    process runs outside the project: DVC and the stages' records name paths relative to it)."""
+    if not dvc_project(root) or Path.cwd().resolve() != root.resolve():
         return ()
     try:
         dvc_params = load_params(root / DVC_PARAMS)
@@ -54,6 +59,28 @@ def shared_stages(root: Path, name: str, prof: Profile) -> tuple[str, ...]:
                 and stage_params(prof, stage) == stage_params(dvc_prof, stage)):
             shared.append(stage)
     return tuple(shared)
+
+
+class Workspace:
+    """The profile's DVC workspace held for one run of the flow (an flock on runs/<profile>/), or not held."""
+
+    def __init__(self, root: Path, name: str):
+        self.where = StagePaths(root, name).run
+        self.held = False
+
+    def claim(self) -> bool:
+        self._lock = directory_lock(self.where, wait=False, what=WORKSPACE_WRITER)
+        try:
+            self._lock.__enter__()
+        except DirectoryBusy:
+            return False
+        self.held = True
+        return True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self._lock.__exit__(None, None, None)
 
 
 @contextmanager
@@ -94,6 +121,27 @@ def reuse(stage: str, paths, log: Log) -> dict | None:
     return json.loads(paths.record(stage).read_text())
 
 
+def commit_run(stage: str, paths, prof: Profile, result: dict, code: str, log: Log) -> list[str]:
+    """Commit a stage this run has just run, if what it ran is still what DVC would: params.yaml still gives it
+    these params (it may have been edited while the stage ran), its code is the code it ran, and its outputs are
+    the ones it recorded."""
+    reason = _not_committable(stage, paths, prof, result, code)
+    if reason:
+        log(f"{stage}: not committed to DVC ({reason}); dvc repro will run it")
+        return []
+    return commit(paths.root, [stage], log)
+
+
+def _not_committable(stage: str, paths, prof: Profile, result: dict, code: str | None = None) -> str | None:
+    if stage not in shared_stages(paths.root, paths.profile, prof):
+        return "params.yaml no longer gives it this run's params"
+    if code is not None and code_fingerprint(stage) != code:
+        return "its code changed while it ran"
+    if result.get("outputs_fingerprint") != current_fingerprint(stage, paths):
+        return f"its outputs in {paths.home(stage)} are not the ones this run recorded"
+    return None
+
+
 def commit(root: Path, stages: list[str] | tuple[str, ...], log: Log) -> list[str]:
     """Commit the stages' outputs to DVC (dvc.lock, cache, run cache), leaving the files in place. Returns the
     stages committed; a DVC that is busy or fails is logged, and the next run of the flow commits them."""
@@ -112,12 +160,14 @@ def commit(root: Path, stages: list[str] | tuple[str, ...], log: Log) -> list[st
     return list(stages)
 
 
-def sync(root: Path, paths, stages: tuple[str, ...], log: Log) -> list[str]:
-    """Commit the shared stages that dvc.lock does not describe as the flow left them (e.g. reused from the
-    flow's cache after dvc.lock changed), those whose outputs are intact."""
+def sync(paths, prof: Profile, results: dict[str, dict], stages: tuple[str, ...], log: Log) -> list[str]:
+    """Commit the shared stages that dvc.lock does not describe as this run left them (e.g. reused from the flow's
+    cache after dvc.lock changed), those whose outputs are still the ones this run's results describe."""
     try:
-        stale = [s for s in stages if s in changed(root, stages) and outputs_intact(s, paths)]
+        differ = changed(paths.root, stages)
     except Exception as exc:
         log(f"DVC status failed ({type(exc).__name__}: {exc}); dvc.lock left as it is")
         return []
-    return commit(root, stale, log)
+    stale = [s for s in stages if s in differ and outputs_intact(s, paths)
+             and not _not_committable(s, paths, prof, results[s])]
+    return commit(paths.root, stale, log)

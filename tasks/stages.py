@@ -40,6 +40,7 @@ from dzmodel.progress import report_to
 from dzmodel.stages import code_fingerprint
 
 from . import dvc_share
+from .tracking import mask_text
 
 GPU_POOL_TAG = "gpu-pool"
 log = logging.getLogger(__name__)
@@ -52,11 +53,15 @@ class JSONResults(Serializer):
 
     def dumps(self, obj: Any) -> bytes:
         if isinstance(obj, BaseException):  # a failed task's error, which Prefect stores as its result
-            obj = {"error": type(obj).__name__, "message": str(obj)}
+            obj = {"error": type(obj).__name__, "message": mask_text(str(obj))}
         return json.dumps(obj).encode()
 
     def loads(self, blob: bytes) -> Any:
         return json.loads(blob)
+
+
+class MaskedError(RuntimeError):
+    """A stage's error whose text named a URI with credentials, masked (the original's traceback quotes it)."""
 
 
 def _stage_result_file(path: Path) -> bool:
@@ -133,10 +138,17 @@ def _run(stage: str, prof: Profile, paths: StagePaths, cache_key: str, **kwargs)
     shared = stage in paths.shared  # at dvc.yaml's places: DVC may hold these outputs already (tasks/dvc_share.py)
     if shared and (reused := dvc_share.reuse(stage, paths, logger.info)) is not None:
         return dict(reused, _reused="dvc")
-    with report_to(logger.info):  # the stage's progress bars (convert, statistics, evaluation, recording) log here too
-        result = run_stage(stage, prof, paths, log=logger.info, **kwargs)
+    code = code_fingerprint(stage)
+    try:
+        with report_to(logger.info):  # the stage's progress bars (convert, statistics, evaluation, recording) log here
+            result = run_stage(stage, prof, paths, log=logger.info, **kwargs)
+    except Exception as exc:  # Prefect's failed state quotes the error: no credentials of a URI in it
+        masked = mask_text(str(exc))
+        if masked != str(exc):
+            raise MaskedError(f"{type(exc).__name__}: {masked}") from None
+        raise
     if shared:
-        dvc_share.commit(paths.root, [stage], logger.info)
+        dvc_share.commit_run(stage, paths, prof, result, code, logger.info)
     return result
 
 

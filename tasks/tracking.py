@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import logging
+import os
 import re
+import shutil
 import socket
 import subprocess
 import time
@@ -91,9 +92,14 @@ def mask_uri(uri: str) -> str:
 _URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
 
 
+_QUERY_PAIR = re.compile(r"(?<=[?&])([^=&\s'\"]+)=([^&\s'\"#]*)")
+
+
 def mask_text(text: str) -> str:
-    """`text` with every URI in it masked as `mask_uri` masks one (error messages, tracebacks, log lines)."""
-    return _URI_IN_TEXT.sub(lambda m: mask_uri(m[0]), text)
+    """`text` with every URI in it masked as `mask_uri` masks one, and any secret-looking query parameter
+    elsewhere too (a path and query quoted without its host, as urllib3's retry errors quote them)."""
+    text = _URI_IN_TEXT.sub(lambda m: mask_uri(m[0]), text)
+    return _QUERY_PAIR.sub(lambda m: f"{m[1]}=***" if _SECRET_PARAM.search(m[1]) else m[0], text)
 
 
 class MaskSecrets(logging.Filter):
@@ -101,7 +107,10 @@ class MaskSecrets(logging.Filter):
     "Task run failed" lines quote the exception, and MLflow's exceptions quote the tracking URI)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed log call: the handler reports it, as it would without this filter
+            return True
         masked = mask_text(message)
         if masked != message:
             record.msg, record.args = masked, None
@@ -109,13 +118,14 @@ class MaskSecrets(logging.Filter):
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:
             record.exc_text = mask_text(record.exc_text)
+            record.exc_info = None  # formatters that rebuild the traceback from the exception would unmask it
         return True
 
 
 def mask_secrets_in_logs() -> None:
-    """Add MaskSecrets to every handler of the root and Prefect loggers (once each)."""
+    """Add MaskSecrets to every handler of the root, Prefect and MLflow loggers (once each)."""
     loggers = [logging.getLogger(), *(logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
-                                      if name == "prefect" or name.startswith("prefect."))]
+                                      if name.split(".")[0] in ("prefect", "mlflow"))]
     for handler in {h for lg in loggers for h in getattr(lg, "handlers", [])}:
         if not any(isinstance(f, MaskSecrets) for f in handler.filters):
             handler.addFilter(MaskSecrets())
@@ -389,7 +399,7 @@ class Tracker:
         """Why the run stopped: the stage that was running (a nested run of its own, ended with `status`) and the
         error, as tags of both (`failed_stage` or `killed_stage`, `error`: its first line) and the full text as
         the nested run's `error.txt`."""
-        text = mask_uri(f"{type(exc).__name__}: {exc}".strip())
+        text = mask_text(f"{type(exc).__name__}: {exc}".strip())
         first = (text.splitlines() or [type(exc).__name__])[0][:500]
         which = "killed_stage" if status == "KILLED" else "failed_stage"
         self.client.set_tag(self.run_id, which, stage)
@@ -670,6 +680,7 @@ class Tracker:
             model_id, pyfunc = self.log_policy_model(bundle), "yes"
             source = f"models:/{model_id}"  # as mlflow.register_model writes it: the version page links the model
         else:  # too large to copy into the artifact store: a reference to the bundle, and no pyfunc
+            bundle = kept_for_reference(bundle, manifest_sha256)
             self.reference(self.run_id, bundle, f"bundle/{bundle.name}")
             source, pyfunc = f"runs:/{self.run_id}/bundle/{bundle.name}", "no: the bundle is logged by reference"
             model_id = None
@@ -947,6 +958,32 @@ def _registry_uri_for(name: str, params_file: Path) -> str:
         if prof.promote.registered_model == name:
             return tracking_uri(prof, StagePaths(params_file.parent.resolve(), profile).root)
     raise RegistryError(f"models:/{name}: no profile in {params_file} registers {name!r}; set MLFLOW_TRACKING_URI")
+
+
+def kept_for_reference(bundle: Path, manifest_sha256: str) -> Path:
+    """Where a bundle registered by reference stays: one in a profile's package folder (runs/<p>/package/, which
+    the next run of the stage replaces, under `dz stage`, dvc repro or the flow) is first linked, file by file,
+    into runs/<p>/store/package/registered-<MANIFEST digest>/ (a copy where links cannot be made); any other
+    (the flow's keyed store) is kept where it is."""
+    package = bundle.parent
+    if package.name != "package" or package.parent.parent.name != "runs":
+        return bundle
+    dest = package.parent / "store" / "package" / f"registered-{manifest_sha256[:16]}" / bundle.name
+    if (dest / MANIFEST).is_file() and file_sha256(dest / MANIFEST) == manifest_sha256:
+        return dest
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(bundle, tmp, copy_function=link, symlinks=True)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    return dest
 
 
 def _bundle_roots(name: str, params_file: Path) -> list[Path]:

@@ -31,12 +31,14 @@ def _prof(*overrides, profile="demo"):
     return load_params(ROOT / "params.yaml", list(overrides), profile).selected(profile)
 
 
-def test_every_stage_is_shared_when_the_flow_runs_params_yaml_as_dvc_does(tmp_path):
-    assert dvc_share.shared_stages(_project(tmp_path), "demo", _prof()) == tuple(STAGES)
+def test_every_stage_is_shared_when_the_flow_runs_params_yaml_as_dvc_does(tmp_path, monkeypatch):
+    monkeypatch.chdir(_project(tmp_path))
+    assert dvc_share.shared_stages(tmp_path, "demo", _prof()) == tuple(STAGES)
 
 
-def test_a_set_param_shares_only_the_stages_it_does_not_reach(tmp_path):
+def test_a_set_param_shares_only_the_stages_it_does_not_reach(tmp_path, monkeypatch):
     root = _project(tmp_path)
+    monkeypatch.chdir(root)
     assert dvc_share.shared_stages(root, "demo", _prof("train.lr=0.01")) == ("fetch", "metadata", "vision", "cache")
     assert dvc_share.shared_stages(root, "demo", _prof("eval.episodes=3")) == (
         "fetch", "metadata", "vision", "cache", "train", "convert")
@@ -44,10 +46,57 @@ def test_a_set_param_shares_only_the_stages_it_does_not_reach(tmp_path):
     assert dvc_share.shared_stages(root, "demo", _prof("fetch.synth_episodes=7")) == ()
 
 
-def test_nothing_is_shared_outside_a_dvc_project_or_for_another_profile(tmp_path):
-    assert dvc_share.shared_stages(_project(tmp_path / "a", dvc=False), "demo", _prof()) == ()
+def test_nothing_is_shared_outside_a_dvc_project_for_another_profile_or_from_another_folder(tmp_path, monkeypatch):
+    plain = _project(tmp_path / "a", dvc=False)
+    monkeypatch.chdir(plain)
+    assert dvc_share.shared_stages(plain, "demo", _prof()) == ()
     other = _project(tmp_path / "b", profile="libero_goal")  # dvc.yaml runs the profile params.yaml selects
+    monkeypatch.chdir(other)
     assert dvc_share.shared_stages(other, "demo", _prof()) == ()
+    project = _project(tmp_path / "c")
+    assert dvc_share.shared_stages(project, "demo", _prof()) == ()  # dvc.yaml's paths are relative to the project
+    monkeypatch.chdir(project)
+    assert dvc_share.shared_stages(project, "demo", _prof()) == tuple(STAGES)
+
+
+def test_one_run_at_a_time_holds_the_workspace_and_dz_stage_waits_for_none(tmp_path, monkeypatch, capsys):
+    from dzmodel.cli import main
+
+    monkeypatch.chdir(_project(tmp_path))
+    first, second = dvc_share.Workspace(tmp_path, "demo"), dvc_share.Workspace(tmp_path, "demo")
+    assert first.claim() and not second.claim()  # a second flow run keeps its outputs under cache keys
+    try:
+        assert main(["stage", "metadata", "--profile", "demo"]) == 1  # dvc repro's command, refused at once
+        err = capsys.readouterr().err
+        assert "runs/demo: a pipeline run (dz pipeline run) that shares this profile's DVC workspace is writing" in err
+        assert not (tmp_path / "runs" / "demo" / "metadata").exists()
+    finally:
+        first.release()
+    assert second.claim()
+    second.release()
+
+
+def test_a_stage_is_committed_only_as_this_run_made_it(tmp_path, monkeypatch):
+    """params.yaml edited while the stage ran, or its outputs replaced since: no commit."""
+    from dzmodel.stages import code_fingerprint
+
+    root = _project(tmp_path)
+    monkeypatch.chdir(root)
+    prof = _prof()
+    paths = StagePaths(root, "demo", keyed=True).with_key("metadata", "k").share("metadata")
+    out = paths.metadata
+    out.parent.mkdir(parents=True)
+    out.write_text("{}")
+    result = {"outputs_fingerprint": dvc_share.current_fingerprint("metadata", paths)}
+    code = code_fingerprint("metadata")
+    assert dvc_share._not_committable("metadata", paths, prof, result, code) is None
+    assert "code changed" in dvc_share._not_committable("metadata", paths, prof, result, "0" * 16)
+    out.write_text('{"another": "run"}')
+    assert "not the ones this run recorded" in dvc_share._not_committable("metadata", paths, prof, result, code)
+    result = {"outputs_fingerprint": dvc_share.current_fingerprint("metadata", paths)}
+    text = (root / "params.yaml").read_text()
+    (root / "params.yaml").write_text(text.replace("heldout_episodes: 2", "heldout_episodes: 3", 1))
+    assert "no longer gives it" in dvc_share._not_committable("metadata", paths, prof, result, code)
 
 
 def test_a_shared_stage_writes_where_dvc_yaml_puts_it_and_the_others_under_their_keys(tmp_path):
@@ -82,8 +131,9 @@ def test_the_run_view_links_a_shared_stage_and_nothing_else_of_the_profile_folde
     (tmp_path / "metrics" / "demo" / "plots").mkdir(parents=True)
     (tmp_path / "metrics" / "demo" / "train.json").write_text("{}")
     (tmp_path / "metrics" / "demo" / "plots" / "losses.png").write_text("png")
+    (tmp_path / "metrics" / "demo" / "plots" / "success_vs_step.png").write_text("another stage's")
     start_view(paths, "demo-00000000-1", {})
-    links = link_stage(paths, "demo-00000000-1", "train")
+    links = link_stage(paths, "demo-00000000-1", "train", {"plots": ["metrics/demo/plots/losses.png"]})
     view = home / "demo-00000000-1"
     assert sorted(str(link.relative_to(view)) for link in links) == [
         "metrics/train.json", "plots/losses.png", "stages/train.json", "train", "train_config.json"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dzmodel.config import StagePaths, load_params
+from dzmodel.serve.bundles import file_sha256
 from dzmodel.serve.package import load_package
 from tests.hostile.test_bundles_hostile import EVIL, FILES, make_bundle, regenerate_manifest
 
@@ -93,8 +94,13 @@ def test_a_reference_resolves_inside_the_runs_folder_and_is_pinned(env, monkeypa
     from tasks import tracking
 
     monkeypatch.setattr(tracking, "MAX_ARTIFACT_MB", 0)  # the bundle is logged by reference, as large ones are
-    version, bundle = register(env, "dreamzero-demo-5")
-    assert tracking.resolve_registered_bundle(f"models:/{NAME}/{version}") == bundle.resolve()
+    version, packaged = register(env, "dreamzero-demo-5")
+    bundle = tracking.resolve_registered_bundle(f"models:/{NAME}/{version}")
+    # kept apart from the package folder, which the next package run replaces
+    assert bundle.parent.parent == env[2].store("package").resolve() and bundle.name == packaged.name
+    assert file_sha256(bundle / "MANIFEST") == file_sha256(packaged / "MANIFEST")
+    shutil.rmtree(packaged.parent)  # the next run of the package stage
+    assert tracking.resolve_registered_bundle(f"models:/{NAME}/{version}") == bundle
     (bundle / "model" / "w.bin").write_bytes(EVIL)
     regenerate_manifest(bundle)
     with pytest.raises(tracking.RegistryError, match=rf"{bundle.resolve()}/MANIFEST: sha256 \w+ does not match"):

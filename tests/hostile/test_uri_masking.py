@@ -36,11 +36,36 @@ def test_mask_text_masks_every_uri_in_a_message_and_leaves_the_rest():
     from tasks.tracking import mask_text
 
     text = (f"API request to '{SECRET_URI}api/2.0/runs' failed (retries: 3); also http://u:{SECRET}@h:1/x, "
-            "see https://mlflow.org/docs?x=1")
+            f"see https://mlflow.org/docs?x=1; Max retries exceeded with url: /api/2.0/runs?run=7&token={SECRET}")
     masked = mask_text(text)
     assert SECRET not in masked
     assert masked == ("API request to 'https://lab:***@mlflow.example.org:5000/?token=***&workspace=robots"
-                      "api/2.0/runs' failed (retries: 3); also http://u:***@h:1/x, see https://mlflow.org/docs?x=1")
+                      "api/2.0/runs' failed (retries: 3); also http://u:***@h:1/x, see https://mlflow.org/docs?x=1; "
+                      "Max retries exceeded with url: /api/2.0/runs?run=7&token=***")
+
+
+def test_the_log_filter_masks_tracebacks_and_lets_a_malformed_call_through():
+    import io
+    import logging
+
+    from tasks.tracking import MaskSecrets
+
+    seen = io.StringIO()
+    handler = logging.StreamHandler(seen)
+    handler.addFilter(MaskSecrets())
+    logger = logging.getLogger("dz-test-masking")
+    logger.propagate = False  # pytest's own capture handler raises on a malformed call
+    logger.addHandler(handler)
+    try:
+        try:
+            raise ConnectionError(f"cannot reach {SECRET_URI}")
+        except ConnectionError:
+            logger.exception("request to %s failed", SECRET_URI)
+        logger.warning("bad %d", "x")  # logging's own error report, not an exception at the call
+    finally:
+        logger.removeHandler(handler)
+    assert SECRET not in seen.getvalue() and "Traceback" in seen.getvalue()
+    assert seen.getvalue().count("lab:***@mlflow.example.org") == 2
 
 
 def test_the_pipeline_summary_masks_the_tracking_and_prefect_uris(tmp_path, monkeypatch):
@@ -129,6 +154,7 @@ def test_prefects_own_failure_lines_hold_no_credentials(prefect_env, tmp_path, m
 
     from dzmodel import pipeline
     from flows.sft_pipeline import sft_pipeline
+    from tasks.stages import MaskedError
     from tasks.tracking import Tracker
 
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
@@ -153,7 +179,7 @@ def test_prefects_own_failure_lines_hold_no_credentials(prefect_env, tmp_path, m
     handler.setFormatter(logging.Formatter("%(name)s | %(message)s"))
     logging.getLogger("prefect").addHandler(handler)
     try:
-        with pytest.raises(ConnectionError):
+        with pytest.raises(MaskedError, match=r"ConnectionError: API request to https://lab:\*\*\*@mlflow"):
             sft_pipeline("demo", root=str(tmp_path), promote=False)
     finally:
         logging.getLogger("prefect").removeHandler(handler)
@@ -164,5 +190,9 @@ def test_prefects_own_failure_lines_hold_no_credentials(prefect_env, tmp_path, m
     assert "Task run failed" in written and "Traceback" in written  # Prefect's own lines, with the traceback
     assert "lab:***@mlflow.example.org" in written
     assert any("lab:***@mlflow.example.org" in m and "failed" in m.lower() for m in logs)
-    for text in [*logs, written]:
+    with get_client(sync_client=True) as client:  # the failed states' messages, which the UI shows
+        states = [str(t.state.message) for t in client.read_task_runs()] + [
+            str(f.state.message) for f in client.read_flow_runs()]
+    assert any("lab:***@mlflow.example.org" in m for m in states)
+    for text in [*logs, written, *states]:
         assert SECRET not in text
