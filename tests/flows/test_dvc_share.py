@@ -3,15 +3,18 @@ and DVC running on one project end to end: tests/test_dvc.py (slow)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
 
+from dzmodel import pipeline
 from dzmodel.config import StagePaths, load_params
 from dzmodel.pipeline import STAGES
 from dzmodel.runs import link_stage, start_view
 from tasks import dvc_share
 from tasks.stages import cache_key
+from tests.flows.test_sft_pipeline import _fake_stages, prefect_env  # noqa: F401  (the ephemeral Prefect fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,3 +142,30 @@ def test_the_run_view_links_a_shared_stage_and_nothing_else_of_the_profile_folde
         "metrics/train.json", "plots/losses.png", "stages/train.json", "train", "train_config.json"]
     assert (view / "train" / "checkpoints" / "a.pt").read_text() == "x"
     assert json.loads((view / "run.json").read_text())["stages"]["train"] == "dz-train-" + "1" * 24
+
+
+def test_a_b_a_at_dvc_yamls_places_registers_what_each_run_trained(prefect_env, tmp_path, monkeypatch):  # noqa: F811
+    """lr A, then params.yaml changed to lr B (as `dvc repro` after an edit would run it), then back to A: the third
+    run's cached results describe train outputs that B's run has replaced at dvc.yaml's places, so it trains
+    again, and registers A's weights (version 1), never B's under A's params."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.sft_pipeline import sft_pipeline
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root = _project(tmp_path)
+    monkeypatch.chdir(root)
+    calls: list[str] = []
+    monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", _fake_stages(calls))
+    text = (root / "params.yaml").read_text()
+    runs = []
+    for lr in ("2.0e-3", "4.0e-3", "2.0e-3"):
+        (root / "params.yaml").write_text(text.replace("lr: 3.0e-3", f"lr: {lr}", 1))
+        runs.append(sft_pipeline("demo", root=str(root), overrides=["promote.max_action_error_ratio=0.5"]))
+    assert all(r["shared_with_dvc"] == list(STAGES) for r in runs)
+    assert calls.count("train") == 3 and calls.count("fetch") == 1
+    assert [r["promotion"]["version"] for r in runs] == ["1", "2", "1"]
+    client = MlflowClient(tracking_uri=runs[0]["mlflow_uri"], registry_uri=runs[0]["mlflow_uri"])
+    version = client.get_model_version("dreamzero-demo", "1")
+    assert version.tags["weights.sha256"] == hashlib.sha256(b"trained at lr 0.002, step 3").hexdigest()
+    assert (root / "runs" / "demo" / "train").is_dir() and not (root / "runs" / "demo" / "store" / "train").exists()
