@@ -102,3 +102,12 @@ def save_figure(fig, path: Path, dpi: int = 110) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """A hard link of `src` at `dst` (its folder made), or a copy where no link can be made."""
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

@@ -133,21 +133,20 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
             kwargs = {}
             if stage == "train":  # per-step metrics reach MLflow while training runs
                 kwargs["on_metrics"] = lambda rows: tracker.train_rows(rows, [tracker.run_id])
-            # quote: no edges guessed from the values passed in; the edges are the upstream stages (wait_for)
-            state = task(quote(prof), quote(paths), cache_key=key, return_state=True,
-                         wait_for=[states[u] for u in STAGE_TABLE[stage].upstream], **kwargs)
-            states[stage] = state
+            def submit(task):  # quote: no edges guessed from the values passed in; the edges are wait_for's
+                return task(quote(prof), quote(paths), cache_key=key, return_state=True,
+                            wait_for=[states[u] for u in STAGE_TABLE[stage].upstream], **kwargs)
+
+            state = submit(task)
             result = state.result()
             if (state.name == "Cached" and stage in shared
                     and result.get("outputs_fingerprint") != current_fingerprint(stage, paths)):
                 # dvc.yaml's places hold another run's outputs now (dvc repro, or this flow with other params)
                 logger.info(f"{stage}: its cached result describes outputs that have since been replaced in "
                             f"{paths.home(stage)}; it runs again")
-                state = task.with_options(refresh_cache=True)(
-                    quote(prof), quote(paths), cache_key=key, return_state=True,
-                    wait_for=[states[u] for u in STAGE_TABLE[stage].upstream], **kwargs)
-                states[stage] = state
+                state = submit(task.with_options(refresh_cache=True))
                 result = state.result()
+            states[stage] = state
             cached = state.name == "Cached"
             result["_cached"] = cached
             if cached:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from dzmodel.config import Profile, StagePaths, flatten, profile_dict
 from dzmodel.stages.common import files_under
+from dzmodel.atomic import link_or_copy
 from dzmodel.serve.bundles import MANIFEST, file_sha256, parse_manifest
 
 TRAIN_SERIES = ("loss", "action_loss", "dynamics_loss", "lr", "grad_norm", "samples_per_s_per_gpu", "mfu",
@@ -973,14 +974,7 @@ def kept_for_reference(bundle: Path, manifest_sha256: str) -> Path:
         return dest
     tmp = dest.with_name(f".{dest.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-
-    def link(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
-    shutil.copytree(bundle, tmp, copy_function=link, symlinks=True)
+    shutil.copytree(bundle, tmp, copy_function=link_or_copy, symlinks=True)
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
     return dest

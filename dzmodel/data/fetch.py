@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from dzmodel.atomic import atomic_write_text
+from dzmodel.atomic import atomic_write_text, link_or_copy
 from dzmodel.dirlock import directory_lock
 from dzmodel.outputs import check_output_dir
 from dzmodel.data.errors import DataError
@@ -66,14 +66,6 @@ def _matches(rel: str, patterns: list[str] | None) -> bool:
     return any(fnmatch.fnmatch(rel, p) for p in pats)
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def _local_files(src: Path, allow_patterns: list[str] | None) -> list[tuple[Path, str]]:
     """(path, relative path) of every file of `src` to copy; anything but a regular file (after symlinks) is a
     DataError naming it, before anything is copied: a FIFO blocks a copy forever and a link to /dev/zero fills the
@@ -100,7 +92,7 @@ def _copy_local(src: Path, tmp: Path, allow_patterns: list[str] | None) -> None:
         raise DataError(f"source: {src}: no files match allow_patterns={allow_patterns}")
     tmp.mkdir(parents=True)
     for p, rel in files:
-        _link_or_copy(p, tmp / rel)
+        link_or_copy(p, tmp / rel)
 
 
 # hub errors that are answers, not hiccups: retrying cannot change them
