@@ -100,7 +100,7 @@ def test_each_suite_profile_evaluates_all_50_init_states_of_the_last_checkpoint(
     assert profile.eval.tasks == list(range(10)) and profile.eval.curve_episodes == 5
 
 
-@pytest.mark.parametrize("suite, folder", [("Spatial", "spatial_retries"), ("Goal", "goal_screen")])
+@pytest.mark.parametrize("suite, folder", [("Spatial", "spatial_retries"), ("Goal", "goal_30epochs")])
 def test_each_screen_number_is_its_per_episode_file(suite, folder):
     with open(ROOT / "docs" / "results" / folder / "per_episode.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -111,20 +111,30 @@ def test_each_screen_number_is_its_per_episode_file(suite, folder):
     assert bullet.groups() == (str(wins), str(n), f"{100 * low:.1f}", f"{100 * high:.1f}")
 
 
+def _perturbed_episodes(folder: str) -> list[tuple[str, bool]]:
+    """(perturbation, success) of each episode in a screen's robustness_episodes.csv (success written as True/False
+    by the older evaluation, 1/0 by the current one)."""
+    with open(ROOT / "docs" / "results" / folder / "robustness_episodes.csv", newline="") as f:
+        return [(e["perturbation"], e["success"] in ("True", "1")) for e in csv.DictReader(f)]
+
+
 def test_the_robustness_table_is_the_perturbed_episodes():
-    with open(ROOT / "docs" / "results" / "goal_screen" / "robustness_episodes.csv", newline="") as f:
-        episodes = list(csv.DictReader(f))
     table = _table(PAGE, "| perturbation |")
     assert [r[0] for r in table] == ["none", *(f"{k}" for k in
                                               ("position=0.05", "swap=task", "camera=10", "light=0.5", "table=random",
                                                "paraphrase=random", "distractor=2"))]
-    for name, wins, interval in table:
-        if wins.startswith("not measured"):
-            continue
-        ran = [e for e in episodes if e["perturbation"] == name]
-        won = sum(e["success"] == "True" for e in ran)
-        low, high = wilson_interval(won, len(ran))
-        assert (wins, interval) == (str(won), f"{100 * low:.1f}-{100 * high:.1f} %"), name
-        assert len(ran) == 50 and f"successes of {len(ran)}" in PAGE
+    measured = 0
+    for column, folder in ((1, "goal_screen"), (3, "goal_30epochs")):  # one checkpoint per pair of columns
+        episodes = _perturbed_episodes(folder)
+        for row in table:
+            name, wins, interval = row[0], row[column], row[column + 1]
+            ran = [won for kind, won in episodes if kind == name]
+            if wins.startswith("not measured"):  # (the 15-epoch screen's distractor episodes never started an env)
+                continue
+            low, high = wilson_interval(sum(ran), len(ran))
+            assert (wins, interval) == (str(sum(ran)), f"{100 * low:.1f}-{100 * high:.1f} %"), (folder, name)
+            assert len(ran) == 50
+            measured += 1
+    assert measured == 9 and "successes of 50" in PAGE
     names = {k.split("=")[0] for k in (r[0] for r in table)} - {"none"}
     assert names == set(KINDS)  # every perturbation the evaluation knows has a row
