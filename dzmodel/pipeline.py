@@ -4,7 +4,7 @@
 path. Each stage's code is its own module of `dzmodel/stages/` (the table there names it); every stage reads
 its section of one params.yaml profile, writes at fixed places (`StagePaths`, the paths dvc.yaml names), and
 returns a JSON-able result: its outputs, a few headline numbers and the files that hold its metrics and plots.
-Promotion is not a stage here: it acts on the MLflow registry (`tasks/tracking.py`); `promotion_decision` is
+Promotion is not a stage here: it acts on the MLflow registry (`tasks/registry.py`); `promotion_decision` is
 its pure gate.
 """
 

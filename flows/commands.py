@@ -155,17 +155,18 @@ def _profile_and_store(ns: argparse.Namespace):
     params = load_params(Path(ns.root) / ns.params, ns.set, ns.profile)
     name = ns.profile or params.profile
     prof = params.selected(name)
-    return prof, tracking_uri(prof, StagePaths(Path(ns.root).resolve(), name).root)
+    return prof, tracking_uri(prof, StagePaths(Path(ns.root).resolve(), name).root), params
 
 
 def cmd_promote(ns: argparse.Namespace) -> int:
-    from tasks.tracking import promote, registered_head_to_head, registered_health
+    from tasks.registry import promote, registered_head_to_head, registered_health
+    from tasks.resolver import Registry
 
-    prof, uri = _profile_and_store(ns)
+    prof, uri, params = _profile_and_store(ns)
     p = prof.promote
     gate = p.min_success if ns.min_success is None else ns.min_success
     ratio = p.max_action_error_ratio if ns.max_action_error_ratio is None else ns.max_action_error_ratio
-    params_file = str(Path(ns.root) / ns.params)
+    registry = Registry.of(p.registered_model, params, Path(ns.root), uri)
     # like the flow: no worse than the model holding the alias, on the candidate's held-out windows
     alias = ns.alias or p.alias
     if ns.reason is not None and not ns.reason.strip():
@@ -174,17 +175,19 @@ def cmd_promote(ns: argparse.Namespace) -> int:
         raise CLIError("--reason needs --version: an override names the version it moves the alias to")
     decision = promote(uri, p.registered_model, ns.version, alias, gate, max_action_error_ratio=ratio,
                        max_regression=p.max_regression,
-                       comparison=lambda version: registered_head_to_head(uri, prof, version, params_file, alias),
-                       health=lambda version: registered_health(uri, prof, version, params_file),
+                       comparison=lambda version: registered_head_to_head(uri, prof, version, registry, alias),
+                       health=lambda version: registered_health(uri, prof, version, registry),
                        override_reason=ns.reason.strip() if ns.reason else None)
     print(f"{decision['registered_model']} v{decision['version']} -> alias {decision['alias']}: {decision['reason']}")
     return 0 if decision["promoted"] else 1
 
 
 def cmd_registry_list(ns: argparse.Namespace) -> int:
-    from tasks.tracking import RegistryError, mask_uri, registry_listing
+    from tasks.registry import registry_listing
+    from tasks.resolver import RegistryError
+    from tasks.tracking import mask_uri
 
-    prof, uri = _profile_and_store(ns)
+    prof, uri, _ = _profile_and_store(ns)
     model = prof.promote.registered_model
     try:
         rows = registry_listing(uri, model)

@@ -18,7 +18,9 @@ from dzmodel.atomic import atomic_write_text
 from dzmodel.config import StagePaths, load_params, profile_dict
 from dzmodel.pipeline import STAGES, outputs_intact
 from dzmodel.runs import params_digest
-from tasks.tracking import Tracker, experiment_name, mask_uri, register_and_promote, ui_page
+from tasks.registry import register_and_promote
+from tasks.resolver import Registry
+from tasks.tracking import Tracker, experiment_name, mask_uri, ui_page
 
 TRACKING_RECORD = "tracking.json"
 
@@ -75,8 +77,8 @@ def track(root: str | Path = ".", params_path: str = "params.yaml", overrides: l
         if promote:
             provenance = {"run_name": run, "params_digest": digest,
                           "keys": {s: r.get("outputs_fingerprint", "") for s, r in records.items()}}
-            decision = register_and_promote(tracker, prof, records["package"], provenance,
-                                            str(root_dir / params_path), log=log)
+            registry = Registry.of(prof.promote.registered_model, params, root_dir, tracker.uri)
+            decision = register_and_promote(tracker, prof, records["package"], registry, provenance, log=log)
         tracker.end()
     except (KeyboardInterrupt, SystemExit):
         tracker.end(status="KILLED")

@@ -27,6 +27,7 @@ from dzmodel.runs import check_run_name, link_stage, next_run_name, params_diges
 from tasks import artifacts, dvc_share
 from dzmodel.stages import STAGE_TABLE
 from tasks.stages import STAGE_TASKS, cache_key, register_and_promote
+from tasks.resolver import Registry
 from tasks.tracking import Tracker, experiment_name, mask_secrets_in_logs, mask_uri, ui_page
 
 
@@ -176,8 +177,9 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
             logger.info(f"every stage unchanged: recorded as a cached run of the outputs of "
                         f"{original or 'a run this MLflow store does not hold'}")
         stage = "register-and-promote"
-        decision = (register_and_promote(quote(tracker), quote(prof), quote(results["package"]), quote(provenance),
-                                         str(root_dir / params_path), wait_for=[states["package"]])
+        registry = Registry.of(prof.promote.registered_model, params, root_dir, tracker.uri)
+        decision = (register_and_promote(quote(tracker), quote(prof), quote(results["package"]), quote(registry),
+                                         quote(provenance), wait_for=[states["package"]])
                     if promote else None)
         artifacts.package_artifact(name, results["package"], decision)
         tracker.end()

@@ -207,11 +207,10 @@ STAGE_TASKS = {"fetch": fetch, "metadata": metadata, "vision": vision, "cache": 
 
 
 @task(name="register-and-promote", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE, persist_result=False)
-def register_and_promote(tracker, prof: Profile, package_result: dict, provenance: dict | None = None,
-                         params_file: str = "params.yaml") -> dict:
+def register_and_promote(tracker, prof: Profile, package_result: dict, registry, provenance: dict | None = None) -> dict:
     """Register the packaged model in MLflow (an unchanged bundle: the version that holds it already); give it
     the deployment alias only if it passes the gate and is no worse than the model holding the alias, both
     measured on the candidate's held-out episodes."""
-    from .tracking import register_and_promote as now
+    from .registry import register_and_promote as now
 
-    return now(tracker, prof, package_result, provenance, params_file, log=get_run_logger().info)
+    return now(tracker, prof, package_result, registry, provenance, log=get_run_logger().info)

@@ -100,6 +100,7 @@ def chromium_page(folder: Path):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A real `mlflow server` and a tiny policy registered in it by the pipeline's code (`Tracker.register`)."""
+    from tasks import registry
     from tasks.tracking import Tracker
 
     base = tmp_path_factory.mktemp("mlflow_ui")
@@ -112,7 +113,7 @@ def server(tmp_path_factory):
         mp.setenv("MLFLOW_TRACKING_URI", url)
         prof = load_params(ROOT / "params.yaml", [], "demo").selected()
         tracker = Tracker.start(prof, "demo", StagePaths(base / "project", "demo"), run_name="demo-ui-1")
-        version, _ = tracker.register(prof, {"bundle": str(bundle), "tarball": f"{bundle}.tar.gz", "step": 1,
+        version, _ = registry.register(tracker, prof, {"bundle": str(bundle), "tarball": f"{bundle}.tar.gz", "step": 1,
                                              "version": "0.1.0", "success_rate": None, "action_error": None})
         tracker.end()
         mv = tracker.client.get_model_version(NAME, version)

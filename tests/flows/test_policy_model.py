@@ -29,6 +29,7 @@ def registered(tmp_path_factory):
     import mlflow
     from mlflow.tracking import MlflowClient
 
+    from tasks import registry
     from tasks.tracking import Tracker
 
     root = tmp_path_factory.mktemp("project")
@@ -41,8 +42,8 @@ def registered(tmp_path_factory):
         bundle = Path(str(tarball).removesuffix(".tar.gz"))
         package = {"bundle": str(bundle), "tarball": str(tarball), "step": 1, "version": "0.1.0",
                    "success_rate": None, "action_error": None, "weights_sha256": "0" * 64}
-        version, created = tracker.register(prof, package)
-        assert created and tracker.register(prof, package) == (version, False)  # the same bundle: no new version
+        version, created = registry.register(tracker, prof, package)
+        assert created and registry.register(tracker, prof, package) == (version, False)  # the same bundle: no new version
         MlflowClient(uri, uri).set_registered_model_alias("dreamzero-demo", "production", version)
         mlflow.set_tracking_uri(uri)
         mlflow.set_registry_uri(uri)
@@ -65,7 +66,7 @@ def test_the_production_model_loads_as_a_pyfunc_and_predicts_an_action_chunk(reg
 
 def test_dz_serve_finds_the_bundle_inside_the_registered_model(registered, tmp_path, monkeypatch):
     from dzmodel.serve.bundles import MANIFEST, file_sha256
-    from tasks.tracking import pinned_registered_bundle
+    from tasks.resolver import pinned_registered_bundle
 
     uri, bundle, version = registered
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -82,6 +83,7 @@ SIGNATURE_INPUTS = ["observation/image", "observation/wrist_image", "observation
 def fresh(registered, request, tmp_path_factory):
     """The tiny bundle registered into an empty store (sqlite, or MLflow's file store), with what MLflow warned
     or logged at WARNING while it did: (tracker, version, warned)."""
+    from tasks import registry
     from tasks.tracking import Tracker
 
     _, bundle, _ = registered
@@ -103,7 +105,7 @@ def fresh(registered, request, tmp_path_factory):
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                version, _ = tracker.register(prof, package)
+                version, _ = registry.register(tracker, prof, package)
         finally:
             logging.getLogger("mlflow").removeHandler(handler)
         tracker.end()
@@ -118,7 +120,7 @@ def _logged_model(tracker, version):
 
 
 def test_the_version_names_its_logged_model(fresh):
-    from tasks import tracking
+    from tasks import registry
 
     tracker, version, _ = fresh
     mv, logged = _logged_model(tracker, version)
@@ -127,8 +129,8 @@ def test_the_version_names_its_logged_model(fresh):
     assert mv.source == f"models:/{logged.model_id}"
     if tracker.uri.startswith("file:"):
         assert mv.model_id == logged.model_id
-    assert tracking.version_model_id(mv) == logged.model_id
-    assert tracking.registry_listing(tracker.uri, "dreamzero-demo")[0]["model_id"] == logged.model_id  # dz registry
+    assert registry.version_model_id(mv) == logged.model_id
+    assert registry.registry_listing(tracker.uri, "dreamzero-demo")[0]["model_id"] == logged.model_id  # dz registry
     assert mv.run_id == tracker.run_id == logged.source_run_id  # the version page's "Source Run"
     assert tracker.client.get_model_version_download_uri("dreamzero-demo", version) == logged.artifact_location
 

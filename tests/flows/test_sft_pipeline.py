@@ -288,7 +288,7 @@ def test_dz_promote_applies_the_gate_to_a_registered_version(prefect_env, tmp_pa
     out = capsys.readouterr().out
     assert "v1 -> alias canary: refused: " in out and "LIBERO success 50.0% >= gate 50.0%; health: v1: the bundle " \
         "failed its checks (" in out
-    monkeypatch.setattr("tasks.tracking.registered_health", lambda *a: (True, "health: a stand-in"))
+    monkeypatch.setattr("tasks.registry.registered_health", lambda *a: (True, "health: a stand-in"))
     assert main(args + ["--min-success", "0.75"]) == 1
     assert "refused: LIBERO success 50.0% < gate 75.0%" in capsys.readouterr().out
     assert main(args + ["--min-success", "0.5", "--version", "1"]) == 0
@@ -332,14 +332,14 @@ def test_rollback_moves_the_alias_past_the_comparison_with_a_recorded_reason(pre
     client = MlflowClient(tracking_uri=runs[0]["mlflow_uri"], registry_uri=runs[0]["mlflow_uri"])
     holder = lambda: str(client.get_model_version_by_alias("dreamzero-demo", "production").version)  # noqa: E731
     assert holder() == "2"
-    monkeypatch.setattr("tasks.tracking.registered_head_to_head", lambda uri, prof, version, *a: {
+    monkeypatch.setattr("tasks.registry.registered_head_to_head", lambda uri, prof, version, *a: {
         "compared": True, "current_version": "2", "candidate": 0.3, "current": 0.2, "windows": 40, "episodes": 2})
     args = ["promote", "--root", str(tmp_path), "--params", "params.yaml", "--profile", "demo", "--set", gate]
 
     # the override skips the comparison only: the health gate still fetches v1's bundle (a stand-in here) and refuses
     assert main(args + ["--version", "1", "--reason", "rollback: v2 drops grasps"]) == 1
     assert "health: v1: the bundle failed its checks" in said["out"] and holder() == "2"
-    monkeypatch.setattr("tasks.tracking.registered_health", lambda *a: (True, "health: a stand-in"))
+    monkeypatch.setattr("tasks.registry.registered_health", lambda *a: (True, "health: a stand-in"))
     assert main(args + ["--version", "1"]) == 1  # no override: the comparison refuses
     assert "held-out action error 0.3 vs 0.2 for the current v2, on the same 40 windows: worse by more than 5%" in \
         said["out"]
@@ -388,7 +388,7 @@ def test_models_uris_resolve_to_the_promoted_bundle(prefect_env, tmp_path, monke
     from dzmodel.cli import main
     from dzmodel.serve.cli import resolve_bundle_source
     from flows.sft_pipeline import sft_pipeline
-    from tasks.tracking import RegistryError, resolve_registered_bundle
+    from tasks.resolver import RegistryError, resolve_registered_bundle
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("DZ_BUNDLE_CACHE", str(tmp_path / "cache"))
@@ -554,7 +554,7 @@ def test_gc_removes_old_runs_and_the_outputs_only_they_used(prefect_env, tmp_pat
 def test_the_policy_digest_ignores_the_records_of_how_a_bundle_was_made(tmp_path):
     """Two bundles with the same weights and served files are one policy, whatever their training record (another
     run's paths), model card or evaluation; another robot file or another weight is another policy."""
-    from tasks.tracking import policy_sha256
+    from tasks.registry import policy_sha256
 
     def bundle(name: str, **files: str) -> Path:
         root = tmp_path / name

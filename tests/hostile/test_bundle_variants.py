@@ -214,7 +214,7 @@ def test_a_link_inside_the_model_folder_to_its_own_file_is_packaged_as_a_copy(mo
 
 
 def _resolve(args) -> str:
-    from tasks.tracking import pinned_registered_bundle
+    from tasks.resolver import pinned_registered_bundle
 
     uri, cache = args
     try:

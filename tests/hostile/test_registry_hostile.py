@@ -50,11 +50,13 @@ def env(project, tmp_path, monkeypatch):
 
 def register(project, bundle_name: str) -> tuple[str, Path]:
     """What the pipeline's register step does with a freshly packaged bundle."""
+    from tasks import registry
+
     _, prof, paths, tracker = project
     # its own content: the registry gives an identical bundle the version that holds it already
     bundle = make_bundle(paths.stage("package") / bundle_name, {**FILES, "model/name.txt": bundle_name.encode()})
-    version, _ = tracker.register(prof, {"bundle": str(bundle), "tarball": f"{bundle}.tar.gz", "step": 3,
-                                         "version": "1.0.0", "success_rate": 0.5, "action_error": None})
+    version, _ = registry.register(tracker, prof, {"bundle": str(bundle), "tarball": f"{bundle}.tar.gz", "step": 3,
+                                                   "version": "1.0.0", "success_rate": 0.5, "action_error": None})
     return version, bundle
 
 
@@ -79,7 +81,7 @@ def test_registration_records_the_manifest_digest(env):
 
 
 def test_a_poisoned_registry_download_is_refused_on_every_load(env):
-    from tasks.tracking import RegistryError, resolve_registered_bundle
+    from tasks.resolver import RegistryError, resolve_registered_bundle
 
     version, _ = register(env, "dreamzero-demo-4")
     cached = resolve_registered_bundle(f"models:/{NAME}/{version}")
@@ -91,25 +93,25 @@ def test_a_poisoned_registry_download_is_refused_on_every_load(env):
 
 
 def test_a_reference_resolves_inside_the_runs_folder_and_is_pinned(env, monkeypatch):
-    from tasks import tracking
+    from tasks import resolver
 
-    monkeypatch.setattr(tracking, "MAX_ARTIFACT_MB", 0)  # the bundle is logged by reference, as large ones are
+    monkeypatch.setattr("tasks.registry.MAX_ARTIFACT_MB", 0)  # the bundle is logged by reference, as large ones are
     version, packaged = register(env, "dreamzero-demo-5")
-    bundle = tracking.resolve_registered_bundle(f"models:/{NAME}/{version}")
+    bundle = resolver.resolve_registered_bundle(f"models:/{NAME}/{version}")
     # kept apart from the package folder, which the next package run replaces
     assert bundle.parent.parent == env[2].store("package").resolve() and bundle.name == packaged.name
     assert file_sha256(bundle / "MANIFEST") == file_sha256(packaged / "MANIFEST")
     shutil.rmtree(packaged.parent)  # the next run of the package stage
-    assert tracking.resolve_registered_bundle(f"models:/{NAME}/{version}") == bundle
+    assert resolver.resolve_registered_bundle(f"models:/{NAME}/{version}") == bundle
     (bundle / "model" / "w.bin").write_bytes(EVIL)
     regenerate_manifest(bundle)
-    with pytest.raises(tracking.RegistryError, match=rf"{bundle.resolve()}/MANIFEST: sha256 \w+ does not match"):
-        tracking.resolve_registered_bundle(f"models:/{NAME}/{version}")
+    with pytest.raises(resolver.RegistryError, match=rf"{bundle.resolve()}/MANIFEST: sha256 \w+ does not match"):
+        resolver.resolve_registered_bundle(f"models:/{NAME}/{version}")
 
 
 @pytest.mark.parametrize("target", ["/etc", "../../", "{runs}/../../../../etc", "{outside}", "{link}"])
 def test_a_reference_outside_the_bundle_roots_is_refused(env, tmp_path, target):
-    from tasks.tracking import RegistryError, resolve_registered_bundle
+    from tasks.resolver import RegistryError, resolve_registered_bundle
 
     paths = env[2]
     outside = make_bundle(tmp_path / "elsewhere" / "b-1.0")  # a real bundle, its digest even recorded
@@ -123,7 +125,7 @@ def test_a_reference_outside_the_bundle_roots_is_refused(env, tmp_path, target):
 
 
 def test_a_version_source_outside_the_tracking_store_is_refused(env, tmp_path):
-    from tasks.tracking import RegistryError, resolve_registered_bundle
+    from tasks.resolver import RegistryError, resolve_registered_bundle
 
     outside = make_bundle(tmp_path / "elsewhere" / "b-1.0")
     version = forged_version(env, outside.as_uri(), sha256(outside / "MANIFEST"))
@@ -138,10 +140,36 @@ def test_a_version_source_outside_the_tracking_store_is_refused(env, tmp_path):
 
 
 def test_a_version_without_a_recorded_digest_is_refused(env):
-    from tasks.tracking import RegistryError, resolve_registered_bundle
+    from tasks.resolver import RegistryError, resolve_registered_bundle
 
     _, bundle = register(env, "dreamzero-demo-6")
     tracker = env[3]
     version = forged_version(env, f"runs:/{tracker.run_id}/bundle/{bundle.name}", None)
     with pytest.raises(RegistryError, match=rf"version {version} has no bundle.manifest_sha256 tag"):
         resolve_registered_bundle(f"models:/{NAME}/{version}")
+
+
+def test_promotion_finds_a_referenced_version_through_the_parameters_the_run_loaded(env, monkeypatch):
+    """A run with `--set promote.registered_model=NAME` registers under NAME, which no profile of params.yaml
+    names. Its head-to-head and health gates fetch that version's bundle (here registered by reference) through the
+    parameters the run loaded, overrides included; read again from params.yaml, the name is unknown."""
+    from tasks import registry
+    from tasks.resolver import Registry, RegistryError, pinned_registered_bundle
+
+    root, _, paths, tracker = env
+    monkeypatch.setattr("tasks.registry.MAX_ARTIFACT_MB", 0)  # registered by reference, as large bundles are
+    params = load_params(root / "params.yaml", ["promote.registered_model=lab-policy"], "demo")
+    prof = params.selected("demo")
+    bundle = make_bundle(paths.stage("package") / "lab-1", {**FILES, "model/name.txt": b"lab-1"})
+    version, created = registry.register(tracker, prof, {"bundle": str(bundle), "tarball": f"{bundle}.tar.gz",
+                                                         "step": 3, "version": "1.0.0", "success_rate": 0.5,
+                                                         "action_error": None})
+    assert created
+    uri = f"models:/lab-policy/{version}"
+    with pytest.raises(RegistryError, match="no profile in .*params.yaml registers 'lab-policy'"):
+        pinned_registered_bundle(uri, root / "params.yaml")
+    found, digest = pinned_registered_bundle(uri, registry=Registry.of("lab-policy", params, root, tracker.uri))
+    assert found.name == "lab-1" and found.parent.parent == paths.store("package").resolve()
+    assert digest == file_sha256(found / "MANIFEST")
+    ok, why = registry.registered_health(tracker.uri, prof, version, Registry.of("lab-policy", params, root))
+    assert "could not be fetched" not in why, why

@@ -100,16 +100,16 @@ def test_ending_a_run_prints_no_credentials(monkeypatch, capsys):
 def test_a_registry_error_masks_the_tracking_uri(monkeypatch, tmp_path):
     from mlflow.exceptions import MlflowException
 
-    from tasks import tracking
+    from tasks import resolver
 
     class Unreachable:
         def get_model_version(self, name, version):
             raise MlflowException("RESOURCE_DOES_NOT_EXIST: no such version")
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", SECRET_URI)
-    monkeypatch.setattr(tracking, "_client", lambda uri: Unreachable())
-    with pytest.raises(tracking.RegistryError) as err:
-        tracking.resolve_registered_bundle("models:/dreamzero-demo/7", tmp_path / "params.yaml", tmp_path)
+    monkeypatch.setattr(resolver, "_client", lambda uri: Unreachable())
+    with pytest.raises(resolver.RegistryError) as err:
+        resolver.resolve_registered_bundle("models:/dreamzero-demo/7", tmp_path / "params.yaml", tmp_path)
     assert SECRET not in str(err.value) and "lab:***@mlflow.example.org" in str(err.value)
 
 

@@ -20,7 +20,7 @@ def test_a_packaged_policy_is_healthy_and_a_nan_or_a_changed_file_is_not(libero_
     from safetensors.numpy import load_file, save_file
 
     from dzmodel.serve.package import MANIFEST, _manifest_lines
-    from tasks.tracking import bundle_health
+    from tasks.registry import bundle_health
 
     bundle = _unpacked(libero_bundle, tmp_path / "a")
     ok, why = bundle_health(bundle)
