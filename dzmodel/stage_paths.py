@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-STAGE_OF_OUTPUT = {"converted": "convert"}  # output folders named otherwise than the stage that writes them
+from .stage_table import STAGE_OF_OUTPUT, output_names
+
 UNKEYED = "UNKEYED"  # a keyed run's folder of a stage that has no key yet (nothing may be written there)
 
 
@@ -79,12 +80,9 @@ class StagePaths:
         return self.home(STAGE_OF_OUTPUT.get(name, name)) / name
 
     def outputs(self, stage: str) -> list[Path]:
-        """What a stage writes (the outs dvc.yaml declares for it, besides its metrics and plots)."""
-        if stage == "fetch":
-            return [self.dataset]
-        if stage == "metadata":
-            return [self.metadata.parent]
-        return [self.stage({"convert": "converted"}.get(stage, stage))]
+        """What a stage writes, as its row of the stage table names it (the outs dvc.yaml declares for it, besides
+        its metrics and plots)."""
+        return [self.home(stage) / out for out in output_names(stage)]
 
     @property
     def metadata(self) -> Path:

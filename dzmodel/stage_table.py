@@ -16,6 +16,9 @@ class StageSpec:
     upstream: tuple[str, ...] = ()  # stages whose outputs it reads
     params: tuple[str, ...] = ()    # profile parameters it reads: a section, or section.field
     reads: tuple[str, ...] = ()     # other files it reads, as dvc.yaml names them
+    outputs: tuple[str, ...] = ()   # the folders it writes, under its home (`StagePaths.home`); () = its name
+    gpu: bool = False               # it uses the GPU pool (its Prefect task carries the pool's concurrency tag)
+    live_metrics: bool = False      # it streams metrics while it runs (its function takes `on_metrics`)
 
     @property
     def module(self) -> str:
@@ -32,24 +35,34 @@ EMBODIMENT_FIELDS = ("metadata.embodiment", "metadata.embodiment_files")
 VISION_TRAIN_FIELDS = ("preset", "model_overrides", "seed", "heldout_episodes", "skip_missing")
 
 STAGE_TABLE: dict[str, StageSpec] = {
-    "fetch": StageSpec("dzmodel.stages.fetch:stage_fetch", params=("fetch",)),
+    "fetch": StageSpec("dzmodel.stages.fetch:stage_fetch", params=("fetch",), outputs=("dataset",)),
     # the statistics leave out the episodes training holds out
     "metadata": StageSpec("dzmodel.stages.metadata:stage_metadata", upstream=("fetch",),
                           params=("metadata", "train.heldout_episodes")),
     # the offline presets' VAE pretrained on the dataset's frames (dzmodel/train/vision.py); a no-op when disabled
     "vision": StageSpec("dzmodel.stages.vision:stage_vision", upstream=("fetch", "metadata"),
-                        params=("vision", *EMBODIMENT_FIELDS, *(f"train.{f}" for f in VISION_TRAIN_FIELDS))),
+                        params=("vision", *EMBODIMENT_FIELDS, *(f"train.{f}" for f in VISION_TRAIN_FIELDS)), gpu=True),
     "cache": StageSpec("dzmodel.stages.cache:stage_cache", upstream=("fetch", "metadata", "vision"),
-                       params=("cache", *EMBODIMENT_FIELDS, *(f"train.{f}" for f in ENCODING_TRAIN_FIELDS))),
+                       params=("cache", *EMBODIMENT_FIELDS, *(f"train.{f}" for f in ENCODING_TRAIN_FIELDS)), gpu=True),
     "train": StageSpec("dzmodel.stages.train:stage_train", upstream=("fetch", "metadata", "vision", "cache"),
-                       params=("train", "cache.enabled", *EMBODIMENT_FIELDS)),
-    "convert": StageSpec("dzmodel.stages.convert:stage_convert", upstream=("train",), params=("convert",)),
+                       params=("train", "cache.enabled", *EMBODIMENT_FIELDS), gpu=True, live_metrics=True),
+    "convert": StageSpec("dzmodel.stages.convert:stage_convert", upstream=("train",), params=("convert",),
+                         outputs=("converted",)),
     "eval": StageSpec("dzmodel.stages.eval:stage_eval", upstream=("convert", "fetch"),
-                      params=("eval", "metadata.embodiment")),
+                      params=("eval", "metadata.embodiment"), gpu=True),
     "package": StageSpec("dzmodel.stages.package:stage_package", upstream=("convert", "eval"), params=("package",),
                          reads=("metrics/${profile}/eval.json",)),
 }
 STAGES = tuple(STAGE_TABLE)
+
+
+def output_names(name: str) -> tuple[str, ...]:
+    """The folders a stage writes under its home: its row's `outputs`, else its own name."""
+    return STAGE_TABLE[name].outputs or (name,)
+
+
+# each output folder's stage, for the outputs named otherwise than the stage that writes them
+STAGE_OF_OUTPUT = {out: name for name in STAGE_TABLE for out in output_names(name) if out != name}
 
 
 def param_value(profile: dict[str, Any], path: str) -> tuple[bool, Any]:

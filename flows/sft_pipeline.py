@@ -132,7 +132,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
             task = STAGE_TASKS[stage].with_options(refresh_cache=not outputs_intact(stage, paths),
                                                    task_run_name=f"{stage} {key}")
             kwargs = {}
-            if stage == "train":  # per-step metrics reach MLflow while training runs
+            if STAGE_TABLE[stage].live_metrics:  # per-step metrics reach MLflow while the stage runs
                 kwargs["on_metrics"] = lambda rows: tracker.train_rows(rows, [tracker.run_id])
             def submit(task):  # quote: no edges guessed from the values passed in; the edges are wait_for's
                 return task(quote(prof), quote(paths), cache_key=key, return_state=True,
@@ -160,12 +160,7 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
                 _log_cached(tracker, unlogged)
                 tracker.log_stage(stage, result, False, paths)
             results[stage] = result
-            if stage == "metadata":
-                artifacts.metadata_artifact(name, result)
-            elif stage == "train":
-                artifacts.train_artifact(name, result, link)
-            elif stage == "eval":
-                artifacts.eval_artifact(name, result, paths.plots("eval"))
+            artifacts.stage_artifact(name, stage, result, paths, link)
         provenance = {"run_name": run, "params_digest": digest, "keys": dict(paths.keys)}
         all_cached = all(results[s]["_cached"] for s in STAGES)  # reused from DVC: this run records them
         if not all_cached:

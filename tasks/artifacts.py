@@ -90,5 +90,33 @@ def package_artifact(profile: str, result: dict, decision: dict | None) -> None:
     create_markdown_artifact(md, key=_key(profile, "package"), description="bundle and promotion")
 
 
+def summary_artifact(profile: str, stage: str, result: dict) -> None:
+    """A stage's headline numbers (its result's `summary`), for a stage with no artifact of its own."""
+    summary = result.get("summary") or {}
+    rows = [{"metric": k, "value": v} for k, v in summary.items() if isinstance(v, (int, float, str))]
+    if rows:
+        create_markdown_artifact(f"### {stage}\n\n" + _table(rows, ["metric", "value"]), key=_key(profile, stage),
+                                 description=f"the {stage} stage's summary")
+
+
+def stage_artifact(profile: str, stage: str, result: dict, paths, mlflow_link: str | None) -> None:
+    """The Prefect artifact of a stage that just finished: its own (`STAGE_ARTIFACTS`), else its summary's numbers.
+    The package stage's comes after registration (`package_artifact`, with the promotion decision)."""
+    if stage == "package":
+        return
+    made = STAGE_ARTIFACTS.get(stage)
+    if made is None:
+        summary_artifact(profile, stage, result)
+    else:
+        made(profile, result, paths, mlflow_link)
+
+
+STAGE_ARTIFACTS = {
+    "metadata": lambda profile, result, paths, link: metadata_artifact(profile, result),
+    "train": lambda profile, result, paths, link: train_artifact(profile, result, link),
+    "eval": lambda profile, result, paths, link: eval_artifact(profile, result, paths.plots("eval")),
+}
+
+
 def mlflow_link_artifact(profile: str, link: str) -> None:
     create_link_artifact(link, link_text="the pipeline's MLflow run", key=_key(profile, "mlflow-run"))

@@ -22,10 +22,9 @@ from dzmodel.serve.bundles import MANIFEST, file_sha256, parse_manifest
 
 from .resolver import (LOGGED_MODEL_SOURCE, MANIFEST_SHA256_TAG, Registry, RegistryError,
                        pinned_registered_bundle)
-from .tracking import (Tracker, _bytes, _client, _environment, _files, _process_tracking_uri, _run_context_tags,
-                       mask_uri)
+from .tracking import (MAX_ARTIFACT_MB, Tracker, _bytes, _client, _environment, _files, _process_tracking_uri,
+                       _run_context_tags, mask_uri)
 
-MAX_ARTIFACT_MB = float(os.environ.get("DZ_MLFLOW_MAX_ARTIFACT_MB", "2048"))  # bigger files are logged by reference
 POLICY_MODEL_TYPE = "dreamzero-policy"  # the logged pyfunc model's type (its name is the bundle's)
 
 POLICY_SHA256_TAG = "bundle.policy_sha256"  # on each model version: the sha256 of the MANIFEST lines the policy reads

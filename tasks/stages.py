@@ -37,7 +37,7 @@ from pydantic import Field
 from dzmodel.config import Profile, StagePaths
 from dzmodel.pipeline import run_stage, stage_params
 from dzmodel.progress import report_to
-from dzmodel.stages import code_fingerprint
+from dzmodel.stages import STAGE_TABLE, STAGES, code_fingerprint
 
 from . import dvc_share
 from .tracking import mask_text
@@ -156,54 +156,27 @@ _CACHED = dict(cache_policy=CacheKeyFnPolicy(cache_key_fn=_key_from_parameters).
                persist_result=True, result_serializer=JSONResults(), cache_expiration=timedelta(days=90))
 
 
-# no Prefect retries: fetch_dataset retries transient hub errors itself (fetch.retries, fetch.retry_delay_s), the
-# same way under `dz stage fetch` and dvc
-@task(name="fetch", **_CACHED)
-def fetch(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
-    return _run("fetch", prof, paths, cache_key)
+def _stage_task(stage: str):
+    """The Prefect task of one stage of the table: `_run` of it, cached by its key, on the GPU pool's tag where the
+    table's row says it uses the GPU. A stage whose row says `live_metrics` streams its metrics to `on_metrics`
+    while it runs (train: torchrun's log lines into the task's log, each step's metrics to MLflow)."""
+    spec = STAGE_TABLE[stage]
+
+    def run(prof: Profile, paths: StagePaths, cache_key: str,
+            on_metrics: Callable[[list[dict]], None] | None = None) -> dict:
+        if not spec.live_metrics:
+            return _run(stage, prof, paths, cache_key)
+        result = _run(stage, prof, paths, cache_key, on_metrics=on_metrics)
+        result["_live_logged"] = on_metrics is not None and not result.get("_reused")
+        return result
+
+    run.__name__ = run.__qualname__ = f"stage_{stage}"  # the task's key: one per stage
+    # no Prefect retries: a stage retries what is transient itself (fetch: fetch.retries, fetch.retry_delay_s), the
+    # same way under `dz stage` and dvc
+    return task(run, name=stage, tags=[GPU_POOL_TAG] if spec.gpu else [], **_CACHED)
 
 
-@task(name="metadata", **_CACHED)
-def metadata(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
-    return _run("metadata", prof, paths, cache_key)
-
-
-@task(name="vision", tags=[GPU_POOL_TAG], **_CACHED)
-def vision(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
-    return _run("vision", prof, paths, cache_key)
-
-
-@task(name="cache", tags=[GPU_POOL_TAG], **_CACHED)
-def cache(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
-    return _run("cache", prof, paths, cache_key)
-
-
-@task(name="train", tags=[GPU_POOL_TAG], **_CACHED)
-def train(prof: Profile, paths: StagePaths, cache_key: str,
-          on_metrics: Callable[[list[dict]], None] | None = None) -> dict:
-    """torchrun in a subprocess; its log lines stream into this task's log, its metrics to `on_metrics`."""
-    result = _run("train", prof, paths, cache_key, on_metrics=on_metrics)
-    result["_live_logged"] = on_metrics is not None and not result.get("_reused")
-    return result
-
-
-@task(name="convert", **_CACHED)
-def convert(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
-    return _run("convert", prof, paths, cache_key)
-
-
-@task(name="eval", tags=[GPU_POOL_TAG], **_CACHED)
-def evaluate(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
-    return _run("eval", prof, paths, cache_key)
-
-
-@task(name="package", **_CACHED)
-def package(prof: Profile, paths: StagePaths, cache_key: str) -> dict:
-    return _run("package", prof, paths, cache_key)
-
-
-STAGE_TASKS = {"fetch": fetch, "metadata": metadata, "vision": vision, "cache": cache, "train": train, "convert": convert,
-               "eval": evaluate, "package": package}
+STAGE_TASKS = {stage: _stage_task(stage) for stage in STAGES}
 
 
 @task(name="register-and-promote", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE, persist_result=False)

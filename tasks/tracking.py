@@ -27,7 +27,6 @@ from dzmodel.stages.common import files_under
 TRAIN_SERIES = ("loss", "action_loss", "dynamics_loss", "lr", "grad_norm", "samples_per_s_per_gpu", "mfu",
                 "peak_mem_gib")
 MAX_ARTIFACT_MB = float(os.environ.get("DZ_MLFLOW_MAX_ARTIFACT_MB", "2048"))  # bigger files are logged by reference
-POLICY_MODEL_TYPE = "dreamzero-policy"  # the logged pyfunc model's type (its name is the bundle's)
 
 
 
@@ -404,12 +403,21 @@ class Tracker:
         """A nested run with what the stage measured and wrote."""
         rid = self.stage_run(stage, cached)
         self.metrics(rid, {f"{stage}.seconds": result.get("seconds", 0.0)}, also_parent=False)
-        log = getattr(self, f"_log_{stage}", None)
-        if log is not None:
-            log(rid, result, paths)
+        log = getattr(self, f"_log_{stage}", self._log_summary)  # a stage's own logging, else its headline numbers
+        log(rid, result, paths)
         self.client.log_dict(rid, result, f"{stage}_result.json")
         self.end(rid)
         return rid
+
+    def _log_summary(self, rid, result, paths):
+        """What any stage's result names: the numbers of its `summary` (as <stage name>.<key>) and its plots."""
+        stage = self.client.get_run(rid).data.tags.get("stage", "stage")
+        numbers = {f"{stage}.{k}": float(v) for k, v in (result.get("summary") or {}).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if numbers:
+            self.metrics(rid, numbers, also_parent=False)
+        for plot in result.get("plots") or []:
+            self.artifact(rid, plot, "plots")
 
     def _log_fetch(self, rid, result, paths):
         self.metrics(rid, {"dataset.episodes": result["episodes"], "dataset.frames": result["frames"]})

@@ -56,7 +56,9 @@ def test_a_crafted_result_never_runs(prefect_env, tmp_path, monkeypatch, kind, t
     from prefect._internal.result_records import ResultRecord, ResultRecordMetadata
     from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
 
-    from tasks.stages import fetch
+    from tasks.stages import STAGE_TASKS
+
+    fetch = STAGE_TASKS["fetch"]
 
     calls: list[str] = []
     monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", _fake_stages(calls))
