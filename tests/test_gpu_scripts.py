@@ -1,4 +1,5 @@
-"""The GPU-side scripts of docs/results/ (run where no test runs): they parse, and their usage names every command."""
+"""The GPU-side scripts of the research archive (docs/archive/results/ and docs/archive/bench/, run where no test runs):
+they parse, their usage names every command, and the per-episode files they assembled are the ones the docs cite."""
 
 import re
 import subprocess
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-RESULTS = Path(__file__).parents[1] / "docs" / "results"
+RESULTS = Path(__file__).parents[1] / "docs" / "archive" / "results"
 SCRIPTS = sorted(RESULTS.glob("*.sh"))
 
 
@@ -28,7 +29,8 @@ def test_the_usage_line_names_every_command(name):
 
 
 def test_the_runs_plot_reads_every_recorded_result(tmp_path):
-    """docs/results/plot_runs.py names the CSVs of docs/results.md §§6-8: each exists and has its "all" row."""
+    """plot_runs.py names the CSVs of the first closed-loop runs (docs/archive/results-history.md, sections 6-8): each
+    exists and has its "all" row."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("plot_runs", RESULTS / "plot_runs.py")
@@ -43,8 +45,8 @@ def test_the_runs_plot_reads_every_recorded_result(tmp_path):
 
 
 def test_the_final_csvs_are_the_evaluations_own_episodes(tmp_path):
-    """docs/results/final/libero_object/seed<N>.csv (the profile's recipe now) and docs/results/final_fp32_stream/ (the recipe
-    before it) are rebuilt from the evaluations' per-episode files (10 tasks x 50 init states per seed, one
+    """docs/results/final/libero_object/seed<N>.csv (the profile's recipe now) and the archive's final_fp32_stream/ (the
+    recipe before it) are rebuilt from the evaluations' per-episode files (10 tasks x 50 init states per seed, one
     checkpoint each) and hold the numbers docs/results.md reports."""
     import importlib.util
 
@@ -57,7 +59,8 @@ def test_the_final_csvs_are_the_evaluations_own_episodes(tmp_path):
     for recipe, seeds in counts.items():
         for seed in seeds:
             name = f"{recipe}/seed{seed}.csv"
-            assert (tmp_path / name).read_text() == (RESULTS / name).read_text(), name
+            kept = final_tables.OUTPUTS[recipe] / f"seed{seed}.csv"
+            assert (tmp_path / name).read_text() == kept.read_text(), name
             assert (tmp_path / name).read_text().splitlines()[0] == "seed,task,init_state,checkpoint_step,success"
 
 
@@ -115,7 +118,7 @@ def test_the_14b_projection_adds_the_layers_to_the_rest_of_the_step(tmp_path):
 
 
 def test_the_fp8_backward_variants_compute_the_same_gradients():
-    """docs/bench/fp8_backward_variants.py: the inline versions are the library's arithmetic with some or all of
+    """fp8_backward_variants.py (docs/archive/bench/): the inline versions are the library's arithmetic with some or all of
     the transposes inline (equal results), the bf16 weight gradient differs from it only in dW."""
     import torch
 

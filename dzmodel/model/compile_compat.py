@@ -8,11 +8,11 @@ tiling candidate, and the whole compile fails:
     InductorError: TypeError: CantSplit.__init__() missing 2 required positional arguments: 'expr' and 'remaining'
 
 It hits the small preset's compiled blocks with the `segments` attention backend (the GPU default), at either patch
-size (`docs/results/compile_small_repro.py`; `sdpa` compiles). Giving the two arguments defaults restores what the
+size (`sdpa` compiles). Giving the two arguments defaults restores what the
 code means: the candidate tiling is rejected and Inductor picks another.
 
 `single_tile_dimension`: with that, the blocks compile and matched eager ones at micro-batch 8, but at micro-batch
-128 their backward computed wrong gradients (docs/results.md, round 6: norm 1,357 against eager's 4.3 at the first
+128 their backward computed wrong gradients (gradient norm 1,357 against eager's 4.3 at the first
 step on an H200, the forward's loss equal). Both come from Inductor's multi-dimensional tiling of the pointwise and
 reduction kernels: limited to one tiled dimension (`triton.max_tiles = 1`), the compiled gradients match eager
 ones (4.347, 1.249, 1.903, 2.061 against eager's 4.347, 1.249, 1.903, 2.062 over four steps). `dz train` still checks

@@ -103,8 +103,8 @@ class TrainConfig:
     fp8_keep_inputs: bool | Literal["wide"] = False
     # the tokens between blocks in the compute dtype (bf16), as inference with bf16 weights and FSDP2 training run
     # them; off, one process under autocast keeps them in fp32 (the action and state tokens' fp32 biases make the
-    # stream fp32). At the libero_object shape on one H100: 4.5 % faster, two rows each on one machine (docs/results.md,
-    # round 17; round 15's single row on another machine: 0.5 %)
+    # stream fp32). At the libero_object shape on one H100: 4.5 % faster, two rows each on one host (a single row on
+    # another: 0.5 %)
     residual_in_compute_dtype: bool = False
     reduce_dtype: str = "fp32"              # gradient reduce-scatter dtype: fp32 | bf16
     sharding: str = "full"                  # full | hybrid | none (FSDP2 when world_size > 1)

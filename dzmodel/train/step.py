@@ -54,7 +54,7 @@ class TrainStep:
     (None when every batch is encoded); autocast: the compute dtype, or None; encode_per_sample: run the
     encoders one sample at a time, as upstream does (the benchmark's baseline); noise_on: "device" draws each
     sample's timesteps and noise with the device's generator (no host work), "cpu" with the CPU's and copies them
-    (the same numbers on any device, as the earlier host-side draws: docs/results.md, section 7); residual_dtype:
+    (the same numbers on any device, as the earlier host-side draws); residual_dtype:
     the dtype of the tokens between blocks (`train.residual_in_compute_dtype`), None for the embeddings' own;
     denoise_first_frame: False leaves the noisy copy of frame 0 and its loss out of the sequence
     (`train.denoise_first_frame`; dzmodel.model.attention)."""

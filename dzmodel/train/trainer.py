@@ -324,7 +324,7 @@ class Trainer:
         """`train.compile`: the compiled blocks must agree with their eager forward on the run's first micro-batch
         (losses and gradient norm, no optimizer step), or the run stops before it trains; and again at its
         `COMPILE_RECHECK_AFTER`-th step (`step`), once the weights have moved. torch 2.11's Inductor
-        miscompiled the small preset's blocks at micro-batch 128 on an H100 (docs/results.md, round 6): the loss
+        miscompiled the small preset's blocks at micro-batch 128 on an H100: the loss
         looked plausible while the gradient norm was 600x eager's, and the run diverged."""
         with self.step.eager():
             eager_losses, eager_norm = self._eager_probe(batch)

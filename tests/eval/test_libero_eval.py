@@ -291,7 +291,7 @@ def test_wilson_intervals_and_pooled_checkpoints():
     from dzmodel.eval.libero_eval import pooled, wilson_interval
 
     assert wilson_interval(0, 40)[0] == 0.0 and 0.08 < wilson_interval(0, 40)[1] < 0.09
-    low, high = wilson_interval(34, 80)  # round 2's 42.5 %
+    low, high = wilson_interval(34, 80)  # 42.5 %
     assert 0.32 < low < 0.33 and 0.53 < high < 0.54
     rows = [{"step": s, "task": "all", "episodes": 10, "successes": k} for s, k in ((1, 9), (2, 2), (3, 4), (4, 6))]
     last3 = pooled(rows, [2, 3, 4])

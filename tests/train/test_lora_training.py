@@ -135,7 +135,7 @@ def test_the_optimizer_holds_only_the_trainable_parameters(data, tmp_path):
 
 @pytest.mark.parametrize("feature", [{"ema_decay": 0.9}, {"frame_cache_mib": 64}])
 def test_an_ema_or_the_frame_cache_leaves_the_raw_training_unchanged(data, tmp_path, feature):
-    """Both arrived after round 2's closed-loop run (docs/results.md §7): neither may change what is trained."""
+    """Both arrived after the first closed-loop runs: neither may change what is trained."""
     plain = train(_cfg(data, tmp_path / "plain", steps=4, save_every=4))
     other = train(_cfg(data, tmp_path / "other", steps=4, save_every=4, **feature))
     assert _losses(other) == _losses(plain)

@@ -152,7 +152,7 @@ def test_lora_under_elementwise_recompute_gives_the_plain_gradients():
 
 
 def test_compiling_the_blocks_limits_inductor_to_one_tiled_dimension(monkeypatch):
-    """Inductor's multi-dimensional tiling miscompiled the blocks' backward (docs/results.md, round 7)."""
+    """Inductor's multi-dimensional tiling miscompiled the blocks' backward."""
     import torch._inductor.config as inductor
 
     from dzmodel.model.args import preset

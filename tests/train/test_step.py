@@ -112,7 +112,7 @@ def test_a_batch_without_positions_or_encoders_is_refused():
 
 def test_cpu_draws_are_round_2s_numbers():
     """noise_on="cpu" draws as the first trainer did (per sample, CPU generator seeded by (seed,
-    position)): the same numbers on any device, for comparing a GPU run with that code (docs/results.md, §7)."""
+    position)): the same numbers on any device, for comparing a GPU run with that code."""
     trainer, _ = _trainer(accumulation=1)
     t = trainer.step
     step = TrainStep(t.model, noise_seed=3, noise_on="cpu")

@@ -5,7 +5,7 @@ difference between the model's chunk and the demonstration's, in normalised acti
 action dimension, and the first action of each chunk. Small errors here and failures in closed loop mean the model
 imitates the expert on the expert's own states and fails once it leaves them.
 
-    python docs/results/shadow_oracle.py MODEL_DIR DATASET OUT [EPISODES]
+    python docs/archive/results/shadow_oracle.py MODEL_DIR DATASET OUT [EPISODES]
 """
 
 import json

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Training seeds of the libero_object profile side by side, one GPU each, on one recording: the fetch stage once,
 # then for every seed the stages after it (metadata, vision, cache, train, convert, eval, package) through
-# `dz stage NAME` (docs/results/profile_gpu.sh, detached and timed), each under its own root runs/seeds/seedN
+# `dz stage NAME` (docs/archive/results/profile_gpu.sh, detached and timed), each under its own root runs/seeds/seedN
 # (`dz stage --root`) with the recording linked in. For a machine of several GPUs set up by
 # `libero_scripted_gpu.sh setup` (with .libero_bundle_extra: the recorder's PyAV). Run from the repo root.
 #

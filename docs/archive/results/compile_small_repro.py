@@ -1,11 +1,11 @@
 """Reproduce the Inductor `CantSplit` failure of `train.compile: true` on the small preset, and check the fix.
 
-    python3 docs/results/compile_small_repro.py                 # every variant, each in a fresh process
-    python3 docs/results/compile_small_repro.py --only p111_segments_mb32,p111_sdpa_mb32 --without-fix
-    python3 docs/results/compile_small_repro.py --variant p111_segments_mb32   # one variant, in this process
-    python3 docs/results/compile_small_repro.py --only p111_segments_mb128,p111_sdpa_mb128 --steps 10
+    python3 docs/archive/results/compile_small_repro.py                 # every variant, each in a fresh process
+    python3 docs/archive/results/compile_small_repro.py --only p111_segments_mb32,p111_sdpa_mb32 --without-fix
+    python3 docs/archive/results/compile_small_repro.py --variant p111_segments_mb32   # one variant, in this process
+    python3 docs/archive/results/compile_small_repro.py --only p111_segments_mb128,p111_sdpa_mb128 --steps 10
                                                   # the shape that diverged: do compiled and eager track each other?
-    python3 docs/results/compile_small_repro.py --only p111_segments_mb128 --steps 4 --inductor triton.max_tiles=1
+    python3 docs/archive/results/compile_small_repro.py --only p111_segments_mb128 --steps 4 --inductor triton.max_tiles=1
                                                   # the same under an Inductor setting (torch._inductor.config)
 
 Found (H100, torch 2.11): without the fix (`--without-fix`) the `segments` variants fail with

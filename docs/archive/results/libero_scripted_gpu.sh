@@ -21,7 +21,7 @@
 #   stop               stop the background training (checkpoints are atomic: the newest saved one stays usable)
 #   eval STEPS ARGS..  `dz eval libero` of the run's checkpoints STEPS (e.g. 1000,2000) on this GPU, with ARGS added
 #   compare-bg JOB..   detached: the evaluations and previews JOB.. of the LoRA / full / EMA comparison, one after
-#                      another, each once its checkpoints exist (docs/results/compare_queue.sh says what a JOB is)
+#                      another, each once its checkpoints exist (docs/archive/results/compare_queue.sh says what a JOB is)
 #   collect            what the comparison has written so far, as $OUT/compare.tar.gz (the device returns 8 files)
 #   export STEPS [W]   the converted checkpoints STEPS (weights W: raw or ema) as tar parts of <= 15 MiB in $OUT (the
 #                      device returns at most 16 MiB per file); with BF16=1 the model weights are rounded to bf16 (half
@@ -79,7 +79,7 @@ print("out_dir", c["out_dir"], "stop_at", c["stop_at"])' "$run" "${VARIANT:-}" "
   compare-bg)
     mkdir -p runs/compare
     shift
-    setsid nohup bash docs/results/compare_queue.sh "$@" >>runs/compare/log 2>&1 </dev/null &
+    setsid nohup bash docs/archive/results/compare_queue.sh "$@" >>runs/compare/log 2>&1 </dev/null &
     echo "comparison queued in the background (pid $!); log: runs/compare/log" ;;
   collect)
     (cd runs/compare && find . \( -path '*/converted*' -o -path './models' \) -prune -o \

@@ -2,10 +2,10 @@
 docs/results/final/<suite>/seed<N>.csv (seed,task,init_state,checkpoint_step,success; one row per episode) and prints
 the per-seed and per-task successes with 95 % Wilson intervals. docs/results/final/libero_object/ holds the recipe
 that the libero_object profile runs now (the bf16 residual stream, rounds 18 and 20);
-docs/results/final_fp32_stream/ the recipe before it (round 11, the goal's first three seeds). Refuses overlapping
-or missing (task, init state) pairs and a checkpoint that differs within a seed. Usage, from the repo root:
+docs/archive/results/final_fp32_stream/ the recipe before it (round 11, the goal's first three seeds). Refuses
+overlapping or missing (task, init state) pairs and a checkpoint that differs within a seed. Usage, from the repo root:
 
-    python docs/results/final_tables.py
+    python docs/archive/results/final_tables.py
 """
 
 import csv
@@ -15,7 +15,9 @@ from pathlib import Path
 
 from dzmodel.eval.libero_eval import wilson_interval
 
-RESULTS = Path(__file__).resolve().parent
+RESULTS = Path(__file__).resolve().parent  # the archive's evaluation files (the sources below)
+OUTPUTS = {"final/libero_object": RESULTS.parents[1] / "results" / "final" / "libero_object",  # the user docs' file
+           "final_fp32_stream": RESULTS / "final_fp32_stream"}
 RECIPES = {  # folder: {seed: the `dz eval libero` per_episode.csv files that make up its 10 tasks x 50 init states}
     "final/libero_object": {  # the profile's own stages, the bf16 residual stream
         0: ["round18/per_episode.csv"],
@@ -56,9 +58,11 @@ def line(label: str, wins: int, n: int) -> str:
     return f"{label}: {wins}/{n} = {100 * wins / n:.1f} % (95 % interval {100 * low:.1f}-{100 * high:.1f} %)"
 
 
-def main(out_root: Path = RESULTS) -> dict[str, dict[int, tuple[int, int]]]:
-    """Writes out_root/<recipe>/seed<N>.csv; returns {recipe: {seed: (successes, episodes)}}."""
-    return {name: write_recipe(name, sources, out_root / name) for name, sources in RECIPES.items()}
+def main(out_root: Path | None = None) -> dict[str, dict[int, tuple[int, int]]]:
+    """Writes each recipe's seed<N>.csv into OUTPUTS[recipe] (or out_root/<recipe>); returns {recipe: {seed:
+    (successes, episodes)}}."""
+    return {name: write_recipe(name, sources, out_root / name if out_root else OUTPUTS[name])
+            for name, sources in RECIPES.items()}
 
 
 def write_recipe(name: str, sources: dict[int, list[str]], out: Path) -> dict[int, tuple[int, int]]:

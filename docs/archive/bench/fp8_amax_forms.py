@@ -1,5 +1,5 @@
 """Forms of the FP8 cast's absolute maximum, compiled, at the 5B step's shapes (micro-batch 21: 18,900 tokens).
-    PYTHONPATH=$PWD python docs/bench/fp8_amax_forms.py [TOKENS]  (on a GPU with FP8)
+    PYTHONPATH=$PWD python docs/archive/bench/fp8_amax_forms.py [TOKENS]  (on a GPU with FP8)
 
 Each case is compiled alone: a producer (the FFN's GELU, the modulated norm, a gradient, a weight) and the scaled
 cast of its output to FP8 in one function, with the absolute maximum taken

@@ -2,7 +2,7 @@
 logged steps of each, their relative difference, the held-out action loss of each run's last scored step
 (`train.val_cache`: val_action_loss) and its relative difference, and the curves in one PNG.
 
-    python docs/bench/loss_parity.py BF16_METRICS.jsonl FP8_METRICS.jsonl --out docs/bench/fp8_parity.png \
+    python docs/archive/bench/loss_parity.py BF16_METRICS.jsonl FP8_METRICS.jsonl --out docs/bench/fp8_parity.png \
         [--labels bf16 "fp8 (bf16 stream)"]
 """
 

@@ -2,7 +2,7 @@
 model.safetensors in fp32 (the weights were rounded to bf16 only for the transfer). Usage:
 
     cat step_0001000.tar.part-* | tar -x -C runs/libero_scripted/converted
-    python docs/results/upcast_model.py runs/libero_scripted/converted/step_0001000
+    python docs/archive/results/upcast_model.py runs/libero_scripted/converted/step_0001000
 """
 
 import sys

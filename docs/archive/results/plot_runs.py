@@ -1,7 +1,7 @@
 """Success of every closed-loop run of docs/results.md sections 6-8 (LIBERO-Object tasks 0-3) against the training
 step, with 95 % Wilson intervals: the seed-to-seed and checkpoint-to-checkpoint spread in one picture.
 
-    .venv/bin/python docs/results/plot_runs.py            # writes docs/results/libero_scripted_runs.png
+    .venv/bin/python docs/archive/results/plot_runs.py            # writes docs/archive/results/libero_scripted_runs.png
 """
 
 import csv

@@ -7,12 +7,12 @@
 # the vision stage ran. For a machine set up by `libero_scripted_gpu.sh setup`, with data/libero_object/dataset
 # carried or recorded. Log: runs/screen_VARIANT.log; results: runs/compare/VARIANT{ema8,raw8}/, runs/compare/probe/.
 #
-#   PROFILE=libero_object VARIANT=v4 TRAIN_SET="--set ..." [RECORD_SET="--set ..."] bash docs/results/screen_row_gpu.sh STEP
+#   PROFILE=libero_object VARIANT=v4 TRAIN_SET="--set ..." [RECORD_SET="--set ..."] bash docs/archive/results/screen_row_gpu.sh STEP
 # STEP: the checkpoint to evaluate, or `last` (the newest once training has ended). WEIGHTS: which to evaluate
 # (default "ema raw"); TASKS and EPISODES: compare_queue.sh's.
 set -uo pipefail
 export PYTHONPATH=/tmp/libero/site:$PWD PYTHONUNBUFFERED=1
-S=docs/results/libero_scripted_gpu.sh
+S=docs/archive/results/libero_scripted_gpu.sh
 run=runs/${PROFILE:?}_${VARIANT:?}
 step=${1:?checkpoint step or last}
 if [[ -z "${SCREEN_DETACHED:-}" ]]; then
@@ -40,7 +40,7 @@ fi
 echo "[$(date +%T)] evaluate"
 jobs=()
 for weights in ${WEIGHTS:-ema raw}; do jobs+=("eval:${VARIANT}${weights}8:$run/train:$step:$weights:fast:--actions-per-chunk 8"); done
-bash docs/results/compare_queue.sh "${jobs[@]}"
+bash docs/archive/results/compare_queue.sh "${jobs[@]}"
 if [[ -f "runs/$PROFILE/vision/vae.safetensors" && ! -d runs/compare/probe ]]; then
   echo "[$(date +%T)] probe"
   python3 -m dzmodel.cli eval probe "data/$PROFILE/dataset" --embodiment libero_sim_small --vae random \

@@ -18,7 +18,7 @@ Self-attention (the teacher-forcing mask as dense rectangles, `SegmentedMask`):
 Each part compiled (as in the compiled blocks), 5 warm-up and 30 timed forward + backward calls; one JSON line each,
 and the largest difference of each cross variant from `now` on pad rows that are real copies.
 Usage (a GPU machine, repository root):
-    PYTHONPATH=$PWD python3 docs/results/attention_parts_gpu.py [--batch 128] [--only now,fused] [--no-self]
+    PYTHONPATH=$PWD python3 docs/archive/results/attention_parts_gpu.py [--batch 128] [--only now,fused] [--no-self]
 """
 
 from __future__ import annotations

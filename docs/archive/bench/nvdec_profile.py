@@ -14,7 +14,7 @@ Variants: `stream=own` (each decoding thread's decoders and copies on its own CU
 `stream=legacy` (the legacy default stream); `native=1` (NV12 out of NVDEC, converted by `nvdec.nv12_to_rgb`
 where the file's colour allows it, as the library does) or `native=0` (the library's RGB conversion).
 
-    PYTHONPATH=$PWD python docs/bench/nvdec_profile.py --out OUT.jsonl
+    PYTHONPATH=$PWD python docs/archive/bench/nvdec_profile.py --out OUT.jsonl
 """
 
 from __future__ import annotations

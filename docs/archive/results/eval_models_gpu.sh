@@ -4,7 +4,7 @@
 # states FIRST..FIRST+EPISODES-1, 8 actions per query, 4 solver steps, no guidance, no videos. For a machine set up
 # by `libero_scripted_gpu.sh setup`. Log: runs/final_eval.log; results: runs/final/NAME/ (per_episode.csv etc.).
 #
-#   FIRST=10 EPISODES=40 bash docs/results/eval_models_gpu.sh runs/a10eval/ema:seed0 runs/a10s1eval/ema:seed1
+#   FIRST=10 EPISODES=40 bash docs/archive/results/eval_models_gpu.sh runs/a10eval/ema:seed0 runs/a10s1eval/ema:seed1
 set -uo pipefail
 export PYTHONPATH=/tmp/libero/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 TQDM_MININTERVAL=30
 export LIBERO_CONFIG_PATH=/tmp/libero/config MUJOCO_GL=egl
@@ -16,7 +16,7 @@ if [[ -z "${EVAL_DETACHED:-}" ]]; then
 fi
 for job in "$@"; do
   model=${job%%:*} name=${job#*:}
-  [[ -f $model/model.bf16.safetensors ]] && python3 docs/results/upcast_model.py "$model"
+  [[ -f $model/model.bf16.safetensors ]] && python3 docs/archive/results/upcast_model.py "$model"
   echo "[$(date +%T)] $name: $model, init states ${FIRST:-0}..$((${FIRST:-0} + ${EPISODES:-50} - 1))"
   python3 -m dzmodel.cli eval libero "$model" --suite object --tasks "${TASKS:-0,1,2,3,4,5,6,7,8,9}" \
     --first-init-state "${FIRST:-0}" --episodes "${EPISODES:-50}" --workers "${WORKERS:-15}" --camera-size 128 \

@@ -7,7 +7,7 @@ full model's FLOPs per sample (`DreamZeroArgs.flops`, as `dz train` counts them)
 dense bf16 peak, also for FP8 rows (an FP8 peak is twice it). One row per configuration (the rows that differ only in
 their layers and names, on the same device and number of GPUs):
 
-    python docs/bench/project_14b.py docs/bench/train_14b_fp8_slices_*.jsonl [--layers 40] [--gpus 8]
+    python docs/archive/bench/project_14b.py docs/bench/train_14b_fp8_slices_*.jsonl [--layers 40] [--gpus 8]
 
 The GPUs of the slices set the FSDP2 communication each GPU does per block (1/2 of the block's weights gathered and
 its gradients reduced on 2 GPUs, 7/8 on 8): where that was hidden behind compute on the slices, it may not be on

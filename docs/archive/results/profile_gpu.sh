@@ -8,9 +8,9 @@
 # Log: runs/profile_libero_object.log; one JSON line per stage with its seconds: runs/profile_libero_object.jsonl
 # (runs/profile_libero_object_$TAG.* with TAG set).
 #
-#   bash docs/results/profile_gpu.sh [--set K=V ..]          # SETS are passed to every stage
-#   bash docs/results/profile_gpu.sh wait SECONDS             # follow it for at most SECONDS, or until it ends
-#   bash docs/results/profile_gpu.sh hand-over                # what a second machine needs for the stages after
+#   bash docs/archive/results/profile_gpu.sh [--set K=V ..]          # SETS are passed to every stage
+#   bash docs/archive/results/profile_gpu.sh wait SECONDS             # follow it for at most SECONDS, or until it ends
+#   bash docs/archive/results/profile_gpu.sh hand-over                # what a second machine needs for the stages after
 #                                                             # convert, as tar parts in $OUT (16 MiB a file)
 # A machine is held for at most 30 minutes: the stages up to convert run on one, `hand-over` brings back the last
 # converted checkpoint, the VAE, the metadata and the timings, and a second machine, set up the same way, runs
@@ -19,7 +19,7 @@ set -uo pipefail
 export PYTHONPATH=/tmp/libero/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 TQDM_MININTERVAL=30
 export LIBERO_CONFIG_PATH=/tmp/libero/config MUJOCO_GL=egl
 profile=${PROFILE:-libero_object}
-log=runs/profile_$profile${TAG:+_$TAG}   # TAG: several profiles on one machine (docs/results/seeds_gpu.sh)
+log=runs/profile_$profile${TAG:+_$TAG}   # TAG: several profiles on one machine (docs/archive/results/seeds_gpu.sh)
 case "${1:-}" in
   wait)
     end=$((SECONDS + ${2:?seconds}))

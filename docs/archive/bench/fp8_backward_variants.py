@@ -1,7 +1,7 @@
 """Versions of the FP8 linear's backward in the 5B step, profiled one per process (`dz bench profile`'s step):
-    PYTHONPATH=$PWD python docs/bench/fp8_backward_variants.py VARIANT [LAYERS [KEEP_INPUTS]]  (on a GPU with FP8)
+    PYTHONPATH=$PWD python docs/archive/bench/fp8_backward_variants.py VARIANT [LAYERS [KEEP_INPUTS]]  (on a GPU with FP8)
 or `dz train` with the variant in place:
-    PYTHONPATH=$PWD python docs/bench/fp8_backward_variants.py VARIANT train [dz train's arguments]
+    PYTHONPATH=$PWD python docs/archive/bench/fp8_backward_variants.py VARIANT train [dz train's arguments]
 VARIANT:
   library          dzmodel/model/fp8.py as it is: every transposed FP8 operand (dW's dY and X, dX's W) one custom
                    op each

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # FP8 against bf16 on one GPU, side by side in one call, through the commands users run. Run from the repo root on
-# the device machine; JSON lines go to $OUT (plot the parity run here with `python docs/bench/loss_parity.py`).
+# the device machine; JSON lines go to $OUT (plot the parity run here with `python docs/archive/bench/loss_parity.py`).
 # PART names one part or several, comma-separated, run in order in one call (PART=train,loader):
-#   PART=train   `dz train` at the 5B DROID shape (the cache of docs/bench/train_vs_bench_run.sh, micro-batch 21,
+#   PART=train   `dz train` at the 5B DROID shape (the cache of docs/archive/bench/train_vs_bench_run.sh, micro-batch 21,
 #                compiled, elementwise recompute): STEPS (default 12) steps in bf16, then the same in fp8
 #                (TRAIN_PRECISIONS, default "bf16 fp8"), then, where FP8_BF16_LAYERS is set (a JSON list:
 #                '["self_attn.o","cross_attn"]'), in fp8 with those linears bf16, then, for each micro-batch of
 #                FP8_KEEP_INPUTS_MB ("21 18", or MB:MODE, "21:wide"), in fp8 with train.fp8_keep_inputs (true, or
 #                MODE), then, for each of FP8_VARIANTS ("keep_weights clip_apart", A+B for both), in fp8 with that
-#                version of docs/bench/fp8_backward_variants.py in place
+#                version of docs/archive/bench/fp8_backward_variants.py in place
 #                TRAIN_SET ("residual_in_compute_dtype=true") adds settings to every run of this part and of parity
 #   PART=parity  the same seed and data for PARITY_STEPS (default 500) steps at micro-batch PARITY_MB (default 4),
 #                for each of PARITY_PRECISIONS (default "bf16 fp8"), in order; no checkpoints (a 5B one with its AdamW
@@ -21,7 +21,7 @@
 #                caching, CFG 5, CUDA graphs, compile), batches 1 and 4: bf16 and FP8 rows with their chunk difference
 #   PART=14b     FSDP2 over every GPU of the machine: `dz bench train` slices of the 14B (LAYERS_14B, default "8 16"
 #                layers, DROID's 44x80 latent, micro-batch 1, compiled, elementwise recompute), bf16 and fp8; project
-#                the full preset here with `python docs/bench/project_14b.py $OUT/train_14b_fp8_slices_*.jsonl`.
+#                the full preset here with `python docs/archive/bench/project_14b.py $OUT/train_14b_fp8_slices_*.jsonl`.
 #                On one GPU the slices have no FSDP2 communication: their projection is the compute alone
 #   PART=tail    the 5B at the deployed setting, bf16, TAIL_CALLS (default 100) timed calls, without and then with
 #                the heap frozen after the warm-up (`--gc-freeze`, as dz serve does): every call's time in order and
@@ -34,7 +34,7 @@
 #                VIDEO_EMBODIMENT (oxe_droid_5b: the 5B's 176x320 frame; oxe_droid: 352x640). Carry build/bench_data
 #                and .nvdec_wheels, as for the loader part
 #   PART=variants versions of the FP8 linear's backward in the same 4-layer step, one process each
-#                (docs/bench/fp8_backward_variants.py; BACKWARD_VARIANTS, default "library:0 library weight_inline":
+#                (docs/archive/bench/fp8_backward_variants.py; BACKWARD_VARIANTS, default "library:0 library weight_inline":
 #                NAME:0 with the linears' e4m3 inputs recomputed, not kept (train.fp8_keep_inputs))
 #   PART=loader  `dz bench data --trainer-loader` on this machine's cores at the 5B DROID shape, the videos decoded by
 #                the loader workers (cpu) and then by the GPU (nvdec) (LOADER_DECODE, default "cpu nvdec"),
@@ -97,10 +97,10 @@ case "$part" in
         | tee "$OUT/train_5b_fp8_keep_inputs_${mode}_mb${mb}_$GPU.log" | tail -3 || true
       cp "$WORK/$name/metrics.jsonl" "$OUT/train_5b_fp8_keep_inputs_${mode}_mb${mb}_$GPU.jsonl" || true
     done
-    for v in ${FP8_VARIANTS:-}; do  # dz train in fp8 with a version of docs/bench/fp8_backward_variants.py
+    for v in ${FP8_VARIANTS:-}; do  # dz train in fp8 with a version of docs/archive/bench/fp8_backward_variants.py
       f=${v//+/_and_}  # A+B: the device's file names take no '+'
       rm -rf "$WORK/speed_fp8_$f"
-      dz() { python docs/bench/fp8_backward_variants.py "$v" "$@"; }
+      dz() { python docs/archive/bench/fp8_backward_variants.py "$v" "$@"; }
       train_5b "speed_fp8_$f" fp8 "${STEPS:-12}" 21 0 2>&1 | tee "$OUT/train_5b_fp8_${f}_$GPU.log" | tail -3 || true
       cp "$WORK/speed_fp8_$f/metrics.jsonl" "$OUT/train_5b_fp8_${f}_$GPU.jsonl" || true
       dz() { python -m dzmodel.cli "$@"; }
@@ -163,7 +163,7 @@ for line in sys.stdin:
     done ;;
   variants)
     for v in ${BACKWARD_VARIANTS:-library:0 library weight_inline}; do  # NAME or NAME:KEEP_INPUTS (default 1)
-      python docs/bench/fp8_backward_variants.py "${v%%:*}" "${PROFILE_LAYERS:-4}" "$([[ $v == *:* ]] && echo "${v#*:}" || echo 1)" 2>&1 \
+      python docs/archive/bench/fp8_backward_variants.py "${v%%:*}" "${PROFILE_LAYERS:-4}" "$([[ $v == *:* ]] && echo "${v#*:}" || echo 1)" 2>&1 \
         | grep -v -i warn
     done ;;
   loader)

@@ -1,7 +1,7 @@
 """Where one action chunk's time goes at the deployed setting (16 solver steps, DiT caching, CFG 5, bf16 weights,
 CUDA graphs, compiled block), through the serving path (`predict_batch`), on the device machine:
 
-    python docs/bench/policy_profile.py [--preset dreamzero_5b] [--batch 1] [--compile-mode MODE ...] [--out F.jsonl]
+    python docs/archive/bench/policy_profile.py [--preset dreamzero_5b] [--batch 1] [--compile-mode MODE ...] [--out F.jsonl]
 
 For each compile mode (default: the policy's own), one JSON line: p50 / p95 of timed calls, and one profiled call
 with its stages synchronised at their edges: per stage the wall time, the GPU's busy time (the union of its kernels'

@@ -8,7 +8,7 @@ path), eager and as CUDA graphs:
 With `--cudnn-benchmark`, cuDNN times its algorithms first (`torch.backends.cudnn.benchmark`). One JSON line per
 setting. Usage (a GPU machine, from the repository root):
 
-    PYTHONPATH=$PWD python3 docs/results/vae_speed_gpu.py [--steps 150] [--encode-calls 10] [--cudnn-benchmark]
+    PYTHONPATH=$PWD python3 docs/archive/results/vae_speed_gpu.py [--steps 150] [--encode-calls 10] [--cudnn-benchmark]
 """
 
 from __future__ import annotations
