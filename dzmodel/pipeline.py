@@ -156,12 +156,29 @@ def head_to_head_decision(comparison: dict | None, max_regression: float | None)
     return False, f"{text}: worse by more than {max_regression:.0%}"
 
 
+def dvc_stage_entry(name: str) -> str:
+    """dvc.yaml's entry for a table stage that has none yet: its command, deps, params and outputs, as the stage
+    table declares them (metrics, plots and options such as `persist` are added by hand where wanted)."""
+    from .stages import dvc_deps, dvc_params
+
+    as_dvc = StagePaths(Path("."), "${profile}")
+    deps = dvc_deps(name, lambda up: [str(p) for p in stage_outputs(up, as_dvc)])
+    lines = [f"  {name}:", f"    cmd: dz stage {name}", "    deps:", *(f"      - {d}" for d in deps)]
+    if STAGE_TABLE[name].params:
+        lines += ["    params:", *(f"      - {p}" for p in dvc_params(name))]
+    lines += ["    outs:", *(f"      - {o}" for o in stage_outputs(name, as_dvc))]
+    return "\n".join(lines) + "\n\n"
+
+
 def dvc_yaml_with_computed_deps(text: str) -> str:
     """dvc.yaml's text with each stage's `deps:` list replaced by the stage table's (upstream outputs, other files
-    read, then the computed code files); everything else, comments included, is kept."""
+    read, then the computed code files), and an entry (`dvc_stage_entry`) added, before the track stage, for each
+    table stage it lacks; everything else, comments included, is kept."""
     from .stages import TRACK_STAGE, dvc_deps, dvc_track_deps
 
     as_dvc = StagePaths(Path("."), "${profile}")
+    present = set(re.findall(r"^  ([A-Za-z_]+):", text, flags=re.M))
+    missing = [name for name in STAGE_TABLE if name not in present]
     lines = text.splitlines(keepends=True)
     out: list[str] = []
     stage = None
@@ -171,6 +188,13 @@ def dvc_yaml_with_computed_deps(text: str) -> str:
         header = re.match(r"^  ([A-Za-z_]+):", line)
         if header:
             stage = header[1]
+            if stage == TRACK_STAGE and missing:
+                while out and out[-1].lstrip().startswith("#"):  # the track stage's comment stays with it
+                    i -= 1
+                    out.pop()
+                out.extend(dvc_stage_entry(name) for name in missing)
+                missing = []
+                line = lines[i]
         out.append(line)
         i += 1
         if line.rstrip() == "    deps:" and (stage in STAGE_TABLE or stage == TRACK_STAGE):
