@@ -179,7 +179,7 @@ def evaluate_action_error(run_or_model: str | Path, out_dir: str | Path | None =
     `out_dir` when given; returns {"steps": [{step, trained, ratio}], "mean_predictor", "untrained", "last": ...}."""
     from ..train.metrics import Progress
     from .libero_eval import _models_to_evaluate
-    from .policy import load_policy, read_train_config
+    from ..policy.policy import load_policy, read_train_config
 
     if stride < 1:
         raise ActionErrorError(f"stride: must be >= 1, got {stride}")
@@ -232,7 +232,7 @@ def compare_action_error(candidate: str | Path, other: str | Path, stride: int =
     and seed. Returns {"windows", "episodes", "candidate", "other"} (mean normalised MSE each). Models of another
     embodiment or action width cannot be compared: ActionErrorError says why."""
     from ..train.metrics import Progress
-    from .policy import load_policy, read_train_config
+    from ..policy.policy import load_policy, read_train_config
 
     first = load_policy(candidate, device=device, solver=solver, seed=seed)
     second = load_policy(other, device=device, solver=solver, seed=seed)

@@ -87,7 +87,7 @@ def run_oracle(dataset: str | Path, out: str | Path, metadata: str | Path | None
     from .libero_workers import EpisodeInit
     from .libero_eval import EvalConfig, evaluate_policy, summarize, write_results
     from .libero_record import read_recording
-    from .policy import EmbodiedPolicy, policy_statistics
+    from ..policy.policy import EmbodiedPolicy, policy_statistics
 
     dataset, out = Path(dataset), Path(out)
     rec = read_recording(dataset)

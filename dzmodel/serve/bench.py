@@ -23,7 +23,7 @@ import torch
 
 from ..bench.policy_bench import PolicySetting, _configure, random_policy
 from ..data.embodiments import get_embodiment, load_embodiments
-from ..eval.policy import EmbodiedPolicy
+from ..policy.policy import EmbodiedPolicy
 
 TOKEN = "bench-serve-token"
 
