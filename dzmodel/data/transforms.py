@@ -257,12 +257,13 @@ class EmbodimentIO:
         inputs   views   -> crop, resize (random crop and colour jitter in training only) -> layout   `images`
                  state   -> normalise                                                               `state`
                  actions -> relative to the chunk's anchor state -> normalise (training targets)   `actions`
-        outputs  actions -> un-normalise -> absolute                                                `outputs`
+        outputs  actions -> un-normalise (`action_stats`, in the policy's sessions) -> absolute    `absolute`
 
     The vector steps take numpy arrays or, with the statistics on a device (`to`), tensors. Without statistics
-    (a loader built before metadata exists) the vectors stay raw."""
+    (a loader built before metadata exists) the vectors stay raw. They need no embodiment when `horizon` is given
+    (one chunk's target, as the action-error evaluation computes it)."""
 
-    emb: Embodiment
+    emb: Embodiment | None
     pairs: list = field(default_factory=list)   # (action slice, state slice) of the relative keys
     state_stats: NormStats | None = None
     action_stats: NormStats | None = None
@@ -288,16 +289,9 @@ class EmbodimentIO:
             actions = to_relative(actions, states, self.horizon or self.emb.action_horizon, self.pairs)
         return actions if self.action_stats is None else self.action_stats.normalize(actions)
 
-    def outputs(self, actions: np.ndarray, state: np.ndarray) -> np.ndarray:
-        """The model's normalised chunk [H, A] and the observed raw state [S] -> actions in the robot's units."""
-        return self.absolute(self.unnormalize(actions), state)
-
-    def unnormalize(self, actions: np.ndarray) -> np.ndarray:
-        """The first output step alone (the policy's session model applies it, `outputs` the rest)."""
-        return actions if self.action_stats is None else self.action_stats.unnormalize(actions)
-
     def absolute(self, actions: np.ndarray, state: np.ndarray) -> np.ndarray:
-        """The last output step alone: un-normalised relative keys plus the observed state."""
+        """The last output step: the model's chunk [H, A], un-normalised (the policy's sessions do that with
+        `action_stats`), and the observed raw state [S] -> absolute actions (relative keys plus the state)."""
         return from_relative(actions, state, self.pairs) if self.pairs else actions
 
     def to(self, device: torch.device | str) -> "EmbodimentIO":

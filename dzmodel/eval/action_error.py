@@ -30,7 +30,7 @@ import numpy as np
 from ..atomic import atomic_write_text
 from ..data.dataset import heldout_split, key_vectors
 from ..data.lerobot_format import open_dataset
-from ..data.transforms import NormStats, to_relative
+from ..data.transforms import EmbodimentIO, NormStats
 
 
 class ActionErrorError(ValueError):
@@ -59,9 +59,8 @@ def normalised_mse(pred: np.ndarray, target: np.ndarray) -> float:
 def normalise_chunk(actions: np.ndarray, state: np.ndarray, stats: NormStats, pairs: list) -> np.ndarray:
     """A chunk in the robot's units [horizon, A] -> the model's normalised space (relative keys made relative)."""
     actions = np.asarray(actions, dtype=np.float64)
-    if pairs:
-        actions = to_relative(actions, np.asarray(state, dtype=np.float64)[None], actions.shape[0], pairs)
-    return stats.normalize(actions)
+    io = EmbodimentIO(None, pairs, action_stats=stats, horizon=actions.shape[0])  # the training targets' steps
+    return io.actions(actions, np.asarray(state, dtype=np.float64)[None])
 
 
 def _anchors(length: int, horizon: int, stride: int) -> list[int]:

@@ -96,8 +96,8 @@ class EmbodiedPolicy:
             if reset and reset[0] is not None:
                 o["reset"] = bool(reset[0])
             obs.append(o)
-        # the sessions normalise the state and un-normalise the actions (`io.state`, `io.unnormalize`): the rest of
-        # the output steps here
+        # the sessions normalise the state and un-normalise the actions with the pipeline's statistics (`io.state`,
+        # `action_stats.unnormalize`); the last output step here
         io = self.io
         return [io.absolute(a[: self.action_horizon], state) for a, state in zip(self.policy.predict_batch(obs), states)]
 
