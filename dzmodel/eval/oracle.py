@@ -39,6 +39,7 @@ class ReplayModel:
     horizon: int
     normalized: dict[tuple[int, int], np.ndarray]  # (task, episode id) -> float32 [T + padding, A]
     sessions: dict = field(default_factory=dict)   # session id -> chunks served so far
+    state_stats: object = None                     # the replay reads no state
 
     def predict_actions(self, obs: dict) -> np.ndarray:
         sid = str(obs["session_id"])
