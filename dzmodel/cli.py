@@ -73,12 +73,13 @@ def _add_plugin_commands(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """Each package adds its own subcommands; this only assembles them, in `dz -h`'s order."""
     from .bench.cli import add_commands as bench
+    from .control.cli import add_commands as control
     from .data.cli import add_commands as data
     from .eval.cli import add_commands as evaluation, add_data_commands as data_record
     from .model.args import action_horizons
     from .model.cli import add_commands as model
     from .pipeline_cli import add_commands as params_and_stage
-    from .serve.cli import add_bench_commands as serve_bench, add_commands as serving
+    from .serve.cli import add_commands as serving
     from .train.cli import add_commands as training
 
     parser = ArgumentParser(prog="dz", description="DreamZero fine-tuning pipeline",
@@ -89,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     data_record(data(sub, recorder=_record_libero, presets=action_horizons()))
     training(sub)
     serving(sub)
+    control(sub)
     evaluation(sub)
-    serve_bench(bench(sub))
+    bench(sub)
     params_and_stage(sub)
     _add_plugin_commands(sub)
     return parser

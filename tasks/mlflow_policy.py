@@ -24,7 +24,7 @@ class DreamZeroPolicy(PythonModel):
     _skip_type_hint_validation = True
 
     def load_context(self, context) -> None:
-        from dzmodel.eval.policy import load_policy
+        from dzmodel.policy.policy import load_policy
         from dzmodel.serve.package import load_package
         from dzmodel.serve.safety import ActionSafety
         from dzmodel.serve.server import BundlePolicy

@@ -57,7 +57,7 @@ def policy_signature(bundle: Path):
     from mlflow.types.schema import AnyType, Array, ColSpec, Schema, TensorSpec
 
     from dzmodel.data.errors import DataError
-    from dzmodel.eval.policy import PolicyLoadError, model_embodiment, policy_statistics, read_train_config
+    from dzmodel.policy.policy import PolicyLoadError, model_embodiment, policy_statistics, read_train_config
 
     model_dir = bundle / "model"
     try:
@@ -206,7 +206,7 @@ def head_to_head(uri: str, prof: Profile, version: str, candidate: Path, weights
 
     from dzmodel.data.errors import DataError
     from dzmodel.eval.action_error import ActionErrorError, compare_action_error
-    from dzmodel.eval.policy import PolicyLoadError
+    from dzmodel.policy.policy import PolicyLoadError
     from dzmodel.serve.package import PackageError, load_package
     from dzmodel.stages.eval import eval_solver
 

@@ -1,4 +1,4 @@
-"""`dz bench ...`: model, data, training and policy benchmarks."""
+"""`dz bench ...`: model, data, training, policy and serving benchmarks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 from ..clitools import EXIT_OK, CLIError, example, latent_hw_arg, row_printer
 from ..data.embodiments import DROID_EMBODIMENTS
-from ..model.cli import add_solver_arguments
+from ..model.cli import add_solver_arguments, solver_from
 
 
 def cmd_bench_model(ns: argparse.Namespace) -> int:
@@ -188,6 +188,35 @@ def cmd_bench_packing(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bench_serve(ns: argparse.Namespace) -> int:
+    import torch
+
+    from .policy_bench import PolicySetting
+    from .serve_bench import run_serve_bench
+
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if ns.embodiment is None:
+        if ns.preset != "tiny":
+            raise CLIError(f"dz bench serve --preset {ns.preset}: name the embodiment served with --embodiment (its "
+                           "views set the frame that is timed; the default libero_sim_tiny's 64x128 frame suits the "
+                           "tiny preset only), e.g. oxe_droid, or one declared in a file given with --embodiments")
+        ns.embodiment = "libero_sim_tiny"
+    if ns.period_ms < 0:
+        raise CLIError(f"--period-ms must be >= 0 (got {ns.period_ms})")
+    if ns.clients < 2 or ns.max_batch < 2:
+        raise CLIError(f"--clients and --max-batch must be >= 2 (got {ns.clients} and {ns.max_batch}): the "
+                       "bench compares several clients with and without batching")
+    solver = solver_from(ns)  # as dz serve resolves them ('auto': upstream's schedule at 16 steps)
+    setting = PolicySetting(name="serve", weights="bf16" if device.startswith("cuda") else "fp32",
+                            solver_steps=solver.num_steps, cfg_scale=solver.cfg_scale, dit_steps=solver.dit_steps,
+                            cuda_graphs=not ns.no_cuda_graphs, compile=ns.compile)
+
+    run_serve_bench(ns.preset, ns.embodiment, device, setting, ns.clients, ns.max_batch, ns.batch_window_ms,
+                    ns.requests, ns.warmup, embodiment_files=ns.embodiments or [], progress=row_printer(ns.out),
+                    period_ms=ns.period_ms)
+    return EXIT_OK
+
+
 def add_commands(sub):
     """`dz bench ...`; returns its subcommands, which other packages extend (`dz bench serve`: dzmodel.serve)."""
 
@@ -314,4 +343,32 @@ def add_commands(sub):
     p.add_argument("--device", help="where to run (default: cuda if available, else cpu)")
     p.add_argument("--out", help="append a JSON line here")
     p.set_defaults(func=cmd_bench_packing)
+
+    # the server under load, through its real clients (bench sits above serve)
+    p = bench.add_parser("serve", help="dz serve with N concurrent clients (openpi's client): chunks/s and each "
+                         "client's p95, batching off and on, on a preset's model with random weights",
+                         epilog=example("dz bench serve --clients 4 --requests 10",
+                                        "dz bench serve --preset dreamzero_5b --embodiment oxe_droid --clients 8 "
+                                        "--compile"))
+    p.add_argument("--preset", default="tiny", help="the model preset served (random weights)")
+    p.add_argument("--embodiment", default=None,
+                   help="the protocol, views and widths served (default libero_sim_tiny, for the tiny preset only; "
+                        "e.g. oxe_droid for a large preset on DROID)")
+    p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
+    p.add_argument("--device", default=None, help="where the server's policy runs (default: cuda if available, "
+                                                   "else cpu)")
+    add_solver_arguments(p, dit_steps="auto")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="launch every kernel from Python (eager)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the DiT block (inside the CUDA graphs)")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients, each one session")
+    p.add_argument("--max-batch", type=int, default=8, help="the batched row's dz serve --max-batch")
+    p.add_argument("--batch-window-ms", type=float, default=5.0,
+                   help="the batched row's dz serve --batch-window-ms: how long a request waits for others to join")
+    p.add_argument("--requests", type=int, default=20, help="timed requests per client (after --warmup)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed requests per client first")
+    p.add_argument("--period-ms", type=float, default=0.0,
+                   help="each of the N clients asks for a chunk every this many ms, as a robot that plays each chunk "
+                        "that long (phases spread evenly); 0: ask again as soon as answered (the full load)")
+    p.add_argument("--out", help="append one JSON line per row here")
+    p.set_defaults(func=cmd_bench_serve)
     return bench

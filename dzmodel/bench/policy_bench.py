@@ -35,14 +35,15 @@ import numpy as np
 import torch
 from torch.utils import flop_counter
 
+from ..data.transforms import NormStats
 from ..model.args import preset
-from ..model.components import build_encoders, build_policy
+from ..model.components import build_encoders
 from ..model.fp8 import fp8_linears, freeze_blocks_to_fp8, resolve_precision
 from ..model.cuda_graphs import GraphCache
-from ..model.inference import STAGES, NormStats, StageTimer
 from ..model.sampler import SolverConfig
 from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer
 from ..model.wam import DreamZeroWAM
+from ..policy.sessions import STAGES, StageTimer, build_policy
 from ..train.metrics import peak_flops
 
 WEIGHTS = ("autocast", "bf16", "fp32", "fp8")  # autocast: fp32 weights under bf16 autocast (the old GPU path);

@@ -5,7 +5,8 @@
     state   float32 [K, S]             q99-normalised, one row per chunk anchor
     action  float32 [K·H, A]           q99-normalised (relative keys made relative first)
     prompt  str                        the embodiment's template around the frame's task
-Sample randomness (crop, jitter) is seeded by (seed, global position): see transforms.py.
+Sample randomness (crop, jitter) is seeded by (seed, global position): see transforms.py, whose `EmbodimentIO`
+orders the steps (the policy composes the same pipeline for a served request).
 
 `frame_cache_mib` > 0 keeps whole decoded episodes (per camera) in each loader process, least recently used first
 out: a window then costs an index instead of a seek and a decode. Small datasets (LIBERO-scale, 128 px) fit whole;
@@ -26,7 +27,7 @@ import torch
 from .embodiments import Embodiment
 from .errors import DataError
 from .sampling import AnchorIndex, SampleStream, WindowSpec, heldout_split, task_segments  # noqa: F401 (re-exported)
-from .transforms import compose_layout, embodiment_stats, relative_action_dims, to_relative, transform_view
+from .transforms import EmbodimentIO, embodiment_stats, relative_action_dims
 
 
 def load_statistics(metadata_path: str | Path, tag: str) -> dict:
@@ -161,6 +162,8 @@ class WindowDataset:
         self.state_stats = self.action_stats = None
         if statistics is not None:
             self.state_stats, self.action_stats = embodiment_stats(statistics, embodiment)
+        # the input pipeline a served request goes through too (`transforms.EmbodimentIO`)
+        self.io = EmbodimentIO(embodiment, self.pairs, self.state_stats, self.action_stats, spec.action_horizon)
 
     def _missing_files(self) -> list[tuple[int, Path]]:
         """(episode, path) of every mp4 of the views in use that the dataset lacks (image views have none)."""
@@ -210,11 +213,8 @@ class WindowDataset:
         cols = self.reader.read_columns(w.episode, columns)
         state = self._vectors(cols, self.emb.state, w.state_rows, w.episode)
         action = self._vectors(cols, self.emb.action, w.action_rows, w.episode)
-        if self.pairs:
-            action = to_relative(action, state, self.spec.action_horizon, self.pairs)
-        if self.state_stats is not None:
-            state = self.state_stats.normalize(state)
-            action = self.action_stats.normalize(action)
+        action = self.io.actions(action, state)  # relative to the raw anchor states, then normalised
+        state = self.io.state(state)
         task = self.reader.task_per_frame(w.episode)[int(w.start)]
         out = {
             "state": torch.from_numpy(state.astype(np.float32)),
@@ -234,9 +234,8 @@ class WindowDataset:
                 frames = self.frame_cache.frames(self.reader, w.episode, key, np.asarray(w.frames), self.video_backend)
             else:
                 frames = self.reader.read_frames(w.episode, key, w.frames.tolist(), backend=self.video_backend)
-            views[short] = transform_view(frames, self.emb.view_size, self.train, rng, self.emb.crop_scale,
-                                          self.emb.color_jitter)
-        return {"images": compose_layout(self.emb, views), **out}
+            views[short] = frames
+        return {"images": self.io.images(views, self.train, rng), **out}
 
 
 class MixtureDataset(torch.utils.data.Dataset):

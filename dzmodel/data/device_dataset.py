@@ -39,14 +39,6 @@ from .sampling import SampleStream
 from .transforms import compose_layout
 
 
-def _normalize(x: torch.Tensor, q01: torch.Tensor, q99: torch.Tensor) -> torch.Tensor:
-    """`transforms.NormStats.normalize` on a tensor (same float64 arithmetic)."""
-    span = q99 - q01
-    safe = torch.where(span == 0, torch.ones_like(span), span)
-    out = (2 * (x - q01) / safe - 1).clamp(-1, 1)
-    return torch.where(span == 0, x, out)
-
-
 def _resize_uint8(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """uint8 [T, H, W, 3] -> [T, size, 3], antialiased (once, at load, for recordings larger than needed)."""
     x = torch.from_numpy(frames).permute(0, 3, 1, 2)
@@ -95,13 +87,7 @@ class DeviceRecording:
             action.append(ds._vectors(cols, emb.action, rows, e))
         self.state = torch.from_numpy(np.concatenate(state)).to(self.device)
         self.action = torch.from_numpy(np.concatenate(action)).to(self.device)
-        self.pairs = ds.pairs
-
-        def stats(ns):
-            return None if ns is None else (torch.from_numpy(np.asarray(ns.q01, dtype=np.float64)).to(self.device),
-                                            torch.from_numpy(np.asarray(ns.q99, dtype=np.float64)).to(self.device))
-
-        self.state_stats, self.action_stats = stats(ds.state_stats), stats(ds.action_stats)
+        self.io = ds.io.to(self.device)  # the CPU loader's vector pipeline, on tensors
 
         # frames: every (episode, view) decoded once
         self.decodes = 0
@@ -201,12 +187,8 @@ class DeviceRecording:
         dev = self.device
         state = self.state[start[:, None] + self.state_offsets]                       # [B, K, S] float64
         action = self.action[start[:, None] + self.action_offsets]                    # [B, K·H, A]
-        if self.pairs:  # relative actions: chunk c minus the state at its anchor (the gather made a copy)
-            for a, s in self.pairs:
-                action[:, :, a] -= state[:, :, s].repeat_interleave(self.ds.spec.action_horizon, dim=1)
-        if self.state_stats is not None:
-            state = _normalize(state, *self.state_stats)
-            action = _normalize(action, *self.action_stats)
+        action = self.io.actions(action, state)  # relative to the raw anchor states, then normalised
+        state = self.io.state(state)
         K, S = state.shape[1:]
         N, A = action.shape[1:]
         state_out = torch.zeros(B, K, max_state_dim, device=dev)

@@ -1,5 +1,14 @@
-"""Per-sample transforms: view crop/resize/colour jitter, multi-view layout, q99 normalisation,
-relative actions. Pure torch/numpy so they run in loader workers and on the GPU image alike.
+"""The per-embodiment input and output pipeline, and its steps: view crop/resize/colour jitter, multi-view layout,
+q99 normalisation, relative actions. Pure torch/numpy so they run in loader workers and on the GPU image alike.
+
+`EmbodimentIO` is the one place that writes the order of the steps (views -> layout; state -> normalise; actions ->
+relative -> normalise; and after the model, actions -> un-normalise -> absolute). The CPU loader
+(`dataset.WindowDataset`), the device loader (`device_dataset`, the torch path) and the policy (`dzmodel/policy/`)
+compose it, so a training sample and a served request for the same frame give the same model input
+(tests/policy/test_transforms_skew.py).
+
+It lives in the data layer, not beside the policy: the loaders sit below training, and the policy above it (it reads
+a run's training config), so the pipeline both compose must sit below the loaders.
 
 Random choices (crop offset, jitter factors) come from a numpy Generator the caller seeds per sample,
 and are shared by every frame of a view (a consistent camera over time), so a sample is a pure
@@ -8,7 +17,7 @@ function of (dataset, anchor, seed, position): resuming repeats it bit-exactly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,8 +36,12 @@ class NormStats:
     q01: np.ndarray
     q99: np.ndarray
 
-    def normalize(self, x: np.ndarray) -> np.ndarray:
+    def normalize(self, x: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+        """numpy (float64), or a tensor with stats from `to` (the device loader: the same float64 arithmetic)."""
         span = self.q99 - self.q01
+        if isinstance(x, torch.Tensor):
+            safe = torch.where(span == 0, torch.ones_like(span), span)
+            return torch.where(span == 0, x, (2 * (x - self.q01) / safe - 1).clamp(-1, 1))
         safe = np.where(span == 0, 1.0, span)
         out = np.clip(2 * (x - self.q01) / safe - 1, -1, 1)
         return np.where(span == 0, x, out)
@@ -37,6 +50,11 @@ class NormStats:
         span = self.q99 - self.q01
         out = (np.clip(x, -1, 1) + 1) / 2 * span + self.q01
         return np.where(span == 0, x, out)
+
+    def to(self, device: torch.device | str) -> "NormStats":
+        """The same statistics as float64 tensors on `device`, for `normalize` on tensors."""
+        return NormStats(q01=torch.as_tensor(np.asarray(self.q01, dtype=np.float64), device=device),
+                         q99=torch.as_tensor(np.asarray(self.q99, dtype=np.float64), device=device))
 
     @classmethod
     def from_metadata(cls, stats: dict, keys: list[str], group: str, source: str = "metadata.json") -> "NormStats":
@@ -92,11 +110,18 @@ def relative_action_dims(emb: Embodiment, state_widths: dict[str, int],
     return pairs
 
 
-def to_relative(actions: np.ndarray, states: np.ndarray, horizon: int, pairs) -> np.ndarray:
-    """actions [K·H, A], states [K, S] (raw, un-normalised): chunk c minus the state at its anchor."""
+def to_relative(actions: np.ndarray | torch.Tensor, states: np.ndarray | torch.Tensor, horizon: int,
+                pairs) -> np.ndarray | torch.Tensor:
+    """actions [..., K·H, A], states [..., K, S] (raw, un-normalised; numpy or torch): chunk c minus the state at
+    its anchor."""
+    if isinstance(actions, torch.Tensor):
+        out = actions.clone()
+        for a, s in pairs:
+            out[..., a] -= states[..., s].repeat_interleave(horizon, dim=-2)
+        return out
     out = actions.copy()
     for a, s in pairs:
-        out[:, a] -= np.repeat(states[:, s], horizon, axis=0)
+        out[..., a] -= np.repeat(states[..., s], horizon, axis=-2)
     return out
 
 
@@ -219,3 +244,58 @@ def compose_layout(emb: Embodiment, views: dict[str, torch.Tensor]) -> torch.Ten
             out[..., r * h:(r + 1) * h, c0 * w:(c0 + cell.width) * w, :] = v
             c0 += cell.width
     return out
+
+
+# --- the pipeline --------------------------------------------------------------------------------
+
+
+@dataclass
+class EmbodimentIO:
+    """One embodiment's input and output pipeline: the order of the steps between a robot's (or a recording's)
+    frames, state and actions and the model's inputs and outputs, written once.
+
+        inputs   views   -> crop, resize (random crop and colour jitter in training only) -> layout   `images`
+                 state   -> normalise                                                               `state`
+                 actions -> relative to the chunk's anchor state -> normalise (training targets)   `actions`
+        outputs  actions -> un-normalise (`action_stats`, in the policy's sessions) -> absolute    `absolute`
+
+    The vector steps take numpy arrays or, with the statistics on a device (`to`), tensors. Without statistics
+    (a loader built before metadata exists) the vectors stay raw. They need no embodiment when `horizon` is given
+    (one chunk's target, as the action-error evaluation computes it)."""
+
+    emb: Embodiment | None
+    pairs: list = field(default_factory=list)   # (action slice, state slice) of the relative keys
+    state_stats: NormStats | None = None
+    action_stats: NormStats | None = None
+    horizon: int | None = None                  # actions per chunk: the windows' (default the embodiment's)
+
+    def images(self, views: dict, train: bool, rng: np.random.Generator) -> torch.Tensor:
+        """Per view name uint8 [T, H, W, 3] (numpy or tensor) -> the laid-out frames uint8 [T, rows·h, cols·w, 3]."""
+        missing = [v for v in self.emb.views if v not in views]
+        if missing:
+            raise ValueError(f"embodiment {self.emb.tag!r} needs views {missing} (got {sorted(views)})")
+        out = {name: transform_view(views[name], tuple(self.emb.view_size), train, rng, self.emb.crop_scale,
+                                    self.emb.color_jitter)
+               for name in self.emb.views}
+        return compose_layout(self.emb, out)
+
+    def state(self, state):
+        """Raw state [..., S] -> what the model reads."""
+        return state if self.state_stats is None else self.state_stats.normalize(state)
+
+    def actions(self, actions, states):
+        """Raw actions [..., K·H, A] and the raw states of their chunks' anchors [..., K, S] -> training targets."""
+        if self.pairs:
+            actions = to_relative(actions, states, self.horizon or self.emb.action_horizon, self.pairs)
+        return actions if self.action_stats is None else self.action_stats.normalize(actions)
+
+    def absolute(self, actions: np.ndarray, state: np.ndarray) -> np.ndarray:
+        """The last output step: the model's chunk [H, A], un-normalised (the policy's sessions do that with
+        `action_stats`), and the observed raw state [S] -> absolute actions (relative keys plus the state)."""
+        return from_relative(actions, state, self.pairs) if self.pairs else actions
+
+    def to(self, device: torch.device | str) -> "EmbodimentIO":
+        """The pipeline with its statistics as tensors on `device` (the vector steps then take tensors)."""
+        def move(ns):
+            return None if ns is None else ns.to(device)
+        return EmbodimentIO(self.emb, self.pairs, move(self.state_stats), move(self.action_stats), self.horizon)

@@ -30,7 +30,7 @@ import numpy as np
 from ..atomic import atomic_write_text
 from ..data.dataset import heldout_split, key_vectors
 from ..data.lerobot_format import open_dataset
-from ..data.transforms import NormStats, to_relative
+from ..data.transforms import EmbodimentIO, NormStats
 
 
 class ActionErrorError(ValueError):
@@ -59,9 +59,8 @@ def normalised_mse(pred: np.ndarray, target: np.ndarray) -> float:
 def normalise_chunk(actions: np.ndarray, state: np.ndarray, stats: NormStats, pairs: list) -> np.ndarray:
     """A chunk in the robot's units [horizon, A] -> the model's normalised space (relative keys made relative)."""
     actions = np.asarray(actions, dtype=np.float64)
-    if pairs:
-        actions = to_relative(actions, np.asarray(state, dtype=np.float64)[None], actions.shape[0], pairs)
-    return stats.normalize(actions)
+    io = EmbodimentIO(None, pairs, action_stats=stats, horizon=actions.shape[0])  # the training targets' steps
+    return io.actions(actions, np.asarray(state, dtype=np.float64)[None])
 
 
 def _anchors(length: int, horizon: int, stride: int) -> list[int]:
@@ -179,7 +178,7 @@ def evaluate_action_error(run_or_model: str | Path, out_dir: str | Path | None =
     `out_dir` when given; returns {"steps": [{step, trained, ratio}], "mean_predictor", "untrained", "last": ...}."""
     from ..train.metrics import Progress
     from .libero_eval import _models_to_evaluate
-    from .policy import load_policy, read_train_config
+    from ..policy.policy import load_policy, read_train_config
 
     if stride < 1:
         raise ActionErrorError(f"stride: must be >= 1, got {stride}")
@@ -232,7 +231,7 @@ def compare_action_error(candidate: str | Path, other: str | Path, stride: int =
     and seed. Returns {"windows", "episodes", "candidate", "other"} (mean normalised MSE each). Models of another
     embodiment or action width cannot be compared: ActionErrorError says why."""
     from ..train.metrics import Progress
-    from .policy import load_policy, read_train_config
+    from ..policy.policy import load_policy, read_train_config
 
     first = load_policy(candidate, device=device, solver=solver, seed=seed)
     second = load_policy(other, device=device, solver=solver, seed=seed)

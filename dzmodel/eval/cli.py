@@ -13,7 +13,7 @@ def cmd_eval_libero(ns: argparse.Namespace) -> int:
     from ..eval.libero_env import LiberoNotInstalled
     from ..eval.libero_eval import EnvStartError, EvalConfig, evaluate_run
     from ..eval.perturb_spec import PerturbationError, parse_perturbations
-    from ..eval.policy import PolicyLoadError
+    from ..policy.policy import PolicyLoadError
 
     try:
         parse_perturbations(ns.perturb or [], "--perturb")
@@ -55,7 +55,7 @@ def _print_robustness(out: Path) -> None:
 
 def cmd_eval_action_error(ns: argparse.Namespace) -> int:
     from ..eval.action_error import ActionErrorError, describe, evaluate_action_error
-    from ..eval.policy import PolicyLoadError
+    from ..policy.policy import PolicyLoadError
 
     claim_out(ns, "eval action-error")
     try:
@@ -77,7 +77,7 @@ def cmd_eval_action_error(ns: argparse.Namespace) -> int:
 
 def cmd_eval_previews(ns: argparse.Namespace) -> int:
     from ..eval.action_error import ActionErrorError
-    from ..eval.policy import PolicyLoadError
+    from ..policy.policy import PolicyLoadError
     from ..eval.previews import describe_errors, write_previews
 
     claim_out(ns, "eval previews")

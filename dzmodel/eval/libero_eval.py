@@ -28,7 +28,7 @@ import numpy as np
 
 from ..atomic import atomic_write_text
 from ..train.metrics import Progress
-from .policy import EmbodiedPolicy
+from ..policy.policy import EmbodiedPolicy
 
 
 @dataclass
@@ -532,7 +532,7 @@ def evaluate_run(run_or_model: str | Path, cfg: EvalConfig, out_dir: str | Path,
     run), `robustness` in summary.json, a `perturbation` column in per_episode.csv and episodes.csv; results.csv,
     the plot and the returned rows stay the unperturbed ones."""
     from .libero_env import check_libero, ensure_libero_config
-    from .policy import PolicyLoadError, load_policy, read_train_config
+    from ..policy.policy import PolicyLoadError, load_policy, read_train_config
 
     ensure_libero_config()
     root = check_libero()
@@ -587,7 +587,7 @@ def _models_to_evaluate(src: Path, out: Path, steps: list[int] | None,
                         weights: str = "raw") -> list[tuple[int | None, Path]]:
     from ..train.checkpoint import list_checkpoints
     from ..train.convert import convert_checkpoint
-    from .policy import PolicyLoadError, read_train_config
+    from ..policy.policy import PolicyLoadError, read_train_config
 
     saved = list_checkpoints(src)
     if weights != "raw" and not saved:

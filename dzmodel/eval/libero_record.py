@@ -238,7 +238,7 @@ def _clear_stale(out: Path) -> None:
 
 def _load_dagger_policy(cfg: RecordConfig):
     from ..model.sampler import SolverConfig
-    from .policy import PolicyLoadError, load_policy
+    from ..policy.policy import PolicyLoadError, load_policy
 
     try:
         policy = load_policy(cfg.dagger, device=cfg.dagger_device, seed=cfg.seed,

@@ -39,6 +39,7 @@ class ReplayModel:
     horizon: int
     normalized: dict[tuple[int, int], np.ndarray]  # (task, episode id) -> float32 [T + padding, A]
     sessions: dict = field(default_factory=dict)   # session id -> chunks served so far
+    state_stats: object = None                     # the replay reads no state
 
     def predict_actions(self, obs: dict) -> np.ndarray:
         sid = str(obs["session_id"])
@@ -87,7 +88,7 @@ def run_oracle(dataset: str | Path, out: str | Path, metadata: str | Path | None
     from .libero_workers import EpisodeInit
     from .libero_eval import EvalConfig, evaluate_policy, summarize, write_results
     from .libero_record import read_recording
-    from .policy import EmbodiedPolicy, policy_statistics
+    from ..policy.policy import EmbodiedPolicy, policy_statistics
 
     dataset, out = Path(dataset), Path(out)
     rec = read_recording(dataset)

@@ -132,7 +132,7 @@ def write_previews(model_dir: str | Path, out_dir: str | Path, windows: int = 2,
     import json
 
     from ..atomic import atomic_write_text
-    from .policy import load_policy, read_train_config
+    from ..policy.policy import load_policy, read_train_config
 
     model_dir, out = Path(model_dir), Path(out_dir)
     cfg, step = read_train_config(model_dir)

@@ -287,7 +287,7 @@ def load_probe_vae(spec: str, preset_name: str | None, seed: int = 0, device: st
         if (path / "encoders" / "vae.safetensors").is_file():  # a bundle's model/
             return load_probe_vae(str(path / "encoders" / "vae.safetensors"), preset_name, seed, device)
         if (path / "config.json").is_file():
-            from ..eval.policy import read_train_config
+            from ..policy.policy import read_train_config
 
             cfg, _ = read_train_config(path)
             return f"{path.name} ({cfg.preset})", frozen_encoders(cfg, "cpu").vae.to(device).eval(), cfg.preset

@@ -1,4 +1,5 @@
-"""The frozen encoders that go with each DreamZero preset, and building a policy from parts.
+"""The frozen encoders that go with each DreamZero preset (`dzmodel.policy.sessions.build_policy` builds a policy
+from them).
 
 | preset        | VAE                      | text encoder     | image encoder      |
 | tiny          | Wan2.2-style, z 8, tiny  | umT5 tiny (32)   | CLIP tiny (17x64)  |
@@ -15,18 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn as nn
 
-from .args import DreamZeroArgs, preset
+from .args import preset
 from .clip import CLIP_TINY, CLIP_VIT_H_14, CLIPVisionConfig, WanCLIPVisual, visual_state_dict
-from .inference import DreamZeroPolicy, NormStats
-from .sampler import SolverConfig
 from .state_dict import LoadReport, load_strict, read_weights
 from .t5 import UMT5_TINY, UMT5_XXL, UMT5Config, UMT5Encoder
 from .vae import WanVAE38Config, WanVAEConfig, WanVideoVAE, WanVideoVAE38
-from .wam import DreamZeroWAM
 
 TINY_VAE = WanVAE38Config(dim=8, dec_dim=8, z_dim=8, latents_mean=(0.0,), latents_std=(1.0,))
 SMALL_VAE = WanVAE38Config(dim=16, dec_dim=16, z_dim=16, latents_mean=(0.0,), latents_std=(1.0,))
@@ -96,36 +93,3 @@ def load_encoder_weights(encoders: FrozenEncoders, vae: str | Path | None = None
         state = visual_state_dict(read_weights(clip))
         reports.append(load_strict(encoders.image_encoder, state, source=str(clip), assign=meta))
     return reports
-
-
-def build_policy(model: DreamZeroWAM, encoders: FrozenEncoders, tokenizer, action_stats: NormStats,
-                 state_stats: NormStats, solver: SolverConfig | None = None, negative_prompt: str = "",
-                 seed: int = 0, image_size: tuple[int, int] | None = None,
-                 weights_dtype: torch.dtype | None = None, cuda_graphs: bool = True) -> DreamZeroPolicy:
-    """image_size: the model's input frame (H, W); default the preset's, or pass the embodiment's layout size.
-    weights_dtype: cast the DiT and the encoders (torch.bfloat16 on the GPU: half the weight reads, no autocast
-    copies per forward); None keeps them as loaded."""
-    if weights_dtype is not None:
-        model.to(weights_dtype)
-        encoders.to(weights_dtype)
-    return DreamZeroPolicy(model=model.eval(), vae=encoders.vae, text_encoder=encoders.text_encoder, tokenizer=tokenizer,
-                           image_encoder=encoders.image_encoder, action_stats=action_stats, state_stats=state_stats,
-                           image_size=tuple(image_size or encoders.spec.image_size), solver=solver or SolverConfig(),
-                           negative_prompt=negative_prompt, seed=seed, cuda_graphs=cuda_graphs)
-
-
-def build_tiny_policy(tokenizer_dir: str | Path, action_dims: int = 7, state_dims: int = 8,
-                      solver: SolverConfig | None = None, seed: int = 0,
-                      weights_dtype: torch.dtype | None = None) -> DreamZeroPolicy:
-    """A complete tiny policy with random weights: for tests, the demo and smoke evals."""
-    from .tokenizer import build_tiny_tokenizer, load_tokenizer
-
-    args: DreamZeroArgs = preset("tiny")  # type: ignore[assignment]
-    torch.manual_seed(seed)
-    model = DreamZeroWAM(args)
-    tok_dir = Path(tokenizer_dir)
-    if not (tok_dir / "tokenizer.json").is_file():
-        build_tiny_tokenizer(tok_dir, vocab_size=UMT5_TINY.vocab)
-    stats = lambda n: NormStats(q01=-np.ones(n), q99=np.ones(n))  # noqa: E731
-    return build_policy(model, build_encoders("tiny"), load_tokenizer(tok_dir), stats(action_dims), stats(state_dims),
-                        solver=solver or SolverConfig(num_steps=4, cfg_scale=2.0), seed=seed, weights_dtype=weights_dtype)

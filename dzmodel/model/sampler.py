@@ -6,7 +6,7 @@ time (frame 0, then whole blocks), the noisy video and action tokens attend [his
 own states], and state tokens attend only themselves (upstream's cached path lets states attend everything, unlike
 its training mask; we keep the training rule). `solve` runs a few-step Euler flow solver over the shifted sigma
 grid, with classifier-free guidance on the video only (actions use the conditional prediction, as upstream) and
-CFG's two passes as one batch. The policy (`dzmodel/model/inference.py`) wraps the encoders, sessions and
+CFG's two passes as one batch. The policy (`dzmodel/policy/sessions.py`) wraps the encoders, sessions and
 normalisation around it.
 """
 

@@ -1,4 +1,4 @@
-"""`dz package`, `dz serve` and `dz client`: the Franka bundle, the policy server and its LIBERO client."""
+"""`dz package` and `dz serve`: the Franka bundle and the policy server (`dz client` is `dzmodel.control`'s)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..clitools import EXIT_OK, CLIError, example, row_printer
+from ..clitools import EXIT_OK, CLIError, example
 from ..model.cli import add_solver_arguments, solver_from
 
 
@@ -92,61 +92,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_client(ns: argparse.Namespace) -> int:
-    import json
-
-    from ..serve.client import DryRunRobot, ServerError, load_test, run_client
-
-    token = read_token(ns.token_file)
-    try:
-        if ns.load_test:
-            print(json.dumps(load_test(ns.url, token, ns.load_test, ns.requests)))
-            return EXIT_OK
-        if ns.dry_run:
-            run_client(ns.url, token, DryRunRobot(ns.prompt), ns.chunks)
-            return EXIT_OK
-        from ..serve.libero_client import run_libero_client
-
-        summary = run_libero_client(ns.url, token, suite=ns.suite, task=ns.task, episodes=ns.episodes,
-                                    control_hz=ns.control_hz, max_steps=ns.max_steps, seed=ns.seed,
-                                    camera_size=ns.camera_size, out=ns.out, overlap=not ns.sync)
-        print(json.dumps(summary))
-    except (ServerError, OSError) as exc:
-        raise CLIError(str(exc)) from None
-    return EXIT_OK
-
-
-def cmd_bench_serve(ns: argparse.Namespace) -> int:
-    import torch
-
-    from ..bench.policy_bench import PolicySetting
-    from .bench import run_serve_bench
-
-    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if ns.embodiment is None:
-        if ns.preset != "tiny":
-            raise CLIError(f"dz bench serve --preset {ns.preset}: name the embodiment served with --embodiment (its "
-                           "views set the frame that is timed; the default libero_sim_tiny's 64x128 frame suits the "
-                           "tiny preset only), e.g. oxe_droid, or one declared in a file given with --embodiments")
-        ns.embodiment = "libero_sim_tiny"
-    if ns.period_ms < 0:
-        raise CLIError(f"--period-ms must be >= 0 (got {ns.period_ms})")
-    if ns.clients < 2 or ns.max_batch < 2:
-        raise CLIError(f"--clients and --max-batch must be >= 2 (got {ns.clients} and {ns.max_batch}): the "
-                       "bench compares several clients with and without batching")
-    solver = solver_from(ns)  # as dz serve resolves them ('auto': upstream's schedule at 16 steps)
-    setting = PolicySetting(name="serve", weights="bf16" if device.startswith("cuda") else "fp32",
-                            solver_steps=solver.num_steps, cfg_scale=solver.cfg_scale, dit_steps=solver.dit_steps,
-                            cuda_graphs=not ns.no_cuda_graphs, compile=ns.compile)
-
-    run_serve_bench(ns.preset, ns.embodiment, device, setting, ns.clients, ns.max_batch, ns.batch_window_ms,
-                    ns.requests, ns.warmup, embodiment_files=ns.embodiments or [], progress=row_printer(ns.out),
-                    period_ms=ns.period_ms)
-    return EXIT_OK
-
-
 def add_commands(sub) -> None:
-    """`dz package`, `dz serve` and `dz client`."""
+    """`dz package` and `dz serve`."""
 
     p = sub.add_parser("package", help="a versioned, checksummed deployment bundle (+ .tar.gz) for a Franka arm, "
                        "or for the robot the embodiment's robot: block describes",
@@ -224,58 +171,3 @@ def add_commands(sub) -> None:
                    "(faster start, slower chunks; CUDA graphs stay on)")
     add_solver_arguments(p, dit_steps="auto")  # the deployed setting: upstream's 8 of 16 DiT steps
     p.set_defaults(func=cmd_serve)
-
-    p = sub.add_parser("client", help="drive the LIBERO Panda (the sim Franka) through a policy server; "
-                                      "--dry-run prints the actions without a robot",
-                       epilog=example("dz client ws://127.0.0.1:8000 --suite object --task 0 --episodes 3",
-                                      "dz client ws://127.0.0.1:8000 --dry-run"))
-    p.add_argument("url", help="e.g. ws://127.0.0.1:8000 (wss:// behind TLS)")
-    p.add_argument("--token-file", help="a file holding the server's token (default: DZ_SERVE_TOKEN; none sent if unset)")
-    p.add_argument("--dry-run", action="store_true", help="synthetic observations; print the chunks, move nothing")
-    p.add_argument("--chunks", type=int, default=3, help="--dry-run: chunks to request")
-    p.add_argument("--prompt", default="pick up the cube and place it in the bowl", help="--dry-run: the instruction")
-    p.add_argument("--suite", default="object", help="LIBERO suite (spatial, object, goal, 10, 90)")
-    p.add_argument("--task", type=int, default=0, help="task index within the suite")
-    p.add_argument("--episodes", type=int, default=1, help="episodes to run, from the task's standard init states "
-                                                             "0..N-1")
-    p.add_argument("--control-hz", type=float, default=20.0, help="the rate actions are executed at")
-    p.add_argument("--max-steps", type=int, default=300, help="steps per episode before it counts as failed")
-    p.add_argument("--camera-size", type=int, default=256, help="height and width of the sim cameras, in pixels")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the simulated env")
-    p.add_argument("--sync", action="store_true",
-                   help="wait for each chunk and execute all of it (as dz eval libero), instead of inferring the next "
-                        "chunk while one executes")
-    p.add_argument("--out", help="write summary.json and episodes.csv here")
-    p.add_argument("--load-test", type=int, metavar="SESSIONS", help="instead: this many concurrent sessions")
-    p.add_argument("--requests", type=int, default=4, help="requests per session in the load test")
-    p.set_defaults(func=cmd_client)
-
-
-def add_bench_commands(bench) -> None:
-    """`dz bench serve` (added to `dz bench`'s subcommands: the serve layer drives the server it measures)."""
-    p = bench.add_parser("serve", help="dz serve with N concurrent clients (openpi's client): chunks/s and each "
-                         "client's p95, batching off and on, on a preset's model with random weights",
-                         epilog=example("dz bench serve --clients 4 --requests 10",
-                                        "dz bench serve --preset dreamzero_5b --embodiment oxe_droid --clients 8 "
-                                        "--compile"))
-    p.add_argument("--preset", default="tiny", help="the model preset served (random weights)")
-    p.add_argument("--embodiment", default=None,
-                   help="the protocol, views and widths served (default libero_sim_tiny, for the tiny preset only; "
-                        "e.g. oxe_droid for a large preset on DROID)")
-    p.add_argument("--embodiments", action="append", help="extra embodiment YAML file(s)")
-    p.add_argument("--device", default=None, help="where the server's policy runs (default: cuda if available, "
-                                                   "else cpu)")
-    add_solver_arguments(p, dit_steps="auto")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="launch every kernel from Python (eager)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the DiT block (inside the CUDA graphs)")
-    p.add_argument("--clients", type=int, default=8, help="concurrent clients, each one session")
-    p.add_argument("--max-batch", type=int, default=8, help="the batched row's dz serve --max-batch")
-    p.add_argument("--batch-window-ms", type=float, default=5.0,
-                   help="the batched row's dz serve --batch-window-ms: how long a request waits for others to join")
-    p.add_argument("--requests", type=int, default=20, help="timed requests per client (after --warmup)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed requests per client first")
-    p.add_argument("--period-ms", type=float, default=0.0,
-                   help="each of the N clients asks for a chunk every this many ms, as a robot that plays each chunk "
-                        "that long (phases spread evenly); 0: ask again as soon as answered (the full load)")
-    p.add_argument("--out", help="append one JSON line per row here")
-    p.set_defaults(func=cmd_bench_serve)

@@ -293,7 +293,7 @@ TRAINED_FIELDS = ("tag_id", "views", "view_size", "layout", "state", "action", "
 def packaged_embodiment(model_dir: Path, cfg, embodiment_files) -> Any:
     """The embodiment a bundle serves: the converted model's copy, or its definition in the reviewed
     `embodiment_files` (which may add or change only the robot: and serve: blocks)."""
-    from ..eval.policy import model_embodiment
+    from ..policy.policy import model_embodiment
 
     hint = "; give its YAML with `dz package --embodiments FILE`"
     try:
@@ -336,7 +336,7 @@ def build_package(model_dir: str | Path, out_dir: str | Path, robot: RobotConfig
     overrides the model's copies (a robot: or serve: block added after training), carried into the bundle."""
     import csv
 
-    from ..eval.policy import policy_statistics, read_train_config
+    from ..policy.policy import policy_statistics, read_train_config
     from ..model.state_dict import read_config
     from ..train.encoders import frozen_encoders, save_encoders
 

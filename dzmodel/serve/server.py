@@ -1000,7 +1000,7 @@ def serve_bundle(bundle: str, token: str | None, host: str = "127.0.0.1", port: 
 
     import torch
 
-    from ..eval.policy import PolicyLoadError, load_policy
+    from ..policy.policy import PolicyLoadError, load_policy
     from .package import load_package
 
     ssl = tls_context(certfile, keyfile)

@@ -36,7 +36,7 @@ def stage_action_error(prof: Profile, paths: StagePaths, out: Path, log: Log = p
     """The held-out action error of every converted step (part of the eval stage); skipped, saying why, when the
     run held no episode out."""
     from ..eval.action_error import describe, evaluate_action_error, plot_action_error
-    from ..eval.policy import read_train_config
+    from ..policy.policy import read_train_config
 
     e = prof.eval
     converted = converted_models(paths)
@@ -60,7 +60,7 @@ def stage_action_error(prof: Profile, paths: StagePaths, out: Path, log: Log = p
 def stage_previews(prof: Profile, paths: StagePaths, out: Path, log: Log = print_line) -> list[dict] | None:
     """World-model previews of every converted step (part of the eval stage); skipped, saying why, when the run
     held no episode out."""
-    from ..eval.policy import read_train_config
+    from ..policy.policy import read_train_config
     from ..eval.previews import describe_errors, write_previews
 
     e = prof.eval

@@ -63,7 +63,7 @@ def stage_package(prof: Profile, paths: StagePaths, log: Log = print_line) -> di
 
 def embodiment_robot(model: Path) -> dict:
     """The robot: block of the embodiment a converted model trained on ({} for a Franka without one)."""
-    from ..eval.policy import model_embodiment, read_train_config
+    from ..policy.policy import model_embodiment, read_train_config
 
     emb = model_embodiment(model, read_train_config(model)[0])
     return emb.robot.to_dict() if emb.robot is not None else {}

@@ -236,9 +236,9 @@ def tiny_embodied(tmp_path_factory):
     import dataclasses
     from pathlib import Path
 
-    import dzmodel.model.components as components
+    import dzmodel.policy.sessions as components
     from dzmodel.data.embodiments import get_embodiment
-    from dzmodel.eval.policy import EmbodiedPolicy
+    from dzmodel.policy.policy import EmbodiedPolicy
     from dzmodel.model.sampler import SolverConfig
 
     real = components.preset

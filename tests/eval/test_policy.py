@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dzmodel.eval.policy import PolicyLoadError, load_policy
+from dzmodel.policy.policy import PolicyLoadError, load_policy
 from dzmodel.model.sampler import SolverConfig
 from dzmodel.train.config import TrainConfig
 from dzmodel.train.convert import convert_checkpoint, resolve_checkpoint
@@ -109,7 +109,7 @@ def test_a_project_relative_dataset_is_found_from_another_directory(tmp_path, mo
     finds the project's dataset, from the folders above the model, before one in the working directory."""
     import json
 
-    from dzmodel.eval.policy import read_train_config
+    from dzmodel.policy.policy import read_train_config
 
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     for folder in ("data/demo", "data/both"):

@@ -58,7 +58,7 @@ def test_previews_write_side_by_side_videos_a_grid_and_latent_errors(converted, 
 
 
 def test_compare_with_real_measures_the_block_after_the_context(tmp_path):
-    from dzmodel.model.components import build_tiny_policy
+    from dzmodel.policy.sessions import build_tiny_policy
 
     policy = build_tiny_policy(tmp_path / "tok", solver=SolverConfig(num_steps=1, cfg_scale=1.0))
     policy.keep_video = True

@@ -126,7 +126,7 @@ def tiny_model(tmp_path_factory):
 def test_dagger_executes_the_policy_and_labels_with_the_expert(tiny_model, tmp_path):
     from dzmodel.eval.libero_env import env_action
     from dzmodel.eval.libero_record import RecordConfig, record_libero
-    from dzmodel.eval.policy import load_policy
+    from dzmodel.policy.policy import load_policy
     from dzmodel.model.sampler import SolverConfig
 
     policy = load_policy(tiny_model, solver=SolverConfig(num_steps=2, cfg_scale=1.0))

@@ -85,7 +85,7 @@ def different(got: dict, expected: dict) -> list[str]:
 
 def assert_serves(policy, verified_bundle: Path) -> None:
     """Every tensor of the served model and of its VAE is bit-equal to the verified bundle's, and it predicts."""
-    from dzmodel.eval.policy import load_policy
+    from dzmodel.policy.policy import load_policy
 
     expected = strip_prefix(load_file(verified_bundle / WEIGHTS))
     bad = different(policy.embodied.policy.model.state_dict(), expected)
@@ -146,7 +146,7 @@ def test_a_bundle_naming_encoder_files_outside_itself_is_refused(bundles, tmp_pa
 
 def test_a_plain_converted_directory_still_loads(model):  # noqa: F811
     """`dz eval` loads a converted model directory as it is, with no MANIFEST."""
-    from dzmodel.eval.policy import load_policy
+    from dzmodel.policy.policy import load_policy
 
     _, hf = model
     policy = load_policy(hf, solver=SOLVER)

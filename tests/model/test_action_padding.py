@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dzmodel.model.components import build_tiny_policy
+from dzmodel.policy.sessions import build_tiny_policy
 from dzmodel.model.cuda_graphs import GraphCache
 from dzmodel.model.sampler import Conditioning, KVCache, SolverConfig, draw_noise, prefill
 from tests.model.helpers import sample_block

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dzmodel.model.inference import NormStats
+from dzmodel.data.transforms import NormStats
 from dzmodel.model.sampler import Conditioning, KVCache, SolverConfig, denoise_velocity, prefill
 from tests.model.helpers import sample_block
 
@@ -83,7 +83,7 @@ def test_q99_normalisation_round_trips_and_clips():
 
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory):
-    from dzmodel.model.components import build_tiny_policy
+    from dzmodel.policy.sessions import build_tiny_policy
 
     return build_tiny_policy(tmp_path_factory.mktemp("tok"))
 
@@ -96,7 +96,7 @@ def _obs(rng, frames=1, prompt="pick up the red block", session="s"):
 
 def test_predict_actions_returns_an_unnormalised_chunk(tiny_policy):
     rng = np.random.default_rng(0)
-    from dzmodel.model.inference import NormStats
+    from dzmodel.data.transforms import NormStats
 
     tiny_policy.action_stats = NormStats(q01=np.full(7, 10.0), q99=np.full(7, 20.0))
     try:
@@ -195,7 +195,7 @@ def test_odd_latent_height_is_cropped_to_whole_patches(tmp_path):
     solver's latents must match. Tiny: 80 px / 16 = 5 rows."""
     import numpy as np
 
-    from dzmodel.model.components import build_tiny_policy
+    from dzmodel.policy.sessions import build_tiny_policy
 
     policy = build_tiny_policy(tmp_path / "tok")
     policy.image_size = (80, 64)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dzmodel.model.components import build_tiny_policy
+from dzmodel.policy.sessions import build_tiny_policy
 from dzmodel.model.cuda_graphs import GraphCache
 from dzmodel.model.sampler import Conditioning, KVCache, SolverConfig, draw_noise, interleave_cfg, prefill, solve, split_cfg
 
@@ -131,8 +131,9 @@ def test_first_frame_condition_is_encoded_only_as_far_as_needed(tmp_path):
     import numpy as np
 
     from dzmodel.model.args import preset
-    from dzmodel.model.components import build_encoders, build_policy
-    from dzmodel.model.inference import NormStats
+    from dzmodel.model.components import build_encoders
+    from dzmodel.policy.sessions import build_policy
+    from dzmodel.data.transforms import NormStats
     from dzmodel.model.tokenizer import build_tiny_tokenizer, load_tokenizer
     from dzmodel.model.wam import DreamZeroWAM
 
@@ -158,8 +159,9 @@ def test_the_14b_style_graph_path_equals_the_direct_one(tmp_path):
     """A 14B-style model encodes frame 0 and y's window through the graphs at each reset (two VAE starts, their stream
     states among the outputs); batched sessions, a growing y and later resets give the direct path's chunks."""
     from dzmodel.model.args import preset
-    from dzmodel.model.components import build_encoders, build_policy
-    from dzmodel.model.inference import NormStats
+    from dzmodel.model.components import build_encoders
+    from dzmodel.policy.sessions import build_policy
+    from dzmodel.data.transforms import NormStats
     from dzmodel.model.tokenizer import build_tiny_tokenizer, load_tokenizer
     from dzmodel.model.wam import DreamZeroWAM
 
@@ -286,7 +288,7 @@ def test_a_short_prompt_projects_only_its_rows_with_the_same_chunk(tmp_path, mon
     """A prompt's rows past its tokens are one padding row: the policy keeps the first rows (a power of two above the
     longest prompt) and projects the pad's K and V once. Same chunk as the whole context, fewer FLOPs; a prompt
     that leaves no row out costs what it did."""
-    from dzmodel.model import inference
+    from dzmodel.policy import sessions as inference
 
     solver = SolverConfig(num_steps=4, cfg_scale=5.0)
     padded, whole = (build_tiny_policy(tmp_path, solver=solver) for _ in range(2))
@@ -341,7 +343,7 @@ def test_conditionings_of_different_text_rows_stack_to_their_whole_contexts():
 def test_a_compiled_policy_keeps_a_compiled_block_for_every_shape_it_meets(tmp_path):
     """Batches of 1-8 sessions (prefill and solver, each batch size with CFG) are more shapes than dynamo's default
     recompile limit of 8, past which the block would run eagerly inside the graphs."""
-    from dzmodel.model.inference import COMPILED_SHAPES
+    from dzmodel.policy.sessions import COMPILED_SHAPES
 
     policy = build_tiny_policy(tmp_path)
     with torch._dynamo.config.patch(recompile_limit=8):  # dynamo's default; the process's value comes back after

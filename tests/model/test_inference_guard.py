@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from dzmodel.model import inference, sampler
-from dzmodel.model.components import build_tiny_policy
+from dzmodel.model import sampler
+from dzmodel.policy import sessions as inference
+from dzmodel.policy.sessions import build_tiny_policy
 from dzmodel.model.sampler import SolverConfig
 
 # cfg_scale -> calls in a session's first chunk, and the FLOPs torch's FlopCounterMode counts for it.

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dzmodel.model.components import build_tiny_policy
+from dzmodel.policy.sessions import build_tiny_policy
 from dzmodel.model.fp8 import freeze_blocks_to_fp8
 from dzmodel.model.sampler import SolverConfig
 from dzmodel.model.weight_stacks import SUFFIX, share_weight_stacks

@@ -32,7 +32,7 @@ def tiny_bundle(root: Path, embodiment: str) -> Path:
 
 def served_policy(tarball: Path, **load_kwargs):
     """A bundle's policy as `dz serve` serves it, with a 2-step solver without CFG (fast on CPU)."""
-    from dzmodel.eval.policy import load_policy
+    from dzmodel.policy.policy import load_policy
     from dzmodel.model.sampler import SolverConfig
     from dzmodel.serve.package import load_package
     from dzmodel.serve.server import BundlePolicy

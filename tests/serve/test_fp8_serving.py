@@ -6,8 +6,8 @@ import pytest
 import torch
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-from dzmodel.eval import policy as policy_mod
-from dzmodel.eval.policy import load_policy
+from dzmodel.policy import policy as policy_mod
+from dzmodel.policy.policy import load_policy
 from dzmodel.model.fp8 import fp8_linears
 from dzmodel.model.sampler import SolverConfig
 from dzmodel.serve.package import load_package

@@ -28,7 +28,7 @@ def _hf(bundle):
 
 def _served(bundle):
     """The bundle's policy behind `dz serve`'s safety, predicting a chunk with joints out of every range."""
-    from dzmodel.eval.policy import load_policy
+    from dzmodel.policy.policy import load_policy
     from dzmodel.model.sampler import SolverConfig
     from dzmodel.serve.safety import ActionSafety
     from dzmodel.serve.server import BundlePolicy

@@ -73,7 +73,7 @@ def test_the_humanoid_bundle_describes_the_robot_not_a_franka(g1):
 
 
 def test_openpi_client_gets_26_dim_chunks_inside_the_limits_and_the_clipping_is_logged(g1, caplog):
-    from dzmodel.eval.policy import load_policy
+    from dzmodel.policy.policy import load_policy
     from dzmodel.model.sampler import SolverConfig
     from dzmodel.serve.safety import ActionSafety
     from dzmodel.serve.server import BundlePolicy, ServerThread

@@ -94,7 +94,7 @@ def test_a_robot_block_added_after_training_is_packaged_with_embodiments(project
     robot = json.loads((bundle / "robot.json").read_text())
     assert robot["kind"] == "humanoid" and robot["joint_names"] == JOINTS
     # the bundle's model carries the reviewed definition, so `dz serve` loads the embodiment it was packaged with
-    from dzmodel.eval.policy import model_embodiment, read_train_config
+    from dzmodel.policy.policy import model_embodiment, read_train_config
 
     served = model_embodiment(bundle / "model", read_train_config(bundle / "model")[0])
     assert served.robot is not None and served.robot.kind == "humanoid"

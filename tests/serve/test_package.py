@@ -7,7 +7,7 @@ import tarfile
 import pytest
 
 from dzmodel.cli import main
-from dzmodel.eval.policy import load_policy
+from dzmodel.policy.policy import load_policy
 from dzmodel.model.sampler import SolverConfig
 from dzmodel.serve.package import PackageError, RobotConfig, build_package, load_package, verify_package
 from dzmodel.train.config import TrainConfig

@@ -64,7 +64,7 @@ def observation(protocol: dict, rng, frames: int = 1, session: str | None = None
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from dzmodel.eval.policy import load_policy
+    from dzmodel.policy.policy import load_policy
     from dzmodel.model.sampler import SolverConfig
     from dzmodel.serve.package import load_package
     from dzmodel.serve.server import BundlePolicy, ServerThread

@@ -49,7 +49,7 @@ def test_convert_from_another_directory_carries_the_embodiment_statistics_and_to
     assert json.loads((exp / "metadata.json").read_text()) == json.loads((relative_run / "meta.json").read_text())
     assert [p.name for p in (exp / "embodiments").iterdir()] == ["00_emb.yaml"]
     assert (out / "tokenizer" / "tokenizer.json").is_file()
-    from dzmodel.eval.policy import model_embodiment, read_train_config
+    from dzmodel.policy.policy import model_embodiment, read_train_config
 
     assert model_embodiment(out, read_train_config(out)[0]).tag == "tabletop_pusher"  # what `dz package` needs
     assert main(["package", str(out), "--robot", str(_franka(tmp_path)), "--version", "0.1.0", "--out",

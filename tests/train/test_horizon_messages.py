@@ -44,7 +44,7 @@ def test_a_cache_of_another_horizon_names_both_settings(tmp_path):
 
 
 def test_loading_a_model_for_an_embodiment_of_another_horizon_names_both_settings(data, tmp_path):
-    from dzmodel.eval.policy import PolicyLoadError, load_policy
+    from dzmodel.policy.policy import PolicyLoadError, load_policy
     from dzmodel.train.convert import convert_checkpoint, resolve_checkpoint
 
     train(_cfg(data, tmp_path / "run"))

@@ -111,7 +111,7 @@ def test_ema_resume_is_bit_exact_and_convert_exports_either_weights(data, tmp_pa
         convert_checkpoint(latest_checkpoint(plain), tmp_path / "y", weights="ema")
     # `dz eval libero RUN --weights ema` converts the run's steps with the EMA, beside the raw ones
     from dzmodel.eval.libero_eval import _models_to_evaluate
-    from dzmodel.eval.policy import PolicyLoadError
+    from dzmodel.policy.policy import PolicyLoadError
 
     name = next(k for k in moved if k.startswith("action_decoder"))
     for weights in ("ema", "raw"):

@@ -10,9 +10,9 @@ from dzmodel.bench.train_bench import build_trainer
 from dzmodel.train.synthetic import synthetic_batches
 from dzmodel.data.collate import Collator
 from dzmodel.data.errors import DataError
-from dzmodel.model.components import build_tiny_policy
+from dzmodel.policy.sessions import build_tiny_policy
 from dzmodel.model.conditioning import NULL_PROMPT, encode_batch, encode_prompts
-from dzmodel.model.inference import DreamZeroPolicy
+from dzmodel.policy.sessions import DreamZeroPolicy
 from dzmodel.train.config import TrainConfig
 from dzmodel.train.step import TrainStep
 from tests.train.test_step import HostReads

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import dzmodel.eval.oracle as oracle
-from dzmodel.eval.policy import load_policy
+from dzmodel.policy.policy import load_policy
 
 
 def main() -> None:

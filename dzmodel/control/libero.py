@@ -19,7 +19,7 @@ import numpy as np
 
 from ..atomic import atomic_write_text
 from ..progress import Progress
-from .client import ChunkBroker, PolicyClient, ServerError
+from ..serve.client import ChunkBroker, PolicyClient, ServerError
 
 ENV_FIELDS = ("image", "wrist_image", "state")   # what the LIBERO env worker observes (libero_env.to_policy_obs)
 

@@ -1,8 +1,9 @@
-"""The policy: `DreamZeroPolicy` keeps one session (a KV cache) per episode and wraps the sampler
-(`dzmodel/model/sampler.py`: the cached block denoiser and its flow solver, on tensors) with the frozen encoders: VAE latents of the
-observed frames, umT5 text (per-sample padding mask), CLIP of frame 0, a few-step Euler flow
+"""The policy's sessions: `DreamZeroPolicy` keeps one session (a KV cache) per episode and wraps the sampler
+(`dzmodel/model/sampler.py`: the cached block denoiser and its flow solver, on tensors) with the frozen encoders: VAE
+latents of the observed frames, umT5 text (per-sample padding mask), CLIP of frame 0, a few-step Euler flow
 solver over the shifted sigma grid, classifier-free guidance on the video only (actions use the
-conditional prediction, as upstream), and q99 un-normalisation of the actions.
+conditional prediction, as upstream), and the q99 steps of the embodiment's pipeline (`data.transforms`: the
+state normalised in, the actions un-normalised out). `dzmodel/model/` stays on tensors: it imports no data code.
 
 What makes it fast (docs/performance.md measures each): CFG's two passes as one batch, umT5 once per
 prompt, only new frames through the VAE, CLIP once for both CFG branches, prefill and solver replayed as
@@ -16,20 +17,24 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..data.transforms import NormStats  # noqa: F401  (re-exported: the policy's q99 stats)
-from .conditioning import video_to_unit_range
-from .cuda_graphs import GraphCache
-from .sampler import (Conditioning, KVCache, SolverConfig, check_prefill, draw_noise, prefill, prefill_kv, solve,
-                      solve_two_passes, split_cfg, text_rows_for)
-from .vae import FRAMES_PER_LATENT, StreamState
-from .wam import DreamZeroWAM
-from .wan_dit import PaddedText, WanAttentionBlock
-from .weight_stacks import share_weight_stacks
+from ..data.transforms import NormStats
+from ..model.args import DreamZeroArgs, preset
+from ..model.components import FrozenEncoders, build_encoders
+from ..model.conditioning import video_to_unit_range
+from ..model.cuda_graphs import GraphCache
+from ..model.sampler import (Conditioning, KVCache, SolverConfig, check_prefill, draw_noise, prefill, prefill_kv,
+                             solve, solve_two_passes, split_cfg, text_rows_for)
+from ..model.t5 import UMT5_TINY
+from ..model.vae import FRAMES_PER_LATENT, StreamState
+from ..model.wam import DreamZeroWAM
+from ..model.wan_dit import PaddedText, WanAttentionBlock
+from ..model.weight_stacks import share_weight_stacks
 
 
 
@@ -167,7 +172,7 @@ class DreamZeroPolicy:
     def _text(self, prompt: str) -> tuple[torch.Tensor, int]:
         """umT5 embedding [1, text_len, text_dim] of a prompt (zero past its tokens) and its token count, cached: a
         robot repeats its prompt every call."""
-        from .t5 import zero_beyond_lengths
+        from ..model.t5 import zero_beyond_lengths
 
         hit = self._texts.get(prompt)
         if hit is not None:
@@ -536,3 +541,39 @@ class DreamZeroPolicy:
             n = self.action_stats.q01.shape[0]
             host = torch.stack(chunks)[:, :, :n].cpu().double().numpy()  # one device -> host copy
             return [self.action_stats.unnormalize(x) for x in host]
+
+
+# --- building one ---------------------------------------------------------------------
+
+
+def build_policy(model: DreamZeroWAM, encoders: FrozenEncoders, tokenizer, action_stats: NormStats,
+                 state_stats: NormStats, solver: SolverConfig | None = None, negative_prompt: str = "",
+                 seed: int = 0, image_size: tuple[int, int] | None = None,
+                 weights_dtype: torch.dtype | None = None, cuda_graphs: bool = True) -> DreamZeroPolicy:
+    """image_size: the model's input frame (H, W); default the preset's, or pass the embodiment's layout size.
+    weights_dtype: cast the DiT and the encoders (torch.bfloat16 on the GPU: half the weight reads, no autocast
+    copies per forward); None keeps them as loaded."""
+    if weights_dtype is not None:
+        model.to(weights_dtype)
+        encoders.to(weights_dtype)
+    return DreamZeroPolicy(model=model.eval(), vae=encoders.vae, text_encoder=encoders.text_encoder, tokenizer=tokenizer,
+                           image_encoder=encoders.image_encoder, action_stats=action_stats, state_stats=state_stats,
+                           image_size=tuple(image_size or encoders.spec.image_size), solver=solver or SolverConfig(),
+                           negative_prompt=negative_prompt, seed=seed, cuda_graphs=cuda_graphs)
+
+
+def build_tiny_policy(tokenizer_dir: str | Path, action_dims: int = 7, state_dims: int = 8,
+                      solver: SolverConfig | None = None, seed: int = 0,
+                      weights_dtype: torch.dtype | None = None) -> DreamZeroPolicy:
+    """A complete tiny policy with random weights: for tests, the demo and smoke evals."""
+    from ..model.tokenizer import build_tiny_tokenizer, load_tokenizer
+
+    args: DreamZeroArgs = preset("tiny")  # type: ignore[assignment]
+    torch.manual_seed(seed)
+    model = DreamZeroWAM(args)
+    tok_dir = Path(tokenizer_dir)
+    if not (tok_dir / "tokenizer.json").is_file():
+        build_tiny_tokenizer(tok_dir, vocab_size=UMT5_TINY.vocab)
+    stats = lambda n: NormStats(q01=-np.ones(n), q99=np.ones(n))  # noqa: E731
+    return build_policy(model, build_encoders("tiny"), load_tokenizer(tok_dir), stats(action_dims), stats(state_dims),
+                        solver=solver or SolverConfig(num_steps=4, cfg_scale=2.0), seed=seed, weights_dtype=weights_dtype)

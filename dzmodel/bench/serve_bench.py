@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..bench.policy_bench import PolicySetting, _configure, random_policy
 from ..data.embodiments import get_embodiment, load_embodiments
-from ..eval.policy import EmbodiedPolicy
+from ..policy.policy import EmbodiedPolicy
+from .policy_bench import PolicySetting, _configure, random_policy
 
 TOKEN = "bench-serve-token"
 
@@ -49,7 +49,7 @@ def _client(port: int):
     try:
         from openpi_client.websocket_client_policy import WebsocketClientPolicy
     except ImportError:
-        from .client import PolicyClient
+        from ..serve.client import PolicyClient
 
         client = PolicyClient(f"ws://127.0.0.1:{port}", TOKEN)
         return client, client.metadata, "dz"
@@ -66,7 +66,7 @@ def drive(port: int, clients: int, requests: int, warmup: int, seed: int = 0, ti
     law a client then waits about clients / throughput). period_ms P: each client asks for a chunk every P ms, as a
     robot that plays each chunk for P ms, the clients' phases spread evenly over P; a request whose time came while
     the last was unanswered goes as soon as the answer comes and counts as late (the robot waited)."""
-    from .client import synthetic_observation
+    from ..serve.client import synthetic_observation
 
     latencies: dict[int, list[float]] = {}
     errors: list[str] = []
@@ -145,7 +145,7 @@ def run_serve_bench(preset_name: str = "tiny", embodiment: str = "libero_sim_tin
                     embodiment_files: list[str] | None = None, progress=None, period_ms: float = 0.0) -> list[dict]:
     """Three rows on one model: 1 client unbatched, `clients` unbatched, `clients` with `max_batch`; period_ms > 0:
     the clients of the last two rows ask every period_ms (`drive`), the one-client row stays closed loop."""
-    from .server import BundlePolicy, ServerLimits, ServerThread, freeze_heap, warm_up
+    from ..serve.server import BundlePolicy, ServerLimits, ServerThread, freeze_heap, warm_up
 
     setting = setting or PolicySetting()
     embodied = served_policy(preset_name, embodiment, device, setting, seed, embodiment_files)

@@ -1,4 +1,4 @@
-"""`dz bench serve` (dzmodel/serve/bench.py): N real openpi clients against `dz serve`'s server, batching off and
+"""`dz bench serve` (dzmodel/bench/serve_bench.py): N real openpi clients against `dz serve`'s server, batching off and
 on (tiny preset, CPU)."""
 
 import json

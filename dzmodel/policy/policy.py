@@ -1,9 +1,14 @@
 """A converted DreamZero checkpoint as a robot policy: per-view camera frames + state -> an action chunk.
 
-The embodiment transforms are the training ones in eval mode: each view centre-cropped and resized to the
-embodiment's view size, the views laid out as in training, the prompt built from the same template, the
-state q99-normalised and the actions un-normalised (and made absolute again for relative action keys).
-Inference goes through the model's own API (`DreamZeroPolicy.predict_actions`, a KV cache per session).
+The embodiment's IO is the training pipeline in eval mode (`data.transforms.EmbodimentIO`, which the loaders
+compose too): each view centre-cropped and resized to the embodiment's view size, the views laid out as in
+training, the state q99-normalised, and after the model the actions un-normalised and made absolute again for
+relative action keys; the prompt is built from the same template. Inference goes through the sessions'
+API (`sessions.DreamZeroPolicy.predict_batch`, a KV cache per session).
+
+Rooms: `dzmodel.policy` sits above `train` (a model directory carries its run's training config) and below
+`eval` and `serve`, which both load a policy from here and import nothing from each other. The IO pipeline it
+composes sits in the data layer, below the loaders that compose it as well.
 """
 
 from __future__ import annotations
@@ -19,16 +24,14 @@ import torch
 from ..data.dataset import load_statistics
 from ..data.remote import is_remote
 from ..data.embodiments import Embodiment, get_embodiment, load_embodiments
-from ..data.transforms import (NormStats, action_key_stats, compose_layout, embodiment_stats, from_relative,
-                               relative_action_dims, transform_view)
-from ..model.components import build_policy
+from ..data.transforms import EmbodimentIO, NormStats, action_key_stats, embodiment_stats, relative_action_dims
 from ..model.fp8 import freeze_blocks_to_fp8, resolve_precision
-from ..model.inference import DreamZeroPolicy
 from ..model.sampler import SolverConfig
 from ..model.state_dict import load_dreamzero_dir
 from ..model.tokenizer import load_tokenizer
 from ..train.config import TrainConfig, locate, located
 from ..train.parallelize import DTYPES
+from .sessions import DreamZeroPolicy, build_policy
 
 
 class PolicyLoadError(RuntimeError):
@@ -62,18 +65,19 @@ class EmbodiedPolicy:
         per_block = self.policy.frames_per_block
         return self.action_horizon // per_block if self.action_horizon % per_block == 0 else None
 
+    @property
+    def io(self) -> EmbodimentIO:
+        """The embodiment's input and output pipeline with this policy's statistics (the loaders' own)."""
+        return EmbodimentIO(self.embodiment, self.relative_pairs, self.policy.state_stats, self.policy.action_stats)
+
     def frame(self, views: dict[str, np.ndarray]) -> np.ndarray:
         """Camera frames (uint8 [H, W, 3] or [T, H, W, 3] per view name) -> the model's laid-out frames."""
-        missing = [v for v in self.embodiment.views if v not in views]
-        if missing:
-            raise ValueError(f"embodiment {self.embodiment.tag!r} needs views {missing} (got {sorted(views)})")
-        out = {}
+        frames = {}
         for name in self.embodiment.views:
-            x = np.asarray(views[name])
-            x = x[None] if x.ndim == 3 else x
-            out[name] = transform_view(np.ascontiguousarray(x), tuple(self.embodiment.view_size), train=False,
-                                       rng=np.random.default_rng(0), crop_scale=self.embodiment.crop_scale)
-        return compose_layout(self.embodiment, out).numpy()
+            if name in views:
+                x = np.asarray(views[name])
+                frames[name] = np.ascontiguousarray(x[None] if x.ndim == 3 else x)
+        return self.io.images(frames, train=False, rng=np.random.default_rng(0)).numpy()
 
     def predict(self, session_id: str, views: dict[str, np.ndarray], state: np.ndarray, instruction: str,
                 reset: bool | None = None) -> np.ndarray:
@@ -92,10 +96,10 @@ class EmbodiedPolicy:
             if reset and reset[0] is not None:
                 o["reset"] = bool(reset[0])
             obs.append(o)
-        chunks = [a[: self.action_horizon] for a in self.policy.predict_batch(obs)]
-        if self.relative_pairs:
-            chunks = [from_relative(a, state, self.relative_pairs) for a, state in zip(chunks, states)]
-        return chunks
+        # the sessions normalise the state and un-normalise the actions with the pipeline's statistics (`io.state`,
+        # `action_stats.unnormalize`); the last output step here
+        io = self.io
+        return [io.absolute(a[: self.action_horizon], state) for a, state in zip(self.policy.predict_batch(obs), states)]
 
     def end_session(self, session_id: str) -> None:
         self.policy.sessions.pop(session_id, None)
