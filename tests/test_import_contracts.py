@@ -34,6 +34,18 @@ def verdicts(root: Path, output: str) -> dict[str, str]:
     return found
 
 
+def test_every_module_of_the_library_has_a_layer():
+    """A module the layers contract does not name is checked by no layer: each top-level module and package of
+    dzmodel is named (as itself or as a sibling of a layer)."""
+    layers = next(c for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+                  if c["type"] == "layers")["layers"]
+    named = {m.strip() for layer in layers for m in layer.split("|")}
+    library = ROOT / "dzmodel"
+    modules = {f"dzmodel.{p.stem}" for p in library.glob("*.py") if p.name != "__init__.py"}
+    modules |= {f"dzmodel.{p.name}" for p in library.iterdir() if (p / "__init__.py").is_file()}
+    assert modules - named == set(), "name these in pyproject.toml's layers contract"
+
+
 def test_the_repository_keeps_every_contract():
     result = lint(ROOT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
