@@ -156,6 +156,12 @@ def head_to_head_decision(comparison: dict | None, max_regression: float | None)
     return False, f"{text}: worse by more than {max_regression:.0%}"
 
 
+def dvc_missing_stages(text: str) -> list[str]:
+    """The table's stages that dvc.yaml's `text` has no entry for, in table order."""
+    present = set(re.findall(r"^  ([A-Za-z_]+):", text, flags=re.M))
+    return [name for name in STAGE_TABLE if name not in present]
+
+
 def dvc_stage_entry(name: str) -> str:
     """dvc.yaml's entry for a table stage that has none yet: its command, deps, params and outputs, as the stage
     table declares them (metrics, plots and options such as `persist` are added by hand where wanted)."""
@@ -177,8 +183,7 @@ def dvc_yaml_with_computed_deps(text: str) -> str:
     from .stages import TRACK_STAGE, dvc_deps, dvc_track_deps
 
     as_dvc = StagePaths(Path("."), "${profile}")
-    present = set(re.findall(r"^  ([A-Za-z_]+):", text, flags=re.M))
-    missing = [name for name in STAGE_TABLE if name not in present]
+    missing = dvc_missing_stages(text)
     lines = text.splitlines(keepends=True)
     out: list[str] = []
     stage = None

@@ -4,7 +4,6 @@ the Prefect tasks run them."""
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -55,8 +54,7 @@ def cmd_params_train_config(ns: argparse.Namespace) -> int:
 
 def cmd_params_dvc(ns: argparse.Namespace) -> int:
     from .atomic import atomic_write_text
-    from .pipeline import dvc_yaml_with_computed_deps
-    from .stage_table import STAGE_TABLE
+    from .pipeline import dvc_missing_stages, dvc_yaml_with_computed_deps
 
     path = Path(ns.dvc_yaml)
     if not path.is_file():
@@ -66,8 +64,7 @@ def cmd_params_dvc(ns: argparse.Namespace) -> int:
     if wanted == text:
         print(f"{path}: every stage's deps match the stage table")
         return EXIT_OK
-    present = set(re.findall(r"^  ([A-Za-z_]+):", text, flags=re.M))
-    missing = [name for name in STAGE_TABLE if name not in present]
+    missing = dvc_missing_stages(text)
     lacks = f"; it has no entry for the table's stage(s) {', '.join(missing)}" if missing else ""
     if not ns.write:
         print(f"{path}: stage deps differ from the stage table (the code each stage imports){lacks}; "

@@ -101,9 +101,7 @@ def summary_artifact(profile: str, stage: str, result: dict) -> None:
 
 def stage_artifact(profile: str, stage: str, result: dict, paths, mlflow_link: str | None) -> None:
     """The Prefect artifact of a stage that just finished: its own (`STAGE_ARTIFACTS`), else its summary's numbers.
-    The package stage's comes after registration (`package_artifact`, with the promotion decision)."""
-    if stage == "package":
-        return
+    """
     made = STAGE_ARTIFACTS.get(stage)
     if made is None:
         summary_artifact(profile, stage, result)
@@ -115,6 +113,8 @@ STAGE_ARTIFACTS = {
     "metadata": lambda profile, result, paths, link: metadata_artifact(profile, result),
     "train": lambda profile, result, paths, link: train_artifact(profile, result, link),
     "eval": lambda profile, result, paths, link: eval_artifact(profile, result, paths.plots("eval")),
+    # after registration instead (`package_artifact`, with the promotion decision)
+    "package": lambda profile, result, paths, link: None,
 }
 
 

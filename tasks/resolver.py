@@ -32,6 +32,11 @@ class RegistryError(ValueError):
     """A models:/ URI that does not resolve to a servable bundle; the message says what to set."""
 
 
+def _env_roots() -> list[Path]:
+    """The folders DZ_BUNDLE_ROOTS lists."""
+    return [Path(p).expanduser().resolve() for p in os.environ.get(BUNDLE_ROOTS_ENV, "").split(os.pathsep) if p]
+
+
 @dataclass(frozen=True)
 class Registry:
     """Where the versions of one registered model are read: the tracking store holding them, and the folders a
@@ -54,7 +59,7 @@ class Registry:
                 raise RegistryError(f"models:/{name}: no profile in {where} registers {name!r}; set MLFLOW_TRACKING_URI")
             profile, prof = registering[0]
             uri = tracking_uri(prof, StagePaths(project, profile).root)
-        roots = [Path(p).expanduser().resolve() for p in os.environ.get(BUNDLE_ROOTS_ENV, "").split(os.pathsep) if p]
+        roots = _env_roots()
         for profile, _ in registering:
             paths = StagePaths(project, profile)
             roots += [paths.stage("package").resolve(), paths.store("package").resolve()]
@@ -68,7 +73,7 @@ class Registry:
             return cls.of(name, load_params(params_file), params_file.parent, where=str(params_file))
         if not os.environ.get("MLFLOW_TRACKING_URI"):
             raise RegistryError(f"models:/{name}: set MLFLOW_TRACKING_URI, or run from the project (no {params_file})")
-        roots = [Path(p).expanduser().resolve() for p in os.environ.get(BUNDLE_ROOTS_ENV, "").split(os.pathsep) if p]
+        roots = _env_roots()
         return cls(os.environ["MLFLOW_TRACKING_URI"], tuple(roots))
 
 

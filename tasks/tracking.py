@@ -403,15 +403,17 @@ class Tracker:
         """A nested run with what the stage measured and wrote."""
         rid = self.stage_run(stage, cached)
         self.metrics(rid, {f"{stage}.seconds": result.get("seconds", 0.0)}, also_parent=False)
-        log = getattr(self, f"_log_{stage}", self._log_summary)  # a stage's own logging, else its headline numbers
-        log(rid, result, paths)
+        log = getattr(self, f"_log_{stage}", None)
+        if log is not None:
+            log(rid, result, paths)
+        else:  # a stage without logging of its own: its headline numbers and plots
+            self._log_summary(stage, rid, result)
         self.client.log_dict(rid, result, f"{stage}_result.json")
         self.end(rid)
         return rid
 
-    def _log_summary(self, rid, result, paths):
+    def _log_summary(self, stage, rid, result):
         """What any stage's result names: the numbers of its `summary` (as <stage name>.<key>) and its plots."""
-        stage = self.client.get_run(rid).data.tags.get("stage", "stage")
         numbers = {f"{stage}.{k}": float(v) for k, v in (result.get("summary") or {}).items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if numbers:
