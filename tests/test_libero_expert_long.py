@@ -30,3 +30,28 @@ def test_the_expert_puts_the_cream_cheese_and_the_butter_into_the_basket(tmp_pat
     # LIBERO-10 task 1, init states 0-2: on init state 2 the hand came down to the butter through the basket's wall
     rec, _ = _record_libero_10(tmp_path, 1, episodes=3)
     assert rec["successes"] == 3, rec["failures"]
+
+
+def _tilt_deg(axis_angle: np.ndarray) -> float:
+    """The angle (degrees) between the hand's pointing direction (its z axis) and straight down."""
+    from dzmodel.eval.libero_expert import quat_to_matrix
+
+    angle = float(np.linalg.norm(axis_angle))
+    axis = axis_angle / angle if angle > 0 else np.array([1.0, 0.0, 0.0])
+    rot = quat_to_matrix(np.array([*(axis * np.sin(angle / 2)), np.cos(angle / 2)]))
+    return float(np.degrees(np.arccos(np.clip(-rot[2, 2], -1.0, 1.0))))
+
+
+def test_the_expert_puts_the_mug_into_the_microwave_by_its_handle_and_closes_the_door(tmp_path):
+    # LIBERO-10 task 9: the microwave's ceiling leaves no room for a hand pointing down above the mug, so the mug is
+    # taken by its handle, set down as far in as the hand reaches, pushed the rest of the way by the tilted fingers,
+    # and the door is pushed shut along its arc
+    rec, cols = _record_libero_10(tmp_path, 9, episodes=1)
+    assert rec["successes"] == 1, rec["failures"]
+    action, state, mug = cols["action"], cols["observation.state"], cols["observation.objects"][:, :3]
+    grasp = int(np.flatnonzero(action[:, 6] > 0)[0])
+    assert np.linalg.norm(state[grasp, :2] - mug[grasp, :2]) > 0.045  # at the handle, away from the mug's body
+    assert mug[:, 2].max() - mug[0, 2] > 0.03  # lifted over the microwave's floor, not dragged
+    released = grasp + int(np.flatnonzero(action[grasp:, 6] < 0)[0])
+    assert max(_tilt_deg(s) for s in state[released:, 3:6]) > 30  # the push: fingers tilted towards the inside
+    assert mug[-1, 1] - mug[released, 1] > 0.03  # ... moved the mug further in after it was let go

@@ -1,9 +1,10 @@
 """A scripted expert for LIBERO, driven by privileged simulator state.
 
 `libero_scripted.ScriptedExpert` works on a task's goal terms in order (`plan_terms`), one skill each: pick-and-place
-(`PickPlace`, below) for In/On, and from `libero_skills` a drawer (Open/Close), the stove's knob (TurnOn/TurnOff) and a push (a
-plate onto a table region). A skill acts until LIBERO's predicate for its term holds and its hand is free; the last
-one acts until the episode ends. What follows describes pick-and-place; the other skills keep its properties.
+(`PickPlace`, below) for In/On; from `libero_skills` a drawer (Open/Close), the stove's knob (TurnOn/TurnOff) and a
+push (a plate onto a table region); from `libero_enclosure` a mug into the microwave and the microwave's door closed.
+A skill acts until LIBERO's predicate for its term holds and its hand is free; the last one acts until the episode
+ends. What follows describes pick-and-place; the other skills keep its properties.
 
 It reads object poses (raw observation `<object>_pos`) and target regions (MuJoCo sites, object bodies) from the
 simulator, but acts only through LIBERO's standard 7-dim OSC_POSE action: delta eef position (3), delta rotation
@@ -93,13 +94,15 @@ def goal_terms(env) -> list[tuple[str, ...]]:
 
 def unsupported_term(term) -> str | None:
     """Why the expert has no skill for one goal term, from its names alone (None if it has one): In/On (pick and
-    place, or a push onto a table region), Open/Close of a drawer's region, TurnOn/TurnOff of a stove."""
+    place, or a push onto a table region), Open/Close of a drawer's region, Close of the microwave's door,
+    TurnOn/TurnOff of a stove."""
     pred, args = term[0], term[1:]
     if pred in PLACE_PREDICATES and len(args) == 2:
         return None
     if pred in ("open", "close") and len(args) == 1:
         if "microwave" in args[0]:
-            return f"({' '.join(term)}): a hinged door; the expert opens and closes drawers only"
+            return None if pred == "close" else \
+                f"({' '.join(term)}): opening a hinged door; the expert opens drawers only"
         if args[0].endswith("_region") and "cabinet" in args[0]:
             return None
         return f"({' '.join(term)}): not a drawer's region; the expert opens and closes drawers only"

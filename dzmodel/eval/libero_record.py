@@ -32,8 +32,9 @@ xyz of the goal's (first In/On term's) object and of its target (the region site
 without an In/On term, of the part it moves (a drawer's handle, a knob) and of that fixture's root.
 
 The expert solves the tasks whose every goal term it has a skill for (`libero_scripted.ScriptedExpert`): In/On (pick
-and place; a plate is pushed onto a table region), Open/Close of a drawer, TurnOn/TurnOff of the stove; a goal of
-several terms is worked on as a sequence. Others (e.g. closing LIBERO-10's microwave door) are refused by name
+and place; a plate is pushed onto a table region; a mug into the microwave), Open/Close of a drawer, Close of the
+microwave's door, TurnOn/TurnOff of the stove; a goal of several terms is worked on as a sequence. That covers every
+task of the four suites; a task with a term it has no skill for (e.g. opening a hinged door) is refused by name
 before any env starts.
 
 The dataset matches the public LIBERO LeRobot datasets (HuggingFaceVLA/libero, converted from the OpenVLA/openpi
@@ -202,7 +203,7 @@ def goal_predicates(bddl_file: str | Path) -> list[tuple[str, ...]]:
 
 def _unsupported(bddl_file: str) -> str | None:
     """Why the expert cannot solve a task (None if it can): every term of its goal needs a skill of the expert
-    (pick-and-place or a push for In/On, a drawer for Open/Close, the stove's knob for TurnOn/TurnOff)."""
+    (`libero_expert.unsupported_term`)."""
     from .libero_expert import unsupported_term
 
     goal = goal_predicates(bddl_file)

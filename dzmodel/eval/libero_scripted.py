@@ -1,6 +1,7 @@
 """The task-level scripted expert for LIBERO: a task's goal terms as a sequence of skills, pick-and-place
-(`libero_expert.PickPlace`) and the skills of `libero_skills` (drawers, the stove's knob, pushes), each acting until
-LIBERO's predicate for its term holds. `ScriptedExpert` is what `dz data record libero` and the env workers run.
+(`libero_expert.PickPlace`), the skills of `libero_skills` (drawers, the stove's knob, pushes) and of
+`libero_enclosure` (a mug into the microwave, its door closed), each acting until LIBERO's predicate for its term
+holds. `ScriptedExpert` is what `dz data record libero` and the env workers run.
 
 Module-level imports are numpy and this package's expert modules only: it is imported where LIBERO may not be
 installed."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .libero_enclosure import DoorSkill, EnclosurePlace, enclosure
 from .libero_expert import (PLACE_PREDICATES, ExpertUnsupported, PickPlace, _goal_of, goal_terms, quat_to_matrix,
                             unsupported_term)
 from .libero_skills import DrawerSkill, KnobSkill, PushSkill, clearing_goal, moving_part, predicate_holds, push_goal
@@ -62,9 +64,10 @@ def plan_terms(env) -> list[tuple[str, ...]]:
 
 class ScriptedExpert:
     """The scripted expert for a LIBERO task: its goal terms as a sequence of skills (`plan_terms`): pick-and-place
-    (`PickPlace`), drawers, the stove's knob and pushes (`libero_skills`). Each skill acts until LIBERO's predicate
-    for its term holds and its hand is free; the last one acts until the episode ends. A term that already holds
-    when its turn comes is skipped. Call `act(raw_obs)` once per env step; it returns the next (7,) action."""
+    (`PickPlace`), drawers, the stove's knob and pushes (`libero_skills`), a mug into the microwave and its door
+    closed (`libero_enclosure`). Each skill acts until LIBERO's predicate for its term holds and its hand is free;
+    the last one acts until the episode ends. A term that already holds when its turn comes is skipped. Call
+    `act(raw_obs)` once per env step; it returns the next (7,) action."""
 
     def __init__(self, env, seed: int = 0, recover: bool = False, hold_orientation: bool = False):
         self.env = env
@@ -85,6 +88,8 @@ class ScriptedExpert:
 
         common = dict(recover=self.recover, hold_orientation=self.hold_orientation)
         seed = self.seed + 1000 * self.index
+        if term[0] == "close" and term[1] in self.env.env.fixtures_dict:  # a fixture's hinged door
+            return DoorSkill(self.env, term[1], self.ref_rot, **common)
         if term[0] in ("open", "close"):
             skill = DrawerSkill(self.env, term[1], term[0] == "open", self.ref_rot, **common)
             later = self.terms[self.index + 1] if self.index + 1 < len(self.terms) else None
@@ -97,6 +102,8 @@ class ScriptedExpert:
         if term[0] == "clear":
             return PickPlace(self.env, seed=seed, ref_rot=self.ref_rot,
                              set_down_at=(term[1], clearing_goal(self.env, term[1], term[2])), **common)
+        if term[0] == "in" and enclosure(self.env, term[2]) is not None:  # closed from above: by the handle
+            return EnclosurePlace(self.env, term[1], term[2], self.ref_rot, **common)
         goal = push_goal(self.env, term)
         if goal is not None:
             return PushSkill(self.env, term[1], goal, term, self.ref_rot, **common)
