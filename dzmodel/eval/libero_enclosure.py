@@ -76,14 +76,17 @@ class Enclosure:
 
 
 def enclosure(env, region: str) -> Enclosure | None:
-    """The enclosure of a fixture's region site when the fixture's fixed parts (not its door) close it from above
-    and below and on all horizontal sides but one, else None (a table region, a basket, a drawer)."""
+    """The enclosure of a fixture's region site when the site is on the fixture's fixed part and the fixed parts
+    (not a door) close it from above and below and on all horizontal sides but one, else None (a table region, a
+    basket, a drawer's region, which moves with the drawer)."""
     sim = env.env.sim
     m = sim.model._model
     fx = _fixture_of(env, region)
     if fx is None or region not in env.env.object_sites_dict:
         return None
     moving = {int(m.jnt_bodyid[j]) for j in range(m.njnt)}
+    if int(m.site_bodyid[sim.model.site_name2id(region)]) in moving:
+        return None  # a drawer's region moves with the drawer (the drawer skills handle it)
     fixed = {b for b in _bodies_under(m, sim.model.body_name2id(fx.root_body)) if b not in moving}
     boxes = [(lo, hi) for _, lo, hi in _geom_world_boxes(sim, fixed)]
     c = sim.data.get_site_xpos(region).copy()
