@@ -100,7 +100,8 @@ def test_each_suite_profile_evaluates_all_50_init_states_of_the_last_checkpoint(
     assert profile.eval.tasks == list(range(10)) and profile.eval.curve_episodes == 5
 
 
-@pytest.mark.parametrize("suite, folder", [("Spatial", "spatial_retries"), ("Goal", "goal_30epochs")])
+@pytest.mark.parametrize("suite, folder", [("Spatial", "spatial_retries"), ("Goal", "goal_30epochs"),
+                                           ("10", "libero10_screen")])
 def test_each_screen_number_is_its_per_episode_file(suite, folder):
     with open(ROOT / "docs" / "results" / folder / "per_episode.csv", newline="") as f:
         rows = list(csv.DictReader(f))
