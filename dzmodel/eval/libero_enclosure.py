@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .libero_expert import (RELEASE_STEPS, ExpertUnsupported, _bodies_under, _box_points, _distance_to_boxes,
+from .libero_expert import (RELEASE_STEPS, ExpertUnsupported, _bodies_under, _distance_to_boxes,
                             _geom_oriented_boxes, _geom_world_boxes, colliding_geoms, cup_geometry, fingers_shut,
-                            geom_box)
+                            fixture_of, foreign_oriented_boxes, geom_box, hand_points)
 from .libero_skills import TURN_GAIN, TURN_TOLERANCE, _move, _rot_error, _rotation_towards, _Skill
 
 HANDLE_FACING_DEG = 30.0  # the mug's handle must point out of the opening within this angle
@@ -49,13 +49,6 @@ def _rot_about(axis, angle: float) -> np.ndarray:
     axis = np.asarray(axis, dtype=np.float64) / np.linalg.norm(axis)
     k = np.array([[0.0, -axis[2], axis[1]], [axis[2], 0.0, -axis[0]], [-axis[1], axis[0], 0.0]])
     return np.eye(3) + np.sin(angle) * k + (1.0 - np.cos(angle)) * k @ k
-
-
-def _fixture_of(env, region: str):
-    for name, fx in env.env.fixtures_dict.items():
-        if region.startswith(name + "_"):
-            return fx
-    return None
 
 
 @dataclass(frozen=True)
@@ -81,7 +74,7 @@ def enclosure(env, region: str) -> Enclosure | None:
     basket, a drawer's region, which moves with the drawer)."""
     sim = env.env.sim
     m = sim.model._model
-    fx = _fixture_of(env, region)
+    fx = fixture_of(env, region)
     if fx is None or region not in env.env.object_sites_dict:
         return None
     moving = {int(m.jnt_bodyid[j]) for j in range(m.njnt)}
@@ -148,7 +141,7 @@ class EnclosurePlace(_Skill):
         self.grip_rel = np.r_[axis + out * (self.handle_reach - 0.005) - origin[:2], top - 0.008 - origin[2]]
         self.axis_rel = axis - origin[:2]
         self.grip_above_bottom = top - 0.008 - min(lo[2] for lo, _ in boxes)
-        self.hand = self._hand_points()
+        self.hand = hand_points(env, self.ref_rot)
         self.grasp_rot = self._grasp_yaw(boxes)
         # pushing: the grasp's hand, tilted from pointing down towards the inside
         self.push_rot = _rot_about(np.cross([0.0, 0.0, -1.0], np.r_[box.inward, 0.0]), PUSH_TILT) @ self.grasp_rot
@@ -161,14 +154,6 @@ class EnclosurePlace(_Skill):
 
     def _own(self) -> set[int]:
         return _bodies_under(self.sim.model._model, self.obj_id)
-
-    def _hand_points(self) -> np.ndarray:
-        """Points filling the hand's collision geometry relative to the grip site, in its reset orientation."""
-        model, robot = self.sim.model, self.env.env.robots[0]
-        hand = {b for b in range(model.nbody) if (model.body_id2name(b) or "").startswith("gripper")}
-        points = _box_points(_geom_oriented_boxes(self.sim, hand)) - self.sim.data.site_xpos[robot.eef_site_id]
-        now = self.sim.data.body_xmat[model.body_name2id(robot.robot_model.eef_name)].reshape(3, 3)
-        return points @ (self.ref_rot @ now.T).T
 
     def _grasp_yaw(self, own_boxes) -> np.ndarray:
         """The world rotation from the hand's reset orientation to the grasp's: turned about the vertical so that
@@ -185,16 +170,6 @@ class EnclosurePlace(_Skill):
             if room > best_room:
                 best, best_room = rot, room
         return best
-
-    def _foreign(self):
-        """Oriented collision boxes of everything but the mug, the robot and the world's large geoms."""
-        m, model = self.sim.model._model, self.sim.model
-        own = self._own()
-        others = {b for b in range(1, m.nbody) if b not in own
-                  and not (model.body_id2name(b) or "").startswith(("robot", "gripper", "mount"))}
-        centre, rot, half = _geom_oriented_boxes(self.sim, others)
-        small = np.all(half < 0.225, axis=1)
-        return centre[small], rot[small], half[small]
 
     def _bottom(self) -> float:
         m = self.sim.model._model
@@ -222,7 +197,7 @@ class EnclosurePlace(_Skill):
         hand_front = max(float(np.dot(p[:2], b.inward)) for p in hand if p[2] > 0.02)
         set_depth = b.front - 0.006 - hand_front - float(np.dot(handle, b.inward))
         front_depth = b.front - self.radius - 0.02
-        foreign = self._foreign()
+        foreign = foreign_oriented_boxes(self.sim, self._own())
         z = b.floor + CARRY_ABOVE_FLOOR + self.grip_above_bottom
         mid = float(np.dot(b.centre[:2], b.across))
 

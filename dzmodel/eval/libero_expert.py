@@ -52,6 +52,8 @@ NEG_X_CAP = 0.4           # -x (towards the robot) is rare in these tasks: cappi
                           # quantile of that dim (a point mass of 2-4 % of steps), so q01 clipping changes nothing
 MAX_GRIPPER_OPENING = 0.075  # widest object extent (along the finger axis) that a top-down grasp can take
 BOWL_GRASP_BELOW_TOP = 0.012  # eef height below a bowl's rim for a rim grasp
+BOWL_IN_RELEASE_ABOVE = 0.02  # a rim-held bowl is let go into a container when its lowest point is this high above
+# the floor (measured: it hangs tilted from its rim; let go from the upright bottom's 4 cm it landed on its edge)
 BOWL_RIM_INSET = 0.008    # eef offset inward from the bowl's outer radius, so the fingers straddle the wall
 MIN_CLOSE_STEPS = 6       # +1 steps before the fingers can have reached a ~6 cm object
 MAX_CLOSE_STEPS = 16      # the fingers shut fully from open in about 12 steps
@@ -64,6 +66,10 @@ YAW_CANDIDATES_DEG = tuple(range(-75, 91, 15))  # grasp yaws searched when the d
 RIM_INSETS = (BOWL_RIM_INSET, 0.011, 0.014)  # rim grasp insets searched with the yaw: deeper leaves the outer
                                              # finger more room outside the rim, but the closing outer finger then
                                              # pushes the bowl further before the inner one meets the wall
+WAY_DOWN_FROM = 0.1        # the hand comes straight down onto a grasp from at most this far above it (the hover)
+APPROACH_STALL_STEPS = 10  # an approach whose eef moved less than 1 mm in this many steps has stalled ...
+APPROACH_STALL_WITHIN = 0.03  # ... and, this close to the hover point in xy, comes down from where it is
+WAY_DOWN_MIN_ROOM = 0.001  # a searched grasp whose way down keeps less room than this is taken only if all do
 ROOM_ENOUGH = 0.009       # room beyond this does not make a searched grasp better; a shallower inset and a smaller
                           # turn do
 YAW_TOLERANCE = 0.05      # rad: the hand's yaw error under which it may descend to a rotated grasp
@@ -208,6 +214,39 @@ def _box_points(boxes, per_axis: int = 4) -> np.ndarray:
         else np.zeros((0, 3))
 
 
+def fixture_of(env, region: str):
+    """The fixture whose region `region` is (LIBERO names a fixture's regions `<fixture>_<region>`), else None."""
+    for name, fx in env.env.fixtures_dict.items():
+        if region.startswith(name + "_"):
+            return fx
+    return None
+
+
+def foreign_oriented_boxes(sim, own: set[int]):
+    """Oriented collision boxes of everything but the bodies `own`, the robot and the world's large geoms (tables
+    and floors are not obstacles for the fingers)."""
+    others = {b for b in range(1, sim.model.nbody)
+              if b not in own and not (sim.model.body_id2name(b) or "").startswith(("robot", "gripper", "mount"))}
+    centre, rot, half = _geom_oriented_boxes(sim, others)
+    small = np.all(half < 0.225, axis=1)
+    return centre[small], rot[small], half[small]
+
+
+def hand_points(env, ref_rot=None) -> np.ndarray:
+    """Points filling the hand's and the fingers' collision geometry, relative to the grip site (the eef), in the
+    hand's reset orientation (pointing down, fingers along world y; the fingers as they are now). A hand turned
+    from its reset orientation is turned back by the rotation between its orientation now and `ref_rot` (when
+    known)."""
+    sim, robot = env.env.sim, env.env.robots[0]
+    model = sim.model
+    hand = {b for b in range(model.nbody) if (model.body_id2name(b) or "").startswith("gripper")}
+    points = _box_points(_geom_oriented_boxes(sim, hand)) - sim.data.site_xpos[robot.eef_site_id]
+    if ref_rot is not None:
+        now = sim.data.body_xmat[model.body_name2id(robot.robot_model.eef_name)].reshape(3, 3)
+        points = points @ (ref_rot @ now.T).T
+    return points
+
+
 def _top_at(boxes, xy) -> float | None:
     """The highest point where the vertical line through `xy` leaves one of the oriented boxes (None: it meets
     none of them)."""
@@ -295,7 +334,9 @@ class PickPlace:
         self._plan_grasp()
         self.hover = 0.08 + 0.02 * self.rng.random()
 
-        # where the object's origin must end up, and how high above its support to let it go
+        # where the object's origin must end up, and how high above its support to let it go; onto an object, the
+        # carry and the lowering follow that object (the carried one may nudge it)
+        self.follow_id = None
         if set_down_at is not None:
             self.place_xy, self.support_top, self.drop_gap = np.asarray(set_down_at[1], dtype=np.float64), lo[2], 0.01
         elif self.target in inner.object_sites_dict:
@@ -304,7 +345,8 @@ class PickPlace:
             self._place_in_region()
         else:
             tgt_body = self._target_body(self.target)
-            self.place_xy = self.sim.data.body_xpos[self.sim.model.body_name2id(tgt_body)][:2].copy()
+            self.follow_id = self.sim.model.body_name2id(tgt_body)
+            self.place_xy = self.sim.data.body_xpos[self.follow_id][:2].copy()
             self.support_top = _body_box(self.sim, tgt_body)[1][2]
             self.drop_gap = 0.015
         self.carry_clear_z = self._carry_clearance(origin[:2], self.place_xy, max(size[0], size[1]) / 2) \
@@ -517,11 +559,13 @@ class PickPlace:
             margins.append(dist - need)
         return float(np.min(margins, axis=0).max())
 
+    def _held_points(self) -> np.ndarray:
+        """Points filling the object's collision geometry, in the world, as it is now."""
+        return _box_points(_geom_oriented_boxes(self.sim, _bodies_under(self.sim.model._model, self.obj_body_id)), 3)
+
     def _shape_points(self) -> np.ndarray:
         """Points filling the object's collision geometry, relative to its origin, as it stands now."""
-        m = self.sim.model._model
-        own = _geom_oriented_boxes(self.sim, _bodies_under(m, self.obj_body_id))
-        return _box_points(own, 3) - self.sim.data.body_xpos[self.obj_body_id]
+        return self._held_points() - self.sim.data.body_xpos[self.obj_body_id]
 
     def _clear_drop_point(self) -> np.ndarray:
         """Where in the target region to let the object go: the point nearest the region's centre where the object
@@ -626,7 +670,7 @@ class PickPlace:
         if not self.is_bowl:
             return grasp_xy, grasp_z, 0.0
         boxes = self._foreign_oriented_boxes()
-        room = self._finger_room(boxes, grasp_xy, grasp_z, 0.0) if candidates else -np.inf
+        room = self._way_down_room(boxes, grasp_xy, grasp_z, 0.0) if candidates else -np.inf
         if room >= YAW_MIN_CLEARANCE:
             return grasp_xy, grasp_z, 0.0
         radius = (size[0] + size[1]) / 4
@@ -640,7 +684,9 @@ class PickPlace:
                         continue
                     gxy = centre_xy + side * (radius - inset) * finger_axis(yaw)
                     # the most room wins; among grasps with enough, the shallower inset and the smaller turn
-                    score = min(self._finger_room(boxes, gxy, grasp_z, yaw), ROOM_ENOUGH) \
+                    # (a grasp whose way straight down meets something is ranked below all others)
+                    blocked = self._way_down_room(boxes, gxy, grasp_z, yaw) < WAY_DOWN_MIN_ROOM
+                    score = min(self._finger_room(boxes, gxy, grasp_z, yaw), ROOM_ENOUGH) - float(blocked) \
                         - 0.2 * (inset - BOWL_RIM_INSET) - 0.0005 * abs(yaw)
                     if score > best_score + 1e-9:
                         best, best_score = (gxy, float(yaw)), score
@@ -673,29 +719,14 @@ class PickPlace:
         return centre[far][:2].copy(), z, yaw
 
     def _foreign_oriented_boxes(self, also_ignore: set[int] = frozenset()):
-        """Oriented collision boxes of everything but the object (and the bodies `also_ignore`), the robot and the
-        world body's large geoms."""
+        """`foreign_oriented_boxes` of everything but the object and the bodies `also_ignore`."""
         own = _bodies_under(self.sim.model._model, self.obj_body_id) | set(also_ignore)
-        others = {b for b in range(1, self.sim.model.nbody)
-                  if b not in own and not (self.sim.model.body_id2name(b) or "").startswith(("robot", "gripper", "mount"))}
-        centre, rot, half = _geom_oriented_boxes(self.sim, others)
-        small = np.all(half < 0.225, axis=1)  # tables and floors are not obstacles for the fingers
-        return centre[small], rot[small], half[small]
+        return foreign_oriented_boxes(self.sim, own)
 
     def _hand_points(self) -> np.ndarray:
-        """Points filling the hand's and the open fingers' collision geometry, relative to the grip site (the eef),
-        in the hand's reset orientation (pointing down, fingers along world y; the fingers as they are now, open
-        after a reset or a release). Measured once; a hand still turned from an earlier grasp is turned back by the
-        rotation between its orientation now and its reset one (`ref_rot`, when known)."""
+        """`hand_points` (the fingers open after a reset or a release), measured once."""
         if getattr(self, "_hand_cache", None) is None:
-            model = self.sim.model
-            hand = {b for b in range(model.nbody) if (model.body_id2name(b) or "").startswith("gripper")}
-            robot = self.env.env.robots[0]
-            points = _box_points(_geom_oriented_boxes(self.sim, hand)) - self.sim.data.site_xpos[robot.eef_site_id]
-            if self.ref_rot is not None:
-                now = self.sim.data.body_xmat[model.body_name2id(robot.robot_model.eef_name)].reshape(3, 3)
-                points = points @ (self.ref_rot @ now.T).T
-            self._hand_cache = points
+            self._hand_cache = hand_points(self.env, self.ref_rot)
         return self._hand_cache
 
     def _finger_room(self, boxes, grasp_xy, grasp_z: float, yaw: float) -> float:
@@ -705,6 +736,13 @@ class PickPlace:
         points = self._hand_points() @ np.array([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]]).T
         points = points + np.array([grasp_xy[0], grasp_xy[1], grasp_z])
         return float(_distance_to_boxes(points, boxes).min())
+
+    def _way_down_room(self, boxes, grasp_xy, grasp_z: float, yaw: float) -> float:
+        """The open hand's least room (`_finger_room`) on its way straight down onto the grasp, from WAY_DOWN_FROM
+        above it: a crossbar above the object's height (a wine rack's beside a bowl) can stop the hand's body on the
+        way down although the grasp pose itself has room."""
+        return min(self._finger_room(boxes, grasp_xy, grasp_z + dz, yaw)
+                   for dz in np.linspace(0.0, WAY_DOWN_FROM, 6))
 
     def _foreign_boxes(self):
         own = _bodies_under(self.sim.model._model, self.obj_body_id)
@@ -802,7 +840,10 @@ class PickPlace:
                 self.descend_from = self._descent_radius(eef, grasp[:2], hover_z)
             z_goal = max(hover_z, eef[2]) if xy_err > self.descend_from else hover_z
             move = self._move(eef, [grasp[0], grasp[1], z_goal])
-            if xy_err < 0.012 and abs(eef[2] - hover_z) < 0.03 and self._yaw_reached(raw_obs["robot0_eef_quat"]):
+            # stalled close by (the arm stretched to its elbow's limit gets no nearer): come down from here
+            stalled = self._stalled(eef) and xy_err < APPROACH_STALL_WITHIN and abs(eef[2] - hover_z) < 0.03
+            if (xy_err < 0.012 and abs(eef[2] - hover_z) < 0.03 and self._yaw_reached(raw_obs["robot0_eef_quat"])) \
+                    or stalled:
                 self._set("descend")
         if self.phase == "descend":
             near = eef[2] - grasp[2] < 0.04
@@ -834,6 +875,8 @@ class PickPlace:
                 if self._scene_moved():  # choose the set-down point again from where things stand now
                     self._place_in_region()
                 self._set("carry")
+        if self.follow_id is not None and self.phase in ("carry", "lower"):
+            self.place_xy = self.sim.data.body_xpos[self.follow_id][:2].copy()
         if self.phase == "carry":
             goal_eef_xy = self.place_xy + (eef[:2] - obj[:2])
             move = self._move(eef, [goal_eef_xy[0], goal_eef_xy[1], carry_z])
@@ -844,6 +887,8 @@ class PickPlace:
         if self.phase == "lower":
             goal_eef_xy = self.place_xy + (eef[:2] - obj[:2])
             release_z = self.support_top + self.drop_gap + held_bottom_to_eef
+            if self.is_bowl and self.pred == "in":  # by the held bowl's lowest point, as it hangs now
+                release_z = eef[2] + self.support_top + BOWL_IN_RELEASE_ABOVE - float(self._held_points()[:, 2].min())
             near = eef[2] - release_z < 0.04
             move = self._move(eef, [goal_eef_xy[0], goal_eef_xy[1], release_z], 0.5 if near else 1.0)
             if self._dropped(eef, obj):
@@ -862,7 +907,7 @@ class PickPlace:
         action = np.zeros(7, dtype=np.float64)
         action[:3] = move
         action[6] = gripper
-        if self.hold_orientation or self.grasp_yaw != 0.0:
+        if self.hold_orientation or self._turns():
             action[3:6] = self._hold_orientation(raw_obs["robot0_eef_quat"])
         return action
 
@@ -887,9 +932,19 @@ class PickPlace:
         gain = ROT_GAIN if self.grasp_yaw == 0.0 else YAW_GAIN
         return np.clip(gain * err / ROT_OUTPUT_MAX, -1.0, 1.0)
 
+    def _stalled(self, eef) -> bool:
+        """Whether the eef moved less than 1 mm over the last APPROACH_STALL_STEPS steps of this phase."""
+        trail = self._trail = getattr(self, "_trail", [])[-(APPROACH_STALL_STEPS - 1):] + [np.asarray(eef).copy()]
+        return self.phase_steps > APPROACH_STALL_STEPS and float(np.linalg.norm(trail[-1] - trail[0])) < 0.001
+
+    def _turns(self) -> bool:
+        """Whether the hand's orientation is commanded: for a turned grasp, and after a turned grasp failed (the hand
+        is still turned, and the next grasp may be the reset yaw's)."""
+        return self.grasp_yaw != 0.0 or bool(self.failed_yaws)
+
     def _yaw_reached(self, quat) -> bool:
         """Whether the hand is turned to the grasp yaw (always, for the unrotated grasp)."""
-        if self.grasp_yaw == 0.0:
+        if not self._turns():
             return True
         err = matrix_to_rotvec(self._target_rot(quat) @ quat_to_matrix(quat).T)
         return bool(np.linalg.norm(err) < YAW_TOLERANCE)
@@ -919,9 +974,11 @@ class PickPlace:
 
     def _regrasp(self) -> None:
         self.tries += 1
-        if self.grasp_yaw != 0.0:  # a searched grasp: the failed one moved the object, so search again from here,
-            self.failed_yaws.append(self.grasp_yaw)  # another yaw than the ones that failed
-            self._plan_grasp()
+        # the failed grasp moved the object: plan again from where it stands now (it may have slid towards something
+        # the hand now meets on its way down); a searched grasp tries another yaw than the ones that failed
+        if self.grasp_yaw != 0.0:
+            self.failed_yaws.append(self.grasp_yaw)
+        self._plan_grasp()
         if self.recover or self.tries < MAX_GRASP_TRIES:
             self._set("approach")
         else:

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .libero_expert import (GAIN, NEG_X_CAP, RELEASE_STEPS, ROT_OUTPUT_MAX, ExpertUnsupported, _bodies_under,
-                            _body_box, _geom_world_boxes, colliding_geoms, fingers_shut, matrix_to_rotvec,
-                            quat_to_matrix)
+from .libero_expert import (GAIN, MAX_GRIPPER_OPENING, NEG_X_CAP, RELEASE_STEPS, ROT_OUTPUT_MAX,
+                            ExpertUnsupported, _bodies_under, _body_box, _geom_world_boxes, colliding_geoms,
+                            fingers_shut, fixture_of, matrix_to_rotvec, quat_to_matrix)
 
 MAX_TRIES = 3
 TURN_GAIN = 1.0            # fraction of the orientation error commanded per step while the hand turns
@@ -152,7 +152,7 @@ class DrawerSkill(_Skill):
         out = -axis
         out[2] = 0.0
         self.out = out / np.linalg.norm(out)
-        fixture = self._fixture_of(region)
+        fixture = fixture_of(env, region)
         thresholds = fixture.object_properties["articulation"] if fixture is not None else {}
         open_below = max(thresholds.get("default_open_ranges", [lo + 0.02]))
         self.open_target = max(float(lo) + 0.003, open_below - DRAWER_OPEN_MARGIN)
@@ -196,12 +196,6 @@ class DrawerSkill(_Skill):
                 if bhi[2] > self.drawer_top + 0.003:
                     top = np.array([(blo[0] + bhi[0]) / 2, (blo[1] + bhi[1]) / 2, bhi[2]])
                     return top, np.min([b[1] for b in own], axis=0), np.max([b[2] for b in own], axis=0)
-        return None
-
-    def _fixture_of(self, region: str):
-        for name, fx in self.env.env.fixtures_dict.items():
-            if region.startswith(name + "_"):
-                return fx
         return None
 
     def _handle_geom(self) -> int:
@@ -568,8 +562,6 @@ def clearing_goal(env, obj: str, region: str, margin: float = 0.008) -> np.ndarr
     hang over it (the hand, pointing down, could not reach its grasp): its xy moved sideways (across the opening
     direction) until the hand at a rim grasp clears the opened drawer's footprint by `margin`; None if it already
     does (with margin 0)."""
-    from .libero_expert import _body_box
-
     sim = env.env.sim
     joint, body = drawer_joint(env, region)
     m = sim.model._model
@@ -604,8 +596,6 @@ def clearing_goal(env, obj: str, region: str, margin: float = 0.008) -> np.ndarr
 def push_goal(env, term) -> np.ndarray | None:
     """The table xy an On term's object is pushed to, or None when it is picked and placed: the object is pushed
     when it is flat and too wide for the open gripper both ways (a plate) and the target is a region of the table."""
-    from .libero_expert import MAX_GRIPPER_OPENING, _body_box
-
     inner = env.env
     if term[0] != "on" or len(term) != 3 or term[2] not in inner.object_sites_dict or term[1] not in inner.objects_dict:
         return None
