@@ -13,12 +13,12 @@ simulator, but acts only through LIBERO's standard 7-dim OSC_POSE action: delta 
 Design choices, each because of how the recordings are used (open-loop replay after float32 rounding and clipping
 every action dim to its 1st..99th percentile over the whole dataset):
 
-* Rotation is commanded only when the grasp needs it (otherwise always exactly 0): the gripper keeps its reset
-  orientation (pointing down, fingers closing along world y) wherever the open fingers have room around the grasp
-  point at that yaw, which is every LIBERO-Object task and most LIBERO-Spatial ones. Where they do not (a bowl in
-  an open drawer: the drawer's front and back walls leave no room for the outer finger beside the rim), the
-  expert picks the grasp yaw (see `_choose_grasp`) and turns the hand to it through the rotation dims while it
-  approaches, before it descends.
+* Rotation is commanded only when the grasp needs it, and after a turned grasp failed (otherwise always exactly 0):
+  the gripper keeps its reset orientation (pointing down, fingers closing along world y) wherever the open fingers
+  have room around the grasp point at that yaw, and on their way straight down to it, which is every LIBERO-Object
+  task and most LIBERO-Spatial ones. Where they do not (a bowl in an open drawer: the drawer's front and back walls
+  leave no room for the outer finger beside the rim), the expert picks the grasp yaw (see `_choose_grasp`) and
+  turns the hand to it through the rotation dims while it approaches, before it descends.
 * Position commands are a saturating proportional law, so most travel happens at exactly +-1: the 1 % tails of
   each position dim sit at the saturation value and clipping changes nothing. The one direction that is rare
   (-x, towards the robot) is capped at NEG_X_CAP, so that its tail is a point mass at the cap instead.
@@ -69,7 +69,8 @@ RIM_INSETS = (BOWL_RIM_INSET, 0.011, 0.014)  # rim grasp insets searched with th
 WAY_DOWN_FROM = 0.1        # the hand comes straight down onto a grasp from at most this far above it (the hover)
 APPROACH_STALL_STEPS = 10  # an approach whose eef moved less than 1 mm in this many steps has stalled ...
 APPROACH_STALL_WITHIN = 0.03  # ... and, this close to the hover point in xy, comes down from where it is
-WAY_DOWN_MIN_ROOM = 0.001  # a searched grasp whose way down keeps less room than this is taken only if all do
+WAY_DOWN_MIN_ROOM = 0.001  # a searched grasp whose way down keeps less room than this ranks below every other one
+                           # (and below the reset-yaw grasp, which is kept when all are blocked)
 ROOM_ENOUGH = 0.009       # room beyond this does not make a searched grasp better; a shallower inset and a smaller
                           # turn do
 YAW_TOLERANCE = 0.05      # rad: the hand's yaw error under which it may descend to a rotated grasp
@@ -334,8 +335,8 @@ class PickPlace:
         self._plan_grasp()
         self.hover = 0.08 + 0.02 * self.rng.random()
 
-        # where the object's origin must end up, and how high above its support to let it go; onto an object, the
-        # carry and the lowering follow that object (the carried one may nudge it)
+        # where the object's origin must end up, and how high above its support to let it go; onto a body (an
+        # object; a fixture does not move), the carry and the lowering follow it (the carried object may nudge it)
         self.follow_id = None
         if set_down_at is not None:
             self.place_xy, self.support_top, self.drop_gap = np.asarray(set_down_at[1], dtype=np.float64), lo[2], 0.01
@@ -639,8 +640,9 @@ class PickPlace:
 
     def _choose_grasp(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, float, float]:
         """(grasp xy, grasp z, yaw) of the grip site. The default grasp keeps the reset yaw (fingers along world y);
-        a bowl whose default rim grasp leaves the open fingers less than YAW_MIN_CLEARANCE of room is grasped at the
-        rim point, yaw and inset with the most room instead."""
+        a bowl whose default rim grasp leaves the open fingers less than YAW_MIN_CLEARANCE of room, at the grasp or on
+        the way straight down to it (`_way_down_room`), is grasped at the rim point, yaw and inset with the most room
+        instead."""
         size = hi - lo
         centre_xy = (lo[:2] + hi[:2]) / 2
         handle = None
@@ -943,7 +945,7 @@ class PickPlace:
         return self.grasp_yaw != 0.0 or bool(self.failed_yaws)
 
     def _yaw_reached(self, quat) -> bool:
-        """Whether the hand is turned to the grasp yaw (always, for the unrotated grasp)."""
+        """Whether the hand is turned to the grasp yaw (always, for the unrotated grasp before a turned one failed)."""
         if not self._turns():
             return True
         err = matrix_to_rotvec(self._target_rot(quat) @ quat_to_matrix(quat).T)
