@@ -687,8 +687,9 @@ class PickPlace:
                     gxy = centre_xy + side * (radius - inset) * finger_axis(yaw)
                     # the most room wins; among grasps with enough, the shallower inset and the smaller turn
                     # (a grasp whose way straight down meets something is ranked below all others)
-                    blocked = self._way_down_room(boxes, gxy, grasp_z, yaw) < WAY_DOWN_MIN_ROOM
-                    score = min(self._finger_room(boxes, gxy, grasp_z, yaw), ROOM_ENOUGH) - float(blocked) \
+                    rooms = self._rooms_on_way_down(boxes, gxy, grasp_z, yaw)  # rooms[0]: at the grasp
+                    blocked = min(rooms) < WAY_DOWN_MIN_ROOM
+                    score = min(rooms[0], ROOM_ENOUGH) - float(blocked) \
                         - 0.2 * (inset - BOWL_RIM_INSET) - 0.0005 * abs(yaw)
                     if score > best_score + 1e-9:
                         best, best_score = (gxy, float(yaw)), score
@@ -739,12 +740,15 @@ class PickPlace:
         points = points + np.array([grasp_xy[0], grasp_xy[1], grasp_z])
         return float(_distance_to_boxes(points, boxes).min())
 
+    def _rooms_on_way_down(self, boxes, grasp_xy, grasp_z: float, yaw: float) -> list[float]:
+        """The open hand's room (`_finger_room`) at the grasp and at heights up to WAY_DOWN_FROM above it, on its way
+        straight down (the grasp's first): a crossbar above the object's height (a wine rack's beside a bowl) can
+        stop the hand's body on the way down although the grasp pose itself has room."""
+        return [self._finger_room(boxes, grasp_xy, grasp_z + dz, yaw) for dz in np.linspace(0.0, WAY_DOWN_FROM, 6)]
+
     def _way_down_room(self, boxes, grasp_xy, grasp_z: float, yaw: float) -> float:
-        """The open hand's least room (`_finger_room`) on its way straight down onto the grasp, from WAY_DOWN_FROM
-        above it: a crossbar above the object's height (a wine rack's beside a bowl) can stop the hand's body on the
-        way down although the grasp pose itself has room."""
-        return min(self._finger_room(boxes, grasp_xy, grasp_z + dz, yaw)
-                   for dz in np.linspace(0.0, WAY_DOWN_FROM, 6))
+        """The open hand's least room on its way straight down onto the grasp (`_rooms_on_way_down`)."""
+        return min(self._rooms_on_way_down(boxes, grasp_xy, grasp_z, yaw))
 
     def _foreign_boxes(self):
         own = _bodies_under(self.sim.model._model, self.obj_body_id)
@@ -888,9 +892,10 @@ class PickPlace:
                 self._set("lower")  # lowering keeps correcting xy; a small steady offset must not stall us
         if self.phase == "lower":
             goal_eef_xy = self.place_xy + (eef[:2] - obj[:2])
-            release_z = self.support_top + self.drop_gap + held_bottom_to_eef
             if self.is_bowl and self.pred == "in":  # by the held bowl's lowest point, as it hangs now
                 release_z = eef[2] + self.support_top + BOWL_IN_RELEASE_ABOVE - float(self._held_points()[:, 2].min())
+            else:
+                release_z = self.support_top + self.drop_gap + held_bottom_to_eef
             near = eef[2] - release_z < 0.04
             move = self._move(eef, [goal_eef_xy[0], goal_eef_xy[1], release_z], 0.5 if near else 1.0)
             if self._dropped(eef, obj):

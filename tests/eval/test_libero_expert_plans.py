@@ -11,6 +11,7 @@ the resets before left it):
 - a bowl carried onto a plate follows the plate when the bowl nudges it (LIBERO-Spatial task 0, init state 8: the
   plate was pushed 3.7 cm while the bowl came in low, and the bowl was set down where the plate had been)."""
 
+import contextlib
 import os
 
 import numpy as np
@@ -24,9 +25,10 @@ def _mujoco_gl():
     os.environ.setdefault("MUJOCO_GL", "egl")
 
 
+@contextlib.contextmanager
 def _scene(suite: str, task: int, init: int):
     """(env, obs after the 10 settling steps, the expert's seed) for init state `init`, the env having been reset
-    through init states 0..init with the recorder's env seeds (seed 0)."""
+    through init states 0..init with the recorder's env seeds (seed 0); the env is closed on leaving."""
     from dzmodel.eval.libero_env import check_libero, init_state, list_tasks
 
     check_libero()
@@ -34,14 +36,17 @@ def _scene(suite: str, task: int, init: int):
 
     spec = list_tasks(suite)[task]
     env = OffScreenRenderEnv(bddl_file_name=spec.bddl_file, has_offscreen_renderer=False, use_camera_obs=False)
-    for k in range(init + 1):
-        words = np.random.SeedSequence([0, task, k]).generate_state(5) % (2**31 - 1)
-        env.seed(int(words[0]))
-        env.reset()
-        obs = env.set_init_state(init_state(spec, k))
-    for _ in range(10):
-        obs, *_ = env.step(np.zeros(7))
-    return env, obs, int(words[1])
+    try:
+        for k in range(init + 1):
+            words = np.random.SeedSequence([0, task, k]).generate_state(5) % (2**31 - 1)
+            env.seed(int(words[0]))
+            env.reset()
+            obs = env.set_init_state(init_state(spec, k))
+        for _ in range(10):
+            obs, *_ = env.step(np.zeros(7))
+        yield env, obs, int(words[1])
+    finally:
+        env.close()
 
 
 def _run(env, obs, expert, steps: int, until=None):
@@ -73,8 +78,7 @@ def _tilt_deg(quat_xyzw) -> float:
 def test_the_hand_comes_down_onto_the_rim_grasp_clear_of_the_wine_racks_crossbar():
     from dzmodel.eval.libero_scripted import ScriptedExpert
 
-    env, obs, seed = _scene("10", 3, 6)
-    try:
+    with _scene("10", 3, 6) as (env, obs, seed):
         expert = ScriptedExpert(env, seed)
         touched = []
 
@@ -87,45 +91,34 @@ def test_the_hand_comes_down_onto_the_rim_grasp_clear_of_the_wine_racks_crossbar
         grasp_z = obs[f"{skill.obj}_pos"][2] + skill.grasp_offset[2]
         assert reached and abs(obs["robot0_eef_pos"][2] - grasp_z) < 0.01, (obs["robot0_eef_pos"], grasp_z)
         assert touched == []
-    finally:
-        env.close()
 
 
 def test_a_slipped_rim_grasp_is_planned_again_from_where_the_bowl_stands():
     from dzmodel.eval.libero_scripted import ScriptedExpert
 
-    env, obs, seed = _scene("10", 3, 7)
-    try:
+    with _scene("10", 3, 7) as (env, obs, seed):
         expert = ScriptedExpert(env, seed)
         rest = float(obs["akita_black_bowl_1_pos"][2])
         obs, carried = _run(env, obs, expert, 260, lambda ex, o: ex.phase.endswith("carry"))
         assert carried and obs["akita_black_bowl_1_pos"][2] > rest + 0.05, (expert.phase, obs["akita_black_bowl_1_pos"])
         assert expert.skill.tries >= 1  # the first grasp did slip: the scene is the one this test is about
-    finally:
-        env.close()
 
 
 def test_a_rim_held_bowl_is_let_go_into_the_drawer_low_enough_to_land_flat():
     from dzmodel.eval.libero_scripted import ScriptedExpert
 
-    env, obs, seed = _scene("10", 3, 0)
-    try:
+    with _scene("10", 3, 0) as (env, obs, seed):
         expert = ScriptedExpert(env, seed)
         obs, released = _run(env, obs, expert, 200, lambda ex, o: ex.phase.endswith("retreat"))
         assert released
         for _ in range(25):  # let it land, the hand still
             obs, *_ = env.step(np.r_[np.zeros(6), -1.0])
         assert _tilt_deg(obs["akita_black_bowl_1_quat"]) < 10.0
-    finally:
-        env.close()
 
 
 def test_a_bowl_carried_onto_a_plate_follows_the_plate_it_nudged():
     from dzmodel.eval.libero_scripted import ScriptedExpert
 
-    env, obs, seed = _scene("spatial", 0, 8)
-    try:
+    with _scene("spatial", 0, 8) as (env, obs, seed):
         _, done = _run(env, obs, ScriptedExpert(env, seed), 220)
         assert done
-    finally:
-        env.close()
