@@ -69,6 +69,8 @@ RIM_INSETS = (BOWL_RIM_INSET, 0.011, 0.014)  # rim grasp insets searched with th
 WAY_DOWN_FROM = 0.1        # the hand comes straight down onto a grasp from at most this far above it (the hover)
 APPROACH_STALL_STEPS = 10  # an approach whose eef moved less than 1 mm in this many steps has stalled ...
 APPROACH_STALL_WITHIN = 0.03  # ... and, this close to the hover point in xy, comes down from where it is
+SETTLED_SPEED = 0.0005     # m per step: an object moving slower than this has come to rest (a re-plan waits for it)
+SETTLE_WAIT_STEPS = 15     # ... for at most this many steps (an object that keeps rolling is planned for as it is)
 WAY_DOWN_MIN_ROOM = 0.001  # a searched grasp whose way down keeps less room than this ranks below every other one
                            # (and below the reset-yaw grasp, which is kept when all are blocked)
 ROOM_ENOUGH = 0.009       # room beyond this does not make a searched grasp better; a shallower inset and a smaller
@@ -289,6 +291,15 @@ def cup_geometry(sim, root_body: str) -> tuple[np.ndarray, float, np.ndarray | N
     return axis, radius, handle
 
 
+def _grasp_score(rooms: list[float], inset: float, yaw: float) -> float:
+    """How good a rim grasp is, from the open hand's rooms on its way down (`PickPlace._rooms_on_way_down`; rooms[0]
+    at the grasp): the most room at the grasp wins, up to ROOM_ENOUGH; among grasps with enough, the shallower inset
+    and the smaller turn; a grasp whose way straight down meets something (less than WAY_DOWN_MIN_ROOM) ranks below
+    every other one. The unturned grasp is scored by the same rule."""
+    blocked = min(rooms) < WAY_DOWN_MIN_ROOM
+    return min(rooms[0], ROOM_ENOUGH) - float(blocked) - 0.2 * (inset - BOWL_RIM_INSET) - 0.0005 * abs(yaw)
+
+
 def finger_axis(yaw: float) -> np.ndarray:
     """The world xy direction the fingers close along, with the hand turned by `yaw` (rad, counter-clockwise seen
     from above) from its reset orientation (fingers along world y)."""
@@ -330,6 +341,7 @@ class PickPlace:
         self.is_bowl = "bowl" in self.obj or self.is_cup \
             or (size[1] > MAX_GRIPPER_OPENING and size[2] < 0.6 * size[1])
         self.failed_yaws: list[float] = []
+        self.replan_pending, self._obj_prev = False, None  # a failed grasp: plan again once the object is at rest
         self.close_at = None
         self.ref_rot = ref_rot     # hold_orientation: the hand's orientation at the first act() (its reset one)
         self._plan_grasp()
@@ -355,8 +367,7 @@ class PickPlace:
         if self.target in inner.object_sites_dict and self.pred == "on" and set_down_at is None:
             self.carry_clear_z += 0.03  # onto a fixture's top (e.g. the cabinet's): a bowl sags in a rim grasp, and
             # its lower edge must clear the fixture's front edge on the way in
-        if self.is_bowl and not self.is_cup and self.grasp_yaw == 0.0:
-            self._mind_the_place()
+        self._mind_the_place()
 
         self.obj_rest_z = float(origin[2])
         self.gave_up = False     # grasps failed MAX_GRASP_TRIES times: retreating, the actions are no valid label
@@ -573,7 +584,12 @@ class PickPlace:
         (as it stands now, moved there) and the open hand above it keep clear of everything else from 5 cm above the
         release height up to 30 cm (e.g. the handles of the drawers above an open bottom drawer), preferring room at
         the release height itself; the centre when no way down is clear. Searched over the middle 80 % of the region
-        (LIBERO's In tests the object's origin)."""
+        (LIBERO's In tests the object's origin). The release height here is the upright object's bottom `drop_gap`
+        above the floor. A rim-held bowl is let go lower, by its lowest point as it hangs tilted (see the lowering in
+        `act`); its hand then stands about 1 cm lower than planned here (measured in the drawer of LIBERO-10 task 3).
+        Planning at that lower height instead judges the hand by the upright bowl 2 cm lower still, finds no room
+        near the centre, and picks a point 5-6 cm further in, where the lowered bowl was knocked out of the hand
+        (init state 0)."""
         sim, m = self.sim, self.sim.model._model
         sid = sim.model.site_name2id(self.target)
         centre = sim.data.get_site_xpos(self.target).copy()
@@ -592,17 +608,20 @@ class PickPlace:
                          for lift in lifts]
                 hand = min(self._finger_room(others, xy + self.grasp_offset[:2], release_eef_z + lift, self.grasp_yaw)
                            for lift in lifts)
-                # the way down must be clear; at the release height itself (4 cm above a container's floor) the
-                # object may touch a low rim (an open drawer's front), so more room there only ranks
+                # the way down must be clear; at the release height itself (drop_gap, 4 cm, above a container's
+                # floor) the object may touch a low rim (an open drawer's front), so more room there only ranks
                 key = (min(min(clear[1:]), hand) < 0.003, -min(clear[0], 0.003), float(np.hypot(fx, fy)))
                 if best_key is None or key < best_key:
                     best, best_key = xy, key
         return np.asarray(best, dtype=np.float64)
 
     def _mind_the_place(self) -> None:
-        """A rim grasp whose hand would have no room where the bowl is set down (e.g. the hand, 20 cm long along the
-        finger axis, would reach into a cabinet's handles beside the target) takes the rim on the other side instead,
-        if that leaves more room at both ends."""
+        """A rim grasp at the reset yaw (a bowl's, not a mug's: its side is fixed by the handle) whose hand would have
+        no room where the bowl is set down (e.g. the hand, 20 cm long along the finger axis, would reach into a
+        cabinet's handles beside the target) takes the rim on the other side instead, if that leaves more room at
+        both ends."""
+        if not self.is_bowl or self.is_cup or self.grasp_yaw != 0.0:
+            return
         boxes = self._foreign_oriented_boxes()
         origin = self.sim.data.body_xpos[self.obj_body_id]
         lo, hi = _body_box(self.sim, self.obj_body)
@@ -641,8 +660,8 @@ class PickPlace:
     def _choose_grasp(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, float, float]:
         """(grasp xy, grasp z, yaw) of the grip site. The default grasp keeps the reset yaw (fingers along world y);
         a bowl whose default rim grasp leaves the open fingers less than YAW_MIN_CLEARANCE of room, at the grasp or on
-        the way straight down to it (`_way_down_room`), is grasped at the rim point, yaw and inset with the most room
-        instead."""
+        the way straight down to it (`_rooms_on_way_down`), is grasped at the rim point, yaw and inset that score best
+        (`_grasp_score`; the default grasp by the same rule) instead."""
         size = hi - lo
         centre_xy = (lo[:2] + hi[:2]) / 2
         handle = None
@@ -672,11 +691,11 @@ class PickPlace:
         if not self.is_bowl:
             return grasp_xy, grasp_z, 0.0
         boxes = self._foreign_oriented_boxes()
-        room = self._way_down_room(boxes, grasp_xy, grasp_z, 0.0) if candidates else -np.inf
-        if room >= YAW_MIN_CLEARANCE:
+        rooms = self._rooms_on_way_down(boxes, grasp_xy, grasp_z, 0.0) if candidates else [-np.inf]
+        if min(rooms) >= YAW_MIN_CLEARANCE:
             return grasp_xy, grasp_z, 0.0
         radius = (size[0] + size[1]) / 4
-        best, best_score = (grasp_xy, 0.0), room
+        best, best_score = (grasp_xy, 0.0), _grasp_score(rooms, BOWL_RIM_INSET, 0.0)
         for yaw in np.deg2rad(YAW_CANDIDATES_DEG):
             if any(abs(yaw - y) < 1e-6 for y in self.failed_yaws):
                 continue
@@ -685,12 +704,7 @@ class PickPlace:
                     if not clear_of_handle(side * finger_axis(yaw)):
                         continue
                     gxy = centre_xy + side * (radius - inset) * finger_axis(yaw)
-                    # the most room wins; among grasps with enough, the shallower inset and the smaller turn
-                    # (a grasp whose way straight down meets something is ranked below all others)
-                    rooms = self._rooms_on_way_down(boxes, gxy, grasp_z, yaw)  # rooms[0]: at the grasp
-                    blocked = min(rooms) < WAY_DOWN_MIN_ROOM
-                    score = min(rooms[0], ROOM_ENOUGH) - float(blocked) \
-                        - 0.2 * (inset - BOWL_RIM_INSET) - 0.0005 * abs(yaw)
+                    score = _grasp_score(self._rooms_on_way_down(boxes, gxy, grasp_z, yaw), inset, float(yaw))
                     if score > best_score + 1e-9:
                         best, best_score = (gxy, float(yaw)), score
         return best[0], grasp_z, best[1]
@@ -745,10 +759,6 @@ class PickPlace:
         straight down (the grasp's first): a crossbar above the object's height (a wine rack's beside a bowl) can
         stop the hand's body on the way down although the grasp pose itself has room."""
         return [self._finger_room(boxes, grasp_xy, grasp_z + dz, yaw) for dz in np.linspace(0.0, WAY_DOWN_FROM, 6)]
-
-    def _way_down_room(self, boxes, grasp_xy, grasp_z: float, yaw: float) -> float:
-        """The open hand's least room on its way straight down onto the grasp (`_rooms_on_way_down`)."""
-        return min(self._rooms_on_way_down(boxes, grasp_xy, grasp_z, yaw))
 
     def _foreign_boxes(self):
         own = _bodies_under(self.sim.model._model, self.obj_body_id)
@@ -828,6 +838,9 @@ class PickPlace:
     def act(self, raw_obs: dict) -> np.ndarray:
         eef = np.asarray(raw_obs["robot0_eef_pos"], dtype=np.float64)
         obj = np.asarray(raw_obs[f"{self.obj}_pos"], dtype=np.float64)
+        if self.replan_pending and self.phase == "approach":
+            self._replan_when_settled(obj)
+        self._obj_prev = obj
         grasp = obj + self.grasp_offset
         hover_z = grasp[2] + self.hover
         # the eef height that puts the held object's bottom at height h
@@ -848,8 +861,8 @@ class PickPlace:
             move = self._move(eef, [grasp[0], grasp[1], z_goal])
             # stalled close by (the arm stretched to its elbow's limit gets no nearer): come down from here
             stalled = self._stalled(eef) and xy_err < APPROACH_STALL_WITHIN and abs(eef[2] - hover_z) < 0.03
-            if (xy_err < 0.012 and abs(eef[2] - hover_z) < 0.03 and self._yaw_reached(raw_obs["robot0_eef_quat"])) \
-                    or stalled:
+            over = xy_err < 0.012 and abs(eef[2] - hover_z) < 0.03
+            if (over or stalled) and self._yaw_reached(raw_obs["robot0_eef_quat"]) and not self.replan_pending:
                 self._set("descend")
         if self.phase == "descend":
             near = eef[2] - grasp[2] < 0.04
@@ -966,14 +979,27 @@ class PickPlace:
         if self.phase in ("approach", "descend", "close") and held:
             self.grasp_eef_z, self.obj_z_at_grasp = eef[2] - 0.03, obj[2] - 0.03  # taken as lifted by 3 cm
             self._set("lift")
-        elif self.phase == "descend" and xy_err > 0.03:
+            return
+        back = (self.phase == "descend" and xy_err > 0.03) \
+            or (self.phase == "close" and (xy_err > 0.02 or abs(eef[2] - grasp[2]) > 0.02)) \
+            or (self.phase in ("lift", "carry", "lower") and self._dropped(eef, obj)) \
+            or (self.phase in ("release", "retreat") and np.linalg.norm(self.place_xy - obj[:2]) > 0.03)
+        # the last: let go away from the target (or the object was moved off it)
+        if back:  # start over from the approach, with the grasp planned again once the object is at rest
             self._set("approach")
-        elif self.phase == "close" and (xy_err > 0.02 or abs(eef[2] - grasp[2]) > 0.02):
-            self._set("approach")
-        elif self.phase in ("lift", "carry", "lower") and self._dropped(eef, obj):
-            self._set("approach")
-        elif self.phase in ("release", "retreat") and np.linalg.norm(self.place_xy - obj[:2]) > 0.03:
-            self._set("approach")  # let go away from the target (or the object was moved off it): start over
+            self.replan_pending = True
+
+    def _replan_when_settled(self, obj) -> None:
+        """A pending re-plan (after a failed grasp or, with `recover`, an object moved by something else): the grasp
+        is planned again (`_plan_grasp`, and the rim side `_mind_the_place`) once the object has come to rest (it
+        moved less than SETTLED_SPEED in the last step), or after SETTLE_WAIT_STEPS of the approach; until then the
+        approach does not come down."""
+        moving = self._obj_prev is None or float(np.linalg.norm(obj - self._obj_prev)) >= SETTLED_SPEED
+        if moving and self.phase_steps < SETTLE_WAIT_STEPS:
+            return
+        self._plan_grasp()
+        self._mind_the_place()
+        self.replan_pending, self.descend_from = False, None
 
     def _dropped(self, eef, obj) -> bool:
         expected = eef + (-self.grasp_offset)  # where the object origin should be while held
@@ -981,11 +1007,11 @@ class PickPlace:
 
     def _regrasp(self) -> None:
         self.tries += 1
-        # the failed grasp moved the object: plan again from where it stands now (it may have slid towards something
-        # the hand now meets on its way down); a searched grasp tries another yaw than the ones that failed
+        # the failed grasp moved the object: plan again from where it comes to rest (it may have slid towards
+        # something the hand now meets on its way down); a searched grasp tries another yaw than the ones that failed
         if self.grasp_yaw != 0.0:
             self.failed_yaws.append(self.grasp_yaw)
-        self._plan_grasp()
+        self.replan_pending = True
         if self.recover or self.tries < MAX_GRASP_TRIES:
             self._set("approach")
         else:
