@@ -18,13 +18,15 @@ under the project root (`StagePaths`, dzmodel/stage_paths.py), so dvc.yaml can n
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .schema import SchemaError, bounded_repr, build, load_yaml
+from .eval.rollout import RolloutParams
+from .schema import SEED, SchemaError, bounded_repr, build, load_yaml
 from .stage_paths import StagePaths
 
 PROFILE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
@@ -32,7 +34,6 @@ PROFILE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 # fixed init states per task: the static bounds of eval.tasks, fetch.record.tasks and the evaluated init states.
 LIBERO_SUITE_TASKS = {"spatial": 10, "object": 10, "goal": 10, "10": 10}
 LIBERO_INIT_STATES = 50
-SEED = {"min": 0, "max": 2**32 - 1}  # numpy's legacy seeding takes 32 bits
 LEARNING_RATE = {"gt": 0, "max": 1.0}
 PLAIN_NAME = {"plain_name": True}
 # MLflow's alias rule, and the forms it reserves for its own version references.
@@ -167,17 +168,8 @@ class ConvertParams:
 
 
 @dataclass
-class EvalParams:
+class EvalParams(RolloutParams):
     enabled: bool = True
-    suite: Literal["spatial", "object", "goal", "10"] = "spatial"
-    tasks: list[int] | None = field(default=None, metadata={"min": 0})  # task indices; null = every task of the suite
-    episodes: int = field(default=1, metadata={"min": 1, "max": 10_000})  # per task
-    max_steps: int | None = field(default=None, metadata={"min": 1})  # null = the suite's standard limit
-    workers: int = field(default=2, metadata={"min": 0, "max": 256})  # env processes; 0: one per CPU core
-    camera_size: int = field(default=128, metadata={"min": 16, "max": 1024})
-    actions_per_chunk: int | None = field(default=None, metadata={"min": 1})
-    # episode: one KV-cache session per episode fed the frames since the last query; frame: restart every query
-    context: Literal["episode", "frame"] = "episode"
     # init states per task, after the `episodes` reported ones, that pick the checkpoint; the pick is then reported
     # on init states 0..episodes-1. 0: nothing is picked, the final number pools the last 3 checkpoints.
     select_episodes: int = field(default=0, metadata={"min": 0})
@@ -188,13 +180,11 @@ class EvalParams:
     # 0..curve_episodes-1 per task (no videos, no perturbations); the last keeps all `episodes` and the final number.
     # 0: no curve (only the last checkpoint is evaluated)
     curve_episodes: int = field(default=0, metadata={"min": 0})
-    videos: int = field(default=2, metadata={"min": 0, "max": 1000})
     steps: list[int] | None = field(default=None, metadata={"min": 1})  # checkpoint steps; null = every saved one
     solver_steps: int = field(default=16, metadata={"min": 1, "max": 1000})
     cfg_scale: float = field(default=5.0, metadata={"min": 0, "max": 100})
     dit_steps: str = ""  # solver steps that run the DiT (T) or reuse its velocity (F); "upstream"; "" = every step
     device: str = "cpu"
-    seed: int = field(default=0, metadata=SEED)
     # the held-out action error (dzmodel/eval/action_error.py) of every converted step, LIBERO or not (`enabled`
     # is the LIBERO rollouts); it needs train.heldout_episodes >= 1, else it is skipped and the stage says so
     action_error: bool = True
@@ -203,9 +193,6 @@ class EvalParams:
     # world-model previews (dzmodel/eval/previews.py): decoded predicted video of this many held-out windows per
     # converted step, beside the real frames (mp4s and a PNG grid); 0: none. Needs train.heldout_episodes.
     previews: int = field(default=2, metadata={"min": 0, "max": 1000})
-    # robustness perturbations (dzmodel/eval/libero_perturb.py), each NAME or NAME=VALUE: position, swap, camera,
-    # light, table, paraphrase, distractor; the reported episodes run again under each (robustness.csv). Empty: none.
-    perturb: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         from .eval.perturb_spec import parse_perturbations
@@ -398,7 +385,6 @@ def apply_overrides(raw: dict, overrides: list[str], profile: str, source: str =
 
 def _default_text(path: str) -> str:
     """': <default>' of a train or metadata field, for the message that asks to write it out."""
-    import dataclasses
 
     from .train.config import TrainConfig
 

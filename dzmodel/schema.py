@@ -36,6 +36,9 @@ PLAIN_NAME_RULE = ("a plain name (letters, digits, '.', '_', '-', '+'; starting 
                    "100 characters; no '/', '\\' or '..')")
 
 
+SEED = {"min": 0, "max": 2**32 - 1}  # a seed field's range: numpy's legacy seeding takes 32 bits
+
+
 class SchemaError(ValueError):
     """Every problem found in one mapping, one per line, each led by the field's dotted path."""
 

@@ -322,8 +322,8 @@ def test_the_gates_number_is_never_the_one_that_picked_the_checkpoint(tmp_path, 
 
     def fake_run(src, cfg, out, steps=None, **kw):
         which = "select" if cfg.first_init_state else "report"
-        calls.append((which, cfg.first_init_state, cfg.episodes_per_task, steps))
-        return [_row(s, "all", "", cfg.episodes_per_task, table[which][s]) for s in (steps or [10, 20, 30, 40])]
+        calls.append((which, cfg.first_init_state, cfg.episodes, steps))
+        return [_row(s, "all", "", cfg.episodes, table[which][s]) for s in (steps or [10, 20, 30, 40])]
 
     monkeypatch.setattr(libero_eval, "evaluate_run", fake_run)
     stage_eval(prof, paths, log=lambda *a: None)

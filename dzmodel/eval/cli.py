@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..clitools import EXIT_FAIL, EXIT_OK, CLIError, claim_out, example, int_list
 from ..model.cli import add_solver_arguments, solver_from
+from .rollout import add_rollout_arguments
 
 
 def cmd_eval_libero(ns: argparse.Namespace) -> int:
@@ -20,11 +21,11 @@ def cmd_eval_libero(ns: argparse.Namespace) -> int:
     except PerturbationError as exc:
         raise CLIError(str(exc)) from None
     claim_out(ns, "eval libero")
-    cfg = EvalConfig(suite=ns.suite, tasks=int_list(ns.tasks, "--tasks"), episodes_per_task=ns.episodes,
-                     max_steps=ns.max_steps, num_workers=ns.workers, camera_size=ns.camera_size,
-                     actions_per_chunk=ns.actions_per_chunk, videos=ns.videos, seed=ns.seed,
-                     batch_policy=not ns.no_batch_policy, context=ns.context, first_init_state=ns.first_init_state,
-                     perturb=list(ns.perturb or []))
+    try:
+        cfg = EvalConfig(**rollout_options(ns), batch_policy=not ns.no_batch_policy,
+                         first_init_state=ns.first_init_state)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     try:
         rows = evaluate_run(ns.source, cfg, ns.out, steps=int_list(ns.steps, "--steps"), device=ns.device,
                             solver=solver_from(ns), progress=not ns.no_progress, embodiment=ns.embodiment,
@@ -161,36 +162,31 @@ def _add_libero(ev) -> None:
     p.add_argument("source", help="a training run directory (every saved step, converted as needed) or a converted model")
     p.add_argument("--out", required=True, help="results.csv, episodes.csv, summary.json, success_vs_step.png, videos/")
     p.add_argument("--overwrite", action="store_true", help="write into an --out directory that dz did not write")
-    p.add_argument("--suite", default="spatial", help="spatial | object | goal | 10")
-    p.add_argument("--tasks", help="task indices, e.g. 0,1 (default: all tasks of the suite)")
-    p.add_argument("--episodes", type=int, default=1, help="episodes per task (the standard init states 0..N-1)")
+    add_rollout_arguments(p)  # --suite, --tasks, --episodes, ... as the eval stage's `eval:` section names them
     p.add_argument("--first-init-state", type=int, default=0,
                    help="start at this standard init state (e.g. past the ones that picked the checkpoint)")
-    p.add_argument("--context", choices=("episode", "frame"), default="episode",
-                   help="episode: one session per episode, each query sends the frames since the last (the KV cache "
-                        "holds the history, as in training); frame: restart from the current frame at every query")
-    p.add_argument("--max-steps", type=int, help="policy steps per episode (default: the suite's standard limit)")
     p.add_argument("--steps", help="with a run directory: checkpoint steps to evaluate, e.g. 1000,2000 (default: all)")
-    p.add_argument("--workers", type=int, default=2, help="env worker processes (0: one per CPU core)")
-    p.add_argument("--camera-size", type=int, default=128, help="height and width of the sim cameras, in pixels")
-    p.add_argument("--actions-per-chunk", type=int, help="execute this many actions of each chunk (default: all)")
-    p.add_argument("--videos", type=int, default=2, help="record this many episodes per step as mp4")
     p.add_argument("--embodiment", help="refuse a checkpoint trained for another embodiment")
     p.add_argument("--weights", choices=("raw", "ema"), default="raw",
                    help="with a run directory: convert its checkpoints' raw weights or the EMA (train.ema_decay)")
     p.add_argument("--compile", action="store_true", help="torch.compile the DiT block (GPU; compiles per batch shape)")
     p.add_argument("--no-batch-policy", action="store_true",
                    help="query the policy once per episode instead of one batched forward per step (for comparison)")
-    p.add_argument("--perturb", action="append", metavar="NAME[=VALUE][,...]",
-                   help="robustness: also run the same episodes under each perturbation (repeatable): position[=M], "
-                        "swap[=task|any], camera[=DEG], light[=F], table[=COLOUR|random], paraphrase[=1|2|3|random]; "
-                        "writes robustness.csv (docs/eval.md, Robustness)")
     add_solver_arguments(p)
     p.add_argument("--device", default="cpu", help="where the policy runs: cpu or cuda")
-    p.add_argument("--seed", type=int, default=0,
-                   help="random seed of the env resets, the perturbations and the policy's sampling noise")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_eval_libero)
+
+
+def rollout_options(ns: argparse.Namespace) -> dict:
+    """The RolloutParams fields from `dz eval libero`'s options (`add_rollout_arguments`)."""
+    import dataclasses
+
+    from ..eval.rollout import RolloutParams
+
+    out = {f.name: getattr(ns, f.name) for f in dataclasses.fields(RolloutParams)}
+    out.update(tasks=int_list(ns.tasks, "--tasks"), perturb=list(ns.perturb or []))
+    return out
 
 
 def _add_action_error(ev) -> None:

@@ -29,47 +29,29 @@ import numpy as np
 from ..atomic import atomic_write_text
 from ..train.metrics import Progress
 from ..policy.policy import EmbodiedPolicy
+from .rollout import RolloutParams
 
 
 @dataclass
-class EvalConfig:
-    suite: str = "spatial"
-    tasks: list[int] | None = None          # task indices; None = every task of the suite
-    episodes_per_task: int = 1              # init states first_init_state .. + N-1 (the standard fixed ones)
+class EvalConfig(RolloutParams):
+    """The rollouts (`RolloutParams`: the eval stage's and `dz eval libero`'s options, by the same names) plus what
+    only the evaluator sets."""
     first_init_state: int = 0               # where the init states start (a set kept apart to pick checkpoints)
-    max_steps: int | None = None            # policy steps per episode; None = the suite's standard limit
-    num_workers: int = 2
-    camera_size: int = 128
-    actions_per_chunk: int | None = None    # execute this many of each chunk, then query again; None = all
-    # episode: one session per episode, each query sends the frames since the last one (the KV cache holds the
-    # history as in training); frame: each query sends only the current frame and restarts the context
-    context: str = "episode"
     binarize_gripper: bool = True           # the last action dim becomes ±1 (reference §6.1)
-    videos: int = 2                         # record the agent-view video of this many episodes
     worker_timeout_s: float = 300.0
-    seed: int = 0
     batch_policy: bool = True               # one batched policy forward for all episodes that need a chunk
-    # robustness perturbations (dzmodel/eval/libero_perturb.py), NAME or NAME=VALUE: each is evaluated on the same
-    # episodes after the unperturbed ones; empty: none (the results are exactly those without this field)
-    perturb: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        from ..schema import field_problems
         from .libero_env import auto_env_workers
-
-        self.num_workers = auto_env_workers(self.num_workers)
-        for name in ("episodes_per_task", "num_workers", "camera_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"eval.{name} must be >= 1, got {getattr(self, name)}")
-        if self.first_init_state < 0:
-            raise ValueError(f"eval.first_init_state must be >= 0, got {self.first_init_state}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"eval.max_steps must be >= 1, got {self.max_steps}")
-        if self.actions_per_chunk is not None and self.actions_per_chunk < 1:
-            raise ValueError(f"eval.actions_per_chunk must be >= 1, got {self.actions_per_chunk}")
-        if self.context not in ("episode", "frame"):
-            raise ValueError(f"eval.context must be episode or frame, got {self.context!r}")
         from .perturb_spec import parse_perturbations
 
+        problems = field_problems(self, "eval")
+        if self.first_init_state < 0:
+            problems.append(f"eval.first_init_state: must be >= 0, got {self.first_init_state}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.workers = auto_env_workers(self.workers)
         parse_perturbations(self.perturb, "eval.perturb")
 
 
@@ -142,7 +124,7 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
                          f"every {stride} steps, and each query must end on one")
     if episodes is None:
         first = cfg.first_init_state
-        todo = [(t, e, 1, None) for t in tasks for e in range(first, first + cfg.episodes_per_task)]
+        todo = [(t, e, 1, None) for t in tasks for e in range(first, first + cfg.episodes)]
         for t, e, _, _ in todo:
             if e >= t.num_init_states:
                 raise ValueError(f"task {t.index} of {cfg.suite!r} has {t.num_init_states} init states; "
@@ -159,7 +141,7 @@ def evaluate_policy(policy: EmbodiedPolicy, cfg: EvalConfig, out_dir: str | Path
     for key in ("policy_s", "env_s", "chunks", "forwards"):
         clock.setdefault(key, 0)
     run = _Evaluation(policy, cfg, todo, max_steps, per_chunk, stride, out_dir, tag, bar, clock)
-    with pool_factory(min(cfg.num_workers, len(todo))) as pool:
+    with pool_factory(min(cfg.workers, len(todo))) as pool:
         run.run(pool)
     bar.close()
     return sorted(run.results, key=lambda r: (r.task, r.episode))

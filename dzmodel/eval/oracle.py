@@ -130,7 +130,7 @@ def run_oracle(dataset: str | Path, out: str | Path, metadata: str | Path | None
     model = ReplayModel(action_stats, H, normalized)
     policy = EmbodiedPolicy(policy=model, embodiment=emb, relative_pairs=pairs, step=None, model_dir=dataset)
     size = camera_size or int(reader.features["observation.images.image"].shape[0])
-    cfg = EvalConfig(suite=rec["suite"], num_workers=workers, camera_size=size, videos=videos,
+    cfg = EvalConfig(suite=rec["suite"], workers=workers, camera_size=size, videos=videos,
                      max_steps=rec["max_steps"])
     log(f"oracle: replaying {len(specs)} recorded episodes of LIBERO-{rec['suite']} through the evaluation path "
         f"({workers} env workers, chunks of {H}, q99 statistics {meta_path})")

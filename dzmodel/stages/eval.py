@@ -98,9 +98,7 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
                 "previews": previews}
     from ..eval.libero_eval import EvalConfig, evaluate_run, plot_success, pooled
 
-    cfg = EvalConfig(suite=e.suite, tasks=e.tasks, episodes_per_task=e.episodes, max_steps=e.max_steps,
-                     num_workers=e.workers, camera_size=e.camera_size, actions_per_chunk=e.actions_per_chunk,
-                     videos=e.videos, seed=e.seed, context=e.context, perturb=list(e.perturb))
+    cfg = EvalConfig(**e.rollout())
 
     def evaluate(config: EvalConfig, where: Path, steps: list[int] | None) -> list[dict]:
         return evaluate_run(paths.stage("converted"), config, where, steps=steps, device=e.device,
@@ -108,7 +106,7 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
 
     picked, curve_rows = None, []
     if e.select_episodes:  # pick on init states the reported number never sees
-        selection = evaluate(dataclasses.replace(cfg, first_init_state=e.episodes, episodes_per_task=e.select_episodes,
+        selection = evaluate(dataclasses.replace(cfg, first_init_state=e.episodes, episodes=e.select_episodes,
                                                  videos=0, perturb=[]), out / "selection", e.steps)
         picked = max((r for r in selection if r["task"] == "all"), key=lambda r: (r["rate"], r["step"] or 0))
         log(f"eval: step {picked['step']} picked on init states {e.episodes}..{e.episodes + e.select_episodes - 1} "
@@ -119,7 +117,7 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
         if not steps:
             raise FileNotFoundError(f"{paths.stage('converted')}: no converted checkpoint to evaluate")
         if e.curve_episodes and len(steps) > 1:  # the earlier checkpoints, for the curve only
-            curve_rows = evaluate(dataclasses.replace(cfg, episodes_per_task=e.curve_episodes, videos=0, perturb=[]),
+            curve_rows = evaluate(dataclasses.replace(cfg, episodes=e.curve_episodes, videos=0, perturb=[]),
                                   out / "curve", steps[:-1])
         rows = evaluate(cfg, out, steps[-1:])
     else:

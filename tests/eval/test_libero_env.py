@@ -288,5 +288,5 @@ def test_zero_env_workers_means_one_per_core(monkeypatch):
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert auto_env_workers(0) == 16 and auto_env_workers(4) == 4
-    assert EvalConfig(num_workers=0).num_workers == 16 and EvalConfig(num_workers=3).num_workers == 3
+    assert EvalConfig(workers=0).workers == 16 and EvalConfig(workers=3).workers == 3
     assert RecordConfig(workers=0).workers == 16

@@ -78,7 +78,7 @@ def _tasks(n=3):
 
 def _run(success_at, crashes, **cfg):
     policy = FakePolicy()
-    config = EvalConfig(episodes_per_task=2, max_steps=10, num_workers=2, videos=0, **cfg)
+    config = EvalConfig(episodes=2, max_steps=10, workers=2, videos=0, **cfg)
     results = evaluate_policy(policy, config, progress=False, tasks=_tasks(),
                               pool_factory=lambda n: ScriptedPool(n, success_at, crashes))
     return policy, {(r.task, r.episode): r for r in results}
@@ -111,7 +111,7 @@ class ResetCrashPool(ScriptedPool):
 def test_an_env_that_cannot_start_stops_the_evaluation_instead_of_counting_failures():
     from dzmodel.eval.libero_eval import EnvStartError
 
-    config = EvalConfig(episodes_per_task=2, max_steps=10, num_workers=2, videos=0)
+    config = EvalConfig(episodes=2, max_steps=10, workers=2, videos=0)
     with pytest.raises(EnvStartError, match=r"task 1 \(task_1\), init state 0: .*could not start.*assets/x/x.xml"):
         evaluate_policy(FakePolicy(), config, progress=False, tasks=_tasks(),
                         pool_factory=lambda n: ResetCrashPool(n, {}, {}))
@@ -124,7 +124,7 @@ def test_episodes_needing_a_chunk_share_one_policy_forward():
     for batched in (True, False):
         policy = FakePolicy()
         timing = {}
-        config = EvalConfig(episodes_per_task=2, max_steps=10, num_workers=2, videos=0, actions_per_chunk=2,
+        config = EvalConfig(episodes=2, max_steps=10, workers=2, videos=0, actions_per_chunk=2,
                             batch_policy=batched)
         results = evaluate_policy(policy, config, progress=False, tasks=_tasks(), timing=timing,
                                   pool_factory=lambda n: ScriptedPool(n, {(0, 0): 3}, {}))
@@ -149,7 +149,7 @@ def test_episodes_step_while_another_resets_with_the_same_results():
             pools.append(factory(n, {(0, 0): 3, (1, 1): 7, (2, 0): 5}, {(2, 1): 1}))
             return pools[-1]
 
-        config = EvalConfig(episodes_per_task=4, max_steps=10, num_workers=3, videos=0, actions_per_chunk=2)
+        config = EvalConfig(episodes=4, max_steps=10, workers=3, videos=0, actions_per_chunk=2)
         timings[name] = {}
         out = evaluate_policy(FakePolicy(), config, progress=False, tasks=_tasks(), pool_factory=make,
                               timing=timings[name])
@@ -190,7 +190,7 @@ def test_envs_with_actions_left_step_while_the_policy_computes():
         return pool
 
     policy = Policy()
-    config = EvalConfig(episodes_per_task=3, max_steps=12, num_workers=3, videos=0, actions_per_chunk=4)
+    config = EvalConfig(episodes=3, max_steps=12, workers=3, videos=0, actions_per_chunk=4)
     results = evaluate_policy(policy, config, progress=False, tasks=_tasks(), pool_factory=make)
     assert len(results) == 9 and len(policy.batches) > 5
     assert policy.idle == 0
@@ -214,8 +214,8 @@ def test_tables_and_plot(tmp_path):
 
 
 def test_bad_eval_config_and_task_index():
-    with pytest.raises(ValueError, match="eval.episodes_per_task"):
-        EvalConfig(episodes_per_task=0)
+    with pytest.raises(ValueError, match="eval.episodes"):
+        EvalConfig(episodes=0)
     with pytest.raises(ValueError, match="has tasks 0..2"):
         evaluate_policy(FakePolicy(), EvalConfig(tasks=[5], videos=0), progress=False, tasks=_tasks(),
                         pool_factory=lambda n: ScriptedPool(n, {}, {}))
@@ -267,7 +267,7 @@ def test_an_episodes_later_queries_extend_its_session(tiny_embodied, context):
 
     tiny_embodied.predict_batch = spy
     try:
-        config = EvalConfig(episodes_per_task=1, max_steps=40, num_workers=1, videos=0, context=context)
+        config = EvalConfig(episodes=1, max_steps=40, workers=1, videos=0, context=context)
         evaluate_policy(tiny_embodied, config, progress=False, tasks=_tasks(1),
                         pool_factory=lambda n: FramePool(n, {}, {}))
     finally:
@@ -281,7 +281,7 @@ def test_an_episodes_later_queries_extend_its_session(tiny_embodied, context):
 
 def test_a_replanning_interval_must_end_on_a_frame_the_model_saw(tiny_embodied):
     with pytest.raises(ValueError, match="multiple of 2"):
-        evaluate_policy(tiny_embodied, EvalConfig(episodes_per_task=1, max_steps=8, videos=0, actions_per_chunk=3),
+        evaluate_policy(tiny_embodied, EvalConfig(episodes=1, max_steps=8, videos=0, actions_per_chunk=3),
                         progress=False, tasks=_tasks(1), pool_factory=lambda n: FramePool(n, {}, {}))
     with pytest.raises(ValueError, match="eval.context"):
         EvalConfig(context="window")
@@ -306,9 +306,9 @@ def test_init_states_can_start_past_the_ones_that_picked_a_checkpoint():
             seen.extend(ep for _, _, ep in assignments)
             return super().reset(assignments)
 
-    evaluate_policy(FakePolicy(), EvalConfig(episodes_per_task=3, first_init_state=40, max_steps=2, videos=0),
+    evaluate_policy(FakePolicy(), EvalConfig(episodes=3, first_init_state=40, max_steps=2, videos=0),
                     progress=False, tasks=_tasks(1), pool_factory=lambda n: Pool(n, {}, {}))
     assert sorted(seen) == [40, 41, 42]
     with pytest.raises(ValueError, match="has 50 init states; asked for 51"):
-        evaluate_policy(FakePolicy(), EvalConfig(episodes_per_task=3, first_init_state=48, videos=0),
+        evaluate_policy(FakePolicy(), EvalConfig(episodes=3, first_init_state=48, videos=0),
                         progress=False, tasks=_tasks(1), pool_factory=lambda n: Pool(n, {}, {}))

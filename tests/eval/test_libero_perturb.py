@@ -147,7 +147,7 @@ def _tasks():
 
 
 def test_a_perturbed_run_sends_the_scene_to_the_worker_and_the_paraphrase_to_the_policy():
-    cfg = EvalConfig(episodes_per_task=2, max_steps=2, num_workers=1, videos=0)
+    cfg = EvalConfig(episodes=2, max_steps=2, workers=1, videos=0)
     for p, scene in ((lp.Perturbation("camera", 10.0), True), (lp.Perturbation("paraphrase", "1"), False)):
         policy, pool = _Policy(), _Pool()
         results = evaluate_policy(policy, cfg, progress=False, tasks=_tasks(), pool_factory=lambda n: pool,

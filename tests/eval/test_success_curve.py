@@ -36,13 +36,13 @@ def _fake_libero(monkeypatch, calls: list):
     from dzmodel.eval.libero_eval import _row, write_results
 
     def fake_run(src, cfg, out, steps=None, **kw):
-        calls.append({"out": Path(out).name, "first": cfg.first_init_state, "episodes": cfg.episodes_per_task,
+        calls.append({"out": Path(out).name, "first": cfg.first_init_state, "episodes": cfg.episodes,
                       "steps": steps, "videos": cfg.videos, "perturb": list(cfg.perturb)})
         rows = []
         for step in steps or list(STEPS):
-            wins = min(SUCCESSES[step], cfg.episodes_per_task)
-            rows += [_row(step, t, f"task {t}", cfg.episodes_per_task, wins) for t in cfg.tasks]
-            rows.append(_row(step, "all", "", cfg.episodes_per_task * len(cfg.tasks), wins * len(cfg.tasks)))
+            wins = min(SUCCESSES[step], cfg.episodes)
+            rows += [_row(step, t, f"task {t}", cfg.episodes, wins) for t in cfg.tasks]
+            rows.append(_row(step, "all", "", cfg.episodes * len(cfg.tasks), wins * len(cfg.tasks)))
         write_results(out, rows, [])
         return rows
 
