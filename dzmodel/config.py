@@ -77,6 +77,9 @@ class RecordParams:
     # each retry's DART σ is the previous try's times retry_noise_scale
     retries: int = field(default=0, metadata={"min": 0, "max": 10})
     retry_noise_scale: float = field(default=1.0, metadata={"min": 0, "max": 1})
+    # the first N starts of each task are pilots: if none succeeded at the full σ, the task's other starts begin at
+    # the σ of the lowest retry level where one did; 0: off
+    noise_pilot: int = field(default=0, metadata={"min": 0, "max": 10_000})
     # steps per attempt; null: the suite's standard limit (noise slows the expert: at σ 0.6 its successes take ~2x)
     max_steps: int | None = field(default=None, metadata={"min": 1, "max": 5000})
     image_size: int = field(default=256, metadata={"min": 32, "max": 1024})

@@ -45,11 +45,11 @@ def test_libero_spatial_is_the_libero_object_recipe_on_the_spatial_suite():
     assert spatial.fetch.record.suite == "spatial" and spatial.eval.suite == "spatial"
     rec = spatial.fetch.record
     assert rec.tasks == list(range(10)) and rec.episodes == 50 and rec.init == "perturbed" and rec.min_shift_m > 0
-    assert rec.retries == 3 and rec.retry_noise_scale == 0.5 and obj.fetch.record.retries == 0
+    assert rec.retries == 3 and rec.retry_noise_scale == 0.5 and rec.noise_pilot == 10 and obj.fetch.record.retries == 0
     assert spatial.train["epochs"] == 15 < obj.train["epochs"]
     assert {**spatial.train, "epochs": obj.train["epochs"]} == obj.train
     assert spatial.vision == obj.vision and spatial.metadata == obj.metadata
-    differ = {"suite", "retries", "retry_noise_scale"}
+    differ = {"suite", "retries", "retry_noise_scale", "noise_pilot"}
     assert {k: v for k, v in vars(rec).items() if k not in differ} == \
         {k: v for k, v in vars(obj.fetch.record).items() if k not in differ}
     assert spatial.eval.tasks == obj.eval.tasks and spatial.eval.episodes == obj.eval.episodes

@@ -137,7 +137,7 @@ def cmd_data_record_libero(ns: argparse.Namespace) -> int:
                        max_shift_m=ns.max_shift, min_shift_m=ns.min_shift, image_size=ns.image_size, seed=ns.seed,
                        workers=ns.workers, codec={"av1": "libsvtav1", "h264": "libx264"}[ns.codec], gop=ns.gop,
                        max_steps=ns.max_steps, dart_noise=ns.dart_noise, retries=ns.retries,
-                       retry_noise_scale=ns.retry_noise_scale, dagger=ns.dagger, dagger_beta=ns.dagger_beta,
+                       retry_noise_scale=ns.retry_noise_scale, noise_pilot=ns.noise_pilot, dagger=ns.dagger, dagger_beta=ns.dagger_beta,
                        dagger_device=ns.device, dagger_solver_steps=ns.solver_steps, dagger_cfg_scale=ns.cfg_scale,
                        actions_per_chunk=ns.actions_per_chunk, keep=ns.keep)
     try:
@@ -293,6 +293,10 @@ def add_data_commands(data) -> None:
                    "fresh expert and noise seeds, up to this many times (0-10); the start counts once")
     p.add_argument("--retry-noise-scale", type=float, default=1.0, metavar="F",
                    help="DART: each retry's SIGMA is the previous try's times F (default 1: the same)")
+    p.add_argument("--noise-pilot", type=int, default=0, metavar="N",
+                   help="DART with retries: the first N starts of each task are pilots; if none succeeded at the "
+                   "full SIGMA, the task's other starts begin at the SIGMA of the lowest retry where one did "
+                   "(default 0: off)")
     p.add_argument("--dagger", metavar="MODEL_DIR", help="DAgger: a converted model whose policy acts (per chunk, "
                    "with probability 1 - beta); every row is labelled with the expert's action at that state")
     p.add_argument("--dagger-beta", type=float, default=0.5, help="DAgger: probability that the expert acts a chunk")

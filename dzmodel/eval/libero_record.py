@@ -100,6 +100,9 @@ class RecordConfig:
     retries: int = 0                   # a failed attempt is tried again from the same start (fresh expert and noise
                                        # seeds), up to this many times; the start counts once
     retry_noise_scale: float = 1.0     # DART: each retry's σ is the previous try's times this (1: the same σ)
+    noise_pilot: int = 0               # DART with retries: the first N starts of each task are pilots; if none of
+                                       # them succeeded at the full σ, the task's other starts begin at the σ of the
+                                       # lowest retry level where one did (the tries above it are skipped); 0: off
     dagger: str | None = None          # DAgger: a converted model directory whose policy acts with prob. 1 - beta
     dagger_beta: float = 0.5           # per chunk, the probability that the expert acts
     dagger_device: str = "cpu"
@@ -148,6 +151,12 @@ class RecordConfig:
             raise DataError(f"--retries: must be in [0, 10], got {self.retries}")
         if not 0 <= self.retry_noise_scale <= 1:
             raise DataError(f"--retry-noise-scale: must be in [0, 1], got {self.retry_noise_scale}")
+        if not 0 <= self.noise_pilot <= 10_000:
+            raise DataError(f"--noise-pilot: must be in [0, 10000], got {self.noise_pilot}")
+        if self.noise_pilot and not (self.dart_noise > 0 and self.retries and self.retry_noise_scale < 1):
+            raise DataError(f"--noise-pilot {self.noise_pilot}: chooses the σ a task's starts begin at, so it needs "
+                            f"--dart-noise > 0, --retries >= 1 and --retry-noise-scale < 1 (got {self.dart_noise}, "
+                            f"{self.retries}, {self.retry_noise_scale})")
         if not 0 <= self.dagger_beta <= 1:
             raise DataError(f"--dagger-beta: must be in [0, 1], got {self.dagger_beta}")
         if self.actions_per_chunk is not None and self.actions_per_chunk < 1:

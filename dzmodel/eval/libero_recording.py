@@ -68,6 +68,14 @@ def attempts(cfg, tasks) -> list[Attempt]:
     return out
 
 
+def at_level(cfg, a: Attempt, level: int) -> Attempt:
+    """`a`'s start begun at retry level `level`: the attempt that `level` retries of `a` would be (the same seeds and
+    σ), as if the tries below it had failed."""
+    for _ in range(level):
+        a = retry_of(cfg, a)
+    return a
+
+
 def retry_of(cfg, a: Attempt) -> Attempt:
     """The next try of `a`'s start: the same env and perturbation seeds (the same start), fresh expert, noise and
     mixing seeds, and the DART σ scaled by `cfg.retry_noise_scale`."""
@@ -116,6 +124,10 @@ class Recording:
         self.running: dict[int, Attempt] = {}
         self.starting: dict[int, Attempt] = {}  # worker -> attempt whose reset is in flight
         self.free: list[int] = []
+        # noise_pilot: per task, the retry level at which each pilot start ended (None: it failed at every level),
+        # and the level the task's other starts begin at once every pilot has ended
+        self.pilot_ends: dict[int, list[int | None]] = {}
+        self.first_level: dict[int, int] = {}
 
     # -- writing --
 
@@ -179,6 +191,8 @@ class Recording:
             self.order[id(nxt)] = self.order[id(a)]
             self.queue.insert(0, nxt)
             return
+        if self._is_pilot(a):
+            self.pilot_ends.setdefault(a.task.index, []).append(a.retry if a.success else None)
         self.finished[self.order[id(a)]] = a
         self._flush()
         ok = sum(r.success for r in self.results)
@@ -247,6 +261,38 @@ class Recording:
                 opts[w] = o
         return opts
 
+    # -- noise_pilot: a task whose first starts never succeed under the full σ begins its other starts lower --
+
+    def _is_pilot(self, a: Attempt) -> bool:
+        return a.number < self.cfg.noise_pilot
+
+    def _ready(self, a: Attempt) -> Attempt | None:
+        """`a` as it is to be run now, or None while it must wait: a task's starts beyond its pilots wait until every
+        pilot has ended, then begin at the lowest retry level at which a pilot succeeded (the full σ if one did
+        there, or if none succeeded at any level)."""
+        if not self.cfg.noise_pilot or a.retry or self._is_pilot(a):
+            return a
+        t = a.task.index
+        if t not in self.first_level:
+            ends = self.pilot_ends.get(t, [])
+            if len(ends) < min(self.cfg.noise_pilot, self.cfg.episodes):
+                return None
+            self.first_level[t] = min((e for e in ends if e is not None), default=0)
+        if not self.first_level[t]:
+            return a
+        b = at_level(self.cfg, a, self.first_level[t])
+        self.order[id(b)] = self.order.pop(id(a))
+        return b
+
+    def _next_ready(self) -> Attempt | None:
+        """The first attempt in the queue that may run now (`_ready`), taken out of the queue."""
+        for i, a in enumerate(self.queue):
+            b = self._ready(a)
+            if b is not None:
+                del self.queue[i]
+                return b
+        return None
+
     def run(self, pool) -> None:
         """Every attempt to its end; every worker runs its attempt at its own pace (one worker's reset, seconds,
         holds up no other)."""
@@ -254,13 +300,14 @@ class Recording:
         from .libero_workers import EpisodeInit
 
         cfg, queue = self.cfg, self.queue
-        queue[:] = self.todo
+        # the pilot starts of every task first (`noise_pilot`), so that no task's other starts wait long for them
+        queue[:] = [a for a in self.todo if self._is_pilot(a)] + [a for a in self.todo if not self._is_pilot(a)]
         self.free = list(range(pool.num_workers))
         while queue or self.running or self.starting:
-            if queue and self.free:
-                assign = {}
-                while queue and self.free:
-                    assign[self.free.pop(0)] = queue.pop(0)
+            assign = {}
+            while queue and self.free and (a := self._next_ready()) is not None:
+                assign[self.free.pop(0)] = a
+            if assign:  # empty while the only starts left wait for their task's pilots (`noise_pilot`)
                 inits = {w: EpisodeInit(env_seed=a.env_seed, perturb_seed=a.perturb_seed, max_shift_m=cfg.max_shift_m,
                                         sample=cfg.init == "sampled", min_shift_m=cfg.min_shift, describe=True)
                          for w, a in assign.items()}
@@ -279,6 +326,14 @@ class Recording:
             seeds = {w: self.running[w].expert_seed for w in idle}
             pool.submit_expert_step(seeds, opts) if opts else pool.submit_expert_step(seeds)
 
+    def _per_task(self, tasks) -> list[dict]:
+        rows = per_task(tasks, self.results, self.kept, self.object_xy_index)
+        if self.cfg.noise_pilot:  # the σ each task's starts beyond its pilots began at
+            for row in rows:
+                level = self.first_level.get(row["task"], 0)
+                row["first_noise"] = round(self.cfg.dart_noise * self.cfg.retry_noise_scale ** level, 6)
+        return rows
+
     def summary(self, tasks, seconds: float) -> dict:
         cfg = self.cfg
         return {
@@ -288,7 +343,7 @@ class Recording:
             "max_steps": self.max_steps,
             "config": asdict(cfg),
             "options": self.options,
-            "per_task": per_task(tasks, self.results, self.kept, self.object_xy_index),
+            "per_task": self._per_task(tasks),
             "starts": len(self.todo),
             "attempts": len(self.results),
             "successes": sum(a.success for a in self.results),
@@ -328,7 +383,7 @@ def recording_options(cfg, dagger: bool) -> dict:
             "label": "the scripted expert's clean action at each row's state",
             "executed_key": EXECUTED_KEY if (dagger or cfg.dart_noise > 0) else None,
             "keep": cfg.keep_mode,
-            "retries": cfg.retries, "retry_noise_scale": cfg.retry_noise_scale,
+            "retries": cfg.retries, "retry_noise_scale": cfg.retry_noise_scale, "noise_pilot": cfg.noise_pilot,
             "objects_key": OBJECTS_KEY, "objects_layout": OBJECTS_NAMES["axes"],
             "objects_note": "privileged world xyz of the goal's object and its target (region site for In, body for "
                             "On); diagnostics only, not a model input"}

@@ -31,6 +31,8 @@ def stage_fetch(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict
             record.pop("retries")
         if record.get("retry_noise_scale") == 1:
             record.pop("retry_noise_scale")
+        if record.get("noise_pilot") == 0:
+            record.pop("noise_pilot")
         if record.get("init") == "standard":
             record.pop("min_shift_m", None)
     dest = fetch_dataset(source, paths.data, revision=f.revision, allow_patterns=f.allow or None,

@@ -331,6 +331,62 @@ def test_without_retries_a_failed_start_is_not_tried_again(tmp_path):
     summary, pool = _retried(tmp_path, workers=2)
     assert max(pool.tries.values()) == 1 and summary["successes"] == 4 and "retry" not in summary["episodes"][0]
 
+
+class NoisePool(ExpertPool):
+    """A start of task t succeeds at step 3 of any try whose DART σ is at most `below[t]`, else never; the σ of
+    every try is logged per (task, init index)."""
+
+    def __init__(self, n, below):
+        super().__init__(n, {})
+        self.below, self.noise = below, []
+
+    def expert_step(self, seeds, options=None):
+        for w, o in (options or {}).items():
+            key, n = self.running[w]
+            if n == 0:
+                self.noise.append((key, o["noise"]))
+                self.success_at[key] = 3 if o["noise"] <= self.below[key[0]] + 1e-9 else None
+        return super().expert_step(seeds, options)
+
+
+def _piloted(tmp_path, name, workers=2, **kw):
+    pools = []
+
+    def factory(n):
+        pools.append(NoisePool(n, {0: 0.1, 3: 0.4}))  # task 0 succeeds only at the third level, task 3 at once
+        return pools[-1]
+
+    cfg = _cfg(workers=workers, episodes=4, dart_noise=0.4, retries=2, retry_noise_scale=0.5, max_steps=10, **kw)
+    return record_libero(cfg, tmp_path / name, progress=False, log=lambda s: None, pool_factory=factory), pools[0]
+
+
+def test_a_task_whose_pilots_fail_under_full_noise_begins_its_other_starts_where_they_succeeded(tmp_path):
+    summary, pool = _piloted(tmp_path, "pilot", noise_pilot=2)
+    tries = {}
+    for key, sigma in pool.noise:
+        tries.setdefault(key, []).append(sigma)
+    # the pilots (init states 0, 1) of task 0 go down the ladder; its other starts begin where they succeeded
+    assert tries[(0, 0)] == tries[(0, 1)] == [0.4, 0.2, 0.1] and tries[(0, 2)] == tries[(0, 3)] == [0.1]
+    assert all(tries[(3, k)] == [0.4] for k in range(4))  # task 3's pilots succeeded at the full σ
+    assert [(r["attempts"], r["kept"], r["first_noise"]) for r in summary["per_task"]] == [(8, 4, 0.1), (4, 4, 0.4)]
+    assert summary["options"]["noise_pilot"] == 2
+    # the starts that skipped the levels above are the attempts that trying them would have reached: same episodes
+    plain, _ = _piloted(tmp_path, "plain")
+    assert plain["episodes"] == summary["episodes"] and plain["attempts"] == 16
+    assert (tmp_path / "plain" / "data/chunk-000/file-000.parquet").read_bytes() == \
+        (tmp_path / "pilot" / "data/chunk-000/file-000.parquet").read_bytes()
+
+
+def test_pilots_give_the_same_dataset_whatever_the_worker_count(tmp_path):
+    one, _ = _piloted(tmp_path, "one", workers=1, noise_pilot=2)
+    five, _ = _piloted(tmp_path, "five", workers=5, noise_pilot=2)
+    assert one["episodes"] == five["episodes"] and one["per_task"] == five["per_task"]
+
+
+def test_noise_pilot_without_a_noise_ladder_is_refused():
+    with pytest.raises(DataError, match="--noise-pilot 2: .* needs --dart-noise > 0, --retries >= 1"):
+        _cfg(dart_noise=0.4, noise_pilot=2)
+
 class FakePolicy:
     """Stands in for `EmbodiedPolicy`: a chunk of 4 constant actions that names its call, sessions logged."""
 
