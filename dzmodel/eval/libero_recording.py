@@ -124,9 +124,12 @@ class Recording:
         self.running: dict[int, Attempt] = {}
         self.starting: dict[int, Attempt] = {}  # worker -> attempt whose reset is in flight
         self.free: list[int] = []
-        # noise_pilot: per task, the retry level at which each pilot start ended (None: it failed at every level),
-        # and the level the task's other starts begin at once every pilot has ended
-        self.pilot_ends: dict[int, list[int | None]] = {}
+        # noise_pilot, per task: how many pilot starts have ended; the retry levels at which pilots succeeded (not
+        # counting a pilot whose tries include a crashed worker or a failed reset: those say nothing about the noise,
+        # and depend on timing); the level the task's other starts begin at once every pilot has ended
+        self.pilot_done: dict[int, int] = {}
+        self.pilot_levels: dict[int, list[int]] = {}
+        self.pilot_unsure: set[tuple[int, int]] = set()
         self.first_level: dict[int, int] = {}
 
     # -- writing --
@@ -184,6 +187,8 @@ class Recording:
         if self.dagger:
             self.policy.end_session(session_name(a))
         self.results.append(a)
+        if self._is_pilot(a) and note.startswith(("reset failed", "env worker crashed")):
+            self.pilot_unsure.add((a.task.index, a.number))
         if not (a.success or self.keep_all):  # free the frames now; a failure is never written
             a.drop_frames()
         if not a.success and a.retry < self.cfg.retries:  # the start is tried again, first in the queue; its
@@ -192,7 +197,10 @@ class Recording:
             self.queue.insert(0, nxt)
             return
         if self._is_pilot(a):
-            self.pilot_ends.setdefault(a.task.index, []).append(a.retry if a.success else None)
+            t = a.task.index
+            self.pilot_done[t] = self.pilot_done.get(t, 0) + 1
+            if a.success and (t, a.number) not in self.pilot_unsure:
+                self.pilot_levels.setdefault(t, []).append(a.retry)
         self.finished[self.order[id(a)]] = a
         self._flush()
         ok = sum(r.success for r in self.results)
@@ -269,15 +277,15 @@ class Recording:
     def _ready(self, a: Attempt) -> Attempt | None:
         """`a` as it is to be run now, or None while it must wait: a task's starts beyond its pilots wait until every
         pilot has ended, then begin at the lowest retry level at which a pilot succeeded (the full σ if one did
-        there, or if none succeeded at any level)."""
+        there, or if none succeeded at any level). A pilot whose tries include a crashed worker or a failed reset
+        is not counted."""
         if not self.cfg.noise_pilot or a.retry or self._is_pilot(a):
             return a
         t = a.task.index
         if t not in self.first_level:
-            ends = self.pilot_ends.get(t, [])
-            if len(ends) < min(self.cfg.noise_pilot, self.cfg.episodes):
+            if self.pilot_done.get(t, 0) < min(self.cfg.noise_pilot, self.cfg.episodes):
                 return None
-            self.first_level[t] = min((e for e in ends if e is not None), default=0)
+            self.first_level[t] = min(self.pilot_levels.get(t, []), default=0)
         if not self.first_level[t]:
             return a
         b = at_level(self.cfg, a, self.first_level[t])
@@ -300,8 +308,9 @@ class Recording:
         from .libero_workers import EpisodeInit
 
         cfg, queue = self.cfg, self.queue
-        # the pilot starts of every task first (`noise_pilot`), so that no task's other starts wait long for them
-        queue[:] = [a for a in self.todo if self._is_pilot(a)] + [a for a in self.todo if not self._is_pilot(a)]
+        # in (task, attempt) order, a task's pilots (`noise_pilot`) first; a start that waits for its task's pilots
+        # is passed over for the next task's, so that finished episodes held for the ordered writes stay few
+        queue[:] = self.todo
         self.free = list(range(pool.num_workers))
         while queue or self.running or self.starting:
             assign = {}

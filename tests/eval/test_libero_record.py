@@ -334,11 +334,11 @@ def test_without_retries_a_failed_start_is_not_tried_again(tmp_path):
 
 class NoisePool(ExpertPool):
     """A start of task t succeeds at step 3 of any try whose DART σ is at most `below[t]`, else never; the σ of
-    every try is logged per (task, init index)."""
+    every try is logged per (task, init index). The first try of each start in `crash_first` crashes its worker."""
 
-    def __init__(self, n, below):
+    def __init__(self, n, below, crash_first=()):
         super().__init__(n, {})
-        self.below, self.noise = below, []
+        self.below, self.noise, self.crash_first = below, [], set(crash_first)
 
     def expert_step(self, seeds, options=None):
         for w, o in (options or {}).items():
@@ -346,14 +346,16 @@ class NoisePool(ExpertPool):
             if n == 0:
                 self.noise.append((key, o["noise"]))
                 self.success_at[key] = 3 if o["noise"] <= self.below[key[0]] + 1e-9 else None
+                first = sum(k == key for k, _ in self.noise) == 1
+                self.crash_at[key] = 1 if first and key in self.crash_first else None
         return super().expert_step(seeds, options)
 
 
-def _piloted(tmp_path, name, workers=2, **kw):
+def _piloted(tmp_path, name, workers=2, crash_first=(), **kw):
     pools = []
 
-    def factory(n):
-        pools.append(NoisePool(n, {0: 0.1, 3: 0.4}))  # task 0 succeeds only at the third level, task 3 at once
+    def factory(n):  # task 0 succeeds only at the third level, task 3 at once
+        pools.append(NoisePool(n, {0: 0.1, 3: 0.4}, crash_first))
         return pools[-1]
 
     cfg = _cfg(workers=workers, episodes=4, dart_noise=0.4, retries=2, retry_noise_scale=0.5, max_steps=10, **kw)
@@ -381,6 +383,16 @@ def test_pilots_give_the_same_dataset_whatever_the_worker_count(tmp_path):
     one, _ = _piloted(tmp_path, "one", workers=1, noise_pilot=2)
     five, _ = _piloted(tmp_path, "five", workers=5, noise_pilot=2)
     assert one["episodes"] == five["episodes"] and one["per_task"] == five["per_task"]
+
+
+def test_a_pilot_whose_worker_crashed_says_nothing_about_the_noise(tmp_path):
+    # task 3's only pilot crashes on its first try and succeeds on its retry, at half the σ: that is no evidence
+    # that the full σ fails, so the task's other starts still begin at the full σ
+    summary, pool = _piloted(tmp_path, "crash", noise_pilot=1, crash_first={(3, 0)})
+    firsts = {key: sigma for key, sigma in reversed(pool.noise)}  # each start's first σ
+    assert firsts[(3, 0)] == 0.4 and [s for k, s in pool.noise if k == (3, 0)] == [0.4, 0.2]
+    assert [firsts[(3, k)] for k in (1, 2, 3)] == [0.4, 0.4, 0.4]
+    assert summary["per_task"][1]["first_noise"] == 0.4
 
 
 def test_noise_pilot_without_a_noise_ladder_is_refused():
