@@ -71,10 +71,8 @@ APPROACH_STALL_STEPS = 10  # an approach whose eef moved less than 1 mm in this 
 APPROACH_STALL_WITHIN = 0.03  # ... and, this close to the hover point in xy, comes down from where it is
 SETTLED_SPEED = 0.0005     # m per step: an object moving slower than this has come to rest (a re-plan waits for it)
 SETTLE_WAIT_STEPS = 15     # ... for at most this many steps (an object that keeps rolling is planned for as it is)
-WAY_DOWN_MIN_ROOM = 0.001  # a searched grasp whose way down keeps less room than this ranks below every other one
-                           # (and below the reset-yaw grasp, which is kept when all are blocked)
-ROOM_ENOUGH = 0.009       # room beyond this does not make a searched grasp better; a shallower inset and a smaller
-                          # turn do
+WAY_DOWN_MIN_ROOM = 0.001  # a rim grasp whose way down keeps less room than this ranks below every clear one
+ROOM_ENOUGH = 0.009       # room beyond this does not make a rim grasp better; a shallower inset and a smaller turn do
 YAW_TOLERANCE = 0.05      # rad: the hand's yaw error under which it may descend to a rotated grasp
 YAW_GAIN = 1.0            # fraction of the orientation error commanded per step while turning to a grasp yaw
 HANDLE_WIDER_THAN = 0.085  # an object wider than this along the finger axis where the fingers close is taken by
@@ -292,12 +290,13 @@ def cup_geometry(sim, root_body: str) -> tuple[np.ndarray, float, np.ndarray | N
 
 
 def _grasp_score(rooms: list[float], inset: float, yaw: float) -> float:
-    """How good a rim grasp is, from the open hand's rooms on its way down (`PickPlace._rooms_on_way_down`; rooms[0]
-    at the grasp): the most room at the grasp wins, up to ROOM_ENOUGH; among grasps with enough, the shallower inset
-    and the smaller turn; a grasp whose way straight down meets something (less than WAY_DOWN_MIN_ROOM) ranks below
-    every other one. The unturned grasp is scored by the same rule."""
+    """How good a rim grasp is, from the open hand's rooms on its way straight down onto it
+    (`PickPlace._rooms_on_way_down`): the most room, the least along that way, wins up to ROOM_ENOUGH; among grasps
+    with enough, the shallower inset and the smaller turn; a grasp whose way down meets something (less than
+    WAY_DOWN_MIN_ROOM) ranks below every clear one. The unturned grasp is scored by the same rule, and is searched
+    past by the same measure (its least room under YAW_MIN_CLEARANCE)."""
     blocked = min(rooms) < WAY_DOWN_MIN_ROOM
-    return min(rooms[0], ROOM_ENOUGH) - float(blocked) - 0.2 * (inset - BOWL_RIM_INSET) - 0.0005 * abs(yaw)
+    return min(min(rooms), ROOM_ENOUGH) - float(blocked) - 0.2 * (inset - BOWL_RIM_INSET) - 0.0005 * abs(yaw)
 
 
 def finger_axis(yaw: float) -> np.ndarray:

@@ -20,8 +20,16 @@ def test_room_beyond_enough_does_not_count_and_then_the_smaller_turn_and_shallow
     assert le._grasp_score(roomy, le.BOWL_RIM_INSET, 0.3) == le._grasp_score(enough, le.BOWL_RIM_INSET, 0.3)
     assert le._grasp_score(enough, le.BOWL_RIM_INSET, 0.0) > le._grasp_score(enough, le.BOWL_RIM_INSET, 0.3)
     assert le._grasp_score(enough, le.BOWL_RIM_INSET, 0.3) > le._grasp_score(enough, le.RIM_INSETS[1], 0.3)
-    # below enough, more room at the grasp wins over a smaller turn
+    # below enough, more room wins over a smaller turn
     assert le._grasp_score([0.006] * 6, le.BOWL_RIM_INSET, 1.0) > le._grasp_score([0.003] * 6, le.BOWL_RIM_INSET, 0.0)
+
+
+def test_the_room_that_counts_is_the_least_on_the_way_down_not_only_at_the_grasp():
+    # the unturned grasp with room at the grasp but a tight way down (above the 1 mm of a blocked one) loses to a
+    # turned grasp with a roomier way: the score is judged as the search is triggered, by the least room
+    tight_way = le._grasp_score([0.009, 0.005, 0.003, 0.004], le.BOWL_RIM_INSET, 0.0)
+    roomy_turn = le._grasp_score([0.008, 0.007, 0.007, 0.008], le.BOWL_RIM_INSET, np.deg2rad(30))
+    assert roomy_turn > tight_way
 
 
 class _Planned:
