@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .eval.rollout import RolloutParams
+from .eval.record_params import RecordParams
+from .eval.rollout import RolloutParams, check_suite_tasks
 from .schema import SEED, SchemaError, bounded_repr, build, load_yaml
 from .stage_paths import StagePaths
 
 PROFILE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
-# Tasks per LIBERO suite (LIBERO's benchmarks libero_spatial/object/goal/10 each have 10 tasks), and the standard
-# fixed init states per task: the static bounds of eval.tasks, fetch.record.tasks and the evaluated init states.
-LIBERO_SUITE_TASKS = {"spatial": 10, "object": 10, "goal": 10, "10": 10}
+# The standard fixed init states per LIBERO task: the static bound of the evaluated init states.
 LIBERO_INIT_STATES = 50
 LEARNING_RATE = {"gt": 0, "max": 1.0}
 PLAIN_NAME = {"plain_name": True}
@@ -47,50 +46,6 @@ LAUNCH_FIELDS = ("nproc_per_node", "nnodes")
 
 class ParamsError(ValueError):
     """params.yaml (or an override) is invalid; the message names the file and every bad field."""
-
-
-def _check_suite_tasks(tasks: list[int] | None, suite: str, where: str) -> None:
-    """Task indices inside the suite, each once; `where` is the field ("eval.tasks")."""
-    size = LIBERO_SUITE_TASKS[suite]
-    for i, task in enumerate(tasks or []):
-        if not 0 <= task < size:
-            raise ValueError(f"{where}[{i}]: task {task} is not in LIBERO-{suite} (tasks 0..{size - 1})")
-    for task in tasks or []:
-        if tasks.count(task) > 1:
-            raise ValueError(f"{where}: task {task} is listed twice")
-
-
-@dataclass
-class RecordParams:
-    """fetch.source "libero": demonstrations recorded in simulation by the scripted expert (`dz data record libero`)."""
-    suite: Literal["object", "spatial", "goal", "10"] = "object"
-    tasks: list[int] | None = field(default=None, metadata={"min": 0})  # task indices; null = every task of the suite
-    episodes: int = field(default=10, metadata={"min": 1, "max": 10_000})  # expert attempts per task; successes are kept
-    # standard: the evaluation's init states; perturbed: shifted by [min_shift_m, max_shift_m]; sampled: fresh draws
-    # from the task's init distribution. perturbed and sampled keep min_shift_m from every standard init state.
-    init: Literal["standard", "perturbed", "sampled"] = "standard"
-    max_shift_m: float = field(default=0.02, metadata={"min": 0, "max": 0.1})
-    # null: max_shift_m / 2 (perturbed), 0.002 (sampled)
-    min_shift_m: float | None = field(default=None, metadata={"min": 0, "max": 0.1})
-    dart_noise: float = field(default=0.0, metadata={"min": 0, "max": 1})  # DART σ on the executed arm dims
-    # a failed attempt is tried again from the same start (fresh expert and noise seeds) up to this many times;
-    # each retry's DART σ is the previous try's times retry_noise_scale
-    retries: int = field(default=0, metadata={"min": 0, "max": 10})
-    retry_noise_scale: float = field(default=1.0, metadata={"min": 0, "max": 1})
-    # the first N starts of each task are pilots: if none succeeded at the full σ, the task's other starts begin at
-    # the σ of the lowest retry level where one did; 0: off
-    noise_pilot: int = field(default=0, metadata={"min": 0, "max": 10_000})
-    # steps per attempt; null: the suite's standard limit (noise slows the expert: at σ 0.6 its successes take ~2x)
-    max_steps: int | None = field(default=None, metadata={"min": 1, "max": 5000})
-    image_size: int = field(default=256, metadata={"min": 32, "max": 1024})
-    workers: int = field(default=2, metadata={"min": 0, "max": 256})  # env processes; 0: one per CPU core
-    codec: Literal["libsvtav1", "libx264"] = "libsvtav1"  # libx264 also decodes with OpenCV (the GPU image)
-    gop: int = field(default=2, metadata={"min": 1, "max": 1000})  # keyframe interval; longer = smaller files, slower seeks
-
-    def __post_init__(self) -> None:
-        _check_suite_tasks(self.tasks, self.suite, "record.tasks")
-        if self.min_shift_m is not None and self.min_shift_m > self.max_shift_m:
-            raise ValueError(f"record.min_shift_m: must be <= max_shift_m ({self.max_shift_m}), got {self.min_shift_m}")
 
 
 @dataclass
@@ -109,7 +64,8 @@ class FetchParams:
     retries: int = field(default=3, metadata={"min": 0, "max": 10})  # network fetches are retried with backoff
     retry_delay_s: float = field(default=10.0, metadata={"min": 0, "max": 3600})
     skip_missing: bool = False  # accept a source that lacks some video files (set train.skip_missing too)
-    record: RecordParams = field(default_factory=RecordParams)  # source "libero" only
+    # source "libero" only: the recording's options, declared with `dz data record libero`'s (eval/record_params.py)
+    record: RecordParams = field(default_factory=RecordParams)
 
     def __post_init__(self) -> None:
         if self.source in ("synthetic", "libero") or "/" not in self.source:
@@ -201,7 +157,7 @@ class EvalParams(RolloutParams):
         from .eval.perturb_spec import parse_perturbations
         from .model.sampler import SolverConfig
 
-        _check_suite_tasks(self.tasks, self.suite, "eval.tasks")
+        check_suite_tasks(self.tasks, self.suite, "eval.tasks")
         parse_perturbations(self.perturb, "eval.perturb")
         init_states = self.episodes + self.select_episodes
         if init_states > LIBERO_INIT_STATES:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..clitools import EXIT_FAIL, EXIT_OK, CLIError, claim_out, example, int_list
 from ..model.cli import add_solver_arguments, solver_from
+from .record_params import add_record_arguments
 from .rollout import add_rollout_arguments
 
 
@@ -133,18 +134,25 @@ def cmd_data_record_libero(ns: argparse.Namespace) -> int:
     from ..eval.libero_env import LiberoNotInstalled
     from ..eval.libero_record import RecordConfig, record_libero
 
-    cfg = RecordConfig(suite=ns.suite, tasks=int_list(ns.tasks, "--tasks"), episodes=ns.episodes, init=ns.init,
-                       max_shift_m=ns.max_shift, min_shift_m=ns.min_shift, image_size=ns.image_size, seed=ns.seed,
-                       workers=ns.workers, codec={"av1": "libsvtav1", "h264": "libx264"}[ns.codec], gop=ns.gop,
-                       max_steps=ns.max_steps, dart_noise=ns.dart_noise, retries=ns.retries,
-                       retry_noise_scale=ns.retry_noise_scale, noise_pilot=ns.noise_pilot, dagger=ns.dagger, dagger_beta=ns.dagger_beta,
-                       dagger_device=ns.device, dagger_solver_steps=ns.solver_steps, dagger_cfg_scale=ns.cfg_scale,
-                       actions_per_chunk=ns.actions_per_chunk, keep=ns.keep)
+    cfg = RecordConfig(**record_options(ns), dagger=ns.dagger, dagger_beta=ns.dagger_beta, dagger_device=ns.device,
+                       dagger_solver_steps=ns.solver_steps, dagger_cfg_scale=ns.cfg_scale,
+                       actions_per_chunk=ns.actions_per_chunk, keep=ns.keep, seed=ns.seed)
     try:
         record_libero(cfg, ns.out, overwrite=ns.overwrite, progress=not ns.no_progress)
     except LiberoNotInstalled as exc:
         raise CLIError(str(exc)) from None
     return EXIT_OK
+
+
+def record_options(ns: argparse.Namespace) -> dict:
+    """The RecordParams fields from `dz data record libero`'s options (`add_record_arguments`)."""
+    import dataclasses
+
+    from ..eval.record_params import RecordParams
+
+    out = {f.name: getattr(ns, f.name) for f in dataclasses.fields(RecordParams)}
+    out.update(tasks=int_list(ns.tasks, "--tasks"))
+    return out
 
 
 def add_commands(sub) -> None:
@@ -273,30 +281,9 @@ def add_data_commands(data) -> None:
                        epilog=example("dz data record libero --suite object --tasks 0 --episodes 1 --image-size 64 "
                                       "--out build/libero_demo",
                                       "dz data record libero --suite object --tasks 0,1,2,3 --episodes 30 "
-                                      "--init perturbed --dart-noise 0.1 --out data/libero_object_demos"))
-    p.add_argument("--suite", default="object", help="object | spatial | goal | 10 (the tasks whose every goal "
-                   "term the expert has a skill for: In/On, drawers, the stove's knob, pushes; others are refused "
-                   "by name)")
-    p.add_argument("--tasks", help="task indices, e.g. 0,1,2 (default: every task of the suite)")
-    p.add_argument("--episodes", type=int, default=10, help="expert attempts per task; only successes are kept")
-    p.add_argument("--init", choices=["standard", "perturbed", "sampled"], default="standard",
-                   help="the standard init states 0..N-1 (the evaluation's), seeded perturbations of them, or fresh "
-                   "draws from the task's init distribution")
-    p.add_argument("--max-shift", type=float, default=0.02, help="perturbed: object x/y shift bound in metres")
-    p.add_argument("--min-shift", type=float, help="perturbed: every object moves at least this much; perturbed and "
-                   "sampled: every standard init state is at least this far (default: max shift / 2)")
-    p.add_argument("--max-steps", type=int, help="steps per attempt (default: the suite's standard limit)")
-    p.add_argument("--dart-noise", type=float, default=0.0, metavar="SIGMA",
-                   help="DART: execute the expert's action + N(0, SIGMA^2) on the 6 arm dims (clipped to [-1, 1]); "
-                   "the clean expert action is recorded")
-    p.add_argument("--retries", type=int, default=0, help="a failed attempt is tried again from the same start, with "
-                   "fresh expert and noise seeds, up to this many times (0-10); the start counts once")
-    p.add_argument("--retry-noise-scale", type=float, default=1.0, metavar="F",
-                   help="DART: each retry's SIGMA is the previous try's times F (default 1: the same)")
-    p.add_argument("--noise-pilot", type=int, default=0, metavar="N",
-                   help="DART with retries: the first N starts of each task are pilots; if none succeeded at the "
-                   "full SIGMA, the task's other starts begin at the SIGMA of the lowest retry where one did "
-                   "(default 0: off)")
+                                      "--init perturbed --max-shift-m 0.03 --dart-noise 0.1 --codec libx264 "
+                                      "--out data/libero_object_demos"))
+    add_record_arguments(p)  # --suite, --tasks, --episodes, ... as the fetch stage's `fetch.record:` section names them
     p.add_argument("--dagger", metavar="MODEL_DIR", help="DAgger: a converted model whose policy acts (per chunk, "
                    "with probability 1 - beta); every row is labelled with the expert's action at that state")
     p.add_argument("--dagger-beta", type=float, default=0.5, help="DAgger: probability that the expert acts a chunk")
@@ -306,11 +293,7 @@ def add_data_commands(data) -> None:
     p.add_argument("--cfg-scale", type=float, default=5.0, help="DAgger: classifier-free guidance (1 = off)")
     p.add_argument("--keep", choices=["successes", "all"], help="which episodes to write (default: successes; all "
                    "with --dagger)")
-    p.add_argument("--image-size", type=int, default=256, help="camera size (the public datasets use 256)")
     p.add_argument("--seed", type=int, default=0, help="random seed: the same seed writes the same episodes")
-    p.add_argument("--workers", type=int, default=2, help="parallel env processes (0: one per CPU core)")
-    p.add_argument("--codec", choices=["av1", "h264"], default="av1", help="h264 also decodes with OpenCV")
-    p.add_argument("--gop", type=int, default=2, help="keyframe interval (lerobot writes 2; longer = smaller)")
     p.add_argument("--out", required=True, help="the dataset directory (written atomically)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -64,116 +64,49 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..atomic import replace_dir
 from ..outputs import check_output_dir, mark
 from ..data.errors import DataError
 from ..progress import Progress
+from ..schema import SEED
 from .libero_recording import Recording, attempts
+from .record_params import RecordParams, option
 
 RECORDING_FILE = "meta/dz_recording.json"
-INIT_MODES = ("standard", "perturbed", "sampled")
 KEEP_MODES = ("successes", "all")
-# LIBERO-Object's init regions are small (3 of the 7 objects sit at fixed spots, the others vary by about a
-# centimetre), so a sampled start is typically ~5 mm from its nearest standard start: the default distance it must keep
-SAMPLED_MIN_DISTANCE_M = 0.002
+# the recorder's own fields that `dz data record libero` names otherwise (as `dz eval libero` names the policy's)
+RECORDER_OPTIONS = {"dagger_device": "--device", "dagger_solver_steps": "--solver-steps",
+                    "dagger_cfg_scale": "--cfg-scale"}
 # the goal predicates the scripted expert has skills for (`libero_expert.unsupported_term` says which of their
 # arguments it handles: In/On any object and target, Open/Close a drawer's region, TurnOn/TurnOff a stove)
 SUPPORTED_PREDICATES = ("in", "on", "open", "close", "turnon", "turnoff")
 
 
 @dataclass
-class RecordConfig:
-    suite: str = "object"
-    tasks: list[int] | None = None     # task indices; None = every task of the suite
-    episodes: int = 10                 # attempts per task (only successes are kept)
-    init: str = "standard"             # standard: init states 0..N-1 (cycled past 50); perturbed: seeded shifts of
-                                       # them; sampled: fresh draws from the task's init distribution
-    max_shift_m: float = 0.02          # perturbed: objects' x/y moved by up to this much
-    min_shift_m: float | None = None   # perturbed: every object moved at least this much; perturbed and sampled: at
-                                       # least this far (some object) from every standard init state; None: max/2
-                                       # (perturbed), SAMPLED_MIN_DISTANCE_M (sampled)
-    max_steps: int | None = None       # steps per attempt; None = the suite's standard limit
-    dart_noise: float = 0.0            # DART: N(0, σ²) on the executed arm dims, the clean expert action as the label
-    retries: int = 0                   # a failed attempt is tried again from the same start (fresh expert and noise
-                                       # seeds), up to this many times; the start counts once
-    retry_noise_scale: float = 1.0     # DART: each retry's σ is the previous try's times this (1: the same σ)
-    noise_pilot: int = 0               # DART with retries: the first N starts of each task are pilots; if none of
-                                       # them succeeded at the full σ, the task's other starts begin at the σ of the
-                                       # lowest retry level where one did (the tries above it are skipped); 0: off
+class RecordConfig(RecordParams):
+    """The recording (`RecordParams`: params.yaml's fetch.record and `dz data record libero`'s options, by the same
+    names) plus what only the recorder sets. Its problems are one DataError naming the command-line options."""
     dagger: str | None = None          # DAgger: a converted model directory whose policy acts with prob. 1 - beta
-    dagger_beta: float = 0.5           # per chunk, the probability that the expert acts
+    dagger_beta: float = field(default=0.5, metadata={"min": 0, "max": 1})  # per chunk, the expert's probability
     dagger_device: str = "cpu"
-    dagger_solver_steps: int = 16
+    dagger_solver_steps: int = field(default=16, metadata={"min": 1})
     dagger_cfg_scale: float = 5.0
-    actions_per_chunk: int | None = None  # DAgger: steps per chunk (policy chunk executed); None = its horizon
-    keep: str | None = None            # successes | all; None = successes, all with dagger
-    image_size: int = 256
-    seed: int = 0
-    workers: int = 2
-    codec: str = "libsvtav1"
-    gop: int = 2                       # keyframe interval: 2 as lerobot's writer; longer = smaller files
+    # DAgger: steps per chunk (policy chunk executed); None = its horizon
+    actions_per_chunk: int | None = field(default=None, metadata={"min": 1})
+    keep: str | None = field(default=None, metadata={"choices": KEEP_MODES})  # None = successes, all with dagger
+    seed: int = field(default=0, metadata=SEED)
     worker_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        from .libero_env import get_suite
-
-        try:
-            get_suite(self.suite)
-        except ValueError as exc:
-            raise DataError(f"--suite: {exc}") from None
-        if self.init not in INIT_MODES:
-            raise DataError(f"--init: must be one of {', '.join(INIT_MODES)}, got {self.init!r}")
+        problems = self.problems(lambda name: RECORDER_OPTIONS.get(name) or option(name))
+        if problems:
+            raise DataError("; ".join(problems))
         from .libero_env import auto_env_workers
 
         self.workers = auto_env_workers(self.workers)
-        for name in ("episodes", "workers"):
-            if getattr(self, name) < 1:
-                raise DataError(f"--{name}: must be >= 1, got {getattr(self, name)}")
-        if self.image_size < 32 or self.image_size % 2:
-            raise DataError(f"--image-size: must be an even number >= 32, got {self.image_size}")
-        if self.gop < 1:
-            raise DataError(f"--gop: must be >= 1, got {self.gop}")
-        if not 0 <= self.max_shift_m <= 0.1:
-            raise DataError(f"--max-shift: must be in [0, 0.1] m, got {self.max_shift_m}")
-        if self.min_shift_m is not None and not 0 <= self.min_shift_m <= 0.1:
-            raise DataError(f"--min-shift: must be in [0, 0.1] m, got {self.min_shift_m}")
-        if self.init == "perturbed" and not 0 < self.min_shift <= self.max_shift_m:
-            raise DataError(f"--min-shift: a perturbed start must move every object, so 0 < min shift <= max shift "
-                            f"({self.max_shift_m} m); got {self.min_shift}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise DataError(f"--max-steps: must be >= 1, got {self.max_steps}")
-        if not 0 <= self.dart_noise <= 1:
-            raise DataError(f"--dart-noise: must be in [0, 1] (σ in action units), got {self.dart_noise}")
-        if not 0 <= self.retries <= 10:
-            raise DataError(f"--retries: must be in [0, 10], got {self.retries}")
-        if not 0 <= self.retry_noise_scale <= 1:
-            raise DataError(f"--retry-noise-scale: must be in [0, 1], got {self.retry_noise_scale}")
-        if not 0 <= self.noise_pilot <= 10_000:
-            raise DataError(f"--noise-pilot: must be in [0, 10000], got {self.noise_pilot}")
-        if self.noise_pilot and not (self.dart_noise > 0 and self.retries and self.retry_noise_scale < 1):
-            raise DataError(f"--noise-pilot {self.noise_pilot}: chooses the σ a task's starts begin at, so it needs "
-                            f"--dart-noise > 0, --retries >= 1 and --retry-noise-scale < 1 (got {self.dart_noise}, "
-                            f"{self.retries}, {self.retry_noise_scale})")
-        if not 0 <= self.dagger_beta <= 1:
-            raise DataError(f"--dagger-beta: must be in [0, 1], got {self.dagger_beta}")
-        if self.actions_per_chunk is not None and self.actions_per_chunk < 1:
-            raise DataError(f"--actions-per-chunk: must be >= 1, got {self.actions_per_chunk}")
-        if self.dagger_solver_steps < 1:
-            raise DataError(f"--solver-steps: must be >= 1, got {self.dagger_solver_steps}")
-        if self.keep is not None and self.keep not in KEEP_MODES:
-            raise DataError(f"--keep: must be one of {', '.join(KEEP_MODES)}, got {self.keep!r}")
-
-    @property
-    def min_shift(self) -> float:
-        """The effective minimum shift / distance from the standard init states (0 for standard starts)."""
-        if self.init == "standard":
-            return 0.0
-        if self.min_shift_m is not None:
-            return self.min_shift_m
-        return self.max_shift_m / 2 if self.init == "perturbed" else SAMPLED_MIN_DISTANCE_M
 
     @property
     def keep_mode(self) -> str:

@@ -14,6 +14,22 @@ from typing import Literal
 
 from ..schema import SEED
 
+# Tasks per LIBERO suite (LIBERO's benchmarks libero_spatial/object/goal/10 each have 10 tasks): the static bounds of
+# eval.tasks and fetch.record.tasks.
+LIBERO_SUITE_TASKS = {"spatial": 10, "object": 10, "goal": 10, "10": 10}
+
+
+def check_suite_tasks(tasks: list[int] | None, suite: str, where: str) -> None:
+    """Task indices inside the suite, each once; `where` names the field ("eval.tasks")."""
+    size = LIBERO_SUITE_TASKS[suite]
+    for i, task in enumerate(tasks or []):
+        if not 0 <= task < size:
+            raise ValueError(f"{where}[{i}]: task {task} is not in LIBERO-{suite} (tasks 0..{size - 1})")
+    for task in tasks or []:
+        if tasks.count(task) > 1:
+            raise ValueError(f"{where}: task {task} is listed twice")
+
+
 @dataclass
 class RolloutParams:
     """LIBERO rollouts of a policy: which episodes, and how each runs. Declared once: the eval stage's `eval:` section

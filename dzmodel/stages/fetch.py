@@ -21,20 +21,8 @@ def stage_fetch(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict
     source = (str(paths.root / f.source) if f.source not in ("synthetic", "libero") and (paths.root / f.source).exists()
               else f.source)
     log(f"fetch: {source} -> {paths.dataset}")
-    record = dict(vars(f.record), seed=f.seed) if f.source == "libero" else None
-    if record is not None:  # options added later, absent where they change nothing: those fetch markers stay valid
-        if record.get("dart_noise") == 0:
-            record.pop("dart_noise")
-        if record.get("max_steps") is None:
-            record.pop("max_steps")
-        if record.get("retries") == 0:
-            record.pop("retries")
-        if record.get("retry_noise_scale") == 1:
-            record.pop("retry_noise_scale")
-        if record.get("noise_pilot") == 0:
-            record.pop("noise_pilot")
-        if record.get("init") == "standard":
-            record.pop("min_shift_m", None)
+    # the fields at their defaults that change nothing are left out: the fetch markers of earlier recordings stay valid
+    record = dict(f.record.recorder_options(), seed=f.seed) if f.source == "libero" else None
     dest = fetch_dataset(source, paths.data, revision=f.revision, allow_patterns=f.allow or None,
                          synth_kwargs=synth, name="dataset", record_kwargs=record, retries=f.retries,
                          retry_delay_s=f.retry_delay_s, skip_missing=f.skip_missing, recorder=record_into)
