@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from .eval.record_params import RecordParams
 from .eval.rollout import RolloutParams, check_suite_tasks
 from .schema import SEED, SchemaError, bounded_repr, build, load_yaml
 from .stage_paths import StagePaths
+from .stage_table import STAGES, stage_params
 
 PROFILE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 # The standard fixed init states per LIBERO task: the static bound of the evaluated init states.
@@ -500,3 +502,49 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+def params_digest(profile: dict[str, Any]) -> str:
+    """A short digest of a profile's resolved params (defaults filled in, overrides applied)."""
+    return hashlib.sha256(json.dumps(profile, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+PROJECT_PARAMS = "params.yaml"  # the file dvc.yaml reads (`vars: [params.yaml]`), in the project's root
+
+
+@dataclass(frozen=True)
+class RunParams:
+    """One pipeline run's parameters, read, checked and resolved once (`load_run`): the selected profile, its plain
+    data, digest and flat MLflow form, and the params each stage reads, here and in the project's own params.yaml as
+    dvc.yaml runs it (None where that file is invalid or selects another profile)."""
+    root: Path
+    name: str
+    params: Params
+    prof: Profile
+    resolved: dict[str, Any]
+    digest: str
+    flat: dict[str, Any]
+    overrides: tuple[str, ...]
+    stage_params: dict[str, dict[str, Any]]
+    project_stage_params: dict[str, dict[str, Any]] | None
+
+
+def load_run(root: Path, params_path: str | Path = PROJECT_PARAMS, overrides: list[str] | None = None,
+             profile: str | None = None) -> RunParams:
+    """`load_params` plus everything a run derives from it, once; bad params are refused before any work."""
+    params = load_params(root / params_path, overrides or [], profile)
+    name = profile or params.profile
+    prof = params.selected(name)
+    resolved = profile_dict(prof)
+    same_file = not overrides and (root / params_path).resolve() == (root / PROJECT_PARAMS).resolve()
+    try:
+        project = params if same_file else load_params(root / PROJECT_PARAMS)
+        project_prof = project.selected(name) if project.profile == name else None
+    except (ValueError, OSError):  # a params.yaml DVC cannot run either
+        project_prof = None
+    project_resolved = profile_dict(project_prof) if project_prof is not None else None
+    return RunParams(root=root, name=name, params=params, prof=prof, resolved=resolved,
+                     digest=params_digest(resolved), flat=flatten(resolved), overrides=tuple(overrides or ()),
+                     stage_params={s: stage_params(resolved, s) for s in STAGES},
+                     project_stage_params=None if project_resolved is None else
+                     {s: stage_params(project_resolved, s) for s in STAGES})

@@ -9,7 +9,6 @@ metrics/*.json, plots/*, dataset/ ...). runs/<profile>/latest links to the newes
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -17,15 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import atomic_write_text
-from .config import StagePaths
+from .config import StagePaths, params_digest
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 RESERVED = {"store", "latest", "metrics", "plots", "stages", "superseded"}
-
-
-def params_digest(profile: dict[str, Any]) -> str:
-    """A short digest of a profile's resolved params (defaults filled in, overrides applied)."""
-    return hashlib.sha256(json.dumps(profile, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
 def check_run_name(name: str) -> str:

@@ -90,7 +90,7 @@ def where_to_look(summary: dict, root: Path) -> str:
         lines.append(f"  run         {summary['run_name']}: {summary['run_dir']}  (outputs, metrics/, plots/)")
     shared = summary.get("shared_with_dvc") or []
     if len(shared) == len(summary.get("stages") or shared) and shared:
-        lines.append(f"  DVC         every stage is in dvc.lock and DVC's cache: `make repro` and `dvc exp run` rerun "
+        lines.append("  DVC         every stage is in dvc.lock and DVC's cache: `make repro` and `dvc exp run` rerun "
                      "only what a change reaches")
     elif shared:
         lines.append(f"  DVC         {', '.join(shared)} in dvc.lock and DVC's cache (the stages whose params are "

@@ -15,9 +15,8 @@ import json
 from pathlib import Path
 
 from dzmodel.atomic import atomic_write_text
-from dzmodel.config import StagePaths, load_params, profile_dict
+from dzmodel.config import StagePaths, load_run
 from dzmodel.pipeline import STAGES, outputs_intact
-from dzmodel.runs import params_digest
 from tasks.registry import register_and_promote
 from tasks.resolver import Registry
 from tasks.tracking import Tracker, experiment_name, mask_uri, ui_page
@@ -55,17 +54,14 @@ def track(root: str | Path = ".", params_path: str = "params.yaml", overrides: l
           profile: str | None = None, promote: bool = True, log=print) -> dict:
     """Log the stage records of `dvc repro` (or of `dz stage` calls) of one profile as an MLflow run, register
     the package and run the promotion gate. Returns the summary also written to runs/<profile>/tracking.json."""
-    root_dir = Path(root).resolve()
-    params = load_params(root_dir / params_path, overrides or [], profile)
-    name = profile or params.profile
-    prof = params.selected(name)
+    spec = load_run(Path(root).resolve(), params_path, overrides, profile)
+    name, prof, root_dir, digest = spec.name, spec.prof, spec.root, spec.digest
     paths = StagePaths(root_dir, name)
     records = stage_records(paths)  # before any MLflow run exists: nothing half-logged
-    digest = params_digest(profile_dict(prof))
     tags = {"dz.params_digest": digest, "dz.source": "dvc"}
-    tracker = Tracker.start(prof, name, paths, run_name=f"{name}-{digest}-dvc-pending", tags=tags,
-                            description=f"`dvc repro` of profile `{name}` (params digest `{digest}`): the stage "
-                                        f"records of `{paths.run}`, logged by `dz track`.\n")
+    tracker = Tracker.open(spec, paths, run_name=f"{name}-{digest}-dvc-pending", tags=tags,
+                           description=f"`dvc repro` of profile `{name}` (params digest `{digest}`): the stage "
+                                       f"records of `{paths.run}`, logged by `dz track`.\n")
     try:
         run = _run_name(tracker.client, tracker.experiment_id, f"{name}-{digest}-dvc-")
         tracker.client.set_tag(tracker.run_id, "mlflow.runName", run)
@@ -77,7 +73,7 @@ def track(root: str | Path = ".", params_path: str = "params.yaml", overrides: l
         if promote:
             provenance = {"run_name": run, "params_digest": digest,
                           "keys": {s: r.get("outputs_fingerprint", "") for s, r in records.items()}}
-            registry = Registry.of(prof.promote.registered_model, params, root_dir, tracker.uri)
+            registry = Registry.of(prof.promote.registered_model, spec.params, root_dir, tracker.uri)
             decision = register_and_promote(tracker, prof, records["package"], registry, provenance, log=log)
         tracker.end()
     except (KeyboardInterrupt, SystemExit):

@@ -19,45 +19,17 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
+from prefect.settings import get_current_settings
 from prefect.utilities.annotations import quote
 
-from dzmodel.config import StagePaths, load_params, profile_dict
+from dzmodel.config import StagePaths, load_run
 from dzmodel.pipeline import STAGES, current_fingerprint, outputs_intact
-from dzmodel.runs import check_run_name, link_stage, next_run_name, params_digest, run_view, start_view
+from dzmodel.runs import check_run_name, link_stage, next_run_name, run_view, start_view
 from tasks import artifacts, dvc_share
 from dzmodel.stages import STAGE_TABLE
 from tasks.stages import STAGE_TASKS, cache_key, register_and_promote
 from tasks.resolver import Registry
 from tasks.tracking import Tracker, experiment_name, mask_secrets_in_logs, mask_uri, ui_page
-
-
-def _record_failure(tracker: Tracker, stage: str, exc: BaseException, status: str) -> None:
-    """The failing (or killed) stage and its error, on the MLflow run; a store that cannot take them does not hide
-    the error itself."""
-    try:
-        tracker.record_failure(stage, exc, status)
-    except Exception as problem:  # noqa: BLE001  (the original error is what the user must see)
-        get_run_logger().warning(f"MLflow: could not record the {stage} stage's error ({problem})")
-
-
-def _log_cached(tracker: Tracker, unlogged: list[tuple]) -> None:
-    """The nested runs of the cached stages (stage, result, paths) not logged yet; empties the list."""
-    try:
-        for stage, result, paths in unlogged:
-            tracker.log_stage(stage, result, True, paths)
-    finally:
-        unlogged.clear()
-
-
-def _description(run: str, profile: str, digest: str, flow_run_id, view: Path) -> str:
-    """The MLflow run's description (markdown): what it is, and where its Prefect run and outputs are."""
-    from prefect.settings import get_current_settings
-
-    ui = get_current_settings().ui_url
-    prefect = (f"[{run}]({ui.rstrip('/')}/runs/flow-run/{flow_run_id})" if ui and os.environ.get("PREFECT_API_URL")
-               else f"{run} (id {flow_run_id}, on a temporary Prefect server)")
-    return (f"Pipeline run **{run}** of profile `{profile}` (params digest `{digest}`).\n\n"
-            f"- Prefect flow run: {prefect}\n- Outputs: `{view}` (links to the outputs each stage used)\n")
 
 
 def _run_name() -> str:
@@ -69,11 +41,9 @@ def _run_name() -> str:
     if given.get("run_name"):
         return given["run_name"]
     try:
-        root = Path(given.get("root") or ".").resolve()
-        params = load_params(root / given.get("params_path", "params.yaml"), given.get("overrides") or [],
-                             given.get("profile"))
-        name = given.get("profile") or params.profile
-        return next_run_name(StagePaths(root, name, keyed=True), profile_dict(params.selected(name)))
+        spec = load_run(Path(given.get("root") or ".").resolve(), given.get("params_path", "params.yaml"),
+                        given.get("overrides") or [], given.get("profile"))
+        return next_run_name(StagePaths(spec.root, spec.name, keyed=True), spec.resolved)
     except (ValueError, OSError):
         return "sft-pipeline-bad-params"
 
@@ -89,27 +59,28 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
     runs/<profile>/<run name>/."""
     mask_secrets_in_logs()  # Prefect's own lines quote errors, and MLflow's errors quote the tracking URI
     logger = get_run_logger()
-    root_dir = Path(root).resolve()
-    params = load_params(root_dir / params_path, overrides or [], profile)  # refuses bad params before any work
-    name = profile or params.profile
-    prof = params.selected(name)
-    paths = StagePaths(root_dir, name, keyed=True)
-    shared = dvc_share.shared_stages(root_dir, name, prof)  # written where dvc.yaml puts them, committed to DVC
-    resolved = profile_dict(prof)
     ctx = get_run_context()
     run = check_run_name(ctx.flow_run.name)  # _run_name's: also the MLflow run's and the view's name
-    digest = params_digest(resolved)
-    tracker = Tracker.start(prof, name, paths, run_name=run, tags={"prefect.flow_run_id": str(ctx.flow_run.id),
-                                                                  "prefect.flow_run_name": run, "dz.run_name": run,
-                                                                  "dz.params_digest": digest},
-                            description=_description(run, name, digest, ctx.flow_run.id, run_view(paths, run)))
-    view = start_view(paths, run, {"profile": name, "params_digest": digest,
-                                   "overrides": list(overrides or []), "mlflow_run_id": tracker.run_id,
-                                   "prefect_flow_run_id": str(ctx.flow_run.id)})
+    spec = load_run(Path(root).resolve(), params_path, overrides, profile)  # refuses bad params before any work
+    name, prof, root_dir, digest = spec.name, spec.prof, spec.root, spec.digest
+    paths = StagePaths(root_dir, name, keyed=True)
+    view = run_view(paths, run)
+    ui = get_current_settings().ui_url
+    prefect = (f"[{run}]({ui.rstrip('/')}/runs/flow-run/{ctx.flow_run.id})" if ui and os.environ.get("PREFECT_API_URL")
+               else f"{run} (id {ctx.flow_run.id}, on a temporary Prefect server)")
+    shared = dvc_share.shared_with_dvc(spec)  # written where dvc.yaml puts them, committed to DVC
+    tracker = Tracker.open(spec, paths, run_name=run, tags={"prefect.flow_run_id": str(ctx.flow_run.id),
+                                                           "prefect.flow_run_name": run, "dz.run_name": run,
+                                                           "dz.params_digest": digest},
+                           description=f"Pipeline run **{run}** of profile `{name}` (params digest `{digest}`).\n\n"
+                                       f"- Prefect flow run: {prefect}\n- Outputs: `{view}` (links to the outputs "
+                                       "each stage used)\n")
     link = ui_page(prof, tracker.uri, tracker.experiment_id, tracker.run_id)
-    artifacts.mlflow_link_artifact(name, link)
     logger.info(f"run {run} (profile {name}): {view}; MLflow run {tracker.run_id} in experiment "
                 f"{experiment_name(prof, name)} ({mask_uri(tracker.uri)})")
+    start_view(paths, run, {"profile": name, "params_digest": digest, "overrides": list(spec.overrides),
+                            "mlflow_run_id": tracker.run_id, "prefect_flow_run_id": str(ctx.flow_run.id)})
+    artifacts.mlflow_link_artifact(name, link)
     results: dict[str, dict] = {}
     states: dict = {}  # each stage's final state: passed on as wait_for, the Prefect graph's edges
     # cached stages get their nested runs once a stage runs (they show what it reused); a rerun where every stage
@@ -157,14 +128,14 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
             if cached or result.get("_reused"):  # logged as cached (nothing ran), once a stage runs or at the end
                 unlogged.append((stage, result, paths))
             else:
-                _log_cached(tracker, unlogged)
+                tracker.log_cached(unlogged)
                 tracker.log_stage(stage, result, False, paths)
             results[stage] = result
             artifacts.stage_artifact(name, stage, result, paths, link)
         provenance = {"run_name": run, "params_digest": digest, "keys": dict(paths.keys)}
         all_cached = all(results[s]["_cached"] for s in STAGES)  # reused from DVC: this run records them
         if not all_cached:
-            _log_cached(tracker, unlogged)
+            tracker.log_cached(unlogged)
         if shared:  # stages reused from the flow's cache: dvc.lock describes them too
             dvc_share.sync(paths, prof, results, shared, logger.info)
         original = tracker.mark_outputs(prof, paths.key(STAGES[-1]), cached=all_cached)
@@ -172,21 +143,17 @@ def sft_pipeline(profile: str | None = None, params_path: str = "params.yaml", o
             logger.info(f"every stage unchanged: recorded as a cached run of the outputs of "
                         f"{original or 'a run this MLflow store does not hold'}")
         stage = "register-and-promote"
-        registry = Registry.of(prof.promote.registered_model, params, root_dir, tracker.uri)
+        registry = Registry.of(prof.promote.registered_model, spec.params, root_dir, tracker.uri)
         decision = (register_and_promote(quote(tracker), quote(prof), quote(results["package"]), quote(registry),
                                          quote(provenance), wait_for=[states["package"]])
                     if promote else None)
         artifacts.package_artifact(name, results["package"], decision)
         tracker.end()
     except (KeyboardInterrupt, SystemExit, CancelledError) as exc:  # Ctrl-C, SIGTERM, a cancelled run
-        _log_cached(tracker, unlogged)
-        _record_failure(tracker, stage, exc, "KILLED")
-        tracker.end(status="KILLED")
+        tracker.stop(stage, exc, "KILLED", unlogged, logger.warning)
         raise
     except BaseException as exc:
-        _log_cached(tracker, unlogged)
-        _record_failure(tracker, stage, exc, "FAILED")
-        tracker.end(status="FAILED")
+        tracker.stop(stage, exc, "FAILED", unlogged, logger.warning)
         raise
     finally:
         workspace.release()

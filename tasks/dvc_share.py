@@ -26,13 +26,13 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from dzmodel.config import Profile, StagePaths, load_params
+from dzmodel.config import PROJECT_PARAMS, Profile, RunParams, StagePaths, load_params
 from dzmodel.dirlock import DirectoryBusy, directory_lock
 from dzmodel.pipeline import WORKSPACE_WRITER, current_fingerprint, outputs_intact, stage_params
 from dzmodel.stages import STAGE_TABLE, STAGES, code_fingerprint
 
 Log = Callable[[str], None]
-DVC_PARAMS = "params.yaml"  # what dvc.yaml reads (`vars: [params.yaml]`)
+DVC_PARAMS = PROJECT_PARAMS  # what dvc.yaml reads (`vars: [params.yaml]`)
 
 
 def dvc_project(root: Path) -> bool:
@@ -43,7 +43,8 @@ def dvc_project(root: Path) -> bool:
 
 def shared_stages(root: Path, name: str, prof: Profile) -> tuple[str, ...]:
     """The stages whose params, and whose upstream stages' params, are dvc.yaml's, in table order (none when the
-    process runs outside the project: DVC and the stages' records name paths relative to it)."""
+    process runs outside the project: DVC and the stages' records name paths relative to it). Reads params.yaml
+    as it is now (a commit checks that it still gives a stage this run's params)."""
     if not dvc_project(root) or Path.cwd().resolve() != root.resolve():
         return ()
     try:
@@ -53,10 +54,21 @@ def shared_stages(root: Path, name: str, prof: Profile) -> tuple[str, ...]:
     if dvc_params.profile != name:
         return ()
     dvc_prof = dvc_params.selected(name)
+    return _agreeing({s: stage_params(prof, s) for s in STAGES}, {s: stage_params(dvc_prof, s) for s in STAGES})
+
+
+def shared_with_dvc(run: RunParams) -> tuple[str, ...]:
+    """`shared_stages` of a run whose params are loaded (`load_run`, which read the project's params.yaml too)."""
+    if run.project_stage_params is None or not dvc_project(run.root) or Path.cwd().resolve() != run.root.resolve():
+        return ()
+    return _agreeing(run.stage_params, run.project_stage_params)
+
+
+def _agreeing(ours: dict[str, dict], dvc: dict[str, dict]) -> tuple[str, ...]:
+    """The stages, in table order, whose params and whose upstream stages' params agree."""
     shared: list[str] = []
     for stage in STAGES:
-        if (all(u in shared for u in STAGE_TABLE[stage].upstream)
-                and stage_params(prof, stage) == stage_params(dvc_prof, stage)):
+        if all(u in shared for u in STAGE_TABLE[stage].upstream) and ours[stage] == dvc[stage]:
             shared.append(stage)
     return tuple(shared)
 

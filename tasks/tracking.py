@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from dzmodel.config import Profile, StagePaths, flatten, profile_dict
+from dzmodel.config import Profile, RunParams, StagePaths, flatten, profile_dict
 from dzmodel.stages.common import files_under
 
 TRAIN_SERIES = ("loss", "action_loss", "dynamics_loss", "lr", "grad_norm", "samples_per_s_per_gpu", "mfu",
@@ -266,6 +266,18 @@ class Tracker:
     @classmethod
     def start(cls, prof: Profile, profile: str, paths: StagePaths, run_name: str | None = None,
               tags: dict[str, str] | None = None, description: str | None = None) -> "Tracker":
+        """The parent run of profile `profile`'s run, its params logged."""
+        return cls._begin(prof, profile, paths, flatten(profile_dict(prof)), run_name, tags, description)
+
+    @classmethod
+    def open(cls, run: RunParams, paths: StagePaths, run_name: str | None = None, tags: dict[str, str] | None = None,
+             description: str | None = None) -> "Tracker":
+        """`start` for params loaded once (`load_run`)."""
+        return cls._begin(run.prof, run.name, paths, run.flat, run_name, tags, description)
+
+    @classmethod
+    def _begin(cls, prof: Profile, profile: str, paths: StagePaths, flat: dict, run_name: str | None,
+               tags: dict[str, str] | None, description: str | None) -> "Tracker":
         from mlflow.entities import Param
 
         uri = tracking_uri(prof, paths.root)
@@ -293,7 +305,7 @@ class Tracker:
         run = client.create_run(exp_id, run_name=run_name or f"sft-{profile}-{time.strftime('%Y%m%d-%H%M%S')}",
                                 tags=all_tags)
         params = [Param(k, mask_uri(json.dumps(v) if not isinstance(v, str) else v))  # tracking.mlflow_uri, ...
-                  for k, v in flatten(profile_dict(prof)).items()]
+                  for k, v in flat.items()]
         params = [Param(p.key[:250], p.value[:6000]) for p in params]
         for i in range(0, len(params), 100):
             client.log_batch(run.info.run_id, params=params[i:i + 100])
@@ -348,6 +360,27 @@ class Tracker:
         self.client.set_tag(child, "error", first)
         self.client.log_text(child, text + "\n", "error.txt")
         self.end(child, status=status)
+
+    def log_cached(self, unlogged: list[tuple]) -> None:
+        """The nested runs of the cached stages (stage, result, paths) not logged yet; empties the list."""
+        try:
+            for stage, result, paths in unlogged:
+                self.log_stage(stage, result, True, paths)
+        finally:
+            unlogged.clear()
+
+    def stop(self, stage: str, exc: BaseException, status: str, unlogged: list[tuple], warn=None) -> None:
+        """End a run that failed (or was killed) in `stage`: the cached stages' runs, the error, the status. A store
+        that cannot take them does not hide the error itself (a warning instead)."""
+        try:
+            self.log_cached(unlogged)
+        finally:
+            try:
+                self.record_failure(stage, exc, status)
+            except Exception as problem:  # noqa: BLE001  (the original error is what the user must see)
+                (warn or logging.getLogger(__name__).warning)(
+                    f"MLflow: could not record the {stage} stage's error ({problem})")
+            self.end(status=status)
 
     def end(self, run_id: str | None = None, status: str = "FINISHED") -> None:
         if run_id in (None, self.run_id) and self.monitor is not None:
