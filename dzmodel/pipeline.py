@@ -164,7 +164,8 @@ def dvc_missing_stages(text: str) -> list[str]:
 
 def dvc_stage_entry(name: str) -> str:
     """dvc.yaml's entry for a table stage that has none yet: its command, deps, params and outputs, as the stage
-    table declares them (metrics, plots and options such as `persist` are added by hand where wanted)."""
+    table declares them (its metrics and plots follow, `dvc_yaml_with_computed_deps`; options such as `persist` are
+    added by hand where wanted)."""
     from .stages import dvc_deps, dvc_params
 
     as_dvc = StagePaths(Path("."), "${profile}")
@@ -178,8 +179,9 @@ def dvc_stage_entry(name: str) -> str:
 
 def dvc_yaml_with_computed_deps(text: str) -> str:
     """dvc.yaml's text with each stage's `deps:` list replaced by the stage table's (upstream outputs, other files
-    read, then the computed code files), and an entry (`dvc_stage_entry`) added, before the track stage, for each
-    table stage it lacks; everything else, comments included, is kept."""
+    read, then the computed code files), its `metrics:` and `plots:` lists by the table's (`_with_metrics_and_plots`),
+    and an entry (`dvc_stage_entry`) added, before the track stage, for each table stage it lacks; everything else,
+    comments included, is kept."""
     from .stages import TRACK_STAGE, dvc_deps, dvc_track_deps
 
     as_dvc = StagePaths(Path("."), "${profile}")
@@ -209,4 +211,51 @@ def dvc_yaml_with_computed_deps(text: str) -> str:
             deps = (dvc_deps(stage, outputs) if stage in STAGE_TABLE
                     else dvc_track_deps(outputs, lambda s: str(as_dvc.record(s))))
             out.extend(f"      - {d}\n" for d in deps)
+    return _with_metrics_and_plots("".join(out))
+
+
+def _with_metrics_and_plots(text: str) -> str:
+    """Each table stage's `metrics:` (committed to git: `cache: false`) and `plots:` (images, DVC-cached) lists as
+    the table declares them: rewritten where present, added at the end of its entry where missing, dropped where it
+    declares none."""
+    from .stages import dvc_metrics, dvc_plots
+
+    as_dvc = StagePaths(Path("."), "${profile}")
+    declared = {"metrics": dvc_metrics, "plots": dvc_plots}
+    items = {"metrics": lambda p: f"      - {p}:\n          cache: false\n", "plots": lambda p: f"      - {p}\n"}
+    lines = text.splitlines(keepends=True)
+    out: list[str] = []
+    stage, seen = None, set()
+
+    def close() -> None:  # the end of a stage's entry: the blocks it declares but lacks
+        if stage not in STAGE_TABLE:
+            return
+        blocks = [f"    {kind}:\n" + "".join(items[kind](p) for p in paths) for kind, make in declared.items()
+                  if kind not in seen and (paths := make(stage, as_dvc))]
+        at = len(out)
+        while at and not out[at - 1].strip():
+            at -= 1
+        out[at:at] = blocks
+
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        header = re.match(r"^  ([A-Za-z_]+):", line)
+        if header or re.match(r"^\S", line):  # a stage's entry, or a top-level key, begins
+            close()
+            stage, seen = (header[1] if header else None), set()
+        block = re.match(r"^    (metrics|plots):", line)
+        if block and stage in STAGE_TABLE:
+            seen.add(block[1])
+            i += 1
+            while i < len(lines) and lines[i].startswith(("      - ", "          ")):
+                i += 1  # the old list
+            paths = declared[block[1]](stage, as_dvc)
+            if paths:
+                out.append(line)
+                out.extend(items[block[1]](p) for p in paths)
+            continue
+        out.append(line)
+        i += 1
+    close()
     return "".join(out)

@@ -62,16 +62,18 @@ def cmd_params_dvc(ns: argparse.Namespace) -> int:
     text = path.read_text()
     wanted = dvc_yaml_with_computed_deps(text)
     if wanted == text:
-        print(f"{path}: every stage's deps match the stage table")
+        print(f"{path}: every stage's deps, metrics and plots match the stage table")
         return EXIT_OK
     missing = dvc_missing_stages(text)
     lacks = f"; it has no entry for the table's stage(s) {', '.join(missing)}" if missing else ""
     if not ns.write:
-        print(f"{path}: stage deps differ from the stage table (the code each stage imports){lacks}; "
+        print(f"{path}: stage deps, metrics or plots differ from the stage table (the code each stage imports, "
+              f"the files it declares){lacks}; "
               "`dz params dvc --write` rewrites them", file=sys.stderr)
         return EXIT_FAIL
     atomic_write_text(path, wanted)
-    print(f"{path}: rewrote the stages' deps from the stage table" + (f", added {', '.join(missing)}" if missing else ""))
+    print(f"{path}: rewrote the stages' deps, metrics and plots from the stage table"
+          + (f", added {', '.join(missing)}" if missing else ""))
     return EXIT_OK
 
 
@@ -116,8 +118,8 @@ def add_commands(sub) -> None:
     p.add_argument("--out", required=True, help="the JSON file to write")
     p.add_argument("--root", default=".", help="the project root the stage paths are under")
     p.set_defaults(func=cmd_params_train_config)
-    p = params.add_parser("dvc", help="check dvc.yaml's stage deps against the stage table (the code each stage "
-                                      "imports); --write rewrites them",
+    p = params.add_parser("dvc", help="check dvc.yaml's stage deps, metrics and plots against the stage table (the "
+                                      "code each stage imports, the files it declares); --write rewrites them",
                           epilog=example("dz params dvc", "dz params dvc --write"))
     p.add_argument("--dvc-yaml", default="dvc.yaml", help="the dvc.yaml file to check")
     p.add_argument("--write", action="store_true",

@@ -17,6 +17,8 @@ class StageSpec:
     params: tuple[str, ...] = ()    # profile parameters it reads: a section, or section.field
     reads: tuple[str, ...] = ()     # other files it reads, as dvc.yaml names them
     outputs: tuple[str, ...] = ()   # the folders it writes, under its home (`StagePaths.home`); () = its name
+    metrics: bool = False           # it writes metrics/<profile>/<name>.json (dvc.yaml's metrics, committed to git)
+    plots: tuple[str, ...] = ()     # the images it writes under metrics/<profile>/plots/ (dvc.yaml's plots, cached)
     gpu: bool = False               # it uses the GPU pool (its Prefect task carries the pool's concurrency tag)
     live_metrics: bool = False      # it streams metrics while it runs (its function takes `on_metrics`)
 
@@ -41,15 +43,18 @@ STAGE_TABLE: dict[str, StageSpec] = {
                           params=("metadata", "train.heldout_episodes")),
     # the offline presets' VAE pretrained on the dataset's frames (dzmodel/train/vision.py); a no-op when disabled
     "vision": StageSpec("dzmodel.stages.vision:stage_vision", upstream=("fetch", "metadata"),
-                        params=("vision", *EMBODIMENT_FIELDS, *(f"train.{f}" for f in VISION_TRAIN_FIELDS)), gpu=True),
+                        params=("vision", *EMBODIMENT_FIELDS, *(f"train.{f}" for f in VISION_TRAIN_FIELDS)),
+                        metrics=True, gpu=True),
     "cache": StageSpec("dzmodel.stages.cache:stage_cache", upstream=("fetch", "metadata", "vision"),
                        params=("cache", *EMBODIMENT_FIELDS, *(f"train.{f}" for f in ENCODING_TRAIN_FIELDS)), gpu=True),
     "train": StageSpec("dzmodel.stages.train:stage_train", upstream=("fetch", "metadata", "vision", "cache"),
-                       params=("train", "cache.enabled", *EMBODIMENT_FIELDS), gpu=True, live_metrics=True),
+                       params=("train", "cache.enabled", *EMBODIMENT_FIELDS), metrics=True,
+                       plots=("losses.png", "throughput.png"), gpu=True, live_metrics=True),
     "convert": StageSpec("dzmodel.stages.convert:stage_convert", upstream=("train",), params=("convert",),
                          outputs=("converted",)),
     "eval": StageSpec("dzmodel.stages.eval:stage_eval", upstream=("convert", "fetch"),
-                      params=("eval", "metadata.embodiment"), gpu=True),
+                      params=("eval", "metadata.embodiment"), metrics=True, plots=("action_error_vs_step.png",),
+                      gpu=True),
     "package": StageSpec("dzmodel.stages.package:stage_package", upstream=("convert", "eval"), params=("package",),
                          reads=("metrics/${profile}/eval.json",)),
 }

@@ -9,7 +9,8 @@ import yaml
 
 from dzmodel.config import StagePaths, load_params
 from dzmodel.dirlock import DirectoryBusy, directory_lock
-from dzmodel.stages import TRACK_PARAMS, TRACK_STAGE, dvc_deps, dvc_params, dvc_track_deps
+from dzmodel.stages import (STAGE_TABLE, TRACK_PARAMS, TRACK_STAGE, dvc_deps, dvc_metrics, dvc_params, dvc_plots,
+                            dvc_track_deps)
 from dzmodel.pipeline import STAGES, outputs_intact, promotion_decision, run_stage, stage_outputs
 from dzmodel.stages.package import chosen_step
 from dzmodel.stages.train import MetricsFollower, read_metrics, run_streaming, summarize_training, torchrun_command
@@ -42,6 +43,10 @@ def test_dvc_yaml_deps_and_params_are_the_stage_tables():
     for name in STAGES:
         assert dvc[name]["params"] == dvc_params(name), name
         assert dvc[name]["deps"] == dvc_deps(name, lambda up: [str(p) for p in stage_outputs(up, as_dvc)]), name
+    for name in STAGES:  # the metrics and plot images each stage declares, as dvc.yaml lists them
+        metrics = [next(iter(m)) for m in dvc[name].get("metrics", [])]
+        plots = dvc[name].get("plots", [])
+        assert (metrics, plots) == (dvc_metrics(name, as_dvc), dvc_plots(name, as_dvc)), name
     track = dvc[TRACK_STAGE]
     assert track["params"] == [f"profiles.${{profile}}.{p}" for p in TRACK_PARAMS]
     assert track["deps"] == dvc_track_deps(lambda up: [str(p) for p in stage_outputs(up, as_dvc)],
@@ -69,7 +74,7 @@ def test_dvc_metrics_and_plot_data_are_committed_to_git_where_the_stages_write_t
                 for o in dvc["stages"][stage].get(kind, [])}
 
     committed, cached = {}, {}
-    for stage in ("vision", "train", "eval"):
+    for stage in [s for s in STAGES if STAGE_TABLE[s].metrics]:  # vision, train, eval
         metrics = entries(stage, "metrics")
         assert set(metrics) == {str(paths.metrics(stage))}, stage
         csvs = {o: spec for o, spec in entries(stage, "outs").items() if o.endswith(".csv")}
@@ -170,6 +175,39 @@ def test_dz_params_dvc_fails_when_dvc_yaml_deps_are_stale(tmp_path):
     assert check.returncode == 1 and "differ from the stage table" in check.stderr
     assert subprocess.run([*cmd, "--write"], capture_output=True, cwd=ROOT).returncode == 0
     assert (tmp_path / "dvc.yaml").read_text() == (ROOT / "dvc.yaml").read_text()
+
+
+def test_dz_params_dvc_writes_the_metrics_and_plots_the_stage_table_declares(tmp_path):
+    """A plot image dropped from dvc.yaml, a metrics file of a stage that declares none, and a stage's missing
+    metrics block: `dz params dvc` reports each, and `--write` puts back the table's lists."""
+    import subprocess
+
+    text = (ROOT / "dvc.yaml").read_text()
+    edits = [text.replace("      - metrics/${profile}/plots/throughput.png\n", "", 1),
+             text.replace("    cmd: dz stage convert\n", "    cmd: dz stage convert\n    metrics:\n"
+                          "      - metrics/${profile}/convert.json:\n          cache: false\n", 1),
+             text.replace("    metrics:\n      - metrics/${profile}/vision.json:\n          cache: false\n", "", 1)]
+    for edited in edits:
+        assert edited != text
+        (tmp_path / "dvc.yaml").write_text(edited)
+        cmd = [sys.executable, "-m", "dzmodel.cli", "params", "dvc", "--dvc-yaml", str(tmp_path / "dvc.yaml")]
+        assert subprocess.run(cmd, capture_output=True, cwd=ROOT).returncode == 1
+        assert subprocess.run([*cmd, "--write"], capture_output=True, cwd=ROOT).returncode == 0
+        assert (tmp_path / "dvc.yaml").read_text() == text
+
+
+def test_a_new_stage_gets_the_metrics_and_plots_it_declares(monkeypatch):
+    from dzmodel import pipeline
+    from dzmodel.stage_table import StageSpec
+
+    table = dict(STAGE_TABLE, thumbnails=StageSpec("dzmodel.stages.fetch:stage_fetch", upstream=("fetch",),
+                                                   params=("fetch",), metrics=True, plots=("grid.png",)))
+    for module in ("dzmodel.pipeline", "dzmodel.stages", "dzmodel.stage_table"):
+        monkeypatch.setattr(f"{module}.STAGE_TABLE", table)
+    text = pipeline.dvc_yaml_with_computed_deps((ROOT / "dvc.yaml").read_text())
+    entry = yaml.safe_load(text)["stages"]["thumbnails"]
+    assert entry["metrics"] == [{"metrics/${profile}/thumbnails.json": {"cache": False}}]
+    assert entry["plots"] == ["metrics/${profile}/plots/grid.png"]
 
 
 def test_fetch_and_metadata_record_results_and_detect_changed_outputs(tmp_path):

@@ -21,8 +21,8 @@ from ..stage_table import (EMBODIMENT_FIELDS, ENCODING_TRAIN_FIELDS, RUNNER, STA
 
 __all__ = ["EMBODIMENT_FIELDS", "ENCODING_TRAIN_FIELDS", "RUNNER", "STAGE_TABLE", "STAGES", "VISION_TRAIN_FIELDS",
            "StageSpec", "missing_params", "param_value", "stage_params", "REPO_ROOT", "code_files",
-           "code_fingerprint", "dvc_params", "dvc_deps", "TRACK_STAGE", "TRACK_MODULE", "TRACK_PARAMS",
-           "dvc_track_deps"]
+           "code_fingerprint", "dvc_params", "dvc_deps", "dvc_metrics", "dvc_plots", "TRACK_STAGE", "TRACK_MODULE",
+           "TRACK_PARAMS", "dvc_track_deps"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,6 +54,16 @@ def dvc_deps(name: str, outputs) -> list[str]:
     spec = STAGE_TABLE[name]
     return [*(o for u in spec.upstream for o in outputs(u)), *spec.reads,
             *(str(f.relative_to(REPO_ROOT)) for f in code_files(name))]
+
+
+def dvc_metrics(name: str, as_dvc) -> list[str]:
+    """dvc.yaml's metrics of a stage (`as_dvc`: its StagePaths with the profile as `${profile}`)."""
+    return [str(as_dvc.metrics(name))] if STAGE_TABLE[name].metrics else []
+
+
+def dvc_plots(name: str, as_dvc) -> list[str]:
+    """dvc.yaml's plots (images) of a stage."""
+    return [str(as_dvc.plots(name) / p) for p in STAGE_TABLE[name].plots]
 
 
 # dvc.yaml's last stage, outside the table (the library runs no MLflow): `dz track` (flows/dvc_tracking.py) logs

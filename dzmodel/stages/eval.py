@@ -7,7 +7,10 @@ from pathlib import Path
 
 from ..atomic import atomic_write_text
 from ..config import Profile, StagePaths
+from ..stage_table import STAGE_TABLE
 from .common import Log, fresh_dir, print_line, write_csv, write_json
+
+(ACTION_ERROR_PLOT,) = STAGE_TABLE["eval"].plots  # declared in the stage table (dvc.yaml's plots)
 
 
 def action_error_metrics(action: dict | None) -> dict:
@@ -52,7 +55,7 @@ def stage_action_error(prof: Profile, paths: StagePaths, out: Path, log: Log = p
     write_csv(paths.plots("eval") / "action_error_vs_step.csv",
                [{"step": r["step"], "action_error": r["trained"], "mean_predictor": result["mean_predictor"],
                  "untrained": result["untrained"]} for r in result["steps"]])
-    plot_action_error(result, paths.plots("eval") / "action_error_vs_step.png")
+    plot_action_error(result, paths.plots("eval") / ACTION_ERROR_PLOT)
     log("eval: " + describe(result))
     return {"measured": True, **result}
 
@@ -88,7 +91,7 @@ def stage_eval(prof: Profile, paths: StagePaths, log: Log = print_line) -> dict:
 
         write_csv(plots / "action_error_vs_step.csv", [])
         plot_action_error(action or {"measured": False, "reason": "eval.action_error is false"},
-                          plots / "action_error_vs_step.png")
+                          plots / ACTION_ERROR_PLOT)
     if not e.enabled:
         atomic_write_text(out / "DISABLED", "eval.enabled is false (LIBERO rollouts)\n")
         write_json(metrics_file, {"evaluated": False, **action_error_metrics(action)})

@@ -17,9 +17,12 @@ from ..atomic import save_figure
 from ..config import Profile, StagePaths, train_config
 from ..dirlock import directory_lock
 from ..proctree import kill_tree
+from ..stage_table import STAGE_TABLE
 from ..train import launch
 from .common import (Log, StageError, content_fingerprint, cuda_available, print_line, require_vision, write_csv,
                      write_json)
+
+LOSSES_PLOT, THROUGHPUT_PLOT = STAGE_TABLE["train"].plots  # declared in the stage table (dvc.yaml's plots)
 
 
 def torchrun_command(config: Path, nproc_per_node: int, nnodes: int = 1) -> list[str]:
@@ -251,7 +254,7 @@ def plot_training(rows: list[dict], out: Path, unit: str = "samples/s per GPU") 
     ax.set_xlabel("step"), ax.set_ylabel("flow-matching loss")
     ax.set_title("training losses (faint: each logged step)")
     ax.grid(alpha=0.3), ax.legend()
-    written.append(save_figure(fig, out / "losses.png"))
+    written.append(save_figure(fig, out / LOSSES_PLOT))
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["samples_per_s_per_gpu"] for r in rows], marker=".", color="tab:blue")
     ax.set_xlabel("step"), ax.set_ylabel(unit, color="tab:blue"), ax.set_title(f"throughput ({unit})")
@@ -260,6 +263,6 @@ def plot_training(rows: list[dict], out: Path, unit: str = "samples/s per GPU") 
         ax2.plot(steps, [100 * r["mfu"] for r in rows], marker=".", color="tab:orange")
         ax2.set_ylabel("MFU (%)", color="tab:orange")
     ax.grid(alpha=0.3)
-    written.append(save_figure(fig, out / "throughput.png"))
+    written.append(save_figure(fig, out / THROUGHPUT_PLOT))
     plt.close("all")
     return written
