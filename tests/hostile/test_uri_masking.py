@@ -125,7 +125,7 @@ def test_the_flow_logs_and_artifacts_hold_no_credentials(prefect_env, tmp_path, 
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", SECRET_URI)
     monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", _fake_stages([]))
-    monkeypatch.setattr(Tracker, "start", classmethod(lambda cls, prof, profile, paths, **kw: cls(
+    monkeypatch.setattr(Tracker, "_begin", classmethod(lambda cls, prof, profile, paths, *a, **kw: cls(
         SECRET_URI, "1", "run0", profile)))
     for method in ("log_stage", "end", "train_rows"):
         monkeypatch.setattr(Tracker, method, lambda self, *a, **k: None)
@@ -164,7 +164,7 @@ def test_prefects_own_failure_lines_hold_no_credentials(prefect_env, tmp_path, m
         raise ConnectionError(f"API request to {SECRET_URI}api/2.0/mlflow/runs/create failed")
 
     monkeypatch.setattr(pipeline, "STAGE_FUNCTIONS", {**_fake_stages([]), "metadata": unreachable})
-    monkeypatch.setattr(Tracker, "start", classmethod(lambda cls, prof, profile, paths, **kw: cls(
+    monkeypatch.setattr(Tracker, "_begin", classmethod(lambda cls, prof, profile, paths, *a, **kw: cls(
         SECRET_URI, "1", "run0", profile)))
     for method in ("log_stage", "end", "train_rows", "record_failure"):
         monkeypatch.setattr(Tracker, method, lambda self, *a, **k: None)
