@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -512,39 +513,52 @@ def params_digest(profile: dict[str, Any]) -> str:
 PROJECT_PARAMS = "params.yaml"  # the file dvc.yaml reads (`vars: [params.yaml]`), in the project's root
 
 
+def stages_params(resolved: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The params each stage of the table reads (part of its cache key), from a profile's plain data."""
+    return {s: stage_params(resolved, s) for s in STAGES}
+
+
 @dataclass(frozen=True)
 class RunParams:
-    """One pipeline run's parameters, read, checked and resolved once (`load_run`): the selected profile, its plain
-    data, digest and flat MLflow form, and the params each stage reads, here and in the project's own params.yaml as
-    dvc.yaml runs it (None where that file is invalid or selects another profile)."""
+    """One pipeline run's parameters, read, checked and resolved once (`load_run`): the selected profile and its
+    plain data, from which its digest, its flat MLflow form and the params each stage reads follow; and, when first
+    asked for, the params each stage reads in the project's own params.yaml as dvc.yaml runs it."""
     root: Path
+    params_file: Path
     name: str
     params: Params
     prof: Profile
     resolved: dict[str, Any]
-    digest: str
-    flat: dict[str, Any]
     overrides: tuple[str, ...]
-    stage_params: dict[str, dict[str, Any]]
-    project_stage_params: dict[str, dict[str, Any]] | None
+
+    @property
+    def digest(self) -> str:
+        return params_digest(self.resolved)
+
+    @property
+    def flat(self) -> dict[str, Any]:
+        return flatten(self.resolved)
+
+    @property
+    def stage_params(self) -> dict[str, dict[str, Any]]:
+        return stages_params(self.resolved)
+
+    @functools.cached_property
+    def project_stage_params(self) -> dict[str, dict[str, Any]] | None:
+        """None where the project's params.yaml is invalid or selects another profile (read once, when asked)."""
+        same_file = not self.overrides and self.params_file.resolve() == (self.root / PROJECT_PARAMS).resolve()
+        try:
+            project = self.params if same_file else load_params(self.root / PROJECT_PARAMS)
+        except (ValueError, OSError):  # a params.yaml DVC cannot run either
+            return None
+        return stages_params(profile_dict(project.selected(self.name))) if project.profile == self.name else None
 
 
 def load_run(root: Path, params_path: str | Path = PROJECT_PARAMS, overrides: list[str] | None = None,
              profile: str | None = None) -> RunParams:
-    """`load_params` plus everything a run derives from it, once; bad params are refused before any work."""
+    """`load_params` plus the selected profile's plain data, once; bad params are refused before any work."""
     params = load_params(root / params_path, overrides or [], profile)
     name = profile or params.profile
     prof = params.selected(name)
-    resolved = profile_dict(prof)
-    same_file = not overrides and (root / params_path).resolve() == (root / PROJECT_PARAMS).resolve()
-    try:
-        project = params if same_file else load_params(root / PROJECT_PARAMS)
-        project_prof = project.selected(name) if project.profile == name else None
-    except (ValueError, OSError):  # a params.yaml DVC cannot run either
-        project_prof = None
-    project_resolved = profile_dict(project_prof) if project_prof is not None else None
-    return RunParams(root=root, name=name, params=params, prof=prof, resolved=resolved,
-                     digest=params_digest(resolved), flat=flatten(resolved), overrides=tuple(overrides or ()),
-                     stage_params={s: stage_params(resolved, s) for s in STAGES},
-                     project_stage_params=None if project_resolved is None else
-                     {s: stage_params(project_resolved, s) for s in STAGES})
+    return RunParams(root=root, params_file=root / params_path, name=name, params=params, prof=prof,
+                     resolved=profile_dict(prof), overrides=tuple(overrides or ()))

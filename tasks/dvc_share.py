@@ -26,9 +26,10 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from dzmodel.config import PROJECT_PARAMS, Profile, RunParams, StagePaths, load_params
+from dzmodel.config import (PROJECT_PARAMS, Profile, RunParams, StagePaths, load_params, profile_dict,
+                            stages_params)
 from dzmodel.dirlock import DirectoryBusy, directory_lock
-from dzmodel.pipeline import WORKSPACE_WRITER, current_fingerprint, outputs_intact, stage_params
+from dzmodel.pipeline import WORKSPACE_WRITER, current_fingerprint, outputs_intact
 from dzmodel.stages import STAGE_TABLE, STAGES, code_fingerprint
 
 Log = Callable[[str], None]
@@ -54,12 +55,12 @@ def shared_stages(root: Path, name: str, prof: Profile) -> tuple[str, ...]:
     if dvc_params.profile != name:
         return ()
     dvc_prof = dvc_params.selected(name)
-    return _agreeing({s: stage_params(prof, s) for s in STAGES}, {s: stage_params(dvc_prof, s) for s in STAGES})
+    return _agreeing(stages_params(profile_dict(prof)), stages_params(profile_dict(dvc_prof)))
 
 
 def shared_with_dvc(run: RunParams) -> tuple[str, ...]:
-    """`shared_stages` of a run whose params are loaded (`load_run`, which read the project's params.yaml too)."""
-    if run.project_stage_params is None or not dvc_project(run.root) or Path.cwd().resolve() != run.root.resolve():
+    """`shared_stages` of a run whose params are loaded (`load_run`; the project's params.yaml is read once, here)."""
+    if not dvc_project(run.root) or Path.cwd().resolve() != run.root.resolve() or run.project_stage_params is None:
         return ()
     return _agreeing(run.stage_params, run.project_stage_params)
 
